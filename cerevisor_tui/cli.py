@@ -1,0 +1,139 @@
+"""Command line: argument parsing and dispatch, nothing else.
+
+Each subcommand's work lives in `cerevisor_tui.commands.<name>`, imported only when that command runs,
+so `--help` and the headless path stay fast (the headless path never imports Textual).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from cerevisor_tui import __version__
+
+EPILOG = """\
+examples:
+  cerevisor-tui                               console on the built-in simulator (demo workflow)
+  cerevisor-tui --config team.toml            console on your endpoints and agents
+  cerevisor-tui run workflow.toml --report out.json
+  cerevisor-tui sim --port 8000               a simulated vLLM-like server on loopback
+  cerevisor-tui probe http://127.0.0.1:8000/v1
+  cerevisor-tui estimate --model llama-3.1-8b --gpu h100 --context 32768
+
+exit codes: 0 success; 1 the run ended with failed or killed agents (probe: endpoint unusable);
+2 usage or config error. Config lookup: --config, $CEREVISOR_TUI_CONFIG, ./cerevisor.toml, then the
+user config dir. See config.example.toml for every key."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits 2 with one line and a pointer to --help, not a usage dump."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    return argparse.RawDescriptionHelpFormatter(prog, max_help_position=36)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="cerevisor-tui",
+        description="Operator console for many AI agents on OpenAI-compatible model servers.",
+        epilog=EPILOG,
+        formatter_class=_formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"cerevisor-tui {__version__}")
+    parser.add_argument("--config", metavar="FILE", help="config file (TOML); default: see lookup below")
+    parser.add_argument("--theme", metavar="NAME", help="colour theme (cerevisor-dark, cerevisor-light, cerevisor-contrast, ...)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    run = sub.add_parser(
+        "run",
+        help="run a workflow headless (scripts, CI)",
+        description="Run a workflow headless: a line per event, a run directory and a JSON report.",
+        epilog="example:\n  cerevisor-tui run config.example.toml --mode parallel --concurrency 8 --report out.json",
+        formatter_class=_formatter,
+    )
+    run.add_argument("file", metavar="FILE", help="workflow config (TOML)")
+    run.add_argument("--mode", choices=["sequential", "parallel", "auto"], help="override [run].mode")
+    run.add_argument("--concurrency", type=int, metavar="N", help="override [run].max_concurrency")
+    run.add_argument("--endpoint", metavar="URL", help="send every agent to this base URL (…/v1) instead")
+    run.add_argument("--model", metavar="ID", help="model id to request (with --endpoint, or for every endpoint)")
+    run.add_argument("--report", metavar="PATH", help="also write the JSON report here")
+    run.add_argument("--jsonl", action="store_true", help="print each event as one JSON object per line")
+    run.add_argument("--run-dir", metavar="DIR", help="directory for events.jsonl, transcripts/ and report.json")
+    run.add_argument("--resume", metavar="RUN", help="rerun only what did not complete in RUN (run id or directory)")
+
+    sim = sub.add_parser(
+        "sim",
+        help="serve a simulated vLLM-like endpoint on loopback",
+        description="A simulated vLLM-like OpenAI-compatible server: /health, /v1/models, /v1/chat/completions, /metrics.",
+        epilog="example:\n  cerevisor-tui sim --port 8000 --max-num-seqs 4 --stall-after-tokens 20",
+        formatter_class=_formatter,
+    )
+    sim.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    sim.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    _add_sim_options(sim)
+
+    probe = sub.add_parser(
+        "probe",
+        help="measure what an endpoint sustains and recommend mode and cap",
+        description="Check an endpoint (health, models, metrics) and sweep concurrency 1, 2, 4, ... to find its knee.",
+        epilog="example:\n  cerevisor-tui probe http://127.0.0.1:8000/v1 --max-concurrency 64",
+        formatter_class=_formatter,
+    )
+    probe.add_argument("url", nargs="?", metavar="URL", help="base URL (…/v1); default: the first configured endpoint")
+    probe.add_argument("--max-concurrency", type=int, default=64, metavar="N", help="highest level of the sweep (default 64)")
+    probe.add_argument("--model", metavar="ID", help="model id (default: the first of /v1/models)")
+    probe.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
+    probe.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens per probe request (default 64)")
+    probe.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    est = sub.add_parser(
+        "estimate",
+        help="how many conversations fit in GPU KV memory",
+        description="Estimate KV-cache capacity: bytes per token, tokens that fit, conversations that fit, zones.",
+        epilog="examples:\n  cerevisor-tui estimate --model llama-3.1-70b --gpu h100 --gpus 4 --context 32768\n"
+        "  cerevisor-tui estimate --model-config ./config.json --kv-memory-gib 12.5",
+        formatter_class=_formatter,
+    )
+    model = est.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", metavar="NAME", help="model preset (see --list)")
+    model.add_argument("--model-config", metavar="PATH", help="a Hugging Face config.json")
+    model.add_argument("--list", action="store_true", help="list model and GPU presets")
+    est.add_argument("--gpu", metavar="NAME", help="GPU preset")
+    est.add_argument("--gpus", type=int, default=1, metavar="N", help="number of GPUs (tensor parallel; default 1)")
+    est.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="U", help="fraction of GPU memory the server may use (default 0.9)")
+    est.add_argument("--kv-memory-gib", type=float, metavar="G", help="KV memory the server reported, instead of --gpu")
+    est.add_argument("--context", type=int, metavar="TOKENS", help="tokens per conversation (default: the model's max)")
+    est.add_argument("--kv-dtype", default="auto", metavar="D", help="auto, fp16, bf16, fp8 (default auto)")
+    est.add_argument("--cpu-offload-gib", type=float, default=0.0, metavar="G", help="CPU KV tier size (default 0)")
+    est.add_argument("--json", action="store_true", help="print the result as JSON")
+    return parser
+
+
+def _add_sim_options(parser: argparse.ArgumentParser) -> None:
+    """Flags for every SimSettings field, named after it (--tokens-per-s, --max-num-seqs, ...)."""
+    from cerevisor_tui.config.models import SimSettings
+
+    for name, field in SimSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kind = type(field.default)
+        parser.add_argument(flag, dest=name, type=kind, default=None, metavar=name.split("_")[-1].upper(),
+                            help=f"{field.description} (default {field.default!r})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = args.command or "console"
+    module = importlib.import_module(f"cerevisor_tui.commands.{command}")
+    try:
+        return int(module.main(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Read and validate a TOML config; every problem becomes one ConfigError naming file and key."""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from cerevisor_tui.config.errors import ConfigError
+from cerevisor_tui.config.graph import wave_levels
+from cerevisor_tui.config.models import Config
+
+
+def _key_path(loc: tuple[Any, ...], data: Any) -> str:
+    """Render a pydantic location as a TOML key path, naming list items by their `name` when they have one."""
+    parts: list[str] = []
+    node = data
+    for item in loc:
+        if isinstance(item, int):
+            label = f"[{item}]"
+            if isinstance(node, list) and 0 <= item < len(node):
+                node = node[item]
+                if isinstance(node, Mapping) and isinstance(node.get("name"), str):
+                    label = f"[{item}] ({node['name']})"
+            parts.append(label)
+        else:
+            parts.append(("." if parts else "") + str(item))
+            node = node.get(item) if isinstance(node, Mapping) else None
+    return "".join(parts)
+
+
+def _message(err: dict[str, Any]) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown key (check its spelling against config.example.toml)"
+    if err["type"] == "missing":
+        return "required key is missing"
+    msg = str(err["msg"])
+    return msg.removeprefix("Value error, ")
+
+
+def validate(data: Mapping[str, Any], *, file: str | None = None) -> Config:
+    """Validate parsed TOML into a Config, with cross-references checked."""
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        more = len(exc.errors()) - 1
+        problem = _message(err) + (f" (and {more} more problem{'s' * (more > 1)})" if more else "")
+        raise ConfigError(problem, file=file, key=_key_path(err["loc"], data) or None) from None
+    check_references(config, file=file)
+    return config
+
+
+def check_references(config: Config, *, file: str | None = None) -> None:
+    """Names must be unique and every reference must resolve; cycles are checked with the waves."""
+    seen: set[str] = set()
+    for i, ep in enumerate(config.endpoints):
+        if ep.name in seen:
+            raise ConfigError(f"duplicate endpoint name {ep.name!r}", file=file, key=f"endpoints[{i}].name")
+        seen.add(ep.name)
+    if config.agents and not config.endpoints:
+        raise ConfigError("agents are defined but no [[endpoints]] table is", file=file, key="endpoints")
+    for i, agent in enumerate(config.agents):
+        if agent.endpoint and agent.endpoint not in seen:
+            raise ConfigError(
+                f"unknown endpoint {agent.endpoint!r} (known: {', '.join(sorted(seen))})",
+                file=file,
+                key=f"agents[{i}] ({agent.name}).endpoint",
+            )
+    wave_levels(config.agents, file=file)
+
+
+def load_config(path: str | Path) -> Config:
+    """Load a config file, or raise ConfigError naming the file, the key and the problem."""
+    path = Path(path)
+    shown = str(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError("file not found", file=shown) from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory, not a TOML file", file=shown) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror or exc}", file=shown) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text (byte {exc.start})", file=shown) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML: {exc}", file=shown) from None
+    return validate(data, file=shown)

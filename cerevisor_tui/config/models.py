@@ -1,0 +1,240 @@
+"""Pydantic models of the TOML config: `[run]`, `[stall]`, `[ui]`, `[[endpoints]]`, `[[agents]]`.
+
+Every model forbids unknown keys, so a typo is an error that names the key rather than a setting
+silently ignored. The one-line docstring under each field is the user-facing documentation: the
+settings screen and `config.example.toml` show it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Mode = Literal["sequential", "parallel", "auto"]
+EndpointKind = Literal["local", "hosted", "simulated"]
+Liveness = Literal["tokens", "bytes"]
+
+DEFAULT_FIRST_BYTE_S: dict[str, float] = {"hosted": 600.0, "local": 1800.0, "simulated": 1800.0}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(_Section):
+    mode: Mode = "parallel"
+    """How agents of a wave are admitted: sequential (one at a time), parallel (up to max_concurrency) or auto."""
+    max_concurrency: int = Field(default=4, ge=1, le=4096)
+    """Most agents running at once in parallel mode (each endpoint's max_concurrency caps it further)."""
+    run_dir: str = ""
+    """Where run directories go (events, transcripts, report); empty: the user state dir."""
+    metrics_interval_s: float = Field(default=2.0, gt=0)
+    """How often each endpoint's /health and /metrics are read while a run is going."""
+
+
+class StallPolicy(_Section):
+    """Stall settings that an endpoint may override one by one."""
+
+    first_byte_timeout_s: float | None = Field(default=None, gt=0)
+    """Cold-start grace: from sending a request to its first sign of life. Empty: 600 s hosted, 1800 s local."""
+    idle_timeout_s: float | None = Field(default=None, gt=0)
+    """Longest gap between signs of life once a stream has started (default 600 s)."""
+    warn_at: list[float] | None = None
+    """Fractions of a deadline at which a StallWarning is raised (default [0.5, 0.8, 0.95])."""
+    liveness: Liveness | None = None
+    """What counts as a sign of life: "tokens" (content, reasoning or tool calls) or "bytes" (anything, keep-alives too)."""
+    extend_s: float | None = Field(default=None, gt=0)
+    """How far an extension moves a deadline, by the operator (e) or because the server is busy (default 300 s)."""
+    max_extensions: int | None = Field(default=None, ge=0)
+    """Most automatic extensions per attempt when the server is busy (default 3)."""
+    extend_when_server_busy: bool | None = None
+    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting (default true)."""
+
+    @field_validator("warn_at")
+    @classmethod
+    def _fractions(cls, value: list[float] | None) -> list[float] | None:
+        if value is None:
+            return value
+        if any(not 0 < f < 1 for f in value):
+            raise ValueError("each fraction must be between 0 and 1 (exclusive)")
+        return sorted(set(value))
+
+
+class StallConfig(StallPolicy):
+    """The `[stall]` table: defaults for every endpoint."""
+
+    idle_timeout_s: float | None = Field(default=600.0, gt=0)
+    """Longest gap between signs of life once a stream has started."""
+    warn_at: list[float] | None = [0.5, 0.8, 0.95]
+    """Fractions of a deadline at which a StallWarning is raised."""
+    liveness: Liveness | None = "tokens"
+    """What counts as a sign of life: "tokens" (content, reasoning or tool calls) or "bytes" (anything, keep-alives too)."""
+    extend_s: float | None = Field(default=300.0, gt=0)
+    """How far an extension moves a deadline, by the operator (e) or because the server is busy."""
+    max_extensions: int | None = Field(default=3, ge=0)
+    """Most automatic extensions per attempt when the server is busy."""
+    extend_when_server_busy: bool | None = True
+    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting."""
+
+
+class UiConfig(_Section):
+    theme: str = "cerevisor-dark"
+    """Colour theme: a name from the packaged themes or the user themes folder."""
+    keys: dict[str, str] = {}
+    """Key remaps, binding id = keys, e.g. toggle_mode = "M"."""
+    refresh_hz: float = Field(default=12.0, ge=1, le=30)
+    """How often visible panes are redrawn while tokens stream."""
+
+
+class SimSettings(_Section):
+    """Settings of the built-in simulator, for an endpoint of kind "simulated" or `cerevisor-tui sim`."""
+
+    profile: str = ""
+    """A model+GPU preset name (see `cerevisor-tui sim --help`); empty: a small generic server."""
+    seed: int = 0
+    """Seed of the deterministic output text."""
+    speed: float = Field(default=1.0, gt=0)
+    """Time scale: 10 runs ten times faster than real time."""
+    tokens_per_s: float = Field(default=40.0, gt=0)
+    """Decode speed of one sequence alone (the batch slows it as it grows)."""
+    ttft_s: float = Field(default=0.3, ge=0)
+    """Time to first token of a request that starts at once."""
+    max_num_seqs: int = Field(default=16, ge=1)
+    """Sequences the server runs at once; the rest wait in its queue."""
+    cold_start_s: float = Field(default=0.0, ge=0)
+    """Seconds /health answers 503 and requests wait, as while a server loads its weights."""
+    stall_after_tokens: int = Field(default=-1, ge=-1)
+    """Fault: stop sending tokens after N (keep-alive comments go on); -1: off."""
+    keepalive_s: float = Field(default=0.0, ge=0)
+    """Send an SSE comment this often while a request waits or stalls; 0: off."""
+    drop_after_tokens: int = Field(default=-1, ge=-1)
+    """Fault: drop the connection after N tokens; -1: off."""
+    fail_first: int = Field(default=0, ge=0)
+    """Fault: answer the first K chat requests with fail_status."""
+    fail_status: int = Field(default=500, ge=400, le=599)
+    """HTTP status of the injected failures (429 comes with Retry-After)."""
+    malformed_after_tokens: int = Field(default=-1, ge=-1)
+    """Fault: send one chunk of broken JSON after N tokens; -1: off."""
+    max_tokens_default: int = Field(default=128, ge=1)
+    """Completion length when a request gives no max_tokens."""
+
+
+class EndpointConfig(StallPolicy):
+    name: str
+    """Name agents use to pick this endpoint."""
+    base_url: str = ""
+    """OpenAI-compatible base URL ending in /v1; not used for kind "simulated"."""
+    kind: EndpointKind = "local"
+    """local (a server on your box: long cold start, waits for the port), hosted (an API), or simulated (built in)."""
+    model: str = ""
+    """Model id to request; empty: the first of /v1/models."""
+    api_key_env: str = ""
+    """Name of the environment variable that holds the API key (the key itself never goes in a file)."""
+    max_concurrency: int = Field(default=64, ge=1, le=4096)
+    """Most requests this server carries at once; caps parallel mode."""
+    allow_insecure_http: bool = False
+    """Allow sending an API key over plain http:// to a host that is not loopback."""
+    sim: SimSettings = SimSettings()
+    """Simulator settings, for kind "simulated"."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value
+
+    @model_validator(mode="after")
+    def _url(self) -> EndpointConfig:
+        if self.kind != "simulated":
+            if not self.base_url:
+                raise ValueError(f'base_url is required for kind "{self.kind}"')
+            if not self.base_url.startswith(("http://", "https://")):
+                raise ValueError(f"base_url must start with http:// or https:// (got {self.base_url!r})")
+        return self
+
+
+class AgentConfig(_Section):
+    name: str
+    """Unique name; used in depends_on and in {{ name.output }}."""
+    endpoint: str = ""
+    """Endpoint name; empty: the first endpoint."""
+    system: str = ""
+    """System prompt."""
+    prompt: str
+    """First user message; {{ other.output }} inserts a dependency's final answer."""
+    turns: list[str] = []
+    """Follow-up user messages, each sent after the previous answer."""
+    depends_on: list[str] = []
+    """Agents that must finish first; they set the agent's wave."""
+    max_tokens: int = Field(default=256, ge=1)
+    """Completion length limit per turn."""
+    temperature: float = Field(default=0.7, ge=0, le=2)
+    """Sampling temperature."""
+    retries: int = Field(default=2, ge=0, le=20)
+    """New attempts after a failed or killed one (429, 5xx, connection errors and stall kills)."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value.strip() or any(c in value for c in "/\\\0"):
+            raise ValueError("must be non-empty and hold no path separators")
+        return value
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    """Run settings."""
+    stall: StallConfig = StallConfig()
+    """Stall watchdog defaults."""
+    ui: UiConfig = UiConfig()
+    """Console settings."""
+    endpoints: list[EndpointConfig] = []
+    """Model servers."""
+    agents: list[AgentConfig] = []
+    """The workflow."""
+
+    def endpoint(self, name: str) -> EndpointConfig:
+        for ep in self.endpoints:
+            if ep.name == name:
+                return ep
+        raise KeyError(name)
+
+    def agent_endpoint(self, agent: AgentConfig) -> EndpointConfig:
+        return self.endpoint(agent.endpoint) if agent.endpoint else self.endpoints[0]
+
+
+class ResolvedStall(BaseModel):
+    """The stall policy in force for one endpoint: its overrides on top of `[stall]`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    first_byte_timeout_s: float
+    idle_timeout_s: float
+    warn_at: tuple[float, ...]
+    liveness: Liveness
+    extend_s: float
+    max_extensions: int
+    extend_when_server_busy: bool
+
+
+def resolve_stall(stall: StallConfig, endpoint: EndpointConfig) -> ResolvedStall:
+    """Merge an endpoint's stall overrides over the `[stall]` defaults."""
+
+    def pick(key: str):
+        value = getattr(endpoint, key)
+        return value if value is not None else getattr(stall, key)
+
+    first_byte = pick("first_byte_timeout_s")
+    if first_byte is None:
+        first_byte = DEFAULT_FIRST_BYTE_S[endpoint.kind]
+    return ResolvedStall(
+        first_byte_timeout_s=first_byte,
+        idle_timeout_s=pick("idle_timeout_s"),
+        warn_at=tuple(pick("warn_at")),
+        liveness=pick("liveness"),
+        extend_s=pick("extend_s"),
+        max_extensions=pick("max_extensions"),
+        extend_when_server_busy=pick("extend_when_server_busy"),
+    )

@@ -1,0 +1,234 @@
+"""The engine's event stream: small immutable records that the UI, the printer, the journal and the
+report all subscribe to (one stream of truth).
+
+`t` is `time.monotonic()` when the event happened; `to_dict()` gives the JSON form used by `--jsonl`
+and `events.jsonl`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: ClassVar[str] = "Event"
+    t: float
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"event": self.kind}
+        for f in dataclasses.fields(self):
+            data[f.name] = getattr(self, f.name)
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class RunStarted(Event):
+    kind: ClassVar[str] = "RunStarted"
+    run_id: str
+    mode: str
+    max_concurrency: int
+    waves: list[list[str]]
+    endpoints: list[dict[str, Any]]
+    run_dir: str = ""
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class WaveStarted(Event):
+    kind: ClassVar[str] = "WaveStarted"
+    wave: int
+    agents: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class WaveFinished(Event):
+    kind: ClassVar[str] = "WaveFinished"
+    wave: int
+    statuses: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class AgentQueued(Event):
+    kind: ClassVar[str] = "AgentQueued"
+    agent: str
+    wave: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentStarted(Event):
+    """An attempt was admitted and its request is being sent (the stall clock starts here)."""
+
+    kind: ClassVar[str] = "AgentStarted"
+    agent: str
+    attempt: int
+    turn: int
+    turns: int
+    endpoint: str
+    first_byte_deadline_s: float
+    idle_deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointWaiting(Event):
+    """A local endpoint refused the connection inside the first-byte window: the attempt keeps reconnecting."""
+
+    kind: ClassVar[str] = "EndpointWaiting"
+    agent: str
+    attempt: int
+    endpoint: str
+    reason: str
+    retry_in_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken(Event):
+    kind: ClassVar[str] = "FirstToken"
+    agent: str
+    attempt: int
+    turn: int
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta(Event):
+    """Streamed text of one chunk: `text` is answer content, `reasoning` thinking text, `tool` tool-call text."""
+
+    kind: ClassVar[str] = "TokenDelta"
+    agent: str
+    attempt: int
+    text: str
+    reasoning: str = ""
+    tool: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlive(Event):
+    """Bytes that carry no token (an SSE comment, an empty delta): shown, counted as life only with liveness=bytes."""
+
+    kind: ClassVar[str] = "KeepAlive"
+    agent: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFinished(Event):
+    kind: ClassVar[str] = "TurnFinished"
+    agent: str
+    attempt: int
+    turn: int
+    turns: int
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    ttft_s: float | None
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StallWarning(Event):
+    """An attempt has passed `fraction` of a deadline without a sign of life."""
+
+    kind: ClassVar[str] = "StallWarning"
+    agent: str
+    attempt: int
+    deadline: str  # "first_byte" | "idle"
+    fraction: float
+    remaining_s: float
+    deadline_at: float  # monotonic time the deadline fires
+
+
+@dataclass(frozen=True, slots=True)
+class StallExtended(Event):
+    kind: ClassVar[str] = "StallExtended"
+    agent: str
+    attempt: int
+    deadline: str
+    extend_s: float
+    reason: str
+    deadline_at: float
+    extensions: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentKilled(Event):
+    kind: ClassVar[str] = "AgentKilled"
+    agent: str
+    attempt: int
+    deadline: str  # "first_byte" | "idle" | "operator"
+    reason: str
+    tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRetrying(Event):
+    kind: ClassVar[str] = "AgentRetrying"
+    agent: str
+    attempt: int  # the attempt about to start
+    cause: str
+    delay_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class AgentFinished(Event):
+    """The agent is done: status completed | failed | killed | skipped | cancelled."""
+
+    kind: ClassVar[str] = "AgentFinished"
+    agent: str
+    status: str
+    error: str = ""
+    output: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModeChanged(Event):
+    kind: ClassVar[str] = "ModeChanged"
+    mode: str
+    effective_cap: int
+    note: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyChanged(Event):
+    kind: ClassVar[str] = "ConcurrencyChanged"
+    max_concurrency: int
+    effective_cap: int
+    paused: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSample(Event):
+    """What an endpoint's /health and /metrics said; None where the server does not report a value."""
+
+    kind: ClassVar[str] = "ServerSample"
+    endpoint: str
+    healthy: bool | None
+    server_kind: str = ""
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None
+    prefix_hit_rate: float | None = None
+    preemptions: float | None = None
+    kv_cache_tokens: float | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class RunFinished(Event):
+    kind: ClassVar[str] = "RunFinished"
+    run_id: str
+    exit_code: int
+    totals: dict[str, Any]
+    report_path: str = ""
+
+
+ALL_EVENTS: dict[str, type[Event]] = {
+    cls.kind: cls
+    for cls in (
+        RunStarted, WaveStarted, WaveFinished, AgentQueued, AgentStarted, EndpointWaiting, FirstToken,
+        TokenDelta, KeepAlive, TurnFinished, StallWarning, StallExtended, AgentKilled, AgentRetrying,
+        AgentFinished, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished,
+    )
+}
