@@ -118,6 +118,24 @@ class SimSettings(_Section):
     """Fault: send one chunk of broken JSON after N tokens; -1: off."""
     max_tokens_default: int = Field(default=128, ge=1)
     """Completion length when a request gives no max_tokens."""
+    max_model_len: int = Field(default=0, ge=0)
+    """Longest prompt + completion a request may ask for (vLLM --max-model-len); 0: the profile's, else 32768."""
+    kv_cache_tokens: int = Field(default=0, ge=0)
+    """GPU KV cache size in tokens; 0: from the profile, else room for max_num_seqs full-length sequences."""
+    block_size: int = Field(default=16, ge=1, le=1024)
+    """Tokens per KV block; prefix reuse works in whole blocks."""
+    kv_bytes_per_token: int = Field(default=0, ge=0)
+    """KV bytes one token takes; 0: the profile's, else 131072 (Llama-3.1-8B in bf16). Sizes the CPU tier."""
+    cpu_offload_gib: float = Field(default=0.0, ge=0)
+    """Size of a CPU KV tier that keeps evicted prefix blocks for a fast reload; 0: none."""
+    cpu_bandwidth_gib_s: float = Field(default=25.0, gt=0)
+    """How fast blocks reload from the CPU tier (PCIe), in GiB/s."""
+    prefill_tokens_per_s: float = Field(default=0.0, ge=0)
+    """Prompt tokens the server computes per second, shared by the batch; 0: the profile's, else 20000."""
+    batch_slowdown: float = Field(default=0.02, ge=0)
+    """Each extra sequence in the batch slows every sequence's decode by this fraction."""
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    """Tokens one scheduler step computes: one per decoding sequence plus prompt chunks (chunked prefill)."""
 
 
 class EndpointConfig(StallPolicy):

@@ -128,6 +128,20 @@ class TurnFinished(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class MessageRecorded(Event):
+    """A whole message of an agent's conversation, as sent or as answered (`partial` when its attempt died)."""
+
+    kind: ClassVar[str] = "MessageRecorded"
+    agent: str
+    attempt: int
+    turn: int
+    role: str
+    content: str
+    reasoning: str = ""
+    partial: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class StallWarning(Event):
     """An attempt has passed `fraction` of a deadline without a sign of life."""
 
@@ -228,7 +242,7 @@ ALL_EVENTS: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
         RunStarted, WaveStarted, WaveFinished, AgentQueued, AgentStarted, EndpointWaiting, FirstToken,
-        TokenDelta, KeepAlive, TurnFinished, StallWarning, StallExtended, AgentKilled, AgentRetrying,
+        TokenDelta, KeepAlive, MessageRecorded, TurnFinished, StallWarning, StallExtended, AgentKilled, AgentRetrying,
         AgentFinished, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished,
     )
 }

@@ -1,0 +1,330 @@
+"""Streaming chat client: one `POST /chat/completions` with `stream: true`, parsed into deltas.
+
+Why our own SSE line loop rather than httpx-sse's `aiter_sse()`: the stall watchdog needs to see SSE
+comments (llama.cpp and proxies send keep-alives as comments, which httpx-sse drops), every byte's
+arrival time (`liveness = "bytes"`), and a bound on line length so a server that sends one endless
+line cannot exhaust memory. The framing rules are the SSE spec's: `data:` lines joined until a blank
+line, `:` comments, an optional `event:` name.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from cerevisor_tui.endpoints.errors import (
+    RETRYABLE_STATUS,
+    EndpointError,
+    EndpointHTTPError,
+    EndpointUnreachable,
+    ProtocolError,
+    StreamBroken,
+)
+
+MAX_LINE_BYTES = 1 << 20  # one SSE line longer than this is a protocol error, not a memory leak
+MAX_ERROR_BODY_BYTES = 64 << 10
+
+# What the stream yields: (kind, payload)
+KEEPALIVE = 0  # payload None: an SSE comment or a chunk with nothing in it
+DELTA = 1  # payload (content, reasoning, tool_text)
+USAGE = 2  # payload (prompt_tokens, completion_tokens)
+FINISH = 3  # payload finish_reason
+
+
+def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncClient:
+    """An httpx client sized for the run: no pool cap below the concurrency, no pool or read timeout.
+
+    The stall watchdog owns time; an httpx read timeout would fire on an honest slow cold start and
+    would never fire on a wedged model behind keep-alives.
+    """
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=None, read=None, write=None, pool=None),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 10)),
+        headers=headers,
+        follow_redirects=False,
+    )
+
+
+def is_refused(exc: BaseException) -> bool:
+    """A connection the server side refused (port not open yet): what a loading vLLM looks like."""
+    return isinstance(exc, httpx.ConnectError)
+
+
+@dataclass
+class ChatStream:
+    """One streamed chat completion. Iterate `events()`; `last_byte_at` tracks raw arrivals."""
+
+    client: httpx.AsyncClient
+    endpoint: str
+    url: str
+    body: dict[str, Any]
+    last_byte_at: float = 0.0
+    tokens: int = 0
+    finish_reason: str = ""
+    usage: tuple[int, int] | None = None
+    _done: bool = field(default=False, repr=False)
+
+    async def events(self) -> AsyncIterator[tuple[int, Any]]:
+        try:
+            async with self.client.stream("POST", self.url, json=self.body) as response:
+                if response.status_code >= 300:
+                    raise await _http_error(self.endpoint, response)
+                ctype = response.headers.get("content-type", "")
+                if "text/event-stream" not in ctype:
+                    async for item in self._non_stream(response, ctype):
+                        yield item
+                    return
+                async for item in self._sse(response):
+                    yield item
+        except EndpointError:
+            raise
+        except httpx.ConnectError as exc:
+            raise EndpointUnreachable(self.endpoint, f"cannot connect to {self.url}: {_reason(exc)}") from exc
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise StreamBroken(self.endpoint, f"connection lost after {self.tokens} tokens: {_reason(exc)}") from exc
+        except httpx.HTTPError as exc:
+            raise StreamBroken(self.endpoint, f"{type(exc).__name__}: {_reason(exc)}") from exc
+
+    async def _sse(self, response: httpx.Response) -> AsyncIterator[tuple[int, Any]]:
+        endpoint = self.endpoint
+        data: list[bytes] = []
+        event_name = b""
+        async for line in _lines(response, self, endpoint):
+            if not line:  # blank line: dispatch the event
+                if data:
+                    payload = data[0] if len(data) == 1 else b"\n".join(data)
+                    data = []
+                    is_error = event_name == b"error"
+                    event_name = b""
+                    if payload == b"[DONE]":
+                        self._done = True
+                        return
+                    for item in self._chunk(payload, is_error):
+                        yield item
+                continue
+            if line.startswith(b"data:"):
+                value = line[5:]
+                data.append(value[1:] if value[:1] == b" " else value)
+            elif line[:1] == b":":
+                yield (KEEPALIVE, None)
+            elif line.startswith(b"event:"):
+                event_name = line[6:].strip()
+            # id: and retry: fields do not matter for a completion stream
+        if data:  # the stream ended without the blank line after its last event
+            payload = b"\n".join(data)
+            if payload == b"[DONE]":
+                self._done = True
+                return
+            for item in self._chunk(payload, event_name == b"error"):
+                yield item
+        if not self._done and not self.finish_reason:
+            raise StreamBroken(
+                endpoint, f"stream ended without [DONE] and without a finish reason after {self.tokens} tokens"
+            )
+
+    def _chunk(self, payload: bytes, is_error: bool) -> list[tuple[int, Any]]:
+        try:
+            obj = json.loads(payload)
+        except UnicodeDecodeError:
+            raise ProtocolError(self.endpoint, "stream is not valid UTF-8") from None
+        except ValueError:
+            shown = payload[:80].decode("utf-8", "replace")
+            raise ProtocolError(self.endpoint, f"malformed JSON in stream after {self.tokens} tokens: {shown!r}") from None
+        if not isinstance(obj, dict):
+            raise ProtocolError(self.endpoint, f"stream event is not a JSON object: {str(obj)[:80]!r}")
+        if is_error or "error" in obj or obj.get("object") == "error":
+            raise _stream_error(self.endpoint, obj, self.tokens)
+        out: list[tuple[int, Any]] = []
+        choices = obj.get("choices")
+        if choices:
+            choice = choices[0]
+            delta = choice.get("delta") or choice.get("message") or {}
+            content = delta.get("content") or ""
+            reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+            tool = _tool_text(delta.get("tool_calls")) if delta.get("tool_calls") else ""
+            if content or reasoning or tool:
+                self.tokens += 1
+                out.append((DELTA, (content, reasoning, tool)))
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+                out.append((FINISH, self.finish_reason))
+        usage = obj.get("usage")
+        if usage:
+            self.usage = (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+            out.append((USAGE, self.usage))
+        if not out:
+            out.append((KEEPALIVE, None))
+        return out
+
+    async def _non_stream(self, response: httpx.Response, ctype: str) -> AsyncIterator[tuple[int, Any]]:
+        """A 2xx that is not an event stream: a whole chat.completion is accepted, anything else is an error."""
+        raw = await _read_bounded(response, MAX_ERROR_BODY_BYTES * 16)
+        try:
+            obj = json.loads(raw) if "json" in ctype else None
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict) or "choices" not in obj:
+            raise ProtocolError(
+                self.endpoint,
+                f"answered HTTP {response.status_code} with {ctype or 'no content type'} instead of an event stream"
+                + (f": {_summary(raw, ctype)}" if raw else ""),
+            )
+        for item in self._chunk(raw, False):
+            yield item
+        self._done = True
+
+
+async def _lines(response: httpx.Response, stream: ChatStream, endpoint: str) -> AsyncIterator[bytes]:
+    """Split the body into lines (\\n or \\r\\n), each at most MAX_LINE_BYTES, noting every arrival."""
+    buf = b""
+    monotonic = time.monotonic
+    async for chunk in response.aiter_bytes():
+        stream.last_byte_at = monotonic()
+        if buf:
+            chunk = buf + chunk
+        parts = chunk.split(b"\n")
+        buf = parts.pop()
+        if len(buf) > MAX_LINE_BYTES:
+            raise ProtocolError(endpoint, f"a stream line exceeds {MAX_LINE_BYTES >> 20} MiB without a newline")
+        for part in parts:
+            yield part[:-1] if part[-1:] == b"\r" else part
+    if buf:
+        yield buf.rstrip(b"\r")
+        yield b""
+
+
+async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
+    out = bytearray()
+    async for chunk in response.aiter_bytes():
+        out += chunk
+        if len(out) >= limit:
+            break
+    return bytes(out[:limit])
+
+
+def _tool_text(tool_calls: Any) -> str:
+    parts = []
+    for call in tool_calls or ():
+        fn = (call or {}).get("function") or {}
+        parts.append((fn.get("name") or "") + (fn.get("arguments") or ""))
+    return "".join(parts) or " "
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if not text and exc.__cause__ is not None:
+        text = str(exc.__cause__).strip()
+    return text or type(exc).__name__
+
+
+_TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.I | re.S)
+_TAGS = re.compile(r"<[^>]+>")
+
+
+def _summary(raw: bytes, ctype: str) -> str:
+    """A short, printable summary of an error body: the server's message, an HTML page's title, or its start."""
+    if "html" in ctype or raw.lstrip()[:1] == b"<":
+        title = _TITLE.search(raw)
+        text = title.group(1).decode("utf-8", "replace") if title else _TAGS.sub(" ", raw.decode("utf-8", "replace"))
+        text = "HTML page: " + " ".join(text.split())
+    else:
+        text = raw.decode("utf-8", "replace")
+        try:
+            text = error_message(json.loads(raw)) or text
+        except ValueError:
+            pass
+        text = " ".join(text.split())
+    return text[:200] + ("…" if len(text) > 200 else "")
+
+
+def error_message(obj: Any) -> str:
+    """The human message of an OpenAI/vLLM/llama.cpp error body, whichever shape it has."""
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, str):
+            return err
+        if isinstance(err, dict):
+            for key in ("message", "detail", "msg"):
+                if isinstance(err.get(key), str):
+                    return err[key]
+        if isinstance(obj.get("detail"), str):
+            return obj["detail"]
+    return ""
+
+
+def _stream_error(endpoint: str, obj: dict[str, Any], tokens: int) -> EndpointError:
+    message = error_message(obj) or json.dumps(obj)[:200]
+    err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
+    code = err.get("code") if isinstance(err, dict) else None
+    status = code if isinstance(code, int) else None
+    return EndpointHTTPError(
+        endpoint,
+        f"server error in stream after {tokens} tokens: {message}",
+        status=status,
+        retryable=status is None or status in RETRYABLE_STATUS,
+    )
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Retry-After as seconds: either a number or an HTTP date."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+_HINTS = {
+    401: "unauthorized: check the API key (api_key_env)",
+    403: "forbidden: the key may lack access to this model",
+    404: "not found: check base_url (it should end in /v1) and the model id",
+    413: "request too large",
+    429: "rate limited",
+}
+
+
+async def _http_error(endpoint: str, response: httpx.Response) -> EndpointHTTPError:
+    raw = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
+    status = response.status_code
+    detail = _summary(raw, response.headers.get("content-type", "")) if raw else ""
+    label = _HINTS.get(status, response.reason_phrase or "error")
+    retry_after = retry_after_seconds(response.headers.get("retry-after"))
+    problem = f"HTTP {status} {label}" + (f": {detail}" if detail else "")
+    if retry_after is not None:
+        problem += f" (Retry-After {retry_after:g} s)"
+    return EndpointHTTPError(endpoint, problem, status=status, retry_after_s=retry_after,
+                             retryable=status in RETRYABLE_STATUS)
+
+
+async def list_models(client: httpx.AsyncClient, endpoint: str, base_url: str) -> list[dict[str, Any]]:
+    """GET {base_url}/models: the served models (vLLM adds max_model_len)."""
+    url = base_url.rstrip("/") + "/models"
+    try:
+        response = await client.get(url)
+    except httpx.ConnectError as exc:
+        raise EndpointUnreachable(endpoint, f"cannot connect to {url}: {_reason(exc)}") from exc
+    except httpx.HTTPError as exc:
+        raise StreamBroken(endpoint, f"GET {url} failed: {_reason(exc)}") from exc
+    if response.status_code >= 300:
+        raise await _http_error(endpoint, response)
+    try:
+        data = response.json().get("data")
+    except (ValueError, AttributeError):
+        data = None
+    if not isinstance(data, list):
+        raise ProtocolError(endpoint, f"GET {url} did not return a model list")
+    return [m for m in data if isinstance(m, dict) and m.get("id")]

@@ -1,0 +1,48 @@
+"""Errors a model server can give us, each phrased for the operator and marked retryable or not."""
+
+from __future__ import annotations
+
+
+class EndpointError(Exception):
+    """A request to an endpoint failed; `str()` names the endpoint and the problem."""
+
+    retryable: bool = False
+
+    def __init__(self, endpoint: str, problem: str, *, status: int | None = None,
+                 retry_after_s: float | None = None, retryable: bool | None = None) -> None:
+        self.endpoint = endpoint
+        self.problem = problem
+        self.status = status
+        self.retry_after_s = retry_after_s
+        if retryable is not None:
+            self.retryable = retryable
+        super().__init__(f"endpoint {endpoint}: {problem}")
+
+
+class EndpointUnreachable(EndpointError):
+    """No connection could be made (refused, unknown host, TLS failure)."""
+
+    retryable = True
+
+
+class EndpointHTTPError(EndpointError):
+    """The server answered with an HTTP error status; `problem` carries the server's own message."""
+
+
+class StreamBroken(EndpointError):
+    """The stream broke off: connection reset, or it ended without [DONE] and without a finish reason."""
+
+    retryable = True
+
+
+class ProtocolError(EndpointError):
+    """The server sent something that is not an OpenAI-compatible event stream."""
+
+    retryable = True
+
+
+class MissingApiKey(EndpointError):
+    """The environment variable named by api_key_env is not set."""
+
+
+RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})

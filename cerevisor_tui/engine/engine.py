@@ -1,0 +1,611 @@
+"""The engine: runs a workflow's waves through the scheduler, streams each agent's turns, and watches
+every attempt with two deadlines. Everything it does is told as events; commands change it live.
+
+The engine owns no clock but `time.monotonic()` and no UI: a console, a headless printer, a journal
+and a report all subscribe to the same events.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+import httpx
+
+from cerevisor_tui.config.graph import OUTPUT_REF, wave_levels
+from cerevisor_tui.config.models import AgentConfig, Config, EndpointConfig, ResolvedStall, resolve_stall
+from cerevisor_tui.endpoints.client import (
+    DELTA,
+    KEEPALIVE,
+    ChatStream,
+    build_client,
+    list_models,
+)
+from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable, MissingApiKey
+from cerevisor_tui.engine import events as ev
+from cerevisor_tui.engine.report import Report
+from cerevisor_tui.engine.scheduler import MODES, Scheduler
+
+Subscriber = Callable[[ev.Event], None]
+BusyCheck = Callable[[str], Awaitable[str | None]]
+
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 30.0
+RETRY_AFTER_CAP_S = 60.0
+WAIT_BACKOFF_CAP_S = 5.0
+FINAL = frozenset({"completed", "failed", "killed", "skipped", "cancelled"})
+
+
+def fmt_s(seconds: float) -> str:
+    """Seconds as the operator reads them: 1800 s, 2.5 s, 0.25 s."""
+    if seconds >= 10:
+        return f"{seconds:.0f} s"
+    return f"{seconds:.3g} s"
+
+
+def new_run_id() -> str:
+    return datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One streamed request of one turn, with its stall clock."""
+
+    number: int
+    turn: int
+    sent_at: float
+    last_alive: float = 0.0
+    first_token_at: float | None = None
+    tokens: int = 0
+    phase: str = "first_byte"
+    deadline_at: float = math.inf
+    base: float = 0.0
+    extra_s: float = 0.0
+    extensions: int = 0
+    warned: int = 0
+    kill_reason: str = ""
+    kill_deadline: str = ""
+    by_operator: bool = False
+    restart: bool = False
+    stream: ChatStream | None = None
+    scope: anyio.CancelScope | None = None
+
+    def kill(self, deadline: str, reason: str, *, by_operator: bool = False, restart: bool = False) -> None:
+        if self.kill_reason:
+            return
+        self.kill_deadline, self.kill_reason = deadline, reason
+        self.by_operator, self.restart = by_operator, restart
+        if self.scope is not None:
+            self.scope.cancel()
+
+
+@dataclass(eq=False)
+class AgentState:
+    """What the engine knows of one agent now; read by the console, written only by the engine."""
+
+    config: AgentConfig
+    endpoint: str
+    wave: int
+    status: str = "pending"
+    turn: int = 0
+    attempts: int = 0
+    retries_used: int = 0
+    tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    decode_s: float = 0.0
+    stall_warnings: int = 0
+    error: str = ""
+    output: str = ""
+    current: Attempt | None = None
+    scope: anyio.CancelScope | None = None
+    end_status: str = ""
+    end_reason: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def turns(self) -> int:
+        return 1 + len(self.config.turns)
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        return self.completion_tokens / self.decode_s if self.decode_s > 0 else None
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, status: str, reason: str, *, retryable: bool, retry_after_s: float | None = None,
+                 restart: bool = False) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.retryable = status, reason, retryable
+        self.retry_after_s, self.restart = retry_after_s, restart
+
+
+class _AgentEnded(Exception):
+    def __init__(self, status: str, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+class Engine:
+    """Run one workflow. Subscribe before `run()`; call commands from the same event loop at any time."""
+
+    def __init__(self, config: Config, *, run_id: str | None = None, run_dir: str = "",
+                 completed: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.run_id = run_id or new_run_id()
+        self.run_dir = run_dir
+        self.waves = wave_levels(config.agents)
+        self.agents: dict[str, AgentState] = {}
+        for wave, level in enumerate(self.waves):
+            for agent in level:
+                self.agents[agent.name] = AgentState(agent, config.agent_endpoint(agent).name, wave)
+        self.endpoints = {ep.name: ep for ep in config.endpoints}
+        self.policies: dict[str, ResolvedStall] = {
+            ep.name: resolve_stall(config.stall, ep) for ep in config.endpoints
+        }
+        self.scheduler = Scheduler(
+            config.run.mode, config.run.max_concurrency, {ep.name: ep.max_concurrency for ep in config.endpoints}
+        )
+        self.base_urls: dict[str, str] = {ep.name: ep.base_url for ep in config.endpoints}
+        self.models: dict[str, str] = {ep.name: ep.model for ep in config.endpoints if ep.model}
+        self.busy_check: BusyCheck | None = None
+        self.wave = -1
+        self.started_at = 0.0
+        self.started_wall = ""
+        self.stopping = ""
+        # Agents a resumed run already completed: their answers are reused, they are never sent again.
+        self.completed_before = dict(completed or {})
+        self.report = Report()
+        self._subscribers: list[Subscriber] = [self.report]
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._model_locks: dict[str, anyio.Lock] = {}
+        self._requeue: list[AgentState] = []
+        self._wave_group: anyio.abc.TaskGroup | None = None
+        self._rng = random.Random()
+
+    # ---- events -------------------------------------------------------------------------------
+    def subscribe(self, subscriber: Subscriber) -> None:
+        self._subscribers.append(subscriber)
+
+    def emit(self, event: ev.Event) -> None:
+        for subscriber in self._subscribers:
+            subscriber(event)
+
+    # ---- commands (live) ----------------------------------------------------------------------
+    def set_mode(self, mode: str) -> None:
+        """Switch sequential/parallel/auto now; running agents are never stopped by it."""
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}")
+        self.scheduler.set_mode(mode)
+        self.emit(ev.ModeChanged(time.monotonic(), mode, self.scheduler.effective_cap, self._mode_note(mode)))
+
+    def cycle_mode(self) -> str:
+        mode = MODES[(MODES.index(self.scheduler.mode) + 1) % len(MODES)]
+        self.set_mode(mode)
+        return mode
+
+    def set_concurrency(self, cap: int) -> None:
+        """Move the parallel cap; lowering it only holds admissions until fewer are running."""
+        self.scheduler.set_cap(cap)
+        self._emit_cap()
+
+    def pause(self) -> None:
+        self.scheduler.set_paused(True)
+        self._emit_cap()
+
+    def resume(self) -> None:
+        self.scheduler.set_paused(False)
+        self._emit_cap()
+
+    def kill(self, name: str, reason: str = "killed by operator") -> bool:
+        """Kill an agent's running attempt (no retry follows), or drop it from the queue."""
+        st = self.agents[name]
+        if st.status in FINAL:
+            return False
+        if st.current is not None and st.current.scope is not None:
+            st.current.kill("operator", reason, by_operator=True)
+        elif st.scope is not None:
+            st.end_status, st.end_reason = "killed", reason
+            st.scope.cancel()
+        else:
+            return False
+        return True
+
+    def extend(self, name: str, seconds: float | None = None) -> bool:
+        """Move the running attempt's current deadline later by `seconds` (default [stall].extend_s)."""
+        st = self.agents[name]
+        att = st.current
+        if att is None or st.status in FINAL:
+            return False
+        seconds = seconds if seconds is not None else self.policies[st.endpoint].extend_s
+        att.extra_s += seconds
+        att.deadline_at += seconds
+        # re-arm only the warnings still ahead of the new deadline
+        total = att.deadline_at - att.base
+        now = time.monotonic()
+        att.warned = sum(1 for f in self.policies[st.endpoint].warn_at if att.base + f * total <= now)
+        self.emit(ev.StallExtended(time.monotonic(), name, att.number, att.phase, seconds, "extended by operator",
+                                   att.deadline_at, att.extensions))
+        if st.status == "stalling":
+            st.status = "streaming" if att.first_token_at is not None else "prefill"
+        return True
+
+    def retry(self, name: str) -> str:
+        """Restart a running agent's attempt now, or run a failed/killed agent of the current wave again."""
+        st = self.agents[name]
+        if st.current is not None and st.status not in FINAL:
+            st.current.kill("operator", "restarted by operator", by_operator=True, restart=True)
+            return "restarting"
+        if st.status in ("failed", "killed") and st.wave == self.wave and self._wave_group is not None:
+            self._reset(st)
+            self._wave_group.start_soon(self._run_agent, st)
+            return "queued again"
+        if st.status in ("failed", "killed"):
+            return "its wave has ended; use --resume to run it again"
+        return f"nothing to retry ({st.status})"
+
+    def stop(self, reason: str = "run stopped") -> None:
+        """Stop the run: no more admissions; running and queued agents are cancelled, connections closed."""
+        if self.stopping:
+            return
+        self.stopping = reason
+        self.scheduler.set_paused(True)
+        for st in self.agents.values():
+            if st.status not in FINAL and st.scope is not None:
+                st.end_status, st.end_reason = "cancelled", reason
+                if st.current is not None:
+                    st.current.kill("operator", reason, by_operator=True)
+                st.scope.cancel()
+
+    # ---- the run ------------------------------------------------------------------------------
+    async def run(self) -> int:
+        """Run every wave; returns the exit code (0 all completed, 1 some failed or were killed)."""
+        self.started_at = time.monotonic()
+        self.started_wall = datetime.now(UTC).isoformat(timespec="seconds")
+        async with AsyncExitStack() as stack:
+            await self._open_endpoints(stack)
+            self.emit(ev.RunStarted(
+                time.monotonic(), self.run_id, self.scheduler.mode, self.scheduler.max_concurrency,
+                [[a.name for a in level] for level in self.waves], self.endpoint_summaries(), self.run_dir,
+                self._mode_note(self.scheduler.mode),
+            ))
+            async with anyio.create_task_group() as background:
+                await self._start_background(background)
+                for wave, level in enumerate(self.waves):
+                    await self._run_wave(wave, [self.agents[a.name] for a in level])
+                background.cancel_scope.cancel()
+        code = 0 if all(st.status in ("completed",) for st in self.agents.values()) else 1
+        if self.stopping:
+            code = 1
+        self.report._t_end = time.monotonic()
+        self.emit(ev.RunFinished(self.report._t_end, self.run_id, code, self.report.totals()))
+        return code
+
+    async def _start_background(self, group: anyio.abc.TaskGroup) -> None:
+        """Hook for tasks that live as long as the run (server metrics polling)."""
+
+    async def _run_wave(self, wave: int, states: list[AgentState]) -> None:
+        self.wave = wave
+        self.emit(ev.WaveStarted(time.monotonic(), wave, [st.name for st in states]))
+        async with anyio.create_task_group() as group:
+            self._wave_group = group
+            for st in states:
+                if st.name in self.completed_before:
+                    self._finish(st, "completed", "", self.completed_before[st.name], resumed=True)
+                    continue
+                if self.stopping:
+                    self._finish(st, "cancelled", self.stopping)
+                    continue
+                failed = [d for d in st.config.depends_on if self.agents[d].status != "completed"]
+                if failed:
+                    dep = self.agents[failed[0]]
+                    self._finish(st, "skipped", f"dependency {dep.name} {dep.status}")
+                    continue
+                group.start_soon(self._run_agent, st)
+        self._wave_group = None
+        self.emit(ev.WaveFinished(time.monotonic(), wave, {st.name: st.status for st in states}))
+
+    async def _run_agent(self, st: AgentState) -> None:
+        st.status = "queued"
+        self.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
+        status, reason = "completed", ""
+        with anyio.CancelScope() as scope:
+            st.scope = scope
+            try:
+                async with self.scheduler.slot(st.name, st.endpoint):
+                    st.started_at = time.monotonic()
+                    await self._conversation(st)
+            except _AgentEnded as end:
+                status, reason = end.status, end.reason
+        st.scope = None
+        if scope.cancelled_caught:
+            status, reason = st.end_status or "cancelled", st.end_reason or "cancelled"
+        self._finish(st, status, reason, st.output if status == "completed" else "")
+
+    def _finish(self, st: AgentState, status: str, reason: str, output: str = "", resumed: bool = False) -> None:
+        """`resumed`: completed in an earlier run of the same journal; its answer is reused."""
+        st.status, st.error, st.output = status, reason, output
+        st.current = None
+        st.finished_at = time.monotonic()
+        self.emit(ev.AgentFinished(time.monotonic(), st.name, status, reason, output))
+
+    def _reset(self, st: AgentState) -> None:
+        st.status, st.error, st.output, st.end_status, st.end_reason = "pending", "", "", "", ""
+        st.retries_used = 0
+        st.turn = 0
+        st.messages = []
+
+    def render(self, text: str) -> str:
+        """Insert dependencies' final answers for {{ name.output }}."""
+        return OUTPUT_REF.sub(lambda m: self.agents[m.group(1)].output, text)
+
+    async def _conversation(self, st: AgentState) -> None:
+        cfg = st.config
+        messages: list[dict[str, str]] = []
+        if cfg.system:
+            messages.append({"role": "system", "content": cfg.system})
+        user_turns = [cfg.prompt, *cfg.turns]
+        answer = ""
+        for turn, text in enumerate(user_turns):
+            st.turn = turn + 1
+            messages.append({"role": "user", "content": self.render(text)})
+            self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.attempts + 1, st.turn, "user", messages[-1]["content"]))
+            answer = await self._turn(st, messages)
+            messages.append({"role": "assistant", "content": answer})
+        st.messages = messages
+        st.output = answer
+
+    async def _turn(self, st: AgentState, messages: list[dict[str, str]]) -> str:
+        while True:
+            st.attempts += 1
+            try:
+                return await self._attempt(st, messages)
+            except _AttemptFailed as failure:
+                if failure.restart:
+                    continue
+                if self.stopping:
+                    raise _AgentEnded("cancelled", self.stopping) from None
+                if not failure.retryable or st.retries_used >= st.config.retries:
+                    raise _AgentEnded(failure.status, failure.reason) from None
+                st.retries_used += 1
+                delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (st.retries_used - 1)) * (0.5 + self._rng.random())
+                if failure.retry_after_s is not None:
+                    delay = max(delay, min(failure.retry_after_s, RETRY_AFTER_CAP_S))
+                st.status = "retrying"
+                self.emit(ev.AgentRetrying(time.monotonic(), st.name, st.attempts + 1, failure.reason, delay))
+                await anyio.sleep(delay)
+
+    async def _attempt(self, st: AgentState, messages: list[dict[str, str]]) -> str:
+        policy = self.policies[st.endpoint]
+        now = time.monotonic()
+        att = Attempt(st.attempts, st.turn, sent_at=now, last_alive=now,
+                      deadline_at=now + policy.first_byte_timeout_s)
+        st.current = att
+        st.status = "prefill"
+        self.emit(ev.AgentStarted(now, st.name, att.number, st.turn, st.turns, st.endpoint,
+                                  policy.first_byte_timeout_s, policy.idle_timeout_s))
+        parts: list[str] = []
+        thinking: list[str] = []
+        error: EndpointError | None = None
+        with anyio.CancelScope() as scope:
+            att.scope = scope
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._watch, st, att, policy)
+                try:
+                    await self._stream(st, att, messages, policy, parts, thinking)
+                except EndpointError as exc:
+                    error = exc
+                group.cancel_scope.cancel()
+        st.current = None
+        answer = "".join(parts)
+        if att.kill_reason or error is not None or scope.cancelled_caught:
+            if parts or thinking:
+                self.emit(ev.MessageRecorded(time.monotonic(), st.name, att.number, st.turn, "assistant", answer,
+                                             "".join(thinking), partial=True))
+            if att.kill_reason:
+                if not att.restart:
+                    self.emit(ev.AgentKilled(time.monotonic(), st.name, att.number, att.kill_deadline,
+                                             att.kill_reason, att.tokens))
+                status = "cancelled" if self.stopping else "killed"
+                raise _AttemptFailed(status, att.kill_reason, retryable=not att.by_operator, restart=att.restart)
+            if error is not None:
+                raise _AttemptFailed("failed", str(error), retryable=error.retryable, retry_after_s=error.retry_after_s)
+            raise _AttemptFailed("cancelled", "cancelled", retryable=False)
+        stream = att.stream
+        usage = stream.usage if stream and stream.usage else None
+        prompt_tokens = usage[0] if usage else 0
+        completion_tokens = usage[1] if usage else att.tokens
+        end = time.monotonic()
+        st.prompt_tokens += prompt_tokens
+        st.completion_tokens += completion_tokens
+        ttft = att.first_token_at - att.sent_at if att.first_token_at is not None else None
+        if att.first_token_at is not None:
+            st.decode_s += end - att.first_token_at
+        self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking)))
+        self.emit(ev.TurnFinished(end, st.name, att.number, st.turn, st.turns, prompt_tokens, completion_tokens,
+                                  stream.finish_reason if stream else "", ttft, end - att.sent_at))
+        return answer
+
+    async def _stream(self, st: AgentState, att: Attempt, messages: list[dict[str, str]], policy: ResolvedStall,
+                      parts: list[str], thinking: list[str]) -> None:
+        ep = self.endpoints[st.endpoint]
+        client = self._clients[ep.name]
+        name, number = st.name, att.number
+        emit = self.emit
+        monotonic = time.monotonic
+        by_bytes = policy.liveness == "bytes"
+        wait_s = 0.25
+        while True:
+            try:
+                model = await self._model(ep)
+                body = {
+                    "model": model,
+                    "messages": messages,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "max_tokens": st.config.max_tokens,
+                    "temperature": st.config.temperature,
+                }
+                stream = ChatStream(client, ep.name, self.base_urls[ep.name].rstrip("/") + "/chat/completions", body)
+                att.stream = stream
+                async for kind, payload in stream.events():
+                    if kind == DELTA:
+                        now = monotonic()
+                        att.last_alive = now
+                        content, reasoning, tool = payload
+                        if att.first_token_at is None:
+                            att.first_token_at = now
+                            ttft = now - att.sent_at
+                            if st.ttft_s is None:
+                                st.ttft_s = ttft
+                            st.status = "streaming"
+                            emit(ev.FirstToken(now, name, number, st.turn, ttft))
+                        elif st.status != "streaming":
+                            st.status = "streaming"
+                        att.tokens += 1
+                        st.tokens += 1
+                        if content:
+                            parts.append(content)
+                        if reasoning:
+                            thinking.append(reasoning)
+                        emit(ev.TokenDelta(now, name, number, content, reasoning, tool))
+                    elif kind == KEEPALIVE:
+                        if by_bytes:
+                            att.last_alive = monotonic()
+                        emit(ev.KeepAlive(monotonic(), name, number))
+                return
+            except EndpointUnreachable as exc:
+                # A local server that is still loading refuses its port: wait inside the first-byte window.
+                if ep.kind == "hosted" or att.first_token_at is not None:
+                    raise
+                st.status = "waiting"
+                emit(ev.EndpointWaiting(monotonic(), name, number, ep.name, exc.problem, wait_s))
+                await anyio.sleep(wait_s)
+                wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
+
+    async def _model(self, ep: EndpointConfig) -> str:
+        """The model id to request: configured, or the first that /v1/models lists (asked once)."""
+        if ep.name in self.models:
+            return self.models[ep.name]
+        lock = self._model_locks.setdefault(ep.name, anyio.Lock())
+        async with lock:
+            if ep.name not in self.models:
+                listed = await list_models(self._clients[ep.name], ep.name, self.base_urls[ep.name])
+                if not listed:
+                    raise EndpointError(ep.name, "/v1/models lists no model; set model in the endpoint's config")
+                self.models[ep.name] = str(listed[0]["id"])
+        return self.models[ep.name]
+
+    async def _watch(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
+        """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill."""
+        fractions = policy.warn_at
+        monotonic = time.monotonic
+        seen_base = -1.0
+        while True:
+            now = monotonic()
+            if att.first_token_at is None and not (policy.liveness == "bytes" and att.last_alive > att.sent_at):
+                phase, base, window = "first_byte", att.sent_at, policy.first_byte_timeout_s
+            else:
+                phase, base, window = "idle", att.last_alive, policy.idle_timeout_s
+            if policy.liveness == "bytes" and att.stream is not None and att.stream.last_byte_at > base:
+                base = att.last_alive = att.stream.last_byte_at
+            if base != seen_base:  # a sign of life: the window starts again, warnings re-arm
+                seen_base = base
+                att.extra_s = 0.0
+                att.warned = 0
+            total = window + att.extra_s
+            att.phase = phase
+            att.deadline_at = base + total
+            att.base = base
+            while att.warned < len(fractions) and now >= base + fractions[att.warned] * total:
+                fraction = fractions[att.warned]
+                att.warned += 1
+                st.stall_warnings += 1
+                st.status = "stalling"
+                self.emit(ev.StallWarning(now, st.name, att.number, phase, fraction, max(0.0, att.deadline_at - now),
+                                          att.deadline_at))
+            if now >= att.deadline_at:
+                reason = await self._busy_reason(st, att, policy)
+                if reason:
+                    att.extensions += 1
+                    att.extra_s += policy.extend_s
+                    att.deadline_at += policy.extend_s
+                    att.warned = sum(1 for f in fractions if base + f * (total + policy.extend_s) <= now)
+                    self.emit(ev.StallExtended(monotonic(), st.name, att.number, phase, policy.extend_s, reason,
+                                               att.deadline_at, att.extensions))
+                    continue
+                elapsed = now - base
+                if phase == "first_byte":
+                    why = f"no first token after {fmt_s(elapsed)}"
+                else:
+                    why = f"no output for {fmt_s(elapsed)} after {att.tokens} tokens"
+                att.kill(phase, why)
+                return
+            next_at = att.deadline_at
+            if att.warned < len(fractions):
+                next_at = min(next_at, base + fractions[att.warned] * total)
+            await anyio.sleep(max(0.0, next_at - monotonic()) + 0.001)
+
+    async def _busy_reason(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> str | None:
+        """The seam for the server-busy extension: ask the endpoint whether it is loading or queueing."""
+        if not policy.extend_when_server_busy or att.extensions >= policy.max_extensions or self.busy_check is None:
+            return None
+        with anyio.move_on_after(2.0):
+            return await self.busy_check(st.endpoint)
+        return None
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def _open_endpoints(self, stack: AsyncExitStack) -> None:
+        cap = max(self.config.run.max_concurrency, *(ep.max_concurrency for ep in self.config.endpoints), 1)
+        for ep in self.config.endpoints:
+            key = api_key(ep)
+            if ep.kind == "simulated" and not ep.base_url:
+                from cerevisor_tui.sim import SimServer
+
+                server = await stack.enter_async_context(SimServer(ep.sim, port=0))
+                self.base_urls[ep.name] = server.base_url
+            client = build_client(min(cap, ep.max_concurrency), key)
+            self._clients[ep.name] = await stack.enter_async_context(client)
+
+    def endpoint_summaries(self) -> list[dict[str, Any]]:
+        """Endpoints as the report shows them: never the key, only the variable's name."""
+        return [
+            {"name": ep.name, "kind": ep.kind, "base_url": self.base_urls.get(ep.name, ep.base_url),
+             "model": self.models.get(ep.name, ep.model), "max_concurrency": ep.max_concurrency,
+             "api_key_env": ep.api_key_env, "stall": self.policies[ep.name].model_dump()}
+            for ep in self.config.endpoints
+        ]
+
+    def _emit_cap(self) -> None:
+        s = self.scheduler
+        self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused))
+
+    @staticmethod
+    def _mode_note(mode: str) -> str:
+        return "auto adapts the cap in a later version; it behaves as parallel for now" if mode == "auto" else ""
+
+
+def api_key(ep: EndpointConfig) -> str | None:
+    """The endpoint's API key, from the environment variable its config names (never from a file)."""
+    if not ep.api_key_env:
+        return None
+    value = os.environ.get(ep.api_key_env)
+    if not value:
+        raise MissingApiKey(ep.name, f"environment variable {ep.api_key_env} (api_key_env) is not set")
+    return value

@@ -1,0 +1,72 @@
+"""The headless printer: a readable line per event, or one JSON object per line with --jsonl."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TextIO
+
+from cerevisor_tui.engine import events as ev
+from cerevisor_tui.engine.engine import fmt_s
+
+
+class Printer:
+    def __init__(self, out: TextIO | None = None, *, jsonl: bool = False) -> None:
+        self.out = out or sys.stdout
+        self.jsonl = jsonl
+        self.t0: float | None = None
+
+    def __call__(self, event: ev.Event) -> None:
+        if self.jsonl:
+            self.out.write(json.dumps(event.to_dict(), ensure_ascii=False, default=str) + "\n")
+            return
+        if self.t0 is None:
+            self.t0 = event.t
+        line = self.describe(event)
+        if line:
+            self.out.write(f"{event.t - self.t0:8.2f}s  {line}\n")
+            self.out.flush()
+
+    @staticmethod
+    def describe(e: ev.Event) -> str:  # noqa: C901 - one branch per event kind reads best
+        if isinstance(e, ev.RunStarted):
+            eps = ", ".join(f"{d['name']} ({d['kind']}, {d['base_url']})" for d in e.endpoints)
+            note = f" [{e.note}]" if e.note else ""
+            where = f", run dir {e.run_dir}" if e.run_dir else ""
+            return f"run {e.run_id}: {sum(map(len, e.waves))} agents in {len(e.waves)} waves, mode {e.mode}, cap {e.max_concurrency}, endpoints {eps}{where}{note}"
+        if isinstance(e, ev.WaveStarted):
+            return f"wave {e.wave} started: {', '.join(e.agents)}"
+        if isinstance(e, ev.WaveFinished):
+            return f"wave {e.wave} finished: " + ", ".join(f"{k} {v}" for k, v in e.statuses.items())
+        if isinstance(e, ev.AgentStarted):
+            return (f"{e.agent}: attempt {e.attempt}, turn {e.turn}/{e.turns} sent to {e.endpoint} "
+                    f"(first-byte deadline {fmt_s(e.first_byte_deadline_s)}, idle {fmt_s(e.idle_deadline_s)})")
+        if isinstance(e, ev.EndpointWaiting):
+            return f"{e.agent}: waiting for endpoint {e.endpoint} ({e.reason}); retry in {fmt_s(e.retry_in_s)}"
+        if isinstance(e, ev.FirstToken):
+            return f"{e.agent}: first token after {e.ttft_s:.2f} s (turn {e.turn})"
+        if isinstance(e, ev.TurnFinished):
+            return (f"{e.agent}: turn {e.turn}/{e.turns} done, {e.completion_tokens} tokens "
+                    f"({e.finish_reason or 'no finish reason'}) in {e.duration_s:.2f} s")
+        if isinstance(e, ev.StallWarning):
+            what = "no first token" if e.deadline == "first_byte" else "no output"
+            return f"{e.agent}: STALL WARNING {what}, {int(e.fraction * 100)}% of the {e.deadline} deadline, {fmt_s(e.remaining_s)} left"
+        if isinstance(e, ev.StallExtended):
+            return f"{e.agent}: {e.deadline} deadline extended by {fmt_s(e.extend_s)}: {e.reason}"
+        if isinstance(e, ev.AgentKilled):
+            return f"{e.agent}: KILLED ({e.deadline} deadline): {e.reason}"
+        if isinstance(e, ev.AgentRetrying):
+            return f"{e.agent}: retrying as attempt {e.attempt} in {fmt_s(e.delay_s)}: {e.cause}"
+        if isinstance(e, ev.AgentFinished):
+            why = f": {e.error}" if e.error else ""
+            return f"{e.agent}: {e.status.upper()}{why}"
+        if isinstance(e, ev.ModeChanged):
+            return f"mode {e.mode} (cap {e.effective_cap})" + (f" [{e.note}]" if e.note else "")
+        if isinstance(e, ev.ConcurrencyChanged):
+            return f"cap {e.max_concurrency} (effective {e.effective_cap})" + (", admissions paused" if e.paused else "")
+        if isinstance(e, ev.RunFinished):
+            t = e.totals
+            return (f"run {e.run_id} finished: {t['completed']}/{t['agents']} completed, {t['failed']} failed, "
+                    f"{t['killed']} killed, {t['skipped']} skipped, {t['output_tokens']} output tokens in "
+                    f"{t['wall_s']:.1f} s" + (f"; report {e.report_path}" if e.report_path else ""))
+        return ""

@@ -1,0 +1,124 @@
+"""The run report: a subscriber that turns the event stream into `report.json` (schema_version 1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cerevisor_tui.engine import events as ev
+
+SCHEMA_VERSION = 1
+STATUSES = ("completed", "failed", "killed", "skipped", "cancelled")
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class Report:
+    """Collects per-agent figures from events; `to_dict()` is the report at any moment."""
+
+    def __init__(self) -> None:
+        self.run_id = ""
+        self.mode = ""
+        self.started_at = ""
+        self.finished_at: str | None = None
+        self.endpoints: list[dict[str, Any]] = []
+        self.agents: dict[str, dict[str, Any]] = {}
+        self._t0 = 0.0
+        self._t_end: float | None = None
+        self._running: set[str] = set()
+        self.max_running = 0
+
+    def __call__(self, event: ev.Event) -> None:
+        kind = event.kind
+        if kind == "TokenDelta" or kind == "KeepAlive":
+            return
+        if isinstance(event, ev.RunStarted):
+            self.run_id, self.mode, self.endpoints = event.run_id, event.mode, event.endpoints
+            self.started_at, self._t0 = _now_iso(), event.t
+            for wave, names in enumerate(event.waves):
+                for name in names:
+                    self.agents[name] = {
+                        "name": name, "wave": wave, "status": "pending", "attempts": 0, "turns": 0,
+                        "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None, "duration_s": 0.0,
+                        "output_tokens_per_s": None, "stall_warnings": 0, "error": "", "_decode_s": 0.0,
+                        "_t_start": None,
+                    }
+        elif isinstance(event, ev.ModeChanged):
+            self.mode = event.mode
+        elif isinstance(event, ev.AgentStarted):
+            a = self.agents[event.agent]
+            a["attempts"] = max(a["attempts"], event.attempt)
+            if a["_t_start"] is None:
+                a["_t_start"] = event.t
+            self._running.add(event.agent)
+            self.max_running = max(self.max_running, len(self._running))
+        elif isinstance(event, ev.TurnFinished):
+            a = self.agents[event.agent]
+            a["turns"] += 1
+            a["prompt_tokens"] += event.prompt_tokens
+            a["completion_tokens"] += event.completion_tokens
+            if a["ttft_s"] is None and event.ttft_s is not None:
+                a["ttft_s"] = round(event.ttft_s, 4)
+            a["_decode_s"] += event.duration_s - (event.ttft_s or 0.0)
+            if a["_decode_s"] > 0:
+                a["output_tokens_per_s"] = round(a["completion_tokens"] / a["_decode_s"], 2)
+        elif isinstance(event, ev.StallWarning):
+            self.agents[event.agent]["stall_warnings"] += 1
+        elif isinstance(event, ev.AgentFinished):
+            a = self.agents[event.agent]
+            a["status"], a["error"] = event.status, event.error
+            if a["_t_start"] is not None:
+                a["duration_s"] = round(event.t - a["_t_start"], 3)
+            self._running.discard(event.agent)
+        elif isinstance(event, ev.RunFinished):
+            self.finished_at, self._t_end = _now_iso(), event.t
+
+    def totals(self) -> dict[str, Any]:
+        agents = self.agents.values()
+        end = self._t_end if self._t_end is not None else time.monotonic()
+        wall = max(0.0, end - self._t0) if self._t0 else 0.0
+        output = sum(a["completion_tokens"] for a in agents)
+        counts = {s: sum(1 for a in agents if a["status"] == s) for s in STATUSES}
+        return {
+            "agents": len(self.agents), **counts, "output_tokens": output, "wall_s": round(wall, 3),
+            "output_tokens_per_s": round(output / wall, 2) if wall > 0 else None, "max_running": self.max_running,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "run_id": self.run_id,
+            "mode": self.mode,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "endpoints": self.endpoints,
+            "agents": [{k: v for k, v in a.items() if not k.startswith("_")} for a in self.agents.values()],
+            "totals": self.totals(),
+        }
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
+    """Write JSON to a temp file beside `path`, fsync it, then rename over: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=2, ensure_ascii=False)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

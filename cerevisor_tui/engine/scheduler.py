@@ -1,0 +1,96 @@
+"""Admission control: which queued agent may start now, under the live mode, cap and pause.
+
+Agents wait here in FIFO order. An agent is admitted when admissions are not paused, fewer than the
+effective cap are running, and its endpoint has room under its own `max_concurrency`. Changing the
+mode or cap re-runs admission at once; lowering it never stops a running agent, it only holds new
+admissions until the running count is below the new cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+
+MODES = ("sequential", "parallel", "auto")
+
+
+class Scheduler:
+    def __init__(self, mode: str, max_concurrency: int, endpoint_caps: dict[str, int],
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.mode = mode
+        self.max_concurrency = max_concurrency
+        self.endpoint_caps = dict(endpoint_caps)
+        self.paused = False
+        self.running = 0
+        self.max_running = 0
+        self.running_by_endpoint: dict[str, int] = {name: 0 for name in endpoint_caps}
+        self._waiters: dict[str, tuple[str, anyio.Event]] = {}
+        self._on_change = on_change
+
+    @property
+    def effective_cap(self) -> int:
+        """How many agents may run at once now: 1 in sequential mode, else the cap."""
+        return 1 if self.mode == "sequential" else self.max_concurrency
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+        self.mode = mode
+        self._pump()
+
+    def set_cap(self, max_concurrency: int) -> None:
+        self.max_concurrency = max(1, int(max_concurrency))
+        self._pump()
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+        self._pump()
+
+    @asynccontextmanager
+    async def slot(self, agent: str, endpoint: str) -> AsyncIterator[None]:
+        """Hold a running slot for `agent` on `endpoint`; waits (FIFO) until admitted."""
+        admitted = anyio.Event()
+        self._waiters[agent] = (endpoint, admitted)
+        self._pump()
+        try:
+            await admitted.wait()
+        except BaseException:
+            if self._waiters.pop(agent, None) is None:  # admitted in the same instant as cancelled
+                self._release(endpoint)
+            raise
+        try:
+            yield
+        finally:
+            self._release(endpoint)
+
+    def _release(self, endpoint: str) -> None:
+        self.running -= 1
+        self.running_by_endpoint[endpoint] -= 1
+        self._pump()
+
+    def _pump(self) -> None:
+        if self.paused:
+            return
+        cap = self.effective_cap
+        admitted = []
+        for agent, (endpoint, event) in self._waiters.items():
+            if self.running >= cap:
+                break
+            if self.running_by_endpoint.get(endpoint, 0) >= self.endpoint_caps.get(endpoint, cap):
+                continue
+            self.running += 1
+            self.running_by_endpoint[endpoint] = self.running_by_endpoint.get(endpoint, 0) + 1
+            admitted.append(agent)
+            event.set()
+        for agent in admitted:
+            del self._waiters[agent]
+        if admitted:
+            self.max_running = max(self.max_running, self.running)
+            if self._on_change:
+                self._on_change()

@@ -1,0 +1,91 @@
+"""Shared test fixtures: the anyio backend, and a raw socket HTTP server for faults the simulator can't fake."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawServer:
+    """A loopback TCP server whose handler writes whatever bytes a test wants, HTTP or not."""
+
+    def __init__(self, handler: Handler, port: int = 0) -> None:
+        self.handler = handler
+        self.port = port
+        self.requests = 0
+        self.open_connections = 0
+        self._server: asyncio.base_events.Server | None = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open_connections += 1
+        try:
+            await read_request(reader)
+            self.requests += 1
+            await self.handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.open_connections -= 1
+            writer.close()
+
+    async def __aenter__(self) -> RawServer:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    body = await reader.readexactly(length) if length else b""
+    return head + body
+
+
+def http_head(status: int, ctype: str, extra: str = "", length: int | None = None) -> bytes:
+    """A response head: with a content-length, or chunked (as streaming servers send) when length is None."""
+    head = f"HTTP/1.1 {status} X\r\ncontent-type: {ctype}\r\n{extra}"
+    head += f"content-length: {length}\r\n" if length is not None else "transfer-encoding: chunked\r\n"
+    return (head + "\r\n").encode()
+
+
+def chunk(data: bytes) -> bytes:
+    """One HTTP/1.1 chunk; `chunk(b"")` ends the body."""
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def sse_chunk(content: str = "", finish: str | None = None, usage: dict | None = None) -> bytes:
+    import json
+
+    obj: dict = {"id": "x", "object": "chat.completion.chunk", "model": "m",
+                 "choices": [] if usage else [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]}
+    if usage:
+        obj["usage"] = usage
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
