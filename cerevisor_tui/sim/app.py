@@ -1,0 +1,416 @@
+"""The simulator's HTTP face: a starlette app speaking the parts of vLLM's OpenAI API the console uses.
+
+`/health`, `/v1/models`, `/v1/chat/completions` (streamed as SSE, or not) and `/metrics` with vLLM's
+metric names. The work of generating tokens lives in `scheduler.Engine`; this module turns requests
+into engine sequences, streams their tokens, injects the configured faults and keeps the counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from cerevisor_tui.config.models import SimSettings
+from cerevisor_tui.sim import text as simtext
+from cerevisor_tui.sim.kv import KvCache
+from cerevisor_tui.sim.profiles import SimServerSpec, resolve
+from cerevisor_tui.sim.scheduler import DONE, Engine, Sequence
+
+OWNER = "cerevisor-sim"
+_DROP = object()  # yielded by a stream to cut the connection without finishing the response
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 500: "InternalServerError",
+                503: "ServiceUnavailableError"}
+
+
+@dataclass
+class SimState:
+    """What the simulated server did, for tests and for the console's label (in-process only)."""
+
+    settings: SimSettings
+    model: str
+    spec: SimServerSpec
+    engine: Engine
+    started_at: float = field(default_factory=time.monotonic)
+    requests_total: int = 0  # chat requests received
+    completed_total: int = 0
+    aborted_total: int = 0  # client went away before the end
+    dropped_total: int = 0  # fault: connection cut by the server
+    failed_total: int = 0  # fault: answered with fail_status
+    rejected_total: int = 0  # 4xx: bad request, unknown model, too long
+    requests: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
+    """The latest request bodies with their Authorization header (bounded log)."""
+    requests_by_agent: Counter[str] = field(default_factory=Counter)
+    """Chat requests per agent, from the `X-Cerevisor-Agent` header or the body's `user` field."""
+
+    @property
+    def kv(self) -> KvCache:
+        return self.engine.kv
+
+    @property
+    def running(self) -> int:
+        return len(self.engine.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.engine.waiting)
+
+    @property
+    def max_running_seen(self) -> int:
+        return self.engine.max_running_seen
+
+    @property
+    def preemptions_total(self) -> int:
+        return self.engine.preemptions_total
+
+    @property
+    def cold_start_left_s(self) -> float:
+        """Real seconds of cold start left (0 once loaded)."""
+        end = self.started_at + self.settings.cold_start_s / self.settings.speed
+        return max(0.0, end - time.monotonic())
+
+    @property
+    def loading(self) -> bool:
+        return self.cold_start_left_s > 0
+
+
+def _error(status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None):
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
+                      "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _SimCollector:
+    """Reads SimState at scrape time into vLLM-named metrics."""
+
+    def __init__(self, state: SimState) -> None:
+        self.state = state
+
+    def collect(self):
+        st, eng, kv, spec = self.state, self.state.engine, self.state.kv, self.state.spec
+        labels = ["engine", "model_name"]
+        values = ["0", st.model]
+
+        def gauge(name: str, doc: str, value: float):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", st.running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv.usage)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      kv.queries_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      kv.hits_tokens)
+        if kv.cpu_blocks:
+            yield counter("vllm:external_prefix_cache_queries",
+                          "External (CPU tier) prefix cache queries, in tokens.", kv.cpu_queries_tokens)
+            yield counter("vllm:external_prefix_cache_hits",
+                          "External (CPU tier) prefix cache hits, in tokens.", kv.cpu_hits_tokens)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                      eng.preemptions_total)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", eng.prompt_tokens_total)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                      eng.generation_tokens_total)
+        yield counter("vllm:request_success", "Count of successfully processed requests.", st.completed_total)
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",
+                    "kv_cache_size_tokens", "cpu_offload_gb", "max_model_len", "engine"],
+        )
+        info.add_metric(
+            [str(spec.block_size), "auto", "True", str(spec.num_gpu_blocks), str(spec.num_cpu_blocks),
+             str(spec.kv_cache_tokens), str(st.settings.cpu_offload_gib), str(spec.max_model_len), "0"],
+            1.0,
+        )
+        yield info
+        yield counter("cerevisor_sim:aborted_requests", "Requests whose client went away before the end.",
+                      st.aborted_total)
+        yield counter("cerevisor_sim:dropped_requests", "Connections cut by the drop_after_tokens fault.",
+                      st.dropped_total)
+        yield counter("cerevisor_sim:computed_prompt_tokens", "Prompt tokens computed (not served from cache).",
+                      eng.computed_prompt_tokens_total)
+        yield gauge("cerevisor_sim:engine_time_seconds", "Simulated time of the engine clock.", eng.now)
+
+
+class _Stream(Response):
+    """An SSE response that ends when the client goes away and can cut the connection on purpose."""
+
+    def __init__(self, chunks, on_disconnect) -> None:
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        self.chunks = chunks
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        complete = False
+
+        async def pump() -> None:
+            nonlocal complete
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                if chunk is _DROP:
+                    return  # uvicorn closes the transport of a response that never completes
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            complete = True
+
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        break
+                if not complete:
+                    self.on_disconnect()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                await pump()
+            finally:
+                tg.cancel_scope.cancel()  # done, or dropped on purpose: stop listening
+        await self.chunks.aclose()
+
+
+class _Chat:
+    """Handles one chat request against the shared state."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, state: SimState) -> None:
+        self.state = state
+
+    async def handle(self, request: Request) -> Response:
+        st, settings = self.state, self.state.settings
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict):
+                raise ValueError("body must be a JSON object")
+        except ValueError as exc:
+            st.rejected_total += 1
+            return _error(400, f"Invalid JSON body: {exc}")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            st.rejected_total += 1
+            return _error(400, "messages must be a non-empty list of objects", param="messages")
+        model = body.get("model") or st.model
+        if model != st.model:
+            st.rejected_total += 1
+            return _error(404, f"The model `{model}` does not exist.", param="model")
+        st.requests_total += 1
+        auth = request.headers.get("authorization")
+        agent = request.headers.get("x-cerevisor-agent") or body.get("user") or ""
+        st.requests.append({"model": model, "messages": messages, "max_tokens": body.get("max_tokens"),
+                            "stream": bool(body.get("stream")), "authorization": auth,
+                            "has_authorization": auth is not None, "agent": agent})
+        if agent:
+            st.requests_by_agent[agent] += 1
+        if st.requests_total <= settings.fail_first:
+            st.failed_total += 1
+            status = settings.fail_status
+            headers = {"Retry-After": "1"} if status == 429 else None
+            return _error(status, f"Simulated failure {st.requests_total} of {settings.fail_first}",
+                          headers=headers)
+        left = st.cold_start_left_s
+        if left > 0:
+            await asyncio.sleep(left)
+        rendered = simtext.render_prompt(messages)
+        prompt_tokens = simtext.count_tokens(rendered)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        explicit = max_tokens is not None
+        if not explicit:
+            max_tokens = min(settings.max_tokens_default, max(1, st.spec.max_model_len - prompt_tokens))
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            st.rejected_total += 1
+            return _error(400, f"max_tokens must be at least 1, got {max_tokens!r}", param="max_tokens")
+        limit = st.spec.max_model_len
+        if prompt_tokens + max_tokens > limit:
+            st.rejected_total += 1
+            return _error(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.",
+                param="max_tokens",
+            )
+        stream = bool(body.get("stream"))
+        seq = Sequence(
+            prompt_tokens=prompt_tokens,
+            hashes=simtext.block_hashes(rendered, st.spec.block_size),
+            max_tokens=max_tokens,
+            notify_each_token=stream,
+        )
+        st.engine.submit(seq)
+        words = simtext.words(simtext.text_seed(settings.seed, rendered))
+        finish = "length" if explicit else "stop"
+        request_id = f"chatcmpl-sim-{next(self._ids)}"
+        if stream:
+            opts = body.get("stream_options") or {}
+            return _Stream(self._events(seq, words, request_id, model, finish, bool(opts.get("include_usage"))),
+                           lambda: self._abort(seq))
+        return await self._whole(request, seq, words, request_id, model, finish)
+
+    def _abort(self, seq: Sequence) -> None:
+        if self.state.engine.abort(seq):
+            self.state.aborted_total += 1
+
+    async def _whole(self, request: Request, seq: Sequence, words, request_id: str, model: str,
+                     finish: str) -> Response:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self._abort(seq)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            while seq.phase != DONE and not seq.closed:
+                seq.changed.clear()
+                await seq.changed.wait()
+        finally:
+            watcher.cancel()
+        if seq.aborted or seq.closed:
+            return Response(status_code=499)
+        self.state.completed_total += 1
+        content = "".join(itertools.islice(words, seq.generated))
+        return JSONResponse({
+            "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "logprobs": None, "finish_reason": finish, "stop_reason": None}],
+            "usage": {"prompt_tokens": seq.prompt_tokens, "completion_tokens": seq.generated,
+                      "total_tokens": seq.prompt_tokens + seq.generated},
+        })
+
+    async def _events(self, seq: Sequence, words, request_id: str, model: str, finish: str, usage: bool):
+        st, settings = self.state, self.state.settings
+        created = int(time.time())
+        head = ('data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,"choices":[{"index":0,'
+                % (request_id, created, json.dumps(model)))
+        keepalive = settings.keepalive_s / settings.speed if settings.keepalive_s > 0 else None
+        drop_at, bad_at = settings.drop_after_tokens, settings.malformed_after_tokens
+        sent = 0
+        try:
+            while True:
+                if seq.closed:
+                    yield _DROP
+                    return
+                ready = seq.generated
+                if ready > sent:
+                    out: list[str] = []
+                    if sent == 0:
+                        out.append(head + '"delta":{"role":"assistant","content":""},"logprobs":null,'
+                                   '"finish_reason":null}]}\n\n')
+                    while sent < ready:
+                        if sent == drop_at:
+                            break
+                        if sent == bad_at:
+                            out.append('data: {"id": broken\n\n')
+                        out.append(head + '"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n'
+                                   % json.dumps(next(words)))
+                        sent += 1
+                    if out:
+                        yield "".join(out).encode()
+                    if sent == drop_at:
+                        st.engine.abort(seq)
+                        st.dropped_total += 1
+                        yield _DROP
+                        return
+                if seq.phase == DONE and sent >= seq.generated:
+                    if seq.aborted:
+                        return
+                    tail = [head + '"delta":{},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n'
+                            % finish]
+                    if usage:
+                        tail.append(
+                            'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
+                            '"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n'
+                            % (request_id, created, json.dumps(model), seq.prompt_tokens, sent,
+                               seq.prompt_tokens + sent))
+                    tail.append("data: [DONE]\n\n")
+                    st.completed_total += 1
+                    yield "".join(tail).encode()
+                    return
+                seq.changed.clear()
+                if seq.generated > sent or seq.phase == DONE or seq.closed:
+                    continue
+                if keepalive is None:
+                    await seq.changed.wait()
+                else:
+                    try:
+                        await asyncio.wait_for(seq.changed.wait(), keepalive)
+                    except TimeoutError:
+                        yield b": keep-alive\n\n"
+        finally:
+            if seq.phase != DONE:
+                self._abort(seq)
+
+
+class _QuietIncomplete(logging.Filter):
+    """Hide uvicorn's error line for a response cut on purpose (the drop fault)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "returned without completing response" not in record.getMessage()
+
+
+_filter_installed = False
+
+
+def _install_log_filter() -> None:
+    global _filter_installed
+    if not _filter_installed:
+        logging.getLogger("uvicorn.error").addFilter(_QuietIncomplete())
+        _filter_installed = True
+
+
+def create_app(settings: SimSettings, *, model: str = "sim-model") -> Starlette:
+    """A starlette app serving one simulated model; `app.state.sim` is its SimState."""
+    spec = resolve(settings)
+    kv = KvCache(spec.num_gpu_blocks, spec.block_size, spec.num_cpu_blocks)
+    state = SimState(settings=settings, model=model, spec=spec, engine=Engine(spec.params, kv))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SimCollector(state))
+    _install_log_filter()
+
+    async def health(request: Request) -> Response:
+        if state.loading:
+            return _error(503, "Loading model")
+        return Response(status_code=200)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": model, "object": "model", "created": int(state.started_at), "owned_by": OWNER, "root": model,
+            "parent": None, "max_model_len": spec.max_model_len}]})
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    app = Starlette(routes=[
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", _Chat(state).handle, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ])
+    app.state.sim = state
+    return app

@@ -1,0 +1,274 @@
+"""The simulated engine: a step loop like vLLM's scheduler, on a clock that `speed` scales.
+
+Each step admits waiting requests while there are free sequence slots and KV blocks, computes one
+decode token for every running sequence plus chunks of prompts (prefill), and takes simulated time:
+a decode step costs (1 + batch_slowdown x (batch - 1)) / tokens_per_s, prefill costs its uncached
+tokens / prefill_tokens_per_s, a reload from the CPU tier costs tokens / reload rate. When a running
+sequence needs a block and none is free, the most recently admitted one is preempted (its blocks are
+freed; it waits at the head of the queue and recomputes later), as vLLM does.
+
+Time is event-driven and cheap: the loop sleeps until each step's end in real time and runs several
+tiny steps per wake-up when `speed` makes them shorter than a millisecond.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from cerevisor_tui.sim.kv import KvCache, KvHold
+
+WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+
+
+@dataclass
+class EngineParams:
+    """Numbers the step loop runs on (resolved from SimSettings and the profile)."""
+
+    speed: float = 1.0
+    tokens_per_s: float = 40.0
+    ttft_s: float = 0.3
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 8192
+    batch_slowdown: float = 0.02
+    prefill_tokens_per_s: float = 20000.0
+    reload_tokens_per_s: float = 1_000_000.0
+    stall_after_tokens: int = -1
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine."""
+
+    prompt_tokens: int
+    hashes: list[int]
+    max_tokens: int
+    notify_each_token: bool = True
+    generated: int = 0
+    phase: str = WAITING
+    hold: KvHold = field(default_factory=KvHold)
+    not_before: float = 0.0  # engine time before which its prefill may not start (ttft)
+    prefill_left: int = 0
+    reload_left: int = 0
+    admitted_once: bool = False
+    preemptions: int = 0
+    aborted: bool = False
+    closed: bool = False  # the server is shutting down
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase == DONE
+
+
+class Engine:
+    """Runs sequences against a KvCache; one per simulated server, living in one event loop."""
+
+    def __init__(self, params: EngineParams, kv: KvCache) -> None:
+        self.p = params
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.now = 0.0  # engine (simulated) seconds
+        self.max_running_seen = 0
+        self.preemptions_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.computed_prompt_tokens_total = 0
+        self.steps_total = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # ---- requests -----------------------------------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        if self._closed:
+            seq.closed = True
+            seq.changed.set()
+            return
+        self.waiting.append(seq)
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="cerevisor-sim-engine")
+
+    def abort(self, seq: Sequence) -> bool:
+        """Drop a request (client gone); True when it was still waiting or running."""
+        if seq.phase == DONE:
+            return False
+        if seq.phase == WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        else:
+            self.running.remove(seq)
+            self.kv.release(seq.hold)
+        seq.phase = DONE
+        seq.aborted = True
+        seq.changed.set()
+        self._wake.set()
+        return True
+
+    async def close(self) -> None:
+        """Stop the loop and wake every open request so that its handler ends."""
+        self._closed = True
+        for seq in [*self.waiting, *self.running]:
+            seq.closed = True
+            seq.changed.set()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    # ---- the loop -----------------------------------------------------------------------------
+    def _clock(self) -> float:
+        return self._anchor_sim + (time.monotonic() - self._anchor_real) * self.p.speed
+
+    def _reanchor(self) -> None:
+        self._anchor_real = time.monotonic()
+        self._anchor_sim = self.now
+
+    async def _loop(self) -> None:
+        self._anchor_real = time.monotonic()
+        self._anchor_sim = self.now
+        idle_since = time.monotonic()
+        while True:
+            if not self.waiting and not self.running:
+                idle_since = time.monotonic()
+                self._wake.clear()
+                await self._wake.wait()
+                self.now += (time.monotonic() - idle_since) * self.p.speed
+                self._reanchor()
+                continue
+            self._wake.clear()
+            self._admit()
+            dt, produced = self._plan()
+            if dt <= 0.0:
+                # Nothing can compute yet: sleep until the earliest TTFT ends or something arrives.
+                pending = [s.not_before for s in self.running if s.phase == PREFILL]
+                if not pending:
+                    await self._wake.wait()
+                    self.now = max(self.now, self._clock())
+                    continue
+                until = min(pending)
+                delay = (until - self._clock()) / self.p.speed
+                if delay > 0:
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), delay)
+                    except TimeoutError:
+                        pass
+                self.now = max(self.now, min(until, self._clock()))
+                if self.now < until and not self._wake.is_set():
+                    self.now = until
+                continue
+            self.now += dt
+            delay = (self.now - self._clock()) / self.p.speed
+            if delay > 0.001:
+                await asyncio.sleep(delay)
+            else:
+                if delay < -0.02:  # falling behind real time: keep simulated time honest
+                    self._reanchor()
+                await asyncio.sleep(0)
+            self._apply(produced)
+
+    def _admit(self) -> None:
+        p = self.p
+        while self.waiting and len(self.running) < p.max_num_seqs:
+            seq = self.waiting[0]
+            tokens = seq.prompt_tokens + seq.generated  # a preempted sequence recomputes its output too
+            got = self.kv.try_admit(seq.hashes, tokens, seq.hold, count=not seq.admitted_once)
+            if got is None:
+                break
+            self.waiting.popleft()
+            seq.phase = PREFILL
+            seq.prefill_left = max(1, got.compute_tokens)
+            seq.reload_left = got.cpu_hit_tokens
+            if not seq.admitted_once:
+                seq.not_before = self.now + p.ttft_s
+                self.prompt_tokens_total += seq.prompt_tokens
+                seq.admitted_once = True
+            else:
+                seq.not_before = self.now
+            self.running.append(seq)
+        if len(self.running) > self.max_running_seen:
+            self.max_running_seen = len(self.running)
+
+    def _preempt_for(self, seq: Sequence) -> bool:
+        """Free blocks for `seq` by preempting the latest admitted others; False if `seq` itself went."""
+        while True:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+            if self.kv.grow(seq.hold, seq.prompt_tokens + seq.generated + 1):
+                return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq.hold)
+        seq.phase = WAITING
+        seq.preemptions += 1
+        self.preemptions_total += 1
+        self.waiting.appendleft(seq)
+
+    def _plan(self) -> tuple[float, list[Sequence]]:
+        """Decide one step: which sequences make a token, and how long it takes (0: nothing to do)."""
+        p = self.p
+        produced: list[Sequence] = []
+        stall = p.stall_after_tokens
+        # Decode slots first: each decoding sequence needs room for one more token.
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            if seq.phase == DECODE and (stall < 0 or seq.generated < stall):
+                if not self.kv.grow(seq.hold, seq.prompt_tokens + seq.generated + 1):
+                    if not self._preempt_for(seq):
+                        continue  # seq itself was preempted; running[i] is the next one now
+                produced.append(seq)
+            i += 1
+        budget = p.max_num_batched_tokens - len(produced)
+        prefill_tokens = 0
+        reload_tokens = 0
+        in_batch = len(produced)
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.phase != PREFILL or seq.not_before > self.now:
+                continue
+            if seq.reload_left:
+                reload_tokens += seq.reload_left
+                seq.reload_left = 0
+            chunk = min(seq.prefill_left, budget)
+            seq.prefill_left -= chunk
+            budget -= chunk
+            prefill_tokens += chunk
+            in_batch += 1
+            if seq.prefill_left == 0:
+                produced.append(seq)
+        if in_batch == 0:
+            return 0.0, produced
+        self.computed_prompt_tokens_total += prefill_tokens
+        dt = (1.0 + p.batch_slowdown * (in_batch - 1)) / p.tokens_per_s
+        dt += prefill_tokens / p.prefill_tokens_per_s + reload_tokens / p.reload_tokens_per_s
+        return dt, produced
+
+    def _apply(self, produced: list[Sequence]) -> None:
+        self.steps_total += 1
+        for seq in produced:
+            if seq.phase == DONE or seq.phase == WAITING:  # aborted or preempted meanwhile
+                continue
+            seq.phase = DECODE
+            seq.generated += 1
+            self.generation_tokens_total += 1
+            if seq.generated >= seq.max_tokens:
+                seq.phase = DONE
+                self.running.remove(seq)
+                self.kv.release(seq.hold)
+                seq.changed.set()
+            elif seq.notify_each_token:
+                seq.changed.set()
