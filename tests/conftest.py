@@ -39,7 +39,7 @@ class RawServer:
             await read_request(reader)
             self.requests += 1
             await self.handler(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
         finally:
             self.open_connections -= 1

@@ -78,6 +78,8 @@ class Attempt:
     restart: bool = False
     stream: ChatStream | None = None
     scope: anyio.CancelScope | None = None
+    # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
+    alive: anyio.Event = field(default_factory=anyio.Event)
 
     def kill(self, deadline: str, reason: str, *, by_operator: bool = False, restart: bool = False) -> None:
         if self.kill_reason:
@@ -475,6 +477,7 @@ class Engine:
                             if st.ttft_s is None:
                                 st.ttft_s = ttft
                             st.status = "streaming"
+                            att.alive.set()
                             emit(ev.FirstToken(now, name, number, st.turn, ttft))
                         elif st.status != "streaming":
                             st.status = "streaming"
@@ -488,6 +491,7 @@ class Engine:
                     elif kind == KEEPALIVE:
                         if by_bytes:
                             att.last_alive = monotonic()
+                            att.alive.set()
                         emit(ev.KeepAlive(monotonic(), name, number))
                 return
             except EndpointUnreachable as exc:
@@ -560,7 +564,12 @@ class Engine:
             next_at = att.deadline_at
             if att.warned < len(fractions):
                 next_at = min(next_at, base + fractions[att.warned] * total)
-            await anyio.sleep(max(0.0, next_at - monotonic()) + 0.001)
+            delay = max(0.0, next_at - monotonic()) + 0.001
+            if phase == "first_byte" and not att.alive.is_set():
+                with anyio.move_on_after(delay):
+                    await att.alive.wait()
+            else:
+                await anyio.sleep(delay)
 
     async def _busy_reason(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> str | None:
         """The seam for the server-busy extension: ask the endpoint whether it is loading or queueing."""

@@ -1,0 +1,202 @@
+"""The two-deadline stall watchdog, at test scale over real loopback HTTP (DESIGN section 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import anyio
+import pytest
+
+from cerevisor_tui.config import validate
+from cerevisor_tui.engine.engine import Engine
+from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk
+
+DONE = sse_chunk("", finish="stop") + sse_chunk(usage={"prompt_tokens": 1, "completion_tokens": 2}) + b"data: [DONE]\n\n"
+
+
+def engine_for(url: str, *, kind: str = "local", retries: int = 0, **stall) -> Engine:
+    stall = {"idle_timeout_s": 1.0, "first_byte_timeout_s": 5.0, "warn_at": [0.5, 0.8, 0.95], **stall}
+    return Engine(validate({
+        "stall": stall,
+        "endpoints": [{"name": "box", "base_url": url, "kind": kind, "model": "m"}],
+        "agents": [{"name": "a1", "prompt": "hi", "retries": retries}],
+    }))
+
+
+def recorder(engine: Engine) -> list:
+    seen: list = []
+    engine.subscribe(seen.append)
+    return seen
+
+
+def keepalives_after_tokens(seconds: float):
+    async def handler(reader, writer):
+        writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("one ") + sse_chunk("two ")))
+        await writer.drain()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            await asyncio.sleep(0.1)
+            writer.write(chunk(b": keep-alive\n\n"))
+            await writer.drain()
+        writer.write(chunk(DONE) + chunk(b""))
+        await writer.drain()
+    return handler
+
+
+@pytest.mark.anyio
+async def test_keepalives_without_tokens_are_killed_at_the_idle_deadline_after_each_warning():
+    async with RawServer(keepalives_after_tokens(3.0)) as srv:
+        engine = engine_for(srv.base_url)
+        seen = recorder(engine)
+        assert await engine.run() == 1
+    last_token = max(e.t for e in seen if e.kind == "TokenDelta")
+    warnings = [e for e in seen if e.kind == "StallWarning"]
+    killed = [e for e in seen if e.kind == "AgentKilled"]
+    assert [w.fraction for w in warnings] == [0.5, 0.8, 0.95]
+    assert all(w.deadline == "idle" for w in warnings)
+    assert len(killed) == 1 and killed[0].deadline == "idle"
+    assert killed[0].reason.startswith("no output for 1") and killed[0].reason.endswith("after 2 tokens")
+    assert abs((killed[0].t - last_token) - 1.0) < 0.5
+    assert max(w.t for w in warnings) < killed[0].t
+    assert any(e.kind == "KeepAlive" for e in seen)  # shown either way
+    assert engine.agents["a1"].status == "killed"
+    report = engine.report.to_dict()["agents"][0]
+    assert report["status"] == "killed" and report["stall_warnings"] == 3 and "no output" in report["error"]
+
+
+@pytest.mark.anyio
+async def test_with_byte_liveness_keepalives_keep_the_stream_alive():
+    async with RawServer(keepalives_after_tokens(2.0)) as srv:
+        engine = engine_for(srv.base_url, liveness="bytes")
+        seen = recorder(engine)
+        assert await engine.run() == 0
+    assert not [e for e in seen if e.kind in ("AgentKilled", "StallWarning")]
+
+
+@pytest.mark.anyio
+async def test_a_slow_but_alive_stream_is_never_killed():
+    async def slow(reader, writer):
+        writer.write(http_head(200, "text/event-stream"))
+        for i in range(5):
+            await asyncio.sleep(0.6)  # 0.6 x the idle deadline
+            writer.write(chunk(sse_chunk(f"t{i} ")))
+            await writer.drain()
+        writer.write(chunk(DONE) + chunk(b""))
+        await writer.drain()
+
+    async with RawServer(slow) as srv:
+        engine = engine_for(srv.base_url, first_byte_timeout_s=1.0)
+        seen = recorder(engine)
+        assert await engine.run() == 0
+    assert not [e for e in seen if e.kind == "AgentKilled"]
+    assert engine.agents["a1"].output == "t0 t1 t2 t3 t4 "
+    # only the first warning fraction (0.5) can pass between tokens 0.6 apart
+    assert {e.fraction for e in seen if e.kind == "StallWarning"} <= {0.5}
+
+
+@pytest.mark.anyio
+async def test_first_byte_deadline_kills_with_its_own_reason():
+    async def silent(reader, writer):
+        writer.write(http_head(200, "text/event-stream"))
+        await writer.drain()
+        await asyncio.sleep(10)
+
+    async with RawServer(silent) as srv:
+        engine = engine_for(srv.base_url, first_byte_timeout_s=0.8, idle_timeout_s=0.2)
+        seen = recorder(engine)
+        assert await engine.run() == 1
+    killed = next(e for e in seen if e.kind == "AgentKilled")
+    assert killed.deadline == "first_byte" and killed.reason.startswith("no first token after 0.8")
+    assert [w.deadline for w in seen if w.kind == "StallWarning"] == ["first_byte"] * 3
+
+
+async def _late_server(port: int, delay: float, started: list) -> None:
+    await anyio.sleep(delay)
+
+    async def ok(reader, writer):
+        writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("one ") + sse_chunk("two ") + DONE) + chunk(b""))
+        await writer.drain()
+
+    async with RawServer(ok, port=port) as srv:
+        started.append(srv)
+        await anyio.sleep(4)
+
+
+@pytest.mark.anyio
+async def test_a_local_endpoint_that_opens_its_port_late_is_waited_for():
+    port = free_port()
+    engine = engine_for(f"http://127.0.0.1:{port}/v1", kind="local", first_byte_timeout_s=5.0)
+    seen = recorder(engine)
+    started: list = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_late_server, port, 2.0, started)
+        code = await engine.run()
+        tg.cancel_scope.cancel()
+    assert code == 0 and engine.agents["a1"].output == "one two "
+    waits = [e for e in seen if e.kind == "EndpointWaiting"]
+    assert waits and all("cannot connect" in w.reason for w in waits)
+    assert not [e for e in seen if e.kind == "AgentKilled"]
+
+
+@pytest.mark.anyio
+async def test_a_hosted_endpoint_that_refuses_fails_at_once():
+    port = free_port()
+    engine = engine_for(f"http://127.0.0.1:{port}/v1", kind="hosted", first_byte_timeout_s=5.0)
+    t0 = time.monotonic()
+    assert await engine.run() == 1
+    assert time.monotonic() - t0 < 1.0
+    st = engine.agents["a1"]
+    assert st.status == "failed" and st.error.startswith("endpoint box: cannot connect")
+
+
+@pytest.mark.anyio
+async def test_a_kill_closes_the_connection_on_the_server_side():
+    closed_at: list[float] = []
+
+    async def endless(reader, writer):
+        writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("one ")))
+        await writer.drain()
+        try:
+            await reader.read()  # returns when the client closes the connection
+        finally:
+            closed_at.append(time.monotonic())
+
+    async with RawServer(endless) as srv:
+        engine = engine_for(srv.base_url, idle_timeout_s=0.6)
+        seen = recorder(engine)
+        assert await engine.run() == 1
+        await anyio.sleep(0.2)
+        killed = next(e for e in seen if e.kind == "AgentKilled")
+        assert closed_at and closed_at[0] - killed.t < 1.0
+        assert srv.open_connections == 0
+
+
+@pytest.mark.anyio
+async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry():
+    async with RawServer(keepalives_after_tokens(5.0)) as srv:
+        engine = engine_for(srv.base_url, retries=3, idle_timeout_s=1.0)
+        seen = recorder(engine)
+        extended: list[float] = []
+
+        def on_event(e):
+            if e.kind == "StallWarning" and e.fraction == 0.8 and not extended:
+                before = engine.agents["a1"].current.deadline_at
+                assert engine.extend("a1", 1.0)
+                extended.append(engine.agents["a1"].current.deadline_at - before)
+        engine.subscribe(on_event)
+        assert await engine.run() == 1
+    killed = next(e for e in seen if e.kind == "AgentKilled")
+    last_token = max(e.t for e in seen if e.kind == "TokenDelta" and e.t < killed.t)
+    assert extended == [pytest.approx(1.0)]
+    assert killed.t - last_token == pytest.approx(2.0, abs=0.4)  # 1 s idle + 1 s extension
+    assert any(e.kind == "StallExtended" and e.reason == "extended by operator" for e in seen)
+    assert sum(1 for e in seen if e.kind == "AgentRetrying") == 3  # stall kills are retried
+
+    async with RawServer(keepalives_after_tokens(5.0)) as srv:
+        engine = engine_for(srv.base_url, retries=3)
+        seen = recorder(engine)
+        engine.subscribe(lambda e: engine.kill("a1") if e.kind == "FirstToken" else None)
+        assert await engine.run() == 1
+    assert engine.agents["a1"].status == "killed" and engine.agents["a1"].error == "killed by operator"
+    assert not [e for e in seen if e.kind == "AgentRetrying"]
