@@ -66,6 +66,7 @@ class ChatStream:
     endpoint: str
     url: str
     body: dict[str, Any]
+    headers: dict[str, str] | None = None
     last_byte_at: float = 0.0
     tokens: int = 0
     finish_reason: str = ""
@@ -74,7 +75,7 @@ class ChatStream:
 
     async def events(self) -> AsyncIterator[tuple[int, Any]]:
         try:
-            async with self.client.stream("POST", self.url, json=self.body) as response:
+            async with self.client.stream("POST", self.url, json=self.body, headers=self.headers) as response:
                 if response.status_code >= 300:
                     raise await _http_error(self.endpoint, response)
                 ctype = response.headers.get("content-type", "")

@@ -425,7 +425,8 @@ class Engine:
                     self.emit(ev.AgentKilled(time.monotonic(), st.name, att.number, att.kill_deadline,
                                              att.kill_reason, att.tokens))
                 status = "cancelled" if self.stopping else "killed"
-                raise _AttemptFailed(status, att.kill_reason, retryable=not att.by_operator, restart=att.restart)
+                reason = att.kill_reason if att.by_operator else f"{att.kill_deadline} deadline: {att.kill_reason}"
+                raise _AttemptFailed(status, reason, retryable=not att.by_operator, restart=att.restart)
             if error is not None:
                 raise _AttemptFailed("failed", str(error), retryable=error.retryable, retry_after_s=error.retry_after_s)
             raise _AttemptFailed("cancelled", "cancelled", retryable=False)
@@ -464,7 +465,8 @@ class Engine:
                     "max_tokens": st.config.max_tokens,
                     "temperature": st.config.temperature,
                 }
-                stream = ChatStream(client, ep.name, self.base_urls[ep.name].rstrip("/") + "/chat/completions", body)
+                stream = ChatStream(client, ep.name, self.base_urls[ep.name].rstrip("/") + "/chat/completions", body,
+                                    {"X-Cerevisor-Agent": name})
                 att.stream = stream
                 async for kind, payload in stream.events():
                     if kind == DELTA:
