@@ -96,7 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="how many conversations fit in GPU KV memory",
         description="Estimate KV-cache capacity: bytes per token, tokens that fit, conversations that fit, zones.",
         epilog="examples:\n  cerevisor-tui estimate --model llama-3.1-70b --gpu h100 --gpus 4 --context 32768\n"
-        "  cerevisor-tui estimate --model-config ./config.json --kv-memory-gib 12.5",
+        "  cerevisor-tui estimate --model-config ./config.json --kv-memory-gib 12.5\n"
+        "  cerevisor-tui estimate --model qwen3-32b --gpu h100 --cpu-offload-gib 200 --context 16384\n"
+        "  cerevisor-tui estimate --list\n\n"
+        "--kv-memory-gib is per GPU, as vLLM logs it ('Available KV cache memory: X GiB'); the tokens printed\n"
+        "then match vLLM's own 'GPU KV cache size: N tokens'. See DESIGN.md section 6 for the zones.",
         formatter_class=_formatter,
     )
     model = est.add_mutually_exclusive_group(required=True)
@@ -106,10 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--gpu", metavar="NAME", help="GPU preset")
     est.add_argument("--gpus", type=int, default=1, metavar="N", help="number of GPUs (tensor parallel; default 1)")
     est.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="U", help="fraction of GPU memory the server may use (default 0.9)")
-    est.add_argument("--kv-memory-gib", type=float, metavar="G", help="KV memory the server reported, instead of --gpu")
+    est.add_argument("--kv-memory-gib", type=float, metavar="G",
+                     help="KV memory per GPU the server reported (vLLM: 'Available KV cache memory: G GiB'), instead of --gpu")
     est.add_argument("--context", type=int, metavar="TOKENS", help="tokens per conversation (default: the model's max)")
-    est.add_argument("--kv-dtype", default="auto", metavar="D", help="auto, fp16, bf16, fp8 (default auto)")
-    est.add_argument("--cpu-offload-gib", type=float, default=0.0, metavar="G", help="CPU KV tier size (default 0)")
+    est.add_argument("--kv-dtype", default="auto", metavar="D", help="auto, fp16, bf16, fp8 (default auto: the model's dtype)")
+    est.add_argument("--cpu-offload-gib", type=float, default=0.0, metavar="G", help="CPU KV tier size, all GPUs together (default 0)")
+    est.add_argument("--runtime-reserve-gib", type=float, metavar="G",
+                     help="memory per GPU for activations, CUDA graphs and the CUDA context (default 4)")
+    est.add_argument("--weights-gib", type=float, metavar="G", help="model weights in all (default: from the preset or config.json)")
+    est.add_argument("--block-size", type=int, metavar="N", help="KV block size in tokens (default 16; vLLM on CPU: 128)")
+    est.add_argument("--reload-gb-per-s", type=float, metavar="X", help="host-to-GPU bandwidth per GPU for CPU-tier reloads")
+    est.add_argument("--prefill-tokens-per-s", type=float, metavar="X", help="prefill throughput, for the recompute time")
     est.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
 
