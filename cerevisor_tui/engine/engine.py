@@ -31,6 +31,7 @@ from cerevisor_tui.endpoints.client import (
     list_models,
 )
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable, MissingApiKey
+from cerevisor_tui.endpoints.metrics import MetricsSnapshot, ServerStatus, prefix_hit_rate, read_server
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.report import Report
 from cerevisor_tui.engine.scheduler import MODES, Scheduler
@@ -167,6 +168,7 @@ class Engine:
         self.base_urls: dict[str, str] = {ep.name: ep.base_url for ep in config.endpoints}
         self.models: dict[str, str] = {ep.name: ep.model for ep in config.endpoints if ep.model}
         self.busy_check: BusyCheck | None = None
+        self.server_status: dict[str, ServerStatus] = {}
         self.wave = -1
         self.started_at = 0.0
         self.started_wall = ""
@@ -300,7 +302,41 @@ class Engine:
         return code
 
     async def _start_background(self, group: anyio.abc.TaskGroup) -> None:
-        """Hook for tasks that live as long as the run (server metrics polling)."""
+        """Tasks that live as long as the run: each local endpoint's /health and /metrics, polled."""
+        for ep in self.config.endpoints:
+            if ep.kind != "hosted":
+                group.start_soon(self._monitor, ep.name)
+        if self.busy_check is None:
+            self.busy_check = self._server_busy
+
+    async def read_server(self, endpoint: str) -> ServerStatus:
+        return await read_server(self._clients[endpoint], self.base_urls[endpoint])
+
+    async def _monitor(self, endpoint: str) -> None:
+        previous: MetricsSnapshot | None = None
+        while True:
+            status = await self.read_server(endpoint)
+            self.server_status[endpoint] = status
+            m = status.metrics
+            detail = status.loading_message or ("loading" if status.loading else "") or (status.error or "")
+            self.emit(ev.ServerSample(
+                time.monotonic(), endpoint, status.reachable and not status.loading and (status.health_status or 0) < 400,
+                status.kind, _num(m.requests_running) if m else None, _num(m.requests_waiting) if m else None,
+                m.kv_cache_usage if m else None,
+                (prefix_hit_rate(previous, m) if m and previous else (m.prefix_cache_hit_rate if m else None)),
+                _num(m.preemptions) if m else None, _num(m.kv_cache_size_tokens) if m else None, detail,
+                slots_busy=status.slots.processing if status.slots else None,
+                slots_total=status.slots.total if status.slots else None,
+            ))
+            previous = m or previous
+            await anyio.sleep(self.config.run.metrics_interval_s)
+
+    async def _server_busy(self, endpoint: str) -> str | None:
+        """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?"""
+        if self.endpoints[endpoint].kind == "hosted":
+            return None
+        status = await self.read_server(endpoint)
+        return status.busy_reason
 
     async def _run_wave(self, wave: int, states: list[AgentState]) -> None:
         self.wave = wave
@@ -610,6 +646,10 @@ class Engine:
     @staticmethod
     def _mode_note(mode: str) -> str:
         return "auto adapts the cap in a later version; it behaves as parallel for now" if mode == "auto" else ""
+
+
+def _num(value: float | int | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def api_key(ep: EndpointConfig) -> str | None:

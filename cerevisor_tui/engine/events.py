@@ -227,6 +227,8 @@ class ServerSample(Event):
     preemptions: float | None = None
     kv_cache_tokens: float | None = None
     detail: str = ""
+    slots_busy: int | None = None  # llama.cpp /slots: slots generating
+    slots_total: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
