@@ -36,7 +36,12 @@ class RawServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.open_connections += 1
         try:
-            await read_request(reader)
+            request = await read_request(reader)
+            if not request.startswith(b"POST"):
+                # /health, /metrics, /v1/models: not what these tests script; the engine's monitor may ask
+                writer.write(http_head(404, "text/plain", length=0))
+                await writer.drain()
+                return
             self.requests += 1
             await self.handler(reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):

@@ -82,6 +82,8 @@ def test_sigkill_mid_run_then_resume_completes_without_asking_twice(tmp_path):
         assert asked_after[name] == asked_before[name]
     report = json.loads((run_dir / "report.json").read_text())
     assert {a["name"] for a in report["agents"] if a["status"] == "completed"} == {f"a{i}" for i in range(6)}
+    # agents completed before the crash keep their figures in the resumed report
+    assert all(a["turns"] == 2 and a["completion_tokens"] > 0 for a in report["agents"])
     # the same journal goes on: one RunStarted per run, appended
     kinds = [json.loads(line)["event"] for line in (run_dir / "events.jsonl").read_text().splitlines() if line.startswith("{")]
     assert kinds.count("RunStarted") == 2

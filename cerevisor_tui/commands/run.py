@@ -37,26 +37,40 @@ def apply_overrides(config: Config, args: Any, *, file: str) -> Config:
         raise
 
 
-def resume_state(run: str, runs_dir: Path) -> tuple[Path, str, dict[str, str]]:
-    """A run to resume: its directory, its id, and the answers of the agents it completed."""
+def resume_state(run: str, runs_dir: Path) -> tuple[Path, str, dict[str, str], list[dict[str, Any]]]:
+    """A run to resume: its directory, its id, the answers of the agents it completed, and their events."""
     path = Path(run)
     if not path.is_dir():
         path = runs_dir / run
     events = path / "events.jsonl"
     if not events.is_file():
         raise ConfigError(f"no run to resume at {path} (it has no events.jsonl)", key="--resume")
-    run_id, completed = path.name, {}
+    run_id, completed, recorded = path.name, {}, []
     with events.open(encoding="utf-8") as fh:
         for line in fh:
             try:
                 e = json.loads(line)
             except ValueError:
                 continue  # a crash may leave one partial last line
+            if not isinstance(e, dict):
+                continue
+            recorded.append(e)
             if e.get("event") == "RunStarted":
                 run_id = e.get("run_id", run_id)
             elif e.get("event") == "AgentFinished" and e.get("status") == "completed":
                 completed[e["agent"]] = e.get("output", "")
-    return path, run_id, completed
+    # the figures of completed agents carry over into the resumed run's report: the events since
+    # each one's last AgentQueued (an earlier failed run of the same agent does not count twice)
+    last_run: dict[str, list[dict[str, Any]]] = {}
+    for e in recorded:
+        agent = e.get("agent")
+        if agent in completed:
+            if e.get("event") == "AgentQueued":
+                last_run[agent] = []
+            elif e.get("event") != "AgentFinished":
+                last_run.setdefault(agent, []).append(e)
+    history = [e for events_ in last_run.values() for e in events_]
+    return path, run_id, completed, history
 
 
 def main(args: Any) -> int:
@@ -71,8 +85,9 @@ def main(args: Any) -> int:
         preflight(config, file=args.file)
         runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
         completed: dict[str, str] = {}
+        history: list[dict[str, Any]] = []
         if args.resume:
-            run_dir, run_id, completed = resume_state(args.resume, runs_dir)
+            run_dir, run_id, completed, history = resume_state(args.resume, runs_dir)
         else:
             run_id = new_run_id()
             run_dir = Path(args.run_dir) if args.run_dir else runs_dir / run_id
@@ -83,6 +98,11 @@ def main(args: Any) -> int:
         print(f"cerevisor-tui run: {exc}", file=sys.stderr)
         return 2
 
+    if history:
+        def carry_over(event: Any) -> None:
+            if event.kind == "RunStarted":
+                engine.report.replay(history)
+        engine.subscribe(carry_over)
     engine.subscribe(journal)
     engine.subscribe(Printer(jsonl=args.jsonl))
     received: list[int] = []

@@ -297,8 +297,9 @@ class Engine:
         code = 0 if all(st.status in ("completed",) for st in self.agents.values()) else 1
         if self.stopping:
             code = 1
-        self.report._t_end = time.monotonic()
-        self.emit(ev.RunFinished(self.report._t_end, self.run_id, code, self.report.totals()))
+        end = time.monotonic()
+        self.report.finish(end)
+        self.emit(ev.RunFinished(end, self.run_id, code, self.report.totals()))
         return code
 
     async def _start_background(self, group: anyio.abc.TaskGroup) -> None:

@@ -80,6 +80,22 @@ class Report:
         elif isinstance(event, ev.RunFinished):
             self.finished_at, self._t_end = _now_iso(), event.t
 
+    def finish(self, t: float) -> None:
+        """Fix the end of the run's wall time (before RunFinished is emitted with the totals)."""
+        self._t_end = t
+
+    def replay(self, events: list[dict[str, Any]]) -> None:
+        """Feed recorded events of an earlier run (a resumed run's completed agents) into the figures."""
+        for data in events:
+            cls = ev.ALL_EVENTS.get(data.get("event", ""))
+            if cls is None or cls is ev.RunStarted or cls is ev.RunFinished:
+                continue
+            fields = {k: v for k, v in data.items() if k != "event"}
+            try:
+                self(cls(**fields))
+            except (TypeError, KeyError):
+                continue  # a record from another version of the schema: skip it rather than fail the resume
+
     def totals(self) -> dict[str, Any]:
         agents = self.agents.values()
         end = self._t_end if self._t_end is not None else time.monotonic()

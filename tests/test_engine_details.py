@@ -1,0 +1,129 @@
+"""Engine details: reasoning and tool-call deltas, Retry-After, auto mode, a kill seen by the simulator,
+and the config lookup order."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+import pytest
+
+from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.config.paths import CONFIG_ENV, find_config
+from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.sim import SimServer
+from tests.conftest import RawServer, chunk, http_head
+
+
+def data(obj) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def delta(**fields) -> bytes:
+    return data({"choices": [{"index": 0, "delta": fields, "finish_reason": None}]})
+
+
+def one_agent(url: str, **stall) -> Engine:
+    return Engine(validate({"stall": {"idle_timeout_s": 0.6, **stall},
+                            "endpoints": [{"name": "e", "base_url": url, "model": "m"}],
+                            "agents": [{"name": "a", "prompt": "p", "retries": 1}]}))
+
+
+@pytest.mark.anyio
+async def test_reasoning_and_tool_call_deltas_are_signs_of_life_and_are_shown():
+    async def thinker(reader, writer):
+        writer.write(http_head(200, "text/event-stream"))
+        parts = [delta(role="assistant", content=""), delta(reasoning_content="think "), delta(reasoning="more "),
+                 delta(tool_calls=[{"index": 0, "function": {"name": "search", "arguments": ""}}]),
+                 delta(tool_calls=[{"index": 0, "function": {"arguments": '{"q": 1}'}}]), delta(content="answer")]
+        for part in parts:
+            writer.write(chunk(part))
+            await writer.drain()
+            await anyio.sleep(0.4)  # 0.4 s apart, idle deadline 0.6 s: only tokens of every kind keep it alive
+        writer.write(chunk(data({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + b"data: [DONE]\n\n") + chunk(b""))
+        await writer.drain()
+
+    async with RawServer(thinker) as srv:
+        engine = one_agent(srv.base_url)
+        seen = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+    deltas = [e for e in seen if e.kind == "TokenDelta"]
+    assert [d.reasoning for d in deltas][:2] == ["think ", "more "]
+    assert deltas[2].tool == "search" and deltas[3].tool == '{"q": 1}'
+    assert engine.agents["a"].output == "answer"
+    first = next(e for e in seen if e.kind == "FirstToken")
+    assert first.ttft_s < 1.0  # reasoning counted as the first token
+    assert not any(e.kind == "AgentKilled" for e in seen)
+    transcript = next(e for e in seen if e.kind == "MessageRecorded" and e.role == "assistant")
+    assert transcript.reasoning == "think more " and transcript.content == "answer"
+
+
+@pytest.mark.anyio
+async def test_retry_after_is_honoured():
+    calls: list[float] = []
+
+    async def limited(reader, writer):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            body = b'{"error": {"message": "slow down"}}'
+            writer.write(http_head(429, "application/json", "retry-after: 1\r\n", len(body)) + body)
+        else:
+            writer.write(http_head(200, "text/event-stream") + chunk(delta(content="ok") + b"data: [DONE]\n\n") + chunk(b""))
+        await writer.drain()
+
+    async with RawServer(limited) as srv:
+        engine = one_agent(srv.base_url)
+        seen = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+    retry = next(e for e in seen if e.kind == "AgentRetrying")
+    assert "HTTP 429" in retry.cause and retry.delay_s >= 1.0
+    assert calls[1] - calls[0] >= 0.95
+
+
+@pytest.mark.anyio
+async def test_auto_mode_is_accepted_and_says_it_behaves_as_parallel():
+    async with SimServer(SimSettings(tokens_per_s=100, ttft_s=0.01)) as srv:
+        engine = Engine(validate({"run": {"mode": "auto", "max_concurrency": 3},
+                                  "endpoints": [{"name": "e", "base_url": srv.base_url}],
+                                  "agents": [{"name": f"a{i}", "prompt": "p", "max_tokens": 20} for i in range(6)]}))
+        seen = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+        assert srv.state.max_running_seen == 3
+    started = next(e for e in seen if e.kind == "RunStarted")
+    assert started.mode == "auto" and "behaves as parallel" in started.note
+
+
+@pytest.mark.anyio
+async def test_a_killed_attempt_frees_the_simulated_server_within_a_second():
+    async with SimServer(SimSettings(stall_after_tokens=3, keepalive_s=0.1, tokens_per_s=100)) as srv:
+        engine = Engine(validate({"stall": {"idle_timeout_s": 0.6},
+                                  "endpoints": [{"name": "e", "base_url": srv.base_url}],
+                                  "agents": [{"name": "a", "prompt": "p", "retries": 0}]}))
+        killed_at: list[float] = []
+        engine.subscribe(lambda e: killed_at.append(e.t) if e.kind == "AgentKilled" else None)
+        assert await engine.run() == 1
+        assert killed_at
+        while srv.state.running and time.monotonic() - killed_at[0] < 1.0:
+            await anyio.sleep(0.02)
+        assert srv.state.running == 0 and srv.state.aborted_total == 1
+        assert time.monotonic() - killed_at[0] < 1.0
+
+
+def test_config_lookup_order(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert find_config(None) is None
+    user = tmp_path / "xdg" / "cerevisor-tui" / "config.toml"
+    user.parent.mkdir(parents=True)
+    user.write_text("")
+    assert find_config(None) == user
+    (tmp_path / "cerevisor.toml").write_text("")
+    assert find_config(None) == tmp_path / "cerevisor.toml"
+    monkeypatch.setenv(CONFIG_ENV, str(tmp_path / "env.toml"))
+    assert find_config(None) == tmp_path / "env.toml"
+    assert find_config("flag.toml").name == "flag.toml"
