@@ -129,7 +129,7 @@ class SimSettings(_Section):
     cpu_offload_gib: float = Field(default=0.0, ge=0)
     """Size of a CPU KV tier that keeps evicted prefix blocks for a fast reload; 0: none."""
     cpu_bandwidth_gib_s: float = Field(default=25.0, gt=0)
-    """How fast blocks reload from the CPU tier (PCIe), in GiB/s."""
+    """How fast blocks reload from the CPU tier (PCIe), in GiB/s; with a profile, its GPUs' host link unless set."""
     prefill_tokens_per_s: float = Field(default=0.0, ge=0)
     """Prompt tokens the server computes per second, shared by the batch; 0: the profile's, else 20000."""
     batch_slowdown: float = Field(default=0.02, ge=0)

@@ -306,8 +306,14 @@ class _Chat:
     async def _events(self, seq: Sequence, words, request_id: str, model: str, finish: str, usage: bool):
         st, settings = self.state, self.state.settings
         created = int(time.time())
-        head = ('data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,"choices":[{"index":0,'
-                % (request_id, created, json.dumps(model)))
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        # Content chunks are the hot path: a prebuilt prefix and suffix around the JSON of each word.
+        head = "data: " + json.dumps(base, separators=(",", ":"))[:-1] + ',"choices":[{"index":0,'
+        word_tail = '},"logprobs":null,"finish_reason":null}]}\n\n'
+
+        def event(obj: dict) -> str:
+            return "data: " + json.dumps({**base, **obj}, separators=(",", ":")) + "\n\n"
+
         keepalive = settings.keepalive_s / settings.speed if settings.keepalive_s > 0 else None
         drop_at, bad_at = settings.drop_after_tokens, settings.malformed_after_tokens
         sent = 0
@@ -327,8 +333,7 @@ class _Chat:
                             break
                         if sent == bad_at:
                             out.append('data: {"id": broken\n\n')
-                        out.append(head + '"delta":{"content":%s},"logprobs":null,"finish_reason":null}]}\n\n'
-                                   % json.dumps(next(words)))
+                        out.append(head + '"delta":{"content":' + json.dumps(next(words)) + word_tail)
                         sent += 1
                     if out:
                         yield "".join(out).encode()
@@ -340,14 +345,12 @@ class _Chat:
                 if seq.phase == DONE and sent >= seq.generated:
                     if seq.aborted:
                         return
-                    tail = [head + '"delta":{},"logprobs":null,"finish_reason":"%s","stop_reason":null}]}\n\n'
-                            % finish]
+                    choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+                    tail = [event({"choices": [choice]})]
                     if usage:
-                        tail.append(
-                            'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
-                            '"choices":[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n'
-                            % (request_id, created, json.dumps(model), seq.prompt_tokens, sent,
-                               seq.prompt_tokens + sent))
+                        tail.append(event({"choices": [], "usage": {
+                            "prompt_tokens": seq.prompt_tokens, "completion_tokens": sent,
+                            "total_tokens": seq.prompt_tokens + sent}}))
                     tail.append("data: [DONE]\n\n")
                     st.completed_total += 1
                     yield "".join(tail).encode()

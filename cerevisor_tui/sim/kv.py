@@ -51,6 +51,7 @@ class KvCache:
         self.cpu_queries_tokens = 0
         self.cpu_hits_tokens = 0
         self.evicted_blocks = 0
+        self.releases = 0  # bumped whenever blocks come back, so a blocked admission knows to retry
 
     # ---- views --------------------------------------------------------------------------------
     @property
@@ -75,20 +76,22 @@ class KvCache:
         return -(-tokens // self.block_size)
 
     # ---- allocation -------------------------------------------------------------------------
-    def _take_block(self) -> bool:
-        if self.num_blocks - self.used_blocks - len(self._evictable) > 0:
-            self.used_blocks += 1
-            return True
-        if not self._evictable:
+    def _take_blocks(self, n: int) -> bool:
+        """Mark `n` blocks used: never-used ones first, then evict cached ones oldest first."""
+        evictable = self._evictable
+        if n > self.num_blocks - self.used_blocks:
             return False
-        victim, _ = self._evictable.popitem(last=False)
-        self.evicted_blocks += 1
-        if self.cpu_blocks:
-            self._cpu[victim] = None
-            self._cpu.move_to_end(victim)
-            if len(self._cpu) > self.cpu_blocks:
-                self._cpu.popitem(last=False)
-        self.used_blocks += 1
+        fresh = min(n, self.num_blocks - self.used_blocks - len(evictable))
+        self.used_blocks += n
+        cpu, cpu_cap = self._cpu, self.cpu_blocks
+        for _ in range(n - fresh):
+            victim, _ = evictable.popitem(last=False)
+            if cpu_cap:
+                cpu[victim] = None
+                cpu.move_to_end(victim)
+        self.evicted_blocks += n - fresh
+        while len(cpu) > cpu_cap:
+            cpu.popitem(last=False)
         return True
 
     def try_admit(self, hashes: list[int], tokens: int, hold: KvHold, *, count: bool = True) -> Admission | None:
@@ -125,17 +128,16 @@ class KvCache:
                 self._refs[h] = 1
                 self.used_blocks += 1
             hold.hashed.append(h)
+        self._take_blocks(need_new)
+        refs, evictable, cpu = self._refs, self._evictable, self._cpu
         for h in hashes[gpu_hits:]:
-            self._take_block()
-            if h in self._refs or h in self._evictable:
+            if h in refs or h in evictable:
                 hold.private += 1  # a duplicate past the first miss: not shared
             else:
-                self._refs[h] = 1
-                self._cpu.pop(h, None)
+                refs[h] = 1
+                cpu.pop(h, None)
                 hold.hashed.append(h)
-        for _ in range(need_total - len(hashes)):
-            self._take_block()
-            hold.private += 1
+        hold.private += need_total - len(hashes)
         bs = self.block_size
         gpu_hit_tokens = min(gpu_hits * bs, tokens)
         cpu_hit_tokens = min(cpu_hits * bs, tokens - gpu_hit_tokens)
@@ -149,14 +151,17 @@ class KvCache:
 
     def grow(self, hold: KvHold, tokens: int) -> bool:
         """Make `hold` big enough for `tokens`; False when no block is free (the caller preempts)."""
-        while hold.blocks < self.blocks_for(tokens):
-            if not self._take_block():
-                return False
-            hold.private += 1
+        missing = self.blocks_for(tokens) - len(hold.hashed) - hold.private
+        if missing <= 0:
+            return True
+        if not self._take_blocks(missing):
+            return False
+        hold.private += missing
         return True
 
     def release(self, hold: KvHold) -> None:
         """Give back a sequence's blocks; its hashed ones stay cached, tail first in line for eviction."""
+        self.releases += 1
         self.used_blocks -= hold.private
         hold.private = 0
         for h in reversed(hold.hashed):

@@ -1,74 +1,76 @@
 """Simulator profiles: a model on some GPUs, as KV capacity and speed numbers.
 
-A profile is named `MODEL@GPU` or `MODEL@NxGPU` (e.g. `qwen3.6-35b-a3b@2xh100`). The KV numbers come
-from one function, `_kv_numbers`, so they can follow the capacity module's math.
+A profile is named `MODEL@GPU` or `MODEL@NxGPU` (e.g. `qwen3-30b-a3b@2xh100`), with any model and
+GPU preset of `cerevisor_tui.capacity`; the KV cache size, bytes per token, prefill speed and CPU
+reload link come from the same estimate `cerevisor-tui estimate` prints, so the simulator's cliff
+sits where the estimate says it does. Decode speed, which the estimate does not model, is a rough
+memory-bandwidth figure defined here.
 """
 
 from __future__ import annotations
 
 import re
 
+from cerevisor_tui.capacity import CapacityError, ModelSpec, UnknownPresetError, estimate, get_gpu, get_model
 from cerevisor_tui.sim.profiles import ProfileError, ProfileNumbers
 
-GIB = 1024**3
-
-# Built-in fallbacks: bytes per KV token, weights in GiB, max context; decode tok/s of one sequence on
-# one H100-class GPU and prefill tok/s (rough public figures, for shape not for benchmarking).
-_MODELS: dict[str, dict[str, float]] = {
-    # Qwen3.6-35B-A3B-like hybrid MoE: 10 full-attention layers x 2 KV heads x 256 x bf16.
-    "qwen3.6-35b-a3b": {"bytes_per_token": 20480, "weights_gib": 65.0, "max_model_len": 262144,
-                        "tokens_per_s": 150.0, "prefill_tokens_per_s": 20000.0},
-    # Qwen3-30B-A3B: 48 layers x 4 KV heads x 128 x 2 x bf16.
-    "qwen3-30b-a3b": {"bytes_per_token": 98304, "weights_gib": 57.0, "max_model_len": 40960,
-                      "tokens_per_s": 150.0, "prefill_tokens_per_s": 20000.0},
-    "llama-3.1-8b": {"bytes_per_token": 131072, "weights_gib": 15.0, "max_model_len": 131072,
-                     "tokens_per_s": 120.0, "prefill_tokens_per_s": 15000.0},
-    "llama-3.1-70b": {"bytes_per_token": 327680, "weights_gib": 131.5, "max_model_len": 131072,
-                      "tokens_per_s": 30.0, "prefill_tokens_per_s": 3000.0},
+# The model of vLLM's tiered-offloading write-up (2x H100, 12K + 8x4K-token conversations). It is a
+# hybrid: of its 40 layers only 10 are full attention with a KV cache (2 KV heads x 256); the other 30
+# are Gated DeltaNet layers with a fixed-size state, which takes no room per token.
+_EXTRA_MODELS = {
+    "qwen3.6-35b-a3b": ModelSpec(
+        name="qwen3.6-35b-a3b", num_layers=10, num_kv_heads=2, head_dim=256, max_context_tokens=262144,
+        params=35e9, active_params=3e9, weight_dtype="bfloat16",
+        source="Qwen3.5/3.6-35B-A3B config.json: 40 layers, full attention every 4th, 2 KV heads x 256",
+    ),
 }
-_GPUS: dict[str, float] = {"h100": 80.0, "h200": 141.0, "a100-80gb": 80.0, "a100-40gb": 40.0, "l4": 24.0,
-                           "rtx-4090": 24.0, "b200": 180.0}
-_GPU_SPEED = {"h100": 1.0, "h200": 1.2, "a100-80gb": 0.6, "a100-40gb": 0.6, "l4": 0.2, "rtx-4090": 0.4,
-              "b200": 1.8}
-_UTILIZATION = 0.9
-_RESERVE_GIB_PER_GPU = 2.0
+
+# HBM bandwidth in TB/s, for decode speed only (public datasheets).
+_HBM_TB_S = {"l4": 0.3, "a10g": 0.6, "a100-40gb": 1.55, "a100-80gb": 2.0, "h100": 3.35, "h200": 4.8,
+             "b200": 8.0, "gb200": 8.0, "gb300": 8.0, "rtx-3090": 0.94, "rtx-4090": 1.0, "mi300x": 5.3}
+_DECODE_EFFICIENCY = 0.3  # share of bandwidth a single sequence's decode achieves
+_DECODE_CAP_TOKENS_S = 250.0  # kernels and scheduling bound small models long before bandwidth does
 
 _NAME = re.compile(r"^(?P<model>[^@]+)@(?:(?P<n>\d+)x)?(?P<gpu>.+)$")
 
 
 def names() -> list[str]:
-    """Example profile names (any model preset @ any GPU preset works)."""
-    return [f"{m}@{g}" for m in _MODELS for g in ("h100", "2xh100")]
+    """Example profile names."""
+    return ["qwen3.6-35b-a3b@2xh100", "qwen3-30b-a3b@2xh100", "llama-3.1-8b@h100", "llama-3.1-70b@4xh100"]
 
 
-def _kv_numbers(model: str, gpu: str, gpus: int) -> tuple[int, int, int]:
-    """(bytes per token, KV capacity in tokens, max model len) for a model on `gpus` GPUs."""
-    m = _MODELS[model]
-    memory_gib = gpus * _GPUS[gpu] * _UTILIZATION - m["weights_gib"] - gpus * _RESERVE_GIB_PER_GPU
-    if memory_gib <= 0:
-        raise ProfileError(f"{model} does not fit on {gpus}x {gpu}: no memory left for the KV cache")
-    bytes_per_token = int(m["bytes_per_token"])
-    return bytes_per_token, int(memory_gib * GIB / bytes_per_token), int(m["max_model_len"])
+def _model(name: str) -> ModelSpec:
+    if name in _EXTRA_MODELS:
+        return _EXTRA_MODELS[name]
+    return get_model(name)
 
 
 def lookup(name: str) -> ProfileNumbers:
     found = _NAME.match(name.strip().lower())
     if not found:
         raise ProfileError(f"profile {name!r} is not MODEL@GPU or MODEL@NxGPU (e.g. qwen3.6-35b-a3b@2xh100)")
-    model, gpu, gpus = found["model"], found["gpu"], int(found["n"] or 1)
-    if model not in _MODELS:
-        raise ProfileError(f"unknown model {model!r} in profile; known: {', '.join(sorted(_MODELS))}")
-    if gpu not in _GPUS:
-        raise ProfileError(f"unknown GPU {gpu!r} in profile; known: {', '.join(sorted(_GPUS))}")
-    bytes_per_token, kv_tokens, max_len = _kv_numbers(model, gpu, gpus)
-    m = _MODELS[model]
-    speed = _GPU_SPEED[gpu]
+    gpus = int(found["n"] or 1)
+    try:
+        model = _model(found["model"])
+        gpu = get_gpu(found["gpu"])
+        est = estimate(model, gpu=gpu, gpus=gpus, context_tokens=min(model.max_context_tokens or 32768, 32768))
+    except UnknownPresetError as exc:
+        raise ProfileError(str(exc)) from None
+    except CapacityError as exc:
+        raise ProfileError(str(exc)) from None
+    kv_tokens = est.kv_capacity_tokens
+    max_len = min(model.max_context_tokens or 32768, kv_tokens)
+    active = model.active_params or model.params or 8e9
+    weight_bytes_per_gpu = active * 2 / gpus
+    decode = _DECODE_EFFICIENCY * _HBM_TB_S.get(gpu.name, 2.0) * 1e12 / weight_bytes_per_gpu
+    per_gpu = est.layout.bytes_per_token_per_gpu
     return ProfileNumbers(
         kv_cache_tokens=kv_tokens,
-        bytes_per_token=bytes_per_token,
-        max_model_len=min(max_len, kv_tokens),
-        tokens_per_s=m["tokens_per_s"] * speed,
-        prefill_tokens_per_s=m["prefill_tokens_per_s"] * speed * gpus,
+        bytes_per_token=est.layout.bytes_per_token_all_gpus,
+        max_model_len=max_len,
+        tokens_per_s=min(decode, _DECODE_CAP_TOKENS_S),
+        prefill_tokens_per_s=est.cliff.prefill_tokens_per_s,
+        reload_tokens_per_s=est.cliff.reload_gb_per_s * 1e9 / per_gpu,
         max_num_seqs=256,
-        description=f"{model} on {gpus}x {gpu}: {kv_tokens} KV tokens",
+        description=f"{model.name} on {gpus}x {gpu.name}: {kv_tokens:,} KV tokens",
     )

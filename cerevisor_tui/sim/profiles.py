@@ -26,6 +26,7 @@ class ProfileNumbers:
     max_model_len: int
     tokens_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
+    reload_tokens_per_s: float | None = None
     max_num_seqs: int | None = None
     description: str = ""
 
@@ -85,7 +86,10 @@ def resolve(settings: SimSettings) -> SimServerSpec:
         max_model_len = kv_tokens  # vLLM would refuse to start; the simulator shrinks the limit instead
     num_gpu_blocks = kv_tokens // bs
     cpu_tokens = int(settings.cpu_offload_gib * GIB / bytes_per_token)
-    reload_rate = settings.cpu_bandwidth_gib_s * GIB / bytes_per_token
+    if prof and prof.reload_tokens_per_s and "cpu_bandwidth_gib_s" not in fields:
+        reload_rate = prof.reload_tokens_per_s
+    else:
+        reload_rate = settings.cpu_bandwidth_gib_s * GIB / bytes_per_token
     params = EngineParams(
         speed=settings.speed,
         tokens_per_s=tokens_per_s,

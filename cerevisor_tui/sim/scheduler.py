@@ -7,8 +7,11 @@ tokens / prefill_tokens_per_s, a reload from the CPU tier costs tokens / reload 
 sequence needs a block and none is free, the most recently admitted one is preempted (its blocks are
 freed; it waits at the head of the queue and recomputes later), as vLLM does.
 
-Time is event-driven and cheap: the loop sleeps until each step's end in real time and runs several
-tiny steps per wake-up when `speed` makes them shorter than a millisecond.
+Time is cheap: the loop sleeps until each step's end in real time and runs several tiny steps per
+wake-up when `speed` makes them shorter than a millisecond. The engine clock (`now`) counts only time
+spent serving: it stands still while the server is idle, and when the host is too busy to keep pace
+the simulation slows down instead of jumping ahead. So a benchmark that reads `now` measures the
+modelled server, not the machine running it (or its clients' think time).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class Sequence:
     prefill_left: int = 0
     reload_left: int = 0
     admitted_once: bool = False
+    blocked_at: int = -1  # kv.releases when admission last failed
     preemptions: int = 0
     aborted: bool = False
     closed: bool = False  # the server is shutting down
@@ -134,15 +138,12 @@ class Engine:
         self._anchor_sim = self.now
 
     async def _loop(self) -> None:
-        self._anchor_real = time.monotonic()
-        self._anchor_sim = self.now
-        idle_since = time.monotonic()
+        self._reanchor()
         while True:
             if not self.waiting and not self.running:
-                idle_since = time.monotonic()
+                # Idle: the clock stands still, so engine time is time spent serving (see module doc).
                 self._wake.clear()
                 await self._wake.wait()
-                self.now += (time.monotonic() - idle_since) * self.p.speed
                 self._reanchor()
                 continue
             self._wake.clear()
@@ -171,7 +172,7 @@ class Engine:
             if delay > 0.001:
                 await asyncio.sleep(delay)
             else:
-                if delay < -0.02:  # falling behind real time: keep simulated time honest
+                if delay < -0.001:  # behind real time (a busy host): slow down rather than catch up
                     self._reanchor()
                 await asyncio.sleep(0)
             self._apply(produced)
@@ -180,9 +181,12 @@ class Engine:
         p = self.p
         while self.waiting and len(self.running) < p.max_num_seqs:
             seq = self.waiting[0]
+            if seq.blocked_at == self.kv.releases:
+                break  # no block came back since it last did not fit
             tokens = seq.prompt_tokens + seq.generated  # a preempted sequence recomputes its output too
             got = self.kv.try_admit(seq.hashes, tokens, seq.hold, count=not seq.admitted_once)
             if got is None:
+                seq.blocked_at = self.kv.releases
                 break
             self.waiting.popleft()
             seq.phase = PREFILL

@@ -70,7 +70,11 @@ def text_seed(seed: int, rendered_prompt: str) -> int:
 def words(seed: int) -> Iterator[str]:
     """Endless deterministic output words; every word after the first carries its leading space."""
     rng = random.Random(seed)
-    choice = rng.choice
-    yield choice(WORDS).capitalize()
+    batch = rng.choices(_SPACED, k=64)
+    yield batch[0][1:].capitalize()
+    yield from batch[1:]
     while True:
-        yield " " + choice(WORDS)
+        yield from rng.choices(_SPACED, k=64)
+
+
+_SPACED = tuple(" " + w for w in WORDS)
