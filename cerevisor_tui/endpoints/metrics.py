@@ -1,0 +1,359 @@
+"""Read a model server's own numbers: /metrics (vLLM, llama.cpp, SGLang), /health and llama.cpp's /slots.
+
+Parsing is pure (`parse_metrics`, `parse_slots`, `prefix_hit_rate`) and kept apart from fetching
+(`read_server`), so fixtures of real scraped text test it without a server.
+
+Aggregation over label sets (several models, data-parallel engines, SGLang ranks): counts of
+requests, preemptions, prefix-cache counters and KV blocks are summed; usage ratios (KV use, SGLang's
+cache hit rate) take the maximum, because the fullest engine is the one nearest the cliff.
+Missing values are None, never 0.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ServerKind = Literal["vllm", "llamacpp", "sglang", "unknown"]
+
+DEFAULT_TIMEOUT_S = 2.0
+
+# vLLM renamed some metrics over time; the first name found wins.
+_VLLM_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_VLLM_PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+_VLLM_PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What one scrape of /metrics says, in the same terms for every server kind."""
+
+    kind: ServerKind
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    kv_cache_usage: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    prefix_cache_hit_rate: float | None = None
+    preemptions: int | None = None
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+    kv_cache_size_tokens: int | None = None
+    models: tuple[str, ...] = ()
+
+    def busy_reason(self) -> str | None:
+        """'server busy: 3 requests waiting', or None when nothing waits in the server's queue."""
+        if self.requests_waiting:
+            noun = "request" if self.requests_waiting == 1 else "requests"
+            return f"server busy: {self.requests_waiting} {noun} waiting"
+        return None
+
+
+@dataclass(frozen=True)
+class SlotsStatus:
+    """llama.cpp's /slots: how many of its parallel slots exist and how many are generating."""
+
+    total: int
+    processing: int
+
+    @property
+    def idle(self) -> int:
+        return self.total - self.processing
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    """One look at a server: health, metrics and (llama.cpp) slots, whatever it answered."""
+
+    base_url: str
+    reachable: bool
+    health_status: int | None = None
+    loading: bool = False
+    loading_message: str | None = None
+    metrics: MetricsSnapshot | None = None
+    slots: SlotsStatus | None = None
+    error: str | None = None
+
+    @property
+    def kind(self) -> ServerKind:
+        return self.metrics.kind if self.metrics else "unknown"
+
+    @property
+    def busy_reason(self) -> str | None:
+        """Why a slow first token is the server's doing, for the stall watchdog; None when not busy."""
+        if self.loading:
+            return "server loading model"
+        return self.metrics.busy_reason() if self.metrics else None
+
+    @property
+    def busy(self) -> bool:
+        return self.busy_reason is not None
+
+
+class _Samples:
+    """Sample values by sample name (counters keep their `_total`), `_created` timestamps dropped."""
+
+    def __init__(self, families: Iterable[Any]) -> None:
+        self.values: dict[str, list[float]] = defaultdict(list)
+        self.labels: dict[str, list[dict[str, str]]] = defaultdict(list)
+        self.family_names: set[str] = set()
+        for family in families:
+            self.family_names.add(family.name)
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue
+                self.values[sample.name].append(float(sample.value))
+                self.labels[sample.name].append(dict(sample.labels))
+
+    def first(self, names: Iterable[str]) -> str | None:
+        return next((name for name in names if name in self.values), None)
+
+    def sum(self, *names: str) -> float | None:
+        name = self.first(names)
+        return None if name is None else sum(self.values[name])
+
+    def max(self, *names: str) -> float | None:
+        name = self.first(names)
+        return None if name is None else max(self.values[name])
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(round(value))
+
+
+def _label_int(value: str | None) -> int | None:
+    try:
+        return int(float(value)) if value not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def detect_kind(names: Iterable[str]) -> ServerKind:
+    """The server kind from the metric names it exposes."""
+    prefixes = {name.split(":", 1)[0] for name in names if ":" in name}
+    for kind in ("vllm", "llamacpp", "sglang"):
+        if kind in prefixes:
+            return kind  # type: ignore[return-value]
+    return "unknown"
+
+
+def _parse(text: str) -> list[Any]:
+    return list(text_string_to_metric_families(text))
+
+
+def _families(text: str) -> list[Any]:
+    """Parse the text; if a line is malformed, drop the lines that do not parse alone and keep the rest."""
+    try:
+        return _parse(text)
+    except (ValueError, TypeError, IndexError):
+        pass
+    kept = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            kept.append(line)
+            continue
+        try:
+            _parse(line + "\n")
+        except (ValueError, TypeError, IndexError):
+            continue
+        kept.append(line)
+    try:
+        return _parse("\n".join(kept) + "\n")
+    except (ValueError, TypeError, IndexError):
+        return []
+
+
+def _vllm(samples: _Samples) -> MetricsSnapshot:
+    blocks = size = tokens = None
+    for labels in samples.labels.get("vllm:cache_config_info", []):
+        engine_blocks = _label_int(labels.get("num_gpu_blocks"))
+        engine_size = _label_int(labels.get("block_size"))
+        engine_tokens = _label_int(labels.get("kv_cache_size_tokens"))
+        if engine_tokens is None and engine_blocks is not None and engine_size is not None:
+            engine_tokens = engine_blocks * engine_size
+        if engine_blocks is not None:
+            blocks = (blocks or 0) + engine_blocks
+        if engine_tokens is not None:
+            tokens = (tokens or 0) + engine_tokens
+        size = size or engine_size
+    return MetricsSnapshot(
+        kind="vllm",
+        requests_running=_int(samples.sum("vllm:num_requests_running")),
+        requests_waiting=_int(samples.sum("vllm:num_requests_waiting")),
+        kv_cache_usage=samples.max(*_VLLM_KV_USAGE),
+        prefix_cache_queries=samples.sum(*_VLLM_PREFIX_QUERIES),
+        prefix_cache_hits=samples.sum(*_VLLM_PREFIX_HITS),
+        preemptions=_int(samples.sum("vllm:num_preemptions_total", "vllm:num_preemptions")),
+        num_gpu_blocks=blocks,
+        block_size=size,
+        kv_cache_size_tokens=tokens,
+        models=_models(samples),
+    )
+
+
+def _llamacpp(samples: _Samples) -> MetricsSnapshot:
+    # Current llama-server has no KV gauge (see /slots); older builds exported kv_cache_usage_ratio.
+    # Its prompt_tokens_total excludes the tokens reused from the prompt cache, counted apart.
+    cached = samples.sum("llamacpp:prompt_tokens_cached_total")
+    computed = samples.sum("llamacpp:prompt_tokens_total")
+    return MetricsSnapshot(
+        kind="llamacpp",
+        requests_running=_int(samples.sum("llamacpp:requests_processing")),
+        requests_waiting=_int(samples.sum("llamacpp:requests_deferred")),
+        kv_cache_usage=samples.max("llamacpp:kv_cache_usage_ratio"),
+        prefix_cache_queries=None if cached is None or computed is None else cached + computed,
+        prefix_cache_hits=cached,
+        models=_models(samples),
+    )
+
+
+def _sglang(samples: _Samples) -> MetricsSnapshot:
+    return MetricsSnapshot(
+        kind="sglang",
+        requests_running=_int(samples.sum("sglang:num_running_reqs")),
+        requests_waiting=_int(samples.sum("sglang:num_queue_reqs")),
+        kv_cache_usage=samples.max("sglang:token_usage"),
+        prefix_cache_hit_rate=samples.max("sglang:cache_hit_rate"),
+        preemptions=_int(samples.sum("sglang:total_retracted_reqs")),
+        kv_cache_size_tokens=_int(samples.sum("sglang:max_total_num_tokens")),
+        models=_models(samples),
+    )
+
+
+def _models(samples: _Samples) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    for label_sets in samples.labels.values():
+        for labels in label_sets:
+            name = labels.get("model_name")
+            if name:
+                seen.setdefault(name, None)
+    return tuple(seen)
+
+
+def parse_metrics(text: str) -> MetricsSnapshot:
+    """A MetricsSnapshot from Prometheus text exposition (vLLM, llama.cpp, SGLang; anything else: unknown)."""
+    families = _families(text)
+    samples = _Samples(families)
+    kind = detect_kind(samples.family_names | set(samples.values))
+    if kind == "vllm":
+        return _vllm(samples)
+    if kind == "llamacpp":
+        return _llamacpp(samples)
+    if kind == "sglang":
+        return _sglang(samples)
+    return MetricsSnapshot(kind="unknown")
+
+
+def prefix_hit_rate(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> float | None:
+    """Prefix-cache hits / queries between two snapshots (0..1); None when nothing was queried.
+
+    vLLM exposes cumulative counters, so the rate is their difference. A counter that went down means
+    the server restarted: the current values then count from zero. SGLang exposes its own rate,
+    which is returned as is.
+    """
+    if cur.prefix_cache_queries is None or cur.prefix_cache_hits is None:
+        return cur.prefix_cache_hit_rate
+    queries, hits = cur.prefix_cache_queries, cur.prefix_cache_hits
+    if prev is not None and prev.prefix_cache_queries is not None and prev.prefix_cache_hits is not None:
+        if queries >= prev.prefix_cache_queries and hits >= prev.prefix_cache_hits:
+            queries -= prev.prefix_cache_queries
+            hits -= prev.prefix_cache_hits
+    if queries <= 0:
+        return None
+    return min(1.0, max(0.0, hits / queries))
+
+
+def parse_slots(data: Any) -> SlotsStatus | None:
+    """llama.cpp's /slots JSON (a list of slots, each with `is_processing`); None if it is not that."""
+    if isinstance(data, Mapping) and isinstance(data.get("slots"), list):
+        data = data["slots"]
+    if not isinstance(data, list):
+        return None
+    slots = [slot for slot in data if isinstance(slot, Mapping)]
+    processing = 0
+    for slot in slots:
+        if "is_processing" in slot:
+            processing += bool(slot["is_processing"])
+        elif "state" in slot:  # older llama.cpp: state 0 idle, 1 processing
+            processing += slot["state"] != 0
+    return SlotsStatus(total=len(slots), processing=processing)
+
+
+def server_root(base_url: str) -> str:
+    """The server's root URL: the OpenAI base URL without its trailing /v1."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+async def read_server(
+    client: httpx.AsyncClient, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ServerStatus:
+    """Read /health, /metrics and (llama.cpp) /slots with short timeouts.
+
+    Never raises for a server that lacks any of them: the status carries what it got and, in `error`,
+    what went wrong. /health answering 503 means the server is still loading (llama.cpp says so in
+    its body, `{"error": {"code": 503, "message": "Loading model"}}`; others use 503 for "not ready").
+    """
+    root = server_root(base_url)
+    timeout = httpx.Timeout(timeout_s)
+    try:
+        health = await client.get(f"{root}/health", timeout=timeout)
+    except httpx.HTTPError as exc:
+        return ServerStatus(base_url=base_url, reachable=False, error=f"health: {_describe(exc)}")
+    loading = health.status_code == 503
+    errors: list[str] = []
+    if health.status_code >= 400 and not loading:
+        errors.append(f"health: HTTP {health.status_code}")
+    metrics: MetricsSnapshot | None = None
+    try:
+        response = await client.get(f"{root}/metrics", timeout=timeout)
+        if response.status_code == 200:
+            metrics = parse_metrics(response.text)
+        else:
+            errors.append(f"metrics: HTTP {response.status_code}")
+    except httpx.HTTPError as exc:
+        errors.append(f"metrics: {_describe(exc)}")
+    slots: SlotsStatus | None = None
+    if metrics is not None and metrics.kind == "llamacpp":
+        try:
+            response = await client.get(f"{root}/slots", timeout=timeout)
+            if response.status_code == 200:
+                slots = parse_slots(response.json())
+            else:
+                errors.append(f"slots: HTTP {response.status_code}")
+        except (httpx.HTTPError, ValueError) as exc:
+            errors.append(f"slots: {_describe(exc)}")
+    return ServerStatus(
+        base_url=base_url,
+        reachable=True,
+        health_status=health.status_code,
+        loading=loading,
+        loading_message=_loading_message(health) if loading else None,
+        metrics=metrics,
+        slots=slots,
+        error="; ".join(errors) or None,
+    )
+
+
+def _loading_message(response: httpx.Response) -> str | None:
+    """The server's own words for why it is not ready (llama.cpp: 'Loading model')."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, Mapping) else None
+    message = error.get("message") if isinstance(error, Mapping) else None
+    return str(message) if message else None
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused"
+    return str(exc) or type(exc).__name__
