@@ -311,7 +311,12 @@ class Engine:
             self.busy_check = self._server_busy
 
     async def read_server(self, endpoint: str) -> ServerStatus:
-        return await read_server(self._clients[endpoint], self.base_urls[endpoint])
+        """One look at the endpoint's /health and /metrics; a server that answers nonsense is 'unknown', never a crash."""
+        base_url = self.base_urls[endpoint]
+        try:
+            return await read_server(self._clients[endpoint], base_url)
+        except Exception as exc:  # noqa: BLE001 - a monitoring read must never end the run
+            return ServerStatus(base_url=base_url, reachable=False, error=f"unreadable: {exc}"[:200])
 
     async def _monitor(self, endpoint: str) -> None:
         previous: MetricsSnapshot | None = None
@@ -361,6 +366,9 @@ class Engine:
         self.emit(ev.WaveFinished(time.monotonic(), wave, {st.name: st.status for st in states}))
 
     async def _run_agent(self, st: AgentState) -> None:
+        if self.stopping:  # spawned in the same instant the run was stopped
+            self._finish(st, "cancelled", self.stopping)
+            return
         st.status = "queued"
         self.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
         status, reason = "completed", ""
