@@ -138,6 +138,27 @@ class SimSettings(_Section):
     """Tokens one scheduler step computes: one per decoding sequence plus prompt chunks (chunked prefill)."""
 
 
+class CapacitySettings(_Section):
+    """What the load pane's KV estimate assumes about an endpoint's box (see `cerevisor-tui estimate`)."""
+
+    model: str = ""
+    """Model preset name, or the path of the model's Hugging Face config.json; empty: no estimate."""
+    gpu: str = ""
+    """GPU preset name (h100, a100-80gb, l4, ...); or give kv_memory_gib."""
+    gpus: int = Field(default=1, ge=1, le=1024)
+    """GPUs the model is split across (tensor parallel)."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """Fraction of GPU memory the server may use (vLLM's --gpu-memory-utilization)."""
+    kv_memory_gib: float = Field(default=0.0, ge=0)
+    """KV memory per GPU the server reported (vLLM logs it at start-up); 0: derive it from the GPU."""
+    context_tokens: int = Field(default=0, ge=0)
+    """Tokens one agent conversation grows to; 0: the model's maximum context."""
+    kv_dtype: str = "auto"
+    """KV cache dtype: auto, fp16, bf16 or fp8."""
+    cpu_offload_gib: float = Field(default=0.0, ge=0)
+    """Size of a CPU KV tier (offloading), if the server has one."""
+
+
 class EndpointConfig(StallPolicy):
     name: str
     """Name agents use to pick this endpoint."""
@@ -155,6 +176,8 @@ class EndpointConfig(StallPolicy):
     """Allow sending an API key over plain http:// to a host that is not loopback."""
     sim: SimSettings = SimSettings()
     """Simulator settings, for kind "simulated"."""
+    capacity: CapacitySettings = CapacitySettings()
+    """What the KV estimate of the load pane assumes about this endpoint's box."""
 
     @field_validator("name")
     @classmethod

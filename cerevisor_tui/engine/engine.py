@@ -33,6 +33,7 @@ from cerevisor_tui.endpoints.client import (
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable, MissingApiKey
 from cerevisor_tui.endpoints.metrics import MetricsSnapshot, ServerStatus, prefix_hit_rate, read_server
 from cerevisor_tui.engine import events as ev
+from cerevisor_tui.engine import load
 from cerevisor_tui.engine.report import Report
 from cerevisor_tui.engine.scheduler import MODES, Scheduler
 
@@ -168,6 +169,11 @@ class Engine:
         self.base_urls: dict[str, str] = {ep.name: ep.base_url for ep in config.endpoints}
         self.models: dict[str, str] = {ep.name: ep.model for ep in config.endpoints if ep.model}
         self.busy_check: BusyCheck | None = None
+        # KV load per endpoint: the configured estimate, replaced by the server's own capacity when it reports one
+        self.load: dict[str, load.LoadEstimate | None] = {}
+        self.load_notes: dict[str, str] = {}
+        for ep in config.endpoints:
+            self.load[ep.name], self.load_notes[ep.name] = load.from_config(ep)
         self.server_status: dict[str, ServerStatus] = {}
         self.wave = -1
         self.started_at = 0.0
@@ -335,7 +341,25 @@ class Engine:
                 slots_total=status.slots.total if status.slots else None,
             ))
             previous = m or previous
+            if m is not None and m.kv_cache_size_tokens:
+                self._server_capacity(endpoint, m.kv_cache_size_tokens)
             await anyio.sleep(self.config.run.metrics_interval_s)
+
+    def _server_capacity(self, endpoint: str, kv_cache_tokens: float) -> None:
+        current = self.load.get(endpoint)
+        context = self.endpoints[endpoint].capacity.context_tokens or (current.context_tokens if current else 0)
+        if context and (current is None or current.source != "server" or current.kv_capacity_tokens != kv_cache_tokens):
+            self.load[endpoint] = load.from_server(kv_cache_tokens, context, current)
+
+    def cap_warning(self) -> str | None:
+        """Why the current cap is past what fits in an endpoint's KV memory, if it is."""
+        cap = self.scheduler.effective_cap
+        for name, est in self.load.items():
+            limit = min(cap, self.endpoints[name].max_concurrency)
+            if est is not None and limit > est.conversations_fit:
+                return (f"cap {limit} on {name} is past the {est.conversations_fit} conversations of "
+                        f"{est.context_tokens:,} tokens that fit in its KV memory ({est.detail}): beyond it, the cliff")
+        return None
 
     async def _server_busy(self, endpoint: str) -> str | None:
         """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?"""
