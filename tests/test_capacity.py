@@ -54,8 +54,10 @@ def test_gqa_bytes_per_token_and_kv_dtypes():
     assert bytes_per_token(llama, "fp8") == 65536
     assert bytes_per_token(llama, "fp16") == bytes_per_token(llama, "bf16") == 131072
     assert bytes_per_token(llama, "float32") == 262144
-    with pytest.raises(CapacityError, match="unknown dtype"):
+    with pytest.raises(CapacityError, match="give auto, fp16, bf16, fp8"):
         bytes_per_token(llama, "fp7")
+    with pytest.raises(CapacityError, match="give auto"):
+        bytes_per_token(llama, "mxfp4")
 
 
 def test_tensor_parallel_splits_kv_heads_until_one_per_gpu():

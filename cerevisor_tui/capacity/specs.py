@@ -60,9 +60,12 @@ def dtype_bytes(name: str) -> float:
 def kv_dtype_bytes(kv_dtype: str, model_dtype: str) -> int:
     """Bytes per cached K or V element. `auto` stores the KV cache in the model's dtype, as vLLM does."""
     key = kv_dtype.strip().lower()
-    resolved = normalize_dtype(model_dtype) if key == "auto" else normalize_dtype(key)
+    try:
+        resolved = normalize_dtype(model_dtype) if key == "auto" else normalize_dtype(key)
+    except CapacityError:
+        resolved = key
     if resolved not in ("float32", "bfloat16", "float16", "fp8"):
-        raise CapacityError(f"KV cache dtype {kv_dtype!r} resolves to {resolved}: use auto, fp16, bf16 or fp8")
+        raise CapacityError(f"KV cache dtype {kv_dtype!r} is not one a server uses: give auto, fp16, bf16, fp8 or fp32")
     return int(_DTYPE_BYTES[resolved])
 
 
