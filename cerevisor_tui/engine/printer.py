@@ -9,6 +9,9 @@ from typing import TextIO
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.engine import fmt_s
 
+# Events that never make a line for people: checked first, as they come once per streamed chunk.
+_SILENT = frozenset({"TokenDelta", "KeepAlive"})
+
 
 class Printer:
     def __init__(self, out: TextIO | None = None, *, jsonl: bool = False) -> None:
@@ -19,6 +22,8 @@ class Printer:
     def __call__(self, event: ev.Event) -> None:
         if self.jsonl:
             self.out.write(json.dumps(event.to_dict(), ensure_ascii=False, default=str) + "\n")
+            return
+        if event.kind in _SILENT:
             return
         if self.t0 is None:
             self.t0 = event.t
