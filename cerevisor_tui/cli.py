@@ -83,11 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check an endpoint (health, models, metrics) and sweep concurrency 1, 2, 4, ... to find its knee.",
         epilog="examples:\n  cerevisor-tui probe http://127.0.0.1:8000/v1 --max-concurrency 64\n"
         "  cerevisor-tui --config team.toml probe --json      the first configured endpoint\n\n"
-        "Each level sends max(4, 2 x N) streamed requests, N at a time, and measures output tokens/s and\n"
-        "TTFT p50/p95 while reading the server's /metrics. The sweep stops one level past the knee: the server\n"
-        "queues requests, a doubling adds under 15% throughput, TTFT p95 grows over 4x level 1's, or requests\n"
-        "fail. Bounds: --max-requests in all (default 400), --max-seconds in all (default 180), 60 s per\n"
-        "request. Progress goes to stderr; the table or JSON to stdout.\n"
+        "Each level keeps N streamed requests in flight for --level-seconds and at least 2 x N requests, and\n"
+        "measures output tokens/s and TTFT p50/p95 while reading the server's /metrics. The sweep stops past\n"
+        "the knee: the server queues requests, two levels in a row add under 15% throughput, TTFT p50 grows\n"
+        "over 4x level 1's, or requests fail. Bounds: --max-requests in all (default 1000), --max-seconds in\n"
+        "all (default 180), 60 s per request. Progress goes to stderr; the table or JSON to stdout.\n"
         "exit codes: 0 measured; 1 the endpoint is unusable (one line says why); 2 usage or config error.",
         formatter_class=_formatter,
     )
@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--model", metavar="ID", help="model id (default: the first of /v1/models)")
     probe.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
     probe.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens per probe request (default 64)")
-    probe.add_argument("--max-requests", type=int, default=400, metavar="N", help="most requests in all, warm-up included (default 400)")
+    probe.add_argument("--level-seconds", type=float, default=2.0, metavar="S", help="least time each level runs (default 2)")
+    probe.add_argument("--max-requests", type=int, default=1000, metavar="N", help="most requests in all, warm-up included (default 1000)")
     probe.add_argument("--max-seconds", type=float, default=180.0, metavar="S", help="most seconds in all (default 180)")
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
 

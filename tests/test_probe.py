@@ -15,6 +15,7 @@ from cerevisor_tui.endpoints.probe import (
     EndpointUnusable,
     ProbeLevel,
     ProbeSettings,
+    _knee,
     _past_knee,
     percentile,
     probe,
@@ -25,7 +26,7 @@ from tests.conftest import free_port
 # Slow enough per stream that the simulator, not this machine's CPU, is what saturates: 100 tokens/s a
 # stream, 16-token answers, so a level of 2 x N requests takes about a third of a second.
 FAST = {"speed": 2.5, "tokens_per_s": 40.0, "ttft_s": 0.02}
-QUICK = ProbeSettings(max_tokens=16, max_concurrency=32, max_seconds=60)
+QUICK = ProbeSettings(max_tokens=16, max_concurrency=32, max_seconds=60, level_s=0.4)
 
 
 async def _probe(settings: SimSettings, probe_settings: ProbeSettings = QUICK, **kw):
@@ -128,20 +129,39 @@ def test_knee_rules():
     one = _level(1, 100)
     assert _past_knee(one, None, one, s) is None
     assert _past_knee(_level(2, 190), one, one, s) is None
-    # a doubling that adds under 15 %
-    why = _past_knee(_level(4, 200), _level(2, 190), one, s)
-    assert why is not None and why[:2] == ("knee", 2) and "+5%" in why[2]
     # the server queues and runs fewer than were sent: its running count is the cap
     why = _past_knee(_level(8, 380, waiting_share=0.9, running=5), _level(4, 360), one, s)
     assert why is not None and why[:2] == ("queue", 5)
     # waiting on arrival while it runs everything sent is not queueing
     assert _past_knee(_level(8, 700, waiting_share=0.9, running=8), _level(4, 360), one, s) is None
-    # TTFT p95 blows up
+    # TTFT p50 blows up
     why = _past_knee(_level(4, 400, ttft=0.9), _level(2, 190), one, s)
     assert why is not None and why[0] == "ttft"
     # failures stop the sweep at the level before
     why = _past_knee(_level(4, 400, failed=2), _level(2, 190), one, s)
     assert why is not None and why[:2] == ("errors", 2) and "429" in why[2]
+    # past a flat stretch, the cap is the smallest level within 15 % of the best
+    cap, why = _knee([one, _level(2, 190), _level(4, 200), _level(8, 210)], s)
+    assert cap == 2 and "210" in why and "4, 8" in why
+
+
+@pytest.mark.anyio
+async def test_without_a_queue_gauge_two_flat_levels_end_the_sweep(monkeypatch):
+    """A server without /metrics (a hosted API, Ollama) is judged on throughput alone."""
+    from cerevisor_tui.endpoints import probe as probe_module
+    from cerevisor_tui.endpoints.metrics import ServerStatus
+
+    async def no_metrics(client, base_url, **kw):
+        return ServerStatus(base_url=base_url, reachable=True, health_status=404)
+
+    monkeypatch.setattr(probe_module, "read_server", no_metrics)
+    result, *_ = await _probe(SimSettings(max_num_seqs=2, **FAST))
+    assert result.server_kind == "unknown" and result.health == "no /health (HTTP 404)"
+    # two flat levels, or TTFT blowing up as requests queue unseen: either ends it
+    assert result.stopped_because in ("knee", "ttft"), result.reason
+    assert 1 <= result.recommended_concurrency <= 4, result.reason
+    assert len(result.levels) <= 5  # two flat levels past the knee at 2, not the whole sweep
+    assert all(lv.server_waiting_share is None for lv in result.levels)
 
 
 def test_levels_and_percentiles():
@@ -170,7 +190,8 @@ def _isolated(tmp_path) -> dict[str, str]:
 
 def test_json_has_the_documented_keys(tmp_path):
     with start_in_thread(SimSettings(max_num_seqs=2, **FAST)) as srv:
-        proc = cli("probe", srv.base_url, "--json", "--max-tokens", "16", "--max-concurrency", "8")
+        proc = cli("probe", srv.base_url, "--json", "--max-tokens", "16", "--max-concurrency", "8",
+                   "--level-seconds", "0.4")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     for key in ("server_kind", "model", "max_model_len", "kv_cache_tokens", "levels", "recommended_concurrency",
@@ -183,13 +204,14 @@ def test_json_has_the_documented_keys(tmp_path):
     for level in data["levels"]:
         for key in ("concurrency", "output_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "requests", "failed"):
             assert key in level, key
-    assert data["bounds"]["max_requests"] == 400 and data["bounds"]["max_seconds"] == 180
+    assert data["bounds"]["max_requests"] == 1000 and data["bounds"]["max_seconds"] == 180
     assert "level 1:" in proc.stderr  # progress on stderr, only JSON on stdout
 
 
 def test_table_and_recommendation_on_stdout(tmp_path):
     with start_in_thread(SimSettings(max_num_seqs=1, **FAST)) as srv:
-        proc = cli("probe", srv.base_url.removesuffix("/v1"), "--max-tokens", "8", "--max-concurrency", "4")
+        proc = cli("probe", srv.base_url.removesuffix("/v1"), "--max-tokens", "8", "--max-concurrency", "4",
+                   "--level-seconds", "0.4")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0].split()[:2] == ["conc", "requests"]
@@ -203,7 +225,8 @@ def test_default_url_is_the_first_configured_endpoint(tmp_path):
         (tmp_path / "cerevisor.toml").write_text(
             f'[[endpoints]]\nname = "box"\nbase_url = "{srv.base_url}"\n'
             '[[endpoints]]\nname = "other"\nbase_url = "http://127.0.0.1:1/v1"\n')
-        proc = cli("probe", "--json", "--max-tokens", "8", "--max-concurrency", "4", cwd=str(tmp_path),
+        proc = cli("probe", "--json", "--max-tokens", "8", "--max-concurrency", "4", "--level-seconds", "0.4",
+                   cwd=str(tmp_path),
                    env=_isolated(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["base_url"] == srv.base_url
@@ -215,7 +238,7 @@ def test_a_simulated_endpoint_in_the_config_is_started_and_probed(tmp_path):
     cfg.write_text('[[endpoints]]\nname = "sim"\nkind = "simulated"\n'
                    '[endpoints.sim]\nmax_num_seqs = 2\nspeed = 2.5\nttft_s = 0.02\n')
     proc = cli("--config", str(cfg), "probe", "--json", "--max-tokens", "8", "--max-concurrency", "8",
-               env=_isolated(tmp_path))
+               "--level-seconds", "0.4", env=_isolated(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert 1 <= json.loads(proc.stdout)["recommended_concurrency"] <= 4
 

@@ -39,6 +39,7 @@ def main(args: Any) -> int:
             max_tokens=args.max_tokens,
             max_requests=getattr(args, "max_requests", ProbeSettings.max_requests),
             max_seconds=getattr(args, "max_seconds", ProbeSettings.max_seconds),
+            level_s=getattr(args, "level_seconds", ProbeSettings.level_s),
         )
     except (ConfigError, ValueError) as exc:
         print(f"{PROG}: error: {_flag_text(exc)}", file=sys.stderr)
@@ -48,8 +49,9 @@ def main(args: Any) -> int:
 
 def _flag_text(exc: Exception) -> str:
     text = str(exc)
-    for name in ("max_concurrency", "max_tokens", "max_requests", "max_seconds"):
-        text = text.replace(name, "--" + name.replace("_", "-"))
+    for name, flag in (("max_concurrency", "max-concurrency"), ("max_tokens", "max-tokens"),
+                       ("max_requests", "max-requests"), ("max_seconds", "max-seconds"), ("level_s", "level-seconds")):
+        text = text.replace(name, "--" + flag)
     return text
 
 

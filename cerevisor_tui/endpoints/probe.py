@@ -1,15 +1,17 @@
 """Probe an endpoint: health, models, metrics kind, then a bounded concurrency sweep that finds the knee.
 
 The sweep runs levels 1, 2, 4, ... up to `max_concurrency`. At each level, that many workers send short
-streamed chat requests back to back (a closed loop), and the level reports aggregate output tokens/s
-and TTFT p50/p95 while a poller reads the server's own running/waiting counts and KV use. The sweep
-stops one level past the knee, which is the first of:
+streamed chat requests back to back (a closed loop) for at least `level_s` seconds, and the level
+reports aggregate output tokens/s (counted while every worker is busy) and TTFT p50/p95, while a
+poller reads the server's own running/waiting counts and KV use. The sweep stops past the knee:
 
 - the server queued requests for most of the level (vLLM `num_requests_waiting`, llama.cpp
   `requests_deferred`, SGLang `num_queue_reqs`) and never ran as many as were sent: the cap is
   what it ran at once;
-- a doubling added less than `min_gain` throughput: the smaller level carries the same load;
-- TTFT p95 blew up against level 1's: requests wait rather than run;
+- `patience` levels in a row beat the best throughput so far by less than `min_gain` (only for a
+  server without a queue gauge; one with it is swept on until it queues): the cap is the smallest
+  level within `min_gain` of the best;
+- TTFT p50 blew up against level 1's: requests wait rather than run;
 - requests failed (HTTP 429/5xx, broken streams): the server refuses more.
 
 Everything is bounded: total requests (`max_requests`), total time (`max_seconds`) and each request
@@ -33,6 +35,7 @@ from cerevisor_tui.endpoints.client import DELTA, ChatStream, list_models
 from cerevisor_tui.endpoints.errors import EndpointError
 from cerevisor_tui.endpoints.metrics import ServerStatus, read_server
 
+SLICE_S = 0.5  # throughput is the median over slices this long
 PROMPT = "Probe request {n}: count upward from 1 in words, separated by spaces, and do not stop."
 
 
@@ -46,15 +49,17 @@ class ProbeSettings:
 
     max_concurrency: int = 64
     max_tokens: int = 64
-    max_requests: int = 400
+    max_requests: int = 1000
     max_seconds: float = 180.0
     request_timeout_s: float = 60.0
-    rounds: int = 2  # requests per worker at each level
+    level_s: float = 2.0  # each level keeps sending for at least this long ...
+    rounds: int = 2  # ... and at least this many requests per worker
     min_requests_per_level: int = 4
-    min_gain: float = 0.15  # a doubling that adds less throughput than this is past the knee
-    ttft_blowup: float = 4.0  # TTFT p95 above this multiple of level 1's ...
+    min_gain: float = 0.15  # a level that beats the best so far by less than this is flat
+    patience: int = 2  # flat levels in a row that end the sweep
+    ttft_blowup: float = 4.0  # TTFT p50 above this multiple of level 1's ...
     ttft_floor_s: float = 0.5  # ... and above this many seconds is past the knee
-    waiting_share: float = 0.5  # share of server samples with requests waiting that counts as queueing
+    waiting_share: float = 0.25  # share of server samples with requests waiting that counts as queueing
     poll_interval_s: float = 0.1
     warmup: bool = True
 
@@ -67,6 +72,10 @@ class ProbeSettings:
             raise ValueError(f"max_requests must be at least {self.min_requests_per_level + 1}")
         if self.max_seconds <= 0:
             raise ValueError("max_seconds must be positive")
+        if self.level_s < 0:
+            raise ValueError("level_s must not be negative")
+        if self.patience < 1:
+            raise ValueError("patience must be at least 1")
 
     def levels(self) -> list[int]:
         """1, 2, 4, ... and max_concurrency itself when it is not a power of two."""
@@ -78,6 +87,7 @@ class ProbeSettings:
         return out
 
     def requests_at(self, concurrency: int) -> int:
+        """The fewest requests a level sends (it sends more while level_s has not passed)."""
         return max(self.min_requests_per_level, self.rounds * concurrency)
 
 
@@ -158,6 +168,14 @@ class _Request:
     ended_at: float | None = None
     tokens: int = 0
     error: str = ""
+    delta_at: list[float] = field(default_factory=list)
+
+    def tokens_between(self, start: float, end: float) -> float:
+        """Output tokens that arrived in [start, end]; a delta may carry several (usage says how many)."""
+        if not self.delta_at:
+            return 0.0
+        per_delta = self.tokens / len(self.delta_at) if self.tokens and not self.error else 1.0
+        return per_delta * sum(1 for t in self.delta_at if start <= t <= end)
 
 
 class _ServerWatch:
@@ -249,7 +267,12 @@ async def probe(
         raise EndpointUnusable(endpoint, f"model {model!r} is not served here (served: {known})")
     result.model = model or (str(entry["id"]) if entry else "")
     if entry is not None:
-        result.max_model_len = _int(entry.get("max_model_len"))
+        # vLLM and SGLang say max_model_len; llama-server gives each slot's context as meta.n_ctx.
+        meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+        result.max_model_len = _int(entry.get("max_model_len")) or _int(meta.get("n_ctx"))
+        if result.kv_cache_tokens is None and status.slots is not None and meta.get("n_ctx"):
+            # llama-server has no KV gauge; its cache holds every slot's context
+            result.kv_cache_tokens = (_int(meta.get("n_ctx")) or 0) * status.slots.total or None
     extra = f", max_model_len {result.max_model_len:,}" if result.max_model_len else ""
     kv = f", KV cache {result.kv_cache_tokens:,} tokens" if result.kv_cache_tokens else ""
     say(f"model: {result.model}{extra}; metrics: {result.server_kind}{kv}")
@@ -267,8 +290,11 @@ async def probe(
         with anyio.move_on_after(settings.request_timeout_s) as scope:
             try:
                 async for kind, _payload in stream.events():
-                    if kind == DELTA and req.first_at is None:
-                        req.first_at = time.monotonic()
+                    if kind == DELTA:
+                        now = time.monotonic()
+                        req.delta_at.append(now)
+                        if req.first_at is None:
+                            req.first_at = now
             except EndpointError as exc:
                 req.error = exc.problem
         if scope.cancelled_caught:
@@ -289,17 +315,17 @@ async def probe(
             raise EndpointUnusable(endpoint, f"no answer to a chat request within {settings.max_seconds:g} s")
 
     previous: ProbeLevel | None = None
-    best: ProbeLevel | None = None
+    flat = 0
     for c in settings.levels():
-        n_requests = settings.requests_at(c)
-        if result.total_requests + n_requests > settings.max_requests:
+        left = settings.max_requests - result.total_requests
+        if left < settings.requests_at(c):
             result.stopped_because = "max_requests"
             break
         if time.monotonic() >= deadline:
             result.stopped_because = "max_seconds"
             break
-        say(f"level {c}: {n_requests} requests, {c} at a time")
-        level = await _run_level(client, base_url, c, n_requests, one, settings, deadline, watch_server)
+        say(f"level {c}: {c} at a time, {settings.requests_at(c)}+ requests, {settings.level_s:g}+ s")
+        level = await _run_level(client, base_url, c, left, one, settings, deadline, watch_server)
         if c == 1 and not level.requests:
             raise EndpointUnusable(endpoint, f"no chat request completed within {settings.max_seconds:g} s")
         if c == 1 and level.failed == level.requests:
@@ -310,39 +336,72 @@ async def probe(
         verdict = _past_knee(level, previous, result.levels[0], settings)
         if verdict is not None:
             result.stopped_because, result.recommended_concurrency, result.reason = verdict
+            if verdict[0] in ("ttft", "errors") and len(result.levels) > 1:
+                # below the level that failed or queued, throughput may have flattened earlier
+                pick, why = _knee(result.levels[:-1], settings)
+                if pick < result.recommended_concurrency:
+                    result.recommended_concurrency = pick
+                    result.reason += f"; and below that, {why}"
             break
         if not level.complete:
             result.stopped_because = "max_seconds"
             break
+        best = max(result.levels[:-1], key=lambda lv: lv.output_tokens_per_s, default=None)
+        flat = flat + 1 if best is not None and level.output_tokens_per_s < best.output_tokens_per_s * (
+            1 + settings.min_gain) else 0
+        # A server that reports its queue tells where its capacity ends; flat throughput before that is
+        # as likely noise on the host as a knee, so only a server without that signal stops on it.
+        if flat >= settings.patience and level.server_waiting_share is None:
+            result.stopped_because = "knee"
+            result.recommended_concurrency, result.reason = _knee(result.levels, settings)
+            break
         previous = level
-        if best is None or level.output_tokens_per_s > best.output_tokens_per_s:
-            best = level
     else:
         result.stopped_because = "max_concurrency"
     if result.stopped_because in ("max_concurrency", "max_requests", "max_seconds"):
         usable = [lv for lv in result.levels if lv.complete and not lv.failed]
-        top = max(usable, key=lambda lv: lv.concurrency) if usable else None
-        result.recommended_concurrency = top.concurrency if top else 1
-        limit = {"max_concurrency": f"the highest level tried ({settings.max_concurrency})",
-                 "max_requests": f"the request budget ({settings.max_requests} requests)",
-                 "max_seconds": f"the time budget ({settings.max_seconds:g} s)"}[result.stopped_because]
-        result.reason = (f"throughput still grew up to {result.recommended_concurrency} at once when the sweep "
-                         f"reached {limit}; the server may carry more")
+        pick, why = _knee(usable, settings) if usable else (1, "")
+        if usable and pick < max(lv.concurrency for lv in usable):
+            result.recommended_concurrency, result.reason = pick, why
+        else:
+            result.recommended_concurrency = pick
+            limit = {"max_concurrency": f"the highest level tried ({settings.max_concurrency})",
+                     "max_requests": f"the request budget ({settings.max_requests} requests)",
+                     "max_seconds": f"the time budget ({settings.max_seconds:g} s)"}[result.stopped_because]
+            result.reason = (f"throughput still grew up to {pick} at once when the sweep reached {limit}; "
+                             "the server may carry more")
     result.recommended_mode = "sequential" if result.recommended_concurrency <= 1 else "parallel"
     result.elapsed_s = time.monotonic() - started
     return result
 
 
-async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int, n_requests: int,
+async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int, budget: int,
                      one: Callable[[int], Any], settings: ProbeSettings, deadline: float,
                      watch_server: bool) -> ProbeLevel:
+    """`concurrency` workers send requests back to back until the level has run long enough.
+
+    Throughput is counted only while every worker still had a request to send (from the start to
+    the moment the level stops sending), so the ragged end of the last requests does not dilute it.
+    """
     done: list[_Request] = []
     watch = _ServerWatch()
-    left = [n_requests]
+    issued = [0]
+    at_least = settings.requests_at(concurrency)
+    started = time.monotonic()
+    stopped_sending: list[float] = []
+
+    def more() -> bool:
+        if stopped_sending:
+            return False
+        enough = issued[0] >= at_least and time.monotonic() - started >= settings.level_s
+        if enough or issued[0] >= budget:
+            stopped_sending.append(time.monotonic())
+            return False
+        issued[0] += 1
+        return True
 
     async def worker() -> None:
-        while left[0] > 0:
-            left[0] -= 1
+        while more():
             done.append(await one(settings.max_tokens))
 
     async def poll() -> None:
@@ -350,8 +409,7 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
             watch.add(await read_server(client, base_url, timeout_s=1.0))
             await anyio.sleep(settings.poll_interval_s)
 
-    started = time.monotonic()
-    with anyio.move_on_after(max(0.0, deadline - started)) as budget:
+    with anyio.move_on_after(max(0.0, deadline - started)) as cut:
         async with anyio.create_task_group() as group:
             if watch_server:
                 group.start_soon(poll)
@@ -362,8 +420,16 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
     ok = [r for r in done if not r.error]
     failed = [r for r in done if r.error]
     ended = max((r.ended_at or started for r in done), default=time.monotonic())
-    wall = max(1e-9, ended - started)
-    tokens = sum(r.tokens for r in ok)
+    window_end = stopped_sending[0] if stopped_sending else ended
+    window = window_end - started
+    if window <= 0 or not any(r.delta_at for r in done):
+        window_end, window = ended, max(1e-9, ended - started)
+    # The median of short slices, not the mean of the window: a burst of other load on the host (or a
+    # hiccup of the server) spoils a slice or two, not the level.
+    n_slices = max(1, round(window / SLICE_S))
+    width = window / n_slices
+    slice_rates = [sum(r.tokens_between(started + i * width, started + (i + 1) * width) for r in done) / width
+                   for i in range(n_slices)]
     ttfts = [r.first_at - r.sent_at for r in ok if r.first_at is not None]
     rates = [(r.tokens - 1) / (r.ended_at - r.first_at) for r in ok
              if r.first_at is not None and r.ended_at is not None and r.tokens > 1 and r.ended_at > r.first_at]
@@ -371,9 +437,9 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
         concurrency=concurrency,
         requests=len(done),
         failed=len(failed),
-        output_tokens=tokens,
-        wall_s=wall,
-        output_tokens_per_s=tokens / wall,
+        output_tokens=sum(r.tokens for r in ok),
+        wall_s=max(1e-9, ended - started),
+        output_tokens_per_s=percentile(slice_rates, 50) or 0.0,
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p95_s=percentile(ttfts, 95),
         stream_tokens_per_s=percentile(rates, 50),
@@ -381,8 +447,21 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
         server_waiting_max=max(watch.waiting) if watch.waiting else None,
         server_waiting_share=watch.waiting_share(),
         kv_cache_usage_max=max(watch.kv) if watch.kv else None,
-        complete=not budget.cancelled_caught,
+        complete=not cut.cancelled_caught,
         first_error=failed[0].error if failed else "",
+    )
+
+
+def _knee(levels: list[ProbeLevel], settings: ProbeSettings) -> tuple[int, str]:
+    """The smallest level within min_gain of the best throughput, and why."""
+    best = max(levels, key=lambda lv: lv.output_tokens_per_s)
+    floor = best.output_tokens_per_s / (1 + settings.min_gain)
+    pick = min((lv for lv in levels if lv.output_tokens_per_s >= floor), key=lambda lv: lv.concurrency)
+    beyond = [lv.concurrency for lv in levels if lv.concurrency > pick.concurrency]
+    return pick.concurrency, (
+        f"{pick.concurrency} at once gives {pick.output_tokens_per_s:,.0f} tokens/s, within "
+        f"{settings.min_gain:.0%} of the best measured ({best.output_tokens_per_s:,.0f} at {best.concurrency}); "
+        f"{', '.join(map(str, beyond)) or 'more'} at once added no more than that"
     )
 
 
@@ -400,23 +479,18 @@ def _past_knee(level: ProbeLevel, previous: ProbeLevel | None, first: ProbeLevel
     # Requests wait a moment on arrival even below the cap; it is queueing only when the server also
     # ran fewer than were sent, for most of the level.
     if share is not None and share >= settings.waiting_share and ran is not None and ran < c and previous is not None:
-        cap = max(prev_c, ran)
+        cap = max(1, ran)
         return ("queue", cap,
                 f"at {c} at once the server queued requests (up to {level.server_waiting_max} waiting) "
                 f"while running at most {ran}, so more than {cap} only adds waiting")
     if previous is None:
         return None
-    gain = level.output_tokens_per_s / previous.output_tokens_per_s - 1 if previous.output_tokens_per_s else math.inf
-    if gain < settings.min_gain:
-        return ("knee", prev_c,
-                f"going from {prev_c} to {c} at once added {gain:+.0%} throughput "
-                f"({previous.output_tokens_per_s:,.0f} -> {level.output_tokens_per_s:,.0f} tokens/s), "
-                f"so {prev_c} carries the load")
-    base = first.ttft_p95_s
-    p95 = level.ttft_p95_s
-    if base and p95 and p95 > settings.ttft_floor_s and p95 > settings.ttft_blowup * base:
+    # p50, not p95: a few slow first tokens are noise; most of them slow is a queue
+    base = first.ttft_p50_s
+    p50 = level.ttft_p50_s
+    if base and p50 and p50 > settings.ttft_floor_s and p50 > settings.ttft_blowup * base:
         return ("ttft", prev_c,
-                f"at {c} at once TTFT p95 rose to {p95:.2f} s from {base:.2f} s at 1, so requests wait "
+                f"at {c} at once TTFT p50 rose to {p50:.2f} s from {base:.2f} s at 1, so requests wait "
                 f"rather than run beyond {prev_c}")
     return None
 
