@@ -1,0 +1,193 @@
+"""The Textual app: owns the engine (run as a worker in the app's own event loop), the UI model,
+themes and keymap; the screens read them and send the engine its commands.
+
+The app never speaks HTTP: the engine does, and tells the app everything through its events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from textual.app import App
+from textual.notifications import SeverityLevel
+from textual.worker import Worker, WorkerState
+
+from cerevisor_tui.config.models import Config
+from cerevisor_tui.engine.engine import FINAL, Engine
+from cerevisor_tui.ui.colours import resolve_colour
+from cerevisor_tui.ui.keys import BINDING_IDS
+from cerevisor_tui.ui.model import UiModel
+from cerevisor_tui.ui.screens.main import MainScreen
+from cerevisor_tui.ui.theme_files import DEFAULT_THEME, ThemeSet
+
+STOP_WAIT_S = 5.0
+"""How long quitting waits for the engine to cancel its agents and close its connections."""
+
+
+class CerevisorApp(App[int]):
+    """The operator console over one Engine."""
+
+    TITLE = "cerevisor-tui"
+    CSS_PATH = "app.tcss"
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: Config,
+        *,
+        simulated: bool = False,
+        config_path: Path | None = None,
+        save_path: Path | None = None,
+        save_template: str | None = None,
+        theme: str | None = None,
+        themes: ThemeSet | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        start_engine: bool = True,
+    ) -> None:
+        """`clock` is what countdowns and rates are computed against (tests freeze it); `save_path` is
+        where the settings screen saves, `save_template` the TOML it starts from when that file does not
+        exist yet (the demo); `start_engine=False` shows the engine's state without running it."""
+        super().__init__()
+        self.engine = engine
+        self.config = config
+        self.simulated = simulated
+        self.config_path = config_path
+        self.save_path = save_path or config_path
+        self.save_template = save_template
+        self.clock = clock
+        self.model = UiModel()
+        engine.subscribe(self.model)
+        self.keymap: dict[str, str] = dict(config.ui.keys)
+        self.engine_error = ""
+        self.run_exit_code: int | None = None
+        self._theme_name = theme or config.ui.theme or DEFAULT_THEME
+        self._themes = themes
+        self._start_engine = start_engine
+        self._engine_worker: Worker[int] | None = None
+        self._quitting = False
+        self._colours: dict[str, str] = {}
+        self._colours_of: dict[str, str] | None = None
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def get_default_screen(self) -> MainScreen:
+        return MainScreen()
+
+    def get_theme_variable_defaults(self) -> dict[str, str]:
+        """Our variables for themes that do not set them (Textual's own, for instance)."""
+        theme = self.current_theme
+        return {
+            "stall-warn": theme.warning or "#FFA62B",
+            "stall-critical": theme.error or "#BA3C5B",
+            "stream-reasoning": "#8A8A8A" if theme.dark else "#6E6E6E",
+        }
+
+    def on_mount(self) -> None:
+        self.theme_changed_signal.subscribe(self, self._theme_changed)
+        if self._themes is None:
+            from cerevisor_tui.config.paths import user_themes_dir
+            from cerevisor_tui.ui.theme_files import load_themes
+
+            self._themes = load_themes(user_themes_dir())
+        for theme in self._themes.themes.values():
+            self.register_theme(theme)
+        self.theme = self._theme_name if self.get_theme(self._theme_name) else DEFAULT_THEME
+        for problem in self._themes.problems:
+            self.notify(problem, title="Theme skipped", severity="warning", timeout=8)
+        unknown = sorted(set(self.keymap) - BINDING_IDS)
+        if unknown:
+            self.notify(f"[ui.keys]: unknown binding id {', '.join(unknown)} (known: {', '.join(sorted(BINDING_IDS))})",
+                        title="Key remap ignored", severity="warning", timeout=10)
+        self.set_keymap({k: v for k, v in self.keymap.items() if k in BINDING_IDS})
+        if self._start_engine:
+            self._engine_worker = self.run_worker(self._run_engine(), name="engine", group="engine",
+                                                  exit_on_error=False)
+
+    def colour(self, name: str) -> str:
+        """A theme variable as a concrete colour for Rich styles ("" when it is not one)."""
+        if self._colours_of is not self.theme_variables:  # the theme's CSS was refreshed
+            self._colours_of, self._colours = self.theme_variables, {}
+        found = self._colours.get(name)
+        if found is None:
+            found = self._colours[name] = resolve_colour(self.theme_variables, name)
+        return found
+
+    def _theme_changed(self, theme: object) -> None:
+        """Published once the new theme's variables are in force: repaint what we coloured ourselves."""
+        for screen in self.screen_stack:
+            if isinstance(screen, MainScreen) and screen.is_mounted:
+                screen.table.refresh_colours()
+                screen.refresh_status()
+
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
+               timeout: float | None = None, markup: bool = True) -> None:
+        """Our messages carry agent names, paths and reasons verbatim: they are never read as markup."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
+
+    # ---- the engine -------------------------------------------------------------------------------
+    async def _run_engine(self) -> int:
+        self.run_exit_code = await self.engine.run()
+        return self.run_exit_code
+
+    def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
+        if event.worker is self._engine_worker and event.state == WorkerState.ERROR:
+            error = event.worker.error
+            self.engine_error = str(error) or type(error).__name__
+            self.notify(self.engine_error, title="Engine stopped", severity="error", timeout=15)
+
+    @property
+    def run_active(self) -> bool:
+        """Agents are running or waiting to run (quitting would cancel them)."""
+        worker = self._engine_worker
+        if worker is None or worker.is_finished:
+            return False
+        return any(st.status not in FINAL for st in self.engine.agents.values())
+
+    async def on_unmount(self) -> None:
+        """However the app ends, let the engine finish closing its streams (and the simulator) first."""
+        worker = self._engine_worker
+        if worker is None:
+            return
+        self.engine.stop("console closed")
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
+
+    # ---- quitting ---------------------------------------------------------------------------------
+    async def action_quit(self) -> None:
+        """ctrl+q, and `q` on the main screen."""
+        self.request_quit()
+
+    def request_quit(self) -> None:
+        if self._quitting:
+            return
+        if not self.run_active:
+            self._begin_shutdown()
+            return
+        from cerevisor_tui.ui.screens.confirm import ConfirmScreen
+
+        running = sum(1 for st in self.engine.agents.values() if st.status not in FINAL)
+        self.push_screen(
+            ConfirmScreen("Quit", f"{running} agent(s) have not finished. Quit and cancel them?", yes="Quit",
+                          no="Stay"),
+            lambda yes: self._begin_shutdown() if yes else None,
+        )
+
+    def _begin_shutdown(self) -> None:
+        self._quitting = True
+        self.run_worker(self._stop_engine_and_exit(), name="shutdown", group="shutdown")
+
+    async def _stop_engine_and_exit(self) -> None:
+        """Stop the engine so every request is cancelled and its connection closed, then leave."""
+        worker = self._engine_worker
+        if worker is not None and not worker.is_finished:
+            self.engine.stop("console quit")
+            try:
+                await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
+            except TimeoutError:
+                worker.cancel()  # cancelling the task still closes its connections on the way out
+            except Exception:
+                pass  # its error was shown already; leaving anyway
+        self.exit(0)

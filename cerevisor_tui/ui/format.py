@@ -1,0 +1,103 @@
+"""How numbers, statuses and deadlines read in the console: pure functions, no Textual."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cerevisor_tui.engine.engine import FINAL, AgentState
+
+STATUS_LABELS = {
+    "pending": "pending",
+    "queued": "queued",
+    "waiting": "waiting",
+    "prefill": "prefill",
+    "streaming": "streaming",
+    "stalling": "stalling",
+    "retrying": "retrying",
+    "completed": "done",
+    "failed": "failed",
+    "killed": "killed",
+    "skipped": "skipped",
+    "cancelled": "cancelled",
+}
+"""Engine status -> what the agents pane shows ("waiting" is a local endpoint still loading)."""
+
+ACTIVE = frozenset({"waiting", "prefill", "streaming", "stalling", "retrying"})
+
+NORMAL, WARN, CRITICAL = "", "warn", "critical"
+
+
+def fmt_clock(seconds: float) -> str:
+    """A countdown or an elapsed time: 9:58, 1:02:03."""
+    seconds = max(0, math.ceil(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def fmt_count(n: float) -> str:
+    """Token counts: 812, 12.4k, 3.1M."""
+    if n < 1000:
+        return f"{n:.0f}"
+    if n < 1_000_000:
+        return f"{n / 1000:.1f}k"
+    return f"{n / 1_000_000:.1f}M"
+
+
+def fmt_rate(rate: float | None) -> str:
+    if rate is None:
+        return "-"
+    return f"{rate:.0f}" if rate >= 100 else f"{rate:.1f}"
+
+
+def fmt_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.2f}s" if seconds < 10 else f"{seconds:.0f}s"
+
+
+def fmt_percent(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.0f}%"
+
+
+def fmt_number(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+@dataclass(frozen=True, slots=True)
+class Countdown:
+    """The nearest deadline of an agent's running attempt, as the operator sees it."""
+
+    label: str  # "first 29:42" / "idle 0:12"
+    remaining_s: float
+    fraction: float  # of the deadline window already used
+    level: str  # NORMAL | WARN | CRITICAL
+
+
+def countdown(st: AgentState, warn_at: tuple[float, ...], now: float) -> Countdown | None:
+    """Amber (WARN) past the first warn_at fraction, red (CRITICAL) past the last; None when nothing runs."""
+    att = st.current
+    if att is None or st.status in FINAL or st.status == "retrying" or not math.isfinite(att.deadline_at):
+        return None
+    base = att.base or att.sent_at
+    window = att.deadline_at - base
+    remaining = att.deadline_at - now
+    fraction = (now - base) / window if window > 0 else 1.0
+    level = NORMAL
+    if warn_at and fraction >= warn_at[-1]:
+        level = CRITICAL
+    elif warn_at and fraction >= warn_at[0]:
+        level = WARN
+    phase = "first" if att.phase == "first_byte" else "idle"
+    return Countdown(f"{phase} {fmt_clock(remaining)}", remaining, fraction, level)
+
+
+def live_rate(st: AgentState, now: float) -> float | None:
+    """Output tokens/s of the running attempt while it streams, else the agent's average so far."""
+    att = st.current
+    if att is not None and att.first_token_at is not None and att.tokens > 1:
+        elapsed = now - att.first_token_at
+        if elapsed > 0.2:
+            return att.tokens / elapsed
+    return st.output_tokens_per_s

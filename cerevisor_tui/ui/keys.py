@@ -1,0 +1,72 @@
+"""The console's key bindings: one list that the main screen, the footer, the help screen and the
+command palette all read. Every binding has an id, so `[ui.keys]` can remap it (`App.set_keymap`)."""
+
+from __future__ import annotations
+
+from textual.binding import Binding
+
+CAP = Binding.Group("Cap", compact=True)
+
+MAIN_BINDINGS: list[Binding] = [
+    Binding("m", "toggle_mode", "Mode", id="toggle_mode",
+            tooltip="Cycle the mode live: sequential → parallel → auto. Running agents are never stopped."),
+    Binding("plus,equals_sign", "cap(1)", "Cap+", key_display="+", id="cap_up", group=CAP,
+            tooltip="Raise the parallel cap by one: more agents may run at once."),
+    Binding("minus", "cap(-1)", "Cap-", key_display="-", id="cap_down", group=CAP,
+            tooltip="Lower the parallel cap by one; running agents finish, new ones wait."),
+    Binding("p", "pause", "Pause", id="pause",
+            tooltip="Pause or resume admissions: queued agents wait, running ones go on."),
+    Binding("k", "kill", "Kill", id="kill",
+            tooltip="Kill the selected agent (asks first): its request is closed, no retry follows."),
+    Binding("e", "extend", "Extend", id="extend",
+            tooltip="Move the selected agent's stall deadline later by stall.extend_s (default 300 s)."),
+    Binding("r", "retry", "Retry", id="retry",
+            tooltip="Restart the selected agent's attempt, or run a failed or killed agent again."),
+    Binding("s", "settings", "Settings", id="settings",
+            tooltip="Edit run, stall and endpoint settings, and save them to the config file."),
+    Binding("enter", "open_stream", "Stream", id="open_stream", show=False,
+            tooltip="Go into the stream pane of the selected agent (scroll with arrows, PgUp/PgDn)."),
+    Binding("escape", "leave_stream", "Back", id="leave_stream", show=False,
+            tooltip="Back from the stream pane to the agents; restores a maximized pane."),
+    Binding("1", "maximize_pane('agents-pane')", "Agents", id="maximize_agents", show=False,
+            tooltip="Maximize the agents pane (esc restores)."),
+    Binding("2", "maximize_pane('stream-pane')", "Stream", id="maximize_stream", show=False,
+            tooltip="Maximize the stream pane (esc restores)."),
+    Binding("3", "maximize_pane('load-pane')", "Load", id="maximize_load", show=False,
+            tooltip="Maximize the load pane (esc restores)."),
+    Binding("question_mark", "help", "Help", key_display="?", id="help",
+            tooltip="Keys, panes and what the colours mean."),
+    Binding("q", "quit", "Quit", id="quit",
+            tooltip="Quit; asks first while agents are running or queued. The run is stopped cleanly."),
+]
+
+PALETTE_NAMES: dict[str, str] = {
+    "toggle_mode": "Cycle mode (sequential / parallel / auto)",
+    "cap_up": "Raise concurrency cap",
+    "cap_down": "Lower concurrency cap",
+    "pause": "Pause / resume admissions",
+    "kill": "Kill selected agent",
+    "extend": "Extend selected agent's deadline",
+    "retry": "Retry selected agent",
+    "settings": "Settings",
+    "open_stream": "Open stream of selected agent",
+    "leave_stream": "Back to agents",
+    "maximize_agents": "Maximize agents pane",
+    "maximize_stream": "Maximize stream pane",
+    "maximize_load": "Maximize load pane",
+    "help": "Help",
+    "quit": "Quit",
+}
+"""What the command palette calls each action."""
+
+BINDING_IDS = frozenset(b.id for b in MAIN_BINDINGS if b.id)
+
+
+def effective_keys(binding: Binding, keymap: dict[str, str]) -> str:
+    """The keys a binding answers to now, after `[ui.keys]` remaps, as the operator types them."""
+    if binding.id and binding.id in keymap:
+        return keymap[binding.id]
+    if binding.key_display:
+        return binding.key_display
+    names = {"question_mark": "?", "plus": "+", "minus": "-", "equals_sign": "=", "escape": "esc"}
+    return ",".join(names.get(k, k) for k in binding.key.split(","))

@@ -1,0 +1,1 @@
+"""The console's screens: main, settings, help, and the confirm dialog."""

@@ -1,0 +1,40 @@
+"""A yes/no question in a modal dialog; dismisses with True only on an explicit yes."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Static
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """`y` confirms, `n`/esc declines; enter presses the focused button, which starts on the safe one (No)."""
+
+    BINDINGS = [
+        Binding("y", "answer(True)", "Yes", id="confirm_yes", tooltip="Confirm"),
+        Binding("n,escape", "answer(False)", "No", id="confirm_no", tooltip="Cancel"),
+    ]
+
+    def __init__(self, title: str, question: str, *, yes: str = "Yes", no: str = "No") -> None:
+        super().__init__()
+        self._title, self._question, self._yes, self._no = title, question, yes, no
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Static(self._title, id="dialog-title", markup=False)
+            yield Static(self._question, id="dialog-question", markup=False)
+            with Horizontal(id="dialog-buttons"):
+                yield Button(f"{self._yes} (y)", variant="error", id="yes")
+                yield Button(f"{self._no} (n)", variant="primary", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(event.button.id == "yes")
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)

@@ -1,0 +1,96 @@
+"""The help screen: every key (as remapped), what each pane shows, what the stall colours mean."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import Screen
+from textual.widgets import Footer, Static
+
+from cerevisor_tui.ui.keys import MAIN_BINDINGS, effective_keys
+
+if TYPE_CHECKING:
+    from cerevisor_tui.ui.app import CerevisorApp
+
+PANES = (
+    ("header", "Endpoints and their health (● up, ● down, ○ not reported yet), the mode badge, the cap, "
+               "agents running / queued / done / failed, output tokens per second, the wave, the run time."),
+    ("1 agents", "One row per agent: wave, status, turn k/n, time to first token, tokens/s, tokens, and the "
+                 "countdown to its nearest stall deadline (first token, or idle once streaming)."),
+    ("2 stream", "The selected agent's conversation: your prompts, its answer as it streams (reasoning "
+                 "dimmed). It follows new text while you are at the bottom; scroll up to read, End to follow."),
+    ("3 load", "What the server reports in /metrics: requests running and waiting, KV-cache use, prefix "
+               "hits (- until it reports them), the throughput sparkline, and the KV-cache estimate."),
+)
+
+
+class HelpScreen(Screen):
+    """Read-only; esc, q or ? goes back."""
+
+    app: CerevisorApp
+    BINDINGS = [
+        Binding("escape,q,question_mark", "app.pop_screen", "Back", key_display="esc", id="help_close",
+                tooltip="Back to the console"),
+    ]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help") as scroll:
+            scroll.border_title = "help"
+            yield Static(self._body(), id="help-body")
+        yield Footer()
+
+    def _body(self) -> Table:
+        app = self.app
+        v = {name: app.colour(name) for name in ("accent", "primary", "text-muted", "stall-warn", "stall-critical")}
+        keys = Table.grid(padding=(0, 2))
+        keys.add_column(style=f"bold {v.get('accent', '')}", no_wrap=True)
+        keys.add_column(style="bold", no_wrap=True)
+        keys.add_column(ratio=1)
+        for binding in MAIN_BINDINGS:
+            keys.add_row(Text(effective_keys(binding, app.keymap)), Text(binding.description), Text(binding.tooltip))
+        keys.add_row(Text("ctrl+p"), Text("Palette"), Text("Every action by name, and themes."))
+        keys.add_row(Text("tab"), Text("Focus"), Text("Move between the agents and the stream."))
+
+        panes = Table.grid(padding=(0, 2))
+        panes.add_column(style="bold", no_wrap=True)
+        panes.add_column(ratio=1)
+        for name, text in PANES:
+            panes.add_row(Text(name), Text(text))
+
+        stall = Text()
+        warn_at = app.config.stall.warn_at or []
+        stall.append("■ amber", style=f"bold {v.get('stall-warn', 'yellow')}")
+        stall.append(f"  the agent has used {warn_at[0]:.0%} of a deadline without a sign of life\n"
+                     if warn_at else "  past the first warning\n")
+        stall.append("■ red", style=f"bold {v.get('stall-critical', 'red')}")
+        stall.append(f"    past {warn_at[-1]:.0%}: it will be killed at 0:00 unless the server is busy "
+                     "or you extend it (e)" if warn_at else "  past the last warning")
+
+        files = Text()
+        files.append("config   ", style="bold")
+        files.append(str(app.config_path) if app.config_path else "none found: the built-in demo")
+        files.append("\nsaves to ", style="bold")
+        files.append(str(app.save_path) if app.save_path else "-")
+        files.append("\nrun dir  ", style="bold")
+        files.append(app.model.run_dir or app.engine.run_dir or "-")
+        files.append("  (events.jsonl, transcripts/, report.json)", style=v.get("text-muted", ""))
+
+        page = Table.grid(padding=(0, 0))
+        page.add_column(ratio=1)
+        heading = f"bold {v.get('primary', '')}"
+        page.add_row(Text("Keys", style=heading))
+        page.add_row(keys)
+        page.add_row(Text("Remap any key under [ui.keys] in the config by its id, e.g. toggle_mode = \"M\".",
+                          style=v.get("text-muted", "")))
+        page.add_row(Text("\nPanes", style=heading))
+        page.add_row(panes)
+        page.add_row(Text("\nStall colours", style=heading))
+        page.add_row(stall)
+        page.add_row(Text("\nFiles", style=heading))
+        page.add_row(files)
+        return page

@@ -1,0 +1,226 @@
+"""The main screen: header, agents, stream, load, footer; the operator's keys act on the engine here.
+
+Two timers redraw it: the stream flush at `[ui].refresh_hz` (visible pane only) and the status
+refresh (header, agents rows, load) at most 10 times a second. Events never touch a widget.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.app import ComposeResult
+from textual.containers import Container, Vertical
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer
+
+from cerevisor_tui.engine.engine import FINAL
+from cerevisor_tui.ui.commands import ConsoleCommands
+from cerevisor_tui.ui.format import STATUS_LABELS
+from cerevisor_tui.ui.keys import MAIN_BINDINGS
+from cerevisor_tui.ui.widgets.agent_table import AgentTable
+from cerevisor_tui.ui.widgets.load_pane import LoadPane
+from cerevisor_tui.ui.widgets.run_header import RunHeader
+from cerevisor_tui.ui.widgets.stream_pane import StreamPane
+
+if TYPE_CHECKING:
+    from cerevisor_tui.ui.app import CerevisorApp
+
+STATUS_HZ_MAX = 4.0
+
+
+class AgentsPane(Vertical):
+    ALLOW_MAXIMIZE = True
+
+
+class MainScreen(Screen):
+    """What the operator watches; see `ui/keys.py` for the keys."""
+
+    app: CerevisorApp
+    BINDINGS = MAIN_BINDINGS
+    COMMANDS = {ConsoleCommands}
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (150, "-wide")]
+
+    def compose(self) -> ComposeResult:
+        yield RunHeader(id="header")
+        with Container(id="body"):
+            with AgentsPane(id="agents-pane"):
+                yield AgentTable(id="agents")
+            yield StreamPane(id="stream-pane")
+            yield LoadPane(id="load-pane")
+        yield Footer(show_command_palette=False)
+
+    # ---- parts ------------------------------------------------------------------------------------
+    @property
+    def table(self) -> AgentTable:
+        return self.query_one(AgentTable)
+
+    @property
+    def stream_pane(self) -> StreamPane:
+        return self.query_one(StreamPane)
+
+    @property
+    def selected(self) -> str | None:
+        return self.table.selected_agent
+
+    def on_mount(self) -> None:
+        app = self.app
+        self.query_one("#agents-pane").border_title = "1 agents"
+        self.query_one("#load-pane").border_title = "3 load"
+        self.table.build(app.engine)
+        hz = app.config.ui.refresh_hz
+        self.set_interval(1 / hz, self.flush_streams, name="stream-flush")
+        self.set_interval(1 / min(hz, STATUS_HZ_MAX), self.refresh_status, name="status-refresh")
+        self.stream_pane.show(self.selected, app.model)
+        self.refresh_status()
+        self.table.focus()
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self.stream_pane.show(event.row_key.value, self.app.model)
+        self._update_stream_title()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_open_stream()
+
+    # ---- redraws ----------------------------------------------------------------------------------
+    def flush_streams(self) -> None:
+        """Move new tokens of the visible stream into its view (the only per-token path to the screen)."""
+        pane = self.stream_pane
+        if pane.display and (self.maximized is None or self.maximized is pane):
+            pane.flush(self.app.model)
+            self._update_stream_title()
+
+    def refresh_status(self) -> None:
+        """Header, agents rows, load pane and notices, from the engine's state and the model."""
+        app = self.app
+        now = app.clock()
+        app.model.sample(now)
+        self.query_one(RunHeader).sync(app.engine, app.model, now, simulated=app.simulated, error=app.engine_error)
+        self.table.sync(app.engine, app.model, now)
+        load = self.query_one(LoadPane)
+        if self.maximized is None or self.maximized is load:
+            load.sync(app.engine, app.model, now)
+        self._update_stream_title()
+        for notice in app.model.take_notices():
+            app.notify(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
+                       timeout=8 if notice.severity == "error" else 4)
+
+    def _update_stream_title(self) -> None:
+        pane = self.stream_pane
+        name = pane.agent
+        if name is None:
+            title, subtitle = "2 stream", ""
+        else:
+            st = self.app.engine.agents[name]
+            title = f"2 stream · {name}"
+            subtitle = f"{STATUS_LABELS.get(st.status, st.status)} · turn {st.turn or '-'}/{st.turns}"
+            if not pane.following:
+                subtitle += " · scrolled up (End follows)"
+        if (title, subtitle) != (pane.border_title, pane.border_subtitle):
+            pane.border_title, pane.border_subtitle = title, subtitle
+
+    def on_screen_resume(self) -> None:
+        self.table.refresh_colours()
+        self.refresh_status()
+
+    # ---- actions ----------------------------------------------------------------------------------
+    def action_toggle_mode(self) -> None:
+        mode = self.app.engine.cycle_mode()
+        self.refresh_status()
+        if mode == "sequential":
+            self.notify("Sequential: one agent at a time; running agents finish first.", timeout=3)
+
+    def action_cap(self, delta: int) -> None:
+        engine = self.app.engine
+        engine.set_concurrency(engine.scheduler.max_concurrency + delta)
+        self.refresh_status()
+        if engine.scheduler.mode == "sequential":
+            self.notify(f"Cap {engine.scheduler.max_concurrency}: it applies in parallel mode (m to switch).",
+                        timeout=3)
+
+    def action_pause(self) -> None:
+        engine = self.app.engine
+        if engine.scheduler.paused:
+            engine.resume()
+            self.notify("Admissions resumed.", timeout=3)
+        else:
+            engine.pause()
+            self.notify("Paused: queued agents wait; running agents go on.", timeout=3)
+        self.refresh_status()
+
+    def _selected_state(self, verb: str):
+        name = self.selected
+        if name is None:
+            self.notify(f"No agent selected to {verb}.", severity="warning")
+            return None
+        return self.app.engine.agents[name]
+
+    def action_kill(self) -> None:
+        st = self._selected_state("kill")
+        if st is None:
+            return
+        if st.status in FINAL or st.status == "pending":
+            self.notify(f"{st.name} is {STATUS_LABELS.get(st.status, st.status)}: nothing to kill.",
+                        severity="warning")
+            return
+        from cerevisor_tui.ui.screens.confirm import ConfirmScreen
+
+        def answer(yes: bool | None) -> None:
+            if yes and not self.app.engine.kill(st.name):
+                self.notify(f"{st.name} has already ended.", severity="warning")
+
+        self.app.push_screen(ConfirmScreen(
+            "Kill agent", f"Kill {st.name}? Its request is closed now and no retry follows.", yes="Kill",
+            no="Keep"), answer)
+
+    def action_extend(self) -> None:
+        st = self._selected_state("extend")
+        if st is None:
+            return
+        engine = self.app.engine
+        if not engine.extend(st.name):
+            self.notify(f"{st.name} has no running attempt to extend.", severity="warning")
+            return
+        self.refresh_status()
+
+    def action_retry(self) -> None:
+        st = self._selected_state("retry")
+        if st is None:
+            return
+        outcome = self.app.engine.retry(st.name)
+        self.notify(f"{st.name}: {outcome}", timeout=4)
+
+    def action_settings(self) -> None:
+        from cerevisor_tui.ui.screens.settings import SettingsScreen
+
+        # start with the breakpoint class it will get, so mounting does not restyle the form twice
+        self.app.push_screen(SettingsScreen(classes="-wide" if self.app.size.width >= 120 else "-narrow"))
+
+    def action_help(self) -> None:
+        from cerevisor_tui.ui.screens.help import HelpScreen
+
+        self.app.push_screen(HelpScreen())
+
+    def action_open_stream(self) -> None:
+        self.stream_pane.view.focus()
+
+    def action_leave_stream(self) -> None:
+        if self.maximized is not None:
+            self.minimize()
+        self.table.focus()
+
+    def action_maximize_pane(self, pane_id: str) -> None:
+        pane = self.query_one(f"#{pane_id}")
+        if self.maximized is pane:
+            self.minimize()
+            return
+        self.maximize(pane, container=False)
+        if pane_id == "stream-pane":
+            self.stream_pane.view.focus()
+            self.flush_streams()
+        elif pane_id == "agents-pane":
+            self.table.focus()
+        else:
+            self.refresh_status()
+
+    def action_quit(self) -> None:
+        self.app.request_quit()

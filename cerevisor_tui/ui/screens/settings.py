@@ -1,0 +1,349 @@
+"""The settings screen: every [run] and [stall] key and each endpoint's url, model, kind, cap and
+timeouts. Each value is checked by the config's own pydantic models as it is typed, and refused
+inline with the reason; save writes the file through `config.save`, and mode and cap apply at once.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ValidationError
+from rich.text import Text
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.events import DescendantFocus
+from textual.screen import Screen
+from textual.widgets import Footer, Input, Select, Static
+
+from cerevisor_tui.config.errors import ConfigError
+from cerevisor_tui.config.load import validate
+from cerevisor_tui.config.models import Config, EndpointConfig, RunConfig, StallConfig
+from cerevisor_tui.config.save import ENDPOINT_KEYS, CommentsWouldBeLost, SaveError, save_settings
+
+if TYPE_CHECKING:
+    from cerevisor_tui.ui.app import CerevisorApp
+
+LIVE_KEYS = {("run", "mode"), ("run", "max_concurrency")}
+"""Settings that change the running engine at once; the rest apply to the next run."""
+OPTIONAL_EMPTY = {("stall", "first_byte_timeout_s"), ("endpoint", "first_byte_timeout_s"),
+                  ("endpoint", "idle_timeout_s")}
+"""Fields where an empty value means "use the default" (or, on an endpoint, the [stall] value)."""
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    section: str  # "run" | "stall" | "endpoint"
+    index: int  # the endpoint's position; 0 otherwise
+    key: str
+    model: type[BaseModel]
+
+    @property
+    def id(self) -> str:
+        return f"f-{self.section}-{self.index}-{self.key}"
+
+    @property
+    def help(self) -> str:
+        text = self.model.model_fields[self.key].description or ""
+        if (self.section, self.key) in OPTIONAL_EMPTY:
+            text += " Empty: the default." if self.section == "stall" else " Empty: the [stall] value."
+        return text
+
+    @property
+    def annotation(self) -> Any:
+        """The field's type without `| None`."""
+        ann = self.model.model_fields[self.key].annotation
+        if typing.get_origin(ann) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(ann) if a is not type(None)]
+            ann = args[0] if len(args) == 1 else ann
+        return ann
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        ann = self.annotation
+        return tuple(typing.get_args(ann)) if typing.get_origin(ann) is Literal else ()
+
+
+def field_specs(config: Config) -> list[FieldSpec]:
+    specs = [FieldSpec("run", 0, key, RunConfig) for key in RunConfig.model_fields]
+    specs += [FieldSpec("stall", 0, key, StallConfig) for key in StallConfig.model_fields]
+    for i, _ in enumerate(config.endpoints):
+        specs += [FieldSpec("endpoint", i, key, EndpointConfig) for key in ENDPOINT_KEYS]
+    return specs
+
+
+def shown(value: Any) -> str:
+    """A config value as the form shows it."""
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, list | tuple):
+        return ", ".join(shown(v) for v in value)
+    return str(value)
+
+
+def _message(err: dict[str, Any]) -> str:
+    if err["type"] == "missing":
+        return "required"
+    return str(err["msg"]).removeprefix("Value error, ")
+
+
+class SettingField(Horizontal):
+    """One key on one line: its name, an input that fits its type, and its description, or, in red,
+    the reason its value is refused."""
+
+    def __init__(self, spec: FieldSpec, value: Any) -> None:
+        super().__init__(classes="field", id=spec.id)
+        self.spec = spec
+        self.initial = value
+        self._error = ""
+
+    def compose(self) -> ComposeResult:
+        spec = self.spec
+        yield Static(spec.key, classes="field-key", markup=False)
+        if spec.choices or spec.annotation is bool:
+            choices = spec.choices or ("true", "false")
+            value = shown(self.initial).lower() if spec.annotation is bool else self.initial
+            yield Select([(c, c) for c in choices], value=value, allow_blank=False, compact=True,
+                         classes="field-input", id=f"{spec.id}-input")
+        else:
+            placeholder = "default" if (spec.section, spec.key) in OPTIONAL_EMPTY else ""
+            field = Input(shown(self.initial), placeholder=placeholder, compact=True, classes="field-input",
+                          id=f"{spec.id}-input")
+            field.cursor_blink = not self.app.is_headless
+            yield field
+        yield Static(spec.help, classes="field-note", markup=False)
+
+    @property
+    def control(self) -> Input | Select:
+        return self.query_one(f"#{self.spec.id}-input")  # type: ignore[return-value]
+
+    def raw(self) -> Any:
+        """The value to hand pydantic: text as typed (it parses numbers), lists split on commas."""
+        control = self.control
+        if isinstance(control, Select):
+            return control.value == "true" if self.spec.annotation is bool else control.value
+        text = control.value.strip()
+        if text == "" and (self.spec.section, self.spec.key) in OPTIONAL_EMPTY:
+            return None
+        if typing.get_origin(self.spec.annotation) is list:
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return text
+
+    @property
+    def changed(self) -> bool:
+        raw = self.raw()
+        if isinstance(raw, list):
+            return raw != [shown(v) for v in self.initial or []]
+        if isinstance(raw, bool) or raw is None:
+            return raw != self.initial
+        return raw != shown(self.initial)
+
+    @property
+    def error(self) -> str:
+        """The reason the value is refused; empty when it is accepted."""
+        return self._error
+
+    def show_error(self, message: str) -> None:
+        if message == getattr(self, "_error", ""):
+            return
+        self._error = message
+        self.set_class(bool(message), "-invalid")
+        self.query_one(".field-note", Static).update(f"✖ {message}" if message else self.spec.help)
+
+
+class SettingsScreen(Screen):
+    """ctrl+s saves (asking first when the file's comments would be lost); esc goes back."""
+
+    app: CerevisorApp
+    BINDINGS = [
+        Binding("ctrl+s", "save", "Save", id="settings_save", tooltip="Check every value and save to the config file"),
+        Binding("escape", "back", "Back", id="settings_back", tooltip="Back to the console (asks if unsaved)"),
+    ]
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+
+    def compose(self) -> ComposeResult:
+        app = self.app
+        config = app.config
+        target = str(app.save_path) if app.save_path else "nowhere (no config file)"
+        with Vertical(id="settings-head"):
+            yield Static(Text.assemble(("Settings", "bold"), f"  saving to {target}"), id="settings-target")
+            yield Static("mode and max_concurrency show and set what runs now; the rest apply from the next run.  "
+                         "ctrl+s save · esc back", id="settings-hint")
+        with VerticalScroll(id="settings-form"):
+            yield Static("[run]", classes="section-title", markup=False)
+            for spec in field_specs(config):
+                if spec.section == "stall" and spec.key == "first_byte_timeout_s":
+                    yield Static("[stall]", classes="section-title", markup=False)
+                if spec.section == "endpoint" and spec.key == ENDPOINT_KEYS[0]:
+                    ep = config.endpoints[spec.index]
+                    yield Static(f"[[endpoints]] {ep.name}", classes="section-title", markup=False)
+                yield SettingField(spec, self._value(config, spec))
+        yield Static("", id="settings-help")
+        yield Footer()
+
+    def _value(self, config: Config, spec: FieldSpec) -> Any:
+        """What the form starts from: the config, except mode and cap, which show what runs now."""
+        scheduler = self.app.engine.scheduler
+        if (spec.section, spec.key) == ("run", "mode"):
+            return scheduler.mode
+        if (spec.section, spec.key) == ("run", "max_concurrency"):
+            return scheduler.max_concurrency
+        if spec.section == "run":
+            return getattr(config.run, spec.key)
+        if spec.section == "stall":
+            return getattr(config.stall, spec.key)
+        return getattr(config.endpoints[spec.index], spec.key)
+
+    def on_mount(self) -> None:
+        first = self.query(SettingField).first()
+        first.control.focus()
+
+    @property
+    def fields(self) -> list[SettingField]:
+        return list(self.query(SettingField))
+
+    def field(self, section: str, key: str, index: int = 0) -> SettingField:
+        return self.query_one(f"#f-{section}-{index}-{key}", SettingField)
+
+    # ---- checking ---------------------------------------------------------------------------------
+    def _groups(self) -> dict[tuple[str, int], list[SettingField]]:
+        groups: dict[tuple[str, int], list[SettingField]] = {}
+        for f in self.fields:
+            groups.setdefault((f.spec.section, f.spec.index), []).append(f)
+        return groups
+
+    def _check_group(self, section: str, index: int, fields: list[SettingField]) -> BaseModel | None:
+        """Validate one table with its model; show each field's reason; the model when all are valid."""
+        values = {f.spec.key: f.raw() for f in fields}
+        if section == "run":
+            model: type[BaseModel] = RunConfig
+            data = values
+        elif section == "stall":
+            model, data = StallConfig, values
+        else:
+            model = EndpointConfig
+            data = {**self.app.config.endpoints[index].model_dump(), **values}
+        by_key = {f.spec.key: f for f in fields}
+        problems: dict[str, str] = {}
+        result = None
+        try:
+            result = model.model_validate(data)
+        except ValidationError as exc:
+            for err in exc.errors():
+                key = str(err["loc"][0]) if err["loc"] else "base_url"  # a whole-endpoint rule is about its URL
+                if key in by_key:
+                    problems.setdefault(key, _message(err))
+                else:
+                    self.notify(f"{section}: {key}: {_message(err)}", severity="error")
+        for key, f in by_key.items():
+            f.show_error(problems.get(key, ""))
+        return result if not problems else None
+
+    @on(Input.Changed)
+    @on(Select.Changed)
+    def _changed(self, event: Input.Changed | Select.Changed) -> None:
+        field = next((a for a in event.control.ancestors if isinstance(a, SettingField)), None)
+        if field is None:
+            return
+        spec = field.spec
+        self._check_group(spec.section, spec.index, self._groups()[(spec.section, spec.index)])
+
+    def on_descendant_focus(self, event: DescendantFocus) -> None:
+        field = next((a for a in event.widget.ancestors_with_self if isinstance(a, SettingField)), None)
+        if field is not None:
+            spec = field.spec
+            where = f"[{spec.section}]" if spec.section != "endpoint" else \
+                f"[[endpoints]] {self.app.config.endpoints[spec.index].name}"
+            self.query_one("#settings-help", Static).update(Text.assemble((f"{where} {spec.key}", "bold"),
+                                                                          f": {spec.help}"))
+
+    def checked_config(self) -> Config | None:
+        """The whole config with the form's values, or None (reasons shown) when any is refused."""
+        config = self.app.config
+        results = {group: self._check_group(*group, fields) for group, fields in self._groups().items()}
+        bad = [f for f in self.fields if f.has_class("-invalid")]
+        if bad or any(r is None for r in results.values()):
+            if bad:
+                bad[0].control.focus()
+                bad[0].scroll_visible()
+            self.notify(f"{len(bad) or 1} value(s) refused; see the reasons in red.", severity="error")
+            return None
+        data = config.model_dump()
+        data["run"] = results[("run", 0)].model_dump()  # type: ignore[union-attr]
+        data["stall"] = results[("stall", 0)].model_dump()  # type: ignore[union-attr]
+        for i in range(len(config.endpoints)):
+            data["endpoints"][i] = results[("endpoint", i)].model_dump()  # type: ignore[union-attr]
+        try:
+            return validate(data, file=str(self.app.save_path or "settings"))
+        except ConfigError as exc:
+            self.notify(str(exc), title="Not saved", severity="error", timeout=10)
+            return None
+
+    # ---- saving -----------------------------------------------------------------------------------
+    def action_save(self) -> None:
+        new = self.checked_config()
+        if new is None:
+            return
+        if self.app.save_path is None:
+            self.notify("No config file to save to.", severity="error")
+            return
+        self._save(new, allow_comment_loss=False)
+
+    def _save(self, new: Config, *, allow_comment_loss: bool) -> None:
+        app = self.app
+        path = app.save_path
+        assert path is not None
+        try:
+            result = save_settings(path, new, template=app.save_template, allow_comment_loss=allow_comment_loss)
+        except CommentsWouldBeLost:
+            from cerevisor_tui.ui.screens.confirm import ConfirmScreen
+
+            def answer(yes: bool | None) -> None:
+                if yes:
+                    self._save(new, allow_comment_loss=True)
+
+            app.push_screen(ConfirmScreen(
+                "Comments will be lost",
+                f"{path} has comments, and saving rewrites the file without them. The original is kept as "
+                f"{path.name}.bak. Save anyway?", yes="Save", no="Cancel"), answer)
+            return
+        except SaveError as exc:
+            self.notify(str(exc), title="Not saved", severity="error", timeout=10)
+            return
+        applied = self._apply_live(new)
+        app.config = new
+        note = f"Saved to {result.path}."
+        if result.backup:
+            note += f" Original kept as {result.backup.name}."
+        if applied:
+            note += f" Applied now: {', '.join(applied)}."
+        app.notify(note, title="Settings saved", timeout=6)
+        app.pop_screen()
+
+    def _apply_live(self, new: Config) -> list[str]:
+        engine = self.app.engine
+        applied = []
+        if new.run.mode != engine.scheduler.mode:
+            engine.set_mode(new.run.mode)
+            applied.append(f"mode {new.run.mode}")
+        if new.run.max_concurrency != engine.scheduler.max_concurrency:
+            engine.set_concurrency(new.run.max_concurrency)
+            applied.append(f"cap {new.run.max_concurrency}")
+        return applied
+
+    def action_back(self) -> None:
+        if not any(f.changed for f in self.fields):
+            self.app.pop_screen()
+            return
+        from cerevisor_tui.ui.screens.confirm import ConfirmScreen
+
+        self.app.push_screen(
+            ConfirmScreen("Unsaved changes", "Leave settings and drop your changes?", yes="Drop", no="Stay"),
+            lambda yes: self.app.pop_screen() if yes else None,
+        )

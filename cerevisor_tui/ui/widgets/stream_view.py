@@ -1,0 +1,167 @@
+"""The stream pane's text view: an agent's transcript, wrapped, styled by kind, appended in place.
+
+A line-API widget: new text re-wraps only the last line it touches, so a flush costs what it adds,
+not what the transcript holds. It follows the end only while the reader is at the bottom.
+"""
+
+from __future__ import annotations
+
+import re
+
+from rich.style import Style
+from rich.text import Text
+from textual.cache import LRUCache
+from textual.geometry import Size
+from textual.scroll_view import ScrollView
+from textual.strip import Strip
+
+from cerevisor_tui.ui.model import ALERT, CONTENT, META, REASONING, TOOL, USER
+
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f]")
+MAX_LINES = 20_000
+
+
+def _clean(text: str) -> str:
+    return _CONTROL.sub("", text.expandtabs(4))
+
+
+class StreamView(ScrollView, can_focus=True):
+    """Styled, wrapped, append-only text with follow-at-bottom scrolling."""
+
+    DEFAULT_CSS = """
+    StreamView {
+        background: $surface;
+        color: $foreground;
+        overflow-x: hidden;
+        overflow-y: auto;
+        scrollbar-size-vertical: 1;
+    }
+    """
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self._lines: list[list[tuple[str, str]]] = [[]]
+        self._row_counts: list[int] = []
+        self._rows: list[Strip] = []
+        self._wrap_width = 0
+        self._styles: dict[str, Style] = {}
+        self._styled: LRUCache[int, Strip] = LRUCache(1024)
+        self.following = True
+        """Whether new text scrolls the view: true until the reader scrolls up, again once at the bottom."""
+
+    # ---- content ----------------------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        """The plain text shown (for tests and copying)."""
+        return "\n".join("".join(t for _, t in line) for line in self._lines)
+
+    def clear(self) -> None:
+        self._lines = [[]]
+        self._row_counts = []
+        self._rows = []
+        self._styled.clear()
+        self.virtual_size = Size(self.scrollable_content_region.width, 0)
+        self.scroll_to(0, 0, animate=False, immediate=True)
+        self.following = True
+        self.refresh()
+
+    def append(self, pieces: list[tuple[str, str]]) -> None:
+        """Add text at the end; `pieces` are (kind, text) as the model keeps them."""
+        if not pieces:
+            return
+        first_touched = len(self._lines) - 1
+        for kind, text in pieces:
+            parts = _clean(text).split("\n")
+            if parts[0]:
+                self._lines[-1].append((kind, parts[0]))
+            for part in parts[1:]:
+                self._lines.append([(kind, part)] if part else [])
+        if len(self._lines) > MAX_LINES:
+            drop = len(self._lines) - MAX_LINES
+            dropped_rows = sum(self._row_counts[:drop])
+            del self._lines[:drop], self._row_counts[:drop], self._rows[:dropped_rows]
+            first_touched = max(0, first_touched - drop)
+        self._rewrap_from(first_touched)
+
+    # ---- layout -----------------------------------------------------------------------------------
+    def _style_for(self, kind: str) -> Style:
+        if not self._styles:
+            colour = self.app.colour  # type: ignore[attr-defined]
+            self._styles = {
+                CONTENT: Style(),
+                REASONING: Style.parse(f"italic {colour('stream-reasoning') or 'grey50'}"),
+                TOOL: Style.parse(colour("secondary") or "magenta"),
+                USER: Style.parse(f"bold {colour('primary') or 'cyan'}"),
+                META: Style.parse(f"bold {colour('accent') or 'yellow'}"),
+                ALERT: Style.parse(f"bold {colour('error') or 'red'}"),
+            }
+        return self._styles.get(kind, Style())
+
+    def _wrap(self, line: list[tuple[str, str]], width: int) -> list[Strip]:
+        if not line:
+            return [Strip.blank(0)]
+        text = Text(no_wrap=False, overflow="fold", end="")
+        for kind, part in line:
+            text.append(part, self._style_for(kind))
+        console = self.app.console
+        return [Strip(list(row.render(console)), row.cell_len) for row in text.wrap(console, width)]
+
+    def _rewrap_from(self, first: int) -> None:
+        """Wrap the lines from `first` on again (all of them when the width changed); follow the end if on."""
+        width = self.scrollable_content_region.width
+        if width <= 0:  # not laid out yet: wrapped at the first resize
+            self._wrap_width = 0
+            return
+        if width != self._wrap_width:
+            self._wrap_width = width
+            first = 0
+        first = min(first, len(self._row_counts))
+        keep_rows = sum(self._row_counts[:first])
+        rows_before = len(self._rows)
+        del self._rows[keep_rows:], self._row_counts[first:]
+        for line in self._lines[first:]:
+            rows = self._wrap(line, width)
+            self._rows.extend(rows)
+            self._row_counts.append(len(rows))
+        if first == 0:
+            self._styled.clear()
+        else:
+            for index in range(keep_rows, max(rows_before, len(self._rows))):
+                self._styled.discard(index)
+        if len(self._rows) == rows_before and first:
+            self.refresh_lines(keep_rows, len(self._rows) - keep_rows)  # the usual flush: the last row grew
+            return
+        self.virtual_size = Size(width, len(self._rows))
+        self.refresh()
+        if self.following and not self.is_vertical_scrollbar_grabbed:
+            # after the refresh: the new virtual size must be laid out before the end is known
+            self.scroll_end(animate=False, x_axis=False)
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        # Any move, by the reader or by following, decides: at the bottom follows, above it reads.
+        self.following = new_value >= self.max_scroll_y
+
+    def on_resize(self) -> None:
+        if self.scrollable_content_region.width != self._wrap_width:
+            self._rewrap_from(0)
+
+    def notify_style_update(self) -> None:
+        super().notify_style_update()
+        self._styles = {}
+        self._styled.clear()
+        if self.is_mounted and self._rows:
+            self._rewrap_from(0)
+
+    def render_line(self, y: int) -> Strip:
+        scroll_x, scroll_y = self.scroll_offset
+        index = scroll_y + y
+        width = self.scrollable_content_region.width
+        base = self.rich_style
+        if index >= len(self._rows):
+            return Strip.blank(width, base)
+        strip = self._styled.get(index)  # overflow-x is hidden: scroll_x is 0, and a resize clears the cache
+        if strip is None:
+            strip = self._styled[index] = self._rows[index].apply_style(base).crop_extend(scroll_x, scroll_x + width,
+                                                                                         base)
+        return strip

@@ -1,0 +1,85 @@
+"""Helpers for console tests: a config on the built-in simulator, and waiting on engine events."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cerevisor_tui.config import Config, validate
+from cerevisor_tui.engine import events as ev
+from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.ui.app import CerevisorApp
+from cerevisor_tui.ui.theme_files import load_themes
+
+FAST_SIM = {"seed": 7, "tokens_per_s": 200.0, "ttft_s": 0.02}
+
+
+def sim_config(tmp_path: Path, *, agents: list[dict[str, Any]], sim: dict[str, Any] | None = None,
+               stall: dict[str, Any] | None = None, run: dict[str, Any] | None = None,
+               ui: dict[str, Any] | None = None) -> Config:
+    """One simulated endpoint (started in-process by the engine) and the given agents."""
+    return validate({
+        "run": {"mode": "parallel", "max_concurrency": 2, "run_dir": str(tmp_path / "runs"),
+                "metrics_interval_s": 0.2, **(run or {})},
+        "stall": {"idle_timeout_s": 30.0, **(stall or {})},
+        "ui": ui or {},
+        "endpoints": [{"name": "sim", "kind": "simulated", "sim": {**FAST_SIM, **(sim or {})}}],
+        "agents": agents,
+    })
+
+
+def console(config: Config, **kwargs: Any) -> CerevisorApp:
+    engine = Engine(config)
+    return CerevisorApp(engine, config, simulated=True, themes=load_themes(None), **kwargs)
+
+
+class EventLog:
+    """Every engine event, and a way to wait for one (no sleeping in tests)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.seen: list[ev.Event] = []
+        self._waiters: list[tuple[Callable[[ev.Event], bool], asyncio.Future[ev.Event]]] = []
+        engine.subscribe(self)
+
+    def __call__(self, event: ev.Event) -> None:
+        self.seen.append(event)
+        for predicate, future in self._waiters:
+            if not future.done() and predicate(event):
+                future.set_result(event)
+
+    async def wait(self, predicate: Callable[[ev.Event], bool], timeout: float = 10.0) -> ev.Event:
+        for event in self.seen:
+            if predicate(event):
+                return event
+        future: asyncio.Future[ev.Event] = asyncio.get_running_loop().create_future()
+        self._waiters.append((predicate, future))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._waiters.remove((predicate, future))
+
+    def of(self, kind: str, agent: str | None = None) -> list[ev.Event]:
+        return [e for e in self.seen if e.kind == kind and (agent is None or getattr(e, "agent", None) == agent)]
+
+
+def kind(name: str, agent: str | None = None, **fields: Any) -> Callable[[ev.Event], bool]:
+    """A predicate: an event of this kind (for this agent, with these field values)."""
+
+    def match(e: ev.Event) -> bool:
+        if e.kind != name or (agent is not None and getattr(e, "agent", None) != agent):
+            return False
+        return all(getattr(e, k) == v for k, v in fields.items())
+
+    return match
+
+
+@pytest.fixture(autouse=True)
+def _no_user_dirs(tmp_path, monkeypatch):
+    """Keep tests away from the real user config, state and themes."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+    monkeypatch.delenv("CEREVISOR_TUI_CONFIG", raising=False)

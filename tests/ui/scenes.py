@@ -1,0 +1,196 @@
+"""Fixed console states for snapshot tests: the engine's state set at fixed monotonic times, its events
+emitted through `engine.emit` (the path the real engine uses), and a frozen app clock.
+
+Nothing here reads a clock or a random source: the assistant text comes from the simulator's seeded
+word generator, so every picture is the same on every run.
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+from cerevisor_tui.commands.console import demo_text
+from cerevisor_tui.config import validate
+from cerevisor_tui.config.models import Config
+from cerevisor_tui.engine import events as ev
+from cerevisor_tui.engine.engine import Attempt, Engine
+from cerevisor_tui.sim.text import words
+from cerevisor_tui.ui.app import CerevisorApp
+from cerevisor_tui.ui.theme_files import load_themes
+
+T0 = 1000.0
+NOW = 1012.0
+RUN_ID = "20260101-120000-demo"
+
+
+def scene_config(**stall) -> Config:
+    data = tomllib.loads(demo_text())
+    data["stall"].update({"idle_timeout_s": 10.0, **stall})
+    for agent in data["agents"]:
+        if agent["name"] == "skeptic":
+            agent["retries"] = 0
+    return validate(data, file="scene")
+
+
+class Driver:
+    """Plays the engine's part for one scene, following the engine's own state rules."""
+
+    def __init__(self, engine: Engine, app: CerevisorApp) -> None:
+        self.engine = engine
+        self.app = app
+        self.words = words(7)
+        self._sampled_to = T0
+
+    def emit(self, event: ev.Event) -> None:
+        self.engine.emit(event)
+
+    def advance(self, t: float) -> None:
+        """Take the sparkline samples the redraw timer would have taken up to `t`."""
+        while self._sampled_to + 0.5 <= t:
+            self._sampled_to += 0.5
+            self.app.model.sample(self._sampled_to)
+
+    def run_started(self) -> None:
+        e = self.engine
+        e.started_at = T0
+        e.wave = 0
+        self.emit(ev.RunStarted(T0, RUN_ID, e.scheduler.mode, e.scheduler.max_concurrency,
+                                [[a.name for a in level] for level in e.waves], e.endpoint_summaries(),
+                                f"/runs/{RUN_ID}"))
+        self.emit(ev.WaveStarted(T0, 0, [a.name for a in e.waves[0]]))
+        for a in e.waves[0]:
+            e.agents[a.name].status = "queued"
+            self.emit(ev.AgentQueued(T0, a.name, 0))
+
+    def server(self, t: float, **values) -> None:
+        self.emit(ev.ServerSample(t, "sim", True, "vllm", **values))
+
+    def start(self, name: str, t: float, turn: int = 1) -> Attempt:
+        st = self.engine.agents[name]
+        policy = self.engine.policies[st.endpoint]
+        st.turn = turn
+        st.attempts += 1
+        prompt = ([st.config.prompt, *st.config.turns])[turn - 1]
+        self.emit(ev.MessageRecorded(t, name, st.attempts, turn, "user", prompt))
+        att = Attempt(st.attempts, turn, sent_at=t, last_alive=t, base=t,
+                      deadline_at=t + policy.first_byte_timeout_s)
+        st.current, st.status = att, "prefill"
+        if st.started_at is None:
+            st.started_at = t
+        self.emit(ev.AgentStarted(t, name, att.number, turn, st.turns, st.endpoint, policy.first_byte_timeout_s,
+                                  policy.idle_timeout_s))
+        return att
+
+    def tokens(self, name: str, n: int, t_start: float, t_end: float, *, reasoning: int = 0) -> None:
+        """`reasoning` of the `n` tokens come first, as thinking text."""
+        st = self.engine.agents[name]
+        att = st.current
+        assert att is not None
+        idle = self.engine.policies[st.endpoint].idle_timeout_s
+        step = (t_end - t_start) / max(1, n - 1)
+        for i in range(n):
+            t = t_start + i * step
+            self.advance(t)
+            if att.first_token_at is None:
+                att.first_token_at = t
+                if st.ttft_s is None:
+                    st.ttft_s = t - att.sent_at
+                st.status = "streaming"
+                self.emit(ev.FirstToken(t, name, att.number, att.turn, t - att.sent_at))
+            word = next(self.words) + " "
+            att.tokens += 1
+            st.tokens += 1
+            att.last_alive = att.base = t
+            att.phase, att.deadline_at = "idle", t + idle
+            if i < reasoning:
+                self.emit(ev.TokenDelta(t, name, att.number, "", word))
+            else:
+                self.emit(ev.TokenDelta(t, name, att.number, word))
+
+    def finish_turn(self, name: str, t: float, *, last: bool) -> None:
+        st = self.engine.agents[name]
+        att = st.current
+        assert att is not None and att.first_token_at is not None
+        st.completion_tokens += att.tokens
+        st.decode_s += t - att.first_token_at
+        self.emit(ev.MessageRecorded(t, name, att.number, att.turn, "assistant", "..."))
+        self.emit(ev.TurnFinished(t, name, att.number, att.turn, st.turns, 40, att.tokens, "stop",
+                                  att.first_token_at - att.sent_at, t - att.sent_at))
+        st.current = None
+        if last:
+            st.status, st.finished_at = "completed", t
+            self.emit(ev.AgentFinished(t, name, "completed"))
+
+    def stall_warnings(self, name: str, now: float) -> None:
+        """The warnings the watchdog has raised by `now` for the attempt's current deadline."""
+        st = self.engine.agents[name]
+        att = st.current
+        assert att is not None
+        window = att.deadline_at - att.base
+        for fraction in self.engine.policies[st.endpoint].warn_at:
+            at = att.base + fraction * window
+            if at <= now:
+                att.warned += 1
+                st.stall_warnings += 1
+                st.status = "stalling"
+                self.emit(ev.StallWarning(at, name, att.number, att.phase, fraction, att.deadline_at - at,
+                                          att.deadline_at))
+
+    def killed(self, name: str, t: float, reason: str) -> None:
+        st = self.engine.agents[name]
+        att = st.current
+        assert att is not None
+        self.emit(ev.AgentKilled(t, name, att.number, att.phase, reason, att.tokens))
+        st.current = None
+        st.status, st.error, st.finished_at = "killed", reason, t
+        self.emit(ev.AgentFinished(t, name, "killed", reason))
+
+
+def build(scene: str) -> CerevisorApp:
+    """`mid_run`, `amber_stall` or `killed`: the demo workflow twelve seconds in."""
+    config = scene_config()
+    engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
+    engine.models["sim"] = "sim-model"
+    app = CerevisorApp(engine, config, simulated=True, start_engine=False, clock=lambda: NOW,
+                       themes=load_themes(None))
+    d = Driver(engine, app)
+    d.run_started()
+    d.server(T0 + 10, running=2.0, waiting=0.0, kv_cache_usage=0.31, prefix_hit_rate=0.56)
+
+    d.start("planner", T0)
+    d.tokens("planner", 48, T0 + 0.8, T0 + 2.6)
+    d.finish_turn("planner", T0 + 2.6, last=True)
+
+    d.start("researcher", T0)
+    d.tokens("researcher", 48, T0 + 0.7, T0 + 5.0, reasoning=12)
+    d.finish_turn("researcher", T0 + 5.0, last=False)
+    d.start("researcher", T0 + 5.0, turn=2)
+    d.tokens("researcher", 60, T0 + 5.4, NOW - 0.1)
+
+    d.start("skeptic", T0)
+    if scene == "mid_run":
+        d.tokens("skeptic", 70, T0 + 0.9, NOW - 0.2)
+    else:
+        if scene == "amber_stall":
+            d.tokens("skeptic", 12, T0 + 0.9, T0 + 3.5)
+            d.stall_warnings("skeptic", NOW)  # 8.5 s of its 10 s idle window used: past 0.8, amber
+        else:
+            d.tokens("skeptic", 12, T0 + 0.9, T0 + 2.0)
+            d.stall_warnings("skeptic", T0 + 12.0)
+            d.killed("skeptic", T0 + 12.0, "no output for 10.0 s after 12 tokens")
+    d.advance(NOW)
+    return app
+
+
+def select(agent: str):
+    """A snapshot `run_before` that moves the agents cursor to `agent`."""
+
+    async def run_before(pilot) -> None:
+        await pilot.pause()
+        table = pilot.app.screen.table
+        names = list(pilot.app.engine.agents)
+        table.move_cursor(row=names.index(agent))
+        await pilot.pause()
+
+    return run_before
+

@@ -1,0 +1,148 @@
+"""The console's keys, driven with App.run_test against the real engine and the built-in simulator."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cerevisor_tui.ui.screens.confirm import ConfirmScreen
+from cerevisor_tui.ui.screens.main import MainScreen
+from cerevisor_tui.ui.widgets.run_header import RunHeader
+from tests.ui.conftest import EventLog, console, kind, sim_config
+
+SLOW = {"tokens_per_s": 8.0}  # a 400-token answer streams for ~50 s: long enough to act on
+
+
+def header_text(app) -> str:
+    return str(app.screen.query_one(RunHeader).render())
+
+
+def row(app, agent: str) -> list[str]:
+    table = app.screen.table
+    return [str(cell) for cell in table.get_row(agent)]
+
+
+async def select(pilot, agent: str) -> None:
+    table = pilot.app.screen.table
+    table.move_cursor(row=list(pilot.app.engine.agents).index(agent))
+    await pilot.pause()
+    assert table.selected_agent == agent
+
+
+@pytest.mark.anyio
+async def test_m_cycles_the_engines_mode_and_the_header_badge(tmp_path):
+    app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
+    log = EventLog(app.engine)
+    async with app.run_test() as pilot:
+        await log.wait(kind("RunStarted"))
+        assert "PARALLEL" in header_text(app)
+        await pilot.press("m")
+        assert app.engine.scheduler.mode == "auto"
+        assert "AUTO" in header_text(app) and "PARALLEL" not in header_text(app)
+        await pilot.press("m")
+        assert app.engine.scheduler.mode == "sequential"
+        assert "SEQUENTIAL" in header_text(app)
+        assert [e.mode for e in log.of("ModeChanged")] == ["auto", "sequential"]
+
+
+@pytest.mark.anyio
+async def test_plus_and_minus_move_the_engines_cap(tmp_path):
+    app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
+    log = EventLog(app.engine)
+    async with app.run_test() as pilot:
+        await log.wait(kind("RunStarted"))
+        await pilot.press("plus")
+        assert app.engine.scheduler.max_concurrency == 3
+        assert "cap 3" in header_text(app)
+        await pilot.press("minus", "minus", "minus", "minus")
+        assert app.engine.scheduler.max_concurrency == 1  # never below one
+        assert [e.max_concurrency for e in log.of("ConcurrencyChanged")] == [3, 2, 1, 1, 1]
+
+
+@pytest.mark.anyio
+async def test_k_asks_then_kills_the_selected_agent(tmp_path):
+    agents = [{"name": "a", "prompt": "hi", "max_tokens": 400}, {"name": "b", "prompt": "hi", "max_tokens": 400}]
+    app = console(sim_config(tmp_path, agents=agents, sim=SLOW))
+    log = EventLog(app.engine)
+    async with app.run_test() as pilot:
+        await log.wait(kind("FirstToken", "b"))
+        await select(pilot, "b")
+        await pilot.press("k")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("n")  # declined: nothing happens
+        assert isinstance(app.screen, MainScreen)
+        assert app.engine.agents["b"].status == "streaming"
+
+        await pilot.press("k")
+        await pilot.press("y")
+        killed = await log.wait(kind("AgentKilled", "b"))
+        assert killed.deadline == "operator" and killed.reason == "killed by operator"
+        await log.wait(kind("AgentFinished", "b"))
+        assert app.engine.agents["b"].status == "killed"
+        assert app.engine.agents["a"].status == "streaming"  # only the selected one
+        app.screen.refresh_status()
+        cells = row(app, "b")
+        assert "killed" in cells and "killed by operator" in cells
+        assert any("b killed: killed by operator" in n.message for n in app._notifications)
+
+
+@pytest.mark.anyio
+async def test_e_moves_the_stalled_agents_deadline_and_the_row_leaves_amber(tmp_path):
+    # the simulator stops sending tokens after 3: the 4 s idle deadline starts counting down
+    config = sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 50, "retries": 0}],
+                        sim={"stall_after_tokens": 3}, stall={"idle_timeout_s": 4.0, "warn_at": [0.25, 0.9],
+                                                              "extend_s": 30.0, "extend_when_server_busy": False})
+    app = console(config)
+    log = EventLog(app.engine)
+    async with app.run_test() as pilot:
+        warning = await log.wait(kind("StallWarning", "a"))
+        att = app.engine.agents["a"].current
+        assert att is not None and att.deadline_at == warning.deadline_at
+        app.screen.refresh_status()
+        assert app.screen.table._rows_shown["a"].level == "warn"  # amber before the deadline
+        before = att.deadline_at
+        await pilot.press("e")
+        extended = await log.wait(kind("StallExtended", "a"))
+        assert extended.extend_s == 30.0 and extended.reason == "extended by operator"
+        assert att.deadline_at == pytest.approx(before + 30.0)
+        assert app.engine.agents["a"].status == "streaming"
+        app.screen.refresh_status()
+        assert app.screen.table._rows_shown["a"].level == ""
+
+
+@pytest.mark.anyio
+async def test_p_holds_admissions_until_pressed_again(tmp_path):
+    agents = [{"name": "a", "prompt": "hi", "max_tokens": 30}, {"name": "b", "prompt": "hi", "max_tokens": 5}]
+    app = console(sim_config(tmp_path, agents=agents, run={"mode": "sequential"}, sim={"tokens_per_s": 40.0}))
+    log = EventLog(app.engine)
+    async with app.run_test() as pilot:
+        await log.wait(kind("FirstToken", "a"))
+        await pilot.press("p")
+        assert app.engine.scheduler.paused
+        assert "PAUSED" in header_text(app)
+        await log.wait(kind("AgentFinished", "a"))
+        await asyncio.sleep(0.3)  # time in which b would have started
+        assert app.engine.agents["b"].status == "queued"
+        assert not log.of("AgentStarted", "b")
+        await pilot.press("p")
+        assert not app.engine.scheduler.paused
+        await log.wait(kind("AgentStarted", "b"))
+
+
+@pytest.mark.anyio
+async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_0(tmp_path):
+    app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
+    log = EventLog(app.engine)
+    async with app.run_test() as pilot:
+        await log.wait(kind("FirstToken", "a"))
+        await pilot.press("q")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("escape")
+        assert isinstance(app.screen, MainScreen) and app.is_running
+        await pilot.press("q", "y")
+        finished = await log.wait(kind("RunFinished"))
+        await pilot.pause()
+    assert finished.exit_code == 1
+    assert app.engine.agents["a"].status == "cancelled"
+    assert app.return_code == 0

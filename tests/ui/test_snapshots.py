@@ -1,0 +1,35 @@
+"""Snapshot tests (pytest-textual-snapshot): fixed scenes, a frozen clock, seeded text.
+
+Regenerate with `pytest tests/ui/test_snapshots.py --snapshot-update`, then look at the SVGs in
+tests/ui/__snapshots__/ before committing them.
+"""
+
+from __future__ import annotations
+
+from tests.ui.scenes import build, select
+
+
+def test_main_screen_mid_run_80x24(snap_compare):
+    assert snap_compare(build("mid_run"), terminal_size=(80, 24))
+
+
+def test_main_screen_mid_run_160x48(snap_compare):
+    assert snap_compare(build("mid_run"), terminal_size=(160, 48))
+
+
+def test_amber_stall(snap_compare):
+    """skeptic has used 85% of its idle deadline: amber row with a live countdown."""
+    assert snap_compare(build("amber_stall"), terminal_size=(100, 30), run_before=select("skeptic"))
+
+
+def test_killed_agent(snap_compare):
+    """skeptic was killed by the watchdog: the row, the stream and a notification say why."""
+    assert snap_compare(build("killed"), terminal_size=(120, 30), run_before=select("skeptic"))
+
+
+def test_settings_screen(snap_compare):
+    assert snap_compare(build("mid_run"), terminal_size=(80, 24), press=["s"])
+
+
+def test_help_screen(snap_compare):
+    assert snap_compare(build("mid_run"), terminal_size=(100, 40), press=["question_mark"])

@@ -1,0 +1,158 @@
+"""Panes, focus, help, palette, key remaps, themes and the stream pane's buffering, with fixed scenes."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+from textual.command import CommandPalette
+
+from cerevisor_tui.engine import events as ev
+from cerevisor_tui.ui.keys import MAIN_BINDINGS, PALETTE_NAMES
+from cerevisor_tui.ui.screens.help import HelpScreen
+from cerevisor_tui.ui.screens.main import MainScreen
+from cerevisor_tui.ui.widgets.stream_view import StreamView
+from tests.ui.conftest import console, sim_config
+from tests.ui.scenes import NOW, build
+
+
+@pytest.mark.anyio
+async def test_number_keys_maximize_a_pane_and_esc_restores_it():
+    app = build("mid_run")
+    async with app.run_test() as pilot:
+        screen = app.screen
+        for key, pane in (("1", "#agents-pane"), ("2", "#stream-pane"), ("3", "#load-pane")):
+            await pilot.press(key)
+            assert screen.maximized is screen.query_one(pane)
+            await pilot.press("escape")
+            assert screen.maximized is None
+
+
+@pytest.mark.anyio
+async def test_enter_goes_into_the_stream_and_esc_comes_back():
+    app = build("mid_run")
+    async with app.run_test() as pilot:
+        assert app.focused is app.screen.table
+        await pilot.press("enter")
+        assert isinstance(app.focused, StreamView)
+        await pilot.press("escape")
+        assert app.focused is app.screen.table
+
+
+@pytest.mark.anyio
+async def test_selecting_an_agent_shows_its_whole_transcript_so_far():
+    app = build("mid_run")
+    async with app.run_test() as pilot:
+        view = app.screen.stream_pane.view
+        assert "List three risks" in view.text and "Which of them is the hardest" in view.text
+        await pilot.press("down")
+        assert app.screen.stream_pane.agent == "skeptic"
+        assert "What usually goes wrong" in view.text
+        assert "List three risks" not in view.text
+
+
+@pytest.mark.anyio
+async def test_stream_follows_only_while_the_reader_is_at_the_bottom():
+    app = build("mid_run")
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen, view = app.screen, app.screen.stream_pane.view
+        await pilot.pause()
+        assert view.following and view.scroll_y == view.max_scroll_y > 0
+
+        def more(n: int) -> None:
+            for i in range(n):
+                app.engine.emit(ev.TokenDelta(NOW, "researcher", 2, f"word{i} " * 8))
+
+        more(5)
+        screen.flush_streams()
+        await pilot.pause()
+        assert view.scroll_y == view.max_scroll_y  # followed the new text
+
+        view.scroll_to(y=0, animate=False, immediate=True)
+        await pilot.pause()
+        assert not view.following
+        more(5)
+        screen.flush_streams()
+        await pilot.pause()
+        assert view.scroll_y == 0  # the reader stays where they are
+        assert "scrolled up" in screen.stream_pane.border_subtitle
+
+        view.scroll_end(animate=False, immediate=True)
+        await pilot.pause()
+        assert view.following
+
+
+@pytest.mark.anyio
+async def test_tokens_are_buffered_not_written_per_token(monkeypatch):
+    """5000 token events between two flushes reach the stream view as one append."""
+    writes: list[int] = []
+    original = StreamView.append
+    monkeypatch.setattr(StreamView, "append", lambda self, pieces: (writes.append(len(pieces)), original(self, pieces)))
+    app = build("mid_run")
+    async with app.run_test() as pilot:
+        await pilot.pause()
+        writes.clear()
+        for i in range(5000):
+            app.engine.emit(ev.TokenDelta(NOW, "researcher", 2, f"t{i} "))
+        assert writes == []  # the subscriber touched no widget
+        app.screen.flush_streams()
+        assert writes == [1]  # one run of content text, in one write
+        assert app.screen.stream_pane.view.text.endswith("t4999 ")
+
+
+@pytest.mark.anyio
+async def test_help_lists_every_binding_with_its_remapped_key(tmp_path):
+    config = sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi"}], ui={"keys": {"toggle_mode": "M"}})
+    app = console(config, start_engine=False)
+    async with app.run_test(size=(120, 50)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        out = Console(width=120, file=io.StringIO(), record=True)
+        out.print(app.screen.query_one("#help-body").content)
+        text = out.export_text()
+        for binding in MAIN_BINDINGS:
+            assert " ".join(binding.tooltip.split()[:3]) in text  # every key is explained
+        assert "M " in text and "toggle_mode" in text
+        await pilot.press("escape")
+        assert isinstance(app.screen, MainScreen)
+
+
+@pytest.mark.anyio
+async def test_ui_keys_remap_a_binding_by_its_id(tmp_path):
+    config = sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi"}], ui={"keys": {"toggle_mode": "M"}})
+    app = console(config, start_engine=False)
+    async with app.run_test() as pilot:
+        await pilot.press("m")
+        assert app.engine.scheduler.mode == "parallel"  # m no longer cycles
+        await pilot.press("M")
+        assert app.engine.scheduler.mode == "auto"
+
+
+@pytest.mark.anyio
+async def test_command_palette_offers_every_action_by_name_and_runs_it(tmp_path):
+    app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi"}]), start_engine=False)
+    async with app.run_test() as pilot:
+        await pilot.press("ctrl+p")
+        assert isinstance(app.screen, CommandPalette)
+        assert set(PALETTE_NAMES) == {b.id for b in MAIN_BINDINGS}
+        await pilot.press(*"raise concurrency")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert isinstance(app.screen, MainScreen)
+        assert app.engine.scheduler.max_concurrency == 3
+
+
+@pytest.mark.anyio
+async def test_theme_flag_picks_a_packaged_theme_and_stall_colours_come_from_it(tmp_path):
+    app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi"}]), start_engine=False,
+                  theme="cerevisor-contrast")
+    async with app.run_test() as pilot:
+        assert app.theme == "cerevisor-contrast"
+        assert app.colour("stall-warn") == "#FFD700"
+        assert app.colour("stall-critical") == "#FF3030"
+        app.theme = "textual-dark"  # a theme without our variables: derived from its warning/error
+        await pilot.pause()
+        assert app.colour("stall-warn") != "#FFD700"
+        assert app.colour("stall-warn") == app.get_theme("textual-dark").warning.upper()
