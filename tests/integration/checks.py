@@ -1,0 +1,89 @@
+"""Checks shared by the vLLM and llama.cpp tests."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from cerevisor_tui.config import validate
+from cerevisor_tui.engine.engine import Engine
+from tests.integration.conftest import cerevisor, jsonl, workflow, write_config
+from tests.integration.servers import ServerProcess
+from tests.integration.usage_proxy import UsageProxy
+
+
+def run_workflow_through_proxy(server: ServerProcess, tmp_path: Path,
+                               counters: Callable[[], tuple[float, float]]) -> dict[str, Any]:
+    """Run the two-wave workflow headless through a recording proxy; check the report against the wire.
+
+    `counters()` reads the server's own (prompt tokens, generation tokens) counters from /metrics, a
+    second witness next to the usage chunks.
+    """
+    with UsageProxy(server.root_url) as proxy:
+        config = workflow(proxy.base_url)
+        path = write_config(tmp_path / "workflow.toml", config)
+        prompt_before, generated_before = counters()
+        proc = cerevisor("run", str(path), "--report", str(tmp_path / "report.json"), "--jsonl",
+                         "--run-dir", str(tmp_path / "run"), timeout=600)
+        prompt_after, generated_after = counters()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    events = jsonl(proc.stdout)
+    agents = {a["name"]: a for a in report["agents"]}
+    configured = {a["name"]: a for a in config["agents"]}
+
+    # every agent completed every turn, in two waves, some of them at the same time
+    assert {name: a["status"] for name, a in agents.items()} == dict.fromkeys(configured, "completed")
+    assert {name: a["wave"] for name, a in agents.items()} == {
+        "scout_a": 0, "scout_b": 0, "scout_c": 0, "judge": 1, "writer": 1}
+    turns = {name: 1 + len(a.get("turns", [])) for name, a in configured.items()}
+    assert {name: a["turns"] for name, a in agents.items()} == turns
+    assert report["totals"]["max_running"] >= 2
+    order = [e["event"] + ":" + str(e.get("wave", "")) for e in events if e["event"] in ("WaveStarted", "WaveFinished")]
+    assert order == ["WaveStarted:0", "WaveFinished:0", "WaveStarted:1", "WaveFinished:1"]
+
+    # the report's token counts are what the server's usage chunks said, agent by agent
+    seen = proxy.by_agent()
+    assert set(seen) == set(configured)
+    for name, agent in agents.items():
+        chunks, prompt, completion = seen[name]
+        assert chunks == turns[name], (name, chunks)
+        assert (agent["prompt_tokens"], agent["completion_tokens"]) == (prompt, completion), name
+        # the tiny model never ends early: each turn runs to max_tokens
+        assert completion == turns[name] * configured[name]["max_tokens"], name
+    finished = [e for e in events if e["event"] == "TurnFinished"]
+    assert Counter(e["agent"] for e in finished) == Counter(turns)
+    assert all(e["finish_reason"] == "length" for e in finished)
+    totals = report["totals"]
+    total_prompt = sum(u.prompt_tokens for u in proxy.usages)
+    total_completion = sum(u.completion_tokens for u in proxy.usages)
+    assert totals["output_tokens"] == total_completion == sum(a["completion_tokens"] for a in agents.values())
+
+    # and what the server counted itself
+    assert generated_after - generated_before == total_completion
+    assert prompt_after - prompt_before == total_prompt
+    return report
+
+
+def engine_for(config: dict[str, Any]) -> Engine:
+    return Engine(validate(config))
+
+
+async def run_engine(engine: Engine, on_event: Callable[[Any], None] | None = None,
+                     timeout_s: float = 300) -> tuple[int, list[Any]]:
+    seen: list[Any] = []
+
+    def subscriber(event: Any) -> None:
+        seen.append(event)
+        if on_event is not None:
+            on_event(event)
+
+    engine.subscribe(subscriber)
+    with anyio.fail_after(timeout_s):
+        code = await engine.run()
+    return code, seen

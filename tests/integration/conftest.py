@@ -1,0 +1,140 @@
+"""Session-wide real servers (each started once and shared, since vLLM takes 25-50 s to load) and helpers.
+
+Nothing here skips: a server that is not set up fails the tests that need it, with the command that
+sets it up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+
+from tests.integration import servers
+from tests.integration.servers import ServerProcess
+
+PRESSURE_ARGS = ["--num-gpu-blocks-override", "32", "--max-num-seqs", "4"]
+
+
+class Pool:
+    """The servers of this session by role; each started on first use and stopped at the end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.servers: dict[str, ServerProcess] = {}
+
+    def get(self, role: str, make: Callable[[int], ServerProcess], ready_s: float) -> ServerProcess:
+        server = self.servers.get(role)
+        if server is not None and server.proc is not None and server.proc.poll() is None:
+            if server.frozen:
+                server.thaw()
+            return server
+        try:
+            server = make(servers.free_port())
+        except servers.SetupMissing as exc:
+            pytest.fail(str(exc), pytrace=False)
+        server.start()
+        try:
+            server.wait_ready(ready_s)
+        except RuntimeError as exc:
+            server.stop()
+            pytest.fail(str(exc), pytrace=False)
+        self.servers[role] = server
+        return server
+
+    def adopt(self, role: str, server: ServerProcess) -> None:
+        """Keep a server a test started itself for the rest of the session."""
+        if role in self.servers:
+            server.stop()
+        else:
+            self.servers[role] = server
+
+    def close(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+        servers.stop_all()
+
+
+@pytest.fixture(scope="session")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+    log_dir = Path(os.environ.get("CEREVISOR_INTEGRATION_LOGS") or tmp_path_factory.mktemp("server-logs"))
+    p = Pool(log_dir)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(pool: Pool) -> ServerProcess:
+    """vLLM as the peers script starts it, plus --enable-log-requests so aborts show in its log."""
+    return pool.get("vllm", lambda port: servers.vllm(port, pool.log_dir, ["--enable-log-requests"]),
+                    servers.VLLM_READY_S)
+
+
+@pytest.fixture(scope="session")
+def vllm_pressure(pool: Pool) -> ServerProcess:
+    """vLLM with a 4096-token KV cache (32 blocks of 128) and 4 sequences at once."""
+    return pool.get("vllm-pressure", lambda port: servers.vllm(port, pool.log_dir, PRESSURE_ARGS, "vllm-pressure"),
+                    servers.VLLM_READY_S)
+
+
+@pytest.fixture(scope="session")
+def llama(pool: Pool) -> ServerProcess:
+    return pool.get("llama", lambda port: servers.llama_server(port, pool.log_dir), servers.LLAMA_READY_S)
+
+
+@pytest.fixture
+def thawed(request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
+    """Servers a test freezes; thawed again whatever happens."""
+    frozen: list[ServerProcess] = []
+    yield frozen
+    for server in frozen:
+        if server.frozen:
+            server.thaw()
+
+
+def write_config(path: Path, data: dict[str, Any]) -> Path:
+    path.write_text(tomli_w.dumps(data))
+    return path
+
+
+def cerevisor(*args: str, timeout: float = 300, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """The installed product, as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "cerevisor_tui", *args], capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+def jsonl(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def workflow(base_url: str, *, endpoint: str = "box") -> dict[str, Any]:
+    """Two waves, multi-turn: three scouts in parallel, then a judge and a writer that use their answers."""
+    agents = [
+        {"name": "scout_a", "system": "You are terse.", "prompt": "List three risks of the plan.",
+         "turns": ["Expand the first risk.", "Summarize in one line."], "max_tokens": 24},
+        {"name": "scout_b", "prompt": "List three strengths of the plan.", "turns": ["Which matters most?"],
+         "max_tokens": 20},
+        {"name": "scout_c", "prompt": "Name one open question.", "max_tokens": 16},
+        {"name": "judge", "depends_on": ["scout_a", "scout_b"], "max_tokens": 24,
+         "prompt": "Risks: {{ scout_a.output }}\nStrengths: {{ scout_b.output }}\nWeigh them.",
+         "turns": ["Decide: go or no-go?"]},
+        {"name": "writer", "depends_on": ["scout_c"], "max_tokens": 16,
+         "prompt": "Rewrite as a question for the team: {{ scout_c.output }}"},
+    ]
+    for agent in agents:
+        agent["retries"] = 0
+    return {
+        "run": {"mode": "parallel", "max_concurrency": 3, "metrics_interval_s": 0.5},
+        "stall": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 60.0},
+        "endpoints": [{"name": endpoint, "base_url": base_url, "kind": "local", "model": servers.MODEL}],
+        "agents": agents,
+    }

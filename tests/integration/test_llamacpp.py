@@ -1,0 +1,56 @@
+"""The product against a real llama.cpp llama-server (4 slots, --metrics, the tiny GGUF model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.checks import engine_for, run_engine, run_workflow_through_proxy
+from tests.integration.conftest import cerevisor
+from tests.integration.servers import MODEL, ServerProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def test_two_wave_workflow_reports_the_tokens_llama_server_counted(llama: ServerProcess, tmp_path):
+    def counters() -> tuple[float, float]:
+        # prompt_tokens_total excludes tokens reused from the prompt cache; usage counts the whole prompt
+        prompt = llama.metric("llamacpp:prompt_tokens_total") + llama.metric("llamacpp:prompt_tokens_cached_total")
+        return prompt, llama.metric("llamacpp:tokens_predicted_total")
+
+    run_workflow_through_proxy(llama, tmp_path, counters)
+
+
+def test_probe_recommends_the_four_slots(llama: ServerProcess):
+    proc = cerevisor("probe", llama.base_url, "--json", "--max-concurrency", "32")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["server_kind"] == "llamacpp" and result["model"] == MODEL
+    assert result["max_model_len"] == 2048  # each slot's context: -c 8192 over -np 4
+    assert result["kv_cache_tokens"] == 8192
+    # 4 slots: within one doubling step of 4
+    assert 2 <= result["recommended_concurrency"] <= 8, result
+    assert result["recommended_mode"] == "parallel"
+    assert result["levels"][-1]["concurrency"] <= 16  # it stopped past the knee, not at the top
+
+
+@pytest.mark.anyio
+async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: ServerProcess):
+    """Six agents on four slots: the two deferred ones get no byte at all (not even headers) until a slot
+    frees; llamacpp:requests_deferred makes the watchdog extend their short first-byte deadline."""
+    engine = engine_for({
+        "run": {"mode": "parallel", "max_concurrency": 6, "metrics_interval_s": 0.25},
+        "stall": {"first_byte_timeout_s": 1.0, "idle_timeout_s": 60.0, "extend_s": 5.0, "max_extensions": 20},
+        "endpoints": [{"name": "llama", "base_url": llama.base_url, "model": MODEL}],
+        "agents": [{"name": f"a{i}", "prompt": f"Tell story {i}.", "max_tokens": 1500, "retries": 0}
+                   for i in range(6)],
+    })
+    code, seen = await run_engine(engine)
+    assert code == 0, [e for e in seen if e.kind in ("AgentKilled", "AgentFinished")]
+    extended = [e for e in seen if e.kind == "StallExtended"]
+    assert extended, "no deadline was extended"
+    assert all(e.deadline == "first_byte" and "waiting" in e.reason for e in extended), extended
+    assert not any(e.kind == "AgentKilled" for e in seen)
+    samples = [e for e in seen if e.kind == "ServerSample"]
+    assert any(s.server_kind == "llamacpp" and s.waiting and s.slots_total == 4 for s in samples)

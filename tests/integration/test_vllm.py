@@ -1,0 +1,266 @@
+"""The product against a real vLLM 0.32 (CPU build) serving the tiny model.
+
+Two vLLM instances serve the whole module: "vllm-pressure" (32 KV blocks of 128 tokens, 4 sequences at
+once), which the first test starts itself after a run has begun, and "vllm" as the peers script starts
+it (1 GiB of KV). Test order matters only for speed: run alone, each test starts what it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from cerevisor_tui.endpoints.metrics import MetricsSnapshot, parse_metrics
+from tests.integration import servers
+from tests.integration.checks import engine_for, run_engine, run_workflow_through_proxy
+from tests.integration.conftest import PRESSURE_ARGS, Pool, cerevisor, jsonl, write_config
+from tests.integration.servers import MODEL, ServerProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+def _two_agents(url: str, kind: str, **stall: float) -> dict:
+    return {
+        "run": {"mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.5},
+        "stall": stall,
+        "endpoints": [{"name": "box", "base_url": url, "kind": kind, "model": MODEL}],
+        "agents": [{"name": f"a{i}", "prompt": f"Say hello {i}.", "max_tokens": 16, "retries": 0} for i in range(2)],
+    }
+
+
+def test_vllm_started_after_the_run_begins(pool: Pool, tmp_path: Path):
+    """The port refuses while vLLM loads: a hosted endpoint fails at once, a local one waits and completes."""
+    port = servers.free_port()
+    url = f"http://127.0.0.1:{port}/v1"
+
+    hosted = write_config(tmp_path / "hosted.toml", _two_agents(url, "hosted"))
+    started = time.monotonic()
+    proc = cerevisor("run", str(hosted), "--report", str(tmp_path / "hosted.json"), "--run-dir", str(tmp_path / "h"),
+                     timeout=120)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert elapsed < 20, f"a hosted endpoint that refuses should fail at once, took {elapsed:.0f} s"
+    report = json.loads((tmp_path / "hosted.json").read_text())
+    for agent in report["agents"]:
+        assert agent["status"] == "failed"
+        assert f"cannot connect to {url}/chat/completions" in agent["error"], agent["error"]
+
+    local = write_config(tmp_path / "local.toml", _two_agents(url, "local", first_byte_timeout_s=900.0))
+    run = subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "run", str(local), "--jsonl",
+                            "--report", str(tmp_path / "local.json"), "--run-dir", str(tmp_path / "l")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(run.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    server: ServerProcess | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while not any('"EndpointWaiting"' in line for line in list(lines)):
+            assert run.poll() is None, f"the run ended before vLLM started: {run.returncode}\n{''.join(lines)}"
+            assert time.monotonic() < deadline, "no EndpointWaiting event while the port refused"
+            time.sleep(0.2)
+        server = servers.vllm(port, pool.log_dir, PRESSURE_ARGS, "vllm-pressure").start()
+        try:
+            code = run.wait(timeout=servers.VLLM_READY_S + 120)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not finish after vLLM started; vLLM log:\n{server.log_tail()}")
+        reader.join(10)
+        assert code == 0, "".join(lines)[-3000:] + run.stderr.read()[-2000:] + server.log_tail()
+        server.wait_ready(30)
+    except BaseException:
+        if run.poll() is None:
+            run.kill()
+        if server is not None:
+            server.stop()
+        raise
+    pool.adopt("vllm-pressure", server)  # the KV-pressure tests below reuse it
+
+    events = jsonl("".join(lines))
+    report = json.loads((tmp_path / "local.json").read_text())
+    assert [a["status"] for a in report["agents"]] == ["completed", "completed"]
+    for name in ("a0", "a1"):
+        mine = [e["event"] for e in events if e.get("agent") == name]
+        assert "EndpointWaiting" in mine and "FirstToken" in mine
+        assert mine.index("EndpointWaiting") < mine.index("FirstToken")
+        assert "AgentKilled" not in mine and "AgentRetrying" not in mine
+        assert mine.count("AgentStarted") == 1  # one attempt that waited, not retries
+
+
+@pytest.mark.anyio
+async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vllm_pressure: ServerProcess):
+    """8 agents of 1500 tokens, 4 sequences and 4096 KV tokens: the reader sees requests waiting and KV
+    use at 1.0; the waiting agents' 1.5 s first-byte deadline is extended because the server says they
+    are queued."""
+    engine = engine_for({
+        "run": {"mode": "parallel", "max_concurrency": 8, "metrics_interval_s": 0.25},
+        "stall": {"first_byte_timeout_s": 1.5, "idle_timeout_s": 300.0, "extend_s": 20.0, "max_extensions": 30},
+        "endpoints": [{"name": "vllm", "base_url": vllm_pressure.base_url, "model": MODEL, "max_concurrency": 8}],
+        # prompts of different lengths, so the sequences cross block boundaries at different steps and the
+        # cache fills block by block (equal prompts fill it in lockstep and stop a block or two short)
+        "agents": [{"name": f"a{i}", "prompt": f"Write a long story number {i}." + " Make it long." * (5 * i),
+                    "max_tokens": 1500, "retries": 0} for i in range(8)],
+    })
+    # KV use sits at 1.0 only between the last free block being taken and the preemption that frees
+    # some (tens of decode steps), so besides the engine's own samples /metrics is read as fast as the
+    # busy server answers, with the same parser, while the run goes on.
+    polled: list[MetricsSnapshot] = []
+
+    async def poll() -> None:
+        async with httpx.AsyncClient() as client:
+            while True:
+                response = await client.get(f"{vllm_pressure.root_url}/metrics")
+                polled.append(parse_metrics(response.text))
+                await anyio.sleep(0.005)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(poll)
+        code, seen = await run_engine(engine, timeout_s=600)
+        group.cancel_scope.cancel()
+    finished = {e.agent: (e.status, e.error) for e in seen if e.kind == "AgentFinished"}
+    assert code == 0, finished
+    samples = [e for e in seen if e.kind == "ServerSample" and e.healthy]
+    assert samples and all(s.server_kind == "vllm" for s in samples)
+    assert max(s.waiting or 0 for s in samples) >= 1, "the engine's samples never saw a request waiting"
+    assert max(s.kv_cache_usage or 0 for s in samples) > 0.8
+    assert samples[-1].kv_cache_tokens == 4096
+    kv_max = max([m.kv_cache_usage or 0 for m in polled] + [s.kv_cache_usage or 0 for s in samples])
+    assert kv_max == pytest.approx(1.0), f"KV use peaked at {kv_max} over {len(polled)} fast reads"
+    assert max(m.requests_waiting or 0 for m in polled) >= 4
+    assert (polled[-1].preemptions or 0) > (polled[0].preemptions or 0)  # over-full: vLLM preempted
+    extended = [e for e in seen if e.kind == "StallExtended"]
+    assert extended, "no first-byte deadline was extended"
+    assert all(e.deadline == "first_byte" and "waiting" in e.reason for e in extended), extended
+    assert not any(e.kind == "AgentKilled" for e in seen)
+
+
+def test_probe_recommends_at_most_the_four_sequences(vllm_pressure: ServerProcess):
+    proc = cerevisor("probe", vllm_pressure.base_url, "--json", "--max-concurrency", "32", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["server_kind"] == "vllm" and result["model"] == MODEL and result["max_model_len"] == 2048
+    assert result["kv_cache_tokens"] == 4096
+    assert 2 <= result["recommended_concurrency"] <= 4, json.dumps(result, indent=1)
+    assert result["recommended_mode"] == "parallel"
+
+
+def test_two_wave_workflow_reports_the_tokens_vllm_counted(vllm_server: ServerProcess, tmp_path: Path):
+    def counters() -> tuple[float, float]:
+        return vllm_server.metric("vllm:prompt_tokens_total"), vllm_server.metric("vllm:generation_tokens_total")
+
+    run_workflow_through_proxy(vllm_server, tmp_path, counters)
+
+
+async def _until(check, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        await anyio.sleep(0.2)
+    return check()
+
+
+@pytest.mark.anyio
+async def test_a_kill_frees_the_server(vllm_server: ServerProcess):
+    """After the operator's kill closes our stream, vLLM stops generating it and logs the abort."""
+    aborts_before = vllm_server.log_text().count("Aborted request")
+    generated_before = vllm_server.metric("vllm:generation_tokens_total")
+    engine = engine_for({
+        "endpoints": [{"name": "vllm", "base_url": vllm_server.base_url, "model": MODEL}],
+        "agents": [{"name": "long", "prompt": "Write a very long story.", "max_tokens": 1900, "retries": 0}],
+    })
+    tokens: list[object] = []
+    running_while_streaming: list[float] = []
+
+    def on_event(event) -> None:
+        if event.kind == "TokenDelta":
+            tokens.append(event)
+            if len(tokens) == 30:
+                running_while_streaming.append(vllm_server.metric("vllm:num_requests_running"))
+                engine.kill("long", "killed by the test")
+
+    code, seen = await run_engine(engine, on_event)
+    assert code == 1
+    killed = [e for e in seen if e.kind == "AgentKilled"]
+    assert len(killed) == 1 and killed[0].deadline == "operator" and killed[0].reason == "killed by the test"
+    assert running_while_streaming == [1.0]
+    assert await _until(lambda: vllm_server.metric("vllm:num_requests_running") == 0), "still running"
+    assert await _until(lambda: vllm_server.log_text().count("Aborted request") == aborts_before + 1), (
+        "vLLM did not log the abort")
+    generated = vllm_server.metric("vllm:generation_tokens_total")
+    await anyio.sleep(1.0)
+    assert vllm_server.metric("vllm:generation_tokens_total") == generated  # nothing is generating any more
+    assert generated - generated_before < 1900  # it stopped well before max_tokens
+
+
+@pytest.mark.anyio
+async def test_a_frozen_server_trips_the_idle_deadline_and_the_run_goes_on_after_thaw(
+        vllm_server: ServerProcess, thawed: list[ServerProcess]):
+    """SIGSTOP mid-stream: warnings at 50/80/95 % of the 3 s idle deadline, a kill that names it, and after
+    SIGCONT the retry completes and the next wave runs."""
+    engine = engine_for({
+        "run": {"mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.5},
+        "stall": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 3.0, "warn_at": [0.5, 0.8, 0.95]},
+        "endpoints": [{"name": "vllm", "base_url": vllm_server.base_url, "model": MODEL}],
+        "agents": [
+            {"name": "long", "prompt": "Write a long story.", "max_tokens": 300, "retries": 1},
+            {"name": "after", "depends_on": ["long"], "prompt": "Title for: {{ long.output }}", "max_tokens": 16,
+             "retries": 0},
+        ],
+    })
+    marks: dict[str, float] = {}
+    count = [0]
+
+    def on_event(event) -> None:
+        if event.kind == "TokenDelta" and event.agent == "long" and event.attempt == 1:
+            count[0] += 1
+            if count[0] == 10:
+                vllm_server.freeze()
+                thawed.append(vllm_server)
+                marks["frozen"] = time.monotonic()
+        elif event.kind == "AgentKilled":
+            marks["killed"] = time.monotonic()
+            vllm_server.thaw()
+
+    aborts_before = vllm_server.log_text().count("Aborted request")
+    code, seen = await run_engine(engine, on_event)
+    finished = {e.agent: (e.status, e.error) for e in seen if e.kind == "AgentFinished"}
+    assert code == 0, finished
+    assert finished == {"long": ("completed", ""), "after": ("completed", "")}
+
+    kill_index = next(i for i, e in enumerate(seen) if e.kind == "AgentKilled")
+    killed = seen[kill_index]
+    assert killed.agent == "long" and killed.attempt == 1 and killed.deadline == "idle"
+    assert killed.reason.startswith("no output for 3") and f"after {killed.tokens} tokens" in killed.reason
+    assert killed.tokens >= 10
+    warnings = [e for e in seen[:kill_index] if e.kind == "StallWarning" and e.attempt == 1]
+    assert [(w.deadline, w.fraction) for w in warnings] == [("idle", 0.5), ("idle", 0.8), ("idle", 0.95)]
+    # the idle deadline, plus at most the 2 s the watchdog gives the (frozen) server to say it is busy
+    assert 3.0 <= marks["killed"] - marks["frozen"] < 3.0 + 2.0 + 3.0
+    retried = [e for e in seen if e.kind == "AgentRetrying"]
+    assert len(retried) == 1 and retried[0].attempt == 2 and "idle deadline" in retried[0].cause
+    assert any(e.kind == "TurnFinished" and e.agent == "long" and e.attempt == 2 for e in seen)
+    # once thawed, vLLM noticed the closed stream and aborted it
+    assert await _until(lambda: vllm_server.log_text().count("Aborted request") >= aborts_before + 1)
+
+
+def test_estimate_gives_the_token_capacity_vllm_reports(vllm_server: ServerProcess):
+    info = vllm_server.labels("vllm:cache_config_info")
+    kv_bytes = int(info["kv_cache_memory_bytes"])
+    assert kv_bytes == float(servers.VLLM_KV_GIB) * 2**30  # VLLM_CPU_KVCACHE_SPACE, as started
+    proc = cerevisor("estimate", "--model-config", str(servers.TINY_MODEL / "config.json"),
+                     "--kv-memory-gib", repr(kv_bytes / 2**30), "--block-size", info["block_size"],
+                     "--context", "2048", "--json")
+    assert proc.returncode == 0, proc.stderr
+    estimate = json.loads(proc.stdout)
+    assert estimate["bytes_per_token"] == 1024  # 2 x 2 layers x 2 KV heads x 32 x 4 bytes
+    assert estimate["kv_capacity_tokens"] == int(info["kv_cache_size_tokens"])
+    # vLLM: "Maximum concurrency for 2,048 tokens per request: 512.00x"
+    assert estimate["max_concurrency_ratio"] == pytest.approx(float(info["kv_cache_max_concurrency"]))
