@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,7 +69,7 @@ class CerevisorApp(App[int]):
         self._themes = themes
         self._start_engine = start_engine
         self._engine_worker: Worker[int] | None = None
-        self._quitting = False
+        self._shutting_down = False
         self._colours: dict[str, str] = {}
         self._colours_of: dict[str, str] | None = None
 
@@ -105,6 +106,15 @@ class CerevisorApp(App[int]):
         if self._start_engine:
             self._engine_worker = self.run_worker(self._run_engine(), name="engine", group="engine",
                                                   exit_on_error=False)
+        if not self.is_headless:
+            self._watch_signals()
+
+    def _watch_signals(self) -> None:
+        """SIGTERM or a dropped SSH session (SIGHUP): stop the run cleanly, so the journal and report are whole."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signum, self._begin_shutdown, 128 + signum)
 
     def colour(self, name: str) -> str:
         """A theme variable as a concrete colour for Rich styles ("" when it is not one)."""
@@ -119,8 +129,7 @@ class CerevisorApp(App[int]):
         """Published once the new theme's variables are in force: repaint what we coloured ourselves."""
         for screen in self.screen_stack:
             if isinstance(screen, MainScreen) and screen.is_mounted:
-                screen.table.refresh_colours()
-                screen.refresh_status()
+                screen.recolour()
 
     def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
                timeout: float | None = None, markup: bool = True) -> None:
@@ -161,7 +170,7 @@ class CerevisorApp(App[int]):
         self.request_quit()
 
     def request_quit(self) -> None:
-        if self._quitting:
+        if self._shutting_down:
             return
         if not self.run_active:
             self._begin_shutdown()
@@ -175,19 +184,23 @@ class CerevisorApp(App[int]):
             lambda yes: self._begin_shutdown() if yes else None,
         )
 
-    def _begin_shutdown(self) -> None:
-        self._quitting = True
-        self.run_worker(self._stop_engine_and_exit(), name="shutdown", group="shutdown")
+    def _begin_shutdown(self, exit_code: int = 0) -> None:
+        """`exit_code`: 0 when the operator quits; 128 + the signal's number when a signal ends the console."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        self.run_worker(self._stop_engine_and_exit(exit_code), name="shutdown", group="shutdown")
 
-    async def _stop_engine_and_exit(self) -> None:
+    async def _stop_engine_and_exit(self, exit_code: int) -> None:
         """Stop the engine so every request is cancelled and its connection closed, then leave."""
         worker = self._engine_worker
         if worker is not None and not worker.is_finished:
-            self.engine.stop("console quit")
+            reason = f"console stopped by {signal.Signals(exit_code - 128).name}" if exit_code else "console quit"
+            self.engine.stop(reason)
             try:
                 await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
             except TimeoutError:
                 worker.cancel()  # cancelling the task still closes its connections on the way out
             except Exception:
                 pass  # its error was shown already; leaving anyway
-        self.exit(0)
+        self.exit(exit_code, return_code=exit_code)

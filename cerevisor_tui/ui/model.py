@@ -121,6 +121,7 @@ class UiModel:
 
     streams: dict[str, AgentStream] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    keepalive_at: dict[str, float] = field(default_factory=dict)
     servers: dict[str, ServerView] = field(default_factory=dict)
     notices: list[Notice] = field(default_factory=list)
     throughput: deque[float] = field(default_factory=lambda: deque(maxlen=SPARKLINE_SAMPLES))
@@ -153,6 +154,7 @@ class UiModel:
             self._count(event.t, 1)
             return
         if isinstance(event, ev.KeepAlive):
+            self.keepalive_at[event.agent] = event.t  # shown: a server that is alive but sends no tokens
             return
         self.version += 1
         handler = getattr(self, "_on_" + event.kind, None)

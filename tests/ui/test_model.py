@@ -94,3 +94,17 @@ def test_countdown_turns_amber_past_the_first_warning_and_red_past_the_last():
 def test_formats():
     assert fmt_clock(0.2) == "0:01" and fmt_clock(598.0) == "9:58" and fmt_clock(3723) == "1:02:03"
     assert fmt_count(812) == "812" and fmt_count(12_400) == "12.4k" and fmt_count(3_100_000) == "3.1M"
+
+
+def test_a_row_says_when_keep_alives_arrive_without_tokens():
+    from cerevisor_tui.ui.widgets.agent_table import agent_row
+
+    engine = Engine(validate({"endpoints": [{"name": "s", "kind": "simulated"}],
+                              "agents": [{"name": "a", "prompt": "p"}]}))
+    st = engine.agents["a"]
+    st.status, st.turn = "stalling", 1
+    st.current = Attempt(1, 1, sent_at=0.0, last_alive=100.0, base=100.0, deadline_at=110.0, phase="idle")
+    row = agent_row(st, (0.5, 0.8), "no output for 50% of its deadline", 106.0, keepalive_at=105.5)
+    assert row.note == "no output for 50% of its deadline · keep-alives, no token for 0:06"
+    assert row.level == WARN and row.stall == "idle 0:04" and row.status == "stalling"
+    assert agent_row(st, (0.5, 0.8), "", 106.0, keepalive_at=100.2).note == ""

@@ -61,7 +61,7 @@ async def test_plus_and_minus_move_the_engines_cap(tmp_path):
 
 
 @pytest.mark.anyio
-async def test_k_asks_then_kills_the_selected_agent(tmp_path):
+async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path):
     agents = [{"name": "a", "prompt": "hi", "max_tokens": 400}, {"name": "b", "prompt": "hi", "max_tokens": 400}]
     app = console(sim_config(tmp_path, agents=agents, sim=SLOW))
     log = EventLog(app.engine)
@@ -85,6 +85,10 @@ async def test_k_asks_then_kills_the_selected_agent(tmp_path):
         cells = row(app, "b")
         assert "killed" in cells and "killed by operator" in cells
         assert any("b killed: killed by operator" in n.message for n in app._notifications)
+
+        await pilot.press("r")  # and run it again: its wave is still going
+        again = await log.wait(kind("AgentStarted", "b", turn=1, attempt=2))
+        assert again.attempt == 2 and app.engine.agents["b"].status in ("prefill", "streaming")
 
 
 @pytest.mark.anyio

@@ -18,7 +18,7 @@ from tests.ui.scenes import NOW, build
 
 
 @pytest.mark.anyio
-async def test_number_keys_maximize_a_pane_and_esc_restores_it():
+async def test_number_keys_maximize_a_pane_esc_restores_and_enter_goes_into_the_stream():
     app = build("mid_run")
     async with app.run_test() as pilot:
         screen = app.screen
@@ -27,17 +27,11 @@ async def test_number_keys_maximize_a_pane_and_esc_restores_it():
             assert screen.maximized is screen.query_one(pane)
             await pilot.press("escape")
             assert screen.maximized is None
-
-
-@pytest.mark.anyio
-async def test_enter_goes_into_the_stream_and_esc_comes_back():
-    app = build("mid_run")
-    async with app.run_test() as pilot:
-        assert app.focused is app.screen.table
+        assert app.focused is screen.table
         await pilot.press("enter")
         assert isinstance(app.focused, StreamView)
         await pilot.press("escape")
-        assert app.focused is app.screen.table
+        assert app.focused is screen.table
 
 
 @pytest.mark.anyio
@@ -136,7 +130,7 @@ async def test_command_palette_offers_every_action_by_name_and_runs_it(tmp_path)
         await pilot.press("ctrl+p")
         assert isinstance(app.screen, CommandPalette)
         assert set(PALETTE_NAMES) == {b.id for b in MAIN_BINDINGS}
-        await pilot.press(*"raise concurrency")
+        await pilot.press(*"raise")
         await pilot.pause(0.3)
         await pilot.press("enter")
         await pilot.pause()

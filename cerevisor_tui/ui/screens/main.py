@@ -118,8 +118,12 @@ class MainScreen(Screen):
         if (title, subtitle) != (pane.border_title, pane.border_subtitle):
             pane.border_title, pane.border_subtitle = title, subtitle
 
-    def on_screen_resume(self) -> None:
+    def recolour(self) -> None:
+        """Repaint everything coloured from the theme (after a theme change)."""
         self.table.refresh_colours()
+        self.query_one(RunHeader).invalidate()
+        self.query_one(LoadPane).invalidate()
+        self.stream_pane.view.notify_style_update()
         self.refresh_status()
 
     # ---- actions ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from cerevisor_tui.ui.format import (
     STATUS_LABELS,
     WARN,
     countdown,
+    fmt_clock,
     fmt_count,
     fmt_rate,
     fmt_seconds,
@@ -53,7 +54,9 @@ class AgentRow:
     level: str  # stall level of the row: NORMAL | WARN | CRITICAL
 
 
-def agent_row(st: AgentState, warn_at: tuple[float, ...], note: str, now: float) -> AgentRow:
+def agent_row(st: AgentState, warn_at: tuple[float, ...], note: str, now: float,
+              keepalive_at: float | None = None) -> AgentRow:
+    """`keepalive_at`: when the agent's stream last carried a keep-alive (bytes without a token)."""
     clock = countdown(st, warn_at, now)
     level = clock.level if clock else NORMAL
     status = st.status
@@ -68,6 +71,10 @@ def agent_row(st: AgentState, warn_at: tuple[float, ...], note: str, now: float)
         role = "stall-warn"
     if status in ("failed", "killed", "skipped", "cancelled") and st.error:
         note = st.error
+    elif st.current is not None and keepalive_at is not None and keepalive_at > st.current.last_alive + 1.0:
+        # alive but silent: the server (or a proxy) keeps the stream open while no token comes
+        quiet = f"keep-alives, no token for {fmt_clock(now - st.current.last_alive)}"
+        note = f"{note} · {quiet}" if note else quiet
     turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
     return AgentRow(
@@ -116,7 +123,8 @@ class AgentTable(DataTable):
         """Bring every row up to date; returns how many cells were written."""
         written = 0
         for name, st in engine.agents.items():
-            row = agent_row(st, engine.policies[st.endpoint].warn_at, model.notes.get(name, ""), now)
+            row = agent_row(st, engine.policies[st.endpoint].warn_at, model.notes.get(name, ""), now,
+                            model.keepalive_at.get(name))
             if self._rows_shown.get(name) == row:
                 continue
             self._rows_shown[name] = row

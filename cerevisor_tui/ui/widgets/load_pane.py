@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.containers import Vertical
+from textual.containers import Container, Vertical
 from textual.widgets import Sparkline, Static
 
 from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.ui.format import fmt_number, fmt_percent, fmt_rate
+from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate
 from cerevisor_tui.ui.model import UiModel
 
 
@@ -24,8 +24,9 @@ class LoadPane(Vertical):
     LoadPane {
         height: auto;
         #servers { height: auto; }
-        #throughput-label { height: 1; color: $text-muted; }
-        #throughput { height: 1; }
+        #throughput-row { height: 1; layout: horizontal; }
+        #throughput-label { height: 1; width: auto; color: $text-muted; padding-right: 2; }
+        #throughput { height: 1; width: 1fr; }
         #kv-estimate { height: auto; color: $text-muted; }
     }
     """
@@ -38,9 +39,15 @@ class LoadPane(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="servers")
-        yield Static(id="throughput-label")
-        yield Sparkline([], id="throughput", summary_function=max)
+        with Container(id="throughput-row"):
+            yield Static(id="throughput-label")
+            yield Sparkline([], id="throughput", summary_function=max)
         yield Static(Text("KV estimate  -"), id="kv-estimate")
+
+    def invalidate(self) -> None:
+        """Redraw at the next sync (the theme changed)."""
+        self._servers_shown = None
+        self._label_shown = ""
 
     def set_kv_estimate(self, text: str | Text) -> None:
         """Fill the KV estimate slot (the capacity estimate: conversations that fit, zone)."""
@@ -55,7 +62,6 @@ class LoadPane(Vertical):
                                   if sv else (None, None, None, None, "", ""))))
         rows_key = tuple(rows)
         if rows_key != self._servers_shown:
-            first = self._servers_shown is None
             self._servers_shown = rows_key
             text = Text(no_wrap=True, overflow="ellipsis")
             muted = self.app.colour("text-muted")  # type: ignore[attr-defined]
@@ -76,7 +82,7 @@ class LoadPane(Vertical):
                     text.append(slots)
                 if detail:
                     text.append(f"  {detail}", style=muted)
-            self.query_one("#servers", Static).update(text, layout=first)  # one line per endpoint, always
+            self.query_one("#servers", Static).update(text)
         if model.samples_taken != self._samples_shown:
             self._samples_shown = model.samples_taken
             # a fixed time window, oldest on the left, so the line does not stretch while it fills
@@ -84,7 +90,7 @@ class LoadPane(Vertical):
             self.query_one("#throughput", Sparkline).data = [0.0] * (window - len(model.throughput)) + list(
                 model.throughput)
         peak = max(model.throughput, default=0.0)
-        label = f"throughput {fmt_rate(model.tokens_per_s(now))} tok/s  peak {fmt_rate(peak)}  total {model.tokens_total}"
+        label = f"{fmt_rate(model.tokens_per_s(now))} tok/s  peak {fmt_rate(peak)}  total {fmt_count(model.tokens_total)}"
         if label != self._label_shown:
             self._label_shown = label
-            self.query_one("#throughput-label", Static).update(label, layout=False)
+            self.query_one("#throughput-label", Static).update(label)  # width auto: the sparkline takes the rest
