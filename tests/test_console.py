@@ -70,6 +70,13 @@ def test_missing_config_file_and_unknown_theme_are_exit_2(tmp_path, capsys):
     assert "--theme: unknown theme 'no-such-theme'" in err and "cerevisor-dark" in err
 
 
+def test_unknown_key_binding_id_is_exit_2(tmp_path, capsys):
+    (tmp_path / "c.toml").write_text(console.demo_text().replace("# toggle_mode = \"M\"", "toggle_mod = \"M\""))
+    assert console.main(args(config=str(tmp_path / "c.toml"))) == 2
+    err = capsys.readouterr().err
+    assert "ui.keys.toggle_mod: unknown binding id" in err and "toggle_mode" in err
+
+
 def test_missing_api_key_variable_is_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("CEREVISOR_NOPE_KEY", raising=False)
     text = console.demo_text().replace('api_key_env = ""', 'api_key_env = "CEREVISOR_NOPE_KEY"', 1)

@@ -73,10 +73,15 @@ def main(args: Any) -> int:
 
     from cerevisor_tui.engine.engine import Engine, new_run_id
     from cerevisor_tui.engine.journal import Journal, JournalError
+    from cerevisor_tui.ui.keys import BINDING_IDS
     from cerevisor_tui.ui.theme_files import ThemeError, check_theme_name, load_themes
 
     theme = getattr(args, "theme", None)
     try:
+        for binding_id in config.ui.keys:
+            if binding_id not in BINDING_IDS:
+                raise ConfigError(f"unknown binding id (known: {', '.join(sorted(BINDING_IDS))})", file=file,
+                                  key=f"ui.keys.{binding_id}")
         themes = load_themes(user_themes_dir())
         try:
             check_theme_name(theme or config.ui.theme, themes.themes)
