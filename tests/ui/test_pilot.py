@@ -82,6 +82,7 @@ async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path
         assert app.engine.agents["b"].status == "killed"
         assert app.engine.agents["a"].status == "streaming"  # only the selected one
         app.screen.refresh_status()
+        await pilot.pause()  # the notification is a message: let the app take it
         cells = row(app, "b")
         assert "killed" in cells and "killed by operator" in cells
         assert any("b killed: killed by operator" in n.message for n in app._notifications)
@@ -93,9 +94,9 @@ async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path
 
 @pytest.mark.anyio
 async def test_e_moves_the_stalled_agents_deadline_and_the_row_leaves_amber(tmp_path):
-    # the simulator stops sending tokens after 3: the 4 s idle deadline starts counting down
+    # the simulator stops sending tokens after 3: the 8 s idle deadline starts counting down (amber at 2 s)
     config = sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 50, "retries": 0}],
-                        sim={"stall_after_tokens": 3}, stall={"idle_timeout_s": 4.0, "warn_at": [0.25, 0.9],
+                        sim={"stall_after_tokens": 3}, stall={"idle_timeout_s": 8.0, "warn_at": [0.25, 0.9],
                                                               "extend_s": 30.0, "extend_when_server_busy": False})
     app = console(config)
     log = EventLog(app.engine)

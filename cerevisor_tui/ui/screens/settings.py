@@ -150,7 +150,7 @@ class SettingField(Horizontal):
         return self._error
 
     def show_error(self, message: str) -> None:
-        if message == getattr(self, "_error", ""):
+        if message == self._error:
             return
         self._error = message
         self.set_class(bool(message), "-invalid")
