@@ -30,6 +30,8 @@ from cerevisor_tui.endpoints.errors import (
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line longer than this is a protocol error, not a memory leak
 MAX_ERROR_BODY_BYTES = 64 << 10
+_scan_json = json.JSONDecoder().scan_once  # (text, index) -> (object, end index)
+_scan_string = json.decoder.scanstring  # (text, index after the opening quote) -> (string, end index)
 
 # What the stream yields: (kind, payload)
 KEEPALIVE = 0  # payload None: an SSE comment or a chunk with nothing in it
@@ -96,35 +98,75 @@ class ChatStream:
 
     async def _sse(self, response: httpx.Response) -> AsyncIterator[tuple[int, Any]]:
         endpoint = self.endpoint
-        data: list[bytes] = []
+        chunk_items = self._chunk
+        scan_string = _scan_string
+        data: list[bytes] = []  # the current event's data: lines, whole
         event_name = b""
-        async for line in _lines(response, self, endpoint):
-            if not line:  # blank line: dispatch the event
-                if data:
-                    payload = data[0] if len(data) == 1 else b"\n".join(data)
-                    data = []
+        # The delta template (see _delta_template): the bytes around the one string that changes from chunk
+        # to chunk, "data: " included. A line that matches it is parsed by reading that string alone.
+        prefix = suffix = b""
+        around = 0
+        slot = 0
+        learn = _TEMPLATE_TRIES
+        # _lines hands over all the lines of one read at once: one async hand-off per read, not per line
+        async for lines in _lines(response, self, endpoint):
+            for line in lines:
+                if line:
+                    if line.startswith(b"data:"):
+                        data.append(line)
+                    elif line[:1] == b":":
+                        yield (KEEPALIVE, None)
+                    elif line.startswith(b"event:"):
+                        event_name = line[6:].strip()
+                    # id: and retry: fields do not matter for a completion stream
+                    continue
+                if not data:
+                    continue
+                # a blank line: dispatch the event
+                if len(data) == 1 and not event_name:
+                    line = data[0]
+                    data.clear()
+                    if around and len(line) > around and line.startswith(prefix) and line.endswith(suffix):
+                        try:
+                            text = line[len(prefix):len(line) - len(suffix)].decode()
+                            value, end = scan_string(text, 1) if text[0] == '"' else (None, 0)
+                        except ValueError:
+                            value = None
+                        if value is not None and end == len(text):
+                            if value:
+                                self.tokens += 1
+                                yield (DELTA, (value, "", "") if slot == 0 else ("", value, ""))
+                            else:
+                                yield (KEEPALIVE, None)
+                            continue
+                    payload = _data_value(line)
+                    is_error = False
+                else:
+                    payload = b"\n".join([_data_value(part) for part in data])
+                    line = b""
+                    data.clear()
                     is_error = event_name == b"error"
                     event_name = b""
-                    if payload == b"[DONE]":
-                        self._done = True
-                        return
-                    for item in self._chunk(payload, is_error):
-                        yield item
-                continue
-            if line.startswith(b"data:"):
-                value = line[5:]
-                data.append(value[1:] if value[:1] == b" " else value)
-            elif line[:1] == b":":
-                yield (KEEPALIVE, None)
-            elif line.startswith(b"event:"):
-                event_name = line[6:].strip()
-            # id: and retry: fields do not matter for a completion stream
+                if payload == b"[DONE]":
+                    self._done = True
+                    return
+                items = chunk_items(payload, is_error)
+                if learn and line and len(items) == 1 and items[0][0] == DELTA:
+                    learn -= 1
+                    template = _delta_template(payload, items[0][1])
+                    if template is not None:
+                        head = line[:len(line) - len(payload)]  # "data: " or "data:"
+                        prefix, suffix, slot = head + template[0], template[1], template[2]
+                        around = len(prefix) + len(suffix)
+                        learn = _TEMPLATE_TRIES
+                for item in items:
+                    yield item
         if data:  # the stream ended without the blank line after its last event
-            payload = b"\n".join(data)
+            payload = b"\n".join([_data_value(part) for part in data])
             if payload == b"[DONE]":
                 self._done = True
                 return
-            for item in self._chunk(payload, event_name == b"error"):
+            for item in chunk_items(payload, event_name == b"error"):
                 yield item
         if not self._done and not self.finish_reason:
             raise StreamBroken(
@@ -133,31 +175,45 @@ class ChatStream:
 
     def _chunk(self, payload: bytes, is_error: bool) -> list[tuple[int, Any]]:
         try:
-            obj = json.loads(payload)
-        except UnicodeDecodeError:
-            raise ProtocolError(self.endpoint, "stream is not valid UTF-8") from None
-        except ValueError:
-            shown = payload[:80].decode("utf-8", "replace")
-            raise ProtocolError(self.endpoint, f"malformed JSON in stream after {self.tokens} tokens: {shown!r}") from None
+            # the C scanner that json.loads ends in, without its encoding sniffing and whitespace regexes;
+            # anything unusual (not UTF-8, surrounding whitespace, extra data, an error) goes to json.loads
+            text = payload.decode()
+            obj, end = _scan_json(text, 0)
+            if end != len(text):
+                raise ValueError
+        except (StopIteration, ValueError):
+            try:
+                obj = json.loads(payload)
+            except UnicodeDecodeError:
+                raise ProtocolError(self.endpoint, "stream is not valid UTF-8") from None
+            except ValueError:
+                shown = payload[:80].decode("utf-8", "replace")
+                raise ProtocolError(self.endpoint, f"malformed JSON in stream after {self.tokens} tokens: {shown!r}") from None
         if not isinstance(obj, dict):
             raise ProtocolError(self.endpoint, f"stream event is not a JSON object: {str(obj)[:80]!r}")
         if is_error or "error" in obj or obj.get("object") == "error":
             raise _stream_error(self.endpoint, obj, self.tokens)
-        out: list[tuple[int, Any]] = []
         choices = obj.get("choices")
+        usage = obj.get("usage")
         if choices:
             choice = choices[0]
             delta = choice.get("delta") or choice.get("message") or {}
             content = delta.get("content") or ""
             reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
             tool = _tool_text(delta.get("tool_calls")) if delta.get("tool_calls") else ""
+            finish = choice.get("finish_reason")
+            if (content or reasoning or tool) and not finish and not usage:  # the common chunk: one delta
+                self.tokens += 1
+                return [(DELTA, (content, reasoning, tool))]
+            out: list[tuple[int, Any]] = []
             if content or reasoning or tool:
                 self.tokens += 1
                 out.append((DELTA, (content, reasoning, tool)))
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
-                out.append((FINISH, self.finish_reason))
-        usage = obj.get("usage")
+            if finish:
+                self.finish_reason = finish
+                out.append((FINISH, finish))
+        else:
+            out = []
         if usage:
             self.usage = (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
             out.append((USAGE, self.usage))
@@ -183,23 +239,77 @@ class ChatStream:
         self._done = True
 
 
-async def _lines(response: httpx.Response, stream: ChatStream, endpoint: str) -> AsyncIterator[bytes]:
-    """Split the body into lines (\\n or \\r\\n), each at most MAX_LINE_BYTES, noting every arrival."""
+async def _lines(response: httpx.Response, stream: ChatStream, endpoint: str) -> AsyncIterator[list[bytes]]:
+    """Split the body into lines (\\n or \\r\\n), each at most MAX_LINE_BYTES, noting every arrival.
+
+    Yields the complete lines of each read as one list: a fast server packs many events into a read, and
+    one async hand-off per line would cost more than parsing the line.
+    """
     buf = b""
     monotonic = time.monotonic
     async for chunk in response.aiter_bytes():
         stream.last_byte_at = monotonic()
         if buf:
             chunk = buf + chunk
-        parts = chunk.split(b"\n")
-        buf = parts.pop()
+        lines = chunk.split(b"\n")
+        buf = lines.pop()
         if len(buf) > MAX_LINE_BYTES:
             raise ProtocolError(endpoint, f"a stream line exceeds {MAX_LINE_BYTES >> 20} MiB without a newline")
-        for part in parts:
-            yield part[:-1] if part[-1:] == b"\r" else part
+        if lines:
+            if b"\r" in chunk:  # \r\n line ends (a raw \r cannot appear inside a JSON payload)
+                lines = [line[:-1] if line[-1:] == b"\r" else line for line in lines]
+            yield lines
     if buf:
-        yield buf.rstrip(b"\r")
-        yield b""
+        yield [buf.rstrip(b"\r"), b""]
+
+
+def _data_value(line: bytes) -> bytes:
+    """The value of a `data:` line: after the colon, less one leading space."""
+    return line[6:] if line[5:6] == b" " else line[5:]
+
+
+_DELTA_KEYS = ("content", "reasoning_content", "reasoning")
+_TEMPLATE_TRIES = 16  # chunks parsed in full without a template to show for it before a stream stops trying
+_WHITESPACE = frozenset(" \t\r\n")
+
+
+def _delta_template(payload: bytes, delta: tuple[str, str, str]) -> tuple[bytes, bytes, int] | None:
+    """The bytes before and after the one delta string of a chunk, and which field it is (0 content, 1 reasoning).
+
+    A server streams chunks that differ only in that string: vLLM's and llama.cpp's id, created and model
+    stay the same for the whole stream. A later chunk made of the same prefix, one valid JSON string and
+    the same suffix is exactly this chunk with another string, so reading the string alone gives what
+    json.loads would, at a tenth of the cost. Only a field that occurs once, with neither other delta text
+    field beside it, makes a template; anything else keeps the full parse.
+    """
+    content, reasoning, tool = delta
+    if tool or (content and reasoning):
+        return None
+    value = content or reasoning
+    try:
+        text = payload.decode()
+    except UnicodeDecodeError:
+        return None
+    found = [key for key in _DELTA_KEYS if f'"{key}":' in text]
+    if len(found) != 1:
+        return None
+    key = found[0]
+    marker = f'"{key}":'
+    at = text.find(marker)
+    if text.find(marker, at + 1) >= 0:
+        return None
+    start = at + len(marker)
+    while start < len(text) and text[start] in _WHITESPACE:
+        start += 1
+    if text[start:start + 1] != '"':
+        return None
+    try:
+        parsed, end = _scan_string(text, start + 1)
+    except ValueError:
+        return None
+    if parsed != value:
+        return None
+    return text[:start].encode(), text[end:].encode(), 0 if key == "content" else 1
 
 
 async def _read_bounded(response: httpx.Response, limit: int) -> bytes:

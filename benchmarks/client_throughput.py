@@ -1,0 +1,507 @@
+"""Client-side cost of streaming, side by side: a bare httpx loop, the openai SDK, and cerevisor-tui's engine.
+
+A fast vLLM-shaped SSE server runs in a process of its own (raw asyncio, precomputed bytes, several
+`chat.completion.chunk` events per write, each stream as fast as the socket takes it). Each client runs
+in a fresh process of its own, one after the other and interleaved (A B C, A B C, ...):
+
+  A  bare httpx: `aiter_lines()` + `json.loads`, the practical ceiling of an httpx client
+  B  the official `openai` SDK: `AsyncOpenAI(...).chat.completions.create(stream=True)`
+  C  cerevisor-tui headless (`commands.run.main`, as `cerevisor-tui run` does): watchdog, journal
+     (run directory with events.jsonl and transcripts), report and printer all on
+
+N concurrent streams (64 and 256 by default), each one request of --tokens completion tokens. The figure
+that matters is tokens per client CPU-second (the client process's own user+system time, measured around
+the streaming part only): the server shares the same cores, so wall tokens/s measures the machine as much
+as the client. Wall tokens/s is printed too. Medians over --repeats rounds, and the ratios C/A and C/B
+computed per round, then their median.
+
+    python benchmarks/client_throughput.py                       # 64 and 256 streams, 3 rounds (~2 min)
+    python benchmarks/client_throughput.py --concurrency 256 --repeats 5
+    python benchmarks/client_throughput.py --events-per-write 1  # one event per write, as a slow server sends
+
+Targets (issue 7): C/A >= 0.85 and C/B >= 5 at both concurrencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL = "bench-model"
+TOKEN_TEXTS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog", ".")
+
+# ---------------------------------------------------------------------------------------------------
+# The server: raw asyncio, one Protocol per connection, HTTP/1.1 keep-alive, chunked SSE like vLLM.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _chunk_obj(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    # the fields and their order as vLLM sends them
+    return {"id": "chatcmpl-b3c9a0e1f2d44c6f8a1b2c3d4e5f6a7b", "object": "chat.completion.chunk",
+            "created": 1767225600, "model": MODEL,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def _http_chunk(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(payload), payload)
+
+
+class _Payloads:
+    """Every byte the server sends, built once: a block of `per_write` token events is one write."""
+
+    def __init__(self, per_write: int) -> None:
+        self.per_write = per_write
+        self.events = [_sse(_chunk_obj({"content": t})) for t in TOKEN_TEXTS]
+        self.head = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
+                     b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n")
+        self.first = _http_chunk(_sse(_chunk_obj({"role": "assistant", "content": ""})))
+        self.block = self._block(per_write)
+        self._blocks: dict[int, bytes] = {}
+
+    def _block(self, n: int) -> bytes:
+        return _http_chunk(b"".join(self.events[i % len(self.events)] for i in range(n)))
+
+    def tail_block(self, n: int) -> bytes:
+        block = self._blocks.get(n)
+        if block is None:
+            block = self._blocks[n] = self._block(n)
+        return block
+
+    @staticmethod
+    def end(tokens: int, prompt_tokens: int) -> bytes:
+        finish = _sse(_chunk_obj({}, "length"))
+        usage = _sse({"id": "chatcmpl-b3c9a0e1f2d44c6f8a1b2c3d4e5f6a7b", "object": "chat.completion.chunk",
+                      "created": 1767225600, "model": MODEL, "choices": [],
+                      "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + tokens,
+                                "completion_tokens": tokens}})
+        return _http_chunk(finish + usage + b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+
+def _plain(status: str, body: bytes, ctype: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 " + status.encode() + b"\r\ncontent-type: " + ctype + b"\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+METRICS = (b"# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+           b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"bench-model\"} 0.0\n"
+           b"# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+           b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"bench-model\"} 0.0\n")
+
+
+class _Connection(asyncio.Protocol):
+    payloads: _Payloads
+    default_tokens = 1024
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+        self.busy = False
+        self.writable = asyncio.Event()
+        self.writable.set()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.set_write_buffer_limits(high=256 << 10)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.writable.set()
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        while self.transport is not None and not self.busy:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end].decode("latin-1")
+            length = 0
+            for line in head.split("\r\n")[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4:end + 4 + length]
+            self.buf = self.buf[end + 4 + length:]
+            method, path, _ = head.split("\r\n", 1)[0].split(" ", 2)
+            if method == "POST" and path.endswith("/chat/completions"):
+                try:
+                    tokens = int(json.loads(body).get("max_tokens") or self.default_tokens)
+                except (ValueError, AttributeError):
+                    tokens = self.default_tokens
+                self.busy = True
+                asyncio.get_running_loop().create_task(self._stream(tokens))
+            elif path.endswith("/health"):
+                self.transport.write(_plain("200 OK", b""))
+            elif path.endswith("/metrics"):
+                self.transport.write(_plain("200 OK", METRICS, b"text/plain; version=0.0.4"))
+            elif path.endswith("/models"):
+                self.transport.write(_plain("200 OK", json.dumps(
+                    {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 32768}]}).encode()))
+            else:
+                self.transport.write(_plain("404 Not Found", b'{"detail":"Not Found"}'))
+
+    async def _stream(self, tokens: int) -> None:
+        p = self.payloads
+        t = self.transport
+        writable = self.writable
+        try:
+            t.write(p.head + p.first)
+            full, rest = divmod(tokens, p.per_write)
+            block = p.block
+            for i in range(full):
+                if not writable.is_set():
+                    await writable.wait()
+                elif i % 64 == 63:
+                    await asyncio.sleep(0)  # let other streams have the loop now and then
+                if self.transport is None:
+                    return  # the client went away
+                t.write(block)
+            if rest:
+                t.write(p.tail_block(rest))
+            t.write(p.end(tokens, 24))
+        finally:
+            self.busy = False
+        if self.transport is not None and self.buf:
+            self._next()
+
+
+async def _serve(port: int, per_write: int, default_tokens: int) -> None:
+    _Connection.payloads = _Payloads(per_write)
+    _Connection.default_tokens = default_tokens
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_Connection, "127.0.0.1", port, backlog=4096)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await server.serve_forever()
+
+
+class FastServer:
+    """The SSE server in a child process; `with FastServer() as srv:` gives `srv.base_url`."""
+
+    def __init__(self, per_write: int = 16, default_tokens: int = 1024) -> None:
+        self.per_write = per_write
+        self.default_tokens = default_tokens
+        self.proc: subprocess.Popen[str] | None = None
+        self.port = 0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> FastServer:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "serve", "--events-per-write", str(self.per_write),
+             "--tokens", str(self.default_tokens)], stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+        return self
+
+    def cpu_s(self) -> float:
+        """The server's CPU time so far (user + system), from /proc."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, AttributeError):
+            return float("nan")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The clients, each run in a fresh process: `client_throughput.py client --mode A ...` prints one JSON line.
+# ---------------------------------------------------------------------------------------------------
+
+MESSAGES = [{"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": "Write a long story about a fox."}]
+
+
+class Meter:
+    """Counts streamed tokens and measures CPU and wall time between two fractions of the expected total.
+
+    The window leaves out connecting and closing (the same httpx connection pool under A and C) so that the
+    figure is the cost of streaming itself. When the window ends before the streams do, the process prints
+    its result and exits at once: the rest of the run would measure nothing.
+    """
+
+    def __init__(self, total: int, window: tuple[float, float]) -> None:
+        self.count = 0
+        self.total = total
+        self.whole = window == (0.0, 1.0)
+        self.first = max(1, int(total * window[0]))
+        self.last = max(self.first + 1, int(total * window[1]))
+        self.t0: tuple[float, float] | None = None
+        self.result: dict[str, Any] = {}
+
+    def start(self) -> None:
+        if self.whole:
+            self.t0 = (time.process_time(), time.perf_counter())
+
+    def tick(self) -> None:
+        self.count += 1
+        if self.count == self.first and self.t0 is None:
+            self.t0 = (time.process_time(), time.perf_counter())
+        elif self.count == self.last and not self.whole:
+            self.stop()
+
+    def tick_on_delta(self, event: Any) -> None:
+        """An engine subscriber: tick() for every TokenDelta."""
+        if event.kind == "TokenDelta":
+            self.count += 1
+            if self.count == self.first and self.t0 is None:
+                self.t0 = (time.process_time(), time.perf_counter())
+            elif self.count == self.last and not self.whole:
+                self.stop()
+
+    def stop(self) -> None:
+        assert self.t0 is not None
+        cpu, wall = time.process_time() - self.t0[0], time.perf_counter() - self.t0[1]
+        tokens = self.count - (0 if self.whole else self.first)
+        self.result = {"tokens": tokens, "counted": self.count, "cpu_s": cpu, "wall_s": wall,
+                       "rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        if not self.whole:
+            print(json.dumps(self.result), flush=True)
+            os._exit(0)
+
+
+async def _client_a(base_url: str, streams: int, tokens: int, meter: Meter) -> None:
+    import httpx
+
+    url = base_url + "/chat/completions"
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "max_tokens": tokens,
+            "stream_options": {"include_usage": True}}
+    loads = json.loads
+    tick = meter.tick
+
+    async def one(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", url, json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    obj = loads(line[6:])
+                    choices = obj["choices"]
+                    if choices and choices[0]["delta"].get("content"):
+                        tick()
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        meter.start()
+        await asyncio.gather(*(one(client) for _ in range(streams)))
+
+
+async def _client_b(base_url: str, streams: int, tokens: int, meter: Meter) -> None:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=None)
+    create = client.chat.completions.create  # resolves the SDK's lazily imported resources before timing
+    tick = meter.tick
+
+    async def one() -> None:
+        stream = await create(model=MODEL, messages=MESSAGES, stream=True, max_tokens=tokens,
+                              stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                tick()
+
+    async with client:
+        meter.start()
+        await asyncio.gather(*(one() for _ in range(streams)))
+
+
+def _client_c(base_url: str, streams: int, tokens: int, meter: Meter, run_dir: str) -> None:
+    """What `cerevisor-tui run` does: engine + journal (run directory) + report + printer, one agent per stream."""
+    import anyio
+
+    from cerevisor_tui.config import validate
+    from cerevisor_tui.engine.engine import Engine
+    from cerevisor_tui.engine.journal import Journal
+    from cerevisor_tui.engine.printer import Printer
+
+    config = validate({
+        "run": {"mode": "parallel", "max_concurrency": streams, "metrics_interval_s": 2.0},
+        "endpoints": [{"name": "fast", "kind": "local", "base_url": base_url, "model": MODEL,
+                       "max_concurrency": streams}],
+        "agents": [{"name": f"agent-{i:04d}", "system": MESSAGES[0]["content"], "prompt": MESSAGES[1]["content"],
+                    "max_tokens": tokens, "retries": 0} for i in range(streams)],
+    })
+    engine = Engine(config, run_dir=run_dir)
+    journal = Journal(run_dir, engine.report)
+    journal.open()
+    engine.subscribe(journal)
+    engine.subscribe(Printer(open(os.devnull, "w")))
+    engine.subscribe(meter.tick_on_delta)
+    meter.start()
+    try:
+        code = anyio.run(engine.run)
+    finally:
+        journal.write_report()
+        journal.close()
+    if code != 0:
+        raise SystemExit(f"engine run failed (exit {code}): {engine.report.totals()}")
+
+
+def client_main(mode: str, base_url: str, streams: int, tokens: int, window: tuple[float, float]) -> dict[str, Any]:
+    import httpx  # noqa: F401  (imports are done before any timing)
+
+    meter = Meter(streams * tokens, window)
+    if mode == "C":
+        with tempfile.TemporaryDirectory(prefix="cerevisor-bench-") as tmp:
+            _client_c(base_url, streams, tokens, meter, tmp)
+    else:
+        if mode == "B":
+            import openai  # noqa: F401
+        fn = _client_a if mode == "A" else _client_b
+        asyncio.run(fn(base_url, streams, tokens, meter))
+    meter.stop()
+    return meter.result
+
+
+# ---------------------------------------------------------------------------------------------------
+# The driver: interleaved rounds, medians, ratios.
+# ---------------------------------------------------------------------------------------------------
+
+MODES = {"A": "bare httpx (aiter_lines + json.loads)", "B": "openai AsyncOpenAI stream",
+         "C": "cerevisor-tui engine (watchdog+journal+report)"}
+
+
+def run_client(mode: str, server: FastServer, streams: int, tokens: int, window: tuple[float, float]) -> dict[str, Any]:
+    cpu0 = server.cpu_s()
+    out = subprocess.run([sys.executable, __file__, "client", "--mode", mode, "--base-url", server.base_url,
+                          "--streams", str(streams), "--tokens", str(tokens), "--window", _window_arg(window)],
+                         capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise SystemExit(f"client {mode} failed:\n{out.stderr[-3000:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["server_cpu_s"] = server.cpu_s() - cpu0
+    if window == (0.0, 1.0) and result["tokens"] != streams * tokens:
+        raise SystemExit(f"client {mode} counted {result['tokens']} tokens, expected {streams * tokens}")
+    result["tok_per_cpu_s"] = result["tokens"] / result["cpu_s"]
+    result["tok_per_s"] = result["tokens"] / result["wall_s"]
+    return result
+
+
+def _window_arg(window: tuple[float, float]) -> str:
+    return f"{window[0]:g},{window[1]:g}"
+
+
+def _parse_window(text: str) -> tuple[float, float]:
+    lo, hi = (float(x) for x in text.split(","))
+    if not 0 <= lo < hi <= 1:
+        raise argparse.ArgumentTypeError("the window is two fractions, 0 <= start < end <= 1")
+    return lo, hi
+
+
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="(internal) run the SSE server; prints its port")
+    serve.add_argument("--port", type=int, default=0)
+    serve.add_argument("--events-per-write", type=int, default=16)
+    serve.add_argument("--tokens", type=int, default=1024)
+    client = sub.add_parser("client", help="(internal) run one client; prints one JSON line")
+    client.add_argument("--mode", choices=list(MODES), required=True)
+    client.add_argument("--base-url", required=True)
+    client.add_argument("--streams", type=int, required=True)
+    client.add_argument("--tokens", type=int, required=True)
+    client.add_argument("--window", type=_parse_window, default=(0.1, 0.8))
+    parser.add_argument("--concurrency", default="64,256", help="concurrent streams, comma-separated (default 64,256)")
+    parser.add_argument("--total-tokens", type=int, default=131072,
+                        help="completion tokens per run, split over its streams (default 131072: 2048 a stream "
+                        "at 64, 512 at 256)")
+    parser.add_argument("--b-share", type=float, default=0.125,
+                        help="B streams this share of the tokens: it is twenty times slower (default 0.125)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per concurrency (default 3)")
+    parser.add_argument("--modes", default="ABC", help="which clients to run (default ABC)")
+    parser.add_argument("--window", type=_parse_window, default=(0.1, 0.8),
+                        help="measure between these fractions of all tokens (default 0.1,0.8; 0,1: the whole run, "
+                        "connecting and closing included)")
+    parser.add_argument("--events-per-write", type=int, default=16,
+                        help="SSE events the server puts in one write (default 16)")
+    parser.add_argument("--json", action="store_true", help="also print every run as JSON")
+    args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        asyncio.run(_serve(args.port, args.events_per_write, args.tokens))
+        return 0
+    if args.command == "client":
+        print(json.dumps(client_main(args.mode, args.base_url, args.streams, args.tokens, args.window)))
+        return 0
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    modes = [m for m in args.modes.upper() if m in MODES]
+    print(f"client throughput: {args.total_tokens} tokens per run (B: {args.b_share:g} of that), "
+          f"{args.events_per_write} events per server write, measured between {_window_arg(args.window)} of each "
+          f"run's tokens, {args.repeats} interleaved rounds; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+          flush=True)
+    results: dict[int, dict[str, list[dict[str, Any]]]] = {}
+    started = time.perf_counter()
+    with FastServer(args.events_per_write) as server:
+        run_client("A", server, 8, 64, (0.0, 1.0))  # warm the server and the page cache
+        for streams in levels:
+            results[streams] = {m: [] for m in modes}
+            for r in range(args.repeats):
+                for mode in (modes if r % 2 == 0 else modes[::-1]):
+                    tokens = args.total_tokens * (args.b_share if mode == "B" else 1) // streams
+                    res = run_client(mode, server, streams, max(16, int(tokens)), args.window)
+                    results[streams][mode].append(res)
+                    print(f"  {streams:4d} streams  round {r + 1}  {mode}: {_fmt(res['tok_per_cpu_s']):>9} tok/CPU-s"
+                          f"  {_fmt(res['tok_per_s']):>9} tok/s  ({res['tokens']} tokens, cpu {res['cpu_s']:.2f} s, "
+                          f"wall {res['wall_s']:.2f} s, server cpu {res['server_cpu_s']:.2f} s, "
+                          f"rss {res['rss_mib']:.0f} MiB)", flush=True)
+    print(f"\n{time.perf_counter() - started:.0f} s in all\n")
+    print("| streams | client | tokens / client CPU-s | wall tokens / s |")
+    print("|---:|---|---:|---:|")
+    for streams, by_mode in results.items():
+        for mode, runs in by_mode.items():
+            print(f"| {streams} | {mode}: {MODES[mode]} | {_fmt(statistics.median(r['tok_per_cpu_s'] for r in runs))} "
+                  f"| {_fmt(statistics.median(r['tok_per_s'] for r in runs))} |")
+    if {"A", "B", "C"} <= set(modes):
+        print()
+        print("| streams | C/A per CPU-s | C/B per CPU-s | C/A wall | C/B wall | targets (C/A >= 0.85, C/B >= 5) |")
+        print("|---:|---:|---:|---:|---:|---|")
+        for streams, by_mode in results.items():
+            def ratio(x: str, y: str, key: str, by_mode=by_mode) -> float:
+                return statistics.median(c[key] / o[key] for c, o in zip(by_mode[x], by_mode[y], strict=True))
+            ca, cb = ratio("C", "A", "tok_per_cpu_s"), ratio("C", "B", "tok_per_cpu_s")
+            print(f"| {streams} | {ca:.2f} | {cb:.1f} | {ratio('C', 'A', 'tok_per_s'):.2f} | "
+                  f"{ratio('C', 'B', 'tok_per_s'):.1f} | {'hold' if ca >= 0.85 and cb >= 5 else 'MISSED'} |")
+        print("\nRatios are medians of the per-round ratios. Tokens per client CPU-second is the fair figure: the"
+              "\nserver runs on the same cores, so wall tokens/s also measures the server and whatever else the"
+              "\nmachine is doing.")
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
