@@ -127,3 +127,23 @@ def test_config_lookup_order(tmp_path, monkeypatch):
     monkeypatch.setenv(CONFIG_ENV, str(tmp_path / "env.toml"))
     assert find_config(None) == tmp_path / "env.toml"
     assert find_config("flag.toml").name == "flag.toml"
+
+
+@pytest.mark.anyio
+async def test_the_engine_probes_one_of_its_endpoints_for_the_console():
+    async with SimServer(SimSettings(max_num_seqs=2, tokens_per_s=400, ttft_s=0.01, speed=4)) as srv, \
+            SimServer(SimSettings(tokens_per_s=5)) as busy:
+        engine = Engine(validate({"endpoints": [{"name": "e", "base_url": srv.base_url, "max_concurrency": 8},
+                                                {"name": "other", "base_url": busy.base_url}],
+                                  "agents": [{"name": "a", "endpoint": "other", "prompt": "p", "max_tokens": 1000}]}))
+        results = []
+
+        async def probe_when_open(event):
+            results.append(await engine.probe("e", max_concurrency=8))
+            engine.stop("probe done")
+
+        async with anyio.create_task_group() as tg:
+            engine.subscribe(lambda e: tg.start_soon(probe_when_open, e) if e.kind == "RunStarted" else None)
+            assert await engine.run() == 1
+    (result,) = results
+    assert result.server_kind == "vllm" and result.recommended_concurrency in (2, 4)

@@ -353,6 +353,21 @@ class Engine:
         if context and (current is None or current.source != "server" or current.kv_capacity_tokens != kv_cache_tokens):
             self.load[endpoint] = load.from_server(kv_cache_tokens, context, current)
 
+    async def probe(self, endpoint: str, *, on_progress: Callable[[str], None] | None = None,
+                    on_level: Callable[[Any], None] | None = None, max_concurrency: int | None = None) -> Any:
+        """Run `cerevisor-tui probe` against one of the run's endpoints (for the console); returns a ProbeResult.
+
+        Only while the run is open (its HTTP clients exist). Raises EndpointError when the endpoint is unusable.
+        """
+        from cerevisor_tui.endpoints.probe import ProbeSettings, probe
+
+        if endpoint not in self._clients:
+            raise EndpointError(endpoint, "the run is not open: probe it with `cerevisor-tui probe URL`")
+        ep = self.endpoints[endpoint]
+        settings = ProbeSettings(max_concurrency=max_concurrency or max(2, ep.max_concurrency))
+        return await probe(self._clients[endpoint], self.base_urls[endpoint], model=self.models.get(endpoint) or None,
+                           settings=settings, on_progress=on_progress, on_level=on_level, endpoint=endpoint)
+
     def cap_warning(self) -> str | None:
         """Why the current cap is past what fits in an endpoint's KV memory, if it is."""
         cap = self.scheduler.effective_cap
