@@ -37,7 +37,8 @@ def _formatter(prog: str) -> argparse.HelpFormatter:
     return argparse.RawDescriptionHelpFormatter(prog, max_help_position=36)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; `sim_options=False` leaves out the simulator's flags, which need pydantic."""
     parser = _Parser(
         prog="cerevisor-tui",
         description="Operator console for many AI agents on OpenAI-compatible model servers.",
@@ -75,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     sim.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    _add_sim_options(sim)
+    if sim_options:
+        _add_sim_options(sim)
 
     probe = sub.add_parser(
         "probe",
@@ -147,7 +149,10 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    # The simulator's flags are built from its pydantic settings model: importing pydantic would double the
+    # time `--help` takes, so they are only built when the command line may name the sim command.
+    args = build_parser(sim_options="sim" in argv).parse_args(argv)
     command = args.command or "console"
     module = importlib.import_module(f"cerevisor_tui.commands.{command}")
     try:
