@@ -30,23 +30,31 @@ class Pool:
         self.log_dir = log_dir
         self.servers: dict[str, ServerProcess] = {}
 
+    def start_early(self, role: str, make: Callable[[int], ServerProcess]) -> None:
+        """Start a server that later tests will need, without waiting for it (it loads meanwhile)."""
+        if role not in self.servers:
+            try:
+                self.servers[role] = make(servers.free_port()).start()
+            except servers.SetupMissing:
+                pass  # the test that needs it fails with the reason
+
     def get(self, role: str, make: Callable[[int], ServerProcess], ready_s: float) -> ServerProcess:
         server = self.servers.get(role)
-        if server is not None and server.proc is not None and server.proc.poll() is None:
-            if server.frozen:
-                server.thaw()
-            return server
-        try:
-            server = make(servers.free_port())
-        except servers.SetupMissing as exc:
-            pytest.fail(str(exc), pytrace=False)
-        server.start()
-        try:
-            server.wait_ready(ready_s)
-        except RuntimeError as exc:
-            server.stop()
-            pytest.fail(str(exc), pytrace=False)
-        self.servers[role] = server
+        if server is None or server.proc is None or server.proc.poll() is not None:
+            try:
+                server = make(servers.free_port())
+            except servers.SetupMissing as exc:
+                pytest.fail(str(exc), pytrace=False)
+            self.servers[role] = server.start()
+        if server.frozen:
+            server.thaw()
+        if server.ready_after_s is None:
+            try:
+                server.wait_ready(ready_s)
+            except RuntimeError as exc:
+                server.stop()
+                del self.servers[role]
+                pytest.fail(str(exc), pytrace=False)
         return server
 
     def adopt(self, role: str, server: ServerProcess) -> None:
@@ -62,10 +70,20 @@ class Pool:
         servers.stop_all()
 
 
+def _default_vllm(log_dir: Path) -> Callable[[int], ServerProcess]:
+    """vLLM as the peers script starts it, plus --enable-log-requests so aborts show in its log."""
+    return lambda port: servers.vllm(port, log_dir, ["--enable-log-requests"])
+
+
 @pytest.fixture(scope="session")
-def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
+def pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     log_dir = Path(os.environ.get("CEREVISOR_INTEGRATION_LOGS") or tmp_path_factory.mktemp("server-logs"))
     p = Pool(log_dir)
+    # vLLM takes 25-50 s to load: when a selected test needs the default instance, let it load while
+    # the tests before it run.
+    wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
+    if "vllm_server" in wanted:
+        p.start_early("vllm", _default_vllm(log_dir))
     try:
         yield p
     finally:
@@ -74,9 +92,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
 
 @pytest.fixture(scope="session")
 def vllm_server(pool: Pool) -> ServerProcess:
-    """vLLM as the peers script starts it, plus --enable-log-requests so aborts show in its log."""
-    return pool.get("vllm", lambda port: servers.vllm(port, pool.log_dir, ["--enable-log-requests"]),
-                    servers.VLLM_READY_S)
+    return pool.get("vllm", _default_vllm(pool.log_dir), servers.VLLM_READY_S)
 
 
 @pytest.fixture(scope="session")

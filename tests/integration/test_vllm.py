@@ -15,16 +15,15 @@ import time
 from pathlib import Path
 
 import anyio
-import httpx
 import pytest
 
-from cerevisor_tui.endpoints.metrics import MetricsSnapshot, parse_metrics
 from tests.integration import servers
 from tests.integration.checks import engine_for, run_engine, run_workflow_through_proxy
 from tests.integration.conftest import PRESSURE_ARGS, Pool, cerevisor, jsonl, write_config
 from tests.integration.servers import MODEL, ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _two_agents(url: str, kind: str, **stall: float) -> dict:
@@ -95,7 +94,8 @@ def test_vllm_started_after_the_run_begins(pool: Pool, tmp_path: Path):
 
 
 @pytest.mark.anyio
-async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vllm_pressure: ServerProcess):
+async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vllm_pressure: ServerProcess,
+                                                                              tmp_path: Path):
     """8 agents of 1500 tokens, 4 sequences and 4096 KV tokens: the reader sees requests waiting and KV
     use at 1.0; the waiting agents' 1.5 s first-byte deadline is extended because the server says they
     are queued."""
@@ -110,31 +110,29 @@ async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vl
     })
     # KV use sits at 1.0 only between the last free block being taken and the preemption that frees
     # some (tens of decode steps), so besides the engine's own samples /metrics is read as fast as the
-    # busy server answers, with the same parser, while the run goes on.
-    polled: list[MetricsSnapshot] = []
-
-    async def poll() -> None:
-        async with httpx.AsyncClient() as client:
-            while True:
-                response = await client.get(f"{vllm_pressure.root_url}/metrics")
-                polled.append(parse_metrics(response.text))
-                await anyio.sleep(0.005)
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(poll)
+    # busy server answers, with the same parser, by a process of its own while the run goes on.
+    reads = tmp_path / "metrics.jsonl"
+    poller = subprocess.Popen([sys.executable, "-m", "tests.integration.poll_metrics", vllm_pressure.root_url,
+                               str(reads)], cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
         code, seen = await run_engine(engine, timeout_s=600)
-        group.cancel_scope.cancel()
-    finished = {e.agent: (e.status, e.error) for e in seen if e.kind == "AgentFinished"}
-    assert code == 0, finished
+    finally:
+        poller.kill()
+        poller.wait()
+    polled = [json.loads(line) for line in reads.read_text().splitlines()] if reads.exists() else []
+    failed = {e.agent: f"{e.status}: {e.error}" for e in seen if e.kind == "AgentFinished" and e.status != "completed"}
+    assert code == 0 and not failed, failed
     samples = [e for e in seen if e.kind == "ServerSample" and e.healthy]
     assert samples and all(s.server_kind == "vllm" for s in samples)
     assert max(s.waiting or 0 for s in samples) >= 1, "the engine's samples never saw a request waiting"
     assert max(s.kv_cache_usage or 0 for s in samples) > 0.8
     assert samples[-1].kv_cache_tokens == 4096
-    kv_max = max([m.kv_cache_usage or 0 for m in polled] + [s.kv_cache_usage or 0 for s in samples])
-    assert kv_max == pytest.approx(1.0), f"KV use peaked at {kv_max} over {len(polled)} fast reads"
-    assert max(m.requests_waiting or 0 for m in polled) >= 4
-    assert (polled[-1].preemptions or 0) > (polled[0].preemptions or 0)  # over-full: vLLM preempted
+    assert polled, poller.stderr.read() if poller.stderr else "the poller read nothing"
+    kv_max = max([p["kv"] or 0 for p in polled] + [s.kv_cache_usage or 0 for s in samples])
+    seen_kv = sorted({round(p["kv"] or 0, 3) for p in polled})
+    assert kv_max == pytest.approx(1.0), f"KV use peaked at {kv_max} over {len(polled)} fast reads: {seen_kv}"
+    assert max(p["waiting"] or 0 for p in polled) >= 4
+    assert (polled[-1]["preemptions"] or 0) > (polled[0]["preemptions"] or 0)  # over-full: vLLM preempted
     extended = [e for e in seen if e.kind == "StallExtended"]
     assert extended, "no first-byte deadline was extended"
     assert all(e.deadline == "first_byte" and "waiting" in e.reason for e in extended), extended
@@ -177,20 +175,24 @@ async def test_a_kill_frees_the_server(vllm_server: ServerProcess):
         "agents": [{"name": "long", "prompt": "Write a very long story.", "max_tokens": 1900, "retries": 0}],
     })
     tokens: list[object] = []
-    running_while_streaming: list[float] = []
+    running_seen: list[float] = []
 
-    def on_event(event) -> None:
-        if event.kind == "TokenDelta":
-            tokens.append(event)
-            if len(tokens) == 30:
-                running_while_streaming.append(vllm_server.metric("vllm:num_requests_running"))
-                engine.kill("long", "killed by the test")
+    async def kill_while_running() -> None:
+        # kill only once vLLM itself counts the request as running (its gauges lag the stream a little)
+        def running() -> bool:
+            if not tokens:
+                return False
+            running_seen.append(vllm_server.metric("vllm:num_requests_running"))
+            return running_seen[-1] == 1
+        assert await _until(running, 60), f"vLLM never counted the request as running: {running_seen}"
+        engine.kill("long", "killed by the test")
 
-    code, seen = await run_engine(engine, on_event)
+    async with anyio.create_task_group() as group:
+        group.start_soon(kill_while_running)
+        code, seen = await run_engine(engine, lambda e: tokens.append(e) if e.kind == "TokenDelta" else None)
     assert code == 1
     killed = [e for e in seen if e.kind == "AgentKilled"]
     assert len(killed) == 1 and killed[0].deadline == "operator" and killed[0].reason == "killed by the test"
-    assert running_while_streaming == [1.0]
     assert await _until(lambda: vllm_server.metric("vllm:num_requests_running") == 0), "still running"
     assert await _until(lambda: vllm_server.log_text().count("Aborted request") == aborts_before + 1), (
         "vLLM did not log the abort")
