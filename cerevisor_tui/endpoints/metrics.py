@@ -235,11 +235,46 @@ def _models(samples: _Samples) -> tuple[str, ...]:
     return tuple(seen)
 
 
+_SUFFIXES = ("_total", "_created")
+
+
+def _base_name(name: str) -> str:
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _line_name(line: str) -> str:
+    if line.startswith("#"):
+        parts = line.split(" ", 3)
+        return parts[2] if len(parts) > 2 and parts[1] in ("HELP", "TYPE") else ""
+    return line.split("{", 1)[0].split(" ", 1)[0]
+
+
+_WANTED = frozenset(_base_name(n) for n in (
+    *_VLLM_KV_USAGE, *_VLLM_PREFIX_QUERIES, *_VLLM_PREFIX_HITS, "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:num_preemptions_total", "vllm:cache_config_info", "llamacpp:requests_processing", "llamacpp:requests_deferred",
+    "llamacpp:kv_cache_usage_ratio", "llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total",
+    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
+    "sglang:max_total_num_tokens", "sglang:total_retracted_reqs",
+))
+
+
+def _relevant(text: str) -> str:
+    """Only the families we read: vLLM's /metrics is ~50 KB of histograms that would take the parser
+    tens of milliseconds, on the same event loop as the stall watchdog."""
+    return "\n".join(line for line in text.splitlines() if _base_name(_line_name(line)) in _WANTED) + "\n"
+
+
 def parse_metrics(text: str) -> MetricsSnapshot:
     """A MetricsSnapshot from Prometheus text exposition (vLLM, llama.cpp, SGLang; anything else: unknown)."""
-    families = _families(text)
+    families = _families(_relevant(text))
     samples = _Samples(families)
     kind = detect_kind(samples.family_names | set(samples.values))
+    if kind == "unknown":  # a server kind we know, exposing none of the families we read
+        kind = next((k for k in ("vllm", "llamacpp", "sglang") if f"\n{k}:" in text or text.startswith(f"{k}:")
+                     or f" {k}:" in text), "unknown")
     if kind == "vllm":
         return _vllm(samples)
     if kind == "llamacpp":
