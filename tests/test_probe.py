@@ -134,9 +134,11 @@ def test_knee_rules():
     assert why is not None and why[:2] == ("queue", 5)
     # waiting on arrival while it runs everything sent is not queueing
     assert _past_knee(_level(8, 700, waiting_share=0.9, running=8), _level(4, 360), one, s) is None
-    # TTFT p50 blows up
+    # TTFT p50 blows up, on a server without a queue gauge
     why = _past_knee(_level(4, 400, ttft=0.9), _level(2, 190), one, s)
     assert why is not None and why[0] == "ttft"
+    # a server with one says when it queues: slow first tokens alone are load on the host
+    assert _past_knee(_level(4, 400, ttft=0.9, waiting_share=0.0, running=4), _level(2, 190), one, s) is None
     # failures stop the sweep at the level before
     why = _past_knee(_level(4, 400, failed=2), _level(2, 190), one, s)
     assert why is not None and why[:2] == ("errors", 2) and "429" in why[2]

@@ -11,7 +11,8 @@ poller reads the server's own running/waiting counts and KV use. The sweep stops
 - `patience` levels in a row beat the best throughput so far by less than `min_gain` (only for a
   server without a queue gauge; one with it is swept on until it queues): the cap is the smallest
   level within `min_gain` of the best;
-- TTFT p50 blew up against level 1's: requests wait rather than run;
+- TTFT p50 blew up against level 1's (again only without a queue gauge): requests wait rather
+  than run;
 - requests failed (HTTP 429/5xx, broken streams): the server refuses more.
 
 Everything is bounded: total requests (`max_requests`), total time (`max_seconds`) and each request
@@ -485,6 +486,8 @@ def _past_knee(level: ProbeLevel, previous: ProbeLevel | None, first: ProbeLevel
                 f"while running at most {ran}, so more than {cap} only adds waiting")
     if previous is None:
         return None
+    if share is not None:
+        return None  # a server with a queue gauge says when it queues; slow first tokens alone are load
     # p50, not p95: a few slow first tokens are noise; most of them slow is a queue
     base = first.ttft_p50_s
     p50 = level.ttft_p50_s

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import anyio
+import httpx
 import pytest
 
 from tests.integration.checks import engine_for, run_engine, run_workflow_through_proxy
@@ -37,19 +39,33 @@ def test_probe_recommends_the_four_slots(llama: ServerProcess):
 
 @pytest.mark.anyio
 async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: ServerProcess):
-    """Six agents on four slots: the two deferred ones get no byte at all (not even headers) until a slot
-    frees; llamacpp:requests_deferred makes the watchdog extend their short first-byte deadline."""
+    """Four long requests hold the four slots; two agents sent then are deferred and get no byte at all
+    (not even headers) until a slot frees. llamacpp:requests_deferred makes the watchdog extend their 1 s
+    first-byte deadline instead of killing them, and they complete."""
     engine = engine_for({
-        "run": {"mode": "parallel", "max_concurrency": 6, "metrics_interval_s": 0.25},
-        "stall": {"first_byte_timeout_s": 1.0, "idle_timeout_s": 60.0, "extend_s": 5.0, "max_extensions": 20},
+        "run": {"mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.25},
+        "stall": {"first_byte_timeout_s": 1.0, "idle_timeout_s": 60.0, "extend_s": 60.0, "max_extensions": 5},
         "endpoints": [{"name": "llama", "base_url": llama.base_url, "model": MODEL}],
-        "agents": [{"name": f"a{i}", "prompt": f"Tell story {i}.", "max_tokens": 1500, "retries": 0}
-                   for i in range(6)],
+        "agents": [{"name": f"a{i}", "prompt": f"Tell story {i}.", "max_tokens": 32, "retries": 0} for i in range(2)],
     })
-    code, seen = await run_engine(engine)
+
+    async def hold_a_slot(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Blocker {i}."}], "max_tokens": 1900,
+                "stream": True}
+        async with client.stream("POST", f"{llama.base_url}/chat/completions", json=body) as response:
+            async for _ in response.aiter_bytes():
+                pass
+
+    async with httpx.AsyncClient(timeout=None) as client, anyio.create_task_group() as group:
+        for i in range(4):
+            group.start_soon(hold_a_slot, client, i)
+        with anyio.fail_after(60):
+            while llama.metric("llamacpp:requests_processing") < 4:
+                await anyio.sleep(0.05)
+        code, seen = await run_engine(engine)
     assert code == 0, [e for e in seen if e.kind in ("AgentKilled", "AgentFinished")]
     extended = [e for e in seen if e.kind == "StallExtended"]
-    assert extended, "no deadline was extended"
+    assert {e.agent for e in extended} == {"a0", "a1"}, extended
     assert all(e.deadline == "first_byte" and "waiting" in e.reason for e in extended), extended
     assert not any(e.kind == "AgentKilled" for e in seen)
     samples = [e for e in seen if e.kind == "ServerSample"]

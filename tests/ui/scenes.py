@@ -13,6 +13,7 @@ from cerevisor_tui.commands.console import demo_text
 from cerevisor_tui.config import validate
 from cerevisor_tui.config.models import Config
 from cerevisor_tui.engine import events as ev
+from cerevisor_tui.engine import load
 from cerevisor_tui.engine.engine import Attempt, Engine
 from cerevisor_tui.sim.text import words
 from cerevisor_tui.ui.app import CerevisorApp
@@ -23,9 +24,14 @@ NOW = 1012.0
 RUN_ID = "20260101-120000-demo"
 
 
+KV_TOKENS = 65_536
+"""The simulated server's KV capacity in the scenes: 8 conversations of 8,192 tokens fit."""
+
+
 def scene_config(**stall) -> Config:
     data = tomllib.loads(demo_text())
     data["stall"].update({"idle_timeout_s": 10.0, **stall})
+    data["endpoints"][0]["capacity"]["context_tokens"] = 8192
     for agent in data["agents"]:
         if agent["name"] == "skeptic":
             agent["retries"] = 0
@@ -64,6 +70,10 @@ class Driver:
 
     def server(self, t: float, **values) -> None:
         self.emit(ev.ServerSample(t, "sim", True, "vllm", **values))
+        kv_tokens = values.get("kv_cache_tokens")
+        if kv_tokens:  # as the engine does: the server's own capacity replaces the estimate
+            e = self.engine
+            e.load["sim"] = load.from_server(kv_tokens, e.endpoints["sim"].capacity.context_tokens, e.load["sim"])
 
     def start(self, name: str, t: float, turn: int = 1) -> Attempt:
         st = self.engine.agents[name]
@@ -155,7 +165,7 @@ def build(scene: str) -> CerevisorApp:
                        themes=load_themes(None))
     d = Driver(engine, app)
     d.run_started()
-    d.server(T0 + 10, running=2.0, waiting=0.0, kv_cache_usage=0.31, prefix_hit_rate=0.56)
+    d.server(T0 + 10, running=2.0, waiting=0.0, kv_cache_usage=0.31, prefix_hit_rate=0.56, kv_cache_tokens=KV_TOKENS)
 
     d.start("planner", T0)
     d.tokens("planner", 48, T0 + 0.8, T0 + 2.6)
