@@ -666,6 +666,11 @@ class Engine:
                     self.emit(ev.StallExtended(monotonic(), st.name, att.number, phase, policy.extend_s, reason,
                                                att.deadline_at, att.extensions))
                     continue
+                if att.last_alive > base or (policy.liveness == "bytes" and att.stream is not None
+                                             and att.stream.last_byte_at > base):
+                    # it came back to life while the server was asked (or while this busy loop caught up
+                    # with bytes that had already arrived): not stalled after all
+                    continue
                 elapsed = now - base
                 if phase == "first_byte":
                     why = f"no first token after {fmt_s(elapsed)}"
