@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import resource
 import statistics
 import subprocess
@@ -103,8 +104,15 @@ METRICS = (b"# HELP vllm:num_requests_running Number of requests in model execut
 
 
 class _Connection(asyncio.Protocol):
+    """One client connection. Class attributes hold the server's settings and its counters."""
+
     payloads: _Payloads
     default_tokens = 1024
+    rate = 0.0  # tokens/s of each stream; 0: as fast as the socket takes them
+    stall_base_s = 0.0  # agents named stall-N stop sending (and keep the connection) after base + N x step s
+    stall_step_s = 0.0
+    sent = 0  # tokens written, all streams together
+    streams = 0  # streams open now
 
     def __init__(self) -> None:
         self.buf = b""
@@ -112,6 +120,7 @@ class _Connection(asyncio.Protocol):
         self.busy = False
         self.writable = asyncio.Event()
         self.writable.set()
+        self.closed = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -121,6 +130,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.writable.set()
+        if not self.closed.done():
+            self.closed.set_result(None)
 
     def pause_writing(self) -> None:
         self.writable.clear()
@@ -139,11 +150,14 @@ class _Connection(asyncio.Protocol):
             if end < 0:
                 return
             head = self.buf[:end].decode("latin-1")
-            length = 0
+            length, agent = 0, ""
             for line in head.split("\r\n")[1:]:
                 name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
+                name = name.strip().lower()
+                if name == "content-length":
                     length = int(value)
+                elif name == "x-cerevisor-agent":
+                    agent = value.strip()
             if len(self.buf) < end + 4 + length:
                 return
             body = self.buf[end + 4:end + 4 + length]
@@ -155,7 +169,7 @@ class _Connection(asyncio.Protocol):
                 except (ValueError, AttributeError):
                     tokens = self.default_tokens
                 self.busy = True
-                asyncio.get_running_loop().create_task(self._stream(tokens))
+                asyncio.get_running_loop().create_task(self._stream(tokens, agent))
             elif path.endswith("/health"):
                 self.transport.write(_plain("200 OK", b""))
             elif path.endswith("/metrics"):
@@ -163,37 +177,74 @@ class _Connection(asyncio.Protocol):
             elif path.endswith("/models"):
                 self.transport.write(_plain("200 OK", json.dumps(
                     {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 32768}]}).encode()))
+            elif path.endswith("/stats"):
+                self.transport.write(_plain("200 OK", json.dumps(
+                    {"tokens": _Connection.sent, "streams": _Connection.streams}).encode()))
             else:
                 self.transport.write(_plain("404 Not Found", b'{"detail":"Not Found"}'))
 
-    async def _stream(self, tokens: int) -> None:
+    def _stall_block(self, agent: str) -> int:
+        """The block after which this stream stops sending: -1 for all but the stall-N agents."""
+        if not agent.startswith("stall-") or not self.rate:
+            return -1
+        after_s = self.stall_base_s + int(agent.rsplit("-", 1)[1]) * self.stall_step_s
+        return int(after_s * self.rate / self.payloads.per_write)
+
+    async def _stream(self, tokens: int, agent: str) -> None:
         p = self.payloads
         t = self.transport
         writable = self.writable
+        per_write = p.per_write
+        _Connection.streams += 1
         try:
             t.write(p.head + p.first)
-            full, rest = divmod(tokens, p.per_write)
+            full, rest = divmod(tokens, per_write)
             block = p.block
-            for i in range(full):
-                if not writable.is_set():
-                    await writable.wait()
-                elif i % 64 == 63:
-                    await asyncio.sleep(0)  # let other streams have the loop now and then
-                if self.transport is None:
-                    return  # the client went away
-                t.write(block)
+            if self.rate:
+                loop = asyncio.get_running_loop()
+                interval = per_write / self.rate
+                next_at = loop.time() + random.random() * interval  # streams' writes spread over the interval
+                stall_at = self._stall_block(agent)
+                for i in range(full):
+                    if i == stall_at:
+                        await self.closed  # a wedged model: the connection stays open, nothing more comes
+                        return
+                    delay = next_at - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if not writable.is_set():
+                        await writable.wait()
+                    if self.transport is None:
+                        return
+                    t.write(block)
+                    _Connection.sent += per_write
+                    next_at += interval
+            else:
+                for i in range(full):
+                    if not writable.is_set():
+                        await writable.wait()
+                    elif i % 64 == 63:
+                        await asyncio.sleep(0)  # let other streams have the loop now and then
+                    if self.transport is None:
+                        return  # the client went away
+                    t.write(block)
+                    _Connection.sent += per_write
             if rest:
                 t.write(p.tail_block(rest))
+                _Connection.sent += rest
             t.write(p.end(tokens, 24))
         finally:
             self.busy = False
+            _Connection.streams -= 1
         if self.transport is not None and self.buf:
             self._next()
 
 
-async def _serve(port: int, per_write: int, default_tokens: int) -> None:
+async def _serve(port: int, per_write: int, default_tokens: int, rate: float = 0.0, stall_base_s: float = 0.0,
+                 stall_step_s: float = 0.0) -> None:
     _Connection.payloads = _Payloads(per_write)
     _Connection.default_tokens = default_tokens
+    _Connection.rate, _Connection.stall_base_s, _Connection.stall_step_s = rate, stall_base_s, stall_step_s
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_Connection, "127.0.0.1", port, backlog=4096)
     print(server.sockets[0].getsockname()[1], flush=True)
@@ -201,11 +252,17 @@ async def _serve(port: int, per_write: int, default_tokens: int) -> None:
 
 
 class FastServer:
-    """The SSE server in a child process; `with FastServer() as srv:` gives `srv.base_url`."""
+    """The SSE server in a child process; `with FastServer() as srv:` gives `srv.base_url`.
 
-    def __init__(self, per_write: int = 16, default_tokens: int = 1024) -> None:
+    `rate`: tokens per second of each stream (0: as fast as it can); agents named `stall-N` then stop
+    after `stall_base_s + N * stall_step_s` seconds and keep their connection open, as a wedged model does.
+    """
+
+    def __init__(self, per_write: int = 16, default_tokens: int = 1024, *, rate: float = 0.0,
+                 stall_base_s: float = 0.0, stall_step_s: float = 0.0) -> None:
         self.per_write = per_write
         self.default_tokens = default_tokens
+        self.extra = ["--rate", str(rate), "--stall-base-s", str(stall_base_s), "--stall-step-s", str(stall_step_s)]
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
 
@@ -216,10 +273,20 @@ class FastServer:
     def __enter__(self) -> FastServer:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "serve", "--events-per-write", str(self.per_write),
-             "--tokens", str(self.default_tokens)], stdout=subprocess.PIPE, text=True)
+             "--tokens", str(self.default_tokens), *self.extra], stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.port = int(self.proc.stdout.readline())
         return self
+
+    async def stats(self) -> dict[str, int]:
+        """Tokens written so far and streams open, asked over HTTP."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
+        writer.write(b"GET /stats HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        body = await reader.readexactly(length)
+        writer.close()
+        return json.loads(body)
 
     def cpu_s(self) -> float:
         """The server's CPU time so far (user + system), from /proc."""
@@ -428,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=0)
     serve.add_argument("--events-per-write", type=int, default=16)
     serve.add_argument("--tokens", type=int, default=1024)
+    serve.add_argument("--rate", type=float, default=0.0)
+    serve.add_argument("--stall-base-s", type=float, default=0.0)
+    serve.add_argument("--stall-step-s", type=float, default=0.0)
     client = sub.add_parser("client", help="(internal) run one client; prints one JSON line")
     client.add_argument("--mode", choices=list(MODES), required=True)
     client.add_argument("--base-url", required=True)
@@ -451,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "serve":
-        asyncio.run(_serve(args.port, args.events_per_write, args.tokens))
+        asyncio.run(_serve(args.port, args.events_per_write, args.tokens, args.rate, args.stall_base_s,
+                           args.stall_step_s))
         return 0
     if args.command == "client":
         print(json.dumps(client_main(args.mode, args.base_url, args.streams, args.tokens, args.window)))
