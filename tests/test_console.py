@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -107,3 +108,42 @@ def test_cli_bad_config_prints_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("cerevisor-tui: ") and "agents[0] (a).prompt: required key is missing" in proc.stderr
+
+
+def test_each_console_run_records_its_config_and_the_last_partly_done_run_of_it_is_offered(tmp_path):
+    from cerevisor_tui.engine import events as ev
+    from cerevisor_tui.engine.journal import Journal
+    from cerevisor_tui.engine.report import Report
+
+    path = tmp_path / "team.toml"
+    path.write_text(console.demo_text())
+    setup = console.resolve_config(str(path))
+    runs_dir = tmp_path / "runs"
+    key = console.config_key(setup)
+    runs = console.ConsoleRuns(setup.config, runs_dir, key)
+    engine = runs.open_fresh()
+    runs.close()
+    info = json.loads((runs_dir / engine.run_id / console.RUN_FILE).read_text())
+    assert info["run_id"] == engine.run_id and info["config"] == str(path.resolve())
+    # it completed nothing: resuming it would be a fresh run, so it is not offered
+    assert console.last_run_dir(runs_dir, key) == runs_dir / engine.run_id
+    assert console.incomplete_last_run(runs_dir, key, setup.config) is None
+
+    def run(run_id: str, started_at: str, completed: list[str], config: str = key) -> None:
+        journal = Journal(runs_dir / run_id, Report())
+        journal.open()
+        journal(ev.RunStarted(1.0, run_id, "parallel", 4, [], []))
+        for name in completed:
+            journal(ev.AgentFinished(2.0, name, "completed", "", f"answer of {name}"))
+        journal.close()
+        (runs_dir / run_id / console.RUN_FILE).write_text(json.dumps(
+            {"run_id": run_id, "config": config, "started_at": started_at}))
+
+    names = [a.name for a in setup.config.agents]
+    run("r1", "2030-01-01T00:00:01+00:00", names[:2])
+    run("r2", "2030-01-01T00:00:02+00:00", names[:1], config="/elsewhere/other.toml")  # another config
+    last = console.incomplete_last_run(runs_dir, key, setup.config)
+    assert last is not None and last.run_id == "r1" and (last.done, last.total) == (2, len(names))
+    assert last.completed == {n: f"answer of {n}" for n in names[:2]}
+    run("r3", "2030-01-01T00:00:03+00:00", names)  # the latest run of this config completed everything
+    assert console.incomplete_last_run(runs_dir, key, setup.config) is None

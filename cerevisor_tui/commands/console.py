@@ -3,23 +3,34 @@
 The config is found as everywhere (--config, $CEREVISOR_TUI_CONFIG, ./cerevisor.toml, the user config
 dir). With none, or one that configures no endpoint, the console runs the packaged demo workflow on
 the built-in simulator (the header says SIMULATED). A config that cannot be used is one line on
-stderr and exit 2. The run directory is kept as by the headless run (events, transcripts, report).
+stderr and exit 2. The run directory is kept as by the headless run (events, transcripts, report),
+plus `run.json`, which names the config it ran: when the last run of the same config did not complete,
+the console says so and its palette offers "Resume last run" (the headless `--resume`, from inside).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import tomllib
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cerevisor_tui.config import Config, ConfigError, load_config, validate
 from cerevisor_tui.config.checks import preflight
 from cerevisor_tui.config.paths import default_runs_dir, find_config, user_config_file, user_themes_dir
 
+if TYPE_CHECKING:
+    from cerevisor_tui.engine.engine import Engine
+    from cerevisor_tui.engine.journal import Journal
+    from cerevisor_tui.ui.app import CerevisorApp
+
 DEMO = "built-in demo"
+RUN_FILE = "run.json"
+"""In each console run directory: the run id, the config it ran and when it (last) started."""
 
 
 def demo_text() -> str:
@@ -61,6 +72,112 @@ def resolve_config(explicit: str | None) -> ConsoleSetup:
     return ConsoleSetup(config, path, path, None, False)
 
 
+def config_key(setup: ConsoleSetup) -> str:
+    """What `run.json` records as the config: the file's absolute path, or the demo's name."""
+    return str(setup.config_path.resolve()) if setup.config_path else DEMO
+
+
+def last_run_dir(runs_dir: Path, config: str) -> Path | None:
+    """The run directory whose `run.json` names `config` and started last (a resumed run counts from its
+    resumption); None when there is none."""
+    found: list[tuple[str, str, Path]] = []
+    try:
+        children = list(runs_dir.iterdir())
+    except OSError:
+        return None
+    for path in children:
+        try:
+            info = json.loads((path / RUN_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and info.get("config") == config:
+            found.append((str(info.get("started_at", "")), path.name, path))
+    return max(found)[2] if found else None
+
+
+@dataclass(frozen=True)
+class LastRun:
+    """The last run of this config, which did not complete: what `--resume` would take up."""
+
+    run_dir: Path
+    run_id: str
+    completed: dict[str, str]  # agent -> its answer
+    history: list[dict[str, Any]]  # the completed agents' recorded events, for the report
+    done: int  # agents of the workflow it completed
+    total: int  # agents in the workflow
+
+
+def incomplete_last_run(runs_dir: Path, config: str, setup_config: Config) -> LastRun | None:
+    """The last run of `config` when it completed some of the workflow's agents but not all; else None.
+    A last run that completed none is not offered: resuming it would be the fresh run the console starts."""
+    from cerevisor_tui.commands.run import resume_state
+
+    path = last_run_dir(runs_dir, config)
+    if path is None:
+        return None
+    try:
+        run_dir, run_id, completed, history = resume_state(str(path), runs_dir)
+    except ConfigError:
+        return None  # it never got as far as its first event
+    done = sum(1 for agent in setup_config.agents if agent.name in completed)
+    if done in (0, len(setup_config.agents)):
+        return None
+    return LastRun(run_dir, run_id, completed, history, done, len(setup_config.agents))
+
+
+class ConsoleRuns:
+    """The console's runs: the fresh one it starts with and the resumed one that may replace it. Each gets
+    its journal and `run.json`; every journal opened is closed, its report written, when the console ends."""
+
+    def __init__(self, config: Config, runs_dir: Path, config_key: str) -> None:
+        self.config = config
+        self.runs_dir = runs_dir
+        self.config_key = config_key
+        self.journals: list[Journal] = []
+
+    def open(self, run_id: str, run_dir: Path, *, completed: dict[str, str] | None = None,
+             history: list[dict[str, Any]] | None = None) -> Engine:
+        """An engine for the run, its journal open and subscribed; raises JournalError on an unusable directory."""
+        from cerevisor_tui.engine.engine import Engine
+        from cerevisor_tui.engine.journal import Journal, JournalError
+        from cerevisor_tui.engine.report import write_json_atomic
+
+        engine = Engine(self.config, run_id=run_id, run_dir=str(run_dir), completed=completed)
+        journal = Journal(run_dir, engine.report)
+        journal.open()
+        try:
+            write_json_atomic(run_dir / RUN_FILE, {"run_id": run_id, "config": self.config_key,
+                                                   "started_at": datetime.now(UTC).isoformat()})
+        except OSError as exc:
+            journal.close()
+            raise JournalError(f"run directory {run_dir} is not usable: {exc.strerror or exc}") from None
+        if history:
+            # as the headless --resume does: completed agents keep their figures in the report
+            def carry_over(event: Any) -> None:
+                if event.kind == "RunStarted":
+                    engine.report.replay(history)
+            engine.subscribe(carry_over)
+        engine.subscribe(journal)
+        self.journals.append(journal)
+        return engine
+
+    def open_fresh(self) -> Engine:
+        from cerevisor_tui.engine.engine import new_run_id
+
+        run_id = new_run_id()
+        return self.open(run_id, self.runs_dir / run_id)
+
+    def resume(self, last: LastRun) -> Engine:
+        """The last run taken up again: the same id and directory, its completed agents never sent again."""
+        return self.open(last.run_id, last.run_dir, completed=last.completed, history=last.history)
+
+    def close(self) -> None:
+        for journal in self.journals:
+            journal.write_report()
+            journal.close()
+        self.journals.clear()
+
+
 def main(args: Any) -> int:
     try:
         setup = resolve_config(getattr(args, "config", None))
@@ -71,8 +188,7 @@ def main(args: Any) -> int:
         print(f"cerevisor-tui: {exc}", file=sys.stderr)
         return 2
 
-    from cerevisor_tui.engine.engine import Engine, new_run_id
-    from cerevisor_tui.engine.journal import Journal, JournalError
+    from cerevisor_tui.engine.journal import JournalError
     from cerevisor_tui.ui.keys import BINDING_IDS
     from cerevisor_tui.ui.theme_files import ThemeError, check_theme_name, load_themes
 
@@ -87,25 +203,29 @@ def main(args: Any) -> int:
             check_theme_name(theme or config.ui.theme, themes.themes)
         except ThemeError as exc:
             raise ConfigError(str(exc), file=None if theme else file, key="--theme" if theme else "ui.theme") from None
-        run_id = new_run_id()
         runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
-        engine = Engine(config, run_id=run_id, run_dir=str(runs_dir / run_id))
-        journal = Journal(runs_dir / run_id, engine.report)
-        journal.open()
+        runs = ConsoleRuns(config, runs_dir, config_key(setup))
+        last = incomplete_last_run(runs_dir, runs.config_key, config)  # before this run's own directory exists
+        engine = runs.open_fresh()
     except (ConfigError, JournalError, ThemeError) as exc:
         print(f"cerevisor-tui: {exc}", file=sys.stderr)
         return 2
 
-    from cerevisor_tui.ui.app import CerevisorApp
-
-    engine.subscribe(journal)
-    app = CerevisorApp(
-        engine, config, simulated=setup.simulated, config_path=setup.config_path, save_path=setup.save_path,
-        save_template=setup.save_template, theme=theme, themes=themes,
-    )
     try:
+        app = build_app(setup, runs, engine, last, theme=theme, themes=themes)
         app.run()
     finally:
-        journal.write_report()
-        journal.close()
+        runs.close()
     return app.return_code or 0
+
+
+def build_app(setup: ConsoleSetup, runs: ConsoleRuns, engine: Engine, last: LastRun | None,
+              **kwargs: Any) -> CerevisorApp:
+    """The console app over `engine`, offering to resume `last` (Textual is imported only here)."""
+    from cerevisor_tui.ui.app import CerevisorApp, ResumeOffer
+
+    offer = None
+    if last is not None:
+        offer = ResumeOffer(last.run_id, last.done, last.total, lambda: runs.resume(last))
+    return CerevisorApp(engine, setup.config, simulated=setup.simulated, config_path=setup.config_path,
+                        save_path=setup.save_path, save_template=setup.save_template, resume_offer=offer, **kwargs)

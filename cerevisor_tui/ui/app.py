@@ -11,7 +11,9 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from textual.app import App
 from textual.notifications import SeverityLevel
@@ -27,6 +29,18 @@ from cerevisor_tui.ui.theme_files import DEFAULT_THEME, ThemeSet
 
 STOP_WAIT_S = 5.0
 """How long quitting waits for the engine to cancel its agents and close its connections."""
+
+
+@dataclass(frozen=True)
+class ResumeOffer:
+    """An earlier run of this config that did not complete, and how to reopen it (the console command
+    builds it: the run directory, its journal and the answers already given are its business)."""
+
+    run_id: str
+    completed: int  # agents it completed: never sent again
+    total: int
+    open: Callable[[], Engine]
+    """The engine that resumes it, its journal open and subscribed; raises when the run cannot be resumed."""
 
 
 class CerevisorApp(App[int]):
@@ -48,10 +62,12 @@ class CerevisorApp(App[int]):
         themes: ThemeSet | None = None,
         clock: Callable[[], float] = time.monotonic,
         start_engine: bool = True,
+        resume_offer: ResumeOffer | None = None,
     ) -> None:
         """`clock` is what countdowns and rates are computed against (tests freeze it); `save_path` is
         where the settings screen saves, `save_template` the TOML it starts from when that file does not
-        exist yet (the demo); `start_engine=False` shows the engine's state without running it."""
+        exist yet (the demo); `start_engine=False` shows the engine's state without running it;
+        `resume_offer`: the last run of this config did not complete (the palette offers to resume it)."""
         super().__init__()
         self.engine = engine
         self.config = config
@@ -72,6 +88,9 @@ class CerevisorApp(App[int]):
         self._shutting_down = False
         self._colours: dict[str, str] = {}
         self._colours_of: dict[str, str] | None = None
+        self.resume_offer = resume_offer
+        self.probed: dict[str, Any] = {}  # endpoint -> its ProbeResult, this session
+        self.probe_offered = False  # the probe is offered once per run, at the first switch to parallel/auto
 
     # ---- setup ------------------------------------------------------------------------------------
     def get_default_screen(self) -> MainScreen:
@@ -104,8 +123,11 @@ class CerevisorApp(App[int]):
                         title="Key remap ignored", severity="warning", timeout=10)
         self.set_keymap({k: v for k, v in self.keymap.items() if k in BINDING_IDS})
         if self._start_engine:
-            self._engine_worker = self.run_worker(self._run_engine(), name="engine", group="engine",
-                                                  exit_on_error=False)
+            self._start_engine_worker()
+        if self.resume_offer is not None:
+            offer = self.resume_offer
+            self.notify(f"Last run {offer.run_id} did not complete ({offer.completed} of {offer.total} agents done): "
+                        "ctrl+p → Resume last run", title="Resume?", severity="warning", timeout=20)
         if not self.is_headless:
             self._watch_signals()
 
@@ -137,9 +159,71 @@ class CerevisorApp(App[int]):
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
 
     # ---- the engine -------------------------------------------------------------------------------
+    def _start_engine_worker(self) -> None:
+        self._engine_worker = self.run_worker(self._run_engine(), name="engine", group="engine", exit_on_error=False)
+
     async def _run_engine(self) -> int:
         self.run_exit_code = await self.engine.run()
         return self.run_exit_code
+
+    @property
+    def run_open(self) -> bool:
+        """The engine runs and its endpoints are open (what a probe needs)."""
+        worker = self._engine_worker
+        return (worker is not None and not worker.is_finished and bool(self.model.run_id)
+                and self.model.finished is None and not self.engine.stopping)
+
+    # ---- resuming the last run ----------------------------------------------------------------------
+    def action_resume_last_run(self) -> None:
+        """Stop this run and go on with the last run of this config, which did not complete (palette only)."""
+        offer = self.resume_offer
+        if offer is None:
+            self.notify("No earlier run of this config is waiting to be resumed.", severity="warning")
+            return
+        if not self.run_active:
+            self._begin_resume(offer)
+            return
+        from cerevisor_tui.ui.screens.confirm import ConfirmScreen
+
+        running = sum(1 for st in self.engine.agents.values() if st.status not in FINAL)
+        question = (f"Stop this run ({running} agent(s) not finished are cancelled) and resume {offer.run_id}? "
+                    f"Its {offer.total - offer.completed} unfinished agent(s) run again; the {offer.completed} it "
+                    "completed are not sent again.")
+        self.push_screen(ConfirmScreen("Resume last run", question, yes="Resume", no="Stay"),
+                         lambda yes: self._begin_resume(offer) if yes else None)
+
+    def _begin_resume(self, offer: ResumeOffer) -> None:
+        if self._shutting_down or self.resume_offer is not offer:
+            return
+        try:
+            engine = offer.open()
+        except Exception as exc:  # noqa: BLE001 - an unusable run directory: say so, keep this run
+            self.notify(str(exc) or type(exc).__name__, title="Cannot resume", severity="error", timeout=10)
+            return
+        self.resume_offer = None
+        self.run_worker(self._swap_engine(engine, f"replaced by the resumed run {offer.run_id}"), name="resume",
+                        group="resume")
+
+    async def _swap_engine(self, engine: Engine, reason: str) -> None:
+        """Stop the current run cleanly (its journal gets its end), then run `engine` in its place."""
+        worker = self._engine_worker
+        if worker is not None and not worker.is_finished:
+            self.engine.stop(reason)
+            try:
+                await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
+            except TimeoutError:
+                worker.cancel()
+            except Exception:
+                pass  # its error was shown already
+        self.engine, self.model = engine, UiModel()
+        engine.subscribe(self.model)
+        self.engine_error, self.run_exit_code = "", None
+        self.probe_offered = False
+        main = self.screen_stack[0]
+        if isinstance(main, MainScreen):
+            main.show_engine()
+        self._start_engine_worker()
+        self.notify(f"Resuming run {engine.run_id}.", timeout=4)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker is self._engine_worker and event.state == WorkerState.ERROR:

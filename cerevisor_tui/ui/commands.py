@@ -1,4 +1,5 @@
-"""The command palette provider (ctrl+p): every console action by name, with its key and what it does."""
+"""The command palette provider (ctrl+p): every console action by name, with its key and what it does, plus
+the actions without a key: probing an endpoint, and resuming the last run when it did not complete."""
 
 from __future__ import annotations
 
@@ -13,11 +14,23 @@ class ConsoleCommands(Provider):
     """Offers each binding of the main screen; choosing one runs it as if its key were pressed."""
 
     def _commands(self) -> list[tuple[str, str, str]]:
-        keymap = getattr(self.app, "keymap", {})
-        return [
+        app = self.app
+        keymap = getattr(app, "keymap", {})
+        commands = [
             (PALETTE_NAMES.get(b.id or "", b.description), b.action, f"{b.tooltip}  (key: {effective_keys(b, keymap)})")
             for b in MAIN_BINDINGS
         ]
+        engine = getattr(app, "engine", None)
+        for name, ep in (engine.endpoints.items() if engine is not None else ()):
+            commands.append((f"Probe endpoint {name}", f"probe({name!r})",
+                             f"Sweep {name} at concurrency 1, 2, 4, ... with short requests and recommend a cap"
+                             + (" (a hosted API: its requests may cost)" if ep.kind == "hosted" else "")))
+        offer = getattr(app, "resume_offer", None)
+        if offer is not None:
+            commands.append(("Resume last run", "app.resume_last_run",
+                             f"Stop this run and go on with {offer.run_id}: {offer.completed} of {offer.total} "
+                             "agents completed there and are not sent again"))
+        return commands
 
     def _run(self, action: str) -> partial:
         return partial(self.app.run_action, action, self.screen)

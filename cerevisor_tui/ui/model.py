@@ -113,6 +113,7 @@ class ServerView:
     detail: str = ""
     slots_busy: int | None = None
     slots_total: int | None = None
+    kv_cache_tokens: float | None = None  # the server's own KV capacity, when it reports one
 
 
 @dataclass
@@ -218,8 +219,8 @@ class UiModel:
 
     def _on_ServerSample(self, e: ev.ServerSample) -> None:
         self.servers[e.endpoint] = ServerView(e.healthy, e.server_kind, e.running, e.waiting, e.kv_cache_usage,
-                                              e.prefix_hit_rate, e.detail, getattr(e, "slots_busy", None),
-                                              getattr(e, "slots_total", None))
+                                              e.prefix_hit_rate, e.detail, e.slots_busy, e.slots_total,
+                                              e.kv_cache_tokens)
 
     def _on_ModeChanged(self, e: ev.ModeChanged) -> None:
         if e.note:

@@ -18,14 +18,18 @@ if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp
 
 PANES = (
-    ("header", "Endpoints and their health (● up, ● down, ○ not reported yet), the mode badge, the cap, "
-               "agents running / queued / done / failed, output tokens per second, the wave, the run time."),
+    ("header", "Endpoints and their health (● up, ● down, ○ not reported yet), the mode badge, the cap "
+               "(amber `> fit N` when it lets more conversations run than fit in KV memory), agents running / "
+               "queued / done / failed, output tokens per second, the wave, the run time."),
     ("1 agents", "One row per agent: wave, status, turn k/n, time to first token, tokens/s, tokens, and the "
                  "countdown to its nearest stall deadline (first token, or idle once streaming)."),
     ("2 stream", "The selected agent's conversation: your prompts, its answer as it streams (reasoning "
                  "dimmed). It follows new text while you are at the bottom; scroll up to read, End to follow."),
     ("3 load", "What the server reports in /metrics: requests running and waiting, KV-cache use, prefix "
-               "hits (- until it reports them), the throughput sparkline, and the KV-cache estimate."),
+               "hits (- until it reports them), the throughput sparkline, and per endpoint the KV estimate: "
+               "how many conversations fit (from [endpoints.capacity], or the server's own capacity once it "
+               "reports one) and the zone of those in flight: FITS, CLIFF (evicted prefixes are recomputed), "
+               "OVERFLOW (the CPU tier is full too)."),
 )
 
 
@@ -53,7 +57,9 @@ class HelpScreen(Screen):
         keys.add_column(ratio=1)
         for binding in MAIN_BINDINGS:
             keys.add_row(Text(effective_keys(binding, app.keymap)), Text(binding.description), Text(binding.tooltip))
-        keys.add_row(Text("ctrl+p"), Text("Palette"), Text("Every action by name, and themes."))
+        keys.add_row(Text("ctrl+p"), Text("Palette"),
+                     Text("Every action by name, and themes; also Probe endpoint (sweep it and apply the "
+                          "recommended cap) and Resume last run (when the last run of this config did not complete)."))
         keys.add_row(Text("tab"), Text("Focus"), Text("Move between the agents and the stream."))
 
         panes = Table.grid(padding=(0, 2))

@@ -62,6 +62,11 @@ class MainScreen(Screen):
     def selected(self) -> str | None:
         return self.table.selected_agent
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._cap_warning: str | None = None  # the cap warning last notified
+        self._cap_warned_at = 0  # the effective cap it was notified at
+
     def on_mount(self) -> None:
         app = self.app
         self.query_one("#agents-pane").border_title = "1 agents"
@@ -103,6 +108,31 @@ class MainScreen(Screen):
         for notice in app.model.take_notices():
             app.notify(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
                        timeout=8 if notice.severity == "error" else 4)
+        self._notify_cap_warning()
+
+    def _notify_cap_warning(self) -> None:
+        """Once per change of the warning (a higher cap, parallel again, the server's own capacity arriving);
+        lowering the cap while still past the fit adds no new notice. The header and load pane keep a marker."""
+        engine = self.app.engine
+        warning = engine.cap_warning()
+        cap = engine.scheduler.effective_cap
+        if warning == self._cap_warning:
+            return
+        if warning and not (self._cap_warning and cap < self._cap_warned_at):
+            self.app.notify(warning, title="Cap past the KV fit", severity="warning", timeout=8)
+        self._cap_warning, self._cap_warned_at = warning, cap
+
+    def show_engine(self) -> None:
+        """Draw the app's engine and model afresh (the console switched to a resumed run)."""
+        app = self.app
+        self.table.clear(columns=True)
+        self.table.refresh_colours()
+        self.table.build(app.engine)
+        self.stream_pane.reset(self.selected, app.model)
+        self.query_one(RunHeader).invalidate()
+        self.query_one(LoadPane).invalidate()
+        self._cap_warning, self._cap_warned_at = None, 0
+        self.refresh_status()
 
     def _update_stream_title(self) -> None:
         pane = self.stream_pane
@@ -128,10 +158,47 @@ class MainScreen(Screen):
 
     # ---- actions ----------------------------------------------------------------------------------
     def action_toggle_mode(self) -> None:
+        """The switch is immediate, never held by a dialog; the first landing on parallel/auto then offers a probe."""
         mode = self.app.engine.cycle_mode()
         self.refresh_status()
         if mode == "sequential":
             self.notify("Sequential: one agent at a time; running agents finish first.", timeout=3)
+        else:
+            self._offer_probe()
+
+    def _offer_probe(self) -> None:
+        """Once per run: an endpoint not probed yet (and not hosted), with agents still to start."""
+        app = self.app
+        engine = app.engine
+        if app.probe_offered or not app.run_open:
+            return
+        if not any(st.status in ("pending", "queued") for st in engine.agents.values()):
+            return  # nothing left to start: a cap would change nothing
+        used = {st.endpoint for st in engine.agents.values()}
+        candidates = [name for name, ep in engine.endpoints.items()
+                      if name in used and ep.kind != "hosted" and name not in app.probed]
+        if not candidates:
+            return
+        from cerevisor_tui.ui.screens.probe import ProbeScreen
+
+        app.probe_offered = True
+        app.push_screen(ProbeScreen(candidates[0], offer=True))
+
+    def action_probe(self, endpoint: str = "") -> None:
+        """Sweep an endpoint now and offer its recommended cap (the palette's "Probe endpoint")."""
+        app = self.app
+        engine = app.engine
+        name = endpoint or next(iter(engine.endpoints))
+        if name not in engine.endpoints:
+            self.notify(f"No endpoint named {name}.", severity="warning")
+            return
+        if not app.run_open:
+            self.notify(f"The run is not open: probe {name} with `cerevisor-tui probe URL`.", severity="warning")
+            return
+        from cerevisor_tui.ui.screens.probe import ProbeScreen
+
+        app.probe_offered = True
+        app.push_screen(ProbeScreen(name))
 
     def action_cap(self, delta: int) -> None:
         engine = self.app.engine

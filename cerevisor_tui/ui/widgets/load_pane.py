@@ -1,6 +1,8 @@
-"""The load pane: what each server reports, the aggregate throughput sparkline, and the KV estimate slot."""
+"""The load pane: what each server reports, the aggregate throughput sparkline, and each endpoint's KV estimate."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -8,26 +10,68 @@ from textual.containers import Container, Vertical
 from textual.widgets import Sparkline, Static
 
 from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.load import LoadEstimate
 from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate
-from cerevisor_tui.ui.model import UiModel
+from cerevisor_tui.ui.model import ServerView, UiModel
+
+ZONE_ROLES = {"fits": "success", "cliff": "warning", "overflow": "error"}
+"""Theme colour of each KV zone: all in GPU memory, past it (evictions recomputed or reloaded), CPU tier full too."""
+
+
+@dataclass(frozen=True)
+class KvRow:
+    """One endpoint's KV estimate line, as shown; compared to skip a redraw when nothing changed."""
+
+    endpoint: str
+    estimate: LoadEstimate | None
+    note: str  # why there is no estimate
+    conversations: int  # in flight on the endpoint now
+    cap: int  # how many the cap lets run on it now
+    server_kv_tokens: int | None
+
+    @property
+    def zone(self) -> str:
+        return self.estimate.zone(self.conversations) if self.estimate else ""
+
+    @property
+    def cap_past_fit(self) -> bool:
+        return self.estimate is not None and self.cap > self.estimate.conversations_fit
+
+
+def conversations_in_flight(engine: Engine, endpoint: str, server: ServerView | None) -> int:
+    """Our conversations holding a slot on the endpoint, or what the server itself carries (running plus
+    waiting) when it reports more: another client may share the box, and its conversations take KV too."""
+    ours = engine.scheduler.running_by_endpoint.get(endpoint, 0)
+    if server is None or server.running is None:
+        return ours
+    return max(ours, int(server.running + (server.waiting or 0)))
+
+
+def kv_rows(engine: Engine, model: UiModel) -> tuple[KvRow, ...]:
+    cap = engine.scheduler.effective_cap
+    rows = []
+    for name, ep in engine.endpoints.items():
+        sv = model.servers.get(name)
+        kv_tokens = int(sv.kv_cache_tokens) if sv and sv.kv_cache_tokens else None
+        rows.append(KvRow(name, engine.load.get(name), engine.load_notes.get(name, ""),
+                          conversations_in_flight(engine, name, sv), min(cap, ep.max_concurrency), kv_tokens))
+    return tuple(rows)
 
 
 class LoadPane(Vertical):
-    """Server numbers from ServerSample events (`-` until a server reports one), throughput over time.
-
-    `#kv-estimate` is the slot for the capacity estimate (conversations that fit, zone); it shows `-`
-    until something calls `set_kv_estimate`.
-    """
+    """Server numbers from ServerSample events (`-` until a server reports one), throughput over time, and
+    per endpoint the KV estimate: the zone of the conversations in flight, how many fit, and whether the
+    cap lets more run than fit."""
 
     ALLOW_MAXIMIZE = True
     DEFAULT_CSS = """
     LoadPane {
         height: auto;
-        #servers { height: auto; }
+        #servers { height: auto; text-wrap: nowrap; text-overflow: ellipsis; }
         #throughput-row { height: 1; layout: horizontal; }
         #throughput-label { height: 1; width: auto; color: $text-muted; padding-right: 2; }
         #throughput { height: 1; width: 1fr; }
-        #kv-estimate { height: auto; color: $text-muted; }
+        #kv-estimate { height: auto; color: $text-muted; text-wrap: nowrap; text-overflow: ellipsis; }
     }
     """
 
@@ -36,6 +80,7 @@ class LoadPane(Vertical):
         self._servers_shown: object = None
         self._samples_shown = -1
         self._label_shown = ""
+        self._kv_shown: object = None
 
     def compose(self) -> ComposeResult:
         yield Static(id="servers")
@@ -45,12 +90,14 @@ class LoadPane(Vertical):
         yield Static(Text("KV estimate  -"), id="kv-estimate")
 
     def invalidate(self) -> None:
-        """Redraw at the next sync (the theme changed)."""
+        """Redraw everything at the next sync (the theme or the engine changed)."""
         self._servers_shown = None
         self._label_shown = ""
+        self._kv_shown = None
+        self._samples_shown = -1
 
     def set_kv_estimate(self, text: str | Text) -> None:
-        """Fill the KV estimate slot (the capacity estimate: conversations that fit, zone)."""
+        """Fill the KV estimate slot by hand (`sync` fills it from the engine)."""
         self.query_one("#kv-estimate", Static).update(text)
 
     def sync(self, engine: Engine, model: UiModel, now: float) -> None:
@@ -94,3 +141,37 @@ class LoadPane(Vertical):
         if label != self._label_shown:
             self._label_shown = label
             self.query_one("#throughput-label", Static).update(label)  # width auto: the sparkline takes the rest
+        kv = kv_rows(engine, model)
+        if kv != self._kv_shown:
+            self._kv_shown = kv
+            self.set_kv_estimate(self._kv_text(kv))
+
+    def _kv_text(self, rows: tuple[KvRow, ...]) -> Text:
+        """`sim FITS 2 of 6 conversations fit (server)  24.6k KV tokens, 4.1k per conversation`."""
+        colour = self.app.colour  # type: ignore[attr-defined]
+        muted = colour("text-muted")
+        text = Text(no_wrap=True, overflow="ellipsis")
+        for i, row in enumerate(rows):
+            if i:
+                text.append("\n")
+            text.append(f"{row.endpoint} ", style="bold")
+            est = row.estimate
+            if est is None:
+                text.append("KV estimate -", style=muted)
+                if row.server_kv_tokens:
+                    text.append(f"  server holds {fmt_count(row.server_kv_tokens)} KV tokens: set "
+                                "capacity.context_tokens to see how many conversations fit", style=muted)
+                elif row.note:
+                    text.append(f"  {row.note}", style=muted)
+                continue
+            text.append(f"{row.zone.upper()} ", style=f"bold {colour(ZONE_ROLES[row.zone])}")
+            text.append(f"{row.conversations} of {est.conversations_fit} conversations fit ({est.source})")
+            if row.cap_past_fit:
+                text.append(f"  cap {row.cap} > fit", style=f"bold {colour('warning')}")
+            more = f"  {fmt_count(est.kv_capacity_tokens)} KV tokens, {fmt_count(est.context_tokens)} per conversation"
+            if est.cpu_conversations:
+                more += f", CPU tier {est.cpu_conversations} more"
+            if est.source == "estimate" and est.detail:
+                more += f" · {est.detail}"
+            text.append(more, style=muted)
+        return text

@@ -15,6 +15,15 @@ from cerevisor_tui.ui.model import UiModel
 MODE_ROLES = {"sequential": "secondary", "parallel": "primary", "auto": "accent"}
 
 
+def fit_below_cap(engine: Engine) -> int | None:
+    """The fewest conversations that fit on an endpoint whose share of the cap is past them (the cap
+    warning's marker), or None when the cap is within every estimate."""
+    cap = engine.scheduler.effective_cap
+    fits = [est.conversations_fit for name, est in engine.load.items()
+            if est is not None and min(cap, engine.endpoints[name].max_concurrency) > est.conversations_fit]
+    return min(fits) if fits else None
+
+
 @dataclass(frozen=True)
 class HeaderState:
     """Everything the header shows; compared to skip a redraw when nothing changed."""
@@ -23,6 +32,7 @@ class HeaderState:
     cap: int
     effective_cap: int
     paused: bool
+    fit: int | None  # set when the cap is past what fits in an endpoint's KV memory
     running: int
     queued: int
     done: int
@@ -69,6 +79,7 @@ class RunHeader(Static):
             elapsed = model.finished.t - engine.started_at
         state = HeaderState(
             mode=sched.mode, cap=sched.max_concurrency, effective_cap=sched.effective_cap, paused=sched.paused,
+            fit=fit_below_cap(engine),
             running=sum(counts[s] for s in ACTIVE), queued=counts["queued"], done=counts["completed"],
             failed=counts["failed"], killed=counts["killed"], tokens_per_s=round(model.tokens_per_s(now), 1),
             wave=engine.wave, waves=len(engine.waves), elapsed_s=int(elapsed),
@@ -114,6 +125,8 @@ class RunHeader(Static):
         line2 = Text(no_wrap=True, overflow="ellipsis")
         line2.append(f" {s.mode.upper()} ", style=f"bold {bg} on {self._c(MODE_ROLES.get(s.mode, 'primary'))}")
         line2.append(f" cap {s.effective_cap if s.mode == 'sequential' else s.cap}", style="bold")
+        if s.fit is not None:
+            line2.append(f" > fit {s.fit}", style=f"bold {self._c('warning')}")
         if s.paused and not s.stopping:
             line2.append(" ")
             line2.append(" PAUSED ", style=f"bold {bg} on {self._c('stall-warn')}")

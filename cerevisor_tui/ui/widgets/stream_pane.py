@@ -37,6 +37,11 @@ class StreamPane(Vertical):
         self.view.clear()
         self.flush(model)
 
+    def reset(self, agent: str | None, model: UiModel) -> None:
+        """Show `agent` from a new model (the console switched runs), even if it is the one shown."""
+        self.agent = None
+        self.show(agent, model)
+
     def flush(self, model: UiModel) -> bool:
         """Append what arrived since the last flush; returns whether anything did."""
         if self.agent is None:
