@@ -136,13 +136,14 @@ class ConsoleRuns:
         self.journals: list[Journal] = []
 
     def open(self, run_id: str, run_dir: Path, *, completed: dict[str, str] | None = None,
-             history: list[dict[str, Any]] | None = None) -> Engine:
-        """An engine for the run, its journal open and subscribed; raises JournalError on an unusable directory."""
+             history: list[dict[str, Any]] | None = None, config: Config | None = None) -> Engine:
+        """An engine for the run, its journal open and subscribed; raises JournalError on an unusable directory.
+        `config`: the settings in force now (the settings screen may have saved new ones since start-up)."""
         from cerevisor_tui.engine.engine import Engine
         from cerevisor_tui.engine.journal import Journal, JournalError
         from cerevisor_tui.engine.report import write_json_atomic
 
-        engine = Engine(self.config, run_id=run_id, run_dir=str(run_dir), completed=completed)
+        engine = Engine(config or self.config, run_id=run_id, run_dir=str(run_dir), completed=completed)
         journal = Journal(run_dir, engine.report)
         journal.open()
         try:
@@ -167,9 +168,9 @@ class ConsoleRuns:
         run_id = new_run_id()
         return self.open(run_id, self.runs_dir / run_id)
 
-    def resume(self, last: LastRun) -> Engine:
+    def resume(self, last: LastRun, config: Config | None = None) -> Engine:
         """The last run taken up again: the same id and directory, its completed agents never sent again."""
-        return self.open(last.run_id, last.run_dir, completed=last.completed, history=last.history)
+        return self.open(last.run_id, last.run_dir, completed=last.completed, history=last.history, config=config)
 
     def close(self) -> None:
         for journal in self.journals:
@@ -226,6 +227,6 @@ def build_app(setup: ConsoleSetup, runs: ConsoleRuns, engine: Engine, last: Last
 
     offer = None
     if last is not None:
-        offer = ResumeOffer(last.run_id, last.done, last.total, lambda: runs.resume(last))
+        offer = ResumeOffer(last.run_id, last.done, last.total, lambda config: runs.resume(last, config))
     return CerevisorApp(engine, setup.config, simulated=setup.simulated, config_path=setup.config_path,
                         save_path=setup.save_path, save_template=setup.save_template, resume_offer=offer, **kwargs)

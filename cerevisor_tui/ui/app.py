@@ -39,8 +39,9 @@ class ResumeOffer:
     run_id: str
     completed: int  # agents it completed: never sent again
     total: int
-    open: Callable[[], Engine]
-    """The engine that resumes it, its journal open and subscribed; raises when the run cannot be resumed."""
+    open: Callable[[Config], Engine]
+    """The engine that resumes it under the settings in force, its journal open and subscribed; raises when
+    the run cannot be resumed."""
 
 
 class CerevisorApp(App[int]):
@@ -196,7 +197,7 @@ class CerevisorApp(App[int]):
         if self._shutting_down or self.resume_offer is not offer:
             return
         try:
-            engine = offer.open()
+            engine = offer.open(self.config)
         except Exception as exc:  # noqa: BLE001 - an unusable run directory: say so, keep this run
             self.notify(str(exc) or type(exc).__name__, title="Cannot resume", severity="error", timeout=10)
             return

@@ -125,6 +125,7 @@ async def test_console_offers_the_incomplete_last_run_and_resuming_sends_only_th
                 asked_after = dict(srv.state.requests_by_agent)
                 app.screen.refresh_status()
                 assert app.screen.table.get_row("b")[2].plain == "done"  # the console shows the resumed run
+                assert app.screen.table.get_row("a")[-1].plain == "answer reused from the earlier run"
                 assert "Resume last run" not in str(app.resume_offer)  # offered once
         finally:
             runs.close()

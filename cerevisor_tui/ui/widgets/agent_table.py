@@ -123,8 +123,10 @@ class AgentTable(DataTable):
         """Bring every row up to date; returns how many cells were written."""
         written = 0
         for name, st in engine.agents.items():
-            row = agent_row(st, engine.policies[st.endpoint].warn_at, model.notes.get(name, ""), now,
-                            model.keepalive_at.get(name))
+            note = model.notes.get(name, "")
+            if not note and name in engine.completed_before and st.status == "completed":
+                note = "answer reused from the earlier run"  # never sent again: its figures are in the report
+            row = agent_row(st, engine.policies[st.endpoint].warn_at, note, now, model.keepalive_at.get(name))
             if self._rows_shown.get(name) == row:
                 continue
             self._rows_shown[name] = row
