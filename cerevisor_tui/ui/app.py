@@ -1,5 +1,6 @@
 """The Textual app: owns the engine (run as a worker in the app's own event loop), the UI model,
-themes and keymap; the screens read them and send the engine its commands.
+themes and keymap; the screens read them and send the engine its commands. When the last run of the
+same config did not complete, it offers to resume it, and then runs that engine in the first one's place.
 
 The app never speaks HTTP: the engine does, and tells the app everything through its events.
 """
@@ -216,6 +217,8 @@ class CerevisorApp(App[int]):
                 worker.cancel()
             except Exception:
                 pass  # its error was shown already
+        if self._shutting_down:
+            return  # quit while the old run stopped: the resumed run stays as it was, to resume next time
         self.engine, self.model = engine, UiModel()
         engine.subscribe(self.model)
         self.engine_error, self.run_exit_code = "", None

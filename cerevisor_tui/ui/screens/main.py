@@ -40,6 +40,11 @@ class MainScreen(Screen):
     COMMANDS = {ConsoleCommands}
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (150, "-wide")]
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._cap_warning: str | None = None  # the cap warning last notified
+        self._cap_warned_at = 0  # the effective cap it was notified at
+
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
         with Container(id="body"):
@@ -61,11 +66,6 @@ class MainScreen(Screen):
     @property
     def selected(self) -> str | None:
         return self.table.selected_agent
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._cap_warning: str | None = None  # the cap warning last notified
-        self._cap_warned_at = 0  # the effective cap it was notified at
 
     def on_mount(self) -> None:
         app = self.app
