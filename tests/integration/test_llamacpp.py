@@ -39,9 +39,9 @@ def test_probe_recommends_the_four_slots(llama: ServerProcess):
 
 @pytest.mark.anyio
 async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: ServerProcess):
-    """Four long requests hold the four slots; two agents sent then are deferred and get no byte at all
-    (not even headers) until a slot frees. llamacpp:requests_deferred makes the watchdog extend their 1 s
-    first-byte deadline instead of killing them, and they complete."""
+    """Eight long requests hold the four slots and the head of the queue; two agents sent then are
+    deferred and get no byte at all (not even headers) until a slot frees. llamacpp:requests_deferred
+    makes the watchdog extend their 1 s first-byte deadline instead of killing them, and they complete."""
     engine = engine_for({
         "run": {"mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.25},
         "stall": {"first_byte_timeout_s": 1.0, "idle_timeout_s": 60.0, "extend_s": 60.0, "max_extensions": 5},
@@ -57,11 +57,11 @@ async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: Se
                 pass
 
     async with httpx.AsyncClient(timeout=None) as client, anyio.create_task_group() as group:
-        for i in range(4):
+        for i in range(8):
             group.start_soon(hold_a_slot, client, i)
         with anyio.fail_after(60):
-            while llama.metric("llamacpp:requests_processing") < 4:
-                await anyio.sleep(0.05)
+            while llama.metric("llamacpp:requests_processing") + llama.metric("llamacpp:requests_deferred") < 8:
+                await anyio.sleep(0.02)
         code, seen = await run_engine(engine)
     assert code == 0, [e for e in seen if e.kind in ("AgentKilled", "AgentFinished")]
     extended = [e for e in seen if e.kind == "StallExtended"]

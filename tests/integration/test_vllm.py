@@ -100,7 +100,7 @@ async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vl
     use at 1.0; the waiting agents' 1.5 s first-byte deadline is extended because the server says they
     are queued."""
     engine = engine_for({
-        "run": {"mode": "parallel", "max_concurrency": 8, "metrics_interval_s": 0.25},
+        "run": {"mode": "parallel", "max_concurrency": 8, "metrics_interval_s": 0.5},
         # one long extension: once extended at 1.5 s (while 4 wait), no deadline falls due again during the
         # run, so an agent admitted a moment before its deadline cannot be caught between queue and token
         "stall": {"first_byte_timeout_s": 1.5, "idle_timeout_s": 300.0, "extend_s": 120.0, "max_extensions": 3},
@@ -113,23 +113,37 @@ async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vl
     # KV use sits at 1.0 only between the last free block being taken and the preemption that frees
     # some (tens of decode steps), so besides the engine's own samples /metrics is read as fast as the
     # busy server answers, with the same parser, by a process of its own while the run goes on.
+    checks: list[tuple[float, str | None]] = []  # (seconds, answer) of each busy check at a deadline
+    engine.busy_check = _timed(engine._server_busy, checks)
     reads = tmp_path / "metrics.jsonl"
-    poller = subprocess.Popen([sys.executable, "-m", "tests.integration.poll_metrics", vllm_pressure.root_url,
-                               str(reads)], cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    pollers: list[subprocess.Popen[bytes]] = []
+    extended_agents: set[str] = set()
+
+    def on_event(event) -> None:
+        # started once the four waiting agents are extended: the extension depends on the watchdog's own
+        # /metrics read answering within 2 s, which a server also serving a fast poller may not do
+        if event.kind == "StallExtended":
+            extended_agents.add(event.agent)
+            if len(extended_agents) == 4 and not pollers:
+                pollers.append(subprocess.Popen(
+                    [sys.executable, "-m", "tests.integration.poll_metrics", vllm_pressure.root_url, str(reads)],
+                    cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+
     try:
-        code, seen = await run_engine(engine, timeout_s=600)
+        code, seen = await run_engine(engine, on_event, timeout_s=600)
     finally:
-        poller.kill()
-        poller.wait()
+        for poller in pollers:
+            poller.kill()
+            poller.wait()
     polled = [json.loads(line) for line in reads.read_text().splitlines()] if reads.exists() else []
     failed = {e.agent: f"{e.status}: {e.error}" for e in seen if e.kind == "AgentFinished" and e.status != "completed"}
-    assert code == 0 and not failed, failed
+    assert code == 0 and not failed, f"{failed}; busy checks (s, answer): {checks}"
     samples = [e for e in seen if e.kind == "ServerSample" and e.healthy]
     assert samples and all(s.server_kind == "vllm" for s in samples)
     assert max(s.waiting or 0 for s in samples) >= 1, "the engine's samples never saw a request waiting"
     assert max(s.kv_cache_usage or 0 for s in samples) > 0.8
     assert samples[-1].kv_cache_tokens == 4096
-    assert polled, poller.stderr.read() if poller.stderr else "the poller read nothing"
+    assert polled, pollers[0].stderr.read() if pollers and pollers[0].stderr else "the poller read nothing"
     kv_max = max([p["kv"] or 0 for p in polled] + [s.kv_cache_usage or 0 for s in samples])
     seen_kv = sorted({round(p["kv"] or 0, 3) for p in polled})
     assert kv_max == pytest.approx(1.0), f"KV use peaked at {kv_max} over {len(polled)} fast reads: {seen_kv}"
@@ -158,6 +172,18 @@ def test_two_wave_workflow_reports_the_tokens_vllm_counted(vllm_server: ServerPr
     run_workflow_through_proxy(vllm_server, tmp_path, counters)
 
 
+def _timed(busy_check, log: list[tuple[float, str | None]]):
+    """Wrap the engine's busy check to record how long each took and what it said."""
+    async def timed(endpoint: str) -> str | None:
+        started, answer = time.monotonic(), None
+        try:
+            answer = await busy_check(endpoint)
+            return answer
+        finally:
+            log.append((round(time.monotonic() - started, 2), answer))
+    return timed
+
+
 async def _until(check, timeout_s: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -181,7 +207,7 @@ async def test_a_kill_frees_the_server(vllm_server: ServerProcess):
     def on_event(event) -> None:
         if event.kind == "TokenDelta":
             tokens.append(event)
-            if len(tokens) == 30:
+            if len(tokens) == 1:  # at once: vLLM may run well ahead of a busy client
                 engine.kill("long", "killed by the test")
 
     code, seen = await run_engine(engine, on_event)
@@ -194,7 +220,7 @@ async def test_a_kill_frees_the_server(vllm_server: ServerProcess):
     generated = vllm_server.metric("vllm:generation_tokens_total")
     await anyio.sleep(1.0)
     assert vllm_server.metric("vllm:generation_tokens_total") == generated  # nothing is generating any more
-    assert 30 <= generated - generated_before < 1900  # it ran on the server, and stopped well short
+    assert 1 <= generated - generated_before < 1900  # it ran on the server, and stopped short
 
 
 @pytest.mark.anyio
@@ -207,40 +233,44 @@ async def test_a_frozen_server_trips_the_idle_deadline_and_the_run_goes_on_after
         "stall": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 3.0, "warn_at": [0.5, 0.8, 0.95]},
         "endpoints": [{"name": "vllm", "base_url": vllm_server.base_url, "model": MODEL}],
         "agents": [
-            {"name": "long", "prompt": "Write a long story.", "max_tokens": 300, "retries": 1},
-            {"name": "after", "depends_on": ["long"], "prompt": "Title for: {{ long.output }}", "max_tokens": 16,
+            # long enough that vLLM is still generating when it is frozen at our first token, however far
+            # the server runs ahead of this (busy) client
+            {"name": "long", "prompt": "Write a long story.", "max_tokens": 1500, "retries": 1},
+            {"name": "after", "depends_on": ["long"], "prompt": "Give the story a title.", "max_tokens": 16,
              "retries": 0},
         ],
     })
     marks: dict[str, float] = {}
-    count = [0]
 
     def on_event(event) -> None:
         if event.kind == "TokenDelta" and event.agent == "long" and event.attempt == 1:
-            count[0] += 1
-            if count[0] == 10:
+            marks["last_token"] = event.t
+            if "frozen" not in marks:
                 vllm_server.freeze()
                 thawed.append(vllm_server)
                 marks["frozen"] = time.monotonic()
         elif event.kind == "AgentKilled":
-            marks["killed"] = time.monotonic()
+            marks["killed"] = event.t
             vllm_server.thaw()
 
     aborts_before = vllm_server.log_text().count("Aborted request")
     code, seen = await run_engine(engine, on_event)
     finished = {e.agent: (e.status, e.error) for e in seen if e.kind == "AgentFinished"}
-    assert code == 0, finished
+    story = [(round(e.t - seen[0].t, 2), e.kind, getattr(e, "agent", ""), getattr(e, "attempt", ""))
+             for e in seen if e.kind not in ("TokenDelta", "ServerSample", "KeepAlive", "MessageRecorded")]
+    assert code == 0, f"{finished}\n{story}\n{marks}\n{vllm_server.log_tail(60)}"
     assert finished == {"long": ("completed", ""), "after": ("completed", "")}
 
     kill_index = next(i for i, e in enumerate(seen) if e.kind == "AgentKilled")
     killed = seen[kill_index]
     assert killed.agent == "long" and killed.attempt == 1 and killed.deadline == "idle"
     assert killed.reason.startswith("no output for 3") and f"after {killed.tokens} tokens" in killed.reason
-    assert killed.tokens >= 10
+    assert 1 <= killed.tokens < 1500
     warnings = [e for e in seen[:kill_index] if e.kind == "StallWarning" and e.attempt == 1]
     assert [(w.deadline, w.fraction) for w in warnings] == [("idle", 0.5), ("idle", 0.8), ("idle", 0.95)]
-    # the idle deadline, plus at most the 2 s the watchdog gives the (frozen) server to say it is busy
-    assert 3.0 <= marks["killed"] - marks["frozen"] < 3.0 + 2.0 + 3.0
+    # from the last token that got through: the idle deadline, plus at most the 2 s the watchdog gives the
+    # (frozen) server to say it is busy, plus slack for a loaded host
+    assert 3.0 <= marks["killed"] - marks["last_token"] < 3.0 + 2.0 + 3.0, marks
     retried = [e for e in seen if e.kind == "AgentRetrying"]
     assert len(retried) == 1 and retried[0].attempt == 2 and "idle deadline" in retried[0].cause
     assert any(e.kind == "TurnFinished" and e.agent == "long" and e.attempt == 2 for e in seen)
