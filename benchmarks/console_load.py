@@ -100,6 +100,40 @@ class FrameCounter:
         self.frames.append((time.perf_counter(), row))
 
 
+class PartTimer:
+    """CPU seconds spent in a few of the console's own methods (wrapped on their classes for this process)."""
+
+    def __init__(self) -> None:
+        from textual.screen import Screen
+
+        from cerevisor_tui.ui.model import UiModel
+        from cerevisor_tui.ui.screens.main import MainScreen
+
+        self.cpu: dict[str, float] = {}
+        self._wrap(MainScreen, "refresh_status", "status refresh (header, agents table, load; <= 4 Hz)")
+        self._wrap(MainScreen, "flush_streams", "stream flush (visible pane; refresh_hz)")
+        self._wrap(Screen, "_compositor_refresh", "compositor (frames)")
+        self._wrap(UiModel, "__call__", "UI model (every event, inline)")
+
+    def _wrap(self, cls: type, name: str, label: str) -> None:
+        original = getattr(cls, name)
+        cpu = self.cpu
+        cpu[label] = 0.0
+        clock = time.process_time
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                cpu[label] += clock() - t
+
+        setattr(cls, name, timed)
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.cpu)
+
+
 def build_config(base_url: str, agents: int, stalls: int, tokens: int, idle_s: float, run_dir: str,
                  busy_check: bool = True) -> Any:
     from cerevisor_tui.config import validate
@@ -130,6 +164,7 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
     engine.subscribe(journal)
     stalls = StallLog()
     engine.subscribe(stalls)
+    parts = PartTimer()
     app = CerevisorApp(engine, config, themes=load_themes(None))
     out: dict[str, Any] = {}
     loop_lag: list[float] = []
@@ -156,6 +191,7 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
         cpu0 = time.process_time()
         server_cpu0 = server.cpu_s()
         first_frame = len(frames.frames)
+        parts0 = parts.snapshot()
         bytes0 = frames.bytes
         samples: list[tuple[float, int, int]] = []  # (t, tokens taken in, tokens sent)
         presses: list[tuple[float, int]] = []  # (time the key was sent, row it should show)
@@ -174,6 +210,7 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
                 next_press += args.press_every_s
             await asyncio.sleep(0.01)
         cpu = time.process_time() - cpu0
+        parts_cpu = {k: v - parts0[k] for k, v in parts.snapshot().items()}
         server_cpu = server.cpu_s() - server_cpu0
         window_frames = frames.frames[first_frame:]
         frame_bytes = frames.bytes - bytes0
@@ -213,7 +250,7 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
         stall_killed=len(late), stall_expected=sum(1 for i in range(args.stalls) if 6 + i * 0.5 < args.seconds +
                                                     args.warmup_s - args.idle_timeout_s),
         stall_p50_s=percentile(late, 0.5), stall_p95_s=percentile(late, 0.95), stall_max_s=max(late, default=0.0),
-        false_kills=false_kills, samples=samples,
+        false_kills=false_kills, samples=samples, parts={k: v / args.seconds for k, v in parts_cpu.items()},
     )
     return out
 
@@ -268,6 +305,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['stall_p95_s']:.3f} / {r['stall_max_s']:.3f} | p95 < 0.5 {'hold' if held_stall else 'MISSED'} |")
     print(f"| streaming agents killed | {len(r['false_kills'])} | 0 |")
     print(f"| CPU: console process / server process | {r['cpu_share']:.0%} / {r['server_cpu_share']:.0%} of a core | |")
+    print("\nwhere the console process's CPU went (share of a core):")
+    ui = sum(r["parts"].values())
+    for label, share in r["parts"].items():
+        print(f"  {share:6.1%}  {label}")
+    print(f"  {r['cpu_share'] - ui:6.1%}  the rest: engine, HTTP reads, watchdog, journal, Textual's own message pumps")
     for agent, reason in r["false_kills"][:5]:
         print(f"  killed while streaming: {agent}: {reason}")
     print(f"\n{time.perf_counter() - started:.0f} s in all")
