@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -87,3 +88,17 @@ async def run_engine(engine: Engine, on_event: Callable[[Any], None] | None = No
     with anyio.fail_after(timeout_s):
         code = await engine.run()
     return code, seen
+
+
+def timed_busy_check(engine: Engine, log: list[tuple[float, str | None]]):
+    """The engine's own busy check, recording how long each call took and what it said (for failures)."""
+    busy_check = engine._server_busy
+
+    async def timed(endpoint: str) -> str | None:
+        started, answer = time.monotonic(), None
+        try:
+            answer = await busy_check(endpoint)
+            return answer
+        finally:
+            log.append((round(time.monotonic() - started, 2), answer))
+    return timed

@@ -8,7 +8,7 @@ import anyio
 import httpx
 import pytest
 
-from tests.integration.checks import engine_for, run_engine, run_workflow_through_proxy
+from tests.integration.checks import engine_for, run_engine, run_workflow_through_proxy, timed_busy_check
 from tests.integration.conftest import cerevisor
 from tests.integration.servers import MODEL, ServerProcess
 
@@ -56,6 +56,8 @@ async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: Se
             async for _ in response.aiter_bytes():
                 pass
 
+    checks: list[tuple[float, str | None]] = []  # (seconds, answer) of each busy check at a deadline
+    engine.busy_check = timed_busy_check(engine, checks)
     async with httpx.AsyncClient(timeout=None) as client, anyio.create_task_group() as group:
         for i in range(8):
             group.start_soon(hold_a_slot, client, i)
@@ -63,7 +65,8 @@ async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: Se
             while llama.metric("llamacpp:requests_processing") + llama.metric("llamacpp:requests_deferred") < 8:
                 await anyio.sleep(0.02)
         code, seen = await run_engine(engine)
-    assert code == 0, [e for e in seen if e.kind in ("AgentKilled", "AgentFinished")]
+    killed = [(e.agent, e.reason) for e in seen if e.kind == "AgentKilled"]
+    assert code == 0, f"killed: {killed}; busy checks (s, answer): {checks}"
     extended = [e for e in seen if e.kind == "StallExtended"]
     assert {e.agent for e in extended} == {"a0", "a1"}, extended
     assert all(e.deadline == "first_byte" and "waiting" in e.reason for e in extended), extended
