@@ -14,6 +14,7 @@ export PEERS_DIR=${PEERS_DIR:-$HOME/.cache/cerevisor-peers}
 
 fail() { echo "ci/integration: FAILED: $*" >&2; exit 1; }
 
+command -v curl >/dev/null || fail "curl is needed (the llama.cpp deferral test holds its slots with curl streams)"
 [ -x .venv/bin/pytest ] || fail "no .venv/bin/pytest in $root (.ci/run makes it before calling this script)"
 [ -f "$peers/vllm-cpu.sh" ] && [ -f "$peers/llama-server.sh" ] \
   || fail "server scripts not found in $peers (shared/ must sit beside the repository, or set CEREVISOR_PEERS_SCRIPTS)"

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import anyio
-import httpx
 import pytest
 
 from tests.integration.checks import engine_for, run_engine, run_workflow_through_proxy, timed_busy_check
@@ -49,22 +49,26 @@ async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: Se
         "agents": [{"name": f"a{i}", "prompt": f"Tell story {i}.", "max_tokens": 32, "retries": 0} for i in range(2)],
     })
 
-    async def hold_a_slot(client: httpx.AsyncClient, i: int) -> None:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Blocker {i}."}], "max_tokens": 1900,
-                "stream": True}
-        async with client.stream("POST", f"{llama.base_url}/chat/completions", json=body) as response:
-            async for _ in response.aiter_bytes():
-                pass
-
-    checks: list[tuple[float, str | None]] = []  # (seconds, answer) of each busy check at a deadline
-    engine.busy_check = timed_busy_check(engine, checks)
-    async with httpx.AsyncClient(timeout=None) as client, anyio.create_task_group() as group:
+    # The blockers stream from curl processes, not from this event loop: eight streams of llama-server's
+    # per-token events would take the CPU time the watchdog under test needs on a small machine.
+    blockers = []
+    try:
         for i in range(8):
-            group.start_soon(hold_a_slot, client, i)
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"Blocker {i}."}],
+                               "max_tokens": 1900, "stream": True})
+            blockers.append(subprocess.Popen(
+                ["curl", "-sN", "-o", "/dev/null", "-H", "content-type: application/json", "-d", body,
+                 f"{llama.base_url}/chat/completions"]))
         with anyio.fail_after(60):
             while llama.metric("llamacpp:requests_processing") + llama.metric("llamacpp:requests_deferred") < 8:
                 await anyio.sleep(0.02)
+        checks: list[tuple[float, str | None]] = []  # (seconds, answer) of each busy check at a deadline
+        engine.busy_check = timed_busy_check(engine, checks)
         code, seen = await run_engine(engine)
+    finally:
+        for blocker in blockers:
+            blocker.kill()
+            blocker.wait()
     killed = [(e.agent, e.reason) for e in seen if e.kind == "AgentKilled"]
     assert code == 0, f"killed: {killed}; busy checks (s, answer): {checks}"
     extended = [e for e in seen if e.kind == "StallExtended"]
