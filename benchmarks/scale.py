@@ -6,7 +6,7 @@ report on disk. The figure is that process's peak resident memory (from wait4), 
 of the same command as the baseline, so the per-agent cost shows. While it runs, the resident memory is
 sampled every 0.2 s: a flat curve after the ramp means nothing grows with the tokens streamed.
 
-    python benchmarks/scale.py                          # 1024 agents, 2 turns of 128 tokens (1-2 minutes on 2 busy cores)
+    python benchmarks/scale.py                          # 1024 agents, 2 turns of 64 tokens (1-2 minutes on 2 busy cores)
     python benchmarks/scale.py --agents 2048 --turns 3
 
 Target (issue 7): every agent completes, peak RSS < 400 MB.
@@ -117,7 +117,7 @@ def run_headless(base_url: str, agents: int, tokens: int, turns: int, workdir: P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agents", type=int, default=1024, help="agents, all running at once (default 1024)")
-    parser.add_argument("--tokens", type=int, default=128, help="completion tokens per turn (default 128)")
+    parser.add_argument("--tokens", type=int, default=64, help="completion tokens per turn (default 64)")
     parser.add_argument("--turns", type=int, default=2, help="turns per agent, the first prompt included (default 2)")
     parser.add_argument("--tokens-per-s", type=float, default=20.0,
                         help="simulated decode speed of each sequence, before --speed (default 20)")
