@@ -177,6 +177,7 @@ class Engine:
         for ep in config.endpoints:
             self.load[ep.name], self.load_notes[ep.name] = load.from_config(ep)
         self.server_status: dict[str, ServerStatus] = {}
+        self.server_status_at: dict[str, float] = {}
         self.wave = -1
         self.started_at = 0.0
         self.started_wall = ""
@@ -331,6 +332,7 @@ class Engine:
         while True:
             status = await self.read_server(endpoint)
             self.server_status[endpoint] = status
+            self.server_status_at[endpoint] = time.monotonic()
             m = status.metrics
             detail = status.loading_message or ("loading" if status.loading else "") or (status.error or "")
             self.emit(ev.ServerSample(
@@ -379,9 +381,17 @@ class Engine:
         return None
 
     async def _server_busy(self, endpoint: str) -> str | None:
-        """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?"""
+        """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?
+
+        A recent sample of the monitor that says busy answers at once: a swamped server (the very case
+        this check is for) can take seconds to answer a fresh /metrics read. Otherwise ask afresh.
+        """
         if self.endpoints[endpoint].kind == "hosted":
             return None
+        recent = self.server_status.get(endpoint)
+        age = time.monotonic() - self.server_status_at.get(endpoint, -math.inf)
+        if recent is not None and recent.busy_reason and age <= 2 * self.config.run.metrics_interval_s + 1.0:
+            return recent.busy_reason
         status = await self.read_server(endpoint)
         return status.busy_reason
 
