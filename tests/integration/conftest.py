@@ -102,9 +102,15 @@ def vllm_pressure(pool: Pool) -> ServerProcess:
                     servers.VLLM_READY_S)
 
 
+# llama-server answers HTTP with max(np + 2, cores - 1) threads by default, and every open request, a
+# deferred one too, holds one: with more requests open than that, /health and /metrics wait until a
+# stream ends, and the watchdog cannot see the queue. docs/servers.md says to raise it; so do we.
+LLAMA_ARGS = ["--threads-http", "32"]
+
+
 @pytest.fixture(scope="session")
 def llama(pool: Pool) -> ServerProcess:
-    return pool.get("llama", lambda port: servers.llama_server(port, pool.log_dir), servers.LLAMA_READY_S)
+    return pool.get("llama", lambda port: servers.llama_server(port, pool.log_dir, LLAMA_ARGS), servers.LLAMA_READY_S)
 
 
 @pytest.fixture
