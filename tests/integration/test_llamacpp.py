@@ -5,10 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 
-import anyio
 import pytest
 
-from tests.integration.checks import engine_for, run_engine, run_workflow_through_proxy, timed_busy_check
+from tests.integration.checks import (
+    engine_for,
+    run_engine,
+    run_workflow_through_proxy,
+    timed_busy_check,
+    until,
+)
 from tests.integration.conftest import cerevisor
 from tests.integration.servers import MODEL, ServerProcess
 
@@ -59,9 +64,9 @@ async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: Se
             blockers.append(subprocess.Popen(
                 ["curl", "-sN", "-o", "/dev/null", "-H", "content-type: application/json", "-d", body,
                  f"{llama.base_url}/chat/completions"]))
-        with anyio.fail_after(60):
-            while llama.metric("llamacpp:requests_processing") + llama.metric("llamacpp:requests_deferred") < 8:
-                await anyio.sleep(0.02)
+        # all four slots busy: the agents queue behind the blockers still deferred, for a round at least
+        busy = await until(lambda: llama.metric("llamacpp:requests_processing") >= 4, 60)
+        assert busy, f"the blockers never filled the slots: {llama.metrics()}"
         checks: list[tuple[float, str | None]] = []  # (seconds, answer) of each busy check at a deadline
         engine.busy_check = timed_busy_check(engine, checks)
         code, seen = await run_engine(engine)

@@ -18,7 +18,13 @@ import anyio
 import pytest
 
 from tests.integration import servers
-from tests.integration.checks import engine_for, run_engine, run_workflow_through_proxy, timed_busy_check
+from tests.integration.checks import (
+    engine_for,
+    run_engine,
+    run_workflow_through_proxy,
+    timed_busy_check,
+    until,
+)
 from tests.integration.conftest import PRESSURE_ARGS, Pool, cerevisor, jsonl, write_config
 from tests.integration.servers import MODEL, ServerProcess
 
@@ -122,14 +128,14 @@ async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vl
     extended_agents: set[str] = set()
 
     def on_event(event) -> None:
-        # started once the four waiting agents are extended: the extension depends on the watchdog's own
-        # /metrics read answering within 2 s, which a server also serving a fast poller may not do
+        # the fast poller runs from the start: the watchdog's busy check answers from the engine's own
+        # recent sample when it says busy, so a server slowed by the poller cannot hide its queue
         if event.kind == "StallExtended":
             extended_agents.add(event.agent)
-            if len(extended_agents) == 4 and not pollers:
-                pollers.append(subprocess.Popen(
-                    [sys.executable, "-m", "tests.integration.poll_metrics", vllm_pressure.root_url, str(reads)],
-                    cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        if event.kind == "RunStarted" and not pollers:
+            pollers.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.integration.poll_metrics", vllm_pressure.root_url, str(reads)],
+                cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
 
     try:
         code, seen = await run_engine(engine, on_event, timeout_s=600)
@@ -173,15 +179,6 @@ def test_two_wave_workflow_reports_the_tokens_vllm_counted(vllm_server: ServerPr
     run_workflow_through_proxy(vllm_server, tmp_path, counters)
 
 
-async def _until(check, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        await anyio.sleep(0.2)
-    return check()
-
-
 @pytest.mark.anyio
 async def test_a_kill_frees_the_server(vllm_server: ServerProcess):
     """After the operator's kill closes our stream, vLLM stops generating it and logs the abort."""
@@ -203,8 +200,8 @@ async def test_a_kill_frees_the_server(vllm_server: ServerProcess):
     assert code == 1, [e for e in seen if e.kind in ("AgentKilled", "AgentFinished")]
     killed = [e for e in seen if e.kind == "AgentKilled"]
     assert len(killed) == 1 and killed[0].deadline == "operator" and killed[0].reason == "killed by the test"
-    assert await _until(lambda: vllm_server.metric("vllm:num_requests_running") == 0), "still running"
-    assert await _until(lambda: vllm_server.log_text().count("Aborted request") == aborts_before + 1), (
+    assert await until(lambda: vllm_server.metric("vllm:num_requests_running") == 0), "still running"
+    assert await until(lambda: vllm_server.log_text().count("Aborted request") == aborts_before + 1), (
         "vLLM did not log the abort")
     generated = vllm_server.metric("vllm:generation_tokens_total")
     await anyio.sleep(1.0)
@@ -264,7 +261,7 @@ async def test_a_frozen_server_trips_the_idle_deadline_and_the_run_goes_on_after
     assert len(retried) == 1 and retried[0].attempt == 2 and "idle deadline" in retried[0].cause
     assert any(e.kind == "TurnFinished" and e.agent == "long" and e.attempt == 2 for e in seen)
     # once thawed, vLLM noticed the closed stream and aborted it
-    assert await _until(lambda: vllm_server.log_text().count("Aborted request") >= aborts_before + 1)
+    assert await until(lambda: vllm_server.log_text().count("Aborted request") >= aborts_before + 1)
 
 
 def test_estimate_gives_the_token_capacity_vllm_reports(vllm_server: ServerProcess):
