@@ -310,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     for label, share in r["parts"].items():
         print(f"  {share:6.1%}  {label}")
     print(f"  {r['cpu_share'] - ui:6.1%}  the rest: engine, HTTP reads, watchdog, journal, Textual's own message pumps")
+    if r["lag_p50_ms"] > 50:
+        if r["cpu_share"] < 0.9:
+            print(f"  the loop was late while the process used only {r['cpu_share']:.0%} of a core: the machine did not "
+                  f"give it one (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+        else:
+            print("  the loop was late while the process used a whole core: the console is CPU-bound at this rate")
     for agent, reason in r["false_kills"][:5]:
         print(f"  killed while streaming: {agent}: {reason}")
     print(f"\n{time.perf_counter() - started:.0f} s in all")
