@@ -143,7 +143,8 @@ class ConsoleRuns:
         from cerevisor_tui.engine.journal import Journal, JournalError
         from cerevisor_tui.engine.report import write_json_atomic
 
-        engine = Engine(config or self.config, run_id=run_id, run_dir=str(run_dir), completed=completed)
+        engine = Engine(config or self.config, run_id=run_id, run_dir=str(run_dir), completed=completed,
+                        history=history)
         journal = Journal(run_dir, engine.report)
         journal.open()
         try:
@@ -152,12 +153,6 @@ class ConsoleRuns:
         except OSError as exc:
             journal.close()
             raise JournalError(f"run directory {run_dir} is not usable: {exc.strerror or exc}") from None
-        if history:
-            # as the headless --resume does: completed agents keep their figures in the report
-            def carry_over(event: Any) -> None:
-                if event.kind == "RunStarted":
-                    engine.report.replay(history)
-            engine.subscribe(carry_over)
         engine.subscribe(journal)
         self.journals.append(journal)
         return engine

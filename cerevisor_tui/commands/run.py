@@ -91,18 +91,13 @@ def main(args: Any) -> int:
         else:
             run_id = new_run_id()
             run_dir = Path(args.run_dir) if args.run_dir else runs_dir / run_id
-        engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed)
+        engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history)
         journal = Journal(run_dir, engine.report, extra_report=args.report)
         journal.open()
     except (ConfigError, JournalError) as exc:
         print(f"cerevisor-tui run: {exc}", file=sys.stderr)
         return 2
 
-    if history:
-        def carry_over(event: Any) -> None:
-            if event.kind == "RunStarted":
-                engine.report.replay(history)
-        engine.subscribe(carry_over)
     engine.subscribe(journal)
     engine.subscribe(Printer(jsonl=args.jsonl))
     received: list[int] = []

@@ -152,7 +152,7 @@ class Engine:
     """Run one workflow. Subscribe before `run()`; call commands from the same event loop at any time."""
 
     def __init__(self, config: Config, *, run_id: str | None = None, run_dir: str = "",
-                 completed: dict[str, str] | None = None) -> None:
+                 completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None) -> None:
         self.config = config
         self.run_id = run_id or new_run_id()
         self.run_dir = run_dir
@@ -184,6 +184,7 @@ class Engine:
         self.stopping = ""
         # Agents a resumed run already completed: their answers are reused, they are never sent again.
         self.completed_before = dict(completed or {})
+        self._history = list(history or ())  # their recorded events: their figures carry into the report
         self.report = Report()
         self._subscribers: list[Subscriber] = [self.report]
         self._clients: dict[str, httpx.AsyncClient] = {}
@@ -298,6 +299,8 @@ class Engine:
                 [[a.name for a in level] for level in self.waves], self.endpoint_summaries(), self.run_dir,
                 self._mode_note(self.scheduler.mode),
             ))
+            if self._history:
+                self.report.replay(self._history)
             async with anyio.create_task_group() as background:
                 await self._start_background(background)
                 for wave, level in enumerate(self.waves):
