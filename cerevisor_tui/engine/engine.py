@@ -393,7 +393,7 @@ class Engine:
             return None
         recent = self.server_status.get(endpoint)
         age = time.monotonic() - self.server_status_at.get(endpoint, -math.inf)
-        if recent is not None and recent.busy_reason and age <= 2 * self.config.run.metrics_interval_s + 1.0:
+        if recent is not None and recent.busy_reason and age <= max(10.0, 3 * self.config.run.metrics_interval_s):
             return recent.busy_reason
         status = await self.read_server(endpoint)
         return status.busy_reason
