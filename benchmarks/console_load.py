@@ -85,6 +85,7 @@ class FrameCounter:
         self.app = app
         self.frames: list[tuple[float, int]] = []  # (time, cursor row shown)
         self.bytes = 0
+        self.render_cpu = 0.0  # CPU seconds turning frames into terminal bytes
         self._update_type = CompositorUpdate
         self._display = app._display
         app._display = self
@@ -94,7 +95,9 @@ class FrameCounter:
         if renderable is None:
             return
         if isinstance(renderable, self._update_type):
+            t = time.process_time()
             self.bytes += len(renderable.render_segments(self.app.console))
+            self.render_cpu += time.process_time() - t
         table = getattr(self.app.screen, "table", None)
         row = table.cursor_row if table is not None and table.is_mounted else -1
         self.frames.append((time.perf_counter(), row))
@@ -193,6 +196,7 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
         first_frame = len(frames.frames)
         parts0 = parts.snapshot()
         bytes0 = frames.bytes
+        render0 = frames.render_cpu
         samples: list[tuple[float, int, int]] = []  # (t, tokens taken in, tokens sent)
         presses: list[tuple[float, int]] = []  # (time the key was sent, row it should show)
         press_tasks: list[asyncio.Task[None]] = []
@@ -214,6 +218,7 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
         server_cpu = server.cpu_s() - server_cpu0
         window_frames = frames.frames[first_frame:]
         frame_bytes = frames.bytes - bytes0
+        render_cpu = frames.render_cpu - render0
         for task in press_tasks:
             await task
         prober.cancel()
@@ -251,6 +256,7 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
                                                     args.warmup_s - args.idle_timeout_s),
         stall_p50_s=percentile(late, 0.5), stall_p95_s=percentile(late, 0.95), stall_max_s=max(late, default=0.0),
         false_kills=false_kills, samples=samples, parts={k: v / args.seconds for k, v in parts_cpu.items()},
+        render_share=render_cpu / args.seconds,
     )
     return out
 
@@ -309,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     ui = sum(r["parts"].values())
     for label, share in r["parts"].items():
         print(f"  {share:6.1%}  {label}")
+        if label.startswith("compositor"):
+            print(f"  {'':6s}  of which {r['render_share']:.1%} turning frames into terminal bytes (what a real "
+                  f"terminal costs; headless Textual skips it)")
     print(f"  {r['cpu_share'] - ui:6.1%}  the rest: engine, HTTP reads, watchdog, journal, Textual's own message pumps")
     if r["lag_p50_ms"] > 50:
         if r["cpu_share"] < 0.9:
