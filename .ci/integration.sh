@@ -49,4 +49,10 @@ echo "ci/integration: servers ready after $((SECONDS - started)) s; running the 
 
 # Server logs of this run stay in $logs/servers for a failure's post-mortem.
 rm -rf "$logs/servers"
-CEREVISOR_INTEGRATION_LOGS=$logs/servers .venv/bin/pytest -m integration tests/integration -q -p no:cacheprovider
+# Real servers on a shared 2-core machine have timing noise a simulator does not: a failed test gets one
+# rerun (printed as such); a second failure fails CI.
+export CEREVISOR_INTEGRATION_LOGS=$logs/servers
+if ! .venv/bin/pytest -m integration tests/integration -q -o cache_dir="$logs/pytest-cache"; then
+  echo "ci/integration: rerunning the failed integration tests once" >&2
+  .venv/bin/pytest -m integration tests/integration -q -o cache_dir="$logs/pytest-cache" --last-failed --last-failed-no-failures none
+fi
