@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import anyio
@@ -180,7 +180,6 @@ class Engine:
         self.server_status_at: dict[str, float] = {}
         self.wave = -1
         self.started_at = 0.0
-        self.started_wall = ""
         self.stopping = ""
         # Agents a resumed run already completed: their answers are reused, they are never sent again.
         self.completed_before = dict(completed or {})
@@ -291,7 +290,6 @@ class Engine:
     async def run(self) -> int:
         """Run every wave; returns the exit code (0 all completed, 1 some failed or were killed)."""
         self.started_at = time.monotonic()
-        self.started_wall = datetime.now(UTC).isoformat(timespec="seconds")
         async with AsyncExitStack() as stack:
             await self._open_endpoints(stack)
             self.emit(ev.RunStarted(
@@ -405,7 +403,7 @@ class Engine:
             self._wave_group = group
             for st in states:
                 if st.name in self.completed_before:
-                    self._finish(st, "completed", "", self.completed_before[st.name], resumed=True)
+                    self._finish(st, "completed", "", self.completed_before[st.name])
                     continue
                 if self.stopping:
                     self._finish(st, "cancelled", self.stopping)
@@ -439,8 +437,7 @@ class Engine:
             status, reason = st.end_status or "cancelled", st.end_reason or "cancelled"
         self._finish(st, status, reason, st.output if status == "completed" else "")
 
-    def _finish(self, st: AgentState, status: str, reason: str, output: str = "", resumed: bool = False) -> None:
-        """`resumed`: completed in an earlier run of the same journal; its answer is reused."""
+    def _finish(self, st: AgentState, status: str, reason: str, output: str = "") -> None:
         st.status, st.error, st.output = status, reason, output
         st.current = None
         st.finished_at = time.monotonic()
