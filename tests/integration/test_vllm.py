@@ -100,17 +100,22 @@ def test_vllm_started_after_the_run_begins(pool: Pool, tmp_path: Path):
 
 
 @pytest.mark.anyio
-async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vllm_pressure: ServerProcess,
-                                                                              tmp_path: Path):
-    """8 agents of 1500 tokens, 4 sequences and 4096 KV tokens: the reader sees requests waiting and KV
-    use at 1.0; the waiting agents' 4 s first-byte deadline is extended because the server says they
-    are queued."""
+async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vllm_pressure: ServerProcess):
+    """8 agents of 1500 tokens, 4 sequences and 4096 KV tokens: the reader sees requests waiting and the KV
+    cache full; the waiting agents' 4 s first-byte deadline is extended because the server says they are
+    queued.
+
+    "Full" is read from the counter that cannot be missed: vLLM preempts a running sequence only when it
+    needs a block and none is free, i.e. at KV use 1.0, and counts it in vllm:num_preemptions_total.
+    The instant of 1.0 itself lasts tens of decode steps between a block boundary and the preemption; a
+    sampler fast enough to catch it on a shared 2-core machine slows the server until its /metrics time
+    out (so did the 5 ms poller this test once had), which is the opposite of what an operator's
+    console should do to a swamped server."""
     engine = engine_for({
         "run": {"mode": "parallel", "max_concurrency": 8, "metrics_interval_s": 0.5},
         # A 4 s first-byte deadline falls while four agents still wait (the first four take 10 s or more), after
-        # the burst of the run's start, when the watchdog's 2 s read of /metrics is answered in time even on
-        # a loaded machine. One long extension: no deadline falls due again during the run, so an agent
-        # admitted a moment before its deadline cannot be caught between the queue and its first token.
+        # the burst of the run's start. One long extension: no deadline falls due again during the run, so an
+        # agent admitted a moment before its deadline cannot be caught between the queue and its first token.
         "stall": {"first_byte_timeout_s": 4.0, "idle_timeout_s": 300.0, "extend_s": 120.0, "max_extensions": 3},
         "endpoints": [{"name": "vllm", "base_url": vllm_pressure.base_url, "model": MODEL, "max_concurrency": 8}],
         # prompts of different lengths, so the sequences cross block boundaries at different steps and the
@@ -118,48 +123,27 @@ async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vl
         "agents": [{"name": f"a{i}", "prompt": f"Write a long story number {i}." + " Make it long." * (5 * i),
                     "max_tokens": 1500, "retries": 0} for i in range(8)],
     })
-    # KV use sits at 1.0 only between the last free block being taken and the preemption that frees
-    # some (tens of decode steps), so besides the engine's own samples /metrics is read as fast as the
-    # busy server answers, with the same parser, by a process of its own while the run goes on.
     checks: list[tuple[float, str | None]] = []  # (seconds, answer) of each busy check at a deadline
     engine.busy_check = timed_busy_check(engine, checks)
-    reads = tmp_path / "metrics.jsonl"
-    pollers: list[subprocess.Popen[bytes]] = []
-    extended_agents: set[str] = set()
+    preempted_before = vllm_pressure.metric("vllm:num_preemptions_total")
 
-    def on_event(event) -> None:
-        # the fast poller runs from the start: the watchdog's busy check answers from the engine's own
-        # recent sample when it says busy, so a server slowed by the poller cannot hide its queue
-        if event.kind == "StallExtended":
-            extended_agents.add(event.agent)
-        if event.kind == "RunStarted" and not pollers:
-            pollers.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.integration.poll_metrics", vllm_pressure.root_url, str(reads)],
-                cwd=str(REPO), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-
-    try:
-        code, seen = await run_engine(engine, on_event, timeout_s=600)
-    finally:
-        for poller in pollers:
-            poller.kill()
-            poller.wait()
-    polled = [json.loads(line) for line in reads.read_text().splitlines()] if reads.exists() else []
+    code, seen = await run_engine(engine, lambda event: None, timeout_s=600)
     failed = {e.agent: f"{e.status}: {e.error}" for e in seen if e.kind == "AgentFinished" and e.status != "completed"}
     assert code == 0 and not failed, f"{failed}; busy checks (s, answer): {checks}"
-    samples = [e for e in seen if e.kind == "ServerSample" and e.healthy]
-    assert samples and all(s.server_kind == "vllm" for s in samples)
-    assert max(s.waiting or 0 for s in samples) >= 1, "the engine's samples never saw a request waiting"
-    assert samples[-1].kv_cache_tokens == 4096
-    assert polled, pollers[0].stderr.read() if pollers and pollers[0].stderr else "the poller read nothing"
-    kv_max = max([p["kv"] or 0 for p in polled] + [s.kv_cache_usage or 0 for s in samples])
-    seen_kv = sorted({round(p["kv"] or 0, 3) for p in polled})
-    assert kv_max == pytest.approx(1.0), f"KV use peaked at {kv_max} over {len(polled)} fast reads: {seen_kv}"
-    assert max(p["waiting"] or 0 for p in polled) >= 1
-    assert (polled[-1]["preemptions"] or 0) > (polled[0]["preemptions"] or 0)  # over-full: vLLM preempted
-    extended = [e for e in seen if e.kind == "StallExtended"]
-    assert extended, "no first-byte deadline was extended"
-    assert all(e.deadline == "first_byte" and "waiting" in e.reason for e in extended), extended
     assert not any(e.kind == "AgentKilled" for e in seen)
+    # the reader's samples: those that got /metrics in time (a swamped server may time out now and then)
+    read = [e for e in seen if e.kind == "ServerSample" and e.healthy and e.kv_cache_tokens is not None]
+    assert read and all(s.server_kind == "vllm" and s.kv_cache_tokens == 4096 for s in read), read[-1:]
+    assert max(s.waiting or 0 for s in read) >= 1, "the reader never saw a request waiting"
+    kv_seen = sorted({round(s.kv_cache_usage or 0, 2) for s in read})
+    assert kv_seen[-1] >= 0.5, f"KV use the reader saw over {len(read)} samples: {kv_seen}"
+    # over-full: vLLM preempted, as our reader saw in its counter and the server says afterwards
+    preempted = vllm_pressure.metric("vllm:num_preemptions_total") - preempted_before
+    assert preempted >= 1, f"vLLM never ran out of KV blocks; KV use the reader saw: {kv_seen}"
+    assert (read[-1].preemptions or 0) - preempted_before >= 1, "the reader's counter missed the preemptions"
+    extended = [e for e in seen if e.kind == "StallExtended"]
+    assert extended, f"no first-byte deadline was extended; busy checks (s, answer): {checks}"
+    assert all(e.deadline == "first_byte" and "waiting" in e.reason for e in extended), extended
 
 
 def test_probe_recommends_at_most_the_four_sequences(vllm_pressure: ServerProcess):
