@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
@@ -59,3 +61,59 @@ async def test_without_the_extension_a_queued_agent_is_killed_at_its_deadline():
         assert await engine.run() == 1
     assert not any(e.kind == "StallExtended" for e in seen)
     assert any(e.kind == "AgentKilled" and e.deadline == "first_byte" for e in seen)
+
+
+class _QuietServer:
+    """/health 200, /metrics with an empty vLLM queue (or 404), and a stream that stops after one token;
+    counts the reads of /metrics."""
+
+    def __init__(self, metrics: bool) -> None:
+        self.metrics = metrics
+        self.metrics_reads = 0
+
+    async def serve(self, reader, writer) -> None:
+        from tests.conftest import chunk, http_head, read_request, sse_chunk
+
+        try:
+            request = await read_request(reader)
+            if request.startswith(b"GET /metrics"):
+                self.metrics_reads += 1
+                body = (b'vllm:num_requests_running{model_name="m"} 1.0\n'
+                        b'vllm:num_requests_waiting{model_name="m"} 0.0\n') if self.metrics else b""
+                writer.write(http_head(200 if self.metrics else 404, "text/plain", length=len(body)) + body)
+            elif request.startswith(b"GET"):
+                writer.write(http_head(200, "application/json", length=2) + b"{}")
+            else:
+                writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("one")))
+                await writer.drain()
+                await reader.read()  # silent until the client gives up
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("metrics", [True, False], ids=["fresh-sample-not-busy", "no-metrics"])
+@pytest.mark.anyio
+async def test_a_fresh_not_busy_sample_answers_the_deadline_without_a_new_read(metrics: bool):
+    """The monitor read /metrics at the start (every 30 s after): at the 1 s idle deadline, a sample that
+    says 'no queue' and is fresh enough answers at once; without metrics the watchdog asks afresh."""
+    quiet = _QuietServer(metrics)
+    server = await asyncio.start_server(quiet.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        engine = Engine(validate({
+            "run": {"metrics_interval_s": 30.0},
+            "stall": {"first_byte_timeout_s": 5.0, "idle_timeout_s": 1.0, "extend_when_server_busy": True},
+            "endpoints": [{"name": "box", "kind": "local", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"}],
+            "agents": [{"name": "a", "prompt": "p", "retries": 0}],
+        }))
+        seen = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 1
+    finally:
+        server.close()
+    killed = [e for e in seen if e.kind == "AgentKilled"]
+    assert len(killed) == 1 and killed[0].deadline == "idle"
+    assert quiet.metrics_reads == (1 if metrics else 2)

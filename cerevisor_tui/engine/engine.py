@@ -384,15 +384,21 @@ class Engine:
     async def _server_busy(self, endpoint: str) -> str | None:
         """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?
 
-        A recent sample of the monitor that says busy answers at once: a swamped server (the very case
-        this check is for) can take seconds to answer a fresh /metrics read. Otherwise ask afresh.
+        The monitor's recent sample answers at once when it can: a swamped server (the very case this check
+        is for) can take seconds to answer a fresh /metrics read, and a late event loop adds its own. A
+        sample that says busy stands for a while (a queue does not vanish in seconds); one that says not
+        busy only while it is as fresh as the monitor makes them. Otherwise, or with no usable sample (no
+        /metrics, an error), ask afresh.
         """
         if self.endpoints[endpoint].kind == "hosted":
             return None
         recent = self.server_status.get(endpoint)
         age = time.monotonic() - self.server_status_at.get(endpoint, -math.inf)
-        if recent is not None and recent.busy_reason and age <= max(10.0, 3 * self.config.run.metrics_interval_s):
+        interval = self.config.run.metrics_interval_s
+        if recent is not None and recent.busy_reason and age <= max(10.0, 3 * interval):
             return recent.busy_reason
+        if recent is not None and recent.reachable and recent.metrics is not None and age <= 1.5 * interval + 0.5:
+            return None
         status = await self.read_server(endpoint)
         return status.busy_reason
 
