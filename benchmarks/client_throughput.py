@@ -343,12 +343,13 @@ class Meter:
             self.stop()
 
     def tick_on_delta(self, event: Any) -> None:
-        """An engine subscriber: tick() for every TokenDelta."""
+        """An engine subscriber: counts the tokens of every TokenDelta (one event may carry several)."""
         if event.kind == "TokenDelta":
-            self.count += 1
-            if self.count == self.first and self.t0 is None:
+            self.count += event.tokens
+            if self.t0 is None and self.count >= self.first:
+                self.first = self.count  # the window starts at the first event past its mark
                 self.t0 = (time.process_time(), time.perf_counter())
-            elif self.count == self.last and not self.whole:
+            elif self.t0 is not None and self.count >= self.last and not self.whole:
                 self.stop()
 
     def stop(self) -> None:

@@ -61,6 +61,37 @@ async def test_reasoning_and_tool_call_deltas_are_signs_of_life_and_are_shown():
 
 
 @pytest.mark.anyio
+async def test_the_chunks_of_one_read_become_one_event_per_run_of_a_field():
+    """A server that packs many chunks into one write (a busy vLLM for a client that fell behind): the
+    consecutive content chunks of a read make one TokenDelta that counts them, a change of field starts
+    another, and nothing is lost or reordered."""
+    def usage(completion: int) -> bytes:
+        return data({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": completion}})
+
+    async def packer(reader, writer):
+        writer.write(http_head(200, "text/event-stream"))
+        first = [delta(content="a"), delta(content="b"), delta(content="c"), delta(reasoning_content="r"),
+                 delta(content="d")]
+        writer.write(chunk(b"".join(first)))
+        await writer.drain()
+        await anyio.sleep(0.2)  # the next write is another read
+        finish = data({"choices": [{"index": 0, "delta": {"content": "f"}, "finish_reason": "stop"}]})
+        writer.write(chunk(delta(content="e") + finish + usage(7) + b"data: [DONE]\n\n") + chunk(b""))
+        await writer.drain()
+
+    async with RawServer(packer) as srv:
+        engine = one_agent(srv.base_url)
+        seen = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+    deltas = [(e.text, e.reasoning, e.tokens) for e in seen if e.kind == "TokenDelta"]
+    assert deltas == [("abc", "", 3), ("", "r", 1), ("d", "", 1), ("ef", "", 2)]
+    assert engine.agents["a"].output == "abcdef" and engine.agents["a"].tokens == 7  # every chunk, reasoning too
+    turn = next(e for e in seen if e.kind == "TurnFinished")
+    assert turn.completion_tokens == 7
+
+
+@pytest.mark.anyio
 async def test_retry_after_is_honoured():
     calls: list[float] = []
 

@@ -35,7 +35,7 @@ _scan_string = json.decoder.scanstring  # (text, index after the opening quote) 
 
 # What the stream yields: (kind, payload)
 KEEPALIVE = 0  # payload None: an SSE comment or a chunk with nothing in it
-DELTA = 1  # payload (content, reasoning, tool_text)
+DELTA = 1  # payload (content, reasoning, tool_text, chunks): the text of `chunks` consecutive chunks of one read
 USAGE = 2  # payload (prompt_tokens, completion_tokens)
 FINISH = 3  # payload finish_reason
 
@@ -108,6 +108,10 @@ class ChatStream:
         around = 0
         slot = 0
         learn = _TEMPLATE_TRIES
+        # Consecutive content (or reasoning) deltas of one read go out as one DELTA: a server that packs
+        # many chunks into a read (a busy vLLM, for a client that fell behind) costs one event, not many.
+        pend: list[str] = []
+        pend_slot = 0
         # _lines hands over all the lines of one read at once: one async hand-off per read, not per line
         async for lines in _lines(response, self, endpoint):
             for line in lines:
@@ -115,6 +119,9 @@ class ChatStream:
                     if line.startswith(b"data:"):
                         data.append(line)
                     elif line[:1] == b":":
+                        if pend:
+                            yield _merged(pend, pend_slot)
+                            pend = []
                         yield (KEEPALIVE, None)
                     elif line.startswith(b"event:"):
                         event_name = line[6:].strip()
@@ -135,8 +142,15 @@ class ChatStream:
                         if value is not None and end == len(text):
                             if value:
                                 self.tokens += 1
-                                yield (DELTA, (value, "", "") if slot == 0 else ("", value, ""))
+                                if pend and pend_slot != slot:
+                                    yield _merged(pend, pend_slot)
+                                    pend = []
+                                pend_slot = slot
+                                pend.append(value)
                             else:
+                                if pend:
+                                    yield _merged(pend, pend_slot)
+                                    pend = []
                                 yield (KEEPALIVE, None)
                             continue
                     payload = _data_value(line)
@@ -148,9 +162,16 @@ class ChatStream:
                     is_error = event_name == b"error"
                     event_name = b""
                 if payload == b"[DONE]":
+                    if pend:
+                        yield _merged(pend, pend_slot)
                     self._done = True
                     return
-                items = chunk_items(payload, is_error)
+                try:
+                    items = chunk_items(payload, is_error)
+                except EndpointError:
+                    if pend:  # what came before a bad chunk is the partial answer
+                        yield _merged(pend, pend_slot)
+                    raise
                 if learn and line and len(items) == 1 and items[0][0] == DELTA:
                     learn -= 1
                     template = _delta_template(payload, items[0][1])
@@ -159,8 +180,22 @@ class ChatStream:
                         prefix, suffix, slot = head + template[0], template[1], template[2]
                         around = len(prefix) + len(suffix)
                         learn = _TEMPLATE_TRIES
-                for item in items:
-                    yield item
+                for kind, value in items:
+                    if kind == DELTA and not value[2] and bool(value[0]) != bool(value[1]):
+                        one = 0 if value[0] else 1
+                        if pend and pend_slot != one:
+                            yield _merged(pend, pend_slot)
+                            pend = []
+                        pend_slot = one
+                        pend.append(value[one])
+                        continue
+                    if pend:
+                        yield _merged(pend, pend_slot)
+                        pend = []
+                    yield (kind, value)
+            if pend:  # the end of a read
+                yield _merged(pend, pend_slot)
+                pend = []
         if data:  # the stream ended without the blank line after its last event
             payload = b"\n".join([_data_value(part) for part in data])
             if payload == b"[DONE]":
@@ -204,11 +239,11 @@ class ChatStream:
             finish = choice.get("finish_reason")
             if (content or reasoning or tool) and not finish and not usage:  # the common chunk: one delta
                 self.tokens += 1
-                return [(DELTA, (content, reasoning, tool))]
+                return [(DELTA, (content, reasoning, tool, 1))]
             out: list[tuple[int, Any]] = []
             if content or reasoning or tool:
                 self.tokens += 1
-                out.append((DELTA, (content, reasoning, tool)))
+                out.append((DELTA, (content, reasoning, tool, 1)))
             if finish:
                 self.finish_reason = finish
                 out.append((FINISH, finish))
@@ -263,6 +298,12 @@ async def _lines(response: httpx.Response, stream: ChatStream, endpoint: str) ->
         yield [buf.rstrip(b"\r"), b""]
 
 
+def _merged(texts: list[str], slot: int) -> tuple[int, tuple[str, str, str, int]]:
+    """One DELTA for consecutive delta texts of one field (0 content, 1 reasoning)."""
+    text = texts[0] if len(texts) == 1 else "".join(texts)
+    return (DELTA, (text, "", "", len(texts)) if slot == 0 else ("", text, "", len(texts)))
+
+
 def _data_value(line: bytes) -> bytes:
     """The value of a `data:` line: after the colon, less one leading space."""
     return line[6:] if line[5:6] == b" " else line[5:]
@@ -273,7 +314,7 @@ _TEMPLATE_TRIES = 16  # chunks parsed in full without a template to show for it 
 _WHITESPACE = frozenset(" \t\r\n")
 
 
-def _delta_template(payload: bytes, delta: tuple[str, str, str]) -> tuple[bytes, bytes, int] | None:
+def _delta_template(payload: bytes, delta: tuple[str, str, str, int]) -> tuple[bytes, bytes, int] | None:
     """The bytes before and after the one delta string of a chunk, and which field it is (0 content, 1 reasoning).
 
     A server streams chunks that differ only in that string: vLLM's and llama.cpp's id, created and model
@@ -282,7 +323,7 @@ def _delta_template(payload: bytes, delta: tuple[str, str, str]) -> tuple[bytes,
     json.loads would, at a tenth of the cost. Only a field that occurs once, with neither other delta text
     field beside it, makes a template; anything else keeps the full parse.
     """
-    content, reasoning, tool = delta
+    content, reasoning, tool, _ = delta
     if tool or (content and reasoning):
         return None
     value = content or reasoning

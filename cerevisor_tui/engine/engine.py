@@ -46,7 +46,7 @@ BACKOFF_CAP_S = 30.0
 RETRY_AFTER_CAP_S = 60.0
 WAIT_BACKOFF_CAP_S = 5.0
 FINAL = frozenset({"completed", "failed", "killed", "skipped", "cancelled"})
-_TOKEN_DELTA_FIELDS = ("t", "agent", "attempt", "text", "reasoning", "tool")  # what _stream fills in directly
+_TOKEN_DELTA_FIELDS = ("t", "agent", "attempt", "text", "reasoning", "tool", "tokens")  # what _stream fills in directly
 
 
 def fmt_s(seconds: float) -> str:
@@ -566,6 +566,7 @@ class Engine:
             set_t = ev.Event.t.__set__
             set_agent, set_attempt = TokenDelta.agent.__set__, TokenDelta.attempt.__set__
             set_text, set_reasoning, set_tool = TokenDelta.text.__set__, TokenDelta.reasoning.__set__, TokenDelta.tool.__set__
+            set_tokens = TokenDelta.tokens.__set__
         monotonic = time.monotonic
         by_bytes = policy.liveness == "bytes"
         wait_s = 0.25
@@ -587,7 +588,7 @@ class Engine:
                     if kind == DELTA:
                         now = monotonic()
                         att.last_alive = now
-                        content, reasoning, tool = payload
+                        content, reasoning, tool, chunks = payload
                         if att.first_token_at is None:
                             att.first_token_at = now
                             ttft = now - att.sent_at
@@ -598,8 +599,8 @@ class Engine:
                             emit(ev.FirstToken(now, name, number, st.turn, ttft))
                         elif st.status != "streaming":
                             st.status = "streaming"
-                        att.tokens += 1
-                        st.tokens += 1
+                        att.tokens += chunks
+                        st.tokens += chunks
                         if content:
                             parts.append(content)
                         if reasoning:
@@ -612,8 +613,9 @@ class Engine:
                             set_text(delta, content)
                             set_reasoning(delta, reasoning)
                             set_tool(delta, tool)
+                            set_tokens(delta, chunks)
                         else:
-                            delta = TokenDelta(now, name, number, content, reasoning, tool)
+                            delta = TokenDelta(now, name, number, content, reasoning, tool, chunks)
                         for subscriber in subscribers:
                             subscriber(delta)
                     elif kind == KEEPALIVE:

@@ -94,7 +94,11 @@ class FirstToken(Event):
 
 @dataclass(frozen=True, slots=True)
 class TokenDelta(Event):
-    """Streamed text of one chunk: `text` is answer content, `reasoning` thinking text, `tool` tool-call text."""
+    """Streamed text: `text` is answer content, `reasoning` thinking text, `tool` tool-call text.
+
+    One event carries the consecutive chunks of one network read (`tokens` of them, one token each as
+    servers stream): a stream read in time gives one event per token, a busy one fewer and longer ones.
+    """
 
     kind: ClassVar[str] = "TokenDelta"
     agent: str
@@ -102,6 +106,7 @@ class TokenDelta(Event):
     text: str
     reasoning: str = ""
     tool: str = ""
+    tokens: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,7 +152,7 @@ class UiModel:
                 stream.append(CONTENT, event.text)
             if event.tool:
                 stream.append(TOOL, event.tool)
-            self._count(event.t, 1)
+            self._count(event.t, event.tokens)
             return
         if isinstance(event, ev.KeepAlive):
             self.keepalive_at[event.agent] = event.t  # shown: a server that is alive but sends no tokens

@@ -199,7 +199,7 @@ def select(agent: str):
         await pilot.pause()
         table = pilot.app.screen.table
         names = list(pilot.app.engine.agents)
-        table.move_cursor(row=names.index(agent))
+        table.move_cursor(names.index(agent))
         await pilot.pause()
 
     return run_before

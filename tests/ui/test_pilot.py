@@ -20,12 +20,12 @@ def header_text(app) -> str:
 
 def row(app, agent: str) -> list[str]:
     table = app.screen.table
-    return [str(cell) for cell in table.get_row(agent)]
+    return table.row_texts(agent)
 
 
 async def select(pilot, agent: str) -> None:
     table = pilot.app.screen.table
-    table.move_cursor(row=list(pilot.app.engine.agents).index(agent))
+    table.move_cursor(list(pilot.app.engine.agents).index(agent))
     await pilot.pause()
     assert table.selected_agent == agent
 
@@ -105,7 +105,7 @@ async def test_e_moves_the_stalled_agents_deadline_and_the_row_leaves_amber(tmp_
         att = app.engine.agents["a"].current
         assert att is not None and att.deadline_at == warning.deadline_at
         app.screen.refresh_status()
-        assert app.screen.table._rows_shown["a"].level == "warn"  # amber before the deadline
+        assert app.screen.table.row("a").level == "warn"  # amber before the deadline
         before = att.deadline_at
         await pilot.press("e")
         extended = await log.wait(kind("StallExtended", "a"))
@@ -113,7 +113,7 @@ async def test_e_moves_the_stalled_agents_deadline_and_the_row_leaves_amber(tmp_
         assert att.deadline_at == pytest.approx(before + 30.0)
         assert app.engine.agents["a"].status == "streaming"
         app.screen.refresh_status()
-        assert app.screen.table._rows_shown["a"].level == ""
+        assert app.screen.table.row("a").level == ""
 
 
 @pytest.mark.anyio

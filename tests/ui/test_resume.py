@@ -124,8 +124,8 @@ async def test_console_offers_the_incomplete_last_run_and_resuming_sends_only_th
                 assert fresh.stopping and fresh.agents["b"].status == "cancelled"  # the fresh run was stopped
                 asked_after = dict(srv.state.requests_by_agent)
                 app.screen.refresh_status()
-                assert app.screen.table.get_row("b")[2].plain == "done"  # the console shows the resumed run
-                assert app.screen.table.get_row("a")[-1].plain == "answer reused from the earlier run"
+                assert app.screen.table.row_texts("b")[2] == "done"  # the console shows the resumed run
+                assert app.screen.table.row_texts("a")[-1] == "answer reused from the earlier run"
                 assert app.resume_offer is None  # offered once
         finally:
             runs.close()

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from textual.app import ComposeResult
 from textual.containers import Container, Vertical
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer
+from textual.widgets import Footer
 
 from cerevisor_tui.engine.engine import FINAL
 from cerevisor_tui.ui.commands import ConsoleCommands
@@ -79,11 +79,11 @@ class MainScreen(Screen):
         self.refresh_status()
         self.table.focus()
 
-    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        self.stream_pane.show(event.row_key.value, self.app.model)
+    def on_agent_table_highlighted(self, event: AgentTable.Highlighted) -> None:
+        self.stream_pane.show(event.agent, self.app.model)
         self._update_stream_title()
 
-    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+    def on_agent_table_selected(self, event: AgentTable.Selected) -> None:
         self.action_open_stream()
 
     # ---- redraws ----------------------------------------------------------------------------------
@@ -125,7 +125,6 @@ class MainScreen(Screen):
     def show_engine(self) -> None:
         """Draw the app's engine and model afresh (the console switched to a resumed run)."""
         app = self.app
-        self.table.clear(columns=True)
         self.table.refresh_colours()
         self.table.build(app.engine)
         self.stream_pane.reset(self.selected, app.model)
