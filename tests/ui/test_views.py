@@ -53,6 +53,7 @@ async def test_stream_follows_only_while_the_reader_is_at_the_bottom():
         screen, view = app.screen, app.screen.stream_pane.view
         await pilot.pause()
         assert view.following and view.scroll_y == view.max_scroll_y > 0
+        assert view.styles.scrollbar_visibility == "hidden"  # following: no scrollbar to redraw per flush
 
         def more(n: int) -> None:
             for i in range(n):
@@ -71,10 +72,11 @@ async def test_stream_follows_only_while_the_reader_is_at_the_bottom():
         await pilot.pause()
         assert view.scroll_y == 0  # the reader stays where they are
         assert "scrolled up" in screen.stream_pane.border_subtitle
+        assert view.styles.scrollbar_visibility == "visible"  # reading back: where am I
 
         view.scroll_end(animate=False, immediate=True)
         await pilot.pause()
-        assert view.following
+        assert view.following and view.styles.scrollbar_visibility == "hidden"
 
 
 @pytest.mark.anyio
@@ -150,3 +152,34 @@ async def test_theme_flag_picks_a_packaged_theme_and_stall_colours_come_from_it(
         await pilot.pause()
         assert app.colour("stall-warn") != "#FFD700"
         assert app.colour("stall-warn") == app.get_theme("textual-dark").warning.upper()
+
+
+@pytest.mark.anyio
+async def test_the_agents_cursor_moves_by_key_and_mouse_scrolls_into_view_and_shows_its_stream(tmp_path):
+    names = [f"agent-{i:02d}" for i in range(40)]
+    config = sim_config(tmp_path, agents=[{"name": name, "prompt": "hi"} for name in names])
+    app = console(config, start_engine=False)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen, table = app.screen, app.screen.table
+        pane = screen.query_one("#agents-pane")
+        await pilot.pause()
+        assert table.selected_agent == "agent-00" and pane.border_subtitle == "1 of 40"
+        await pilot.press("down", "down")
+        assert table.selected_agent == "agent-02" and screen.stream_pane.agent == "agent-02"
+        assert pane.border_subtitle == "3 of 40"
+        await pilot.press("end")
+        await pilot.pause()
+        assert table.selected_agent == "agent-39" and pane.border_subtitle == "40 of 40"
+        rows_shown = table.size.height - 1  # under the header
+        assert table.scroll_offset.y == 40 - rows_shown  # the last row is the bottom line
+        assert table.render_line(table.size.height - 1).text.split()[0] == "agent-39"
+        await pilot.press("pageup")
+        assert table.cursor_row == 39 - (table.size.height - 2)
+        await pilot.press("home")
+        await pilot.pause()
+        assert table.selected_agent == "agent-00" and table.scroll_offset.y == 0
+        assert table.render_line(0).text.split()[:2] == ["agent", "wave"]  # the header stays on top
+        await pilot.click(table, offset=(2, 3))  # the third row under the header
+        assert table.selected_agent == "agent-02"
+        await pilot.click(table, offset=(2, 3))  # clicked again: into its stream
+        assert app.focused is screen.stream_pane.view

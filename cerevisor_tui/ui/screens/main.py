@@ -72,6 +72,7 @@ class MainScreen(Screen):
         self.query_one("#agents-pane").border_title = "1 agents"
         self.query_one("#load-pane").border_title = "3 load"
         self.table.build(app.engine)
+        self._update_agents_subtitle()
         hz = app.config.ui.refresh_hz
         self.set_interval(1 / hz, self.flush_streams, name="stream-flush")
         self.set_interval(1 / min(hz, STATUS_HZ_MAX), self.refresh_status, name="status-refresh")
@@ -82,6 +83,12 @@ class MainScreen(Screen):
     def on_agent_table_highlighted(self, event: AgentTable.Highlighted) -> None:
         self.stream_pane.show(event.agent, self.app.model)
         self._update_stream_title()
+        self._update_agents_subtitle()
+
+    def _update_agents_subtitle(self) -> None:
+        table = self.table
+        self.query_one("#agents-pane").border_subtitle = (
+            f"{table.cursor_row + 1} of {table.row_count}" if table.row_count else "")
 
     def on_agent_table_selected(self, event: AgentTable.Selected) -> None:
         self.action_open_stream()
@@ -127,6 +134,7 @@ class MainScreen(Screen):
         app = self.app
         self.table.refresh_colours()
         self.table.build(app.engine)
+        self._update_agents_subtitle()
         self.stream_pane.reset(self.selected, app.model)
         self.query_one(RunHeader).invalidate()
         self.query_one(LoadPane).invalidate()
