@@ -8,8 +8,9 @@ import time
 import anyio
 import pytest
 
-from cerevisor_tui.config import validate
+from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.sim import SimServer
 from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk
 
 DONE = sse_chunk("", finish="stop") + sse_chunk(usage={"prompt_tokens": 1, "completion_tokens": 2}) + b"data: [DONE]\n\n"
@@ -200,3 +201,55 @@ async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry():
         assert await engine.run() == 1
     assert engine.agents["a1"].status == "killed" and engine.agents["a1"].error == "killed by operator"
     assert not [e for e in seen if e.kind == "AgentRetrying"]
+
+
+def _waiting_engine(url: str, first_byte_s: float) -> Engine:
+    return Engine(validate({
+        "stall": {"first_byte_timeout_s": first_byte_s, "extend_when_server_busy": False},
+        "endpoints": [{"name": "box", "base_url": url}],
+        "agents": [{"name": "a", "prompt": "p", "max_tokens": 5, "retries": 0}],
+    }))
+
+
+@pytest.mark.anyio
+async def test_a_first_byte_timeout_raised_live_saves_an_agent_already_waiting():
+    """The model answers after 2.5 s; the 1 s first-byte deadline would kill the agent, but the operator
+    raises it to 30 s from settings while it waits."""
+    async with SimServer(SimSettings(ttft_s=2.5, tokens_per_s=200)) as srv:
+        engine = _waiting_engine(srv.base_url, 1.0)
+        seen = []
+
+        def on_event(event) -> None:
+            seen.append(event)
+            if event.kind == "AgentStarted":
+                config = engine.config.model_copy(update={"stall": engine.config.stall.model_copy(
+                    update={"first_byte_timeout_s": 30.0})})
+                assert engine.set_stall(config) == ["box"]
+
+        engine.subscribe(on_event)
+        assert await engine.run() == 0
+    assert not any(e.kind == "AgentKilled" for e in seen)
+    assert engine.policies["box"].first_byte_timeout_s == 30.0
+
+
+@pytest.mark.anyio
+async def test_a_first_byte_timeout_lowered_live_ends_a_waiting_agent_at_once():
+    async with SimServer(SimSettings(ttft_s=20.0, tokens_per_s=200)) as srv:
+        engine = _waiting_engine(srv.base_url, 60.0)
+        seen = []
+        lowered: list[float] = []
+
+        async def lower_soon() -> None:
+            await anyio.sleep(0.5)
+            config = engine.config.model_copy(update={"stall": engine.config.stall.model_copy(
+                update={"first_byte_timeout_s": 0.2})})
+            lowered.append(time.monotonic())
+            engine.set_stall(config)
+
+        engine.subscribe(seen.append)
+        async with anyio.create_task_group() as group:
+            group.start_soon(lower_soon)
+            assert await engine.run() == 1
+    killed = [e for e in seen if e.kind == "AgentKilled"]
+    assert len(killed) == 1 and killed[0].deadline == "first_byte"
+    assert killed[0].t - lowered[0] < 5.0  # at once, not at the old 60 s deadline (or the 20 s answer)

@@ -82,6 +82,7 @@ class Attempt:
     restart: bool = False
     stream: ChatStream | None = None
     scope: anyio.CancelScope | None = None
+    nap: anyio.CancelScope | None = None  # the watchdog's sleep: cancelled to make it look again at once
     # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
     alive: anyio.Event = field(default_factory=anyio.Event)
 
@@ -258,6 +259,25 @@ class Engine:
         if st.status == "stalling":
             st.status = "streaming" if att.first_token_at is not None else "prefill"
         return True
+
+    def set_stall(self, config: Config) -> list[str]:
+        """Take `config`'s `[stall]` and endpoint stall overrides now: new attempts get them, and the running
+        ones' deadlines are measured against them from now on (a raised first-byte timeout saves an agent
+        that is already waiting; a lowered one can end it at once; extensions already given stand). Returns
+        the endpoints whose policy changed."""
+        changed = []
+        for name, ep in self.endpoints.items():
+            new_ep = next((e for e in config.endpoints if e.name == name), ep)
+            policy = resolve_stall(config.stall, new_ep)
+            if policy != self.policies[name]:
+                self.policies[name] = policy
+                changed.append(name)
+        if changed:
+            for st in self.agents.values():
+                att = st.current
+                if att is not None and st.endpoint in changed and att.nap is not None:
+                    att.nap.cancel()  # the watchdog recomputes the deadline under the new policy now
+        return changed
 
     def retry(self, name: str) -> str:
         """Restart a running agent's attempt now, or run a failed/killed agent of the current wave again."""
@@ -647,12 +667,15 @@ class Engine:
         return self.models[ep.name]
 
     async def _watch(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
-        """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill."""
-        fractions = policy.warn_at
+        """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill.
+        The policy is the endpoint's current one at each look (`set_stall` changes it live)."""
         monotonic = time.monotonic
         seen_base = -1.0
         while True:
             now = monotonic()
+            changed = self.policies[st.endpoint] is not policy
+            policy = self.policies[st.endpoint]
+            fractions = policy.warn_at
             if att.first_token_at is None and not (policy.liveness == "bytes" and att.last_alive > att.sent_at):
                 phase, base, window = "first_byte", att.sent_at, policy.first_byte_timeout_s
             else:
@@ -664,6 +687,8 @@ class Engine:
                 att.extra_s = 0.0
                 att.warned = 0
             total = window + att.extra_s
+            if changed:  # a longer window re-arms the warnings it moved ahead; a shorter one gives its due ones now
+                att.warned = min(att.warned, sum(1 for f in fractions if now >= base + f * total))
             att.phase = phase
             att.deadline_at = base + total
             att.base = base
@@ -700,11 +725,12 @@ class Engine:
             if att.warned < len(fractions):
                 next_at = min(next_at, base + fractions[att.warned] * total)
             delay = max(0.0, next_at - monotonic()) + 0.001
-            if phase == "first_byte" and not att.alive.is_set():
-                with anyio.move_on_after(delay):
+            with anyio.CancelScope() as att.nap, anyio.move_on_after(delay):
+                if phase == "first_byte" and not att.alive.is_set():
                     await att.alive.wait()
-            else:
-                await anyio.sleep(delay)
+                else:
+                    await anyio.sleep(delay)
+            att.nap = None
 
     async def _busy_reason(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> str | None:
         """The seam for the server-busy extension: ask the endpoint whether it is loading or queueing."""

@@ -107,8 +107,10 @@ async def test_settings_refuse_bad_values_inline_then_save_round_trips(tmp_path,
         await pilot.press("y")
         assert isinstance(app.screen, MainScreen)
 
-        # mode and cap apply to the running engine at once
+        # mode, cap and the stall deadlines apply to the running engine at once
         assert app.engine.scheduler.max_concurrency == 7
+        policy = app.engine.policies[app.engine.config.endpoints[0].name]
+        assert policy.idle_timeout_s == 42.0 and policy.warn_at == (0.6, 0.9)
 
     text = path.read_text()
     saved = tomllib.loads(text)

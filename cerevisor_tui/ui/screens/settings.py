@@ -1,6 +1,7 @@
 """The settings screen: every [run] and [stall] key and each endpoint's url, model, kind, cap and
 timeouts. Each value is checked by the config's own pydantic models as it is typed, and refused
-inline with the reason; save writes the file through `config.save`, and mode and cap apply at once.
+inline with the reason; save writes the file through `config.save`, and mode, cap and the stall
+deadlines (`[stall]` and each endpoint's timeouts) apply at once.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from cerevisor_tui.config.save import ENDPOINT_KEYS, CommentsWouldBeLost, SaveEr
 if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp
 
-LIVE_KEYS = {("run", "mode"), ("run", "max_concurrency")}
-"""Settings that change the running engine at once; the rest apply to the next run."""
 OPTIONAL_EMPTY = {("stall", "first_byte_timeout_s"), ("endpoint", "first_byte_timeout_s"),
                   ("endpoint", "idle_timeout_s")}
 """Fields where an empty value means "use the default" (or, on an endpoint, the [stall] value)."""
@@ -173,8 +172,8 @@ class SettingsScreen(Screen):
         target = str(app.save_path) if app.save_path else "nowhere (no config file)"
         with Vertical(id="settings-head"):
             yield Static(Text.assemble(("Settings", "bold"), f"  saving to {target}"), id="settings-target")
-            yield Static("mode and max_concurrency show and set what runs now; the rest apply from the next run.  "
-                         "ctrl+s save · esc back", id="settings-hint")
+            yield Static("mode, cap and stall deadlines apply on save; the rest next run.  ctrl+s save · esc back",
+                         id="settings-hint")
         with VerticalScroll(id="settings-form"):
             yield Static("[run]", classes="section-title", markup=False)
             for spec in field_specs(config):
@@ -335,6 +334,9 @@ class SettingsScreen(Screen):
         if new.run.max_concurrency != engine.scheduler.max_concurrency:
             engine.set_concurrency(new.run.max_concurrency)
             applied.append(f"cap {new.run.max_concurrency}")
+        changed = engine.set_stall(new)
+        if changed:
+            applied.append(f"stall deadlines ({', '.join(changed)})")
         return applied
 
     def action_back(self) -> None:
