@@ -172,7 +172,8 @@ class SettingsScreen(Screen):
         target = str(app.save_path) if app.save_path else "nowhere (no config file)"
         with Vertical(id="settings-head"):
             yield Static(Text.assemble(("Settings", "bold"), f"  saving to {target}"), id="settings-target")
-            yield Static("mode, cap and stall deadlines apply on save; the rest next run.  ctrl+s save · esc back",
+            # the footer shows ctrl+s and esc; this line fits 80 columns
+            yield Static("Saved mode, cap and stall deadlines apply at once; the rest from the next run.",
                          id="settings-hint")
         with VerticalScroll(id="settings-form"):
             yield Static("[run]", classes="section-title", markup=False)
