@@ -30,6 +30,16 @@ def one_agent(url: str, **stall) -> Engine:
                             "agents": [{"name": "a", "prompt": "p", "retries": 1}]}))
 
 
+async def run_one(handler) -> tuple[Engine, list]:
+    """One agent against a raw server that answers with `handler`: the engine and every event; the run completes."""
+    async with RawServer(handler) as srv:
+        engine = one_agent(srv.base_url)
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+    return engine, seen
+
+
 @pytest.mark.anyio
 async def test_reasoning_and_tool_call_deltas_are_signs_of_life_and_are_shown():
     async def thinker(reader, writer):
@@ -44,11 +54,7 @@ async def test_reasoning_and_tool_call_deltas_are_signs_of_life_and_are_shown():
         writer.write(chunk(data({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + b"data: [DONE]\n\n") + chunk(b""))
         await writer.drain()
 
-    async with RawServer(thinker) as srv:
-        engine = one_agent(srv.base_url)
-        seen = []
-        engine.subscribe(seen.append)
-        assert await engine.run() == 0
+    engine, seen = await run_one(thinker)
     deltas = [e for e in seen if e.kind == "TokenDelta"]
     assert [d.reasoning for d in deltas][:2] == ["think ", "more "]
     assert deltas[2].tool == "search" and deltas[3].tool == '{"q": 1}'
@@ -79,11 +85,7 @@ async def test_the_chunks_of_one_read_become_one_event_per_run_of_a_field():
         writer.write(chunk(delta(content="e") + finish + usage(7) + b"data: [DONE]\n\n") + chunk(b""))
         await writer.drain()
 
-    async with RawServer(packer) as srv:
-        engine = one_agent(srv.base_url)
-        seen = []
-        engine.subscribe(seen.append)
-        assert await engine.run() == 0
+    engine, seen = await run_one(packer)
     deltas = [(e.text, e.reasoning, e.tokens) for e in seen if e.kind == "TokenDelta"]
     assert deltas == [("abc", "", 3), ("", "r", 1), ("d", "", 1), ("ef", "", 2)]
     assert engine.agents["a"].output == "abcdef" and engine.agents["a"].tokens == 7  # every chunk, reasoning too
@@ -104,11 +106,7 @@ async def test_retry_after_is_honoured():
             writer.write(http_head(200, "text/event-stream") + chunk(delta(content="ok") + b"data: [DONE]\n\n") + chunk(b""))
         await writer.drain()
 
-    async with RawServer(limited) as srv:
-        engine = one_agent(srv.base_url)
-        seen = []
-        engine.subscribe(seen.append)
-        assert await engine.run() == 0
+    engine, seen = await run_one(limited)
     retry = next(e for e in seen if e.kind == "AgentRetrying")
     assert "HTTP 429" in retry.cause and retry.delay_s >= 1.0
     assert calls[1] - calls[0] >= 0.95
