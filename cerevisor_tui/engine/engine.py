@@ -714,7 +714,7 @@ class Engine:
                     # it came back to life while the server was asked (or while this busy loop caught up
                     # with bytes that had already arrived): not stalled after all
                     continue
-                elapsed = monotonic() - base  # after the busy check, which may have taken a while
+                elapsed = now - base
                 if phase == "first_byte":
                     why = f"no first token after {fmt_s(elapsed)}"
                 else:
