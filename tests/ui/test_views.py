@@ -183,3 +183,23 @@ async def test_the_agents_cursor_moves_by_key_and_mouse_scrolls_into_view_and_sh
         assert table.selected_agent == "agent-02"
         await pilot.click(table, offset=(2, 3))  # clicked again: into its stream
         assert app.focused is screen.stream_pane.view
+
+
+@pytest.mark.anyio
+async def test_long_names_and_notes_are_cut_with_an_ellipsis_and_columns_stay_put(tmp_path):
+    long_name = "an-agent-with-a-very-long-descriptive-name"
+    config = sim_config(tmp_path, agents=[{"name": long_name, "prompt": "hi"}, {"name": "b", "prompt": "hi"}])
+    app = console(config, start_engine=False)
+    async with app.run_test(size=(80, 24)) as pilot:
+        table = app.screen.table
+        app.model.notes["b"] = "a note far longer than the narrow pane has room for, " * 3
+        app.screen.refresh_status()
+        await pilot.pause()
+        width = table.size.width
+        lines = [table.render_line(y).text for y in range(3)]  # header, then the two rows
+        assert all(len(line) == width for line in lines)
+        # a narrow pane cuts long names to 16 cells before it gives up the note
+        assert lines[1].startswith(" " + long_name[:15] + "…")
+        assert lines[0].split()[-1] == "note" and lines[2].rstrip().endswith("…")  # the note shows, cut at the edge
+        status_at = lines[0].index("status")
+        assert lines[1][status_at:].startswith("pending") and lines[2][status_at:].startswith("pending")

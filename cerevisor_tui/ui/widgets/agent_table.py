@@ -51,8 +51,10 @@ COLUMNS: tuple[tuple[str, str, int | None], ...] = (
 column fits the longest name (up to 24 cells); the note takes what is left of the pane's width."""
 
 RIGHT = frozenset({"wave", "turn", "ttft", "rate", "tokens", "stall"})
-NOTE_MIN = 16
-"""The note column's narrowest: below it the table scrolls sideways rather than squeeze it away."""
+NAME_MIN = 16
+"""In a narrow pane the agent column gives up cells down to this (names are cut with an ellipsis) so
+that the note keeps NOTE_WANTED; below that the note gets what is left, and then the pane's edge cuts."""
+NOTE_WANTED = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,14 +299,17 @@ class AgentTable(ScrollView, can_focus=True):
         self._layout()
 
     def _layout(self) -> None:
-        """Column widths for the pane's width: the note takes the rest, at least NOTE_MIN cells."""
-        widths = [self._name_width if key == "agent" else (width or 0) for key, _, width in COLUMNS]
-        fixed = sum(widths) + 2 * len(COLUMNS)  # one cell of padding each side of a cell
-        widths[-1] = max(NOTE_MIN, self.size.width - fixed)
+        """Column widths for the pane's width: every column but the note as wide as it needs, the note the
+        rest; a narrow pane cuts long names first (to NAME_MIN), then the note."""
+        others = sum(width or 0 for key, _, width in COLUMNS if key not in ("agent", "note"))
+        others += len(COLUMNS)  # a space before each cell
+        name = max(min(self._name_width, NAME_MIN), min(self._name_width, self.size.width - others - NOTE_WANTED))
+        widths = [name if key == "agent" else (width or 0) for key, _, width in COLUMNS]
+        widths[-1] = max(0, self.size.width - others - name)
         if widths != self._widths:
             self._widths = widths
             self._strips = {}
-        self.virtual_size = Size(fixed + widths[-1], len(self.names) + 1)
+        self.virtual_size = Size(others + sum(widths), len(self.names) + 1)
 
     def _style(self, role: str, bold: bool = False) -> Style:
         key = f"{role}/{bold}"
@@ -317,8 +322,8 @@ class AgentTable(ScrollView, can_focus=True):
     def _segments(self, texts: list[str], styles: list[Style], base: Style) -> Strip:
         segments = []
         for (key, _, _), width, text, style in zip(COLUMNS, self._widths, texts, styles, strict=True):
-            segments.append(Segment(" " + _fit(text, width, key in RIGHT) + " ", base + style if style else base))
-        return Strip(segments, sum(self._widths) + 2 * len(COLUMNS))
+            segments.append(Segment(" " + _fit(text, width, key in RIGHT), base + style if style else base))
+        return Strip(segments, sum(self._widths) + len(COLUMNS))
 
     def _row_strip(self, name: str, row: AgentRow | None, cursor: bool) -> Strip:
         drawn_from = (row, cursor)
