@@ -192,7 +192,7 @@ async def test_long_names_and_notes_are_cut_with_an_ellipsis_and_columns_stay_pu
     app = console(config, start_engine=False)
     async with app.run_test(size=(80, 24)) as pilot:
         table = app.screen.table
-        app.model.notes["b"] = "a note far longer than the narrow pane has room for, " * 3
+        app.model.notes["b"] = "a note\nfar\tlonger than the narrow pane has room for, " * 3  # one line all the same
         app.screen.refresh_status()
         await pilot.pause()
         width = table.size.width
@@ -201,5 +201,6 @@ async def test_long_names_and_notes_are_cut_with_an_ellipsis_and_columns_stay_pu
         # a narrow pane cuts long names to 16 cells before it gives up the note
         assert lines[1].startswith(" " + long_name[:15] + "…")
         assert lines[0].split()[-1] == "note" and lines[2].rstrip().endswith("…")  # the note shows, cut at the edge
+        assert "a note " in lines[2] and not any(c in lines[2] for c in "\n\t")
         status_at = lines[0].index("status")
         assert lines[1][status_at:].startswith("pending") and lines[2][status_at:].startswith("pending")

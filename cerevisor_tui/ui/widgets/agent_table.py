@@ -8,6 +8,7 @@ are refreshed; a frame of a full box costs a few milliseconds.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from rich.cells import cell_len, set_cell_size
@@ -108,9 +109,15 @@ def agent_row(st: AgentState, warn_at: tuple[float, ...], note: str, now: float,
     )
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]+")
+
+
 def _fit(text: str, width: int, right: bool) -> str:
-    """`text` in exactly `width` cells: cut with an ellipsis when too long, padded on the side it is not
+    """`text` in exactly `width` cells on one line: control characters (a server's error may carry a
+    newline) become a space, too long is cut with an ellipsis, short is padded on the side it is not
     aligned to."""
+    if not text.isprintable():
+        text = _CONTROL.sub(" ", text)
     length = cell_len(text)
     if length > width:
         return set_cell_size(text, width - 1) + "…" if width > 1 else set_cell_size(text, width)
