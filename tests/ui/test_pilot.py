@@ -30,9 +30,14 @@ async def select(pilot, agent: str) -> None:
     assert table.selected_agent == agent
 
 
+def slow_agent(tmp_path):
+    """The console over one agent that streams slowly on the simulator: still running while keys are pressed."""
+    return console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
+
+
 @pytest.mark.anyio
 async def test_m_cycles_the_engines_mode_and_the_header_badge(tmp_path):
-    app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
+    app = slow_agent(tmp_path)
     log = EventLog(app.engine)
     async with app.run_test() as pilot:
         await log.wait(kind("RunStarted"))
@@ -48,7 +53,7 @@ async def test_m_cycles_the_engines_mode_and_the_header_badge(tmp_path):
 
 @pytest.mark.anyio
 async def test_plus_and_minus_move_the_engines_cap(tmp_path):
-    app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
+    app = slow_agent(tmp_path)
     log = EventLog(app.engine)
     async with app.run_test() as pilot:
         await log.wait(kind("RunStarted"))
@@ -137,7 +142,7 @@ async def test_p_holds_admissions_until_pressed_again(tmp_path):
 
 @pytest.mark.anyio
 async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_0(tmp_path):
-    app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
+    app = slow_agent(tmp_path)
     log = EventLog(app.engine)
     async with app.run_test() as pilot:
         await log.wait(kind("FirstToken", "a"))

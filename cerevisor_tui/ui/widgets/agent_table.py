@@ -211,8 +211,7 @@ class AgentTable(ScrollView, can_focus=True):
     def refresh_colours(self) -> None:
         """Forget drawn rows so they are drawn again in the current theme's colours."""
         self._styles = {}
-        self._strips = {}
-        self.refresh()
+        self._redraw()
 
     def sync(self, engine: Engine, model: UiModel, now: float) -> int:
         """Bring every row up to date; returns how many rows changed."""
@@ -294,10 +293,12 @@ class AgentTable(ScrollView, can_focus=True):
             self.move_cursor(row)
 
     def on_focus(self) -> None:
-        self._strips = {}  # the cursor row's colours follow focus
-        self.refresh()
+        self._redraw()  # the cursor row's colours follow focus
 
     def on_blur(self) -> None:
+        self._redraw()
+
+    def _redraw(self) -> None:
         self._strips = {}
         self.refresh()
 
