@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +33,14 @@ def workflow(path: Path, url: str, *, agents: int = 6, max_tokens: int = 30, ext
 def start_run(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "run", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
 
 
 def wait_for(predicate, timeout: float = 20.0) -> None:
@@ -176,6 +185,8 @@ endpoint = "good"
 prompt = "p"
 max_tokens = 60
 ''')
+            # a hosted endpoint fails at once on a refused port: the simulator process must be listening first
+            wait_for(lambda: _listening(port))
             proc = start_run(str(cfg), "--run-dir", str(tmp_path / "run"))
             events = tmp_path / "run" / "events.jsonl"
             wait_for(lambda: events.exists() and '"event":"FirstToken","t"' in events.read_text()
