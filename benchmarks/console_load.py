@@ -49,6 +49,15 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
+def proc_cpu_s(pid: int | None) -> float:
+    """A process's CPU time so far (user + system), from /proc; nan when it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, TypeError):
+        return float("nan")
+
+
 def slope(points: list[tuple[float, float]]) -> float:
     """Least-squares slope of (t, y): units of y per second."""
     if len(points) < 2:
@@ -144,12 +153,13 @@ class PartTimer:
 
 
 def build_config(base_url: str, agents: int, stalls: int, tokens: int, idle_s: float, run_dir: str,
-                 busy_check: bool = True) -> Any:
+                 busy_check: bool = True, stream_process: str = "auto") -> Any:
     from cerevisor_tui.config import validate
 
     names = [f"stall-{i}" for i in range(stalls)] + [f"agent-{i:03d}" for i in range(agents - stalls)]
     return validate({
-        "run": {"mode": "parallel", "max_concurrency": agents, "run_dir": run_dir, "metrics_interval_s": 2.0},
+        "run": {"mode": "parallel", "max_concurrency": agents, "run_dir": run_dir, "metrics_interval_s": 2.0,
+                "stream_process": stream_process},
         "stall": {"idle_timeout_s": idle_s, "first_byte_timeout_s": 60.0, "extend_when_server_busy": busy_check},
         "endpoints": [{"name": "box", "kind": "local", "base_url": base_url, "model": MODEL,
                        "max_concurrency": agents}],
@@ -159,22 +169,22 @@ def build_config(base_url: str, agents: int, stalls: int, tokens: int, idle_s: f
 
 
 async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -> dict[str, Any]:
-    from cerevisor_tui.engine.engine import Engine
+    from cerevisor_tui.engine.engine import Engine, wants_stream_process
     from cerevisor_tui.engine.journal import Journal
     from cerevisor_tui.ui.app import CerevisorApp
     from cerevisor_tui.ui.theme_files import load_themes
 
     tokens = int(args.rate * (args.seconds + args.warmup_s + 20))  # streams outlast the measurement
     config = build_config(server.base_url, args.agents, args.stalls, tokens, args.idle_timeout_s, str(run_dir),
-                          args.busy_check)
-    engine = Engine(config, run_dir=str(run_dir))
+                          args.busy_check, args.stream_process)
+    engine = Engine(config, run_dir=str(run_dir), stream_process=wants_stream_process(config, console=True))
     journal = Journal(run_dir, engine.report)
     journal.open()
     engine.subscribe(journal)
     stalls = StallLog()
     engine.subscribe(stalls)
     parts = PartTimer()
-    app = CerevisorApp(engine, config, themes=load_themes(None))
+    app = CerevisorApp(engine, config, themes=load_themes(None), tune_gc=True)  # as `cerevisor-tui` runs it
     out: dict[str, Any] = {}
     loop_lag: list[float] = []
     async with app.run_test(size=(args.width, args.height)) as pilot:
@@ -199,6 +209,8 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
         t0 = time.perf_counter()
         cpu0 = time.process_time()
         server_cpu0 = server.cpu_s()
+        worker_pid = engine.stream_worker.pid if engine.stream_worker is not None else None
+        worker_cpu0 = proc_cpu_s(worker_pid)
         first_frame = len(frames.frames)
         parts0 = parts.snapshot()
         bytes0 = frames.bytes
@@ -222,6 +234,7 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
         cpu = time.process_time() - cpu0
         parts_cpu = {k: v - parts0[k] for k, v in parts.snapshot().items()}
         server_cpu = server.cpu_s() - server_cpu0
+        worker_cpu = proc_cpu_s(worker_pid) - worker_cpu0
         window_frames = frames.frames[first_frame:]
         frame_bytes = frames.bytes - bytes0
         render_cpu = frames.render_cpu - render0
@@ -258,6 +271,7 @@ async def measure(args: argparse.Namespace, server: FastServer, run_dir: Path) -
         key_max_ms=max(latencies, default=float("nan")) * 1000, presses=len(presses), shown=len(latencies),
         lag_p50_ms=percentile(loop_lag, 0.5) * 1000, lag_p95_ms=percentile(loop_lag, 0.95) * 1000,
         cpu_share=cpu / args.seconds, server_cpu_share=server_cpu / args.seconds,
+        worker_cpu_share=worker_cpu / args.seconds if worker_pid else None,
         stall_killed=len(late), stall_expected=sum(1 for i in range(args.stalls) if 6 + i * 0.5 < args.seconds +
                                                     args.warmup_s - args.idle_timeout_s),
         stall_p50_s=percentile(late, 0.5), stall_p95_s=percentile(late, 0.95), stall_max_s=max(late, default=0.0),
@@ -278,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-busy-check", dest="busy_check", action="store_false",
                         help="kill at the deadline without first asking the server whether it is busy "
                         "(extend_when_server_busy = false): the watchdog's own precision")
+    parser.add_argument("--stream-process", choices=("auto", "on", "off"), default="auto",
+                        help="[run] stream_process, as the console takes it (default auto: on with 2+ CPUs)")
     parser.add_argument("--seconds", type=float, default=30.0, help="seconds measured (default 30)")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="seconds of streaming before measuring")
     parser.add_argument("--press-every-s", type=float, default=0.6, help="a `down` key press this often")
@@ -287,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"console load: {args.agents} agents x {args.rate:g} tokens/s = {args.agents * args.rate:,.0f} tokens/s "
           f"offered ({args.events_per_write} per write), {args.stalls} of them stall, idle deadline "
-          f"{args.idle_timeout_s:g} s (server-busy check {'on' if args.busy_check else 'off'}); {args.seconds:g} s "
+          f"{args.idle_timeout_s:g} s (server-busy check {'on' if args.busy_check else 'off'}); stream_process "
+          f"{args.stream_process}; {args.seconds:g} s "
           f"measured at {args.width}x{args.height}; "
           f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)
     started = time.perf_counter()
@@ -316,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| stall kill time - deadline, s (p50 / p95 / max; {r['stall_killed']} kills) | {r['stall_p50_s']:.3f} / "
           f"{r['stall_p95_s']:.3f} / {r['stall_max_s']:.3f} | p95 < 0.5 {'hold' if held_stall else 'MISSED'} |")
     print(f"| streaming agents killed | {len(r['false_kills'])} | 0 |")
-    print(f"| CPU: console process / server process | {r['cpu_share']:.0%} / {r['server_cpu_share']:.0%} of a core | |")
+    worker = "off" if r["worker_cpu_share"] is None else f"{r['worker_cpu_share']:.0%}"
+    print(f"| CPU: console process / stream worker process / server process | {r['cpu_share']:.0%} / {worker} / "
+          f"{r['server_cpu_share']:.0%} of a core | |")
     print("\nwhere the console process's CPU went (share of a core):")
     ui = sum(r["parts"].values())
     for label, share in r["parts"].items():

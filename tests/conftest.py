@@ -14,6 +14,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(params=[False, True], ids=["in-process", "stream-process"])
+def stream_process(request: pytest.FixtureRequest) -> bool:
+    """Run the test both ways: the engine reading its streams itself, and through its stream worker process."""
+    return request.param
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

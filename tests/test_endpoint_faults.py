@@ -83,10 +83,10 @@ def config_for(bad_url: str, good_url: str, retries: int = 0):
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("fault", list(FAULTS))
-async def test_fault_is_a_clear_per_agent_error(fault):
+async def test_fault_is_a_clear_per_agent_error(fault, stream_process):
     handler, phrase, detail = FAULTS[fault]
     async with RawServer(handler) as bad, RawServer(good) as ok:
-        engine = Engine(config_for(bad.base_url, ok.base_url))
+        engine = Engine(config_for(bad.base_url, ok.base_url), stream_process=stream_process)
         code = await engine.run()
     victim, bystander = engine.agents["victim"], engine.agents["bystander"]
     assert code == 1
@@ -98,9 +98,9 @@ async def test_fault_is_a_clear_per_agent_error(fault):
 
 
 @pytest.mark.anyio
-async def test_retryable_faults_are_retried_and_others_are_not():
+async def test_retryable_faults_are_retried_and_others_are_not(stream_process):
     async with RawServer(respond(500, "text/plain", b"oops")) as s500, RawServer(respond(401, "text/plain", b"no")) as s401:
-        engine = Engine(config_for(s500.base_url, s401.base_url, retries=2))
+        engine = Engine(config_for(s500.base_url, s401.base_url, retries=2), stream_process=stream_process)
         engine.config.agents[1].retries = 2
         retrying = []
         engine.subscribe(lambda e: retrying.append(e.agent) if e.kind == "AgentRetrying" else None)
@@ -110,9 +110,9 @@ async def test_retryable_faults_are_retried_and_others_are_not():
 
 
 @pytest.mark.anyio
-async def test_usage_chunk_counts_and_text_are_reported():
+async def test_usage_chunk_counts_and_text_are_reported(stream_process):
     async with RawServer(good) as ok:
-        engine = Engine(config_for(ok.base_url, ok.base_url))
+        engine = Engine(config_for(ok.base_url, ok.base_url), stream_process=stream_process)
         assert await engine.run() == 0
     report = engine.report.to_dict()
     victim = next(a for a in report["agents"] if a["name"] == "victim")

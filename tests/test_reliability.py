@@ -21,8 +21,9 @@ from cerevisor_tui.sim import start_in_thread
 from tests.conftest import RawServer, chunk, http_head, sse_chunk
 
 
-def workflow(path: Path, url: str, *, agents: int = 6, max_tokens: int = 30, extra_ep: str = "", deps: bool = True) -> Path:
-    lines = [f'[run]\nmode = "parallel"\nmax_concurrency = 2\n[[endpoints]]\nname = "box"\nbase_url = "{url}"\n{extra_ep}']
+def workflow(path: Path, url: str, *, agents: int = 6, max_tokens: int = 30, extra_ep: str = "", deps: bool = True,
+             extra_run: str = "") -> Path:
+    lines = [f'[run]\nmode = "parallel"\nmax_concurrency = 2\n{extra_run}[[endpoints]]\nname = "box"\nbase_url = "{url}"\n{extra_ep}']
     for i in range(agents):
         dep = f'depends_on = ["a{i - 1}"]\n' if deps and i >= max(1, agents // 2) else ""
         lines.append(f'[[agents]]\nname = "a{i}"\nprompt = "task {i}"\nturns = ["more {i}"]\nmax_tokens = {max_tokens}\n{dep}')
@@ -110,10 +111,12 @@ def test_an_unusable_run_directory_is_an_error_before_any_request(tmp_path):
         assert sim.state.requests_total == 0
 
 
-def test_a_canary_key_reaches_the_server_and_nowhere_else(tmp_path):
+def test_a_canary_key_reaches_the_server_and_nowhere_else(tmp_path, stream_process):
+    """Read by the stream worker process too: it takes the key from the environment it inherits."""
     canary = "sk-canary-" + os.urandom(8).hex()
     with start_in_thread(SimSettings(tokens_per_s=200)) as sim:
-        cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=2, extra_ep='api_key_env = "CEREVISOR_CANARY"\n')
+        cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=2, extra_ep='api_key_env = "CEREVISOR_CANARY"\n',
+                       extra_run=f'stream_process = "{"on" if stream_process else "off"}"\n')
         proc = start_run(str(cfg), "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "r.json"),
                          env={"CEREVISOR_CANARY": canary})
         out, err = proc.communicate(timeout=60)

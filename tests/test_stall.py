@@ -16,13 +16,13 @@ from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk
 DONE = sse_chunk("", finish="stop") + sse_chunk(usage={"prompt_tokens": 1, "completion_tokens": 2}) + b"data: [DONE]\n\n"
 
 
-def engine_for(url: str, *, kind: str = "local", retries: int = 0, **stall) -> Engine:
+def engine_for(url: str, stream_process: bool, *, kind: str = "local", retries: int = 0, **stall) -> Engine:
     stall = {"idle_timeout_s": 1.0, "first_byte_timeout_s": 5.0, "warn_at": [0.5, 0.8, 0.95], **stall}
     return Engine(validate({
         "stall": stall,
         "endpoints": [{"name": "box", "base_url": url, "kind": kind, "model": "m"}],
         "agents": [{"name": "a1", "prompt": "hi", "retries": retries}],
-    }))
+    }), stream_process=stream_process)
 
 
 def recorder(engine: Engine) -> list:
@@ -46,9 +46,9 @@ def keepalives_after_tokens(seconds: float):
 
 
 @pytest.mark.anyio
-async def test_keepalives_without_tokens_are_killed_at_the_idle_deadline_after_each_warning():
+async def test_keepalives_without_tokens_are_killed_at_the_idle_deadline_after_each_warning(stream_process):
     async with RawServer(keepalives_after_tokens(3.0)) as srv:
-        engine = engine_for(srv.base_url)
+        engine = engine_for(srv.base_url, stream_process)
         seen = recorder(engine)
         assert await engine.run() == 1
     last_token = max(e.t for e in seen if e.kind == "TokenDelta")
@@ -67,16 +67,16 @@ async def test_keepalives_without_tokens_are_killed_at_the_idle_deadline_after_e
 
 
 @pytest.mark.anyio
-async def test_with_byte_liveness_keepalives_keep_the_stream_alive():
+async def test_with_byte_liveness_keepalives_keep_the_stream_alive(stream_process):
     async with RawServer(keepalives_after_tokens(2.0)) as srv:
-        engine = engine_for(srv.base_url, liveness="bytes")
+        engine = engine_for(srv.base_url, stream_process, liveness="bytes")
         seen = recorder(engine)
         assert await engine.run() == 0
     assert not [e for e in seen if e.kind in ("AgentKilled", "StallWarning")]
 
 
 @pytest.mark.anyio
-async def test_a_slow_but_alive_stream_is_never_killed():
+async def test_a_slow_but_alive_stream_is_never_killed(stream_process):
     async def slow(reader, writer):
         writer.write(http_head(200, "text/event-stream"))
         for i in range(5):
@@ -87,7 +87,7 @@ async def test_a_slow_but_alive_stream_is_never_killed():
         await writer.drain()
 
     async with RawServer(slow) as srv:
-        engine = engine_for(srv.base_url, first_byte_timeout_s=1.0)
+        engine = engine_for(srv.base_url, stream_process, first_byte_timeout_s=1.0)
         seen = recorder(engine)
         assert await engine.run() == 0
     assert not [e for e in seen if e.kind == "AgentKilled"]
@@ -97,14 +97,14 @@ async def test_a_slow_but_alive_stream_is_never_killed():
 
 
 @pytest.mark.anyio
-async def test_first_byte_deadline_kills_with_its_own_reason():
+async def test_first_byte_deadline_kills_with_its_own_reason(stream_process):
     async def silent(reader, writer):
         writer.write(http_head(200, "text/event-stream"))
         await writer.drain()
         await asyncio.sleep(10)
 
     async with RawServer(silent) as srv:
-        engine = engine_for(srv.base_url, first_byte_timeout_s=0.8, idle_timeout_s=0.2)
+        engine = engine_for(srv.base_url, stream_process, first_byte_timeout_s=0.8, idle_timeout_s=0.2)
         seen = recorder(engine)
         assert await engine.run() == 1
     killed = next(e for e in seen if e.kind == "AgentKilled")
@@ -125,9 +125,9 @@ async def _late_server(port: int, delay: float, started: list) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_local_endpoint_that_opens_its_port_late_is_waited_for():
+async def test_a_local_endpoint_that_opens_its_port_late_is_waited_for(stream_process):
     port = free_port()
-    engine = engine_for(f"http://127.0.0.1:{port}/v1", kind="local", first_byte_timeout_s=5.0)
+    engine = engine_for(f"http://127.0.0.1:{port}/v1", stream_process, kind="local", first_byte_timeout_s=5.0)
     seen = recorder(engine)
     started: list = []
     async with anyio.create_task_group() as tg:
@@ -141,9 +141,9 @@ async def test_a_local_endpoint_that_opens_its_port_late_is_waited_for():
 
 
 @pytest.mark.anyio
-async def test_a_hosted_endpoint_that_refuses_fails_at_once():
+async def test_a_hosted_endpoint_that_refuses_fails_at_once(stream_process):
     port = free_port()
-    engine = engine_for(f"http://127.0.0.1:{port}/v1", kind="hosted", first_byte_timeout_s=5.0)
+    engine = engine_for(f"http://127.0.0.1:{port}/v1", stream_process, kind="hosted", first_byte_timeout_s=5.0)
     t0 = time.monotonic()
     assert await engine.run() == 1
     assert time.monotonic() - t0 < 1.0
@@ -152,7 +152,7 @@ async def test_a_hosted_endpoint_that_refuses_fails_at_once():
 
 
 @pytest.mark.anyio
-async def test_a_kill_closes_the_connection_on_the_server_side():
+async def test_a_kill_closes_the_connection_on_the_server_side(stream_process):
     closed_at: list[float] = []
 
     async def endless(reader, writer):
@@ -164,7 +164,7 @@ async def test_a_kill_closes_the_connection_on_the_server_side():
             closed_at.append(time.monotonic())
 
     async with RawServer(endless) as srv:
-        engine = engine_for(srv.base_url, idle_timeout_s=0.6)
+        engine = engine_for(srv.base_url, stream_process, idle_timeout_s=0.6)
         seen = recorder(engine)
         assert await engine.run() == 1
         await anyio.sleep(0.2)
@@ -174,9 +174,9 @@ async def test_a_kill_closes_the_connection_on_the_server_side():
 
 
 @pytest.mark.anyio
-async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry():
+async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry(stream_process):
     async with RawServer(keepalives_after_tokens(5.0)) as srv:
-        engine = engine_for(srv.base_url, retries=3, idle_timeout_s=1.0)
+        engine = engine_for(srv.base_url, stream_process, retries=3, idle_timeout_s=1.0)
         seen = recorder(engine)
         extended: list[float] = []
 
@@ -195,7 +195,7 @@ async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry():
     assert sum(1 for e in seen if e.kind == "AgentRetrying") == 3  # stall kills are retried
 
     async with RawServer(keepalives_after_tokens(5.0)) as srv:
-        engine = engine_for(srv.base_url, retries=3)
+        engine = engine_for(srv.base_url, stream_process, retries=3)
         seen = recorder(engine)
         engine.subscribe(lambda e: engine.kill("a1") if e.kind == "FirstToken" else None)
         assert await engine.run() == 1
@@ -203,20 +203,20 @@ async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry():
     assert not [e for e in seen if e.kind == "AgentRetrying"]
 
 
-def _waiting_engine(url: str, first_byte_s: float) -> Engine:
+def _waiting_engine(url: str, first_byte_s: float, stream_process: bool) -> Engine:
     return Engine(validate({
         "stall": {"first_byte_timeout_s": first_byte_s, "extend_when_server_busy": False},
         "endpoints": [{"name": "box", "base_url": url}],
         "agents": [{"name": "a", "prompt": "p", "max_tokens": 5, "retries": 0}],
-    }))
+    }), stream_process=stream_process)
 
 
 @pytest.mark.anyio
-async def test_a_first_byte_timeout_raised_live_saves_an_agent_already_waiting():
+async def test_a_first_byte_timeout_raised_live_saves_an_agent_already_waiting(stream_process):
     """The model answers after 2.5 s; the 1 s first-byte deadline would kill the agent, but the operator
     raises it to 30 s from settings while it waits."""
     async with SimServer(SimSettings(ttft_s=2.5, tokens_per_s=200)) as srv:
-        engine = _waiting_engine(srv.base_url, 1.0)
+        engine = _waiting_engine(srv.base_url, 1.0, stream_process)
         seen = []
 
         def on_event(event) -> None:
@@ -233,9 +233,9 @@ async def test_a_first_byte_timeout_raised_live_saves_an_agent_already_waiting()
 
 
 @pytest.mark.anyio
-async def test_a_first_byte_timeout_lowered_live_ends_a_waiting_agent_at_once():
+async def test_a_first_byte_timeout_lowered_live_ends_a_waiting_agent_at_once(stream_process):
     async with SimServer(SimSettings(ttft_s=20.0, tokens_per_s=200)) as srv:
-        engine = _waiting_engine(srv.base_url, 60.0)
+        engine = _waiting_engine(srv.base_url, 60.0, stream_process)
         seen = []
         lowered: list[float] = []
 

@@ -139,12 +139,13 @@ class ConsoleRuns:
              history: list[dict[str, Any]] | None = None, config: Config | None = None) -> Engine:
         """An engine for the run, its journal open and subscribed; raises JournalError on an unusable directory.
         `config`: the settings in force now (the settings screen may have saved new ones since start-up)."""
-        from cerevisor_tui.engine.engine import Engine
+        from cerevisor_tui.engine.engine import Engine, wants_stream_process
         from cerevisor_tui.engine.journal import Journal, JournalError
         from cerevisor_tui.engine.report import write_json_atomic
 
-        engine = Engine(config or self.config, run_id=run_id, run_dir=str(run_dir), completed=completed,
-                        history=history)
+        config = config or self.config
+        engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
+                        stream_process=wants_stream_process(config, console=True))
         journal = Journal(run_dir, engine.report)
         journal.open()
         try:
@@ -208,7 +209,7 @@ def main(args: Any) -> int:
         return 2
 
     try:
-        app = build_app(setup, runs, engine, last, theme=theme, themes=themes)
+        app = build_app(setup, runs, engine, last, theme=theme, themes=themes, tune_gc=True)
         app.run()
     finally:
         runs.close()

@@ -74,7 +74,7 @@ def resume_state(run: str, runs_dir: Path) -> tuple[Path, str, dict[str, str], l
 
 
 def main(args: Any) -> int:
-    from cerevisor_tui.engine.engine import Engine, new_run_id
+    from cerevisor_tui.engine.engine import Engine, new_run_id, wants_stream_process
     from cerevisor_tui.engine.journal import Journal, JournalError
     from cerevisor_tui.engine.printer import Printer
 
@@ -91,7 +91,8 @@ def main(args: Any) -> int:
         else:
             run_id = new_run_id()
             run_dir = Path(args.run_dir) if args.run_dir else runs_dir / run_id
-        engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history)
+        engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
+                        stream_process=wants_stream_process(config, console=False))
         journal = Journal(run_dir, engine.report, extra_report=args.report)
         journal.open()
     except (ConfigError, JournalError) as exc:

@@ -31,6 +31,8 @@ class RunConfig(_Section):
     """Where run directories go (events, transcripts, report); empty: the user state dir."""
     metrics_interval_s: float = Field(default=2.0, gt=0)
     """How often each endpoint's /health and /metrics are read while a run is going."""
+    stream_process: Literal["auto", "on", "off"] = "auto"
+    """Read the agents' streams in a second process: auto = in the console when the machine has 2+ CPUs."""
 
 
 class StallPolicy(_Section):

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -37,6 +37,9 @@ from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.report import Report
 from cerevisor_tui.engine.scheduler import MODES, Scheduler
+
+if TYPE_CHECKING:
+    from cerevisor_tui.endpoints.worker import RemoteStream, StreamWorker
 
 Subscriber = Callable[[ev.Event], None]
 BusyCheck = Callable[[str], Awaitable[str | None]]
@@ -80,7 +83,7 @@ class Attempt:
     kill_deadline: str = ""
     by_operator: bool = False
     restart: bool = False
-    stream: ChatStream | None = None
+    stream: ChatStream | RemoteStream | None = None
     scope: anyio.CancelScope | None = None
     nap: anyio.CancelScope | None = None  # the watchdog's sleep: cancelled to make it look again at once
     # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
@@ -153,8 +156,12 @@ class Engine:
     """Run one workflow. Subscribe before `run()`; call commands from the same event loop at any time."""
 
     def __init__(self, config: Config, *, run_id: str | None = None, run_dir: str = "",
-                 completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None) -> None:
+                 completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None,
+                 stream_process: bool = False) -> None:
         self.config = config
+        # the agents' streams read by a worker process (endpoints/worker.py) rather than in this loop
+        self.stream_process = stream_process
+        self.stream_process_problem = ""  # why the worker could not start, if it could not
         self.run_id = run_id or new_run_id()
         self.run_dir = run_dir
         self.waves = wave_levels(config.agents)
@@ -188,10 +195,16 @@ class Engine:
         self.report = Report()
         self._subscribers: list[Subscriber] = [self.report]
         self._clients: dict[str, httpx.AsyncClient] = {}
+        self._worker: StreamWorker | None = None
         self._model_locks: dict[str, anyio.Lock] = {}
         self._requeue: list[AgentState] = []
         self._wave_group: anyio.abc.TaskGroup | None = None
         self._rng = random.Random()
+
+    @property
+    def stream_worker(self) -> StreamWorker | None:
+        """The process reading the agents' streams while a run is going with `stream_process` on."""
+        return self._worker
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self, subscriber: Subscriber) -> None:
@@ -601,8 +614,11 @@ class Engine:
                     "max_tokens": st.config.max_tokens,
                     "temperature": st.config.temperature,
                 }
-                stream = ChatStream(client, ep.name, self.base_urls[ep.name].rstrip("/") + "/chat/completions", body,
-                                    {"X-Cerevisor-Agent": name})
+                url = self.base_urls[ep.name].rstrip("/") + "/chat/completions"
+                headers = {"X-Cerevisor-Agent": name}
+                stream: ChatStream | RemoteStream = (
+                    self._worker.stream(ep.name, url, body, headers) if self._worker is not None
+                    else ChatStream(client, ep.name, url, body, headers))
                 att.stream = stream
                 async for kind, payload in stream.events():
                     if kind == DELTA:
@@ -752,6 +768,16 @@ class Engine:
                 self.base_urls[ep.name] = server.base_url
             client = build_client(min(cap, ep.max_concurrency), key)
             self._clients[ep.name] = await stack.enter_async_context(client)
+        if self.stream_process:
+            from cerevisor_tui.endpoints.worker import StreamWorker
+
+            worker = StreamWorker()
+            for ep in self.config.endpoints:
+                worker.add_client(ep.name, min(cap, ep.max_concurrency), ep.api_key_env)
+            try:
+                self._worker = await stack.enter_async_context(worker)
+            except EndpointError as exc:  # a machine that cannot start it still runs, reading in this process
+                self.stream_process_problem = exc.problem
 
     def endpoint_summaries(self) -> list[dict[str, Any]]:
         """Endpoints as the report shows them: never the key, only the variable's name."""
@@ -783,3 +809,12 @@ def api_key(ep: EndpointConfig) -> str | None:
     if not value:
         raise MissingApiKey(ep.name, f"environment variable {ep.api_key_env} (api_key_env) is not set")
     return value
+
+
+def wants_stream_process(config: Config, *, console: bool) -> bool:
+    """`[run] stream_process`: "auto" reads the streams in a second process in the console (where drawing
+    competes with reading for the loop) when there is a second CPU to run it on."""
+    setting = config.run.stream_process
+    if setting == "auto":
+        return console and (os.cpu_count() or 1) >= 2
+    return setting == "on"

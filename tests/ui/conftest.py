@@ -32,8 +32,8 @@ def sim_config(tmp_path: Path, *, agents: list[dict[str, Any]], sim: dict[str, A
     })
 
 
-def console(config: Config, **kwargs: Any) -> CerevisorApp:
-    engine = Engine(config)
+def console(config: Config, *, stream_process: bool = False, **kwargs: Any) -> CerevisorApp:
+    engine = Engine(config, stream_process=stream_process)
     return CerevisorApp(engine, config, simulated=True, themes=load_themes(None), **kwargs)
 
 

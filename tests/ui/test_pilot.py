@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
@@ -30,9 +31,10 @@ async def select(pilot, agent: str) -> None:
     assert table.selected_agent == agent
 
 
-def slow_agent(tmp_path):
+def slow_agent(tmp_path, stream_process: bool = False):
     """The console over one agent that streams slowly on the simulator: still running while keys are pressed."""
-    return console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
+    return console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW),
+                   stream_process=stream_process)
 
 
 @pytest.mark.anyio
@@ -66,9 +68,9 @@ async def test_plus_and_minus_move_the_engines_cap(tmp_path):
 
 
 @pytest.mark.anyio
-async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path):
+async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path, stream_process):
     agents = [{"name": "a", "prompt": "hi", "max_tokens": 400}, {"name": "b", "prompt": "hi", "max_tokens": 400}]
-    app = console(sim_config(tmp_path, agents=agents, sim=SLOW))
+    app = console(sim_config(tmp_path, agents=agents, sim=SLOW), stream_process=stream_process)
     log = EventLog(app.engine)
     async with app.run_test() as pilot:
         await log.wait(kind("FirstToken", "b"))
@@ -141,11 +143,14 @@ async def test_p_holds_admissions_until_pressed_again(tmp_path):
 
 
 @pytest.mark.anyio
-async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_0(tmp_path):
-    app = slow_agent(tmp_path)
+async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_0(tmp_path, stream_process):
+    app = slow_agent(tmp_path, stream_process)
     log = EventLog(app.engine)
     async with app.run_test() as pilot:
         await log.wait(kind("FirstToken", "a"))
+        worker = app.engine.stream_worker
+        assert (worker is not None) == stream_process
+        pid = worker.pid if worker is not None else None
         await pilot.press("q")
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("escape")
@@ -156,3 +161,5 @@ async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_0(tmp_pat
     assert finished.exit_code == 1
     assert app.engine.agents["a"].status == "cancelled"
     assert app.return_code == 0
+    if pid is not None:  # the stream worker ended with the run, and was reaped: not left behind
+        assert worker.pid is None and not Path(f"/proc/{pid}").exists()
