@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl as ssl_module
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -32,9 +33,10 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 class RawServer:
     """A loopback TCP server whose handler writes whatever bytes a test wants, HTTP or not."""
 
-    def __init__(self, handler: Handler, port: int = 0) -> None:
+    def __init__(self, handler: Handler, port: int = 0, ssl: ssl_module.SSLContext | None = None) -> None:
         self.handler = handler
         self.port = port
+        self.ssl = ssl
         self.requests = 0
         self.open_connections = 0
         self._server: asyncio.base_events.Server | None = None
@@ -57,7 +59,7 @@ class RawServer:
             writer.close()
 
     async def __aenter__(self) -> RawServer:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self.ssl)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
@@ -67,7 +69,7 @@ class RawServer:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
+        return f"{'https' if self.ssl else 'http'}://127.0.0.1:{self.port}/v1"
 
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:

@@ -27,6 +27,7 @@ from cerevisor_tui.endpoints.errors import (
     ProtocolError,
     StreamBroken,
 )
+from cerevisor_tui.endpoints.network import use_asyncio_backend
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line longer than this is a protocol error, not a memory leak
 MAX_ERROR_BODY_BYTES = 64 << 10
@@ -47,12 +48,14 @@ def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncCli
     would never fire on a wedged model behind keep-alives.
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.AsyncClient(
+    client = httpx.AsyncClient(
         timeout=httpx.Timeout(connect=None, read=None, write=None, pool=None),
         limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 10)),
         headers=headers,
         follow_redirects=False,
     )
+    use_asyncio_backend(client)  # reads without a loop trip when data is already there (endpoints/network.py)
+    return client
 
 
 def is_refused(exc: BaseException) -> bool:
