@@ -138,9 +138,12 @@ class LoadPane(Vertical):
                 model.throughput)
         peak = max(model.throughput, default=0.0)
         label = f"{fmt_rate(model.tokens_per_s(now))} tok/s  peak {fmt_rate(peak)}  total {fmt_count(model.tokens_total)}"
-        if label != self._label_shown:
-            self._label_shown = label
-            self.query_one("#throughput-label", Static).update(label)  # width auto: the sparkline takes the rest
+        if label.rstrip() != self._label_shown.rstrip():
+            # Width auto, the sparkline takes the rest. The label only ever widens: a width that changed with
+            # every figure would lay the row out again and redraw the whole sparkline 4 times a second.
+            grows = len(label) > len(self._label_shown)
+            self._label_shown = label.ljust(len(self._label_shown))
+            self.query_one("#throughput-label", Static).update(self._label_shown, layout=grows)
         kv = kv_rows(engine, model)
         if kv != self._kv_shown:
             self._kv_shown = kv

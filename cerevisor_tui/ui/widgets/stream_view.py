@@ -143,8 +143,12 @@ class StreamView(ScrollView, can_focus=True):
         self.virtual_size = Size(width, len(self._rows))
         self.refresh()
         if self.following and not self.is_vertical_scrollbar_grabbed:
-            # after the refresh: the new virtual size must be laid out before the end is known
-            self.scroll_end(animate=False, x_axis=False)
+            # At once: a line-API view's virtual size is set above, not laid out, so the end is usually known
+            # now (deferred until after the refresh, every flush drew the view twice, once not yet scrolled).
+            # Not before the first layout: then after the refresh, when the view's height is known.
+            self.scroll_end(animate=False, x_axis=False, immediate=True)
+            if self.scroll_y < len(self._rows) - self.scrollable_content_region.height:
+                self.scroll_end(animate=False, x_axis=False)
 
     def watch_scroll_y(self, old_value: float, new_value: float) -> None:
         super().watch_scroll_y(old_value, new_value)
