@@ -204,3 +204,31 @@ async def test_long_names_and_notes_are_cut_with_an_ellipsis_and_columns_stay_pu
         assert "a note " in lines[2] and not any(c in lines[2] for c in "\n\t")
         status_at = lines[0].index("status")
         assert lines[1][status_at:].startswith("pending") and lines[2][status_at:].startswith("pending")
+
+
+@pytest.mark.anyio
+async def test_throughput_bars_scale_to_their_height_and_resample_to_their_width():
+    from textual.app import App
+
+    from cerevisor_tui.ui.widgets.throughput_bars import ThroughputBars
+
+    class Bars(App):
+        CSS = "ThroughputBars { height: 3; width: 8; }"
+
+        def compose(self):
+            yield ThroughputBars()
+
+    app = Bars()
+    async with app.run_test(size=(20, 5)) as pilot:
+        bars = app.query_one(ThroughputBars)
+        bars.values = [0, 0, 10, 10, 20, 20, 40, 40, 0, 0, 0, 0, 5, 5, 80, 80]  # 16 values, 2 per column
+        await pilot.pause()
+        rows = [bars.render_line(y).text for y in range(3)]
+        assert all(len(row) == 8 for row in rows)
+        # the peak fills all 3 rows; the minimum is a baseline; 40 of 80 reaches halfway
+        assert [row[7] for row in rows] == ["█", "█", "█"]
+        assert [row[4] for row in rows] == [" ", " ", "▁"]
+        assert rows[2][3] == "█" and rows[1][3] == "▄" and rows[0][3] == " "
+        bars.values = [5.0] * 16  # all equal: a flat baseline, not a division by zero
+        await pilot.pause()
+        assert bars.render_line(2).text == "▁" * 8 and bars.render_line(0).text == " " * 8

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Container, Vertical
-from textual.widgets import Sparkline, Static
+from textual.widgets import Static
 
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.load import LoadEstimate
 from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate
 from cerevisor_tui.ui.model import ServerView, UiModel
+from cerevisor_tui.ui.widgets.throughput_bars import ThroughputBars
 
 ZONE_ROLES = {"fits": "success", "cliff": "warning", "overflow": "error"}
 """Theme colour of each KV zone: all in GPU memory, past it (evictions recomputed or reloaded), CPU tier full too."""
@@ -86,7 +87,7 @@ class LoadPane(Vertical):
         yield Static(id="servers")
         with Container(id="throughput-row"):
             yield Static(id="throughput-label")
-            yield Sparkline([], id="throughput", summary_function=max)
+            yield ThroughputBars(id="throughput")
         yield Static(Text("KV estimate  -"), id="kv-estimate")
 
     def invalidate(self) -> None:
@@ -134,7 +135,7 @@ class LoadPane(Vertical):
             self._samples_shown = model.samples_taken
             # a fixed time window, oldest on the left, so the line does not stretch while it fills
             window = model.throughput.maxlen or len(model.throughput)
-            self.query_one("#throughput", Sparkline).data = [0.0] * (window - len(model.throughput)) + list(
+            self.query_one("#throughput", ThroughputBars).values = [0.0] * (window - len(model.throughput)) + list(
                 model.throughput)
         peak = max(model.throughput, default=0.0)
         label = f"{fmt_rate(model.tokens_per_s(now))} tok/s  peak {fmt_rate(peak)}  total {fmt_count(model.tokens_total)}"
