@@ -142,6 +142,25 @@ async def test_a_killed_attempt_frees_the_simulated_server_within_a_second():
         assert time.monotonic() - killed_at[0] < 1.0
 
 
+@pytest.mark.anyio
+async def test_an_attempt_killed_before_its_first_token_frees_the_server_too(stream_process):
+    """A kill during the server's time to first token (a long prefill): the server must see the client go
+    at once, not when it would have written its first token (a half-closed connection did not tell it)."""
+    async with SimServer(SimSettings(ttft_s=30.0, tokens_per_s=100)) as srv:
+        engine = Engine(validate({"stall": {"first_byte_timeout_s": 0.8, "extend_when_server_busy": False},
+                                  "endpoints": [{"name": "e", "base_url": srv.base_url}],
+                                  "agents": [{"name": "a", "prompt": "p", "retries": 0}]}),
+                        stream_process=stream_process)
+        killed_at: list[float] = []
+        engine.subscribe(lambda e: killed_at.append(e.t) if e.kind == "AgentKilled" else None)
+        assert await engine.run() == 1
+        assert killed_at
+        while srv.state.running and time.monotonic() - killed_at[0] < 2.0:
+            await anyio.sleep(0.02)
+        assert srv.state.running == 0 and srv.state.aborted_total == 1
+        assert time.monotonic() - killed_at[0] < 2.0
+
+
 def test_config_lookup_order(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(CONFIG_ENV, raising=False)

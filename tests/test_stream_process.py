@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
 
 import anyio
@@ -118,6 +119,16 @@ async def test_the_worker_ends_with_the_run_and_a_kill_reaches_the_server():
         assert len(closed) == 2 and srv.open_connections == 0
     assert {st.status for st in engine.agents.values()} == {"killed"}
     assert len(set(pids)) == 1 and not _alive(pids[0])
+
+
+@pytest.mark.anyio
+async def test_a_worker_that_cannot_start_leaves_the_run_reading_in_process(monkeypatch):
+    async with SimServer(SimSettings(tokens_per_s=400, ttft_s=0.05)) as srv:
+        engine = _workflow(srv.base_url, stream_process=True, agents=1)
+        monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
+        assert await engine.run() == 0
+    assert engine.stream_worker is None and engine.agents["a0"].output
+    assert "stream worker process did not start" in engine.stream_process_problem
 
 
 def test_auto_means_the_console_on_a_machine_with_a_second_cpu(monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import socket
 import ssl
 import typing
@@ -124,7 +125,19 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
                 raise httpcore.WriteTimeout(f"could not write in {timeout} s") from None
 
     async def aclose(self) -> None:
-        self._transport.close()
+        # As anyio's socket stream closes (the default backend): our FIN, then the socket closed at once. A
+        # server that already wrote to it (response headers, say) then gets a reset, so a killed request is
+        # seen as gone even while it is still waiting for its first token; a FIN alone is a half-close that
+        # HTTP/1.1 servers (uvicorn, so vLLM) may wait out.
+        transport = self._transport
+        if transport.is_closing():
+            return
+        if transport.can_write_eof():
+            with contextlib.suppress(OSError, RuntimeError):
+                transport.write_eof()
+        transport.close()
+        await asyncio.sleep(0)
+        transport.abort()
 
     async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
                         timeout: float | None = None) -> httpcore.AsyncNetworkStream:

@@ -185,10 +185,13 @@ class StreamWorker:
             return
         self._starting = asyncio.get_running_loop().create_future()
         try:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "cerevisor_tui.endpoints.worker",
-                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            )
+            try:
+                process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "cerevisor_tui.endpoints.worker",
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                )
+            except OSError as exc:
+                raise errors.StreamBroken("(all)", f"the stream worker process did not start: {exc}") from None
             self._stderr.clear()
             self._spawn(self._read_stderr(process))
             assert process.stdout is not None
@@ -392,6 +395,9 @@ async def _child_main() -> None:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's to handle; it closes our stdin
+    # Ctrl+C, a terminal hang-up or a TERM sent to the whole process group are the parent's to handle: it
+    # stops its run cleanly and then closes our stdin. If it dies instead, the closed pipe still ends us.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     with contextlib.suppress(BrokenPipeError):
         asyncio.run(_child_main())

@@ -19,14 +19,16 @@ from tests.integration.usage_proxy import UsageProxy
 
 
 def run_workflow_through_proxy(server: ServerProcess, tmp_path: Path,
-                               counters: Callable[[], tuple[float, float]]) -> dict[str, Any]:
+                               counters: Callable[[], tuple[float, float]], *,
+                               stream_process: bool = False) -> dict[str, Any]:
     """Run the two-wave workflow headless through a recording proxy; check the report against the wire.
 
     `counters()` reads the server's own (prompt tokens, generation tokens) counters from /metrics, a
-    second witness next to the usage chunks.
+    second witness next to the usage chunks. `stream_process`: the streams read by the worker process.
     """
     with UsageProxy(server.root_url) as proxy:
         config = workflow(proxy.base_url)
+        config["run"]["stream_process"] = "on" if stream_process else "off"
         path = write_config(tmp_path / "workflow.toml", config)
         prompt_before, generated_before = counters()
         proc = cerevisor("run", str(path), "--report", str(tmp_path / "report.json"), "--jsonl",
@@ -71,8 +73,8 @@ def run_workflow_through_proxy(server: ServerProcess, tmp_path: Path,
     return report
 
 
-def engine_for(config: dict[str, Any]) -> Engine:
-    return Engine(validate(config))
+def engine_for(config: dict[str, Any], *, stream_process: bool = False) -> Engine:
+    return Engine(validate(config), stream_process=stream_process)
 
 
 async def run_engine(engine: Engine, on_event: Callable[[Any], None] | None = None,

@@ -20,13 +20,13 @@ from tests.integration.servers import MODEL, ServerProcess
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
-def test_two_wave_workflow_reports_the_tokens_llama_server_counted(llama: ServerProcess, tmp_path):
+def test_two_wave_workflow_reports_the_tokens_llama_server_counted(llama: ServerProcess, tmp_path, stream_process):
     def counters() -> tuple[float, float]:
         # prompt_tokens_total excludes tokens reused from the prompt cache; usage counts the whole prompt
         prompt = llama.metric("llamacpp:prompt_tokens_total") + llama.metric("llamacpp:prompt_tokens_cached_total")
         return prompt, llama.metric("llamacpp:tokens_predicted_total")
 
-    run_workflow_through_proxy(llama, tmp_path, counters)
+    run_workflow_through_proxy(llama, tmp_path, counters, stream_process=stream_process)
 
 
 def test_probe_recommends_the_four_slots(llama: ServerProcess):

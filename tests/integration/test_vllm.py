@@ -164,14 +164,15 @@ def test_two_wave_workflow_reports_the_tokens_vllm_counted(vllm_server: ServerPr
 
 
 @pytest.mark.anyio
-async def test_a_kill_frees_the_server(vllm_server: ServerProcess):
-    """After the operator's kill closes our stream, vLLM stops generating it and logs the abort."""
+async def test_a_kill_frees_the_server(vllm_server: ServerProcess, stream_process):
+    """After the operator's kill closes our stream, vLLM stops generating it and logs the abort (the stream
+    worker process closes it just as well)."""
     aborts_before = vllm_server.log_text().count("Aborted request")
     generated_before = vllm_server.metric("vllm:generation_tokens_total")
     engine = engine_for({
         "endpoints": [{"name": "vllm", "base_url": vllm_server.base_url, "model": MODEL}],
         "agents": [{"name": "long", "prompt": "Write a very long story.", "max_tokens": 1900, "retries": 0}],
-    })
+    }, stream_process=stream_process)
     tokens: list[object] = []
 
     def on_event(event) -> None:

@@ -44,6 +44,7 @@ class MainScreen(Screen):
         super().__init__()
         self._cap_warning: str | None = None  # the cap warning last notified
         self._cap_warned_at = 0  # the effective cap it was notified at
+        self._stream_problem_shown: object = None  # the engine whose stream worker failure was notified
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -116,6 +117,10 @@ class MainScreen(Screen):
             app.notify(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
                        timeout=8 if notice.severity == "error" else 4)
         self._notify_cap_warning()
+        if app.engine.stream_process_problem and self._stream_problem_shown is not app.engine:
+            self._stream_problem_shown = app.engine
+            app.notify(f"{app.engine.stream_process_problem}. Reading the streams in this process instead.",
+                       title="Stream worker", severity="warning", timeout=10)
 
     def _notify_cap_warning(self) -> None:
         """Once per change of the warning (a higher cap, parallel again, the server's own capacity arriving);
