@@ -122,6 +122,26 @@ async def test_the_worker_ends_with_the_run_and_a_kill_reaches_the_server():
 
 
 @pytest.mark.anyio
+async def test_a_worker_that_will_not_exit_is_killed_and_the_run_still_ends_cleanly():
+    """SIGSTOP the worker once the last agent is done: closing the run waits its grace, kills it, and
+    returns the run's own exit code (no error out of the engine)."""
+    async with SimServer(SimSettings(tokens_per_s=400, ttft_s=0.05)) as srv:
+        engine = _workflow(srv.base_url, stream_process=True, agents=1)
+        stopped: list[int] = []
+
+        def on_event(event) -> None:
+            if event.kind == "AgentFinished":
+                stopped.append(engine.stream_worker.pid)
+                os.kill(stopped[0], signal.SIGSTOP)
+
+        engine.subscribe(on_event)
+        t0 = time.monotonic()
+        assert await engine.run() == 0
+        assert time.monotonic() - t0 < 15
+    assert stopped and not _alive(stopped[0])
+
+
+@pytest.mark.anyio
 async def test_a_worker_that_cannot_start_leaves_the_run_reading_in_process(monkeypatch):
     async with SimServer(SimSettings(tokens_per_s=400, ttft_s=0.05)) as srv:
         engine = _workflow(srv.base_url, stream_process=True, agents=1)

@@ -42,6 +42,7 @@ _WRITE_HIGH_BYTES = 4 << 20  # the child stops reading sockets while this much i
 _SWEEP_S = 0.05  # how often the child reports bytes that made no item yet
 _READY = b"cerevisor-stream-worker ready\n"  # the child's first bytes, once its imports are done
 _START_TIMEOUT_S = 30.0
+_STOP_WAIT_S = 2.0  # after its stdin closes, how long the worker gets to close its connections
 _STDERR_LINES = 20  # the child's last stderr lines kept for the message if it dies
 _ERRORS = {cls.__name__: cls for cls in (errors.EndpointError, errors.EndpointUnreachable, errors.EndpointHTTPError,
                                           errors.StreamBroken, errors.ProtocolError, errors.MissingApiKey)}
@@ -165,14 +166,17 @@ class StreamWorker:
             with contextlib.suppress(Exception):
                 process.stdin.close()  # type: ignore[union-attr]
             try:
+                await asyncio.wait_for(process.wait(), _STOP_WAIT_S)
+            except asyncio.TimeoutError:  # stuck: it goes anyway, and closing the run does not fail
                 with contextlib.suppress(ProcessLookupError):
-                    await asyncio.wait_for(process.wait(), 2.0)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+                    process.kill()
+                await process.wait()
+            except asyncio.CancelledError:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 raise
             finally:
-                self._fail_all(process, "the console closed it")
+                self._fail_all(process, "closed with its run")
         for task in list(self._tasks):
             task.cancel()
 
