@@ -232,3 +232,44 @@ async def test_throughput_bars_scale_to_their_height_and_resample_to_their_width
         bars.values = [5.0] * 16  # all equal: a flat baseline, not a division by zero
         await pilot.pause()
         assert bars.render_line(2).text == "▁" * 8 and bars.render_line(0).text == " " * 8
+
+
+@pytest.mark.anyio
+async def test_a_long_transcript_is_wrapped_from_its_end_and_older_lines_as_the_reader_scrolls_up():
+    from textual.app import App
+
+    class One(App):
+        def colour(self, name):
+            return None
+
+        def compose(self):
+            yield StreamView()
+
+    app = One()
+    async with app.run_test(size=(40, 12)) as pilot:
+        view = app.query_one(StreamView)
+        view.append([("content", "\n".join(f"line {i:04d}" for i in range(3000)))])
+        await pilot.pause()
+        shown = lambda: [view.render_line(y).text.strip() for y in range(view.size.height)]  # noqa: E731
+        assert shown()[-1] == "line 2999" and view.following
+        wrapped = view.virtual_size.height
+        assert wrapped < 3000  # only the end is wrapped so far (a line is a row at this width)
+        assert view.text.count("\n") == 2999  # all of it is there
+
+        top_seen = []
+        for _ in range(40):  # each time the reader reaches the top, older lines appear above it
+            view.scroll_home(animate=False, immediate=True)
+            await pilot.pause()
+            top_seen.append(shown()[0])
+            if shown()[0] == "line 0000":
+                break
+        assert shown()[0] == "line 0000" and view.virtual_size.height == 3000
+        assert not view.following
+        # each time, the line the reader had reached stayed at the top while older lines were added above it,
+        # so every visit to the top shows an older line than the one before
+        numbers = [int(text.split()[1]) for text in top_seen]
+        assert numbers[0] == 3000 - wrapped  # the oldest line wrapped at first, still at the top after growing
+        assert len(numbers) > 2 and numbers == sorted(numbers, reverse=True) and len(set(numbers)) == len(numbers)
+        view.scroll_end(animate=False, immediate=True)
+        await pilot.pause()
+        assert shown()[-1] == "line 2999" and view.following
