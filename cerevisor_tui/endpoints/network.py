@@ -125,10 +125,9 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
                 raise httpcore.WriteTimeout(f"could not write in {timeout} s") from None
 
     async def aclose(self) -> None:
-        # As anyio's socket stream closes (the default backend): our FIN, then the socket closed at once. A
-        # server that already wrote to it (response headers, say) then gets a reset, so a killed request is
-        # seen as gone even while it is still waiting for its first token; a FIN alone is a half-close that
-        # HTTP/1.1 servers (uvicorn, so vLLM) may wait out.
+        # As anyio's socket stream (httpcore's default backend) closes: write_eof, close, then abort. With
+        # close() alone, a request killed while the simulator (uvicorn) was still before its first token kept
+        # running there, and its server could not shut down (tests/test_engine_details.py checks this).
         transport = self._transport
         if transport.is_closing():
             return
