@@ -254,6 +254,15 @@ async def _serve(port: int, per_write: int, default_tokens: int, rate: float = 0
     await server.serve_forever()
 
 
+def proc_cpu_s(pid: int | None) -> float:
+    """A process's CPU time so far (user + system), from /proc; nan when it cannot be read."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, TypeError):
+        return float("nan")
+
+
 class FastServer:
     """The SSE server in a child process; `with FastServer() as srv:` gives `srv.base_url`.
 
@@ -293,11 +302,7 @@ class FastServer:
 
     def cpu_s(self) -> float:
         """The server's CPU time so far (user + system), from /proc."""
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, IndexError, AttributeError):
-            return float("nan")
+        return proc_cpu_s(self.proc.pid if self.proc is not None else None)
 
     def __exit__(self, *exc: object) -> None:
         if self.proc is not None:

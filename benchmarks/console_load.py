@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from client_throughput import MODEL, FastServer  # noqa: E402
+from client_throughput import MODEL, FastServer, proc_cpu_s  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -47,15 +47,6 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
-
-
-def proc_cpu_s(pid: int | None) -> float:
-    """A process's CPU time so far (user + system), from /proc; nan when it cannot be read."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, TypeError):
-        return float("nan")
 
 
 def slope(points: list[tuple[float, float]]) -> float:

@@ -94,7 +94,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
                     await p.reader
                 else:
                     await asyncio.wait_for(p.reader, timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise httpcore.ReadTimeout(f"no data in {timeout} s") from None
             finally:
                 p.reader = None
@@ -121,7 +121,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if writable is not None and not writable.done():
             try:
                 await asyncio.wait_for(asyncio.shield(writable), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise httpcore.WriteTimeout(f"could not write in {timeout} s") from None
 
     async def aclose(self) -> None:
@@ -144,7 +144,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         try:
             transport = await loop.start_tls(self._transport, self._protocol, ssl_context,
                                              server_hostname=server_hostname, ssl_handshake_timeout=timeout)
-        except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError) as exc:
+        except (TimeoutError, OSError, ssl.SSLError, ConnectionError) as exc:
             self._transport.close()
             raise httpcore.ConnectError(str(exc) or type(exc).__name__) from exc
         if transport is None:
@@ -178,7 +178,7 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
             connect = loop.create_connection(_Protocol, host, port,
                                               local_addr=(local_address, 0) if local_address else None)
             transport, protocol = await asyncio.wait_for(connect, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise httpcore.ConnectTimeout(f"could not connect to {host}:{port} in {timeout} s") from None
         except OSError as exc:
             raise httpcore.ConnectError(str(exc) or type(exc).__name__) from exc

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cerevisor_tui.endpoints import errors
-from cerevisor_tui.endpoints.client import DELTA, FINISH, USAGE
+from cerevisor_tui.endpoints.client import DELTA, FINISH, USAGE, ChatStream, build_client
 
 BYTES = 4  # payload None: bytes arrived (a partial line) that made no item yet; matters for liveness = "bytes"
 END = 5  # payload None: the stream ended cleanly
@@ -167,7 +167,7 @@ class StreamWorker:
                 process.stdin.close()  # type: ignore[union-attr]
             try:
                 await asyncio.wait_for(process.wait(), _STOP_WAIT_S)
-            except asyncio.TimeoutError:  # stuck: it goes anyway, and closing the run does not fail
+            except TimeoutError:  # stuck: it goes anyway, and closing the run does not fail
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 await process.wait()
@@ -201,7 +201,7 @@ class StreamWorker:
             assert process.stdout is not None
             try:
                 ready = await asyncio.wait_for(process.stdout.readexactly(len(_READY)), _START_TIMEOUT_S)
-            except (asyncio.IncompleteReadError, asyncio.TimeoutError):
+            except (TimeoutError, asyncio.IncompleteReadError):
                 ready = b""
             if ready != _READY:
                 with contextlib.suppress(ProcessLookupError):
@@ -297,8 +297,6 @@ class _Child:
             self.writer.write(_frame(out))
 
     def client(self, endpoint: str, concurrency: int, api_key_env: str) -> None:
-        from cerevisor_tui.endpoints.client import build_client
-
         old = self.clients.pop(endpoint, None)
         if old is not None:
             self.loop.create_task(old.aclose())
@@ -322,8 +320,6 @@ class _Child:
 
     async def _stream(self, sid: int, endpoint: str, url: str, body: dict[str, Any],
                       headers: dict[str, str] | None) -> None:
-        from cerevisor_tui.endpoints.client import ChatStream
-
         push = self.push
         transport = self.writer.transport
         try:
@@ -386,8 +382,6 @@ class _Child:
 
 
 async def _child_main() -> None:
-    import cerevisor_tui.endpoints.client  # noqa: F401  (httpx and all: loaded before we say we are ready)
-
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 24)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin.buffer)
