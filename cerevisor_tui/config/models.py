@@ -22,9 +22,28 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
+class AutoConfig(_Section):
+    """The `[run.auto]` table: how auto mode sets each endpoint's cap from what the server reports."""
+
+    min_cap: int = Field(default=1, ge=1, le=4096)
+    """Auto never sets an endpoint's cap below this."""
+    max_cap: int = Field(default=0, ge=0, le=4096)
+    """Auto never sets an endpoint's cap above this; 0: the endpoint's max_concurrency."""
+    start_cap: int = Field(default=0, ge=0, le=4096)
+    """Cap to start from; 0: the last probe's recommendation for the endpoint if one was saved, else a slow start from min_cap."""
+    kv_target: float = Field(default=0.9, gt=0, le=1)
+    """Fraction of the server's KV cache the agents' conversations may fill, at their projected full length."""
+
+    @model_validator(mode="after")
+    def _order(self) -> AutoConfig:
+        if self.max_cap and self.max_cap < self.min_cap:
+            raise ValueError(f"max_cap ({self.max_cap}) is below min_cap ({self.min_cap})")
+        return self
+
+
 class RunConfig(_Section):
     mode: Mode = "parallel"
-    """How agents of a wave are admitted: sequential (one at a time), parallel (up to max_concurrency) or auto."""
+    """How agents of a wave are admitted: sequential (one at a time), parallel (up to max_concurrency) or auto (each endpoint's cap follows what its server sustains)."""
     max_concurrency: int = Field(default=4, ge=1, le=4096)
     """Most agents running at once in parallel mode (each endpoint's max_concurrency caps it further)."""
     run_dir: str = ""
@@ -33,6 +52,8 @@ class RunConfig(_Section):
     """How often each endpoint's /health and /metrics are read while a run is going."""
     stream_process: Literal["auto", "on", "off"] = "auto"
     """Read the agents' streams in a second process: auto = in the console when the machine has 2+ CPUs."""
+    auto: AutoConfig = AutoConfig()
+    """Auto mode's controller."""
 
 
 class StallPolicy(_Section):

@@ -4,6 +4,9 @@ Agents wait here in FIFO order. An agent is admitted when admissions are not pau
 effective cap are running, and its endpoint has room under its own `max_concurrency`. Changing the
 mode or cap re-runs admission at once; lowering it never stops a running agent, it only holds new
 admissions until the running count is below the new cap.
+
+In auto mode there is no run-wide cap: each endpoint has a live cap of its own (`set_endpoint_cap`, set by
+its auto controller), never above the endpoint's `max_concurrency`.
 """
 
 from __future__ import annotations
@@ -26,13 +29,29 @@ class Scheduler:
         self.running = 0
         self.max_running = 0
         self.running_by_endpoint: dict[str, int] = {name: 0 for name in endpoint_caps}
+        self.auto_caps: dict[str, int] = {name: 1 for name in endpoint_caps}
         self._waiters: dict[str, tuple[str, anyio.Event]] = {}
         self._on_change = on_change
 
     @property
     def effective_cap(self) -> int:
-        """How many agents may run at once now: 1 in sequential mode, else the cap."""
-        return 1 if self.mode == "sequential" else self.max_concurrency
+        """How many agents may run at once now: 1 in sequential mode, the cap in parallel mode, and in
+        auto mode the sum of the endpoints' live caps."""
+        if self.mode == "sequential":
+            return 1
+        if self.mode == "auto":
+            return sum(self.endpoint_cap(name) for name in self.endpoint_caps)
+        return self.max_concurrency
+
+    def endpoint_cap(self, endpoint: str) -> int:
+        """How many agents may run on `endpoint` now, whatever the other endpoints run."""
+        limit = self.endpoint_caps.get(endpoint, self.max_concurrency)
+        if self.mode == "auto":
+            return min(limit, self.auto_caps.get(endpoint, 1))
+        return min(limit, self.effective_cap)
+
+    def queued_for(self, endpoint: str) -> int:
+        return sum(1 for ep, _ in self._waiters.values() if ep == endpoint)
 
     @property
     def queued(self) -> int:
@@ -46,6 +65,11 @@ class Scheduler:
 
     def set_cap(self, max_concurrency: int) -> None:
         self.max_concurrency = max(1, int(max_concurrency))
+        self._pump()
+
+    def set_endpoint_cap(self, endpoint: str, cap: int) -> None:
+        """Auto mode's live cap of one endpoint; lowering it only holds admissions."""
+        self.auto_caps[endpoint] = max(1, int(cap))
         self._pump()
 
     def set_paused(self, paused: bool) -> None:
@@ -82,7 +106,7 @@ class Scheduler:
         for agent, (endpoint, event) in self._waiters.items():
             if self.running >= cap:
                 break
-            if self.running_by_endpoint.get(endpoint, 0) >= self.endpoint_caps.get(endpoint, cap):
+            if self.running_by_endpoint.get(endpoint, 0) >= self.endpoint_cap(endpoint):
                 continue
             self.running += 1
             self.running_by_endpoint[endpoint] = self.running_by_endpoint.get(endpoint, 0) + 1
