@@ -1,4 +1,4 @@
-"""Engine details: reasoning and tool-call deltas, Retry-After, auto mode, a kill seen by the simulator,
+"""Engine details: reasoning and tool-call deltas, Retry-After, a kill seen by the simulator,
 and the config lookup order."""
 
 from __future__ import annotations
@@ -110,20 +110,6 @@ async def test_retry_after_is_honoured():
     retry = next(e for e in seen if e.kind == "AgentRetrying")
     assert "HTTP 429" in retry.cause and retry.delay_s >= 1.0
     assert calls[1] - calls[0] >= 0.95
-
-
-@pytest.mark.anyio
-async def test_auto_mode_is_accepted_and_says_it_behaves_as_parallel():
-    async with SimServer(SimSettings(tokens_per_s=100, ttft_s=0.01)) as srv:
-        engine = Engine(validate({"run": {"mode": "auto", "max_concurrency": 3},
-                                  "endpoints": [{"name": "e", "base_url": srv.base_url}],
-                                  "agents": [{"name": f"a{i}", "prompt": "p", "max_tokens": 20} for i in range(6)]}))
-        seen = []
-        engine.subscribe(seen.append)
-        assert await engine.run() == 0
-        assert srv.state.max_running_seen == 3
-    started = next(e for e in seen if e.kind == "RunStarted")
-    assert started.mode == "auto" and "behaves as parallel" in started.note
 
 
 async def _killed_run_frees_the_server(settings: SimSettings, stall: dict, within_s: float,

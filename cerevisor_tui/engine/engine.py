@@ -13,6 +13,7 @@ import os
 import random
 import secrets
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable, M
 from cerevisor_tui.endpoints.metrics import MetricsSnapshot, ServerStatus, prefix_hit_rate, read_server
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine import load
+from cerevisor_tui.engine.auto import AutoController, Change, Signals
 from cerevisor_tui.engine.report import Report
 from cerevisor_tui.engine.scheduler import MODES, Scheduler
 
@@ -124,6 +126,9 @@ class AgentState:
     end_status: str = ""
     end_reason: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)
+    turns_done: int = 0
+    last_prompt_tokens: int = 0  # what the server counted for the last completed turn
+    last_completion_tokens: int = 0
 
     @property
     def name(self) -> str:
@@ -176,6 +181,25 @@ class Engine:
         self.scheduler = Scheduler(
             config.run.mode, config.run.max_concurrency, {ep.name: ep.max_concurrency for ep in config.endpoints}
         )
+        # auto mode: a controller per endpoint (engine/auto.py) and what it is fed
+        auto = config.run.auto
+        self.auto: dict[str, AutoController] = {}
+        for ep in config.endpoints:
+            start, why = (auto.start_cap, "[run.auto] start_cap") if auto.start_cap else _saved_probe_cap(ep)
+            self.auto[ep.name] = AutoController(min_cap=auto.min_cap, max_cap=auto.max_cap or ep.max_concurrency,
+                                                start_cap=start, start_why=why, kv_target=auto.kv_target)
+            self.scheduler.auto_caps[ep.name] = self.auto[ep.name].cap
+        self.auto_ceiling = max((c.max_cap for c in self.auto.values()), default=1)
+        self._agents_on: dict[str, list[AgentState]] = {ep.name: [] for ep in config.endpoints}
+        for st in self.agents.values():
+            self._agents_on.setdefault(st.endpoint, []).append(st)
+        self._rejections: dict[str, int] = {ep.name: 0 for ep in config.endpoints}  # 429/503 answers
+        self._ttfts: dict[str, deque[float]] = {ep.name: deque(maxlen=16) for ep in config.endpoints}
+        # tokens per character, as the server counts them: [prompt tokens, characters sent]
+        self._token_ratio: dict[str, list[float]] = {ep.name: [0.0, 0.0] for ep in config.endpoints}
+        self._turn_tokens: dict[str, list[float]] = {ep.name: [0.0, 0.0] for ep in config.endpoints}
+        self.last_sample: dict[str, ev.ServerSample] = {}
+        self._samples: dict[str, int] = {ep.name: 0 for ep in config.endpoints}
         self.base_urls: dict[str, str] = {ep.name: ep.base_url for ep in config.endpoints}
         self.models: dict[str, str] = {ep.name: ep.model for ep in config.endpoints if ep.model}
         self.busy_check: BusyCheck | None = None
@@ -219,8 +243,12 @@ class Engine:
         """Switch sequential/parallel/auto now; running agents are never stopped by it."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}")
+        entering_auto = mode == "auto" and self.scheduler.mode != "auto"
         self.scheduler.set_mode(mode)
         self.emit(ev.ModeChanged(time.monotonic(), mode, self.scheduler.effective_cap, self._mode_note(mode)))
+        if entering_auto and self.started_at:
+            for name, ctl in self.auto.items():
+                self._apply_auto(name, ctl.resume())
 
     def cycle_mode(self) -> str:
         mode = MODES[(MODES.index(self.scheduler.mode) + 1) % len(MODES)]
@@ -231,6 +259,24 @@ class Engine:
         """Move the parallel cap; lowering it only holds admissions until fewer are running."""
         self.scheduler.set_cap(cap)
         self._emit_cap()
+
+    def set_auto_ceiling(self, ceiling: int) -> None:
+        """Auto mode's ceiling: no endpoint's live cap goes above it (nor above the endpoint's own max_cap)."""
+        self.auto_ceiling = max(1, int(ceiling))
+        for name, ctl in self.auto.items():
+            change = ctl.set_ceiling(self.auto_ceiling)
+            if change is not None:
+                self._apply_auto(name, change)
+        s = self.scheduler
+        self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused,
+                                        reason=f"auto ceiling {self.auto_ceiling} (operator)"))
+
+    def nudge_cap(self, delta: int) -> None:
+        """`+`/`-`: the parallel cap, or in auto mode the ceiling the controllers stay under."""
+        if self.scheduler.mode == "auto":
+            self.set_auto_ceiling(self.auto_ceiling + delta)
+        else:
+            self.set_concurrency(self.scheduler.max_concurrency + delta)
 
     def pause(self) -> None:
         self.scheduler.set_paused(True)
@@ -332,6 +378,9 @@ class Engine:
             ))
             if self._history:
                 self.report.replay(self._history)
+            if self.scheduler.mode == "auto":
+                for name, ctl in self.auto.items():
+                    self._apply_auto(name, Change(ctl.cap, ctl.start_reason))
             async with anyio.create_task_group() as background:
                 await self._start_background(background)
                 for wave, level in enumerate(self.waves):
@@ -350,6 +399,7 @@ class Engine:
         for ep in self.config.endpoints:
             if ep.kind != "hosted":
                 group.start_soon(self._monitor, ep.name)
+            group.start_soon(self._auto_loop, ep.name)
         if self.busy_check is None:
             self.busy_check = self._server_busy
 
@@ -369,7 +419,7 @@ class Engine:
             self.server_status_at[endpoint] = time.monotonic()
             m = status.metrics
             detail = status.loading_message or ("loading" if status.loading else "") or (status.error or "")
-            self.emit(ev.ServerSample(
+            self.last_sample[endpoint] = sample = ev.ServerSample(
                 time.monotonic(), endpoint, status.reachable and not status.loading and (status.health_status or 0) < 400,
                 status.kind, _num(m.requests_running) if m else None, _num(m.requests_waiting) if m else None,
                 m.kv_cache_usage if m else None,
@@ -377,7 +427,9 @@ class Engine:
                 _num(m.preemptions) if m else None, _num(m.kv_cache_size_tokens) if m else None, detail,
                 slots_busy=status.slots.processing if status.slots else None,
                 slots_total=status.slots.total if status.slots else None,
-            ))
+            )
+            self._samples[endpoint] += 1
+            self.emit(sample)
             previous = m or previous
             if m is not None and m.kv_cache_size_tokens:
                 self._server_capacity(endpoint, m.kv_cache_size_tokens)
@@ -385,8 +437,10 @@ class Engine:
 
     def _server_capacity(self, endpoint: str, kv_cache_tokens: float) -> None:
         current = self.load.get(endpoint)
-        context = self.endpoints[endpoint].capacity.context_tokens or (current.context_tokens if current else 0)
-        if context and (current is None or current.source != "server" or current.kv_capacity_tokens != kv_cache_tokens):
+        context = (self.endpoints[endpoint].capacity.context_tokens or int(self.projected_context(endpoint) or 0)
+                   or (current.context_tokens if current else 0))
+        if context and (current is None or current.source != "server" or current.kv_capacity_tokens != kv_cache_tokens
+                        or current.context_tokens != context):
             self.load[endpoint] = load.from_server(kv_cache_tokens, context, current)
 
     async def probe(self, endpoint: str, *, on_progress: Callable[[str], None] | None = None,
@@ -413,6 +467,86 @@ class Engine:
                 return (f"cap {limit} on {name} is past the {est.conversations_fit} conversations of "
                         f"{est.context_tokens:,} tokens that fit in its KV memory ({est.detail}): beyond it, the cliff")
         return None
+
+    # ---- auto mode --------------------------------------------------------------------------------
+    async def _auto_loop(self, endpoint: str) -> None:
+        """Feed the endpoint's controller while the run goes on; it acts only in auto mode."""
+        ctl = self.auto[endpoint]
+        tick = min(1.0, max(0.02, self.config.run.metrics_interval_s / 2))
+        while True:
+            await anyio.sleep(tick)
+            if self.scheduler.mode == "auto" and not self.stopping:
+                change = ctl.update(self.auto_signals(endpoint))
+                if change is not None:
+                    self._apply_auto(endpoint, change)
+
+    def auto_signals(self, endpoint: str) -> Signals:
+        """What the controller of `endpoint` sees now: the engine's own figures and the server's last sample."""
+        states = self._agents_on.get(endpoint, [])
+        sample = self.last_sample.get(endpoint)
+        ttfts = sorted(self._ttfts[endpoint])
+        watched = self.endpoints[endpoint].kind != "hosted"
+        kv_tokens = sample.kv_cache_tokens if sample is not None else None
+        if not kv_tokens and self.load.get(endpoint) is not None:
+            kv_tokens = self.load[endpoint].kv_capacity_tokens
+        produced, turns = self._turn_tokens[endpoint]
+        return Signals(
+            t=time.monotonic(), tokens=sum(st.tokens for st in states),
+            running=self.scheduler.running_by_endpoint.get(endpoint, 0), queued=self.scheduler.queued_for(endpoint),
+            errors=self._rejections[endpoint], ttft_p50=ttfts[len(ttfts) // 2] if ttfts else None,
+            sample=self._samples[endpoint],
+            server_ok=(sample.healthy if sample is not None else False) if watched else None,
+            waiting=sample.waiting if sample else None, server_running=sample.running if sample else None,
+            kv_usage=sample.kv_cache_usage if sample else None, preemptions=sample.preemptions if sample else None,
+            prefix_hit_rate=sample.prefix_hit_rate if sample else None, kv_tokens=kv_tokens,
+            slots=sample.slots_total if sample else None, context_tokens=self.projected_context(endpoint),
+            turn_tokens=produced / turns if turns else None,
+        )
+
+    def projected_context(self, endpoint: str) -> float | None:
+        """The mean full length, in tokens, of the conversations of `endpoint`'s agents still to run or running
+        in the current wave: what each has sent so far by the server's own count, plus its turns to come (at
+        the measured tokens per character) and their answers (at the measured answer length)."""
+        prompt_tokens, chars = self._token_ratio[endpoint]
+        per_char = prompt_tokens / chars if chars else 0.25
+        produced, turns = self._turn_tokens[endpoint]
+        total, count = 0.0, 0
+        for st in self._agents_on.get(endpoint, ()):
+            if st.status in FINAL or (st.wave != self.wave and st.status == "pending"):
+                continue
+            cfg = st.config
+            answer = produced / turns if turns else cfg.max_tokens
+            texts = [cfg.prompt, *cfg.turns]
+            if st.turns_done:
+                base = st.last_prompt_tokens + st.last_completion_tokens
+                rest = texts[st.turns_done:]
+            else:
+                base, rest = len(cfg.system) * per_char, texts
+            total += base + sum(map(len, rest)) * per_char + answer * len(rest)
+            count += 1
+        return total / count if count else None
+
+    def _count_turn(self, st: AgentState, messages: list[dict[str, str]], prompt_tokens: int, completion_tokens: int,
+                    ttft: float | None) -> None:
+        """A completed turn's figures, for auto mode's projection of conversation lengths and its TTFT."""
+        chars = sum(len(m["content"]) for m in messages)
+        ratio = self._token_ratio[st.endpoint]
+        if prompt_tokens:
+            ratio[0] += prompt_tokens
+            ratio[1] += chars
+        st.turns_done = st.turn
+        st.last_prompt_tokens = prompt_tokens or round(chars * (ratio[0] / ratio[1] if ratio[1] else 0.25))
+        st.last_completion_tokens = completion_tokens
+        answers = self._turn_tokens[st.endpoint]
+        answers[0] += completion_tokens
+        answers[1] += 1
+        if ttft is not None:
+            self._ttfts[st.endpoint].append(ttft)
+
+    def _apply_auto(self, endpoint: str, change: Change) -> None:
+        self.scheduler.set_endpoint_cap(endpoint, change.cap)
+        self.emit(ev.ConcurrencyChanged(time.monotonic(), self.auto_ceiling, change.cap, self.scheduler.paused,
+                                        endpoint=endpoint, reason=change.reason))
 
     async def _server_busy(self, endpoint: str) -> str | None:
         """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?
@@ -563,6 +697,8 @@ class Engine:
                 reason = att.kill_reason if att.by_operator else f"{att.kill_deadline} deadline: {att.kill_reason}"
                 raise _AttemptFailed(status, reason, retryable=not att.by_operator, restart=att.restart)
             if error is not None:
+                if error.status in (429, 503):
+                    self._rejections[st.endpoint] += 1
                 raise _AttemptFailed("failed", str(error), retryable=error.retryable, retry_after_s=error.retry_after_s)
             raise _AttemptFailed("cancelled", "cancelled", retryable=False)
         stream = att.stream
@@ -575,6 +711,7 @@ class Engine:
         ttft = att.first_token_at - att.sent_at if att.first_token_at is not None else None
         if att.first_token_at is not None:
             st.decode_s += end - att.first_token_at
+        self._count_turn(st, messages, prompt_tokens, completion_tokens, ttft)
         self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking)))
         self.emit(ev.TurnFinished(end, st.name, att.number, st.turn, st.turns, prompt_tokens, completion_tokens,
                                   stream.finish_reason if stream else "", ttft, end - att.sent_at))
@@ -794,7 +931,21 @@ class Engine:
 
     @staticmethod
     def _mode_note(mode: str) -> str:
-        return "auto adapts the cap in a later version; it behaves as parallel for now" if mode == "auto" else ""
+        return "each endpoint's cap follows what its server sustains; +/- move the ceiling" if mode == "auto" else ""
+
+
+def _saved_probe_cap(ep: EndpointConfig) -> tuple[int, str]:
+    """The cap the last probe of this endpoint recommended, if one was saved: auto mode starts there."""
+    if not ep.base_url:
+        return 0, ""
+    try:
+        from cerevisor_tui.endpoints.probe_store import saved_recommendation
+    except ImportError:
+        return 0, ""
+    saved = saved_recommendation(ep.base_url, ep.model or None)
+    if not saved or not saved.get("cap"):
+        return 0, ""
+    return int(saved["cap"]), f"the probe of {saved.get('saved_at', 'an earlier run')} recommended it"
 
 
 def _num(value: float | int | None) -> float | None:

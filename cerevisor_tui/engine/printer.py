@@ -68,6 +68,10 @@ class Printer:
         if isinstance(e, ev.ModeChanged):
             return f"mode {e.mode} (cap {e.effective_cap})" + (f" [{e.note}]" if e.note else "")
         if isinstance(e, ev.ConcurrencyChanged):
+            if e.endpoint:
+                return f"{e.endpoint}: {e.reason or f'cap {e.effective_cap}'}"
+            if e.reason:
+                return f"{e.reason} (effective cap {e.effective_cap})"
             return f"cap {e.max_concurrency} (effective {e.effective_cap})" + (", admissions paused" if e.paused else "")
         if isinstance(e, ev.RunFinished):
             t = e.totals

@@ -34,6 +34,9 @@ class Report:
         self._t_end: float | None = None
         self._running: set[str] = set()
         self.max_running = 0
+        # each endpoint's cap over the run: [(t, cap, reason)], and its own max_concurrency
+        self.caps: dict[str, list[tuple[float, int, str]]] = {}
+        self._endpoint_max: dict[str, int] = {}
 
     def __call__(self, event: ev.Event) -> None:
         kind = event.kind
@@ -42,6 +45,11 @@ class Report:
         if isinstance(event, ev.RunStarted):
             self.run_id, self.mode, self.endpoints = event.run_id, event.mode, event.endpoints
             self.started_at, self._t0 = _now_iso(), event.t
+            self._endpoint_max = {ep["name"]: int(ep.get("max_concurrency") or 0) for ep in event.endpoints}
+            self.caps = {name: [] for name in self._endpoint_max}
+            if event.mode != "auto":  # auto's controllers say their start caps themselves
+                cap = 1 if event.mode == "sequential" else event.max_concurrency
+                self._cap_all(event.t, cap, f"{event.mode}, cap {cap}")
             for wave, names in enumerate(event.waves):
                 for name in names:
                     self.agents[name] = {
@@ -52,6 +60,13 @@ class Report:
                     }
         elif isinstance(event, ev.ModeChanged):
             self.mode = event.mode
+            if event.mode != "auto":
+                self._cap_all(event.t, event.effective_cap, f"mode {event.mode}")
+        elif isinstance(event, ev.ConcurrencyChanged):
+            if event.endpoint:
+                self._cap(event.endpoint, event.t, event.effective_cap, event.reason)
+            elif self.mode == "parallel":
+                self._cap_all(event.t, event.max_concurrency, event.reason or f"cap {event.max_concurrency}")
         elif isinstance(event, ev.AgentStarted):
             a = self.agents[event.agent]
             a["attempts"] = max(a["attempts"], event.attempt)
@@ -80,6 +95,32 @@ class Report:
         elif isinstance(event, ev.RunFinished):
             self.finished_at, self._t_end = _now_iso(), event.t
 
+    def _cap(self, endpoint: str, t: float, cap: int, reason: str) -> None:
+        history = self.caps.setdefault(endpoint, [])
+        if not history or history[-1][1] != cap:
+            history.append((t, cap, reason))
+
+    def _cap_all(self, t: float, cap: int, reason: str) -> None:
+        for name, limit in self._endpoint_max.items():
+            self._cap(name, t, min(cap, limit) if limit else cap, reason)
+
+    def cap_summary(self) -> dict[str, Any]:
+        """Each endpoint's cap history (seconds since the start) and its time-weighted mean cap over the run."""
+        end = self._t_end if self._t_end is not None else time.monotonic()
+        out: dict[str, Any] = {}
+        for name, history in self.caps.items():
+            weighted = span = 0.0
+            for i, (t, cap, _) in enumerate(history):
+                until = history[i + 1][0] if i + 1 < len(history) else end
+                weighted += cap * max(0.0, until - t)
+                span += max(0.0, until - t)
+            mean = weighted / span if span > 0 else (history[-1][1] if history else None)
+            out[name] = {
+                "history": [{"t_s": round(t - self._t0, 3), "cap": cap, "reason": reason} for t, cap, reason in history],
+                "mean_cap": round(mean, 2) if mean is not None else None,
+            }
+        return out
+
     def finish(self, t: float) -> None:
         """Fix the end of the run's wall time (before RunFinished is emitted with the totals)."""
         self._t_end = t
@@ -88,8 +129,8 @@ class Report:
         """Feed recorded events of an earlier run (a resumed run's completed agents) into the figures."""
         for data in events:
             cls = ev.ALL_EVENTS.get(data.get("event", ""))
-            if cls is None or cls is ev.RunStarted or cls is ev.RunFinished:
-                continue
+            if cls is None or cls in (ev.RunStarted, ev.RunFinished, ev.ModeChanged, ev.ConcurrencyChanged):
+                continue  # the new run's own; an agent's figures are what carries over
             fields = {k: v for k, v in data.items() if k != "event"}
             try:
                 self(cls(**fields))
@@ -117,6 +158,7 @@ class Report:
             "endpoints": self.endpoints,
             "agents": [{k: v for k, v in a.items() if not k.startswith("_")} for a in self.agents.values()],
             "totals": self.totals(),
+            "caps": self.cap_summary(),
         }
 
 

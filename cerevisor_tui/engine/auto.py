@@ -1,0 +1,319 @@
+"""Auto mode: a controller per endpoint that sets the endpoint's live cap from what the server reports and
+what the engine measures. Pure: it owns no clock and does no I/O; the engine feeds it `Signals` and applies
+the `Change`s it returns (a change only holds or opens admissions, it never stops a running agent).
+
+Which controller, and why. The cap here counts agent *conversations*, not requests: an admitted agent keeps
+its slot for all its turns, resending a growing conversation whose prefix the server keeps in its KV cache.
+Lowering the cap only takes effect as whole conversations end, so an overshoot past the KV cliff is paid for
+a whole conversation. That rules out controllers that find the limit by crossing it and backing off
+(AIMD on loss, or a throughput-knee search like guidellm's over-saturation test): when their signal
+shows, the damage is done and slow to undo. What we took:
+
+1. **A KV fit ceiling, from the agents' own shape.** The server reports its KV capacity (vLLM's
+   `cache_config_info`; else the endpoint's capacity estimate). The engine projects each agent's
+   conversation to its full length (the tokens it has sent so far, by the server's own count, plus its turns
+   still to come and their answers, at the measured tokens per character) and the controller never grows
+   past `kv_target x capacity / projected length`. This is the leading signal: it is known before the cache
+   is full.
+2. **Slow start, judged by throughput per window** (TCP's slow start, with Vegas' test of "did the
+   rate grow?"): 1, 2, 4, ... while aggregate output tokens/s grows by 5% per doubling and nothing queues.
+   A window is counted in output tokens (about half a turn per running agent), not wall seconds, so a slow
+   box is judged as fairly as a fast one; it starts only once the cap is in effect.
+3. **Backing off on what the server says**, at once and once per step (a decrease waits until it has taken
+   effect before the next): preemptions (x0.75: vLLM is recomputing), requests waiting in the server's queue
+   in two samples running (down to what it runs), 429/503 answers (x0.5, AIMD), llama.cpp's slot count as a
+   hard ceiling, and, with no metrics at all (Ollama, hosted), TTFT rising past twice its best (Gradient2's
+   latency ratio).
+4. **Re-probing upward now and then** (Envoy's adaptive concurrency re-measures its baseline
+   periodically): after `PROBE_EVERY` calm windows with headroom, +25%; kept if throughput rose, else back.
+   The best cap moves as conversations grow: the fit ceiling moves with the projection.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GROWTH = 1.05  # a doubling must raise throughput by this much to go on doubling
+PROBE_GAIN = 1.03  # an upward probe is kept when throughput rose by this much
+COLLAPSE = 0.90  # throughput below this fraction of the smaller cap's: go back to it
+PROBE_EVERY = 4  # calm windows at one cap before an upward probe
+KV_FULL = 0.95  # KV use at which nothing grows
+KV_HEADROOM = 0.80  # KV use below which an upward probe may start
+WAITING_SAMPLES = 2  # consecutive samples with requests waiting before it counts as a queue
+TTFT_QUEUE_RATIO = 2.0  # TTFT this many times its best (and 0.5 s more) means requests queue
+HIT_DROP = 0.20  # prefix hit rate this far below its best, with the KV cache full: prefixes are evicted
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """One look at an endpoint: what the engine measured and what its server last reported (None: not reported)."""
+
+    t: float  # monotonic seconds
+    tokens: int  # output tokens streamed from this endpoint since the run started
+    running: int  # our agents admitted on it
+    queued: int  # our agents waiting for a slot on it
+    errors: int = 0  # 429/503 answers since the run started
+    ttft_p50: float | None = None  # median TTFT of its last attempts
+    sample: int = 0  # bumped by every new server sample
+    server_ok: bool | None = None  # None: not watched; False: unreachable or loading
+    waiting: float | None = None
+    server_running: float | None = None
+    kv_usage: float | None = None
+    preemptions: float | None = None  # a counter
+    prefix_hit_rate: float | None = None  # over the last sample interval
+    kv_tokens: float | None = None  # the server's KV capacity in tokens
+    slots: int | None = None  # llama.cpp's slot count
+    context_tokens: float | None = None  # projected full length of this endpoint's conversations (mean)
+    turn_tokens: float | None = None  # output tokens per turn (measured, else the agents' max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    cap: int
+    reason: str
+
+
+@dataclass(slots=True)
+class _Window:
+    t0: float
+    tokens0: int
+    sample0: int
+    preemptions0: float | None
+    waiting: float = 0.0
+    kv: float | None = None
+    hits: float = 0.0
+    hit_samples: int = 0
+    last_sample: int = -1
+
+    def see(self, s: Signals) -> None:
+        if s.sample == self.last_sample:
+            return
+        self.last_sample = s.sample
+        self.waiting = max(self.waiting, s.waiting or 0.0)
+        if s.kv_usage is not None:
+            self.kv = max(self.kv or 0.0, s.kv_usage)
+        if s.prefix_hit_rate is not None:
+            self.hits += s.prefix_hit_rate
+            self.hit_samples += 1
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.hit_samples if self.hit_samples else None
+
+
+def pct(x: float) -> str:
+    return f"{x:.0%}"
+
+
+class AutoController:
+    """The live cap of one endpoint. `update()` at every look; apply what it returns."""
+
+    def __init__(self, *, min_cap: int = 1, max_cap: int = 64, start_cap: int = 0, start_why: str = "",
+                 kv_target: float = 0.9) -> None:
+        self.min_cap = max(1, min_cap)
+        self.max_cap = max(self.min_cap, max_cap)
+        self.ceiling = self.max_cap  # moved by the operator (`+`/`-` in auto mode)
+        self.kv_target = kv_target
+        self.slow_start = not start_cap
+        self.cap = self._clamp(start_cap or self.min_cap)
+        self.start_reason = (f"auto: start at {self.cap} ({start_why})" if start_cap and start_why
+                             else f"auto: start at {self.cap} (slow start: doubles while throughput grows and nothing queues)"
+                             if not start_cap else f"auto: start at {self.cap}")
+        self.measured: dict[int, float] = {}  # cap -> output tokens/s of its last full window
+        self.hit_rates: dict[int, float] = {}  # cap -> prefix hit rate of its last full window
+        self.prev_cap: int | None = None  # the cap before the last change
+        self.ttft_best: float | None = None
+        self._window: _Window | None = None
+        self._settling = False  # a decrease not yet in effect: no further decrease until it is
+        self._probe_from: int | None = None
+        self._calm = 0
+        self._errors = 0
+        self._preemptions: float | None = None
+        self._preempt_t: float | None = None
+        self._waiting_streak = 0
+        self._last_sample = -1
+
+    # ---- the operator ---------------------------------------------------------------------------
+    def set_ceiling(self, ceiling: int) -> Change | None:
+        self.ceiling = max(self.min_cap, min(self.max_cap, ceiling))
+        if self.cap > self.ceiling:
+            return self._to(self.ceiling, f"ceiling {self.ceiling} set by the operator")
+        return None
+
+    def resume(self) -> Change:
+        """Auto mode again, after the operator ran it by hand: back at the cap it had learned, measuring afresh."""
+        self._window, self._probe_from, self._calm, self._settling = None, None, 0, False
+        if self.prev_cap is None:
+            return Change(self.cap, self.start_reason)
+        return Change(self.cap, f"auto: back at {self.cap}, where it left off")
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def update(self, s: Signals) -> Change | None:
+        new_sample = s.sample != self._last_sample
+        self._last_sample = s.sample
+        if s.server_ok is False:  # down or loading: nothing it says now is about the cap
+            self._window = None
+            return None
+        change = self._hazard(s, new_sample)
+        if change is not None:
+            return change
+        if self._settling:
+            if s.running > self.cap:
+                return None
+            self._settling = False
+        w = self._window
+        if w is None:
+            if s.running < self.cap and s.queued > 0:
+                return None  # admissions to the new cap still under way
+            self._window = _Window(s.t, s.tokens, s.sample, s.preemptions)
+            return None
+        w.see(s)
+        turn = s.turn_tokens or 256.0
+        need = max(8.0, 0.5 * turn * max(1, min(self.cap, s.running or 1)))
+        if s.tokens - w.tokens0 < need or s.t <= w.t0 or (s.server_ok is not None and s.sample - w.sample0 < 2):
+            return None
+        self._window = None
+        return self._judge(s, w)
+
+    # ---- at once: what the server says --------------------------------------------------------
+    def _hazard(self, s: Signals, new_sample: bool) -> Change | None:
+        errors, self._errors = s.errors - self._errors, s.errors
+        if errors > 0 and self.cap > self.min_cap and not self._settling:
+            self.slow_start = False
+            return self._to(max(self.min_cap, self.cap // 2), f"{errors} answer{'s' * (errors > 1)} "
+                            "HTTP 429/503 (the server sheds load)")
+        if s.slots and self.cap > s.slots:
+            self.slow_start = False
+            return self._to(max(self.min_cap, s.slots), f"the server has {s.slots} slots; more would only queue")
+        if not new_sample:
+            return None
+        preempted = 0.0
+        if s.preemptions is not None:
+            if self._preemptions is not None and s.preemptions < self._preemptions:
+                self._preemptions = None  # the counter went back: the server restarted
+                self._window = None
+            if self._preemptions is not None:
+                preempted = s.preemptions - self._preemptions
+            dt = s.t - self._preempt_t if self._preempt_t is not None else 0.0
+            self._preemptions, self._preempt_t = s.preemptions, s.t
+        self._waiting_streak = self._waiting_streak + 1 if (s.waiting or 0) > 0 else 0
+        if self._settling or self.cap <= self.min_cap:
+            return None
+        if preempted > 0:
+            self.slow_start = False
+            base = min(self.cap, max(s.running, 1))
+            new = max(self.min_cap, min(self.cap - 1, math.floor(base * 0.75)))
+            return self._to(new, f"{preempted:.0f} preemption{'s' * (preempted > 1)} in {dt:.0f} s{self._kv(s)}")
+        if self._waiting_streak >= WAITING_SAMPLES:
+            waiting = math.ceil(s.waiting or 0)
+            runs = int(s.server_running) if s.server_running is not None else max(1, s.running - waiting)
+            new = max(self.min_cap, min(self.cap - 1, s.running - waiting, max(runs, 1)))
+            self.slow_start = False
+            self._waiting_streak = 0
+            return self._to(new, f"{waiting} request{'s' * (waiting > 1)} waiting at the server, it runs {runs}"
+                            f"{self._kv(s)}")
+        return None
+
+    # ---- at the end of a window: throughput --------------------------------------------------
+    def _judge(self, s: Signals, w: _Window) -> Change | None:
+        tp = (s.tokens - w.tokens0) / (s.t - w.t0)
+        cap = self.cap
+        demand_limited = s.queued == 0 and s.running < cap
+        if not demand_limited:
+            self.measured[cap] = tp
+            if w.hit_rate is not None:
+                self.hit_rates[cap] = w.hit_rate
+        if s.ttft_p50 is not None and not demand_limited:
+            self.ttft_best = s.ttft_p50 if self.ttft_best is None else min(self.ttft_best, s.ttft_p50)
+        fit = self._fit(s)
+        upper = min(self.ceiling, fit if fit is not None else self.max_cap)
+        kv = f", KV {pct(w.kv)}" if w.kv is not None else ""
+        # the projection grew (or the ceiling fell) past this cap: hold admissions down to what fits
+        if fit is not None and cap > fit and cap - fit >= max(1, cap // 10) and s.queued > 0:
+            return self._to(max(self.min_cap, fit), self._fit_text(s, fit))
+        # no metrics: requests queueing shows as TTFT
+        if (s.waiting is None and s.ttft_p50 is not None and self.ttft_best is not None
+                and s.ttft_p50 > TTFT_QUEUE_RATIO * self.ttft_best + 0.5 and cap > self.min_cap):
+            self.slow_start = False
+            return self._to(max(self.min_cap, cap * 3 // 4),
+                                f"TTFT p50 {s.ttft_p50:.1f} s against {self.ttft_best:.1f} s at best: requests queue")
+        # prefix hits falling while the cache is full: conversations lose their prefixes
+        best_hits = max((h for c, h in self.hit_rates.items() if c < cap), default=None)
+        hits = w.hit_rate
+        if (best_hits is not None and hits is not None and w.kv is not None and w.kv >= 0.9
+                and hits < best_hits - HIT_DROP and cap > self.min_cap):
+            back = max(c for c, h in self.hit_rates.items() if c < cap and h >= best_hits - HIT_DROP / 2)
+            self.slow_start = False
+            return self._to(back, f"prefix hits {pct(hits)} against {pct(best_hits)} at {back}{kv}: "
+                                "prefixes are evicted")
+        if demand_limited:
+            return None
+        headroom = w.waiting == 0 and (w.kv is None or w.kv < KV_FULL) and not self._preempted_in(w, s)
+        prev = self.measured.get(self.prev_cap) if self.prev_cap is not None else None
+        if self._probe_from is not None:  # judging an upward probe
+            base_cap, self._probe_from = self._probe_from, None
+            base = self.measured.get(base_cap)
+            if base is not None and (tp < base * PROBE_GAIN or not headroom):
+                return self._to(base_cap, f"probe to {cap}: throughput {self._gain(tp, base)}, back to {base_cap}")
+            self._calm = 0
+            return None
+        if self.slow_start:
+            if prev is not None and self.prev_cap is not None and self.prev_cap < cap and tp < prev * GROWTH:
+                self.slow_start = False
+                if tp < prev * COLLAPSE:
+                    return self._to(self.prev_cap, f"throughput {self._gain(tp, prev)} at {cap} against "
+                                        f"{self.prev_cap}")
+                return None
+            if headroom and cap < upper:
+                new = min(cap * 2, upper)
+                grew = f"throughput {self._gain(tp, prev)} at {cap}" if prev else f"{tp:,.0f} tok/s at {cap}"
+                return self._to(new, f"slow start: {grew}, nothing waiting{kv}" + self._fit_note(s, fit, new))
+            self.slow_start = False
+            return None
+        self._calm += 1
+        if (self._calm >= PROBE_EVERY and headroom and cap < upper and (w.kv is None or w.kv < KV_HEADROOM)):
+            self._calm = 0
+            self._probe_from = cap
+            new = min(upper, cap + max(1, cap // 4))
+            return self._to(new, f"probing upward: {tp:,.0f} tok/s at {cap}, nothing waiting{kv}")
+        return None
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _fit(self, s: Signals) -> int | None:
+        if not s.kv_tokens or not s.context_tokens:
+            return None
+        return max(self.min_cap, math.floor(self.kv_target * s.kv_tokens / s.context_tokens))
+
+    def _fit_text(self, s: Signals, fit: int) -> str:
+        return (f"conversations project to {s.context_tokens:,.0f} tokens: {fit} fit in "
+                f"{pct(self.kv_target)} of the {s.kv_tokens:,.0f}-token KV cache")
+
+    def _fit_note(self, s: Signals, fit: int | None, new: int) -> str:
+        return f"; {fit} conversations of {s.context_tokens:,.0f} tokens fit" if fit is not None and new == fit else ""
+
+    @staticmethod
+    def _gain(tp: float, base: float | None) -> str:
+        if not base:
+            return f"{tp:,.0f} tok/s"
+        return f"{(tp / base - 1):+.0%}"
+
+    @staticmethod
+    def _kv(s: Signals) -> str:
+        return f", KV {pct(s.kv_usage)}" if s.kv_usage is not None else ""
+
+    @staticmethod
+    def _preempted_in(w: _Window, s: Signals) -> bool:
+        return w.preemptions0 is not None and s.preemptions is not None and s.preemptions > w.preemptions0
+
+    def _clamp(self, cap: int) -> int:
+        return max(self.min_cap, min(self.ceiling, cap))
+
+    def _to(self, cap: int, why: str) -> Change | None:
+        cap = self._clamp(cap)
+        if cap == self.cap:
+            return None
+        old, self.prev_cap, self.cap = self.cap, self.cap, cap
+        self._window = None
+        self._settling = cap < old  # a decrease takes effect as conversations end: judge nothing until it has
+        return Change(cap, f"auto: {old} -> {cap} ({why})")

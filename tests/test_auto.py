@@ -1,0 +1,217 @@
+"""Auto mode's controller on recorded signal sequences: a toy server whose throughput, queue, KV and
+counters follow the cap it is given, looked at once a second, as the engine does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from cerevisor_tui.engine.auto import AutoController, Signals
+
+
+@dataclass
+class Box:
+    """A server under a queue of agents: `rate(running)` output tokens/s; more fields as a test scripts them."""
+
+    rate: Callable[[int], float]
+    queue: int = 1000  # agents still waiting for a slot
+    metrics: bool = True
+    kv_tokens: float | None = None
+    context: float | None = None
+    t: float = 0.0
+    tokens: float = 0.0
+    running: int = 0
+    sample: int = 0
+    extra: dict = field(default_factory=dict)  # signal fields a test sets directly (waiting, preemptions, ...)
+
+    def look(self, cap: int) -> Signals:
+        # admissions are at once; a lower cap only takes effect as conversations end, one per second
+        if self.running < cap:
+            admit = min(cap - self.running, self.queue)
+            self.running += admit
+            self.queue -= admit
+        elif self.running > cap:
+            self.running -= 1
+        self.t += 1.0
+        self.tokens += self.rate(self.running)
+        self.sample += 1
+        server = dict(server_ok=True, waiting=0.0, kv_usage=min(1.0, self.running / 40),
+                      preemptions=0.0, prefix_hit_rate=0.8) if self.metrics else {}
+        server.update(self.extra)
+        return Signals(t=self.t, tokens=int(self.tokens), running=self.running, queued=self.queue,
+                       sample=self.sample if self.metrics else 0, kv_tokens=self.kv_tokens,
+                       context_tokens=self.context, turn_tokens=4.0, **server)
+
+
+def drive(ctl: AutoController, box: Box, seconds: int) -> list[tuple[float, int, str]]:
+    changes = []
+    for _ in range(seconds):
+        change = ctl.update(box.look(ctl.cap))
+        if change is not None:
+            assert change.cap == ctl.cap and change.reason.startswith("auto: ")
+            changes.append((box.t, change.cap, change.reason))
+    return changes
+
+
+def caps(changes) -> list[int]:
+    return [cap for _, cap, _ in changes]
+
+
+def linear_then_flat(knee: int, per_agent: float = 100.0) -> Callable[[int], float]:
+    return lambda n: per_agent * min(n, knee)
+
+
+def test_slow_start_doubles_while_throughput_grows_then_holds():
+    ctl = AutoController(max_cap=256)
+    changes = drive(ctl, Box(linear_then_flat(16)), 120)
+    # 32 was tried, gave no more than 16: slow start ends there without collapse, and nothing moves for long
+    assert caps(changes)[:5] == [2, 4, 8, 16, 32]
+    assert "slow start" in changes[0][2] and "+100%" in changes[1][2]
+    assert not ctl.slow_start
+    assert all(cap <= 40 for cap in caps(changes))
+
+
+def test_throughput_that_falls_past_the_knee_sends_it_back():
+    # past 8 the box recomputes evicted prefixes: throughput falls, not just flattens
+    ctl = AutoController(max_cap=256)
+    changes = drive(ctl, Box(lambda n: 100.0 * n if n <= 8 else 800.0 * 8 / n), 80)
+    assert caps(changes)[:4] == [2, 4, 8, 16]
+    assert caps(changes)[4] == 8 and "against 8" in changes[4][2]
+
+
+def test_kv_fit_is_the_ceiling_and_follows_the_projection():
+    box = Box(linear_then_flat(1000), kv_tokens=100_000, context=10_000)
+    ctl = AutoController(max_cap=256, kv_target=0.9)
+    changes = drive(ctl, box, 60)
+    assert caps(changes) == [2, 4, 8, 9]
+    assert "9 conversations of 10,000 tokens fit" in changes[-1][2]
+    box.context = 15_000  # the conversations turned out longer: 6 fit now
+    later = drive(ctl, box, 30)
+    assert caps(later) == [6]
+    assert "conversations project to 15,000 tokens: 6 fit" in later[0][2]
+
+
+def test_preemptions_back_off_once_per_step_until_it_takes_effect():
+    box = Box(linear_then_flat(1000))
+    ctl = AutoController(max_cap=16, start_cap=16)
+    drive(ctl, box, 3)
+    box.extra = {"preemptions": 5.0}
+    changes = drive(ctl, box, 1)
+    assert caps(changes) == [12]
+    assert "5 preemptions in 1 s, KV 40%" in changes[0][2]
+    # the server preempts on while our 16 conversations drain to 12: no further cut until they have
+    for n in range(4):
+        box.extra = {"preemptions": 6.0 + n}
+        assert drive(ctl, box, 1) == []
+    assert box.running == 12
+    box.extra = {"preemptions": 20.0}
+    assert caps(drive(ctl, box, 1)) == [9]
+
+
+def test_requests_waiting_in_two_samples_cut_to_what_the_server_runs():
+    box = Box(linear_then_flat(1000))
+    ctl = AutoController(max_cap=32, start_cap=16)
+    drive(ctl, box, 2)
+    box.extra = {"waiting": 4.0, "server_running": 12.0}
+    changes = drive(ctl, box, 2)
+    assert caps(changes) == [12]
+    assert "4 requests waiting at the server, it runs 12" in changes[0][2]
+
+
+def test_a_single_sample_with_a_request_waiting_is_not_a_queue():
+    box = Box(linear_then_flat(1000))
+    ctl = AutoController(max_cap=32, start_cap=16)
+    drive(ctl, box, 2)
+    box.extra = {"waiting": 1.0}
+    assert drive(ctl, box, 1) == []
+    box.extra = {}
+    assert all(cap >= 16 for cap in caps(drive(ctl, box, 5)))
+
+
+def test_429s_halve_the_cap_and_it_grows_back_only_by_probing():
+    box = Box(linear_then_flat(1000), metrics=False)
+    ctl = AutoController(max_cap=64, start_cap=32)
+    drive(ctl, box, 3)
+    box.extra = {"errors": 3}
+    changes = drive(ctl, box, 1)
+    assert caps(changes) == [16] and "3 answers HTTP 429/503" in changes[0][2]
+    # more rejections while 32 conversations drain to 16 do not cut again
+    box.extra = {"errors": 5}
+    assert drive(ctl, box, 5) == []
+    later = drive(ctl, box, 200)
+    assert later and all("probing upward" in r or "probe to" in r for _, _, r in later)
+    assert caps(later)[0] == 20
+
+
+def test_without_metrics_a_rising_ttft_means_requests_queue():
+    box = Box(linear_then_flat(1000), metrics=False)
+    ctl = AutoController(max_cap=64, start_cap=16)
+    box.extra = {"ttft_p50": 0.5}
+    drive(ctl, box, 10)
+    assert ctl.ttft_best == 0.5
+    before = ctl.cap
+    box.extra = {"ttft_p50": 3.0}
+    changes = drive(ctl, box, 10)
+    assert caps(changes)[0] == before * 3 // 4 and "TTFT p50 3.0 s against 0.5 s" in changes[0][2]
+
+
+def test_a_server_restart_is_not_a_burst_of_preemptions_and_a_down_server_freezes_the_cap():
+    box = Box(linear_then_flat(1000))
+    ctl = AutoController(max_cap=64, start_cap=16)
+    box.extra = {"preemptions": 50.0}
+    drive(ctl, box, 3)
+    box.extra = {"server_ok": False, "waiting": None, "preemptions": None}
+    assert drive(ctl, box, 10) == []  # down: nothing it says is about the cap
+    box.extra = {"preemptions": 0.0}  # back, its counters from zero
+    assert drive(ctl, box, 3) == []
+    box.extra = {"preemptions": 2.0}  # counted from the restart
+    changes = drive(ctl, box, 1)
+    assert caps(changes) == [12] and "2 preemptions" in changes[0][2]
+
+
+def test_llama_slots_are_a_ceiling():
+    box = Box(linear_then_flat(1000))
+    box.extra = {"slots": 4}
+    ctl = AutoController(max_cap=64, start_cap=8)
+    changes = drive(ctl, box, 30)
+    assert caps(changes)[0] == 4 and "4 slots" in changes[0][2]
+    assert ctl.cap == 4
+
+
+def test_an_upward_probe_that_gains_nothing_goes_back():
+    box = Box(linear_then_flat(16))
+    ctl = AutoController(max_cap=64, start_cap=16)
+    changes = drive(ctl, box, 60)
+    assert caps(changes)[:2] == [20, 16]
+    assert "probing upward" in changes[0][2] and "probe to 20: throughput +0%, back to 16" in changes[1][2]
+
+
+def test_an_upward_probe_that_gains_stays():
+    box = Box(linear_then_flat(1000))
+    ctl = AutoController(max_cap=64, start_cap=16)
+    changes = drive(ctl, box, 40)
+    assert caps(changes)[:2] == [20, 25]
+
+
+def test_nothing_grows_without_a_queue():
+    box = Box(linear_then_flat(1000), queue=3)
+    ctl = AutoController(max_cap=64)
+    changes = drive(ctl, box, 60)
+    assert max(caps(changes)) <= 4
+
+
+def test_the_operator_ceiling_caps_it_and_resume_keeps_what_it_learned():
+    box = Box(linear_then_flat(1000))
+    ctl = AutoController(max_cap=64)
+    drive(ctl, box, 20)
+    assert ctl.cap > 4
+    change = ctl.set_ceiling(3)
+    assert change is not None and change.cap == 3 and "ceiling 3" in change.reason
+    assert all(cap <= 3 for cap in caps(drive(ctl, box, 30)))
+    again = ctl.resume()
+    assert again.cap == 3 and "where it left off" in again.reason
+
+
+def test_signals_are_immutable_snapshots():
+    s = Signals(t=1.0, tokens=0, running=0, queued=0)
+    assert replace(s, running=2).running == 2 and s.running == 0
