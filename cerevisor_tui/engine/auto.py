@@ -227,7 +227,7 @@ class AutoController:
         if s.ttft_p50 is not None and not demand_limited:
             self.ttft_best = s.ttft_p50 if self.ttft_best is None else min(self.ttft_best, s.ttft_p50)
         fit = self._fit(s)
-        upper = min(self.ceiling, fit if fit is not None else self.max_cap)
+        upper = min(self.ceiling, fit if fit is not None else self.max_cap, s.slots or self.max_cap)
         kv = f", KV {pct(w.kv)}" if w.kv is not None else ""
         # the projection grew (or the ceiling fell) past this cap: hold admissions down to what fits
         if fit is not None and cap > fit and cap - fit >= max(1, cap // 10) and s.queued > 0:

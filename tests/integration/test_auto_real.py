@@ -1,0 +1,95 @@
+"""Auto mode against real servers: vLLM under KV pressure (4,096 KV tokens, 4 sequences) and llama-server
+(4 slots). It starts low, grows, and settles where the server says: at the number of conversations that
+fit in vLLM's KV cache, below its sequence limit when requests queue there, and at llama-server's slots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.integration.checks import engine_for, run_engine
+from tests.integration.servers import MODEL, ServerProcess
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def auto_config(base_url: str, name: str, agents: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "run": {"mode": "auto", "metrics_interval_s": 0.25},
+        "stall": {"first_byte_timeout_s": 300.0, "idle_timeout_s": 120.0},
+        "endpoints": [{"name": name, "base_url": base_url, "model": MODEL, "max_concurrency": 16}],
+        "agents": agents,
+    }
+
+
+def cap_changes(seen: list[Any], endpoint: str) -> list[Any]:
+    return [e for e in seen if e.kind == "ConcurrencyChanged" and e.endpoint == endpoint]
+
+
+def story(changes: list[Any]) -> str:
+    return "\n".join(f"{c.effective_cap}: {c.reason}" for c in changes)
+
+
+@pytest.mark.anyio
+async def test_vllm_auto_settles_where_the_conversations_fit_and_keeps_their_prefixes(vllm_pressure: ServerProcess):
+    """12 agents of three ~550-token turns: about 2 of their conversations fit in 4,096 KV tokens. The probe
+    of short single-turn requests says 4 (the sequence limit), where each agent's prefix is evicted before
+    its next turn; auto stops at the fit, from the server's reported capacity and the agents' own shape."""
+    words = "the" + " the" * 519  # 520 tokens of the tiny model's vocabulary
+    agents = [{"name": f"a{i}", "system": f"You are agent {i}.", "prompt": f"{i} first: {words}",
+               "turns": [f"{i} second: {words}", f"{i} third: {words}"], "max_tokens": 24, "retries": 0}
+              for i in range(12)]
+    engine = engine_for(auto_config(vllm_pressure.base_url, "vllm", agents))
+    hits_before = vllm_pressure.metric("vllm:prefix_cache_hits_total")
+    queries_before = vllm_pressure.metric("vllm:prefix_cache_queries_total")
+
+    code, seen = await run_engine(engine, timeout_s=500)
+    assert code == 0, [f"{e.agent}: {e.error}" for e in seen if e.kind == "AgentFinished" and e.status != "completed"]
+    changes = cap_changes(seen, "vllm")
+    assert changes[0].effective_cap == 1, story(changes)
+    caps = [c.effective_cap for c in changes]
+    # the conversations' length as vLLM counted it: the last turn's prompt plus its answer
+    last_turns = [e for e in seen if e.kind == "TurnFinished" and e.turn == 3]
+    context = max(e.prompt_tokens + e.completion_tokens for e in last_turns)
+    fit = int(0.9 * 4096 // context)
+    assert 1 <= fit < 4, f"the workload does not have the shape this test is about: {context} tokens a conversation"
+    assert max(caps) <= fit and caps[-1] == fit, story(changes)
+    assert any("fit" in c.reason for c in changes), story(changes)
+    # the journal's reasons are the events' reasons
+    report = engine.report.to_dict()["caps"]["vllm"]
+    assert [h["reason"] for h in report["history"]] == [c.reason for c in changes]
+    hits = vllm_pressure.metric("vllm:prefix_cache_hits_total") - hits_before
+    queries = vllm_pressure.metric("vllm:prefix_cache_queries_total") - queries_before
+    assert queries > 0 and hits / queries > 0.3, f"prefix hits {hits:.0f} of {queries:.0f} prompt tokens"
+
+
+@pytest.mark.anyio
+async def test_vllm_auto_backs_off_to_what_runs_when_requests_wait(vllm_pressure: ServerProcess):
+    """Short agents fit by the dozen, but vLLM runs 4 sequences at once: past 4 the rest wait in its queue,
+    and auto comes back down to what the server runs."""
+    agents = [{"name": f"s{i}", "prompt": f"Count from {i} onwards, slowly.", "max_tokens": 96, "retries": 0}
+              for i in range(48)]
+    engine = engine_for(auto_config(vllm_pressure.base_url, "vllm", agents))
+    code, seen = await run_engine(engine, timeout_s=500)
+    assert code == 0
+    changes = cap_changes(seen, "vllm")
+    caps = [c.effective_cap for c in changes]
+    assert caps[0] == 1 and max(caps) > 4, story(changes)
+    waited = [c for c in changes if "waiting at the server" in c.reason]
+    assert waited, story(changes)
+    after = caps[changes.index(waited[0]):]
+    assert all(cap <= 5 for cap in after) and 3 <= caps[-1] <= 5, story(changes)
+    assert not [e for e in seen if e.kind == "AgentKilled"]
+
+
+@pytest.mark.anyio
+async def test_llama_auto_settles_at_its_slot_count(llama: ServerProcess):
+    agents = [{"name": f"l{i}", "prompt": f"Tell story {i}.", "turns": ["Go on."], "max_tokens": 48, "retries": 0}
+              for i in range(24)]
+    engine = engine_for(auto_config(llama.base_url, "llama", agents))
+    code, seen = await run_engine(engine, timeout_s=500)
+    assert code == 0
+    changes = cap_changes(seen, "llama")
+    caps = [c.effective_cap for c in changes]
+    assert caps[0] == 1 and caps[-1] == 4 and max(caps) <= 4, story(changes)
