@@ -24,6 +24,9 @@ def apply_overrides(config: Config, args: Any, *, file: str) -> Config:
         data["run"]["mode"] = args.mode
     if args.concurrency is not None:
         data["run"]["max_concurrency"] = args.concurrency
+        if data["run"]["mode"] == "auto":  # in auto mode the cap is found live: N is its ceiling
+            data["run"]["auto"]["max_cap"] = args.concurrency
+            data["run"]["auto"]["min_cap"] = min(data["run"]["auto"]["min_cap"], args.concurrency)
     for ep in data["endpoints"]:
         if args.endpoint:
             ep["base_url"] = args.endpoint
