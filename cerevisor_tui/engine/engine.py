@@ -431,17 +431,25 @@ class Engine:
             self._samples[endpoint] += 1
             self.emit(sample)
             previous = m or previous
-            if m is not None and m.kv_cache_size_tokens:
-                self._server_capacity(endpoint, m.kv_cache_size_tokens)
+            self._refresh_fit(endpoint, m.kv_cache_size_tokens if m is not None else None)
             await anyio.sleep(self.config.run.metrics_interval_s)
 
-    def _server_capacity(self, endpoint: str, kv_cache_tokens: float) -> None:
+    def _refresh_fit(self, endpoint: str, server_kv_tokens: float | None) -> None:
+        """How many conversations fit: the server's own KV capacity when it reports one (else the configured
+        estimate's), over the conversation length `[endpoints.capacity] context_tokens` gives, or else the
+        one the agents' own conversations project to (their live context and their turns to come)."""
         current = self.load.get(endpoint)
         context = (self.endpoints[endpoint].capacity.context_tokens or int(self.projected_context(endpoint) or 0)
                    or (current.context_tokens if current else 0))
-        if context and (current is None or current.source != "server" or current.kv_capacity_tokens != kv_cache_tokens
-                        or current.context_tokens != context):
-            self.load[endpoint] = load.from_server(kv_cache_tokens, context, current)
+        if not context:
+            return
+        if server_kv_tokens:
+            if (current is None or current.source != "server" or current.kv_capacity_tokens != server_kv_tokens
+                    or current.context_tokens != context):
+                self.load[endpoint] = load.from_server(server_kv_tokens, context, current)
+        elif current is not None and current.context_tokens != context:
+            self.load[endpoint] = dataclasses.replace(
+                current, context_tokens=context, conversations_fit=current.kv_capacity_tokens // context)
 
     async def probe(self, endpoint: str, *, on_progress: Callable[[str], None] | None = None,
                     on_level: Callable[[Any], None] | None = None, max_concurrency: int | None = None) -> Any:
