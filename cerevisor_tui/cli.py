@@ -84,23 +84,39 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         help="measure what an endpoint sustains and recommend mode and cap",
         description="Check an endpoint (health, models, metrics) and sweep concurrency 1, 2, 4, ... to find its knee.",
         epilog="examples:\n  cerevisor-tui probe http://127.0.0.1:8000/v1 --max-concurrency 64\n"
-        "  cerevisor-tui --config team.toml probe --json      the first configured endpoint\n\n"
+        "  cerevisor-tui --config team.toml probe --json      the first configured endpoint\n"
+        "  cerevisor-tui probe --workflow team.toml            conversations like team.toml's agents\n\n"
         "Each level keeps N streamed requests in flight for --level-seconds and at least 2 x N requests, and\n"
         "measures output tokens/s and TTFT p50/p95 while reading the server's /metrics. The sweep stops past\n"
         "the knee: the server queues requests, two levels in a row add under 15% throughput, TTFT p50 grows\n"
         "over 4x level 1's, or requests fail. Bounds: --max-requests in all (default 1000), --max-seconds in\n"
-        "all (default 180), 60 s per request. Progress goes to stderr; the table or JSON to stdout.\n"
+        "all (default 180), 60 s per request. Progress goes to stderr; the table or JSON to stdout.\n\n"
+        "--workflow FILE replays the agents of a workflow config instead: at each level, max(N, 4) conversations\n"
+        "with their system prompt and prompt sizes, their follow-up turns (the whole conversation resent each\n"
+        "turn) and their max_tokens, N at a time, each with its own text so no cache hit is an accident. The\n"
+        "table adds the server's prefix-cache hit rate per level, and the cap is the highest level whose hits\n"
+        "stay near the best level's (within 15 points) with throughput within 10% of the best: past it, each\n"
+        "agent's prefix is evicted before its next turn (when no level has both, prefixes win and the reason\n"
+        "says what throughput that costs). A server without prefix-cache metrics is judged on throughput and\n"
+        "TTFT. Without URL it probes the endpoint most agents use. Default --max-seconds: 600.\n\n"
+        "Every finished probe saves its cap for that URL and model in the user state dir (probes.json).\n"
         "exit codes: 0 measured; 1 the endpoint is unusable (one line says why); 2 usage or config error.",
         formatter_class=_formatter,
     )
-    probe.add_argument("url", nargs="?", metavar="URL", help="base URL (…/v1); default: the first configured endpoint")
+    probe.add_argument("url", nargs="?", metavar="URL",
+                       help="base URL (…/v1); default: the first configured endpoint, or with --workflow the one "
+                            "its agents use")
+    probe.add_argument("--workflow", metavar="FILE",
+                       help="workflow config (TOML) whose [[agents]] shape the probe's conversations")
     probe.add_argument("--max-concurrency", type=int, default=64, metavar="N", help="highest level of the sweep (default 64)")
     probe.add_argument("--model", metavar="ID", help="model id (default: the first of /v1/models)")
     probe.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
-    probe.add_argument("--max-tokens", type=int, default=64, metavar="N", help="tokens per probe request (default 64)")
+    probe.add_argument("--max-tokens", type=int, metavar="N",
+                       help="tokens per probe request (default 64); with --workflow, the most per answer "
+                            "(default: each agent's max_tokens)")
     probe.add_argument("--level-seconds", type=float, default=2.0, metavar="S", help="least time each level runs (default 2)")
     probe.add_argument("--max-requests", type=int, default=1000, metavar="N", help="most requests in all, warm-up included (default 1000)")
-    probe.add_argument("--max-seconds", type=float, default=180.0, metavar="S", help="most seconds in all (default 180)")
+    probe.add_argument("--max-seconds", type=float, metavar="S", help="most seconds in all (default 180; with --workflow 600)")
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
 
     est = sub.add_parser(

@@ -15,6 +15,13 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(autouse=True)
+def _no_user_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep every test (and the commands it starts) out of the real user state dir: saved probe
+    recommendations and run directories land in a temp dir. A test that sets its own wins."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
+
+
 @pytest.fixture(params=[False, True], ids=["in-process", "stream-process"])
 def stream_process(request: pytest.FixtureRequest) -> bool:
     """Run the test both ways: the engine reading its streams itself, and through its stream worker process."""

@@ -1,5 +1,7 @@
-"""`cerevisor-tui probe [URL]`: measure what an endpoint sustains and recommend a mode and a cap.
+"""`cerevisor-tui probe [URL] [--workflow FILE]`: measure what an endpoint sustains and recommend a mode and a cap.
 
+With --workflow, the sweep replays conversations shaped like the workflow's agents (conversation mode)
+and the cap is where their prefixes survive between turns; without it, short single-turn requests.
 Progress goes to stderr as the sweep runs; the table (or, with --json, one JSON object) goes to stdout.
 Exit codes: 0 measured, 1 the endpoint is unusable, 2 a usage or config error.
 """
@@ -9,24 +11,31 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import Counter
+from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 import anyio
 
-from cerevisor_tui.config import ConfigError, SimSettings, load_config
+from cerevisor_tui.config import AgentConfig, Config, ConfigError, EndpointConfig, SimSettings, load_config
 from cerevisor_tui.config.checks import is_loopback
 from cerevisor_tui.config.paths import find_config
 
 PROG = "cerevisor-tui probe"
+SINGLE_TURN_MAX_SECONDS = 180.0
+CONVERSATION_MAX_SECONDS = 600.0  # conversations of real agent turns take longer than short requests
 
 
 class _Target:
-    """What to probe: a base URL (or a simulator to start), its key and model."""
+    """What to probe: a base URL (or a simulator to start), its key and model, and (conversation mode)
+    the agents whose conversations to replay."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
-                 sim: SimSettings | None = None, label: str = "") -> None:
+                 sim: SimSettings | None = None, label: str = "", agents: list[AgentConfig] | None = None) -> None:
         self.base_url, self.api_key, self.model, self.sim, self.label = base_url, api_key, model, sim, label
+        self.agents = agents or []
+        self.note = ""  # said on stderr once the probe starts
 
 
 def main(args: Any) -> int:
@@ -34,11 +43,16 @@ def main(args: Any) -> int:
 
     try:
         target = _target(args)
+        conversation = bool(target.agents)
+        max_tokens = getattr(args, "max_tokens", None)
+        max_seconds = getattr(args, "max_seconds", None)
         settings = ProbeSettings(
             max_concurrency=args.max_concurrency,
-            max_tokens=args.max_tokens,
+            max_tokens=ProbeSettings.max_tokens if max_tokens is None else max_tokens,
+            turn_max_tokens=max_tokens if conversation else None,
             max_requests=getattr(args, "max_requests", ProbeSettings.max_requests),
-            max_seconds=getattr(args, "max_seconds", ProbeSettings.max_seconds),
+            max_seconds=max_seconds if max_seconds is not None else (
+                CONVERSATION_MAX_SECONDS if conversation else SINGLE_TURN_MAX_SECONDS),
             level_s=getattr(args, "level_seconds", ProbeSettings.level_s),
         )
     except (ConfigError, ValueError) as exc:
@@ -49,13 +63,17 @@ def main(args: Any) -> int:
 
 def _flag_text(exc: Exception) -> str:
     text = str(exc)
-    for name, flag in (("max_concurrency", "max-concurrency"), ("max_tokens", "max-tokens"),
-                       ("max_requests", "max-requests"), ("max_seconds", "max-seconds"), ("level_s", "level-seconds")):
+    for name, flag in (("max_concurrency", "max-concurrency"), ("turn_max_tokens", "max-tokens"),
+                       ("max_tokens", "max-tokens"), ("max_requests", "max-requests"), ("max_seconds", "max-seconds"),
+                       ("level_s", "level-seconds")):
         text = text.replace(name, "--" + flag)
     return text
 
 
 def _target(args: Any) -> _Target:
+    workflow = getattr(args, "workflow", None)
+    if workflow:
+        return _workflow_target(args, Path(workflow))
     key_env = args.api_key_env
     if args.url:
         url = _normalize(args.url)
@@ -69,14 +87,49 @@ def _target(args: Any) -> _Target:
     if not config.endpoints:
         raise ConfigError("no URL given and the config has no [[endpoints]] to probe", file=str(path),
                           key="endpoints")
-    ep = config.endpoints[0]
+    return _endpoint_target(args, config.endpoints[0], f"endpoint {config.endpoints[0].name!r} from {path}")
+
+
+def _workflow_target(args: Any, path: Path) -> _Target:
+    """Conversation mode: the workflow's agents, against URL or else the endpoint most of them use."""
+    config = load_config(path)
+    if not config.agents:
+        raise ConfigError("no [[agents]] to shape the probe's conversations (--workflow needs a workflow)",
+                          file=str(path), key="agents")
+    if args.url:
+        url = _normalize(args.url)
+        key = _key(args.api_key_env, url, allow_insecure=False) if args.api_key_env else None
+        return _Target(url, api_key=key, model=args.model, agents=list(config.agents),
+                       label=f"{_agents(len(config.agents))} of {path}")
+    name = _busiest_endpoint(config)
+    agents = [a for a in config.agents if config.agent_endpoint(a).name == name]
+    target = _endpoint_target(args, config.endpoint(name), f"endpoint {name!r}, {_agents(len(agents))} of {path}",
+                              agents)
+    others = len(config.agents) - len(agents)
+    if others:
+        target.note = (f"{_agents(others)} on other endpoints left out; probe them with "
+                       f"`{PROG} URL --workflow {path}`")
+    return target
+
+
+def _busiest_endpoint(config: Config) -> str:
+    """The endpoint most agents use (the first of them on a tie)."""
+    counts = Counter(config.agent_endpoint(a).name for a in config.agents)
+    return max(counts, key=lambda name: counts[name])
+
+
+def _endpoint_target(args: Any, ep: EndpointConfig, label: str, agents: list[AgentConfig] | None = None) -> _Target:
     model = args.model or ep.model or None
-    key_env = key_env or ep.api_key_env
+    key_env = args.api_key_env or ep.api_key_env
     if ep.kind == "simulated" and not ep.base_url:
-        return _Target("", model=model, sim=ep.sim, label=f"endpoint {ep.name!r} (built-in simulator)")
+        return _Target("", model=model, sim=ep.sim, label=f"{label} (built-in simulator)", agents=agents)
     url = _normalize(ep.base_url)
     key = _key(key_env, url, allow_insecure=ep.allow_insecure_http) if key_env else None
-    return _Target(url, api_key=key, model=model, label=f"endpoint {ep.name!r} from {path}")
+    return _Target(url, api_key=key, model=model, label=label, agents=agents)
+
+
+def _agents(n: int) -> str:
+    return f"{n} agent{'s' * (n != 1)}"
 
 
 def _normalize(url: str) -> str:
@@ -103,10 +156,10 @@ async def _main(target: _Target, settings: Any, as_json: bool) -> int:
     from contextlib import AsyncExitStack
 
     from cerevisor_tui.endpoints.client import build_client
-    from cerevisor_tui.endpoints.probe import EndpointUnusable, probe
+    from cerevisor_tui.endpoints.probe import EndpointUnusable, probe_conversations
 
     out, err = sys.stdout, sys.stderr
-    table = _Table(out) if not as_json else None
+    table = _Table(out, conversation=bool(target.agents)) if not as_json else None
     async with AsyncExitStack() as stack:
         base_url = target.base_url
         if target.sim is not None:
@@ -116,12 +169,15 @@ async def _main(target: _Target, settings: Any, as_json: bool) -> int:
             base_url = server.base_url
         if target.label:
             print(f"probing {target.label}: {base_url}", file=err)
+        if target.note:
+            print(f"  {target.note}", file=err)
         client = await stack.enter_async_context(build_client(settings.max_concurrency, target.api_key))
         try:
-            result = await probe(
-                client, base_url, model=target.model, settings=settings,
+            # no agents: the single-turn probe; a simulator started here has no address worth remembering
+            result = await probe_conversations(
+                client, base_url, target.agents, model=target.model, settings=settings,
                 on_progress=lambda line: print(f"  {line}", file=err, flush=True),
-                on_level=table.row if table else None,
+                on_level=table.row if table else None, save=target.sim is None,
             )
         except EndpointUnusable as exc:
             print(f"{PROG}: {base_url}: {exc.problem}", file=err)
@@ -137,26 +193,33 @@ async def _main(target: _Target, settings: Any, as_json: bool) -> int:
 
 
 class _Table:
-    """The sweep as a table, one row printed as each level completes."""
+    """The sweep as a table, one row printed as each level completes; conversation mode adds how many
+    conversations ran, the server's prefix-cache hit rate and its preemptions."""
 
     HEAD = (f"{'conc':>5} {'requests':>8} {'failed':>6} {'tokens/s':>10} {'gain':>6} {'TTFT p50':>9} "
             f"{'TTFT p95':>9} {'running':>7} {'waiting':>7} {'KV use':>6}")
+    CONVERSATION_HEAD = f"{'convs':>5} {'prefix hits':>11} {'preempt':>7}"
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, *, conversation: bool = False) -> None:
         self.out = out
+        self.conversation = conversation
         self.previous: float | None = None
         self.started = False
 
     def row(self, level: Any) -> None:
         if not self.started:
-            print(self.HEAD, file=self.out)
+            print(self.HEAD + (" " + self.CONVERSATION_HEAD if self.conversation else ""), file=self.out)
             self.started = True
         gain = "-" if not self.previous else f"{level.output_tokens_per_s / self.previous - 1:+.0%}"
         self.previous = level.output_tokens_per_s
+        extra = ""
+        if self.conversation:
+            hits = "-" if level.prefix_hit_rate is None else f"{level.prefix_hit_rate:.0%}"
+            extra = f" {_n(level.conversations):>5} {hits:>11} {_n(level.preemptions):>7}"
         print(
             f"{level.concurrency:>5} {level.requests:>8} {level.failed:>6} {level.output_tokens_per_s:>10,.1f} "
             f"{gain:>6} {_s(level.ttft_p50_s):>9} {_s(level.ttft_p95_s):>9} {_n(level.server_running_max):>7} "
-            f"{_n(level.server_waiting_max):>7} {_ratio(level.kv_cache_usage_max):>6}"
+            f"{_n(level.server_waiting_max):>7} {_ratio(level.kv_cache_usage_max):>6}{extra}"
             + ("  (cut short by --max-seconds)" if not level.complete else ""),
             file=self.out, flush=True,
         )
@@ -169,6 +232,8 @@ class _Table:
         if result.kv_cache_tokens:
             facts.append(f"KV cache {result.kv_cache_tokens:,} tokens")
         print(f"\n{', '.join(facts)}; {result.total_requests} requests in {result.elapsed_s:.1f} s", file=out)
+        if result.mode == "conversation":
+            print(f"conversations shaped like the workflow's {_agents(result.agents)}", file=out)
         cap = result.recommended_concurrency
         print(f"recommended: {result.recommended_mode}, max_concurrency = {cap}", file=out)
         print(f"why: {result.reason}", file=out)

@@ -23,6 +23,11 @@ def default_runs_dir() -> Path:
     return user_state_path(APP) / "runs"
 
 
+def probe_store_file() -> Path:
+    """The saved probe recommendations, by endpoint and model (endpoints/probe_store.py)."""
+    return user_state_path(APP) / "probes.json"
+
+
 def find_config(explicit: str | None) -> Path | None:
     """The config file in force: --config, $CEREVISOR_TUI_CONFIG, ./cerevisor.toml, the user config dir."""
     if explicit:

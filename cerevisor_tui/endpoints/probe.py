@@ -1,9 +1,17 @@
 """Probe an endpoint: health, models, metrics kind, then a bounded concurrency sweep that finds the knee.
 
-The sweep runs levels 1, 2, 4, ... up to `max_concurrency`. At each level, that many workers send short
-streamed chat requests back to back (a closed loop) for at least `level_s` seconds, and the level
-reports aggregate output tokens/s (counted while every worker is busy) and TTFT p50/p95, while a
-poller reads the server's own running/waiting counts and KV use. The sweep stops past the knee:
+Two modes. Single-turn (`probe`): at each level 1, 2, 4, ... up to `max_concurrency`, that many workers
+send short streamed chat requests back to back (a closed loop) for at least `level_s` seconds.
+Conversation (`probe_conversations`): at each level, `conversations_at(level)` conversations shaped
+like the workflow's agents (their system prompt and prompt sizes, their follow-up turns, the growing
+conversation resent each turn, their max_tokens), that many at a time; each conversation's text starts
+with its own nonce, so no cache hit crosses conversations or levels by accident. Either way a level
+reports aggregate output tokens/s and TTFT p50/p95, while a poller reads the server's own running and
+waiting counts and KV use, and /metrics read before and after the level gives its prefix-cache hit
+rate and preemptions.
+
+The sweep stops past the knee (`judge_single_turn`, `judge_conversations`: pure functions of the levels
+measured so far, which also make the recommendation):
 
 - the server queued requests for most of the level (vLLM `num_requests_waiting`, llama.cpp
   `requests_deferred`, SGLang `num_queue_reqs`) and never ran as many as were sent: the cap is
@@ -13,31 +21,45 @@ poller reads the server's own running/waiting counts and KV use. The sweep stops
   level within `min_gain` of the best;
 - TTFT p50 blew up against level 1's (again only without a queue gauge): requests wait rather
   than run;
-- requests failed (HTTP 429/5xx, broken streams): the server refuses more.
+- requests failed (HTTP 429/5xx, broken streams): the server refuses more;
+- conversation mode: the prefix-cache hit rate fell out of the best level's band and throughput did
+  not pay for it. The cap is the highest level whose hit rate stays within `hit_tolerance` of the
+  best level's and whose throughput is within `throughput_tolerance` of the best throughput
+  (`recommend_conversations`): below the cache's cliff, where each agent's prefix survives until
+  its next turn. A server that reports no prefix-cache counters is judged on throughput and TTFT.
 
 Everything is bounded: total requests (`max_requests`), total time (`max_seconds`) and each request
 (`request_timeout_s`), so a probe never hangs on a wedged server. The caller owns the HTTP client
 (`build_client(max_concurrency, api_key)` sizes it) and may follow the sweep through `on_progress`
-and `on_level`.
+and `on_level`. A finished probe saves its recommendation (endpoints/probe_store.py) unless told not to.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import httpx
 
+from cerevisor_tui.config.graph import OUTPUT_REF
 from cerevisor_tui.endpoints.client import DELTA, ChatStream, list_models
 from cerevisor_tui.endpoints.errors import EndpointError
-from cerevisor_tui.endpoints.metrics import ServerStatus, read_server
+from cerevisor_tui.endpoints.metrics import MetricsSnapshot, ServerStatus, prefix_hit_rate, read_server
+
+if TYPE_CHECKING:
+    from cerevisor_tui.config.models import AgentConfig
 
 SLICE_S = 0.5  # throughput is the median over slices this long
 PROMPT = "Probe request {n}: count upward from 1 in words, separated by spaces, and do not stop."
+CHARS_PER_TOKEN = 4  # what a {{ name.output }} stand-in assumes (English text, most tokenizers)
+MIN_TOKENS_PER_S = 10.0  # conversation mode: a turn slower than this for its max_tokens has failed
+
+ProbeMode = Literal["single-turn", "conversation"]
 
 
 class EndpointUnusable(EndpointError):
@@ -63,6 +85,11 @@ class ProbeSettings:
     waiting_share: float = 0.25  # share of server samples with requests waiting that counts as queueing
     poll_interval_s: float = 0.1
     warmup: bool = True
+    # conversation mode
+    min_conversations: int = 4  # a level runs max(this, its concurrency) conversations
+    turn_max_tokens: int | None = None  # caps each turn's answer; None: each agent's own max_tokens
+    hit_tolerance: float = 0.15  # a prefix hit rate this far (absolute) below the best level's still holds
+    throughput_tolerance: float = 0.10  # ... and throughput this far (a fraction) below the best still holds
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -77,6 +104,10 @@ class ProbeSettings:
             raise ValueError("level_s must not be negative")
         if self.patience < 1:
             raise ValueError("patience must be at least 1")
+        if self.min_conversations < 1:
+            raise ValueError("min_conversations must be at least 1")
+        if self.turn_max_tokens is not None and self.turn_max_tokens < 1:
+            raise ValueError("turn_max_tokens must be at least 1")
 
     def levels(self) -> list[int]:
         """1, 2, 4, ... and max_concurrency itself when it is not a power of two."""
@@ -90,6 +121,10 @@ class ProbeSettings:
     def requests_at(self, concurrency: int) -> int:
         """The fewest requests a level sends (it sends more while level_s has not passed)."""
         return max(self.min_requests_per_level, self.rounds * concurrency)
+
+    def conversations_at(self, concurrency: int) -> int:
+        """Conversations a level runs in conversation mode, `concurrency` at a time."""
+        return max(self.min_conversations, concurrency)
 
 
 @dataclass(frozen=True)
@@ -111,11 +146,14 @@ class ProbeLevel:
     kv_cache_usage_max: float | None = None
     complete: bool = True  # False: the time budget cut it short
     first_error: str = ""
+    prefix_hit_rate: float | None = None  # server's prefix-cache hits / queries over the level; None: not reported
+    preemptions: int | None = None  # the server's preemptions during the level; None: not reported
+    conversations: int | None = None  # conversation mode: conversations run (requests counts their turns)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         for key in ("wall_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "stream_tokens_per_s",
-                    "server_waiting_share", "kv_cache_usage_max"):
+                    "server_waiting_share", "kv_cache_usage_max", "prefix_hit_rate"):
             if data[key] is not None:
                 data[key] = round(data[key], 4)
         return data
@@ -127,6 +165,8 @@ class ProbeResult:
 
     base_url: str
     model: str
+    mode: ProbeMode = "single-turn"
+    agents: int = 0  # conversation mode: agent shapes replayed
     server_kind: str = "unknown"
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
@@ -135,7 +175,7 @@ class ProbeResult:
     recommended_concurrency: int = 1
     recommended_mode: str = "sequential"
     reason: str = ""
-    stopped_because: str = ""  # knee | queue | ttft | errors | max_concurrency | max_requests | max_seconds
+    stopped_because: str = ""  # knee | queue | ttft | errors | prefix | max_concurrency | max_requests | max_seconds
     total_requests: int = 0
     elapsed_s: float = 0.0
     settings: ProbeSettings = field(default_factory=ProbeSettings)
@@ -144,12 +184,15 @@ class ProbeResult:
         s = self.settings
         return {
             "base_url": self.base_url,
+            "mode": self.mode,
+            "agents": self.agents,
             "server_kind": self.server_kind,
             "model": self.model,
             "max_model_len": self.max_model_len,
             "kv_cache_tokens": self.kv_cache_tokens,
             "health": self.health,
             "levels": [level.to_dict() for level in self.levels],
+            "prefix_hits_reported": any(lv.prefix_hit_rate is not None for lv in self.levels),
             "recommended_concurrency": self.recommended_concurrency,
             "recommended_mode": self.recommended_mode,
             "reason": self.reason,
@@ -157,9 +200,60 @@ class ProbeResult:
             "total_requests": self.total_requests,
             "elapsed_s": round(self.elapsed_s, 3),
             "bounds": {"max_concurrency": s.max_concurrency, "max_tokens": s.max_tokens,
-                       "max_requests": s.max_requests, "max_seconds": s.max_seconds,
-                       "request_timeout_s": s.request_timeout_s},
+                       "turn_max_tokens": s.turn_max_tokens, "max_requests": s.max_requests,
+                       "max_seconds": s.max_seconds, "request_timeout_s": s.request_timeout_s},
         }
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """What a judge concludes from the levels measured: the cap, why, and why the sweep ends."""
+
+    concurrency: int
+    reason: str
+    stopped_because: str
+
+    @property
+    def mode(self) -> str:
+        return "sequential" if self.concurrency <= 1 else "parallel"
+
+
+@dataclass(frozen=True)
+class ConversationShape:
+    """One agent's conversation as the probe replays it: its texts, its follow-ups, its answer length."""
+
+    name: str
+    system: str
+    prompt: str
+    turns: tuple[str, ...] = ()
+    max_tokens: int = 256
+    temperature: float = 0.7
+
+    @property
+    def requests(self) -> int:
+        return 1 + len(self.turns)
+
+
+def shapes_from_agents(agents: Sequence[AgentConfig]) -> list[ConversationShape]:
+    """The agents' conversations, with each {{ name.output }} replaced by text as long as that agent's
+    longest answer (its max_tokens), since the probe has no real answer to insert."""
+    longest = {a.name: a.max_tokens for a in agents}
+
+    def stand_in(text: str) -> str:
+        return OUTPUT_REF.sub(lambda m: _filler(longest.get(m.group(1), 256) * CHARS_PER_TOKEN), text)
+
+    return [ConversationShape(a.name, stand_in(a.system), stand_in(a.prompt), tuple(stand_in(t) for t in a.turns),
+                              a.max_tokens, a.temperature) for a in agents]
+
+
+def _filler(chars: int) -> str:
+    return ("the result of that step was " * (chars // 28 + 1))[:chars]
+
+
+def _stamped(text: str, nonce: str) -> str:
+    """`nonce` first and the text shortened by as much, so a long text keeps its length."""
+    keep = len(text) - len(nonce) if len(text) > 2 * len(nonce) else len(text)
+    return nonce + text[:keep]
 
 
 @dataclass
@@ -170,6 +264,7 @@ class _Request:
     tokens: int = 0
     error: str = ""
     delta_at: list[float] = field(default_factory=list)
+    text: str = ""  # the answer's content (conversation mode resends it)
 
     def tokens_between(self, start: float, end: float) -> float:
         """Output tokens that arrived in [start, end]; a delta may carry several (usage says how many)."""
@@ -219,6 +314,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 ProgressCallback = Callable[[str], None]
 LevelCallback = Callable[[ProbeLevel], None]
+Judge = Callable[..., Recommendation | None]
 
 
 async def probe(
@@ -230,15 +326,119 @@ async def probe(
     on_progress: ProgressCallback | None = None,
     on_level: LevelCallback | None = None,
     endpoint: str = "",
+    save: bool = True,
 ) -> ProbeResult:
-    """Probe `base_url` (…/v1) and recommend a mode and cap; raises EndpointUnusable when it cannot.
+    """Probe `base_url` (…/v1) with short single-turn requests and recommend a mode and cap; raises
+    EndpointUnusable when it cannot.
 
     `on_progress` gets one line per step (health, model, each level as it starts); `on_level` gets
-    each ProbeLevel as it completes. Cancel the surrounding scope to stop early.
+    each ProbeLevel as it completes. Cancel the surrounding scope to stop early. With `save`, the
+    recommendation is remembered for this base URL and model (probe_store).
     """
     settings = settings or ProbeSettings()
     endpoint = endpoint or base_url
     say = on_progress or (lambda line: None)
+    session = await _open(client, base_url, model, settings, say, endpoint)
+    one = _short_requests(client, session, endpoint)
+
+    async def run(c: int, left: int) -> ProbeLevel | None:
+        if left < settings.requests_at(c):
+            return None
+        say(f"level {c}: {c} at a time, {settings.requests_at(c)}+ requests, {settings.level_s:g}+ s")
+        return await _run_level(client, base_url, c, left, one, settings, session.deadline, session.watch_server)
+
+    await _warm_up(one, settings, session.deadline, endpoint)
+    await _sweep(session, run, judge_single_turn, on_level, endpoint)
+    return _finish(session, save, say)
+
+
+async def probe_conversations(
+    client: httpx.AsyncClient,
+    base_url: str,
+    agents: Sequence[AgentConfig],
+    *,
+    model: str | None = None,
+    settings: ProbeSettings | None = None,
+    on_progress: ProgressCallback | None = None,
+    on_level: LevelCallback | None = None,
+    endpoint: str = "",
+    save: bool = True,
+) -> ProbeResult:
+    """Probe `base_url` with conversations shaped like `agents` and recommend the cap at which their
+    prefixes survive between turns and throughput holds; no agents: the single-turn `probe`.
+
+    Conversation i of a level replays agent i modulo their number: its system prompt and first prompt,
+    then each follow-up turn with the conversation so far (the answers included) resent, at most
+    `turn_max_tokens` (else the agent's max_tokens) per answer. The rest is as for `probe`.
+    """
+    if not agents:
+        return await probe(client, base_url, model=model, settings=settings, on_progress=on_progress,
+                           on_level=on_level, endpoint=endpoint, save=save)
+    settings = settings or ProbeSettings()
+    endpoint = endpoint or base_url
+    say = on_progress or (lambda line: None)
+    shapes = shapes_from_agents(agents)
+    session = await _open(client, base_url, model, settings, say, endpoint)
+    result = session.result
+    result.mode, result.agents = "conversation", len(shapes)
+    probe_id = secrets.token_hex(4)
+
+    async def converse(c: int, i: int, done: list[_Request]) -> None:
+        shape = shapes[i % len(shapes)]
+        nonce = f"[cerevisor probe {probe_id}, level {c}, conversation {i + 1}]\n"
+        messages: list[dict[str, str]] = []
+        if shape.system:
+            messages.append({"role": "system", "content": _stamped(shape.system, nonce)})
+        first = shape.prompt if shape.system else _stamped(shape.prompt, nonce)
+        max_tokens = min(shape.max_tokens, settings.turn_max_tokens or shape.max_tokens)
+        # an agent's long answer is no failure: each turn may take what MIN_TOKENS_PER_S needs for it
+        timeout_s = max(settings.request_timeout_s, max_tokens / MIN_TOKENS_PER_S)
+        session_id = f"probe-{probe_id}-{c}-{i + 1}"  # a router keeps the conversation on one server
+        for n, user in enumerate((first, *shape.turns)):
+            messages = [*messages, {"role": "user", "content": user}]
+            body = {"model": result.model, "messages": messages, "stream": True,
+                    "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+                    "temperature": shape.temperature}
+            headers = {"X-Session-ID": session_id, "X-Request-ID": f"{session_id}-{n + 1}"}
+            req = await _send(client, endpoint, session.url, body, timeout_s, headers)
+            result.total_requests += 1
+            done.append(req)
+            if req.error:
+                return
+            messages = [*messages, {"role": "assistant", "content": req.text}]
+
+    async def run(c: int, left: int) -> ProbeLevel | None:
+        n = settings.conversations_at(c)
+        needed = sum(shapes[i % len(shapes)].requests for i in range(n))
+        if left < needed:
+            return None
+        say(f"level {c}: {n} conversations like the agents', {c} at a time ({needed} requests)")
+        return await _run_conversation_level(client, base_url, c, n, converse, settings, session.deadline,
+                                             session.watch_server)
+
+    turns = sorted({s.requests for s in shapes})
+    say(f"conversations: {len(shapes)} agent shape{'s' * (len(shapes) > 1)}, "
+        f"{'-'.join(map(str, (turns[0], turns[-1]) if len(turns) > 1 else turns))} turns each")
+    await _warm_up(_short_requests(client, session, endpoint), settings, session.deadline, endpoint)
+    await _sweep(session, run, judge_conversations, on_level, endpoint)
+    return _finish(session, save, say)
+
+
+@dataclass
+class _Session:
+    """One probe under way: the result it fills and its bounds."""
+
+    result: ProbeResult
+    settings: ProbeSettings
+    started: float
+    deadline: float
+    url: str
+    watch_server: bool
+
+
+async def _open(client: httpx.AsyncClient, base_url: str, model: str | None, settings: ProbeSettings,
+                say: ProgressCallback, endpoint: str) -> _Session:
+    """Health (waiting while the model loads), metrics kind and KV size, and the model to request."""
     started = time.monotonic()
     deadline = started + settings.max_seconds
     result = ProbeResult(base_url=base_url, model=model or "", settings=settings)
@@ -277,56 +477,80 @@ async def probe(
     extra = f", max_model_len {result.max_model_len:,}" if result.max_model_len else ""
     kv = f", KV cache {result.kv_cache_tokens:,} tokens" if result.kv_cache_tokens else ""
     say(f"model: {result.model}{extra}; metrics: {result.server_kind}{kv}")
+    return _Session(result, settings, started, deadline, base_url.rstrip("/") + "/chat/completions",
+                    watch_server=result.server_kind != "unknown")
 
-    watch_server = result.server_kind != "unknown"
-    url = base_url.rstrip("/") + "/chat/completions"
+
+def _short_requests(client: httpx.AsyncClient, session: _Session,
+                    endpoint: str) -> Callable[[int], Awaitable[_Request]]:
+    """Sends the single-turn probe's short requests (each its own numbered prompt), counting them."""
     counter = iter(range(1, 1 << 30))
+    result = session.result
 
     async def one(max_tokens: int) -> _Request:
-        n = next(counter)
-        body = {"model": result.model, "messages": [{"role": "user", "content": PROMPT.format(n=n)}],
+        body = {"model": result.model, "messages": [{"role": "user", "content": PROMPT.format(n=next(counter))}],
                 "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
-        req = _Request(sent_at=time.monotonic())
-        stream = ChatStream(client, endpoint, url, body, {"X-Cerevisor-Agent": "probe"})
-        with anyio.move_on_after(settings.request_timeout_s) as scope:
-            try:
-                async for kind, _payload in stream.events():
-                    if kind == DELTA:
-                        now = time.monotonic()
-                        req.delta_at.append(now)
-                        if req.first_at is None:
-                            req.first_at = now
-            except EndpointError as exc:
-                req.error = exc.problem
-        if scope.cancelled_caught:
-            req.error = f"no complete answer within {settings.request_timeout_s:g} s"
-        req.ended_at = time.monotonic()
-        req.tokens = stream.usage[1] if stream.usage else stream.tokens
+        req = await _send(client, endpoint, session.url, body, session.settings.request_timeout_s)
         result.total_requests += 1
         return req
 
-    if settings.warmup:
-        say("warm-up request")
-        req = None
-        with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
-            req = await one(min(settings.max_tokens, 16))
-            if req.error:
-                raise EndpointUnusable(endpoint, f"a chat request failed: {req.error}")
-        if req is None:
-            raise EndpointUnusable(endpoint, f"no answer to a chat request within {settings.max_seconds:g} s")
+    return one
 
-    previous: ProbeLevel | None = None
-    flat = 0
+
+async def _send(client: httpx.AsyncClient, endpoint: str, url: str, body: dict[str, Any], timeout_s: float,
+                headers: dict[str, str] | None = None) -> _Request:
+    """One streamed chat request, timed; its failure is in `error`, never raised."""
+    req = _Request(sent_at=time.monotonic())
+    text: list[str] = []
+    stream = ChatStream(client, endpoint, url, body, {"X-Cerevisor-Agent": "probe", **(headers or {})})
+    with anyio.move_on_after(timeout_s) as scope:
+        try:
+            async for kind, payload in stream.events():
+                if kind == DELTA:
+                    now = time.monotonic()
+                    req.delta_at.append(now)
+                    if req.first_at is None:
+                        req.first_at = now
+                    if payload and payload[0]:
+                        text.append(payload[0])
+        except EndpointError as exc:
+            req.error = exc.problem
+    if scope.cancelled_caught:
+        req.error = f"no complete answer within {timeout_s:g} s"
+    req.ended_at = time.monotonic()
+    req.tokens = stream.usage[1] if stream.usage else stream.tokens
+    req.text = "".join(text)
+    return req
+
+
+async def _warm_up(one: Callable[[int], Awaitable[_Request]], settings: ProbeSettings, deadline: float,
+                   endpoint: str) -> None:
+    """One short request first: a server that cannot answer at all is unusable, said plainly."""
+    if not settings.warmup:
+        return
+    req = None
+    with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+        req = await one(min(settings.max_tokens, 16))
+        if req.error:
+            raise EndpointUnusable(endpoint, f"a chat request failed: {req.error}")
+    if req is None:
+        raise EndpointUnusable(endpoint, f"no answer to a chat request within {settings.max_seconds:g} s")
+
+
+async def _sweep(session: _Session, run: Callable[[int, int], Awaitable[ProbeLevel | None]], judge: Judge,
+                 on_level: LevelCallback | None, endpoint: str) -> None:
+    """Run levels until `judge` says the sweep is past the knee or a bound ends it; record its verdict."""
+    result, settings = session.result, session.settings
+    verdict: Recommendation | None = None
+    ended = "max_concurrency"
     for c in settings.levels():
-        left = settings.max_requests - result.total_requests
-        if left < settings.requests_at(c):
-            result.stopped_because = "max_requests"
+        if time.monotonic() >= session.deadline:
+            ended = "max_seconds"
             break
-        if time.monotonic() >= deadline:
-            result.stopped_because = "max_seconds"
+        level = await run(c, settings.max_requests - result.total_requests)
+        if level is None:  # not enough requests left for this level
+            ended = "max_requests"
             break
-        say(f"level {c}: {c} at a time, {settings.requests_at(c)}+ requests, {settings.level_s:g}+ s")
-        level = await _run_level(client, base_url, c, left, one, settings, deadline, watch_server)
         if c == 1 and not level.requests:
             raise EndpointUnusable(endpoint, f"no chat request completed within {settings.max_seconds:g} s")
         if c == 1 and level.failed == level.requests:
@@ -334,45 +558,27 @@ async def probe(
         result.levels.append(level)
         if on_level is not None:
             on_level(level)
-        verdict = _past_knee(level, previous, result.levels[0], settings)
+        verdict = judge(result.levels, settings)
         if verdict is not None:
-            result.stopped_because, result.recommended_concurrency, result.reason = verdict
-            if verdict[0] in ("ttft", "errors") and len(result.levels) > 1:
-                # below the level that failed or queued, throughput may have flattened earlier
-                pick, why = _knee(result.levels[:-1], settings)
-                if pick < result.recommended_concurrency:
-                    result.recommended_concurrency = pick
-                    result.reason += f"; and below that, {why}"
             break
-        if not level.complete:
-            result.stopped_because = "max_seconds"
-            break
-        best = max(result.levels[:-1], key=lambda lv: lv.output_tokens_per_s, default=None)
-        flat = flat + 1 if best is not None and level.output_tokens_per_s < best.output_tokens_per_s * (
-            1 + settings.min_gain) else 0
-        # A server that reports its queue tells where its capacity ends; flat throughput before that is
-        # as likely noise on the host as a knee, so only a server without that signal stops on it.
-        if flat >= settings.patience and level.server_waiting_share is None:
-            result.stopped_because = "knee"
-            result.recommended_concurrency, result.reason = _knee(result.levels, settings)
-            break
-        previous = level
-    else:
-        result.stopped_because = "max_concurrency"
-    if result.stopped_because in ("max_concurrency", "max_requests", "max_seconds"):
-        usable = [lv for lv in result.levels if lv.complete and not lv.failed]
-        pick, why = _knee(usable, settings) if usable else (1, "")
-        if usable and pick < max(lv.concurrency for lv in usable):
-            result.recommended_concurrency, result.reason = pick, why
-        else:
-            result.recommended_concurrency = pick
-            limit = {"max_concurrency": f"the highest level tried ({settings.max_concurrency})",
-                     "max_requests": f"the request budget ({settings.max_requests} requests)",
-                     "max_seconds": f"the time budget ({settings.max_seconds:g} s)"}[result.stopped_because]
-            result.reason = (f"throughput still grew up to {pick} at once when the sweep reached {limit}; "
-                             "the server may carry more")
-    result.recommended_mode = "sequential" if result.recommended_concurrency <= 1 else "parallel"
-    result.elapsed_s = time.monotonic() - started
+    if verdict is None:
+        verdict = judge(result.levels, settings, ended=ended)
+    assert verdict is not None
+    result.recommended_concurrency, result.reason = verdict.concurrency, verdict.reason
+    result.stopped_because, result.recommended_mode = verdict.stopped_because, verdict.mode
+
+
+def _finish(session: _Session, save: bool, say: ProgressCallback) -> ProbeResult:
+    result = session.result
+    result.elapsed_s = time.monotonic() - session.started
+    if save:
+        from cerevisor_tui.endpoints.probe_store import save_recommendation
+
+        try:
+            save_recommendation(result.base_url, result.model, result.recommended_concurrency, result.mode,
+                                result.reason)
+        except OSError as exc:  # the measurement stands; only its memory is lost
+            say(f"could not save the recommendation: {exc.strerror or exc}")
     return result
 
 
@@ -388,7 +594,6 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
     watch = _ServerWatch()
     issued = [0]
     at_least = settings.requests_at(concurrency)
-    started = time.monotonic()
     stopped_sending: list[float] = []
 
     def more() -> bool:
@@ -410,6 +615,8 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
             watch.add(await read_server(client, base_url, timeout_s=1.0))
             await anyio.sleep(settings.poll_interval_s)
 
+    before = await _counters(client, base_url) if watch_server else None
+    started = time.monotonic()
     with anyio.move_on_after(max(0.0, deadline - started)) as cut:
         async with anyio.create_task_group() as group:
             if watch_server:
@@ -418,6 +625,7 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
                 for _ in range(concurrency):
                     workers.start_soon(worker)
             group.cancel_scope.cancel()
+    after = await _counters(client, base_url) if watch_server else None
     ok = [r for r in done if not r.error]
     failed = [r for r in done if r.error]
     ended = max((r.ended_at or started for r in done), default=time.monotonic())
@@ -450,7 +658,271 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
         kv_cache_usage_max=max(watch.kv) if watch.kv else None,
         complete=not cut.cancelled_caught,
         first_error=failed[0].error if failed else "",
+        **_level_counters(before, after),
     )
+
+
+async def _run_conversation_level(client: httpx.AsyncClient, base_url: str, concurrency: int, conversations: int,
+                                  converse: Callable[[int, int, list[_Request]], Awaitable[None]],
+                                  settings: ProbeSettings, deadline: float, watch_server: bool) -> ProbeLevel:
+    """`concurrency` workers run `conversations` conversations, each taking the next when its own ends.
+
+    As in a single-turn level, throughput is counted only while every worker still had a conversation
+    (until the first found none left), so levels whose last conversations end raggedly compare fairly.
+    """
+    done: list[_Request] = []
+    watch = _ServerWatch()
+    queue = iter(range(conversations))
+    first_idle: list[float] = []
+
+    async def worker() -> None:
+        for i in queue:  # shared: each worker takes the next conversation not yet started
+            await converse(concurrency, i, done)
+        first_idle.append(time.monotonic())
+
+    async def poll() -> None:
+        while True:
+            watch.add(await read_server(client, base_url, timeout_s=1.0))
+            await anyio.sleep(settings.poll_interval_s)
+
+    before = await _counters(client, base_url) if watch_server else None
+    started = time.monotonic()
+    with anyio.move_on_after(max(0.0, deadline - started)) as cut:
+        async with anyio.create_task_group() as group:
+            if watch_server:
+                group.start_soon(poll)
+            async with anyio.create_task_group() as workers:
+                for _ in range(min(concurrency, conversations)):
+                    workers.start_soon(worker)
+            group.cancel_scope.cancel()
+    after = await _counters(client, base_url) if watch_server else None
+    ok = [r for r in done if not r.error]
+    failed = [r for r in done if r.error]
+    ended = max((r.ended_at or started for r in done), default=time.monotonic())
+    window = (first_idle[0] if first_idle else ended) - started
+    if window <= 0 or not any(r.delta_at for r in done):
+        window = max(1e-9, ended - started)
+    n_slices = max(1, round(window / SLICE_S))
+    width = window / n_slices
+    slice_rates = [sum(r.tokens_between(started + i * width, started + (i + 1) * width) for r in done) / width
+                   for i in range(n_slices)]
+    ttfts = [r.first_at - r.sent_at for r in ok if r.first_at is not None]
+    rates = [(r.tokens - 1) / (r.ended_at - r.first_at) for r in ok
+             if r.first_at is not None and r.ended_at is not None and r.tokens > 1 and r.ended_at > r.first_at]
+    return ProbeLevel(
+        concurrency=concurrency,
+        requests=len(done),
+        failed=len(failed),
+        output_tokens=sum(r.tokens for r in ok),
+        wall_s=max(1e-9, ended - started),
+        output_tokens_per_s=percentile(slice_rates, 50) or 0.0,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p95_s=percentile(ttfts, 95),
+        stream_tokens_per_s=percentile(rates, 50),
+        server_running_max=max(watch.running) if watch.running else None,
+        server_waiting_max=max(watch.waiting) if watch.waiting else None,
+        server_waiting_share=watch.waiting_share(),
+        kv_cache_usage_max=max(watch.kv) if watch.kv else None,
+        complete=not cut.cancelled_caught,
+        first_error=failed[0].error if failed else "",
+        conversations=conversations,
+        **_level_counters(before, after),
+    )
+
+
+async def _counters(client: httpx.AsyncClient, base_url: str) -> MetricsSnapshot | None:
+    """The server's cumulative counters now (prefix cache, preemptions); None when it has no /metrics."""
+    return (await read_server(client, base_url, timeout_s=2.0)).metrics
+
+
+def _level_counters(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> dict[str, Any]:
+    """A level's prefix-cache hit rate and preemptions, from the counters read before and after it."""
+    if after is None:
+        return {}
+    preempted = None
+    if before is not None and before.preemptions is not None and after.preemptions is not None:
+        preempted = max(0, after.preemptions - before.preemptions)
+    return {"prefix_hit_rate": prefix_hit_rate(before, after), "preemptions": preempted}
+
+
+# ---- the judges: pure functions of the levels measured so far -------------------------------------
+
+def judge_single_turn(levels: list[ProbeLevel], settings: ProbeSettings, *,
+                      ended: str | None = None) -> Recommendation | None:
+    """After each level of a single-turn sweep: a Recommendation when the sweep is past the knee, else
+    None; with `ended` (max_concurrency, max_requests or max_seconds) the sweep ran out, and the
+    recommendation is made from what it measured."""
+    if ended is None and levels:
+        level = levels[-1]
+        previous = levels[-2] if len(levels) > 1 else None
+        verdict = _past_knee(level, previous, levels[0], settings)
+        if verdict is not None:
+            stopped, cap, why = verdict
+            if stopped in ("ttft", "errors") and len(levels) > 1:
+                # below the level that failed or queued, throughput may have flattened earlier
+                pick, below = _knee(levels[:-1], settings)
+                if pick < cap:
+                    cap, why = pick, f"{why}; and below that, {below}"
+            return Recommendation(cap, why, stopped)
+        if not level.complete:
+            ended = "max_seconds"
+        else:
+            # A server that reports its queue tells where its capacity ends; flat throughput before that
+            # is as likely noise on the host as a knee, so only a server without that signal stops on it.
+            if _flat_levels(levels, settings) >= settings.patience and level.server_waiting_share is None:
+                return Recommendation(*_knee(levels, settings), "knee")
+            return None
+    ended = ended or "max_concurrency"
+    usable = [lv for lv in levels if lv.complete and not lv.failed]
+    if not usable:
+        return Recommendation(1, _no_level(ended, settings), ended)
+    pick, why = _knee(usable, settings)
+    if pick < max(lv.concurrency for lv in usable):
+        return Recommendation(pick, why, ended)
+    return Recommendation(pick, f"throughput still grew up to {pick} at once when the sweep reached "
+                                f"{_limit(ended, settings)}; the server may carry more", ended)
+
+
+def judge_conversations(levels: list[ProbeLevel], settings: ProbeSettings, *,
+                        ended: str | None = None) -> Recommendation | None:
+    """After each level of a conversation sweep: a Recommendation when the sweep should stop, else None;
+    with `ended` the sweep ran out. The cap itself is `recommend_conversations`'."""
+    if ended is None and levels:
+        stop = _conversation_stop(levels, settings)
+        if stop is None and not levels[-1].complete:
+            stop = "max_seconds"
+        if stop is None:
+            return None
+        ended = stop
+    ended = ended or "max_concurrency"
+    if not levels:
+        return Recommendation(1, _no_level(ended, settings), ended)
+    cap, why = recommend_conversations(levels, settings)
+    top = max(lv.concurrency for lv in levels)
+    if cap == top and ended in ("max_concurrency", "max_requests", "max_seconds"):
+        why += f"; the sweep stopped at {_limit(ended, settings)}, so the server may carry more"
+    return Recommendation(cap, why, ended)
+
+
+def recommend_conversations(levels: list[ProbeLevel], settings: ProbeSettings) -> tuple[int, str]:
+    """The cap for agents shaped like the probe's conversations, and why: the highest level whose prefix
+    hit rate stays within `hit_tolerance` of the best level's and whose throughput is within
+    `throughput_tolerance` of the best throughput.
+
+    Levels that failed, queued (the server ran fewer than were sent) or were cut short are measured but
+    not candidates. When no candidate has both, prefixes win: the highest level that keeps them, with
+    the throughput it gives up said. A server that reports no prefix-cache counters is judged on
+    throughput and TTFT alone, as the single-turn probe judges it.
+    """
+    usable = [lv for lv in levels if lv.requests and not lv.failed and lv.complete and not _queued(lv, settings)]
+    if not usable:
+        first = levels[0] if levels else None
+        if first is not None and first.failed:
+            return 1, (f"at 1 at once {first.failed} of {first.requests} requests failed ({first.first_error}), "
+                       "so one at a time")
+        return 1, "no level ran cleanly (each failed, queued or was cut short), so one at a time"
+    best = max(usable, key=lambda lv: lv.output_tokens_per_s)
+    with_hits = [lv for lv in usable if lv.prefix_hit_rate is not None]
+    if not with_hits:
+        base = usable[0].ttft_p50_s
+        calm = [lv for lv in usable if not (base and lv.ttft_p50_s and lv.ttft_p50_s > settings.ttft_floor_s
+                                            and lv.ttft_p50_s > settings.ttft_blowup * base)] or usable[:1]
+        cap, why = _knee(calm, settings)
+        return cap, f"{why}; the server reports no prefix-cache hits, so this judges throughput and TTFT alone"
+    best_hits = max(lv.prefix_hit_rate or 0.0 for lv in with_hits)
+    floor_hits = best_hits - settings.hit_tolerance
+    keeps = [lv for lv in with_hits if (lv.prefix_hit_rate or 0.0) >= floor_hits]
+    floor_tps = best.output_tokens_per_s * (1 - settings.throughput_tolerance)
+    holds = [lv for lv in keeps if lv.output_tokens_per_s >= floor_tps]
+    pick = max(holds or keeps, key=lambda lv: lv.concurrency)
+    why = f"cap {pick.concurrency}: prefix hits {pick.prefix_hit_rate or 0.0:.0%}"
+    above = [lv for lv in levels if lv.concurrency > pick.concurrency]
+    hits_above = [lv for lv in above if lv.prefix_hit_rate is not None]
+    if hits_above:
+        why += " (" + ", ".join(f"{lv.prefix_hit_rate:.0%} at {lv.concurrency}" for lv in hits_above[:2]) + ")"
+    elif best_hits < 0.05:
+        why += " (these conversations have little to reuse)"
+    if pick is best:
+        why += f", {best.output_tokens_per_s:,.0f} tokens/s"
+    else:
+        share = pick.output_tokens_per_s / best.output_tokens_per_s if best.output_tokens_per_s else 1.0
+        why += (f", throughput {share:.0%} of the best ({best.output_tokens_per_s:,.0f} tokens/s at "
+                f"{best.concurrency})")
+    if not holds:
+        why += ("; more at once gives more throughput, but each agent's prefix is evicted before its next turn "
+                "and recomputed, a cost that grows with every turn")
+    elif above:
+        why += _beyond(above[0], floor_hits, settings)
+    return pick.concurrency, why
+
+
+def _beyond(level: ProbeLevel, floor_hits: float, settings: ProbeSettings) -> str:
+    """What went wrong at the level above the recommended one, as the end of its reason."""
+    c = level.concurrency
+    if level.failed:
+        return f"; at {c} at once {level.failed} of {level.requests} requests failed ({level.first_error})"
+    if level.prefix_hit_rate is not None and level.prefix_hit_rate < floor_hits:
+        return f"; at {c} each agent's prefix is evicted before its next turn"
+    if _queued(level, settings):
+        return f"; at {c} the server queued requests, running at most {level.server_running_max} at once"
+    if not level.complete:
+        return f"; {c} was cut short by the time budget"
+    return f"; {c} at once gave {level.output_tokens_per_s:,.0f} tokens/s"
+
+
+def _conversation_stop(levels: list[ProbeLevel], settings: ProbeSettings) -> str | None:
+    """Why a conversation sweep ends after its last level (errors, queue, prefix, ttft, knee), or None."""
+    level = levels[-1]
+    previous = levels[-2] if len(levels) > 1 else None
+    if level.failed:
+        return "errors"
+    if previous is not None and _queued(level, settings):
+        return "queue"
+    if level.prefix_hit_rate is not None:
+        best_hits = max(lv.prefix_hit_rate for lv in levels if lv.prefix_hit_rate is not None)
+        lost = 0
+        for lv in reversed(levels):
+            if lv.prefix_hit_rate is None or lv.prefix_hit_rate >= best_hits - settings.hit_tolerance:
+                break
+            lost += 1
+        if lost:
+            before = max((lv.output_tokens_per_s for lv in levels[:-1]), default=0.0)
+            # prefixes are lost from here on; go on only while that buys real throughput
+            if lost >= settings.patience or level.output_tokens_per_s < before * (1 + settings.min_gain):
+                return "prefix"
+        return None
+    if previous is None or level.server_waiting_share is not None:
+        return None
+    verdict = _past_knee(level, previous, levels[0], settings)
+    if verdict is not None:
+        return verdict[0]
+    return "knee" if _flat_levels(levels, settings) >= settings.patience else None
+
+
+def _queued(level: ProbeLevel, settings: ProbeSettings) -> bool:
+    """The server queued requests for most of the level while running fewer than were sent."""
+    share, ran = level.server_waiting_share, level.server_running_max
+    return (level.concurrency > 1 and share is not None and share >= settings.waiting_share and ran is not None
+            and ran < level.concurrency)
+
+
+def _flat_levels(levels: list[ProbeLevel], settings: ProbeSettings) -> int:
+    """How many levels in a row, up to the last, beat the best throughput before them by less than min_gain."""
+    flat = 0
+    for i in range(1, len(levels)):
+        best = max(lv.output_tokens_per_s for lv in levels[:i])
+        flat = flat + 1 if levels[i].output_tokens_per_s < best * (1 + settings.min_gain) else 0
+    return flat
+
+
+def _limit(ended: str, settings: ProbeSettings) -> str:
+    return {"max_concurrency": f"the highest level tried ({settings.max_concurrency})",
+            "max_requests": f"the request budget ({settings.max_requests} requests)",
+            "max_seconds": f"the time budget ({settings.max_seconds:g} s)"}.get(ended, ended)
+
+
+def _no_level(ended: str, settings: ProbeSettings) -> str:
+    return f"no level completed within {_limit(ended, settings)}, so one at a time"
 
 
 def _knee(levels: list[ProbeLevel], settings: ProbeSettings) -> tuple[int, str]:

@@ -77,11 +77,12 @@ async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
 
 @pytest.fixture
 def fast_probe(monkeypatch):
-    """Short probe levels (2 requests of 6 tokens at least), so a sweep takes about a second."""
+    """Short probe levels (2 requests or conversations, answers of 6 tokens), so a sweep takes about a second."""
     import cerevisor_tui.endpoints.probe as probe
 
     monkeypatch.setattr(probe, "ProbeSettings", functools.partial(
-        probe.ProbeSettings, level_s=0.0, rounds=1, min_requests_per_level=2, warmup=False, max_tokens=6))
+        probe.ProbeSettings, level_s=0.0, rounds=1, min_requests_per_level=2, warmup=False, max_tokens=6,
+        min_conversations=2, turn_max_tokens=6))
 
 
 @pytest.mark.anyio

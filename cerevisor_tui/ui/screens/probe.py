@@ -1,5 +1,7 @@
 """The probe dialog: offers to measure an endpoint before more agents run at once, sweeps it in a worker
 (the engine speaks HTTP, not us), shows each level as it completes, and applies the recommended cap.
+With agents on the endpoint, the engine replays conversations shaped like theirs (conversation mode) and
+the table shows the server's prefix-cache hit rate per level.
 
 While the probe measures, new admissions wait (running agents go on), so it measures the server rather
 than our own growing load and nothing more starts at a cap that may be past the cliff. Esc cancels it:
@@ -77,10 +79,14 @@ class ProbeScreen(ModalScreen[None]):
         body = self.query_one("#probe-body", Static)
         if self.state == OFFER:
             mode = engine.scheduler.mode
+            agents = sum(1 for st in engine.agents.values() if st.endpoint == endpoint)
             title.update(f"Probe {endpoint} before going {mode}?")
-            body.update(f"It sends short requests at concurrency 1, 2, 4, ... up to {probe_bound(app, endpoint)} "
-                        "(bounded in requests and time) and recommends a cap. New agents wait while it "
-                        "measures; running ones go on.")
+            what = (f"It replays conversations shaped like the {agents} agent{'s' * (agents != 1)} on it (each turn "
+                    "resending the conversation so far)" if agents else "It sends short requests")
+            body.update(f"{what} at concurrency 1, 2, 4, ... up to {probe_bound(app, endpoint)} "
+                        "(bounded in requests and time) and recommends a cap"
+                        + (" at which their prefixes stay cached between turns" if agents else "")
+                        + ". New agents wait while it measures; running ones go on.")
         elif self.state == RUNNING:
             title.update(f"Probing {endpoint} ...")
             body.update(self.progress or "starting")
@@ -111,15 +117,19 @@ class ProbeScreen(ModalScreen[None]):
             return Text("")
         muted = self.app.colour("text-muted")
         table = Table(box=None, padding=(0, 1), header_style=f"bold {muted}", pad_edge=False)
-        for label in ("conc", "tok/s", "TTFT p50", "TTFT p95", "queued", ""):
+        conversations = any(level.conversations is not None for level in self.levels)
+        labels = ("conc", "tok/s", "TTFT p50", "TTFT p95", "queued", *(("prefix hits",) if conversations else ()), "")
+        for label in labels:
             table.add_column(label, justify="left" if label == "" else "right", no_wrap=True)
         best = self.result.recommended_concurrency if self.result is not None else None
         for level in self.levels:
             queued = "-" if level.server_waiting_max is None else str(level.server_waiting_max)
+            hits = level.prefix_hit_rate
             note = "◀ recommended" if level.concurrency == best else (f"{level.failed} failed" if level.failed else "")
             style = f"bold {self.app.colour('success')}" if level.concurrency == best else ""
             table.add_row(str(level.concurrency), fmt_rate(level.output_tokens_per_s), fmt_seconds(level.ttft_p50_s),
-                          fmt_seconds(level.ttft_p95_s), queued, note, style=style)
+                          fmt_seconds(level.ttft_p95_s), queued,
+                          *((("-" if hits is None else f"{hits:.0%}"),) if conversations else ()), note, style=style)
         return table
 
     # ---- the probe ---------------------------------------------------------------------------------
