@@ -54,12 +54,16 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "run",
         help="run a workflow headless (scripts, CI)",
         description="Run a workflow headless: a line per event, a run directory and a JSON report.",
-        epilog="example:\n  cerevisor-tui run config.example.toml --mode parallel --concurrency 8 --report out.json",
+        epilog="examples:\n  cerevisor-tui run config.example.toml --mode parallel --concurrency 8 --report out.json\n"
+        "  cerevisor-tui run team.toml --mode auto   # each endpoint's cap found live; every change printed with its reason",
         formatter_class=_formatter,
     )
     run.add_argument("file", metavar="FILE", help="workflow config (TOML)")
-    run.add_argument("--mode", choices=["sequential", "parallel", "auto"], help="override [run].mode")
-    run.add_argument("--concurrency", type=int, metavar="N", help="override [run].max_concurrency")
+    run.add_argument("--mode", choices=["sequential", "parallel", "auto"],
+                     help="override [run].mode: sequential (one agent at a time), parallel (up to --concurrency), "
+                     "auto (each endpoint's cap follows what its server sustains: KV fit, queue, preemptions, throughput)")
+    run.add_argument("--concurrency", type=int, metavar="N",
+                     help="override [run].max_concurrency (with --mode auto: the ceiling, [run.auto].max_cap)")
     run.add_argument("--endpoint", metavar="URL", help="send every agent to this base URL (…/v1) instead")
     run.add_argument("--model", metavar="ID", help="model id to request (with --endpoint, or for every endpoint)")
     run.add_argument("--report", metavar="PATH", help="also write the JSON report here")

@@ -457,14 +457,18 @@ class Engine:
 
         Only while the run is open (its HTTP clients exist). Raises EndpointError when the endpoint is unusable.
         """
-        from cerevisor_tui.endpoints.probe import ProbeSettings, probe
+        from cerevisor_tui.endpoints.probe import ProbeSettings, probe_conversations
 
         if endpoint not in self._clients:
             raise EndpointError(endpoint, "the run is not open: probe it with `cerevisor-tui probe URL`")
         ep = self.endpoints[endpoint]
         settings = ProbeSettings(max_concurrency=max_concurrency or max(2, ep.max_concurrency))
-        return await probe(self._clients[endpoint], self.base_urls[endpoint], model=self.models.get(endpoint) or None,
-                           settings=settings, on_progress=on_progress, on_level=on_level, endpoint=endpoint)
+        # shaped like this endpoint's agents (their prompts, turns, growing conversations); none: single requests
+        agents = [st.config for st in self._agents_on.get(endpoint, ())]
+        return await probe_conversations(
+            self._clients[endpoint], self.base_urls[endpoint], agents, model=self.models.get(endpoint) or None,
+            settings=settings, on_progress=on_progress, on_level=on_level, endpoint=endpoint,
+            save=ep.kind != "simulated")  # the built-in simulator's port is new every run: nothing to remember
 
     def cap_warning(self) -> str | None:
         """Why the current cap is past what fits in an endpoint's KV memory, if it is."""
