@@ -43,7 +43,7 @@ class AutoConfig(_Section):
 
 class RunConfig(_Section):
     mode: Mode = "parallel"
-    """How agents of a wave are admitted: sequential (one at a time), parallel (up to max_concurrency) or auto (each endpoint's cap follows what its server sustains)."""
+    """sequential (one agent at a time), parallel (up to max_concurrency) or auto (each endpoint's cap follows what its server sustains: queue, KV use, preemptions, prefix hits, throughput; +/- move its ceiling)."""
     max_concurrency: int = Field(default=4, ge=1, le=4096)
     """Most agents running at once in parallel mode (each endpoint's max_concurrency caps it further)."""
     run_dir: str = ""

@@ -1,4 +1,5 @@
-"""What the console keeps between redraws: per-agent transcripts, notes, throughput and server samples.
+"""What the console keeps between redraws: per-agent transcripts, notes, throughput, server samples, and
+each endpoint's cap changes and trend over the run.
 
 It is an engine subscriber called inline for every event, so it only appends to buffers and counts;
 no widget is touched here. The screen's timers read it at 10-15 Hz and redraw what is visible.
@@ -20,6 +21,12 @@ STREAM_MAX_CHARS = 200_000
 THROUGHPUT_BUCKET_S = 0.5
 THROUGHPUT_WINDOW_S = 2.0
 SPARKLINE_SAMPLES = 240
+CAP_HISTORY_MAX = 2000
+"""Cap changes kept for the history screen (`a`); older ones are dropped (the journal keeps them all)."""
+TREND_POINTS = 240
+"""Points per endpoint trend; when full, neighbours merge in pairs, so it always spans the whole run."""
+UNMONITORED_TREND_S = 2.0
+"""How often an endpoint without server samples (hosted: no /metrics) gets a trend point."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +123,97 @@ class ServerView:
     kv_cache_tokens: float | None = None  # the server's own KV capacity, when it reports one
 
 
+@dataclass(frozen=True, slots=True)
+class CapChange:
+    """One ConcurrencyChanged that says why: an endpoint's auto cap, or a run-wide change (endpoint "")."""
+
+    t: float  # monotonic, as the event's
+    endpoint: str
+    cap: int  # the endpoint's new live cap; for a run-wide change, what the run may run now
+    ceiling: int  # auto's ceiling, as the event carries it
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TrendPoint:
+    """One endpoint at one server sample: its cap, output tokens/s since the previous point, the server's
+    queue and KV-cache use (None: not known)."""
+
+    t: float
+    cap: float | None
+    tokens_per_s: float | None
+    waiting: float | None
+    kv_cache_usage: float | None
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def merge_points(points: list[TrendPoint]) -> TrendPoint:
+    """Several consecutive points as one: the means of what is known, at the last one's time."""
+    if len(points) == 1:
+        return points[0]
+    return TrendPoint(points[-1].t, _mean([p.cap for p in points]), _mean([p.tokens_per_s for p in points]),
+                      _mean([p.waiting for p in points]), _mean([p.kv_cache_usage for p in points]))
+
+
+class Trend:
+    """One endpoint's points over the whole run, at most `max_points`: when full, neighbours merge in pairs
+    and each later point stands for twice as many samples, so memory stays bounded and the oldest part of
+    the run is never dropped, only drawn coarser."""
+
+    def __init__(self, max_points: int = TREND_POINTS) -> None:
+        self.max_points = max(2, max_points - max_points % 2)
+        self._points: list[TrendPoint] = []
+        self._pending: list[TrendPoint] = []  # samples of the next point, while one point stands for several
+        self.stride = 1  # samples per point
+        self.version = 0  # bumped by every sample
+        self.last: TrendPoint | None = None  # the newest sample as it came, never merged
+
+    def add(self, point: TrendPoint) -> None:
+        self.version += 1
+        self.last = point
+        self._pending.append(point)
+        if len(self._pending) < self.stride:
+            return
+        self._points.append(merge_points(self._pending))
+        self._pending = []
+        if len(self._points) >= self.max_points:
+            self._points = [merge_points(self._points[i:i + 2]) for i in range(0, len(self._points), 2)]
+            self.stride *= 2
+
+    @property
+    def points(self) -> list[TrendPoint]:
+        """Oldest first; the last may stand for fewer samples than the others (the newest are shown at once)."""
+        if self._pending:
+            return [*self._points, merge_points(self._pending)]
+        return list(self._points)
+
+    def __len__(self) -> int:
+        return len(self._points) + (1 if self._pending else 0)
+
+
+@dataclass
+class EndpointTrack:
+    """What the console mirrors of one endpoint's cap and load over the run, from events."""
+
+    max_concurrency: int = 0  # its own cap, from RunStarted (0: not known)
+    monitored: bool = True  # hosted endpoints are not polled: no ServerSample comes
+    auto_cap: int | None = None  # its live cap in auto mode, from its last ConcurrencyChanged
+    last_change: CapChange | None = None
+    tokens: int = 0  # output tokens streamed from it
+    trend: Trend = field(default_factory=Trend)
+    mark_t: float | None = None  # the last trend point's time, and the token count then
+    mark_tokens: int = 0
+
+
+def _mode_hint(mode: str) -> str:
+    """What the console adds to the engine's note on a mode: the key that shows auto at work."""
+    return " (a: every cap change and its reason)" if mode == "auto" else ""
+
+
 @dataclass
 class UiModel:
     """Engine subscriber: buffers and counters the console draws from."""
@@ -132,6 +230,14 @@ class UiModel:
     run_dir: str = ""
     finished: ev.RunFinished | None = None
     version: int = 0  # bumped by every event but token deltas: rows and header may have changed
+    mode: str = ""
+    run_cap: int = 0  # the parallel cap (auto's ceiling is `auto_ceiling`)
+    started_at: float | None = None
+    tracks: dict[str, EndpointTrack] = field(default_factory=dict)
+    cap_changes: deque[CapChange] = field(default_factory=lambda: deque(maxlen=CAP_HISTORY_MAX))
+    cap_changes_total: int = 0  # ever recorded; the deque keeps the newest CAP_HISTORY_MAX
+    auto_ceiling: int | None = None  # as the last auto change carried it
+    _agent_track: dict[str, EndpointTrack] = field(default_factory=dict)
     _buckets: deque[list[float]] = field(default_factory=deque)
     _last_turn: dict[str, int] = field(default_factory=dict)
     _last_sample_at: float = -math.inf
@@ -153,6 +259,9 @@ class UiModel:
             if event.tool:
                 stream.append(TOOL, event.tool)
             self._count(event.t, event.tokens)
+            track = self._agent_track.get(event.agent)
+            if track is not None:
+                track.tokens += event.tokens
             return
         if isinstance(event, ev.KeepAlive):
             self.keepalive_at[event.agent] = event.t  # shown: a server that is alive but sends no tokens
@@ -164,8 +273,20 @@ class UiModel:
 
     def _on_RunStarted(self, e: ev.RunStarted) -> None:
         self.run_id, self.run_dir = e.run_id, e.run_dir
+        self.mode, self.run_cap, self.started_at = e.mode, e.max_concurrency, e.t
+        for summary in e.endpoints:
+            track = self.track(str(summary.get("name", "")))
+            track.max_concurrency = int(summary.get("max_concurrency") or 0)
+            track.monitored = summary.get("kind") != "hosted"
+            track.mark_t = e.t
         if e.note:
-            self.notices.append(Notice(e.note))
+            self.notices.append(Notice(e.note + _mode_hint(e.mode)))
+
+    def track(self, endpoint: str) -> EndpointTrack:
+        found = self.tracks.get(endpoint)
+        if found is None:
+            found = self.tracks[endpoint] = EndpointTrack()
+        return found
 
     def _on_MessageRecorded(self, e: ev.MessageRecorded) -> None:
         # Assistant text already arrived token by token; only the user's side is written whole.
@@ -182,6 +303,7 @@ class UiModel:
         if self._last_turn.get(e.agent) == e.turn:
             label += f" · attempt {e.attempt}"
         self._last_turn[e.agent] = e.turn
+        self._agent_track[e.agent] = self.track(e.endpoint)
         stream.append(META, f"\n{label}\n")
         self.notes.pop(e.agent, None)
 
@@ -221,10 +343,52 @@ class UiModel:
         self.servers[e.endpoint] = ServerView(e.healthy, e.server_kind, e.running, e.waiting, e.kv_cache_usage,
                                               e.prefix_hit_rate, e.detail, e.slots_busy, e.slots_total,
                                               e.kv_cache_tokens)
+        self._add_point(e.endpoint, e.t, e.waiting, e.kv_cache_usage)
 
     def _on_ModeChanged(self, e: ev.ModeChanged) -> None:
+        self.mode = e.mode
         if e.note:
-            self.notices.append(Notice(e.note))
+            self.notices.append(Notice(e.note + _mode_hint(e.mode)))
+
+    def _on_ConcurrencyChanged(self, e: ev.ConcurrencyChanged) -> None:
+        if e.endpoint:
+            track = self.track(e.endpoint)
+            track.auto_cap = e.effective_cap
+            self.auto_ceiling = e.max_concurrency
+        else:
+            self.run_cap = e.max_concurrency
+        if e.reason:  # auto's changes and the operator's moves of its ceiling; not every + or pause
+            change = CapChange(e.t, e.endpoint, e.effective_cap, e.max_concurrency, e.reason)
+            self.cap_changes.append(change)
+            self.cap_changes_total += 1
+            if e.endpoint:
+                self.track(e.endpoint).last_change = change
+
+    @property
+    def last_cap_change(self) -> CapChange | None:
+        return self.cap_changes[-1] if self.cap_changes else None
+
+    # ---- trends -------------------------------------------------------------------------------------
+    def cap_of(self, endpoint: str) -> int | None:
+        """The cap in force on `endpoint` as the events told it (None: not known yet)."""
+        track = self.tracks.get(endpoint)
+        if self.mode == "auto":
+            return track.auto_cap if track is not None else None
+        if self.mode == "sequential":
+            return 1
+        if not self.run_cap:
+            return None
+        limit = track.max_concurrency if track is not None and track.max_concurrency else self.run_cap
+        return min(self.run_cap, limit)
+
+    def _add_point(self, endpoint: str, t: float, waiting: float | None, kv: float | None) -> None:
+        track = self.track(endpoint)
+        rate = None
+        if track.mark_t is not None and t > track.mark_t:
+            rate = (track.tokens - track.mark_tokens) / (t - track.mark_t)
+        track.mark_t, track.mark_tokens = t, track.tokens
+        cap = self.cap_of(endpoint)
+        track.trend.add(TrendPoint(t, None if cap is None else float(cap), rate, waiting, kv))
 
     def _on_RunFinished(self, e: ev.RunFinished) -> None:
         self.finished = e
@@ -252,6 +416,10 @@ class UiModel:
             self._last_sample_at = now
             self.throughput.append(self.tokens_per_s(now))
             self.samples_taken += 1
+        if self.finished is None:  # endpoints that no monitor samples still get a trend point now and then
+            for name, track in self.tracks.items():
+                if not track.monitored and track.mark_t is not None and now - track.mark_t >= UNMONITORED_TREND_S:
+                    self._add_point(name, now, None, None)
 
     def take_notices(self) -> list[Notice]:
         notices, self.notices = self.notices, []

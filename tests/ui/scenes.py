@@ -28,9 +28,11 @@ KV_TOKENS = 65_536
 """The simulated server's KV capacity in the scenes: 8 conversations of 8,192 tokens fit."""
 
 
-def scene_config(**stall) -> Config:
+def scene_config(*, mode: str = "", **stall) -> Config:
     data = tomllib.loads(demo_text())
     data["stall"].update({"idle_timeout_s": 10.0, **stall})
+    if mode:
+        data["run"]["mode"] = mode
     data["endpoints"][0]["capacity"]["context_tokens"] = 8192
     for agent in data["agents"]:
         if agent["name"] == "skeptic":
@@ -74,6 +76,12 @@ class Driver:
         if kv_tokens:  # as the engine does: the server's own capacity replaces the estimate
             e = self.engine
             e.load["sim"] = load.from_server(kv_tokens, e.endpoints["sim"].capacity.context_tokens, e.load["sim"])
+
+    def auto_change(self, t: float, cap: int, reason: str) -> None:
+        """What the engine does when sim's auto controller moves its cap: the scheduler's live cap, then the event."""
+        e = self.engine
+        e.scheduler.set_endpoint_cap("sim", cap)
+        self.emit(ev.ConcurrencyChanged(t, e.auto_ceiling, cap, e.scheduler.paused, endpoint="sim", reason=reason))
 
     def start(self, name: str, t: float, turn: int = 1) -> Attempt:
         st = self.engine.agents[name]
@@ -157,7 +165,9 @@ class Driver:
 
 
 def build(scene: str) -> CerevisorApp:
-    """`mid_run`, `amber_stall` or `killed`: the demo workflow twelve seconds in."""
+    """`mid_run`, `amber_stall`, `killed` or `auto`: the demo workflow twelve seconds in."""
+    if scene == "auto":
+        return build_auto()
     config = scene_config()
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
     engine.models["sim"] = "sim-model"
@@ -165,7 +175,6 @@ def build(scene: str) -> CerevisorApp:
                        themes=load_themes(None))
     d = Driver(engine, app)
     d.run_started()
-    d.server(T0 + 10, running=2.0, waiting=0.0, kv_cache_usage=0.31, prefix_hit_rate=0.56, kv_cache_tokens=KV_TOKENS)
 
     d.start("planner", T0)
     d.tokens("planner", 48, T0 + 0.8, T0 + 2.6)
@@ -188,6 +197,53 @@ def build(scene: str) -> CerevisorApp:
             d.tokens("skeptic", 12, T0 + 0.9, T0 + 2.0)
             d.stall_warnings("skeptic", T0 + 12.0)
             d.killed("skeptic", T0 + 12.0, "no output for 10.0 s after 12 tokens")
+    # after the tokens it follows, so its trend point counts them (the engine's events come in time order)
+    d.server(T0 + 10, running=2.0, waiting=0.0, kv_cache_usage=0.31, prefix_hit_rate=0.56, kv_cache_tokens=KV_TOKENS)
+    d.advance(NOW)
+    return app
+
+
+AUTO_CHANGES = (
+    (T0 + 0.0, 1, "auto: start at 1 (slow start: doubles while throughput grows and nothing queues)"),
+    (T0 + 2.1, 2, "auto: 1 -> 2 (slow start: 27 tok/s at 1, nothing waiting, KV 4%)"),
+    (T0 + 4.1, 4, "auto: 2 -> 4 (slow start: throughput +85% at 2, nothing waiting, KV 12%; "
+                  "6 conversations of 8,192 tokens fit)"),
+    (T0 + 8.1, 3, "auto: 4 -> 3 (2 requests waiting in the server's queue, KV 97%)"),
+)
+"""sim's auto controller in the `auto` scene: slow start, then a back-off when requests wait."""
+AUTO_SAMPLES = (  # t, running, waiting, KV use
+    (T0 + 2, 1.0, 0.0, 0.04), (T0 + 4, 2.0, 0.0, 0.12), (T0 + 6, 4.0, 0.0, 0.55), (T0 + 8, 4.0, 2.0, 0.97),
+    (T0 + 10, 3.0, 1.0, 0.88),
+)
+AUTO_AGENTS = (("planner", T0, 120), ("researcher", T0 + 2.2, 90), ("skeptic", T0 + 4.2, 70))
+"""Who starts when (as the cap lets them), and the tokens each streams by NOW."""
+
+
+def build_auto() -> CerevisorApp:
+    """Auto mode twelve seconds in, the events in time order: the cap doubled while throughput grew, then
+    stepped back when requests waited in the server's queue."""
+    config = scene_config(mode="auto")
+    engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
+    engine.models["sim"] = "sim-model"
+    app = CerevisorApp(engine, config, simulated=True, start_engine=False, clock=lambda: NOW,
+                       themes=load_themes(None))
+    d = Driver(engine, app)
+    d.run_started()
+    timeline: list[tuple[float, int, object]] = []  # (t, order at the same t, action)
+    for t, cap, reason in AUTO_CHANGES:
+        timeline.append((t, 0, lambda t=t, cap=cap, reason=reason: d.auto_change(t, cap, reason)))
+    for t, running, waiting, kv in AUTO_SAMPLES:
+        timeline.append((t, 2, lambda t=t, r=running, w=waiting, kv=kv: d.server(
+            t, running=r, waiting=w, kv_cache_usage=kv, prefix_hit_rate=0.61, kv_cache_tokens=KV_TOKENS)))
+    for name, start, tokens in AUTO_AGENTS:
+        timeline.append((start, 1, lambda name=name, start=start: d.start(name, start)))
+        first = start + 0.4
+        step = (NOW - 0.1 - first) / max(1, tokens - 1)
+        for i in range(tokens):
+            t = first + i * step
+            timeline.append((t, 1, lambda name=name, t=t: d.tokens(name, 1, t, t)))
+    for _, _, action in sorted(timeline, key=lambda item: item[:2]):
+        action()  # type: ignore[operator]
     d.advance(NOW)
     return app
 

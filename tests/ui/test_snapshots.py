@@ -33,3 +33,14 @@ def test_settings_screen(snap_compare):
 
 def test_help_screen(snap_compare):
     assert snap_compare(build("mid_run"), terminal_size=(100, 40), press=["question_mark"])
+
+
+def test_auto_mode_80x24(snap_compare):
+    """Auto mode twelve seconds in: AUTO 3 with its ceiling, and the load pane's trend in place of the
+    throughput line (cap doubling then stepping back when requests wait)."""
+    assert snap_compare(build("auto"), terminal_size=(80, 24))
+
+
+def test_cap_history_screen(snap_compare):
+    """`a`: every cap change with its run time, endpoint, cap and reason, newest first."""
+    assert snap_compare(build("auto"), terminal_size=(100, 30), press=["a"])

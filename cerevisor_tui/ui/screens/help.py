@@ -20,17 +20,29 @@ if TYPE_CHECKING:
 PANES = (
     ("header", "Endpoints and their health (● up, ● down, ○ not reported yet), the mode badge, the cap "
                "(amber `> fit N` when it lets more conversations run than fit in KV memory), agents running / "
-               "queued / done / failed, output tokens per second, the wave, the run time."),
+               "queued / done / failed, output tokens per second, the wave, the run time. In auto mode the "
+               "badge carries the live cap (AUTO 32: the sum of the endpoints' caps), then, where the line has "
+               "room, auto's ceiling and the reason for its last change."),
     ("1 agents", "One row per agent: wave, status, turn k/n, time to first token, tokens/s, tokens, and the "
                  "countdown to its nearest stall deadline (first token, or idle once streaming)."),
     ("2 stream", "The selected agent's conversation: your prompts, its answer as it streams (reasoning "
                  "dimmed). It follows new text while you are at the bottom; scroll up to read, End to follow."),
     ("3 load", "What the server reports in /metrics: requests running and waiting, KV-cache use, prefix "
-               "hits (- until it reports them), the throughput sparkline, and per endpoint the KV estimate: "
+               "hits (- until it reports them); the trend over the whole run of one endpoint (the selected "
+               "agent's): its cap, output tokens/s, requests waiting and KV use, one bar a server sample (wide "
+               "screens, auto mode, or maximized with 3); the throughput sparkline; and per endpoint the KV estimate: "
                "how many conversations fit (from [endpoints.capacity], or the server's own capacity once it "
                "reports one) and the zone of those in flight: FITS, CLIFF (evicted prefixes are recomputed), "
                "OVERFLOW (the CPU tier is full too)."),
 )
+
+MODES = (
+    ("sequential", "One agent at a time."),
+    ("parallel", "Up to the cap (+/-), each endpoint's max_concurrency capping it further."),
+    ("auto", "Each endpoint's cap follows what its server sustains (queue, KV use, preemptions, prefix hits, "
+             "throughput); +/- move its ceiling, and a lists every change with its reason."),
+)
+"""What `m` cycles through. Lowering a cap, in any mode, never stops a running agent."""
 
 
 class HelpScreen(Screen):
@@ -68,6 +80,12 @@ class HelpScreen(Screen):
         for name, text in PANES:
             panes.add_row(Text(name), Text(text))
 
+        modes = Table.grid(padding=(0, 2))
+        modes.add_column(style="bold", no_wrap=True)
+        modes.add_column(ratio=1)
+        for name, text in MODES:
+            modes.add_row(Text(name), Text(text))
+
         stall = Text()
         warn_at = app.config.stall.warn_at or []
         stall.append("■ amber", style=f"bold {v.get('stall-warn', 'yellow')}")
@@ -92,6 +110,10 @@ class HelpScreen(Screen):
         page.add_row(Text("Keys", style=heading))
         page.add_row(keys)
         page.add_row(Text("Remap any key under [ui.keys] in the config by its id, e.g. toggle_mode = \"M\".",
+                          style=v.get("text-muted", "")))
+        page.add_row(Text("\nModes", style=heading))
+        page.add_row(modes)
+        page.add_row(Text("Switching is live; lowering a cap never stops a running agent, it only holds new ones.",
                           style=v.get("text-muted", "")))
         page.add_row(Text("\nPanes", style=heading))
         page.add_row(panes)

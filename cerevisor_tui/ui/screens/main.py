@@ -111,7 +111,9 @@ class MainScreen(Screen):
         self.table.sync(app.engine, app.model, now)
         load = self.query_one(LoadPane)
         if self.maximized is None or self.maximized is load:
-            load.sync(app.engine, app.model, now)
+            selected = self.selected
+            load.sync(app.engine, app.model, now,
+                      endpoint=app.engine.agents[selected].endpoint if selected is not None else None)
         self._update_stream_title()
         for notice in app.model.take_notices():
             app.notify(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
@@ -213,12 +215,21 @@ class MainScreen(Screen):
         app.push_screen(ProbeScreen(name))
 
     def action_cap(self, delta: int) -> None:
+        """The parallel cap, or in auto mode the ceiling its controllers stay under (the engine decides which)."""
         engine = self.app.engine
-        engine.set_concurrency(engine.scheduler.max_concurrency + delta)
+        engine.nudge_cap(delta)
         self.refresh_status()
         if engine.scheduler.mode == "sequential":
             self.notify(f"Cap {engine.scheduler.max_concurrency}: it applies in parallel mode (m to switch).",
                         timeout=3)
+        elif engine.scheduler.mode == "auto":
+            self.notify(f"Auto ceiling {engine.auto_ceiling}: no endpoint's cap goes above it.", timeout=3)
+
+    def action_cap_history(self) -> None:
+        from cerevisor_tui.ui.screens.caps import CapHistoryScreen
+
+        self.app.push_screen(CapHistoryScreen())
+
 
     def action_pause(self) -> None:
         engine = self.app.engine

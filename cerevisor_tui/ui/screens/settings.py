@@ -1,5 +1,5 @@
-"""The settings screen: every [run] and [stall] key and each endpoint's url, model, kind, cap and
-timeouts. Each value is checked by the config's own pydantic models as it is typed, and refused
+"""The settings screen: every [run], [run.auto] and [stall] key and each endpoint's url, model, kind, cap
+and timeouts. Each value is checked by the config's own pydantic models as it is typed, and refused
 inline with the reason; save writes the file through `config.save`, and mode, cap and the stall
 deadlines (`[stall]` and each endpoint's timeouts) apply at once.
 """
@@ -23,7 +23,7 @@ from textual.widgets import Footer, Input, Select, Static
 
 from cerevisor_tui.config.errors import ConfigError
 from cerevisor_tui.config.load import validate
-from cerevisor_tui.config.models import Config, EndpointConfig, RunConfig, StallConfig
+from cerevisor_tui.config.models import AutoConfig, Config, EndpointConfig, RunConfig, StallConfig
 from cerevisor_tui.config.save import ENDPOINT_KEYS, CommentsWouldBeLost, SaveError, save_settings
 
 if TYPE_CHECKING:
@@ -34,9 +34,13 @@ OPTIONAL_EMPTY = {("stall", "first_byte_timeout_s"), ("endpoint", "first_byte_ti
 """Fields where an empty value means "use the default" (or, on an endpoint, the [stall] value)."""
 
 
+SECTION_TABLES = {"run": "[run]", "auto": "[run.auto]", "stall": "[stall]"}
+"""The TOML table of each section of the form (an endpoint's is `[[endpoints]] NAME`)."""
+
+
 @dataclass(frozen=True)
 class FieldSpec:
-    section: str  # "run" | "stall" | "endpoint"
+    section: str  # "run" | "auto" | "stall" | "endpoint"
     index: int  # the endpoint's position; 0 otherwise
     key: str
     model: type[BaseModel]
@@ -68,7 +72,8 @@ class FieldSpec:
 
 
 def field_specs(config: Config) -> list[FieldSpec]:
-    specs = [FieldSpec("run", 0, key, RunConfig) for key in RunConfig.model_fields]
+    specs = [FieldSpec("run", 0, key, RunConfig) for key in RunConfig.model_fields if key != "auto"]
+    specs += [FieldSpec("auto", 0, key, AutoConfig) for key in AutoConfig.model_fields]
     specs += [FieldSpec("stall", 0, key, StallConfig) for key in StallConfig.model_fields]
     for i, _ in enumerate(config.endpoints):
         specs += [FieldSpec("endpoint", i, key, EndpointConfig) for key in ENDPOINT_KEYS]
@@ -178,8 +183,8 @@ class SettingsScreen(Screen):
         with VerticalScroll(id="settings-form"):
             yield Static("[run]", classes="section-title", markup=False)
             for spec in field_specs(config):
-                if spec.section == "stall" and spec.key == "first_byte_timeout_s":
-                    yield Static("[stall]", classes="section-title", markup=False)
+                if spec.section in ("auto", "stall") and spec.key == next(iter(spec.model.model_fields)):
+                    yield Static(SECTION_TABLES[spec.section], classes="section-title", markup=False)
                 if spec.section == "endpoint" and spec.key == ENDPOINT_KEYS[0]:
                     ep = config.endpoints[spec.index]
                     yield Static(f"[[endpoints]] {ep.name}", classes="section-title", markup=False)
@@ -196,6 +201,8 @@ class SettingsScreen(Screen):
             return scheduler.max_concurrency
         if spec.section == "run":
             return getattr(config.run, spec.key)
+        if spec.section == "auto":
+            return getattr(config.run.auto, spec.key)
         if spec.section == "stall":
             return getattr(config.stall, spec.key)
         return getattr(config.endpoints[spec.index], spec.key)
@@ -224,6 +231,8 @@ class SettingsScreen(Screen):
         if section == "run":
             model: type[BaseModel] = RunConfig
             data = values
+        elif section == "auto":
+            model, data = AutoConfig, values
         elif section == "stall":
             model, data = StallConfig, values
         else:
@@ -236,7 +245,8 @@ class SettingsScreen(Screen):
             result = model.model_validate(data)
         except ValidationError as exc:
             for err in exc.errors():
-                key = str(err["loc"][0]) if err["loc"] else "base_url"  # a whole-endpoint rule is about its URL
+                # a whole-table rule: an endpoint's is about its URL, [run.auto]'s about max_cap below min_cap
+                key = str(err["loc"][0]) if err["loc"] else ("max_cap" if section == "auto" else "base_url")
                 if key in by_key:
                     problems.setdefault(key, _message(err))
                 else:
@@ -258,8 +268,7 @@ class SettingsScreen(Screen):
         field = next((a for a in event.widget.ancestors_with_self if isinstance(a, SettingField)), None)
         if field is not None:
             spec = field.spec
-            where = f"[{spec.section}]" if spec.section != "endpoint" else \
-                f"[[endpoints]] {self.app.config.endpoints[spec.index].name}"
+            where = SECTION_TABLES.get(spec.section) or f"[[endpoints]] {self.app.config.endpoints[spec.index].name}"
             self.query_one("#settings-help", Static).update(Text.assemble((f"{where} {spec.key}", "bold"),
                                                                           f": {spec.help}"))
 
@@ -276,6 +285,7 @@ class SettingsScreen(Screen):
             return None
         data = config.model_dump()
         data["run"] = results[("run", 0)].model_dump()  # type: ignore[union-attr]
+        data["run"]["auto"] = results[("auto", 0)].model_dump()  # type: ignore[union-attr]
         data["stall"] = results[("stall", 0)].model_dump()  # type: ignore[union-attr]
         for i in range(len(config.endpoints)):
             data["endpoints"][i] = results[("endpoint", i)].model_dump()  # type: ignore[union-attr]

@@ -1,7 +1,9 @@
-"""The load pane: what each server reports, the aggregate throughput sparkline, and each endpoint's KV estimate."""
+"""The load pane: what each server reports, an endpoint's trend over the run (cap, tokens/s, queue, KV),
+the aggregate throughput sparkline, and each endpoint's KV estimate."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.text import Text
@@ -14,6 +16,7 @@ from cerevisor_tui.engine.load import LoadEstimate
 from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate
 from cerevisor_tui.ui.model import ServerView, UiModel
 from cerevisor_tui.ui.widgets.throughput_bars import ThroughputBars
+from cerevisor_tui.ui.widgets.trend_chart import TrendChart, TrendRow
 
 ZONE_ROLES = {"fits": "success", "cliff": "warning", "overflow": "error"}
 """Theme colour of each KV zone: all in GPU memory, past it (evictions recomputed or reloaded), CPU tier full too."""
@@ -49,26 +52,48 @@ def conversations_in_flight(engine: Engine, endpoint: str, server: ServerView | 
 
 
 def kv_rows(engine: Engine, model: UiModel) -> tuple[KvRow, ...]:
-    cap = engine.scheduler.effective_cap
+    sched = engine.scheduler
     rows = []
-    for name, ep in engine.endpoints.items():
+    for name in engine.endpoints:
         sv = model.servers.get(name)
         kv_tokens = int(sv.kv_cache_tokens) if sv and sv.kv_cache_tokens else None
         rows.append(KvRow(name, engine.load.get(name), engine.load_notes.get(name, ""),
-                          conversations_in_flight(engine, name, sv), min(cap, ep.max_concurrency), kv_tokens))
+                          conversations_in_flight(engine, name, sv), sched.endpoint_cap(name), kv_tokens))
     return tuple(rows)
 
 
+def trend_rows(model: UiModel, endpoint: str, colour: Callable[[str], str]) -> tuple[TrendRow, ...]:
+    """`endpoint`'s trend as the chart draws it: cap, output tokens/s, requests waiting, KV-cache use.
+    `colour` turns a theme variable into a Rich colour."""
+    track = model.tracks.get(endpoint)
+    if track is None or not len(track.trend):
+        return ()
+    points = track.trend.points
+    last = track.trend.last
+    cap = model.cap_of(endpoint)
+    return (
+        TrendRow("cap", tuple(p.cap for p in points), "-" if cap is None else str(cap), colour("accent")),
+        TrendRow("tok/s", tuple(p.tokens_per_s for p in points), fmt_rate(last.tokens_per_s if last else None),
+                 colour("primary")),
+        TrendRow("waiting", tuple(p.waiting for p in points), fmt_number(last.waiting if last else None),
+                 colour("warning")),
+        TrendRow("KV", tuple(p.kv_cache_usage for p in points), fmt_percent(last.kv_cache_usage if last else None),
+                 colour("secondary"), top=1.0),
+    )
+
+
 class LoadPane(Vertical):
-    """Server numbers from ServerSample events (`-` until a server reports one), throughput over time, and
-    per endpoint the KV estimate: the zone of the conversations in flight, how many fit, and whether the
-    cap lets more run than fit."""
+    """Server numbers from ServerSample events (`-` until a server reports one), one endpoint's trend over
+    the run (shown in the wide layout, in auto mode, and maximized), throughput over time, and per
+    endpoint the KV estimate: the zone of the conversations in flight, how many fit, and whether the cap
+    lets more run than fit."""
 
     ALLOW_MAXIMIZE = True
     DEFAULT_CSS = """
     LoadPane {
         height: auto;
         #servers { height: auto; text-wrap: nowrap; text-overflow: ellipsis; }
+        #trend { height: auto; }
         #throughput-row { height: 1; layout: horizontal; }
         #throughput-label { height: 1; width: auto; color: $text-muted; padding-right: 2; }
         #throughput { height: 1; width: 1fr; }
@@ -82,9 +107,11 @@ class LoadPane(Vertical):
         self._samples_shown = -1
         self._label_shown = ""
         self._kv_shown: object = None
+        self._trend_shown: object = None
 
     def compose(self) -> ComposeResult:
         yield Static(id="servers")
+        yield TrendChart(id="trend")
         with Container(id="throughput-row"):
             yield Static(id="throughput-label")
             yield ThroughputBars(id="throughput")
@@ -95,13 +122,15 @@ class LoadPane(Vertical):
         self._servers_shown = None
         self._label_shown = ""
         self._kv_shown = None
+        self._trend_shown = None
         self._samples_shown = -1
 
     def set_kv_estimate(self, text: str | Text) -> None:
         """Fill the KV estimate slot by hand (`sync` fills it from the engine)."""
         self.query_one("#kv-estimate", Static).update(text)
 
-    def sync(self, engine: Engine, model: UiModel, now: float) -> None:
+    def sync(self, engine: Engine, model: UiModel, now: float, *, endpoint: str | None = None) -> None:
+        """`endpoint`: whose trend to draw (the selected agent's); None: the first endpoint's."""
         rows = []
         for name in engine.endpoints:
             sv = model.servers.get(name)
@@ -145,10 +174,22 @@ class LoadPane(Vertical):
             grows = len(label) > len(self._label_shown)
             self._label_shown = label.ljust(len(self._label_shown))
             self.query_one("#throughput-label", Static).update(self._label_shown, layout=grows)
+        self._sync_trend(model, endpoint if endpoint in model.tracks else next(iter(model.tracks), None))
         kv = kv_rows(engine, model)
         if kv != self._kv_shown:
             self._kv_shown = kv
             self.set_kv_estimate(self._kv_text(kv))
+
+    def _sync_trend(self, model: UiModel, endpoint: str | None) -> None:
+        """Rebuild the chart's rows only when a sample came, the cap moved or another endpoint is shown."""
+        self.set_class(model.mode == "auto", "-auto")
+        track = model.tracks.get(endpoint) if endpoint is not None else None
+        key = (endpoint, track.trend.version if track else -1, model.mode, model.cap_of(endpoint) if endpoint else None)
+        if key == self._trend_shown:
+            return
+        self._trend_shown = key
+        self.query_one(TrendChart).rows = trend_rows(model, endpoint, self.app.colour) if endpoint else ()  # type: ignore[attr-defined]
+        self.border_subtitle = f"trend: {endpoint}" if endpoint and len(model.tracks) > 1 else ""
 
     def _kv_text(self, rows: tuple[KvRow, ...]) -> Text:
         """`sim FITS 2 of 6 conversations fit (server)  24.6k KV tokens, 4.1k per conversation`."""

@@ -1,9 +1,11 @@
-"""The header: endpoints and their health, the mode badge, the cap, agent counts, throughput, wave."""
+"""The header: endpoints and their health, the mode badge, the cap, agent counts, throughput, wave; in auto
+mode the badge carries the live cap (`AUTO 32`) and, where the line has room, auto's ceiling and its last
+reason (`a` lists them all)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.text import Text
 from textual.widgets import Static
@@ -18,9 +20,9 @@ MODE_ROLES = {"sequential": "secondary", "parallel": "primary", "auto": "accent"
 def fit_below_cap(engine: Engine) -> int | None:
     """The fewest conversations that fit on an endpoint whose share of the cap is past them (the cap
     warning's marker), or None when the cap is within every estimate."""
-    cap = engine.scheduler.effective_cap
+    sched = engine.scheduler
     fits = [est.conversations_fit for name, est in engine.load.items()
-            if est is not None and min(cap, engine.endpoints[name].max_concurrency) > est.conversations_fit]
+            if est is not None and sched.endpoint_cap(name) > est.conversations_fit]
     return min(fits) if fits else None
 
 
@@ -48,6 +50,19 @@ class HeaderState:
     finished: bool
     stopping: str
     error: str
+    ceiling: int | None = None  # auto's ceiling
+    last_reason: str = ""  # auto's last change, as shown: "sim: 24 -> 32 (throughput +18% at 24, ...)"
+    width: int = 0
+
+
+def reason_text(endpoint: str, reason: str) -> str:
+    """A cap change as the header shows it: `sim: 24 -> 32 (why)`."""
+    text = reason.removeprefix("auto: ")
+    return f"{endpoint}: {text}" if endpoint else text
+
+
+REASON_MIN_CELLS = 24
+"""The header shows auto's last reason only where at least this much of it fits."""
 
 
 class RunHeader(Static):
@@ -65,10 +80,17 @@ class RunHeader(Static):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._shown: HeaderState | None = None
+        self._engine: Engine | None = None
 
     def invalidate(self) -> None:
         """Redraw at the next sync (the theme changed)."""
         self._shown = None
+
+    def on_resize(self) -> None:
+        """What fits changed: redraw now rather than at the next status refresh."""
+        shown = self._shown
+        if shown is not None and shown.width != self.content_size.width and self._engine is not None:
+            self._draw(self._engine, replace(shown, width=self.content_size.width))
 
     def sync(self, engine: Engine, model: UiModel, now: float, *, simulated: bool, error: str = "") -> bool:
         """Redraw if anything shown changed; returns whether it did."""
@@ -77,6 +99,8 @@ class RunHeader(Static):
         elapsed = (now - engine.started_at) if engine.started_at else 0.0
         if model.finished is not None:
             elapsed = model.finished.t - engine.started_at
+        auto = sched.mode == "auto"
+        last = model.last_cap_change if auto else None
         state = HeaderState(
             mode=sched.mode, cap=sched.max_concurrency, effective_cap=sched.effective_cap, paused=sched.paused,
             fit=fit_below_cap(engine),
@@ -87,13 +111,19 @@ class RunHeader(Static):
                          for name in engine.endpoints),
             models=tuple(engine.models.get(n) or engine.endpoints[n].model for n in engine.endpoints),
             simulated=simulated, finished=model.finished is not None, stopping=engine.stopping, error=error,
+            ceiling=engine.auto_ceiling if auto else None,
+            last_reason=reason_text(last.endpoint, last.reason) if last is not None else "",
+            width=self.content_size.width,
         )
         if state == self._shown:
             return False
-        self._shown = state
+        self._draw(engine, state)
+        return True
+
+    def _draw(self, engine: Engine, state: HeaderState) -> None:
+        self._shown, self._engine = state, engine
         # two lines, always: no layout pass needed
         self.update(self._text(engine, state), layout=False)
-        return True
 
     def _c(self, name: str) -> str:
         return self.app.colour(name)  # type: ignore[attr-defined]
@@ -123,8 +153,10 @@ class RunHeader(Static):
             line1.append("  STOPPING", style=f"bold {self._c('warning')}")
 
         line2 = Text(no_wrap=True, overflow="ellipsis")
-        line2.append(f" {s.mode.upper()} ", style=f"bold {bg} on {self._c(MODE_ROLES.get(s.mode, 'primary'))}")
-        line2.append(f" cap {s.effective_cap if s.mode == 'sequential' else s.cap}", style="bold")
+        badge = f" {s.mode.upper()} {s.effective_cap} " if s.mode == "auto" else f" {s.mode.upper()} "
+        line2.append(badge, style=f"bold {bg} on {self._c(MODE_ROLES.get(s.mode, 'primary'))}")
+        if s.mode != "auto":
+            line2.append(f" cap {s.effective_cap if s.mode == 'sequential' else s.cap}", style="bold")
         if s.fit is not None:
             line2.append(f" > fit {s.fit}", style=f"bold {self._c('warning')}")
         if s.paused and not s.stopping:
@@ -137,4 +169,20 @@ class RunHeader(Static):
         line2.append(f"{s.failed} failed" + (f" {s.killed} killed" if s.killed else ""),
                      style=f"bold {self._c('error')}" if bad else "")
         line2.append(f"  {fmt_rate(s.tokens_per_s)} tok/s", style="bold")
+        if s.mode == "auto":
+            self._auto_extras(line2, s, len(badge))
         return Text("\n").join([line1, line2])
+
+    def _auto_extras(self, line: Text, s: HeaderState, after: int) -> None:
+        """Auto's ceiling after the badge, then its last reason at the end, each only where it fits: the mode,
+        the cap and the counters always keep their place at 80 columns."""
+        muted = self._c("text-muted")
+        if s.ceiling is not None:
+            ceiling = f" ceiling {s.ceiling}"
+            if line.cell_len + len(ceiling) <= s.width:
+                tail = line[after:]
+                line.right_crop(line.cell_len - after)
+                line.append(ceiling, style=muted)
+                line.append_text(tail)
+        if s.last_reason and s.width - line.cell_len - 2 >= REASON_MIN_CELLS:
+            line.append(f"  {s.last_reason}", style=muted)
