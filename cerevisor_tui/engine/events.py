@@ -199,6 +199,17 @@ class AgentFinished(Event):
     status: str
     error: str = ""
     output: str = ""
+    # What a completed agent ran with (engine.agent_inputs): a resumed run compares it with its config
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentRerun(Event):
+    """A resumed run sends an agent the journal says completed, because what it would run with changed."""
+
+    kind: ClassVar[str] = "AgentRerun"
+    agent: str
+    reason: str  # e.g. "prompt changed", "max_tokens 30 -> 60", "its dependency a0 runs again"
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,11 +223,12 @@ class ModeChanged(Event):
 @dataclass(frozen=True, slots=True)
 class ConcurrencyChanged(Event):
     kind: ClassVar[str] = "ConcurrencyChanged"
-    max_concurrency: int  # the run's cap (in auto mode: the ceiling `+`/`-` move)
+    max_concurrency: int  # the parallel cap
     effective_cap: int  # what may run now: the run's, or with `endpoint` that endpoint's live cap
     paused: bool = False
     endpoint: str = ""  # set when one endpoint's cap changed (auto mode)
     reason: str = ""  # why, e.g. "auto: 24 -> 32 (throughput +18% at 24, nothing waiting, KV 61%)"
+    ceiling: int = 0  # auto mode's ceiling (what `+`/`-` move there); 0 in an event not about auto
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +264,6 @@ ALL_EVENTS: dict[str, type[Event]] = {
     for cls in (
         RunStarted, WaveStarted, WaveFinished, AgentQueued, AgentStarted, EndpointWaiting, FirstToken,
         TokenDelta, KeepAlive, MessageRecorded, TurnFinished, StallWarning, StallExtended, AgentKilled, AgentRetrying,
-        AgentFinished, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished,
+        AgentFinished, AgentRerun, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished,
     )
 }

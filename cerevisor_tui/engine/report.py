@@ -55,8 +55,8 @@ class Report:
                     self.agents[name] = {
                         "name": name, "wave": wave, "status": "pending", "attempts": 0, "turns": 0,
                         "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None, "duration_s": 0.0,
-                        "output_tokens_per_s": None, "stall_warnings": 0, "error": "", "_decode_s": 0.0,
-                        "_t_start": None,
+                        "output_tokens_per_s": None, "stall_warnings": 0, "error": "", "rerun_reason": "",
+                        "_decode_s": 0.0, "_t_start": None,
                     }
         elif isinstance(event, ev.ModeChanged):
             self.mode = event.mode
@@ -65,11 +65,11 @@ class Report:
         elif isinstance(event, ev.ConcurrencyChanged):
             if event.endpoint:
                 self._cap(event.endpoint, event.t, event.effective_cap, event.reason)
-            elif self.mode == "parallel":
+            elif self.mode == "parallel":  # (in auto mode a run-wide change moves the ceiling, not a cap)
                 self._cap_all(event.t, event.max_concurrency, event.reason or f"cap {event.max_concurrency}")
         elif isinstance(event, ev.AgentStarted):
             a = self.agents[event.agent]
-            a["attempts"] = max(a["attempts"], event.attempt)
+            a["attempts"] += 1  # every request sent, over all turns: retries and restarts included
             if a["_t_start"] is None:
                 a["_t_start"] = event.t
             self._running.add(event.agent)
@@ -86,6 +86,8 @@ class Report:
                 a["output_tokens_per_s"] = round(a["completion_tokens"] / a["_decode_s"], 2)
         elif isinstance(event, ev.StallWarning):
             self.agents[event.agent]["stall_warnings"] += 1
+        elif isinstance(event, ev.AgentRerun):
+            self.agents[event.agent]["rerun_reason"] = event.reason
         elif isinstance(event, ev.AgentFinished):
             a = self.agents[event.agent]
             a["status"], a["error"] = event.status, event.error
@@ -129,13 +131,14 @@ class Report:
         """Feed recorded events of an earlier run (a resumed run's completed agents) into the figures."""
         for data in events:
             cls = ev.ALL_EVENTS.get(data.get("event", ""))
-            if cls is None or cls in (ev.RunStarted, ev.RunFinished, ev.ModeChanged, ev.ConcurrencyChanged):
-                continue  # the new run's own; an agent's figures are what carries over
+            if cls is None or cls in (ev.RunStarted, ev.RunFinished, ev.ModeChanged, ev.ConcurrencyChanged,
+                                      ev.AgentFinished, ev.AgentRerun):
+                continue  # the new run's own (it ends each agent itself); an agent's figures are what carries over
             fields = {k: v for k, v in data.items() if k != "event"}
             try:
                 self(cls(**fields))
-            except (TypeError, KeyError):
-                continue  # a record from another version of the schema: skip it rather than fail the resume
+            except (TypeError, KeyError, ValueError, AttributeError):
+                continue  # a record from another version of the schema, or damaged: skip it rather than fail the resume
 
     def totals(self) -> dict[str, Any]:
         agents = self.agents.values()

@@ -351,14 +351,14 @@ class UiModel:
             self.notices.append(Notice(e.note + _mode_hint(e.mode)))
 
     def _on_ConcurrencyChanged(self, e: ev.ConcurrencyChanged) -> None:
+        if e.ceiling:
+            self.auto_ceiling = e.ceiling
         if e.endpoint:
-            track = self.track(e.endpoint)
-            track.auto_cap = e.effective_cap
-            self.auto_ceiling = e.max_concurrency
+            self.track(e.endpoint).auto_cap = e.effective_cap
         else:
             self.run_cap = e.max_concurrency
         if e.reason:  # auto's changes and the operator's moves of its ceiling; not every + or pause
-            change = CapChange(e.t, e.endpoint, e.effective_cap, e.max_concurrency, e.reason)
+            change = CapChange(e.t, e.endpoint, e.effective_cap, e.ceiling or e.max_concurrency, e.reason)
             self.cap_changes.append(change)
             self.cap_changes_total += 1
             if e.endpoint:

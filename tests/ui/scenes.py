@@ -81,7 +81,8 @@ class Driver:
         """What the engine does when sim's auto controller moves its cap: the scheduler's live cap, then the event."""
         e = self.engine
         e.scheduler.set_endpoint_cap("sim", cap)
-        self.emit(ev.ConcurrencyChanged(t, e.auto_ceiling, cap, e.scheduler.paused, endpoint="sim", reason=reason))
+        self.emit(ev.ConcurrencyChanged(t, e.scheduler.max_concurrency, cap, e.scheduler.paused, endpoint="sim",
+                                        reason=reason, ceiling=e.auto_ceiling))
 
     def start(self, name: str, t: float, turn: int = 1) -> Attempt:
         st = self.engine.agents[name]

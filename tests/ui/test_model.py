@@ -119,13 +119,15 @@ def run_started(t: float = 100.0, mode: str = "auto", endpoints=(("box", "local"
 def test_model_records_each_endpoints_cap_changes_and_their_reasons_newest_last():
     m = UiModel()
     m(run_started(endpoints=(("box", "local", 64), ("big", "local", 64))))
-    m(ev.ConcurrencyChanged(100.1, 64, 1, endpoint="box", reason="auto: start at 1 (slow start)"))
-    m(ev.ConcurrencyChanged(104.0, 64, 2, endpoint="box", reason="auto: 1 -> 2 (slow start: 40 tok/s at 1)"))
+    m(ev.ConcurrencyChanged(100.1, 4, 1, endpoint="box", reason="auto: start at 1 (slow start)", ceiling=64))
+    m(ev.ConcurrencyChanged(104.0, 4, 2, endpoint="box", reason="auto: 1 -> 2 (slow start: 40 tok/s at 1)", ceiling=64))
     m(ev.ConcurrencyChanged(105.0, 4, 3))  # a run-wide change without a reason (+ in parallel, pause): not listed
-    m(ev.ConcurrencyChanged(106.0, 4, 3, reason="auto ceiling 12 (operator)"))
-    m(ev.ConcurrencyChanged(107.0, 12, 8, endpoint="big", reason="auto: 12 -> 8 (3 preemptions in 10 s, KV 100%)"))
+    m(ev.ConcurrencyChanged(106.0, 4, 3, reason="auto ceiling 12 (operator)", ceiling=12))
+    m(ev.ConcurrencyChanged(107.0, 4, 8, endpoint="big", reason="auto: 12 -> 8 (3 preemptions in 10 s, KV 100%)",
+                            ceiling=12))
     assert [(c.endpoint, c.cap, c.reason[:14]) for c in m.cap_changes] == [
         ("box", 1, "auto: start at"), ("box", 2, "auto: 1 -> 2 ("), ("", 3, "auto ceiling 1"), ("big", 8, "auto: 12 -> 8 ")]
+    assert m.run_cap == 4  # the ceiling is not the parallel cap
     assert m.last_cap_change is m.cap_changes[-1] and m.cap_changes_total == 4
     assert m.tracks["box"].last_change.reason.startswith("auto: 1 -> 2")
     assert m.tracks["box"].auto_cap == 2 and m.tracks["big"].auto_cap == 8 and m.auto_ceiling == 12
