@@ -215,3 +215,16 @@ def test_the_operator_ceiling_caps_it_and_resume_keeps_what_it_learned():
 def test_signals_are_immutable_snapshots():
     s = Signals(t=1.0, tokens=0, running=0, queued=0)
     assert replace(s, running=2).running == 2 and s.running == 0
+
+
+def test_an_idle_gap_between_waves_is_not_measured_as_a_slow_cap():
+    box = Box(linear_then_flat(1000), queue=16)
+    ctl = AutoController(max_cap=64)
+    grown = drive(ctl, box, 30)
+    assert caps(grown)[:3] == [2, 4, 8]
+    cap = ctl.cap
+    box.running = 0  # the wave ended: nothing runs, nothing is queued, no tokens for a while
+    assert drive(ctl, box, 20) == []
+    box.queue = 200  # the next wave
+    later = drive(ctl, box, 30)
+    assert all(c >= cap for c in caps(later)), later

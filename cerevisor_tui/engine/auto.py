@@ -163,9 +163,12 @@ class AutoController:
                 return None
             self._settling = False
         w = self._window
+        if s.running < self.cap:
+            # admissions to a new cap still under way, or too few agents left to fill it (a wave's end, a
+            # pause): what this window would measure is not the cap
+            self._window = None
+            return None
         if w is None:
-            if s.running < self.cap and s.queued > 0:
-                return None  # admissions to the new cap still under way
             self._window = _Window(s.t, s.tokens, s.sample, s.preemptions)
             return None
         w.see(s)
@@ -219,18 +222,18 @@ class AutoController:
     def _judge(self, s: Signals, w: _Window) -> Change | None:
         tp = (s.tokens - w.tokens0) / (s.t - w.t0)
         cap = self.cap
-        demand_limited = s.queued == 0 and s.running < cap
-        if not demand_limited:
-            self.measured[cap] = tp
-            if w.hit_rate is not None:
-                self.hit_rates[cap] = w.hit_rate
-        if s.ttft_p50 is not None and not demand_limited:
+        self.measured[cap] = tp
+        if w.hit_rate is not None:
+            self.hit_rates[cap] = w.hit_rate
+        if s.ttft_p50 is not None:
             self.ttft_best = s.ttft_p50 if self.ttft_best is None else min(self.ttft_best, s.ttft_p50)
+        if s.queued == 0:
+            return None  # nobody waits for a slot: a cap moved now would change nothing
         fit = self._fit(s)
         upper = min(self.ceiling, fit if fit is not None else self.max_cap, s.slots or self.max_cap)
         kv = f", KV {pct(w.kv)}" if w.kv is not None else ""
         # the projection grew (or the ceiling fell) past this cap: hold admissions down to what fits
-        if fit is not None and cap > fit and cap - fit >= max(1, cap // 10) and s.queued > 0:
+        if fit is not None and cap > fit and cap - fit >= max(1, cap // 10):
             return self._to(max(self.min_cap, fit), self._fit_text(s, fit))
         # no metrics: requests queueing shows as TTFT
         if (s.waiting is None and s.ttft_p50 is not None and self.ttft_best is not None
@@ -247,8 +250,6 @@ class AutoController:
             self.slow_start = False
             return self._to(back, f"prefix hits {pct(hits)} against {pct(best_hits)} at {back}{kv}: "
                                 "prefixes are evicted")
-        if demand_limited:
-            return None
         headroom = w.waiting == 0 and (w.kv is None or w.kv < KV_FULL) and not self._preempted_in(w, s)
         prev = self.measured.get(self.prev_cap) if self.prev_cap is not None else None
         if self._probe_from is not None:  # judging an upward probe
