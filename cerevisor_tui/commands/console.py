@@ -11,6 +11,7 @@ the console says so and its palette offers "Resume last run" (the headless `--re
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -146,8 +147,9 @@ class ConsoleRuns:
         config = config or self.config
         engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
                         stream_process=wants_stream_process(config, console=True))
-        journal = Journal(run_dir, engine.report)
-        journal.open()
+        # one process per run directory (its lock); a write that fails mid-run stops the run, saying why
+        journal = Journal(run_dir, engine.report, on_error=lambda line: engine.stop(f"run stopped: {line}"))
+        journal.open(resume=completed is not None)
         try:
             write_json_atomic(run_dir / RUN_FILE, {"run_id": run_id, "config": self.config_key,
                                                    "started_at": datetime.now(UTC).isoformat()})
@@ -188,6 +190,8 @@ def main(args: Any) -> int:
     from cerevisor_tui.engine.journal import JournalError
     from cerevisor_tui.ui.keys import BINDING_IDS
     from cerevisor_tui.ui.theme_files import ThemeError, check_theme_name, load_themes
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file-size limit: the journal says EFBIG, not a core dump
 
     theme = getattr(args, "theme", None)
     try:

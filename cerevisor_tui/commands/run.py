@@ -1,10 +1,16 @@
-"""`cerevisor-tui run FILE`: the headless run, with a run directory, a report and exit codes 0/1/2."""
+"""`cerevisor-tui run FILE`: the headless run, with a run directory, a report and exit codes 0/1/2.
+
+One process per run directory (its lock); what it cannot write stops the run cleanly, in one line; a
+first signal stops the run (report written), a second ends the process within FORCE_EXIT_S.
+"""
 
 from __future__ import annotations
 
-import json
+import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +21,9 @@ from cerevisor_tui.config.checks import preflight
 from cerevisor_tui.config.paths import default_runs_dir
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+FORCE_EXIT_S = 1.5
+"""After a second signal, what is left (closing connections, the last report) gets this long, then the
+process exits: the report of the last wave end and every journal line written stay as they are."""
 
 
 def apply_overrides(config: Config, args: Any, *, file: str) -> Config:
@@ -40,47 +49,70 @@ def apply_overrides(config: Config, args: Any, *, file: str) -> Config:
         raise
 
 
-def resume_state(run: str, runs_dir: Path) -> tuple[Path, str, dict[str, str], list[dict[str, Any]]]:
-    """A run to resume: its directory, its id, the answers of the agents it completed, and their events."""
+def find_run(run: str, runs_dir: Path) -> Path:
+    """The directory of the run `--resume RUN` names: a directory, or a run id under the runs directory."""
+    if not run.strip():
+        raise ConfigError("names no run: give the run id printed at its start, or its directory", key="--resume")
     path = Path(run)
     if not path.is_dir():
         path = runs_dir / run
-    events = path / "events.jsonl"
-    if not events.is_file():
+    if not (path / "events.jsonl").is_file():
         raise ConfigError(f"no run to resume at {path} (it has no events.jsonl)", key="--resume")
-    run_id, completed, recorded = path.name, {}, []
-    with events.open(encoding="utf-8") as fh:
-        for line in fh:
-            try:
-                e = json.loads(line)
-            except ValueError:
-                continue  # a crash may leave one partial last line
-            if not isinstance(e, dict):
-                continue
-            recorded.append(e)
-            if e.get("event") == "RunStarted":
-                run_id = e.get("run_id", run_id)
-            elif e.get("event") == "AgentFinished" and e.get("status") == "completed":
-                completed[e["agent"]] = e.get("output", "")
-    # the figures of completed agents carry over into the resumed run's report: the events since
-    # each one's last AgentQueued (an earlier failed run of the same agent does not count twice)
-    last_run: dict[str, list[dict[str, Any]]] = {}
-    for e in recorded:
-        agent = e.get("agent")
-        if agent in completed:
-            if e.get("event") == "AgentQueued":
-                last_run[agent] = []
-            elif e.get("event") != "AgentFinished":
-                last_run.setdefault(agent, []).append(e)
-    history = [e for events_ in last_run.values() for e in events_]
-    return path, run_id, completed, history
+    return path
+
+
+def resume_state(run: str, runs_dir: Path) -> tuple[Path, str, dict[str, str], list[dict[str, Any]]]:
+    """A run to resume: its directory, its id, the answers of the agents it completed, and their events
+    (what cannot be read is skipped; engine/journal.py `read_journal`)."""
+    from cerevisor_tui.engine.journal import JournalError, read_journal
+
+    path = find_run(run, runs_dir)
+    try:
+        state = read_journal(path)
+    except JournalError as exc:
+        raise ConfigError(str(exc), key="--resume") from None
+    return path, state.run_id, state.completed, state.history
+
+
+class ForcedExit:
+    """Armed at the first signal: another one ends the process FORCE_EXIT_S later, whatever it is doing.
+
+    Its handlers are plain signal handlers and its clock a thread, so they work while the event loop is
+    stuck (a write that blocks, a connection that will not close); the loop, when it is not, still hears
+    the signal too and cancels what is left cleanly in the meantime.
+    """
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+        self._forced = threading.Event()
+        threading.Thread(target=self._exit_after, name="forced-exit", daemon=True).start()
+        self.install()
+
+    def install(self) -> None:
+        for signum in SIGNAL_EXIT:
+            signal.signal(signum, self._on_signal)
+
+    def force(self) -> None:
+        self._forced.set()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._forced.set()
+
+    def _exit_after(self) -> None:
+        self._forced.wait()
+        time.sleep(FORCE_EXIT_S)
+        os._exit(self.code)
 
 
 def main(args: Any) -> int:
     from cerevisor_tui.engine.engine import Engine, new_run_id, wants_stream_process
-    from cerevisor_tui.engine.journal import Journal, JournalError
+    from cerevisor_tui.engine.journal import Journal, JournalError, RunLock, read_journal
     from cerevisor_tui.engine.printer import Printer
 
+    # A file-size limit (ulimit -f) makes a write fail with EFBIG, which the journal reports, rather than
+    # SIGXFSZ killing the process with nothing said.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    lock: RunLock | None = None
     try:
         config = apply_overrides(load_config(args.file), args, file=args.file)
         if not config.agents:
@@ -89,31 +121,43 @@ def main(args: Any) -> int:
         runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
         completed: dict[str, str] = {}
         history: list[dict[str, Any]] = []
-        if args.resume:
-            run_dir, run_id, completed, history = resume_state(args.resume, runs_dir)
+        resuming = args.resume is not None
+        if resuming:
+            run_dir = find_run(args.resume, runs_dir)
+            lock = RunLock(run_dir).acquire()  # before reading: another process may still be writing it
+            state = read_journal(run_dir)
+            run_id, completed, history = state.run_id, state.completed, state.history
+            if state.skipped:
+                print(f"cerevisor-tui run: resume: {state.notice(run_dir)}", file=sys.stderr)
         else:
             run_id = new_run_id()
             run_dir = Path(args.run_dir) if args.run_dir else runs_dir / run_id
         engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
                         stream_process=wants_stream_process(config, console=False))
-        journal = Journal(run_dir, engine.report, extra_report=args.report)
-        journal.open()
+        journal = Journal(run_dir, engine.report, extra_report=args.report,
+                          on_error=lambda line: engine.stop(f"run stopped: {line}"))
+        journal.open(resume=resuming, lock=lock)
     except (ConfigError, JournalError) as exc:
+        if lock is not None:
+            lock.release()
         print(f"cerevisor-tui run: {exc}", file=sys.stderr)
         return 2
 
     engine.subscribe(journal)
     engine.subscribe(Printer(jsonl=args.jsonl))
     received: list[int] = []
+    forced: list[ForcedExit] = []
 
     async def watch_signals(scope: anyio.CancelScope) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             async for signum in signals:
                 if received:
                     print("cerevisor-tui run: second signal, stopping now", file=sys.stderr)
+                    forced[0].force()
                     scope.cancel()
                     return
                 received.append(signum)
+                forced.append(ForcedExit(SIGNAL_EXIT.get(signal.Signals(signum), 130)))
                 print(f"\ncerevisor-tui run: {signal.Signals(signum).name}: stopping; running agents are cancelled "
                       "(again to force)", file=sys.stderr)
                 engine.stop(f"run stopped by {signal.Signals(signum).name}")
@@ -131,8 +175,22 @@ def main(args: Any) -> int:
     try:
         code = anyio.run(body)
     finally:
-        journal.write_report()
+        if forced:  # stopping already: another signal while the last report is written ends the process
+            forced[0].install()
+        report_written = journal.write_report()
         journal.close()
+    if journal.error or not report_written:
+        print(f"cerevisor-tui run: {write_problem(journal, report_written, run_dir)}", file=sys.stderr)
     if received:
         return SIGNAL_EXIT.get(signal.Signals(received[0]), 130)
-    return code
+    return 1 if journal.error or not report_written else code
+
+
+def write_problem(journal: Any, report_written: bool, run_dir: Path) -> str:
+    """What could not be written, and what stands, in one line."""
+    if not journal.error:
+        return f"{journal.report_error}; the run itself ended; the report of its last wave stands in {run_dir}"
+    kept = ("the report is written" if report_written
+            else f"the report could not be rewritten ({journal.report_error}); the last one written stands")
+    return (f"{journal.error}; the run stopped, agents not finished were cancelled; what was written is kept "
+            f"in {run_dir}, {kept}")

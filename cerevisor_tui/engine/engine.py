@@ -8,13 +8,15 @@ and a report all subscribe to the same events.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import random
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -109,7 +111,8 @@ class AgentState:
     wave: int
     status: str = "pending"
     turn: int = 0
-    attempts: int = 0
+    attempts: int = 0  # requests sent, over all turns
+    turn_attempts: dict[int, int] = field(default_factory=dict)  # turn -> its attempts so far (1: no retry yet)
     retries_used: int = 0
     tokens: int = 0
     prompt_tokens: int = 0
@@ -213,9 +216,18 @@ class Engine:
         self.wave = -1
         self.started_at = 0.0
         self.stopping = ""
-        # Agents a resumed run already completed: their answers are reused, they are never sent again.
+        # Agents a resumed run already completed: their answers are reused, they are never sent again, unless
+        # what they would run with now (prompt, endpoint, ...) is not what they ran with: then they and every
+        # agent downstream of them run again, each with its reason (an AgentRerun at the start of the run).
         self.completed_before = dict(completed or {})
-        self._history = list(history or ())  # their recorded events: their figures carry into the report
+        self.recorded_inputs: dict[str, dict[str, str]] = {
+            e["agent"]: e["inputs"] for e in history or () if e.get("event") == "AgentFinished"
+            and isinstance(e.get("agent"), str) and isinstance(e.get("inputs"), dict)}
+        self.rerun = self._plan_resume()
+        for name in self.rerun:
+            del self.completed_before[name]
+        # the reused agents' recorded events: their figures carry into the report
+        self._history = [e for e in history or () if e.get("agent") not in self.rerun]
         self.report = Report()
         self._subscribers: list[Subscriber] = [self.report]
         self._clients: dict[str, httpx.AsyncClient] = {}
@@ -378,12 +390,17 @@ class Engine:
             ))
             if self._history:
                 self.report.replay(self._history)
+            for name, why in self.rerun.items():
+                self.emit(ev.AgentRerun(time.monotonic(), name, why))
             if self.scheduler.mode == "auto":
                 for name, ctl in self.auto.items():
                     self._apply_auto(name, Change(ctl.cap, ctl.start_reason))
             async with anyio.create_task_group() as background:
                 await self._start_background(background)
                 for wave, level in enumerate(self.waves):
+                    if self.stopping:
+                        self._cancel_rest(wave)
+                        break
                     await self._run_wave(wave, [self.agents[a.name] for a in level])
                 background.cancel_scope.cancel()
         code = 0 if all(st.status in ("completed",) for st in self.agents.values()) else 1
@@ -588,7 +605,8 @@ class Engine:
             self._wave_group = group
             for st in states:
                 if st.name in self.completed_before:
-                    self._finish(st, "completed", "", self.completed_before[st.name])
+                    self._finish(st, "completed", "", self.completed_before[st.name],
+                                 self.recorded_inputs.get(st.name, {}))
                     continue
                 if self.stopping:
                     self._finish(st, "cancelled", self.stopping)
@@ -601,6 +619,20 @@ class Engine:
                 group.start_soon(self._run_agent, st)
         self._wave_group = None
         self.emit(ev.WaveFinished(time.monotonic(), wave, {st.name: st.status for st in states}))
+
+    def _cancel_rest(self, wave: int) -> None:
+        """The run is stopping: every agent of the waves from `wave` on ends now, in one step (cancelled, or
+        completed when a resumed run reuses its answer), without a wave's start, end or report rewrite each."""
+        for level in self.waves[wave:]:
+            for agent in level:
+                st = self.agents[agent.name]
+                if st.status in FINAL:
+                    continue
+                if st.name in self.completed_before:
+                    self._finish(st, "completed", "", self.completed_before[st.name],
+                                 self.recorded_inputs.get(st.name, {}))
+                else:
+                    self._finish(st, "cancelled", self.stopping)
 
     async def _run_agent(self, st: AgentState) -> None:
         if self.stopping:  # spawned in the same instant the run was stopped
@@ -620,13 +652,62 @@ class Engine:
         st.scope = None
         if scope.cancelled_caught:
             status, reason = st.end_status or "cancelled", st.end_reason or "cancelled"
-        self._finish(st, status, reason, st.output if status == "completed" else "")
+        if status == "completed":
+            self._finish(st, status, reason, st.output, self.agent_inputs(st.config))
+        else:
+            self._finish(st, status, reason)
 
-    def _finish(self, st: AgentState, status: str, reason: str, output: str = "") -> None:
+    def _finish(self, st: AgentState, status: str, reason: str, output: str = "",
+                inputs: dict[str, str] | None = None) -> None:
         st.status, st.error, st.output = status, reason, output
         st.current = None
         st.finished_at = time.monotonic()
-        self.emit(ev.AgentFinished(time.monotonic(), st.name, status, reason, output))
+        self.emit(ev.AgentFinished(time.monotonic(), st.name, status, reason, output, inputs or {}))
+
+    def agent_inputs(self, cfg: AgentConfig, outputs: Mapping[str, str] | None = None) -> dict[str, str]:
+        """What an agent runs with, as its AgentFinished records it: its texts as sent (its dependencies'
+        answers inserted; `outputs` gives them, else the agents' own) as digests, the rest as values.
+        A resumed run compares the keys both have, so a key added later does not rerun everything."""
+        if outputs is None:
+            render = self.render
+        else:
+            def render(text: str) -> str:
+                return OUTPUT_REF.sub(lambda m: outputs.get(m.group(1), ""), text)
+        ep = self.config.agent_endpoint(cfg)
+        return {
+            "system": _digest(cfg.system),
+            "prompt": _digest(render(cfg.prompt)),
+            "turns": _digest(json.dumps([render(text) for text in cfg.turns], ensure_ascii=False)),
+            "depends_on": ", ".join(sorted(cfg.depends_on)),
+            "endpoint": ep.name,
+            "model": ep.model,  # as configured: "" is the first /v1/models lists
+            "max_tokens": str(cfg.max_tokens),
+            "temperature": str(cfg.temperature),
+        }
+
+    def _plan_resume(self) -> dict[str, str]:
+        """The completed agents a resumed run sends again, and why: what they would run with changed, or a
+        dependency of theirs runs (a changed answer upstream makes every answer downstream stale)."""
+        reused = self.completed_before
+        rerun: dict[str, str] = {}
+        for level in self.waves:
+            for cfg in level:
+                if cfg.name not in reused:
+                    continue
+                dep = next((d for d in cfg.depends_on if d not in reused or d in rerun), None)
+                if dep is not None:
+                    rerun[cfg.name] = (f"its dependency {dep} runs again" if dep in rerun
+                                       else f"its dependency {dep} had not completed")
+                    continue
+                before = self.recorded_inputs.get(cfg.name)
+                if not before:
+                    continue  # recorded before inputs were: reused as it is
+                now = self.agent_inputs(cfg, reused)
+                changes = [_input_change(key, str(before[key]), value) for key, value in now.items()
+                           if key in before and str(before[key]) != value]
+                if changes:
+                    rerun[cfg.name] = ", ".join(changes)
+        return rerun
 
     def _reset(self, st: AgentState) -> None:
         st.status, st.error, st.output, st.end_status, st.end_reason = "pending", "", "", "", ""
@@ -648,17 +729,21 @@ class Engine:
         for turn, text in enumerate(user_turns):
             st.turn = turn + 1
             messages.append({"role": "user", "content": self.render(text)})
-            self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.attempts + 1, st.turn, "user", messages[-1]["content"]))
+            self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(st.turn, 0) + 1, st.turn, "user",
+                                         messages[-1]["content"]))
             answer = await self._turn(st, messages)
             messages.append({"role": "assistant", "content": answer})
         st.messages = messages
         st.output = answer
 
     async def _turn(self, st: AgentState, messages: list[dict[str, str]]) -> str:
+        """One turn: its attempts are numbered within it (2 is its first retry or restart), and an operator's
+        rerun of the agent goes on counting, so 'attempt 2' always means the turn was sent before."""
         while True:
             st.attempts += 1
+            number = st.turn_attempts[st.turn] = st.turn_attempts.get(st.turn, 0) + 1
             try:
-                return await self._attempt(st, messages)
+                return await self._attempt(st, messages, number)
             except _AttemptFailed as failure:
                 if failure.restart:
                     continue
@@ -671,13 +756,13 @@ class Engine:
                 if failure.retry_after_s is not None:
                     delay = max(delay, min(failure.retry_after_s, RETRY_AFTER_CAP_S))
                 st.status = "retrying"
-                self.emit(ev.AgentRetrying(time.monotonic(), st.name, st.attempts + 1, failure.reason, delay))
+                self.emit(ev.AgentRetrying(time.monotonic(), st.name, number + 1, failure.reason, delay))
                 await anyio.sleep(delay)
 
-    async def _attempt(self, st: AgentState, messages: list[dict[str, str]]) -> str:
+    async def _attempt(self, st: AgentState, messages: list[dict[str, str]], number: int) -> str:
         policy = self.policies[st.endpoint]
         now = time.monotonic()
-        att = Attempt(st.attempts, st.turn, sent_at=now, last_alive=now,
+        att = Attempt(number, st.turn, sent_at=now, last_alive=now,
                       deadline_at=now + policy.first_byte_timeout_s)
         st.current = att
         st.status = "prefill"
@@ -879,11 +964,13 @@ class Engine:
                     # it came back to life while the server was asked (or while this busy loop caught up
                     # with bytes that had already arrived): not stalled after all
                     continue
-                elapsed = now - base
+                # measured now, after the busy check (which can take seconds), against the deadline in force
+                elapsed, limit = monotonic() - base, att.deadline_at - base
+                deadline = f" (deadline {fmt_s(limit)})" if fmt_s(elapsed) != fmt_s(limit) else ""
                 if phase == "first_byte":
-                    why = f"no first token after {fmt_s(elapsed)}"
+                    why = f"no first token after {fmt_s(elapsed)}{deadline}"
                 else:
-                    why = f"no output for {fmt_s(elapsed)} after {att.tokens} tokens"
+                    why = f"no output for {fmt_s(elapsed)} after {att.tokens} tokens{deadline}"
                 att.kill(phase, why)
                 return
             next_at = att.deadline_at
@@ -958,6 +1045,21 @@ def _saved_probe_cap(ep: EndpointConfig) -> tuple[int, str]:
     if not saved or not saved.get("cap"):
         return 0, ""
     return int(saved["cap"]), f"the probe of {saved.get('saved_at', 'an earlier run')} recommended it"
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def _input_change(key: str, before: str, now: str) -> str:
+    """One changed input in the operator's words: texts by name, values from before to now."""
+    if key in ("system", "prompt", "turns"):
+        return f"{key} changed"
+    if key == "depends_on":
+        return f"depends_on [{before}] -> [{now}]"
+    if key == "model":
+        return f"model {before or '(the first listed)'} -> {now or '(the first listed)'}"
+    return f"{key} {before} -> {now}"
 
 
 def _num(value: float | int | None) -> float | None:

@@ -1,14 +1,25 @@
-"""The run directory: `events.jsonl` (append-only), `transcripts/<agent>.jsonl`, and `report.json`.
+"""The run directory: `events.jsonl` (append-only), `transcripts/<agent>.jsonl`, `report.json`, and the
+`lock` that keeps it to one process.
 
 Every event but token deltas and keep-alives is appended and flushed as it happens (the transcripts
-hold the text); the file is fsynced when an agent ends, so a crash loses at most the last partial
-line. The report is rewritten atomically at every wave end and at the end of the run.
+hold the text); the file is fsynced when an agent that ran ends, so a crash loses at most the last
+partial line, and the next run that appends starts on a new line. The report is rewritten atomically
+at every wave end and at the end of the run. A write that fails (a full disk, a file-size limit, a
+read-only remount) does not raise into the run: the journal stops writing, keeps what it wrote, and
+tells its owner once (`on_error`), who stops the run.
+
+`read_journal` reads a run directory back for `--resume`: whatever it cannot read (a truncated line,
+invalid UTF-8, a line of the wrong shape) is skipped and counted, never an exception.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -16,73 +27,322 @@ from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.report import Report, write_json_atomic
 
 SKIPPED = frozenset({"TokenDelta", "KeepAlive"})
+EVENTS_FILE = "events.jsonl"
+LOCK_FILE = "lock"
+"""In each run directory: holds the id of the process running it, locked (flock) while it runs."""
 
 
 class JournalError(Exception):
-    """The run directory cannot be used (unwritable, full): found before any request is sent."""
+    """The run directory cannot be used (unwritable, full, in use by another run): found before any request is sent."""
 
 
 def _dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
-class Journal:
-    """A subscriber that keeps the run directory; `open()` checks it is writable first."""
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc) or type(exc).__name__
 
-    def __init__(self, run_dir: str | os.PathLike[str], report: Report, extra_report: str | None = None) -> None:
+
+def _ends_mid_line(path: Path) -> bool:
+    """The file is not empty and its last byte is not a newline (a crash or a full disk cut a line short)."""
+    try:
+        with open(path, "rb") as fh:
+            if fh.seek(0, os.SEEK_END) == 0:
+                return False
+            fh.seek(-1, os.SEEK_END)
+            return fh.read(1) != b"\n"
+    except OSError:
+        return False
+
+
+def _append(path: Path) -> IO[str]:
+    """Open a JSON-lines file to append to, on a line of its own even when its last line was cut short."""
+    fh = open(path, "a", encoding="utf-8")
+    if _ends_mid_line(path):
+        fh.write("\n")
+    return fh
+
+
+class RunLock:
+    """One process per run directory: an exclusive flock on `<run dir>/lock` for the life of the run.
+
+    The OS releases it when the process ends, however it ends, so a run killed with SIGKILL can be
+    resumed at once; a second process asking for it is refused with the holder's process id.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(run_dir)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> RunLock:
+        if self._fd is not None:
+            return self
+        path = self.dir / LOCK_FILE
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise JournalError(f"run directory {self.dir} is not usable: {_why(exc)}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            holder = ""
+            with contextlib.suppress(OSError, ValueError):
+                holder = f" (process {int(path.read_text().split()[0])})"
+            raise JournalError(f"run directory {self.dir} is in use by another run{holder}: wait for it to end "
+                               "or stop it; one process per run directory") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError as exc:
+            os.close(fd)
+            raise JournalError(f"run directory {self.dir} is not usable: {_why(exc)}") from None
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        # The file stays: unlinking a lock file lets two processes hold "the" lock on two different files.
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def holds_run(run_dir: str | os.PathLike[str]) -> bool:
+    """The directory already has a run's journal in it (a fresh run must not be merged into it)."""
+    try:
+        return (Path(run_dir) / EVENTS_FILE).stat().st_size > 0
+    except OSError:
+        return False
+
+
+def check_report_path(path: str | os.PathLike[str]) -> None:
+    """`--report PATH` can be written: its directory exists or can be made and takes a file. Raises JournalError."""
+    target = Path(path)
+    if target.is_dir():
+        raise JournalError(f"report path {target} is a directory; name a file")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        probe = target.parent / f".{target.name}.write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as exc:
+        raise JournalError(f"report path {target} is not writable: {_why(exc)}") from None
+
+
+class Journal:
+    """A subscriber that keeps the run directory; `open()` takes its lock and checks it is writable first.
+
+    `on_error` is told once, with one line naming the path and the reason, when a write fails mid-run.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], report: Report, extra_report: str | None = None,
+                 *, on_error: Callable[[str], None] | None = None) -> None:
         self.dir = Path(run_dir)
         self.report = report
         self.extra_report = Path(extra_report) if extra_report else None
+        self.on_error = on_error
+        self.error = ""  # the first write error, in one line: from then on nothing more is written
+        self.report_error = ""  # the last report write that failed ("" once one succeeds)
         self._events: IO[str] | None = None
         self._transcripts: dict[str, IO[str]] = {}
+        self._ran: set[str] = set()  # agents queued in this run: their end is fsynced
+        self._lock: RunLock | None = None
 
-    def open(self) -> None:
+    def open(self, *, resume: bool = False, lock: RunLock | None = None) -> None:
+        """Lock the directory (or take `lock`, already held), refuse one that holds a run unless `resume`,
+        and check it takes writes. Raises JournalError, with the lock released again."""
+        self._lock = lock or RunLock(self.dir)
         try:
-            (self.dir / "transcripts").mkdir(parents=True, exist_ok=True)
-            probe = self.dir / ".write-test"
-            probe.write_text("ok")
-            probe.unlink()
-            self._events = open(self.dir / "events.jsonl", "a", encoding="utf-8")
-        except OSError as exc:
-            raise JournalError(f"run directory {self.dir} is not usable: {exc.strerror or exc}") from None
+            if self.extra_report is not None:
+                check_report_path(self.extra_report)
+            self._lock.acquire()
+            if not resume and holds_run(self.dir):
+                raise JournalError(f"run directory {self.dir} already holds a run: resume it with --resume {self.dir}, "
+                                   "or choose another directory")
+            try:
+                (self.dir / "transcripts").mkdir(parents=True, exist_ok=True)
+                probe = self.dir / ".write-test"
+                probe.write_text("ok")
+                probe.unlink()
+                self._events = _append(self.dir / EVENTS_FILE)
+                self._events.flush()
+            except OSError as exc:
+                raise JournalError(f"run directory {self.dir} is not usable: {_why(exc)}") from None
+        except JournalError:
+            self._close_files()
+            self._lock.release()
+            raise
 
     def close(self) -> None:
-        for fh in (self._events, *self._transcripts.values()):
-            if fh is not None and not fh.closed:
+        """Flush and fsync what is open, then release the lock; never raises (a failure is kept in `error`)."""
+        self._close_files()
+        if self._lock is not None:
+            self._lock.release()
+
+    def _close_files(self) -> None:
+        for name, fh in (("events.jsonl", self._events), *((f"transcripts/{a}.jsonl", f)
+                                                         for a, f in self._transcripts.items())):
+            if fh is None or fh.closed:
+                continue
+            try:
                 fh.flush()
                 os.fsync(fh.fileno())
-                fh.close()
+            except OSError as exc:
+                self._failed(self.dir / name, exc)
+            finally:
+                with contextlib.suppress(OSError):
+                    fh.close()  # closes the file even when its last flush fails
         self._transcripts.clear()
+
+    def _failed(self, path: Path, exc: OSError) -> None:
+        if self.error:
+            return
+        self.error = f"cannot write {path}: {_why(exc)}"
+        if self.on_error is not None:
+            self.on_error(self.error)
 
     def __call__(self, event: ev.Event) -> None:
         kind = event.kind
-        if kind in SKIPPED or self._events is None:
+        if kind in SKIPPED or self._events is None or self.error:
             return
-        self._events.write(_dumps(event.to_dict()) + "\n")
-        self._events.flush()
-        if isinstance(event, ev.MessageRecorded):
-            fh = self._transcripts.get(event.agent)
-            if fh is None:
-                fh = self._transcripts[event.agent] = open(
-                    self.dir / "transcripts" / f"{event.agent}.jsonl", "a", encoding="utf-8"
-                )
-            record = {"turn": event.turn, "attempt": event.attempt, "role": event.role, "content": event.content}
-            if event.reasoning:
-                record["reasoning"] = event.reasoning
-            if event.partial:
-                record["partial"] = True
-            fh.write(_dumps(record) + "\n")
-            fh.flush()
-        elif isinstance(event, ev.AgentFinished):
-            os.fsync(self._events.fileno())
-            fh = self._transcripts.get(event.agent)
-            if fh is not None:
-                os.fsync(fh.fileno())
-        elif isinstance(event, ev.WaveFinished | ev.RunFinished):
-            self.write_report()
+        path = self.dir / EVENTS_FILE
+        try:
+            self._events.write(_dumps(event.to_dict()) + "\n")
+            self._events.flush()
+            if isinstance(event, ev.MessageRecorded):
+                path = self.dir / "transcripts" / f"{event.agent}.jsonl"
+                fh = self._transcripts.get(event.agent)
+                if fh is None:
+                    fh = self._transcripts[event.agent] = _append(path)
+                record = {"turn": event.turn, "attempt": event.attempt, "role": event.role, "content": event.content}
+                if event.reasoning:
+                    record["reasoning"] = event.reasoning
+                if event.partial:
+                    record["partial"] = True
+                fh.write(_dumps(record) + "\n")
+                fh.flush()
+            elif isinstance(event, ev.AgentQueued):
+                self._ran.add(event.agent)
+            elif isinstance(event, ev.AgentFinished):
+                # Only an agent that ran here: a stop that cancels thousands never sent is one write, not
+                # thousands of fsyncs, and a resumed run does not fsync each answer it reuses.
+                if event.agent in self._ran:
+                    os.fsync(self._events.fileno())
+                    fh = self._transcripts.get(event.agent)
+                    if fh is not None:
+                        path = self.dir / "transcripts" / f"{event.agent}.jsonl"
+                        os.fsync(fh.fileno())
+        except OSError as exc:
+            self._failed(path, exc)
+            return
+        if isinstance(event, ev.WaveFinished | ev.RunFinished):
+            self.write_report(stop_on_error=True)
 
-    def write_report(self) -> None:
+    def write_report(self, *, stop_on_error: bool = False) -> bool:
+        """Rewrite report.json (and --report's copy) atomically; a reader never sees half a file. Returns
+        whether both were written; a failure is kept in `report_error` (and with `stop_on_error`, stops the run)."""
         data = self.report.to_dict()
-        write_json_atomic(self.dir / "report.json", data)
-        if self.extra_report is not None:
-            write_json_atomic(self.extra_report, data)
+        for path in (self.dir / "report.json", self.extra_report):
+            if path is None:
+                continue
+            try:
+                write_json_atomic(path, data)
+            except OSError as exc:
+                self.report_error = f"cannot write {path}: {_why(exc)}"
+                if stop_on_error:
+                    self._failed(path, exc)
+                return False
+        self.report_error = ""
+        return True
+
+
+@dataclass
+class JournalState:
+    """What a run directory's journal says, for `--resume`: its run id, the answers of the agents it
+    completed, their recorded events, and how many lines could not be read."""
+
+    run_id: str
+    completed: dict[str, str] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    first_problem: str = ""  # e.g. "line 12: invalid UTF-8"
+
+    def notice(self, path: Path) -> str:
+        """One line on what was skipped, or "" when every line was read."""
+        if not self.skipped:
+            return ""
+        lines = "line" if self.skipped == 1 else "lines"
+        return f"{self.skipped} unreadable {lines} of {path / EVENTS_FILE} skipped (first: {self.first_problem})"
+
+
+def _problem(raw: bytes, last: bool) -> tuple[dict[str, Any] | None, str]:
+    """One line of events.jsonl as an event record, or None and why it cannot be one."""
+    cut = last and not raw.endswith(b"\n")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "invalid UTF-8"
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None, "truncated last line" if cut else "not JSON"
+    if not isinstance(data, dict) or not isinstance(data.get("event"), str):
+        return None, "not an event"
+    t = data.get("t")
+    if "t" in data and (isinstance(t, bool) or not isinstance(t, int | float)):
+        return None, f"{data['event']} with a time that is not a number"
+    if "agent" in data and not isinstance(data["agent"], str):
+        return None, f"{data['event']} whose agent is not a name"
+    if data["event"] == "AgentFinished":
+        if not isinstance(data.get("agent"), str) or not isinstance(data.get("status"), str):
+            return None, "AgentFinished without an agent or a status"
+        if not isinstance(data.get("output", ""), str) or not isinstance(data.get("inputs", {}), dict):
+            return None, "AgentFinished of the wrong shape"
+    return data, ""
+
+
+def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
+    """Read a run directory's events.jsonl back, skipping (and counting) what cannot be read.
+    Raises JournalError only when the file itself cannot be read."""
+    path = Path(run_dir)
+    state = JournalState(run_id=path.name)
+    recorded: list[dict[str, Any]] = []
+    finished: dict[str, dict[str, Any]] = {}
+    try:
+        with open(path / EVENTS_FILE, "rb") as fh:
+            lines = fh.readlines()
+    except OSError as exc:
+        raise JournalError(f"cannot read {path / EVENTS_FILE}: {_why(exc)}") from None
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        data, problem = _problem(raw, number == len(lines))
+        if data is None:
+            state.skipped += 1
+            state.first_problem = state.first_problem or f"line {number}: {problem}"
+            continue
+        recorded.append(data)
+        if data["event"] == "RunStarted" and isinstance(data.get("run_id"), str) and data["run_id"]:
+            state.run_id = data["run_id"]
+        elif data["event"] == "AgentFinished" and data["status"] == "completed":
+            state.completed[data["agent"]] = data.get("output", "")
+            finished[data["agent"]] = data
+    # The figures of completed agents carry over into the resumed run's report: the events since each
+    # one's last AgentQueued (an earlier failed run of the same agent does not count twice), then its last
+    # completed AgentFinished, which says what it ran with (the engine compares that with the config).
+    last_run: dict[str, list[dict[str, Any]]] = {}
+    for data in recorded:
+        agent = data.get("agent")
+        if agent in state.completed:
+            if data["event"] == "AgentQueued":
+                last_run[agent] = []
+            elif data["event"] != "AgentFinished":
+                last_run.setdefault(agent, []).append(data)
+    state.history = [e for events_ in last_run.values() for e in events_] + list(finished.values())
+    return state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from typing import TextIO
 
 from cerevisor_tui.engine import events as ev
@@ -40,11 +41,15 @@ class Printer:
             where = f", run dir {e.run_dir}" if e.run_dir else ""
             return f"run {e.run_id}: {sum(map(len, e.waves))} agents in {len(e.waves)} waves, mode {e.mode}, cap {e.max_concurrency}, endpoints {eps}{where}{note}"
         if isinstance(e, ev.WaveStarted):
+            if len(e.agents) > 10:  # a wide wave is a count, not a line of thousands of names
+                return f"wave {e.wave} started: {len(e.agents):,} agents ({', '.join(e.agents[:3])}, ...)"
             return f"wave {e.wave} started: {', '.join(e.agents)}"
         if isinstance(e, ev.WaveFinished):
-            return f"wave {e.wave} finished: " + ", ".join(f"{k} {v}" for k, v in e.statuses.items())
+            counts = Counter(e.statuses.values())  # counts, not names: the line stays short at 10,000 agents
+            return f"wave {e.wave} finished: " + ", ".join(f"{n} {status}" for status, n in counts.most_common())
         if isinstance(e, ev.AgentStarted):
-            return (f"{e.agent}: attempt {e.attempt}, turn {e.turn}/{e.turns} sent to {e.endpoint} "
+            again = f", attempt {e.attempt}" if e.attempt > 1 else ""  # attempts count within a turn: 2 is a retry
+            return (f"{e.agent}: turn {e.turn}/{e.turns}{again} sent to {e.endpoint} "
                     f"(first-byte deadline {fmt_s(e.first_byte_deadline_s)}, idle {fmt_s(e.idle_deadline_s)})")
         if isinstance(e, ev.EndpointWaiting):
             return f"{e.agent}: waiting for endpoint {e.endpoint} ({e.reason}); retry in {fmt_s(e.retry_in_s)}"
@@ -62,6 +67,8 @@ class Printer:
             return f"{e.agent}: KILLED ({e.deadline} deadline): {e.reason}"
         if isinstance(e, ev.AgentRetrying):
             return f"{e.agent}: retrying as attempt {e.attempt} in {fmt_s(e.delay_s)}: {e.cause}"
+        if isinstance(e, ev.AgentRerun):
+            return f"{e.agent}: completed before, runs again: {e.reason}"
         if isinstance(e, ev.AgentFinished):
             why = f": {e.error}" if e.error else ""
             return f"{e.agent}: {e.status.upper()}{why}"
