@@ -100,7 +100,7 @@ from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.engine import engine as engine_module
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.sim import SimServer, resolve
+from cerevisor_tui.sim import ProfileError, SimServer, resolve
 
 ENDPOINT = "sim"
 PROFILE = "qwen3.6-35b-a3b@2xh100"
@@ -167,7 +167,8 @@ class Run:
     sim_s: float
     wall_s: float
     speed: float
-    hit_rate: float
+    hit_rate: float  # of the prompt tokens, served from GPU memory
+    cpu_hit_rate: float  # of the rest, reloaded from the CPU tier
     preemptions: int
     max_waiting: int  # the most requests waiting at the server in one of the engine's /metrics samples
     mean_waiting: float  # requests waiting at the server, looked at every 10 ms, weighted by simulated time
@@ -336,6 +337,7 @@ async def run_once(sc: Scenario, shape: Shape, agents: list[dict[str, Any]], *, 
             label=label, mode=mode, cap=cap, agents=len(agents), completed=totals["completed"],
             output_tokens=totals["output_tokens"], sim_s=sim.now, wall_s=wall, speed=speed,
             hit_rate=kv.hits_tokens / kv.queries_tokens if kv.queries_tokens else 0.0,
+            cpu_hit_rate=kv.cpu_hits_tokens / kv.cpu_queries_tokens if kv.cpu_queries_tokens else 0.0,
             preemptions=sim.preemptions_total, max_waiting=int(sampled[1]),
             mean_waiting=waiting[0] / sim.now if sim.now > 0 else 0.0, samples=sampled[0],
             changes=changes, report_caps=(report.get("caps") or {}).get(ENDPOINT) or {}, stopped=stopped[0],
@@ -345,7 +347,8 @@ async def run_once(sc: Scenario, shape: Shape, agents: list[dict[str, Any]], *, 
 def _progress(r: Run) -> None:
     done = f"{r.completed}/{r.agents} done" + (f", {r.stopped}" if r.stopped else "")
     print(f"    {r.label:<22} {r.tokens_per_s:6,.0f} output tok/s, makespan {r.makespan_s:6.1f} s "
-          f"({r.sim_s:.1f} s simulated in {r.wall_s:.1f} s wall, pace {r.pace:.0%}); hits {r.hit_rate:.0%}, "
+          f"({r.sim_s:.1f} s simulated in {r.wall_s:.1f} s wall, pace {r.pace:.0%}); hits {r.hit_rate:.0%}"
+          + (f" + {r.cpu_hit_rate:.0%} CPU" if r.cpu_hit_rate else "") + ", "
           f"preemptions {r.preemptions}, waiting {r.mean_waiting:.1f} mean {r.max_waiting} max; {done}",
           file=sys.stderr, flush=True)
 
@@ -374,6 +377,9 @@ class Outcome:
 
 async def run_scenario(sc: Scenario, shape: Shape, args: argparse.Namespace) -> Outcome:
     kv_tokens, cpu_tokens, fit = fits(sc, shape)
+    if fit < 1:
+        raise ProfileError(f"{sc.profile}: not one conversation of {shape.conversation_tokens * shape.scale:,.0f} "
+                           f"tokens fits in its KV cache of {kv_tokens * shape.scale:,.0f}")
     print(f"  {sc.title}: {sc.agents} agents, about {fit} conversations fit", file=sys.stderr, flush=True)
     agents = _agents(shape, sc.agents)
     common = {"speed": args.speed, "metrics_interval_s": args.metrics_interval_s,
@@ -412,9 +418,10 @@ def _table(o: Outcome) -> str:
             cap = f"mean {mean:.1f}" if mean is not None else "?"
         else:
             name, cap = "parallel" + (" (cap = every agent)" if r is o.naive else ""), str(r.cap)
+        hits = f"{r.hit_rate:.0%}" + (f" + {r.cpu_hit_rate:.0%} CPU" if o.cpu_tokens else "")
         rows.append("| " + " | ".join([
             name, cap, f"{r.makespan_s:,.1f}" + ("+" if r.stopped else ""), f"{r.tokens_per_s:,.0f}",
-            f"{r.hit_rate:.0%}", str(r.preemptions), f"{r.mean_waiting:.1f}", str(r.max_waiting),
+            hits, str(r.preemptions), f"{r.mean_waiting:.1f}", str(r.max_waiting),
             f"{r.completed}/{r.agents}"]) + " |")
     return "\n".join(rows)
 
@@ -578,7 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     # auto starts as on a fresh install: no probe recommendation saved for some earlier loopback port
     with tempfile.TemporaryDirectory(prefix="cerevisor-bench-state-") as state_dir:
         os.environ["XDG_STATE_HOME"] = state_dir
-        return asyncio.run(main_async(args))
+        try:
+            return asyncio.run(main_async(args))
+        except ProfileError as exc:
+            print(f"auto_mode: {exc}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":
