@@ -44,6 +44,13 @@ DEFAULT_RUNTIME_RESERVE_GIB = 4.0
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_RELOAD_GB_PER_S = 25.0
 DEFAULT_PREFILL_MFU = 0.4
+# Beyond these an input is a typo (1e9 GPUs, inf GiB), not a box: refused, so no figure is nonsense
+MAX_GPUS = 1024
+MAX_CONTEXT_TOKENS = 1 << 30
+MAX_GIB = float(1 << 24)  # 16 PiB: memory, weights, a CPU tier
+MAX_BLOCK_SIZE = 1024
+MAX_GB_PER_S = 1e5
+MAX_PREFILL_TOKENS_PER_S = 1e12
 
 ZoneName = Literal["fits", "cliff", "overflow"]
 
@@ -119,9 +126,10 @@ class KvEstimate:
         return self.layout.conversation_bytes_per_gpu(self.context_tokens, self.block_size)
 
     @property
-    def max_concurrency(self) -> int:
-        """The endpoint `max_concurrency` to configure: every running conversation stays in GPU memory."""
-        return self.conversations_fit
+    def max_concurrency(self) -> int | None:
+        """The endpoint `max_concurrency` to configure: every running conversation stays in GPU memory. None
+        when not even one conversation fits: no cap makes that box work, and 0 is not a cap."""
+        return self.conversations_fit or None
 
     def zone(self, name: ZoneName) -> Zone | None:
         return next((z for z in self.zones if z.name == name), None)
@@ -203,11 +211,16 @@ def estimate(
     GPU preset then only supplies the link and compute speeds for the cliff times.
     """
     _check_inputs(gpus, gpu_memory_utilization, cpu_offload_gib, block_size, runtime_reserve_gib, prefill_mfu)
+    _check_range("--kv-memory-gib", kv_memory_gib, 0.0, MAX_GIB, low_ok=False)
+    _check_range("--weights-gib", weights_gib, 0.0, MAX_GIB)
+    _check_range("--reload-gb-per-s", reload_gb_per_s, 0.0, MAX_GB_PER_S, low_ok=False)
+    _check_range("--prefill-tokens-per-s", prefill_tokens_per_s, 0.0, MAX_PREFILL_TOKENS_PER_S, low_ok=False)
     context = context_tokens if context_tokens is not None else model.max_context_tokens
     if context is None:
         raise CapacityError(f"{model.name}: the config gives no max context length; give --context TOKENS")
     if context < 1:
         raise CapacityError(f"context must be at least 1 token, got {context}")
+    _check_range("--context", context, 1, MAX_CONTEXT_TOKENS)
     layout = kv_layout(model, kv_dtype, gpus)
     resolved_kv_dtype = normalize_dtype(model.dtype) if kv_dtype.strip().lower() == "auto" else normalize_dtype(kv_dtype)
     notes: list[str] = []
@@ -318,6 +331,29 @@ def _check_inputs(
         raise CapacityError(f"--runtime-reserve-gib cannot be negative, got {reserve_gib}")
     if not 0 < mfu <= 1:
         raise CapacityError(f"prefill MFU must be in (0, 1], got {mfu}")
+    _check_range("--gpus", gpus, 1, MAX_GPUS)
+    _check_range("--cpu-offload-gib", cpu_offload_gib, 0.0, MAX_GIB)
+    _check_range("--block-size", block_size, 1, MAX_BLOCK_SIZE)
+    _check_range("--runtime-reserve-gib", reserve_gib, 0.0, MAX_GIB)
+
+
+def _check_range(flag: str, value: float | None, low: float, high: float, *, low_ok: bool = True) -> None:
+    """A finite number within [low, high] ((low, high] without low_ok); None passes (not given)."""
+    if value is None:
+        return
+    if not math.isfinite(value):
+        raise CapacityError(f"{flag} must be a finite number, got {value}")
+    if value < low or (value == low and not low_ok):
+        if low == 0:
+            raise CapacityError(f"{flag} {'cannot be negative' if low_ok else 'must be positive'}, got {_plain(value)}")
+        raise CapacityError(f"{flag} must be at least {_plain(low)}, got {_plain(value)}")
+    if value > high:
+        raise CapacityError(f"{flag} must be at most {_plain(high)}, got {_plain(value)}")
+
+
+def _plain(value: float) -> str:
+    """16,777,216 rather than 1.67772e+07; 1e+300 stays short."""
+    return f"{int(value):,}" if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
 
 
 def _weights_gib(model: ModelSpec, override_gib: float | None) -> float | None:

@@ -145,7 +145,11 @@ def format_estimate(e: KvEstimate) -> str:
     )
     for assumption in e.cliff.assumptions:
         rows.append(("", assumption))
-    rows.append(("configure", f"max_concurrency = {e.max_concurrency}"))
+    if e.max_concurrency is None:  # not even one conversation fits: no cap to recommend (0 would be no cap)
+        rows.append(("configure", "nothing: shorten the conversations (--context), use an fp8 KV cache "
+                                  "(--kv-dtype fp8), or add GPU memory (--gpus, a larger --gpu)"))
+    else:
+        rows.append(("configure", f"max_concurrency = {e.max_concurrency}"))
     for note in e.notes:
         rows.append(("note", note))
     width = max(len(label) for label, _ in rows) + 2

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import anyio
 
 from cerevisor_tui.config import AgentConfig, Config, ConfigError, EndpointConfig, SimSettings, load_config
-from cerevisor_tui.config.checks import is_loopback
+from cerevisor_tui.config.checks import check_key, is_loopback
 from cerevisor_tui.config.paths import find_config
 
 PROG = "cerevisor-tui probe"
@@ -146,6 +146,7 @@ def _key(env: str, url: str, *, allow_insecure: bool) -> str:
     value = os.environ.get(env)
     if not value:
         raise ConfigError(f"environment variable {env} (--api-key-env) is not set")
+    check_key(env, value, key="--api-key-env")
     host = urlsplit(url).hostname or ""
     if urlsplit(url).scheme == "http" and not is_loopback(host) and not allow_insecure:
         raise ConfigError(f"would send the API key in clear text over http:// to {host}; use https://")

@@ -51,11 +51,16 @@ def main(args: Any) -> int:
         print(f"{PROG}: error: --profile: {exc}", file=sys.stderr)
         return 2
     host, port = args.host, args.port
+    if not 0 <= port <= 65535:
+        print(f"{PROG}: error: --port: must be 0-65535 (0 picks a free one), got {port}", file=sys.stderr)
+        return 2
     try:
         sock = bind_socket(host, port)
-    except OSError as exc:
-        reason = "port already in use" if getattr(exc, "errno", None) in (98, 48, 10048) else exc.strerror or exc
-        print(f"{PROG}: error: cannot listen on {host}:{port}: {reason}", file=sys.stderr)
+    except (OSError, UnicodeError, ValueError) as exc:  # an address that cannot be bound, or named a host
+        reason = ("port already in use" if getattr(exc, "errno", None) in (98, 48, 10048)
+                  else getattr(exc, "strerror", None) or exc)
+        shown = host if host.isprintable() else repr(host)
+        print(f"{PROG}: error: cannot listen on {shown}:{port}: {reason}", file=sys.stderr)
         return 2
     model = getattr(args, "model", None) or "sim-model"
     server = SimServer(settings, host=host, model=model, sock=sock)

@@ -24,12 +24,18 @@ def _key_path(loc: tuple[Any, ...], data: Any) -> str:
             if isinstance(node, list) and 0 <= item < len(node):
                 node = node[item]
                 if isinstance(node, Mapping) and isinstance(node.get("name"), str):
-                    label = f"[{item}] ({node['name']})"
+                    label = f"[{item}] ({_shown(node['name'])})"
             parts.append(label)
         else:
             parts.append(("." if parts else "") + str(item))
             node = node.get(item) if isinstance(node, Mapping) else None
     return "".join(parts)
+
+
+def _shown(name: str) -> str:
+    """A name as one short line: an invalid one may hold a newline or run for pages."""
+    shown = name if name.isprintable() else repr(name)
+    return shown if len(shown) <= 60 else shown[:59] + "…"
 
 
 def _message(err: dict[str, Any]) -> str:

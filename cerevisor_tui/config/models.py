@@ -7,7 +7,11 @@ settings screen and `config.example.toml` show it.
 
 from __future__ import annotations
 
+import ipaddress
+import re
+import unicodedata
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,10 +20,92 @@ EndpointKind = Literal["local", "hosted", "simulated"]
 Liveness = Literal["tokens", "bytes"]
 
 DEFAULT_FIRST_BYTE_S: dict[str, float] = {"hosted": 600.0, "local": 1800.0, "simulated": 1800.0}
+MAX_AGENT_NAME_BYTES = 200  # transcripts/<name>.jsonl must fit a file name (255 bytes on most filesystems)
+# names Windows keeps for devices, with any extension: a run directory copied there must still open
+_RESERVED_NAMES = frozenset({"con", "prn", "aux", "nul", *(f"com{i}" for i in range(1, 10)),
+                             *(f"lpt{i}" for i in range(1, 10))})
+_HOST_CHARS = re.compile(r"[A-Za-z0-9._~-]+")
+
+
+def agent_name_problem(name: str) -> str | None:
+    """Why `name` cannot be an agent's name, or None. It names the agent's transcript file,
+    `transcripts/<name>.jsonl`, so it must be a plain file name on any system, and a line on a terminal."""
+    if not name.strip():
+        return "must not be empty"
+    if name != name.strip():
+        return "must not begin or end with a space"
+    bad = _control_char(name)
+    if bad is not None:
+        return f"holds a control character (U+{ord(bad):04X}); it names a file and a line on the screen"
+    if any(c in name for c in "/\\"):
+        return "must hold no path separators (/ or \\): it names the agent's transcript file"
+    if name.startswith("."):
+        return "must not start with a dot (., .. and hidden files): it names the agent's transcript file"
+    size = len(name.encode("utf-8"))
+    if size > MAX_AGENT_NAME_BYTES:
+        return f"is {size} bytes long; at most {MAX_AGENT_NAME_BYTES} (it names the agent's transcript file)"
+    if name.split(".")[0].lower() in _RESERVED_NAMES:
+        return f"{name.split('.')[0]!r} is a reserved device name on Windows; pick another"
+    return None
+
+
+def _control_char(text: str) -> str | None:
+    """The first character that would break a line or move the cursor (control, format, separator), if any."""
+    return next((ch for ch in text if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp")), None)
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is not the base URL of a server (http[s]://host[:port][/path]), or None."""
+    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
+        return "must not hold spaces or control characters"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # an out-of-range or non-numeric port, a broken [IPv6] literal
+        text = str(exc)
+        if "out of range" in text or "Port" in text or "port" in text:
+            return "port must be a number from 1 to 65535"
+        return f"is not a URL ({text})"
+    if parts.scheme not in ("http", "https"):
+        return "must start with http:// or https://"
+    if parts.username is not None or parts.password is not None:
+        return ("must not hold credentials (user:password@): put the key in an environment variable and name "
+                "it in api_key_env")
+    host = parts.hostname or ""
+    if not host:
+        return "names no host (e.g. http://127.0.0.1:8000/v1)"
+    if port == 0:
+        return "port must be a number from 1 to 65535"
+    if not (_HOST_CHARS.fullmatch(host) or (":" in host and _is_ip(host)) or _is_idn(host)):
+        return f"{host!r} is not a host name or an IP address"
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        return "must not have a query (?...) or a fragment (#...): request paths are appended to it"
+    return None
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_idn(host: str) -> bool:
+    """A host name in another script (an internationalized domain name) that IDNA can encode."""
+    if host.isascii():
+        return False
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # no inf or nan anywhere: TOML allows them, and a deadline, a speed or a size of inf breaks the arithmetic
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
 
 
 class AutoConfig(_Section):
@@ -207,15 +293,22 @@ class EndpointConfig(StallPolicy):
     def _name(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
+        if _control_char(value) is not None:  # it is shown in every line about the endpoint
+            raise ValueError(f"holds a control character (U+{ord(_control_char(value)):04X})")
+        return value
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, value: str) -> str:
+        problem = url_problem(value) if value else None
+        if problem:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")
     def _url(self) -> EndpointConfig:
-        if self.kind != "simulated":
-            if not self.base_url:
-                raise ValueError(f'base_url is required for kind "{self.kind}"')
-            if not self.base_url.startswith(("http://", "https://")):
-                raise ValueError(f"base_url must start with http:// or https:// (got {self.base_url!r})")
+        if self.kind != "simulated" and not self.base_url:
+            raise ValueError(f'base_url is required for kind "{self.kind}"')
         return self
 
 
@@ -242,8 +335,9 @@ class AgentConfig(_Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not value.strip() or any(c in value for c in "/\\\0"):
-            raise ValueError("must be non-empty and hold no path separators")
+        problem = agent_name_problem(value)
+        if problem:
+            raise ValueError(problem)
         return value
 
 

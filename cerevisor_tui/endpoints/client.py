@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.endpoints.errors import (
     RETRYABLE_STATUS,
     EndpointError,
@@ -80,24 +81,34 @@ class ChatStream:
 
     async def events(self) -> AsyncIterator[tuple[int, Any]]:
         try:
-            async with self.client.stream("POST", self.url, json=self.body, headers=self.headers) as response:
-                if response.status_code >= 300:
-                    raise await _http_error(self.endpoint, response)
-                ctype = response.headers.get("content-type", "")
-                if "text/event-stream" not in ctype:
-                    async for item in self._non_stream(response, ctype):
+            try:
+                async with self.client.stream("POST", self.url, json=self.body, headers=self.headers) as response:
+                    if response.status_code >= 300:
+                        raise await _http_error(self.endpoint, response)
+                    ctype = response.headers.get("content-type", "")
+                    if "text/event-stream" not in ctype:
+                        async for item in self._non_stream(response, ctype):
+                            yield item
+                        return
+                    async for item in self._sse(response):
                         yield item
-                    return
-                async for item in self._sse(response):
-                    yield item
-        except EndpointError:
-            raise
-        except httpx.ConnectError as exc:
-            raise EndpointUnreachable(self.endpoint, f"cannot connect to {self.url}: {_reason(exc)}") from exc
-        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
-            raise StreamBroken(self.endpoint, f"connection lost after {self.tokens} tokens: {_reason(exc)}") from exc
-        except httpx.HTTPError as exc:
-            raise StreamBroken(self.endpoint, f"{type(exc).__name__}: {_reason(exc)}") from exc
+            except EndpointError:
+                raise
+            except httpx.ConnectError as exc:
+                raise EndpointUnreachable(self.endpoint, f"cannot connect to {self.url}: {_reason(exc)}") from exc
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                raise StreamBroken(self.endpoint, f"connection lost after {self.tokens} tokens: {_reason(exc)}") from exc
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                raise StreamBroken(self.endpoint, f"{type(exc).__name__}: {_reason(exc)}") from exc
+            except UnicodeEncodeError as exc:  # a header value that is not ASCII: sending it again cannot help
+                raise ProtocolError(self.endpoint, f"a request header is not ASCII: {_reason(exc)}", retryable=False) from exc
+        except EndpointError as exc:
+            # whatever the server sent back (an echoed Authorization header) or the library said, without the key
+            raise exc.scrub(self.scrubber()) from exc.__cause__
+
+    def scrubber(self) -> Scrubber:
+        """The keys this request carries (its Authorization header): what a server could echo back."""
+        return request_scrubber(self.client.headers, self.headers)
 
     async def _sse(self, response: httpx.Response) -> AsyncIterator[tuple[int, Any]]:
         endpoint = self.endpoint
@@ -225,12 +236,13 @@ class ChatStream:
             except UnicodeDecodeError:
                 raise ProtocolError(self.endpoint, "stream is not valid UTF-8") from None
             except ValueError:
-                shown = payload[:80].decode("utf-8", "replace")
+                # scrubbed before it is cut: a key cut in half would pass the scrubber
+                shown = self.scrubber()(payload.decode("utf-8", "replace"))[:80]
                 raise ProtocolError(self.endpoint, f"malformed JSON in stream after {self.tokens} tokens: {shown!r}") from None
         if not isinstance(obj, dict):
-            raise ProtocolError(self.endpoint, f"stream event is not a JSON object: {str(obj)[:80]!r}")
+            raise ProtocolError(self.endpoint, f"stream event is not a JSON object: {self.scrubber()(str(obj))[:80]!r}")
         if is_error or "error" in obj or obj.get("object") == "error":
-            raise _stream_error(self.endpoint, obj, self.tokens)
+            raise _stream_error(self.endpoint, obj, self.tokens, self.scrubber())
         choices = obj.get("choices")
         usage = obj.get("usage")
         if choices:
@@ -270,7 +282,7 @@ class ChatStream:
             raise ProtocolError(
                 self.endpoint,
                 f"answered HTTP {response.status_code} with {ctype or 'no content type'} instead of an event stream"
-                + (f": {_summary(raw, ctype)}" if raw else ""),
+                + (f": {_summary(raw, ctype, self.scrubber())}" if raw else ""),
             )
         for item in self._chunk(raw, False):
             yield item
@@ -384,8 +396,9 @@ _TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.I | re.S)
 _TAGS = re.compile(r"<[^>]+>")
 
 
-def _summary(raw: bytes, ctype: str) -> str:
-    """A short, printable summary of an error body: the server's message, an HTML page's title, or its start."""
+def _summary(raw: bytes, ctype: str, scrub: Scrubber | None = None) -> str:
+    """A short, printable summary of an error body: the server's message, an HTML page's title, or its start,
+    with the request's keys taken out before it is cut short."""
     if "html" in ctype or raw.lstrip()[:1] == b"<":
         title = _TITLE.search(raw)
         text = title.group(1).decode("utf-8", "replace") if title else _TAGS.sub(" ", raw.decode("utf-8", "replace"))
@@ -397,6 +410,8 @@ def _summary(raw: bytes, ctype: str) -> str:
         except ValueError:
             pass
         text = " ".join(text.split())
+    if scrub:
+        text = scrub(text)
     return text[:200] + ("…" if len(text) > 200 else "")
 
 
@@ -415,8 +430,8 @@ def error_message(obj: Any) -> str:
     return ""
 
 
-def _stream_error(endpoint: str, obj: dict[str, Any], tokens: int) -> EndpointError:
-    message = error_message(obj) or json.dumps(obj)[:200]
+def _stream_error(endpoint: str, obj: dict[str, Any], tokens: int, scrub: Scrubber) -> EndpointError:
+    message = scrub(error_message(obj) or json.dumps(obj))[:200]
     err = obj.get("error") if isinstance(obj.get("error"), dict) else obj
     code = err.get("code") if isinstance(err, dict) else None
     status = code if isinstance(code, int) else None
@@ -426,6 +441,20 @@ def _stream_error(endpoint: str, obj: dict[str, Any], tokens: int) -> EndpointEr
         status=status,
         retryable=status is None or status in RETRYABLE_STATUS,
     )
+
+
+def request_scrubber(*headers: Any) -> Scrubber:
+    """A scrubber of the keys in these headers' Authorization values (httpx.Headers or a dict), both the
+    key and its `Bearer` form. Built only when an error is phrased, never per chunk."""
+    keys: list[str] = []
+    for group in headers:
+        for name, value in (group or {}).items():
+            if name.lower() == "authorization" and value:
+                keys.append(value)
+                scheme, _, key = value.partition(" ")
+                if key and scheme.lower() == "bearer":
+                    keys.append(key)
+    return Scrubber(keys)
 
 
 def retry_after_seconds(value: str | None) -> float | None:
@@ -455,12 +484,15 @@ _HINTS = {
 async def _http_error(endpoint: str, response: httpx.Response) -> EndpointHTTPError:
     raw = await _read_bounded(response, MAX_ERROR_BODY_BYTES)
     status = response.status_code
-    detail = _summary(raw, response.headers.get("content-type", "")) if raw else ""
+    scrub = request_scrubber(response.request.headers)
+    detail = _summary(raw, response.headers.get("content-type", ""), scrub) if raw else ""
     label = _HINTS.get(status, response.reason_phrase or "error")
     retry_after = retry_after_seconds(response.headers.get("retry-after"))
     problem = f"HTTP {status} {label}" + (f": {detail}" if detail else "")
     if retry_after is not None:
         problem += f" (Retry-After {retry_after:g} s)"
+    if scrub:  # the reason phrase is the server's text too
+        problem = scrub(problem)
     return EndpointHTTPError(endpoint, problem, status=status, retry_after_s=retry_after,
                              retryable=status in RETRYABLE_STATUS)
 
@@ -468,12 +500,15 @@ async def _http_error(endpoint: str, response: httpx.Response) -> EndpointHTTPEr
 async def list_models(client: httpx.AsyncClient, endpoint: str, base_url: str) -> list[dict[str, Any]]:
     """GET {base_url}/models: the served models (vLLM adds max_model_len)."""
     url = base_url.rstrip("/") + "/models"
+    scrub = request_scrubber(client.headers)
     try:
         response = await client.get(url)
     except httpx.ConnectError as exc:
-        raise EndpointUnreachable(endpoint, f"cannot connect to {url}: {_reason(exc)}") from exc
-    except httpx.HTTPError as exc:
-        raise StreamBroken(endpoint, f"GET {url} failed: {_reason(exc)}") from exc
+        raise EndpointUnreachable(endpoint, scrub(f"cannot connect to {url}: {_reason(exc)}")) from exc
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise StreamBroken(endpoint, scrub(f"GET {url} failed: {_reason(exc)}")) from exc
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(endpoint, f"GET {url}: a request header is not ASCII: {_reason(exc)}", retryable=False) from exc
     if response.status_code >= 300:
         raise await _http_error(endpoint, response)
     try:

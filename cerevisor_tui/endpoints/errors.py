@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class EndpointError(Exception):
     """A request to an endpoint failed; `str()` names the endpoint and the problem."""
@@ -17,6 +19,15 @@ class EndpointError(Exception):
         if retryable is not None:
             self.retryable = retryable
         super().__init__(f"endpoint {endpoint}: {problem}")
+
+    def scrub(self, scrub: Callable[[str], str]) -> EndpointError:
+        """Take every API key out of the problem text (a server may echo the Authorization header back);
+        returns the same error, for `raise exc.scrub(...)`."""
+        problem = scrub(self.problem)
+        if problem != self.problem:
+            self.problem = problem
+            self.args = (f"endpoint {self.endpoint}: {problem}",)
+        return self
 
 
 class EndpointUnreachable(EndpointError):

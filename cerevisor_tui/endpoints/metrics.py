@@ -19,6 +19,8 @@ from typing import Any, Literal
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from cerevisor_tui.endpoints.client import request_scrubber
+
 ServerKind = Literal["vllm", "llamacpp", "sglang", "unknown"]
 
 DEFAULT_TIMEOUT_S = 2.0
@@ -339,7 +341,7 @@ async def read_server(
     try:
         health = await client.get(f"{root}/health", timeout=timeout)
     except httpx.HTTPError as exc:
-        return ServerStatus(base_url=base_url, reachable=False, error=f"health: {_describe(exc)}")
+        return ServerStatus(base_url=base_url, reachable=False, error=_scrubbed(client, f"health: {_describe(exc)}"))
     loading = health.status_code == 503
     errors: list[str] = []
     if health.status_code >= 400 and not loading:
@@ -368,11 +370,19 @@ async def read_server(
         reachable=True,
         health_status=health.status_code,
         loading=loading,
-        loading_message=_loading_message(health) if loading else None,
+        loading_message=_scrubbed(client, _loading_message(health)) if loading else None,
         metrics=metrics,
         slots=slots,
-        error="; ".join(errors) or None,
+        error=_scrubbed(client, "; ".join(errors)) or None,
     )
+
+
+def _scrubbed(client: httpx.AsyncClient, text: str | None) -> str | None:
+    """`text` (the server's words, or the library's) without the client's API key: a server may echo it."""
+    if not text:
+        return text
+    scrub = request_scrubber(client.headers)
+    return scrub(text) if scrub else text
 
 
 def _loading_message(response: httpx.Response) -> str | None:

@@ -30,6 +30,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.endpoints import errors
 from cerevisor_tui.endpoints.client import DELTA, FINISH, USAGE, ChatStream, build_client
 
@@ -280,6 +281,8 @@ class _Child:
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.clients: dict[str, Any] = {}
+        self.keys: dict[str, str] = {}  # endpoint -> its key, for scrubbing what goes back to the parent
+        self.scrub = Scrubber()
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.streams: dict[int, Any] = {}
         self.reported: dict[int, float] = {}  # the last_byte_at each stream's last record stood for
@@ -301,6 +304,9 @@ class _Child:
         if old is not None:
             self.loop.create_task(old.aclose())
         key = os.environ.get(api_key_env) if api_key_env else None
+        if key:
+            self.keys[endpoint] = key
+            self.scrub = Scrubber(self.keys.values())
         self.clients[endpoint] = build_client(concurrency, key)
 
     def open(self, sid: int, endpoint: str, url: str, body: dict[str, Any], headers: dict[str, str] | None) -> None:
@@ -336,11 +342,12 @@ class _Child:
                     await self.writer.drain()  # the parent is behind: stop reading until it catches up
             push((sid, END, None))
         except errors.EndpointError as exc:
-            push((sid, ERROR, _error_payload(exc)))
+            push((sid, ERROR, _error_payload(exc.scrub(self.scrub))))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug here must still end the stream with a reason, never hang it
-            push((sid, ERROR, ("StreamBroken", f"stream worker: {type(exc).__name__}: {exc}", None, None, True)))
+            problem = self.scrub(f"stream worker: {type(exc).__name__}: {exc}")
+            push((sid, ERROR, ("StreamBroken", problem, None, None, True)))
 
     async def sweep(self) -> None:
         """Bytes that made no item (a partial line) still count as life for liveness = "bytes"."""

@@ -15,6 +15,7 @@ import os
 import random
 import secrets
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
@@ -27,6 +28,7 @@ import httpx
 
 from cerevisor_tui.config.graph import OUTPUT_REF, wave_levels
 from cerevisor_tui.config.models import AgentConfig, Config, EndpointConfig, ResolvedStall, resolve_stall
+from cerevisor_tui.config.secrets import Scrubber, StreamScrubber, key_problem
 from cerevisor_tui.endpoints.client import (
     DELTA,
     KEEPALIVE,
@@ -236,6 +238,8 @@ class Engine:
         self._requeue: list[AgentState] = []
         self._wave_group: anyio.abc.TaskGroup | None = None
         self._rng = random.Random()
+        # every form of the run's API keys, taken out of whatever text enters the run (config/secrets.py)
+        self.scrub = Scrubber.from_env(ep.api_key_env for ep in config.endpoints)
 
     @property
     def stream_worker(self) -> StreamWorker | None:
@@ -247,6 +251,8 @@ class Engine:
         self._subscribers.append(subscriber)
 
     def emit(self, event: ev.Event) -> None:
+        if self.scrub:  # no key configured: nothing to look for
+            event = self.scrub.record(event)
         for subscriber in self._subscribers:
             subscriber(event)
 
@@ -281,7 +287,8 @@ class Engine:
                 self._apply_auto(name, change)
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused,
-                                        reason=f"auto ceiling {self.auto_ceiling} (operator)"))
+                                        reason=f"auto ceiling {self.auto_ceiling} (operator)",
+                                        ceiling=self.auto_ceiling))
 
     def nudge_cap(self, delta: int) -> None:
         """`+`/`-`: the parallel cap, or in auto mode the ceiling the controllers stay under."""
@@ -489,9 +496,8 @@ class Engine:
 
     def cap_warning(self) -> str | None:
         """Why the current cap is past what fits in an endpoint's KV memory, if it is."""
-        cap = self.scheduler.effective_cap
         for name, est in self.load.items():
-            limit = min(cap, self.endpoints[name].max_concurrency)
+            limit = self.scheduler.endpoint_cap(name)
             if est is not None and limit > est.conversations_fit:
                 return (f"cap {limit} on {name} is past the {est.conversations_fit} conversations of "
                         f"{est.context_tokens:,} tokens that fit in its KV memory ({est.detail}): beyond it, the cliff")
@@ -522,6 +528,7 @@ class Engine:
         return Signals(
             t=time.monotonic(), tokens=sum(st.tokens for st in states),
             running=self.scheduler.running_by_endpoint.get(endpoint, 0), queued=self.scheduler.queued_for(endpoint),
+            cold=sum(1 for st in states if st.started_at is not None and st.ttft_s is None and st.status not in FINAL),
             errors=self._rejections[endpoint], ttft_p50=ttfts[len(ttfts) // 2] if ttfts else None,
             sample=self._samples[endpoint],
             server_ok=(sample.healthy if sample is not None else False) if watched else None,
@@ -574,8 +581,9 @@ class Engine:
 
     def _apply_auto(self, endpoint: str, change: Change) -> None:
         self.scheduler.set_endpoint_cap(endpoint, change.cap)
-        self.emit(ev.ConcurrencyChanged(time.monotonic(), self.auto_ceiling, change.cap, self.scheduler.paused,
-                                        endpoint=endpoint, reason=change.reason))
+        s = self.scheduler
+        self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, change.cap, s.paused,
+                                        endpoint=endpoint, reason=change.reason, ceiling=self.auto_ceiling))
 
     async def _server_busy(self, endpoint: str) -> str | None:
         """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?
@@ -836,6 +844,11 @@ class Engine:
             set_tokens = TokenDelta.tokens.__set__
         monotonic = time.monotonic
         by_bytes = policy.liveness == "bytes"
+        # With a key configured, each delta field is scrubbed with the tail of the one before held back, as an
+        # echoed key may be split across deltas (config/secrets.py: StreamScrubber). Without one: one test.
+        held = (self.scrub.stream(), self.scrub.stream(), self.scrub.stream()) if self.scrub else None
+        # a header value must be ASCII: a non-ASCII agent name goes percent-encoded
+        agent_header = name if name.isascii() else urllib.parse.quote(name, safe="")
         wait_s = 0.25
         while True:
             try:
@@ -849,7 +862,7 @@ class Engine:
                     "temperature": st.config.temperature,
                 }
                 url = self.base_urls[ep.name].rstrip("/") + "/chat/completions"
-                headers = {"X-Cerevisor-Agent": name}
+                headers = {"X-Cerevisor-Agent": agent_header}
                 stream: ChatStream | RemoteStream = (
                     self._worker.stream(ep.name, url, body, headers) if self._worker is not None
                     else ChatStream(client, ep.name, url, body, headers))
@@ -859,6 +872,8 @@ class Engine:
                         now = monotonic()
                         att.last_alive = now
                         content, reasoning, tool, chunks = payload
+                        if held is not None:
+                            content, reasoning, tool = _held_back(held, content, reasoning, tool)
                         if att.first_token_at is None:
                             att.first_token_at = now
                             ttft = now - att.sent_at
@@ -895,6 +910,7 @@ class Engine:
                         emit(ev.KeepAlive(monotonic(), name, number))
                 return
             except EndpointUnreachable as exc:
+                exc.scrub(self.scrub)
                 # A local server that is still loading refuses its port: wait inside the first-byte window.
                 if ep.kind == "hosted" or att.first_token_at is not None:
                     raise
@@ -902,6 +918,18 @@ class Engine:
                 emit(ev.EndpointWaiting(monotonic(), name, number, ep.name, exc.problem, wait_s))
                 await anyio.sleep(wait_s)
                 wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
+            except EndpointError as exc:  # the server's words, or the worker's: never with a key in them
+                raise exc.scrub(self.scrub)
+            finally:
+                if held is not None and (held[0].carry or held[1].carry or held[2].carry):
+                    # the stream ended (or broke) on text that could have begun a key and did not: it is text
+                    tail = (held[0].flush(), held[1].flush(), held[2].flush())
+                    if tail[0]:
+                        parts.append(tail[0])
+                    if tail[1]:
+                        thinking.append(tail[1])
+                    for subscriber in subscribers:
+                        subscriber(TokenDelta(monotonic(), name, number, *tail, 0))
 
     async def _model(self, ep: EndpointConfig) -> str:
         """The model id to request: configured, or the first that /v1/models lists (asked once)."""
@@ -1067,13 +1095,29 @@ def _num(value: float | int | None) -> float | None:
 
 
 def api_key(ep: EndpointConfig) -> str | None:
-    """The endpoint's API key, from the environment variable its config names (never from a file)."""
+    """The endpoint's API key, from the environment variable its config names (never from a file); one
+    that cannot go in an HTTP header is refused, naming the variable, never showing the value."""
     if not ep.api_key_env:
         return None
     value = os.environ.get(ep.api_key_env)
     if not value:
         raise MissingApiKey(ep.name, f"environment variable {ep.api_key_env} (api_key_env) is not set")
+    problem = key_problem(value)
+    if problem:
+        raise MissingApiKey(ep.name, f"environment variable {ep.api_key_env} (api_key_env) {problem}")
     return value
+
+
+def _held_back(held: tuple[StreamScrubber, StreamScrubber, StreamScrubber], content: str, reasoning: str,
+               tool: str) -> tuple[str, str, str]:
+    """One delta's fields, scrubbed, less any tail that could begin a key (see StreamScrubber)."""
+    if content or held[0].carry:
+        content = held[0].feed(content)
+    if reasoning or held[1].carry:
+        reasoning = held[1].feed(reasoning)
+    if tool or held[2].carry:
+        tool = held[2].feed(tool)
+    return content, reasoning, tool
 
 
 def wants_stream_process(config: Config, *, console: bool) -> bool:
