@@ -173,6 +173,7 @@ def test_endpoint_override_and_sim_port_are_checked_through_the_cli(tmp_path):
     assert "1 to 65535" in one_line_exit_2(cli("run", str(cfg), "--endpoint", "http://127.0.0.1:99999/v1"))
     for port in ("70000", "-1"):
         assert "--port: must be 0-65535" in one_line_exit_2(cli("sim", "--port", port))
+    assert "1 to 65535" in one_line_exit_2(cli("probe", "http://127.0.0.1:70000/v1"))  # was an OverflowError
 
 
 # ---- infinities and absurd sizes ---------------------------------------------------------------------
