@@ -6,6 +6,10 @@ the built-in simulator (the header says SIMULATED). A config that cannot be used
 stderr and exit 2. The run directory is kept as by the headless run (events, transcripts, report),
 plus `run.json`, which names the config it ran: when the last run of the same config did not complete,
 the console says so and its palette offers "Resume last run" (the headless `--resume`, from inside).
+
+Exit codes: the run's when the operator quits (0 every agent completed, 1 otherwise); 128 + the signal's
+number for SIGHUP, SIGTERM and SIGINT, and 129 when the terminal went away: within 5 s, the run stopped and
+its report written, even when the event loop is stuck (commands/terminal_watch.py).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
+import time
 import tomllib
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -135,6 +141,7 @@ class ConsoleRuns:
         self.runs_dir = runs_dir
         self.config_key = config_key
         self.journals: list[Journal] = []
+        self._closing = threading.Lock()  # the console's own close, or the terminal watch's forced one
 
     def open(self, run_id: str, run_dir: Path, *, completed: dict[str, str] | None = None,
              history: list[dict[str, Any]] | None = None, config: Config | None = None) -> Engine:
@@ -170,11 +177,37 @@ class ConsoleRuns:
         """The last run taken up again: the same id and directory, its completed agents never sent again."""
         return self.open(last.run_id, last.run_dir, completed=last.completed, history=last.history, config=config)
 
-    def close(self) -> None:
-        for journal in self.journals:
-            journal.write_report()
-            journal.close()
-        self.journals.clear()
+    def close(self) -> bool:
+        """Write each report and close each journal; returns whether everything was written."""
+        with self._closing:
+            whole = True
+            for journal in self.journals:
+                whole = journal.write_report() and whole
+                journal.close()
+                whole = whole and not journal.error
+            self.journals.clear()
+            return whole
+
+    def abandon(self, reason: str) -> None:
+        """The process exits now, without its event loop (the terminal watch's forced exit): each report as
+        it stands, the agents that had not finished marked cancelled (they will not), and the locks released.
+        The journals are left as written: a resume reruns what has no end in them."""
+        from cerevisor_tui.engine import events as ev
+        from cerevisor_tui.engine.report import STATUSES
+
+        if not self._closing.acquire(timeout=1.0):
+            return  # the console's own close is under way and stuck: exit without
+        try:
+            for journal in self.journals:
+                report = journal.report
+                for name, agent in list(report.agents.items()):
+                    if agent["status"] not in STATUSES:
+                        report(ev.AgentFinished(time.monotonic(), name, "cancelled", reason))
+                journal.write_report()
+                journal.close()
+            self.journals.clear()
+        finally:
+            self._closing.release()
 
 
 def main(args: Any) -> int:
@@ -212,12 +245,23 @@ def main(args: Any) -> int:
         print(f"cerevisor-tui: {exc}", file=sys.stderr)
         return 2
 
+    from cerevisor_tui.commands.terminal_watch import TerminalWatch
+
+    app = build_app(setup, runs, engine, last, theme=theme, themes=themes, tune_gc=True)
+    watch = TerminalWatch(app.stop_from_thread, lambda code, reason: runs.abandon(f"{reason}; forced exit"))
+    app.on_terminal_lost = watch.lost
+    watch.start()
     try:
-        app = build_app(setup, runs, engine, last, theme=theme, themes=themes, tune_gc=True)
-        app.run()
+        try:
+            app.run()
+        finally:
+            whole = runs.close()
     finally:
-        runs.close()
-    return app.return_code or 0
+        watch.close()
+    if watch.code is not None:  # a signal, or the terminal went away
+        return watch.code
+    code = app.return_code or 0
+    return 1 if code == 0 and not whole else code
 
 
 def build_app(setup: ConsoleSetup, runs: ConsoleRuns, engine: Engine, last: LastRun | None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -29,8 +30,12 @@ from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.theme_files import DEFAULT_THEME, ThemeSet
 
 STOP_WAIT_S = 5.0
-GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections in the console (see _tune_gc)
 """How long quitting waits for the engine to cancel its agents and close its connections."""
+SIGNAL_STOP_WAIT_S = 2.5
+"""The same wait when a signal or a lost terminal ends the console: its terminal watch forces the exit 4 s
+after (commands/terminal_watch.py), so the clean stop has to be done well before."""
+LOST_TERMINAL_EXIT = 128 + signal.SIGHUP
+GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections in the console (see _tune_gc)
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ class CerevisorApp(App[int]):
         `resume_offer`: the last run of this config did not complete (the palette offers to resume it);
         `tune_gc`: set the process's garbage collector for a console (see `_tune_gc`; the command sets it,
         tests that start many apps in one process do not)."""
-        super().__init__()
+        super().__init__(driver_class=_console_driver())
         self.engine = engine
         self.config = config
         self.simulated = simulated
@@ -99,6 +104,11 @@ class CerevisorApp(App[int]):
         self.probe_offered = False  # the probe is offered once per run, at the first switch to parallel/auto
         self._tune_gc_wanted = tune_gc
         self._gc_threshold: tuple[int, int, int] | None = None
+        self.on_terminal_lost: Callable[[str], None] | None = None
+        """Told (from Textual's output thread) when a write to the terminal failed; the console command sets
+        its terminal watch here. Unset, the app stops itself (`stop_from_thread`)."""
+        self._console_loop: asyncio.AbstractEventLoop | None = None
+        self._pending_stop: tuple[int, str] | None = None  # a stop asked for before the app was mounted
 
     # ---- setup ------------------------------------------------------------------------------------
     def get_default_screen(self) -> MainScreen:
@@ -138,8 +148,9 @@ class CerevisorApp(App[int]):
             offer = self.resume_offer
             self.notify(f"Last run {offer.run_id} did not complete ({offer.completed} of {offer.total} agents done): "
                         "ctrl+p → Resume last run", title="Resume?", severity="warning", timeout=20)
-        if not self.is_headless:
-            self._watch_signals()
+        self._console_loop = asyncio.get_running_loop()
+        if self._pending_stop is not None:
+            self._begin_shutdown(*self._pending_stop)
 
     def _tune_gc(self) -> None:
         """Collect young garbage rarely but early, and never scan what start-up built again.
@@ -167,12 +178,22 @@ class CerevisorApp(App[int]):
             gc.unfreeze()
             self._gc_threshold = None
 
-    def _watch_signals(self) -> None:
-        """SIGTERM or a dropped SSH session (SIGHUP): stop the run cleanly, so the journal and report are whole."""
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(signum, self._begin_shutdown, 128 + signum)
+    # ---- from other threads: signals and the terminal ------------------------------------------------
+    def stop_from_thread(self, exit_code: int, reason: str) -> None:
+        """A signal or a lost terminal ends the console: stop the run cleanly (journal and report whole), then
+        exit with `exit_code`. Safe from any thread; it only hands the work to the app's event loop."""
+        self._pending_stop = (exit_code, reason)  # before the loop is known: on_mount takes it up
+        loop = self._console_loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: the app has ended already
+                loop.call_soon_threadsafe(self._begin_shutdown, exit_code, reason)
+
+    def terminal_lost(self, reason: str) -> None:
+        """The console's driver could not write to the terminal (see ui/driver.py); from its output thread."""
+        if self.on_terminal_lost is not None:
+            self.on_terminal_lost(reason)
+        else:
+            self.stop_from_thread(LOST_TERMINAL_EXIT, f"console lost its terminal ({reason})")
 
     def colour(self, name: str) -> str:
         """A theme variable as a concrete colour for Rich styles ("" when it is not one)."""
@@ -307,23 +328,43 @@ class CerevisorApp(App[int]):
             lambda yes: self._begin_shutdown() if yes else None,
         )
 
-    def _begin_shutdown(self, exit_code: int = 0) -> None:
-        """`exit_code`: 0 when the operator quits; 128 + the signal's number when a signal ends the console."""
+    def _begin_shutdown(self, exit_code: int | None = None, reason: str = "console quit") -> None:
+        """`exit_code`: None when the operator quits (the run's own code is the console's); 128 + the signal's
+        number when a signal ends the console, 129 when its terminal went away."""
         if self._shutting_down:
             return
         self._shutting_down = True
-        self.run_worker(self._stop_engine_and_exit(exit_code), name="shutdown", group="shutdown")
+        self.run_worker(self._stop_engine_and_exit(exit_code, reason), name="shutdown", group="shutdown")
 
-    async def _stop_engine_and_exit(self, exit_code: int) -> None:
+    async def _stop_engine_and_exit(self, exit_code: int | None, reason: str) -> None:
         """Stop the engine so every request is cancelled and its connection closed, then leave."""
         worker = self._engine_worker
         if worker is not None and not worker.is_finished:
-            reason = f"console stopped by {signal.Signals(exit_code - 128).name}" if exit_code else "console quit"
             self.engine.stop(reason)
             try:
-                await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
+                await asyncio.wait_for(worker.wait(), STOP_WAIT_S if exit_code is None else SIGNAL_STOP_WAIT_S)
             except TimeoutError:
                 worker.cancel()  # cancelling the task still closes its connections on the way out
             except Exception:
                 pass  # its error was shown already; leaving anyway
-        self.exit(exit_code, return_code=exit_code)
+        code = self.run_code() if exit_code is None else exit_code
+        self.exit(code, return_code=code)
+
+    def run_code(self) -> int:
+        """The console's exit code when the operator quits: the run's (0 every agent completed, 1 some failed,
+        were killed or were cancelled by the quit); 1 when the engine failed or had to be cancelled."""
+        if self.engine_error:
+            return 1
+        if self.run_exit_code is not None:
+            return self.run_exit_code
+        return 0 if self._engine_worker is None else 1
+
+
+def _console_driver() -> type | None:
+    """The driver for a real terminal (ui/driver.py); None (Textual's choice) on Windows. Tests run headless,
+    where Textual uses its headless driver whatever this says."""
+    if os.name == "nt":
+        return None
+    from cerevisor_tui.ui.driver import ConsoleDriver
+
+    return ConsoleDriver

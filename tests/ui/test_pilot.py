@@ -143,7 +143,7 @@ async def test_p_holds_admissions_until_pressed_again(tmp_path):
 
 
 @pytest.mark.anyio
-async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_0(tmp_path, stream_process):
+async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_with_the_runs_code(tmp_path, stream_process):
     app = slow_agent(tmp_path, stream_process)
     log = EventLog(app.engine)
     async with app.run_test() as pilot:
@@ -160,6 +160,6 @@ async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_0(tmp_pat
         await pilot.pause()
     assert finished.exit_code == 1
     assert app.engine.agents["a"].status == "cancelled"
-    assert app.return_code == 0
+    assert app.return_code == 1  # the run's code: its agent did not complete (cancelled by the quit)
     if pid is not None:  # the stream worker ended with the run, and was reaped: not left behind
         assert worker.pid is None and not Path(f"/proc/{pid}").exists()

@@ -1,8 +1,11 @@
 """The console in a real terminal (tmux): a fresh start shows the simulator's agents streaming within
-5 s, `m` changes the mode badge, `q` then confirm exits 0 and leaves the terminal as it found it."""
+5 s, `m` changes the mode badge, `q` then confirm exits (1: the run's agents were cancelled) and leaves the
+terminal as it found it; the exit code is the run's; and a terminal that goes away (`tmux kill-session`,
+what an SSH drop does) ends the console within 5 s, its run stopped and its report written."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -32,10 +35,15 @@ class Terminal:
         return subprocess.run([TMUX, "-L", self.socket, *args], capture_output=True, text=True, timeout=10,
                               check=True).stdout
 
-    def start(self, command: str, env: dict[str, str]) -> None:
+    def start(self, command: str, env: dict[str, str], *, then: str = "echo EXIT:$?; sleep 60") -> None:
+        """`command` in the pane's shell, then `then` (with `then=""`, the command replaces the shell)."""
         exports = " ".join(f"{k}={v}" for k, v in env.items())
+        run = f"env -u CEREVISOR_TUI_CONFIG {exports} {command}"
         self.tmux("new-session", "-d", "-s", "t", "-x", "100", "-y", "30",
-                  f"cd {self.tmp} && env -u CEREVISOR_TUI_CONFIG {exports} {command}; echo EXIT:$?; sleep 60")
+                  f"cd {self.tmp} && {run}; {then}" if then else f"cd {self.tmp} && exec {run}")
+
+    def pane_pid(self) -> int:
+        return int(self.tmux("display", "-p", "-t", "t", "#{pane_pid}"))
 
     def screen(self) -> str:
         return self.tmux("capture-pane", "-p", "-t", "t")
@@ -78,11 +86,11 @@ def test_fresh_console_streams_switches_mode_and_quits_cleanly(tmp_path):
         term.wait(lambda s: "have not finished" in s, 3.0, "quit confirmation")
         term.keys("y")
         screen = term.wait(lambda s: "EXIT:" in s, 10.0, "exit")
-        assert "EXIT:0" in screen
+        assert "EXIT:1" in screen  # the run's code: its agents did not all complete (they were cancelled)
         # the terminal is restored: main screen, cursor shown, no mouse reporting, nothing of the app left
         flags = term.tmux("display", "-p", "-t", "t", "#{alternate_on} #{cursor_flag} #{mouse_any_flag}").split()
         assert flags == ["0", "1", "0"]
-        assert [line for line in screen.splitlines() if line.strip()] == ["EXIT:0"]
+        assert [line for line in screen.splitlines() if line.strip()] == ["EXIT:1"]
     finally:
         term.close()
 
@@ -90,3 +98,135 @@ def test_fresh_console_streams_switches_mode_and_quits_cleanly(tmp_path):
     assert len(runs) == 1
     assert (runs[0] / "events.jsonl").stat().st_size > 0 and (runs[0] / "report.json").is_file()
     assert list((runs[0] / "transcripts").glob("*.jsonl"))
+
+
+def env_for(tmp_path: Path) -> dict[str, str]:
+    return {"XDG_CONFIG_HOME": str(tmp_path / "config"), "XDG_STATE_HOME": str(tmp_path / "state"),
+            "TERM": "xterm-256color", "PATH": os.environ.get("PATH", "")}
+
+
+def workflow(tmp_path: Path, *, sim: str, agents: str) -> Path:
+    """A config on the built-in simulator whose runs go to tmp_path/runs."""
+    path = tmp_path / "team.toml"
+    path.write_text(f'''
+[run]
+mode = "parallel"
+max_concurrency = 4
+run_dir = "{tmp_path / 'runs'}"
+
+[[endpoints]]
+name = "sim"
+kind = "simulated"
+[endpoints.sim]
+seed = 3
+ttft_s = 0.05
+{sim}
+{agents}''')
+    return path
+
+
+def run_dir(tmp_path: Path) -> Path:
+    found = list((tmp_path / "runs").iterdir())
+    assert len(found) == 1
+    return found[0]
+
+
+@pytest.mark.parametrize("case, agents, exit_code", [
+    pytest.param("one agent fails", '''
+[[agents]]
+name = "fails"
+prompt = "hi"
+max_tokens = 8
+retries = 0
+[[agents]]
+name = "completes"
+prompt = "hi"
+max_tokens = 8
+depends_on = ["fails"]
+''', 1, id="failed-1"),
+    pytest.param("every agent completes", '''
+[[agents]]
+name = "completes"
+prompt = "hi"
+max_tokens = 8
+''', 0, id="completed-0"),
+])
+def test_the_console_exits_with_the_runs_code(tmp_path, case, agents, exit_code):
+    # fail_first: the endpoint's first request answers HTTP 500; with retries = 0 that agent fails and its
+    # dependent is skipped
+    config = workflow(tmp_path, sim="tokens_per_s = 400.0\nfail_first = 1" if exit_code else "tokens_per_s = 400.0",
+                      agents=agents)
+    term = Terminal(tmp_path)
+    try:
+        term.start(f"{SCRIPT} --config {config}", env_for(tmp_path))
+        term.wait(lambda s: "FINISHED" in s, 15.0, "the run's end")
+        term.keys("q")  # the run is over: no question
+        screen = term.wait(lambda s: "EXIT:" in s, 10.0, "exit")
+    finally:
+        term.close()
+    assert f"EXIT:{exit_code}" in screen, case
+    statuses = {a["name"]: a["status"] for a in json.loads((run_dir(tmp_path) / "report.json").read_text())["agents"]}
+    assert statuses == ({"fails": "failed", "completes": "skipped"} if exit_code else {"completes": "completed"})
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter ("Z": exited, not yet reaped by its new parent), or "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+SLOW_AGENTS = '''
+[[agents]]
+name = "a"
+prompt = "go"
+max_tokens = 4000
+[[agents]]
+name = "b"
+prompt = "go"
+max_tokens = 4000
+'''
+
+
+@pytest.mark.parametrize("shell", [
+    "exec",  # the console is the session leader: the hang-up sends it SIGHUP (and SIGCONT)
+    "child",  # a child of a shell that ignores SIGHUP: no signal at all, only a tty that stopped answering
+])
+def test_tmux_kill_session_ends_the_console_within_5_s_with_its_run_stopped_and_reported(tmp_path, shell):
+    config = workflow(tmp_path, sim="tokens_per_s = 5.0", agents=SLOW_AGENTS)
+    term = Terminal(tmp_path)
+    rc_file = tmp_path / "rc"
+    try:
+        if shell == "exec":
+            term.start(f"{SCRIPT} --config {config}", env_for(tmp_path), then="")
+        else:
+            term.tmux("new-session", "-d", "-s", "t", "-x", "100", "-y", "30",
+                      f"trap '' HUP; cd {tmp_path} && env -u CEREVISOR_TUI_CONFIG "
+                      + " ".join(f"{k}={v}" for k, v in env_for(tmp_path).items())
+                      + f" {SCRIPT} --config {config}; echo $? > {rc_file}")
+        term.wait(lambda s: s.count("streaming") >= 2, 10.0, "both agents streaming")
+        shell_pid = term.pane_pid()
+        if shell == "exec":
+            pid = shell_pid
+        else:
+            children = subprocess.run(["ps", "-o", "pid=", "--ppid", str(shell_pid)], capture_output=True,
+                                      text=True, check=True).stdout.split()
+            pid = next(int(c) for c in children if "cerevisor" in Path(f"/proc/{c}/cmdline").read_text())
+        assert process_state(pid) not in ("", "Z")
+        term.tmux("kill-session", "-t", "t")
+        killed = time.monotonic()
+        while process_state(pid) not in ("", "Z") and time.monotonic() - killed < 10.0:
+            time.sleep(0.05)
+        gone_after_s = time.monotonic() - killed
+    finally:
+        term.close()
+    assert gone_after_s < 5.0, f"the console was still there {gone_after_s:.1f} s after its terminal went"
+    report = json.loads((run_dir(tmp_path) / "report.json").read_text())
+    assert report["finished_at"] and {a["status"] for a in report["agents"]} == {"cancelled"}
+    if shell == "child":
+        # the shell survives the hang-up and records the console's exit code: 129, as for SIGHUP
+        end = time.monotonic() + 5.0
+        while not rc_file.exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert rc_file.read_text().strip() == "129"

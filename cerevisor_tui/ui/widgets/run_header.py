@@ -1,6 +1,10 @@
 """The header: endpoints and their health, the mode badge, the cap, agent counts, throughput, wave; in auto
 mode the badge carries the live cap (`AUTO 32`) and, where the line has room, auto's ceiling and its last
-reason (`a` lists them all)."""
+reason (`a` lists them all).
+
+Two lines, each cut to the width, never wrapped: a first line that wrapped pushed the second (mode, cap,
+counters) out of the header. Where the endpoints do not fit, each loses its URL and model, then the line
+shows only their health dots; the run clock and the run's state keep their place."""
 
 from __future__ import annotations
 
@@ -128,6 +132,27 @@ class RunHeader(Static):
     def _c(self, name: str) -> str:
         return self.app.colour(name)  # type: ignore[attr-defined]
 
+    def _endpoints(self, engine: Engine, s: HeaderState, detail: str) -> Text:
+        """Each endpoint's health dot, with `detail` "full" its name, URL (or kind) and model, "names" its name."""
+        text = Text()
+        if detail == "dots":
+            text.append(" ")
+        for (name, healthy), model_id in zip(s.health, s.models, strict=True):
+            dot, colour = ("●", "success") if healthy else ("●", "error") if healthy is False else ("○", "text-muted")
+            if detail == "dots":
+                text.append(dot, style=self._c(colour))
+                continue
+            text.append("  ")
+            text.append(dot, style=self._c(colour))
+            text.append(f" {name}", style="bold")
+            if detail == "full":
+                ep = engine.endpoints[name]
+                where = ep.kind if ep.kind == "simulated" else engine.base_urls.get(name, ep.base_url)
+                text.append(f" {where}" + (f" · {model_id}" if model_id else ""), style=self._c("text-muted"))
+        if detail == "dots":
+            text.append(f" {len(s.health)} endpoints", style=self._c("text-muted"))
+        return text
+
     def _text(self, engine: Engine, s: HeaderState) -> Text:
         bg = self._c("background") or "black"
         line1 = Text(no_wrap=True, overflow="ellipsis")
@@ -135,22 +160,22 @@ class RunHeader(Static):
         if s.simulated:
             line1.append(" ")
             line1.append(" SIMULATED ", style=f"bold {bg} on {self._c('warning')}")
-        for (name, healthy), model_id in zip(s.health, s.models, strict=True):
-            ep = engine.endpoints[name]
-            dot, colour = ("●", "success") if healthy else ("●", "error") if healthy is False else ("○", "text-muted")
-            line1.append("  ")
-            line1.append(dot, style=self._c(colour))
-            line1.append(f" {name}", style="bold")
-            detail = ep.kind if ep.kind == "simulated" else engine.base_urls.get(name, ep.base_url)
-            line1.append(f" {detail}" + (f" · {model_id}" if model_id else ""), style=self._c("text-muted"))
-        line1.append(f"  run {fmt_clock(s.elapsed_s)}", style=self._c("text-muted"))
+        tail = Text()
+        tail.append(f"  run {fmt_clock(s.elapsed_s)}", style=self._c("text-muted"))
         bad = s.failed + s.killed
         if s.error:
-            line1.append(f"  engine stopped: {s.error}", style=f"bold {self._c('error')}")
+            tail.append(f"  engine stopped: {s.error}", style=f"bold {self._c('error')}")
         elif s.finished:
-            line1.append("  FINISHED", style=f"bold {self._c('warning') if bad else self._c('success')}")
+            tail.append("  FINISHED", style=f"bold {self._c('warning') if bad else self._c('success')}")
         elif s.stopping:
-            line1.append("  STOPPING", style=f"bold {self._c('warning')}")
+            tail.append("  STOPPING", style=f"bold {self._c('warning')}")
+        room = s.width - line1.cell_len - tail.cell_len
+        for detail in ("full", "names", "dots"):
+            endpoints = self._endpoints(engine, s, detail)
+            if not s.width or endpoints.cell_len <= room:
+                break
+        line1.append_text(endpoints)
+        line1.append_text(tail)
 
         line2 = Text(no_wrap=True, overflow="ellipsis")
         badge = f" {s.mode.upper()} {s.effective_cap} " if s.mode == "auto" else f" {s.mode.upper()} "
@@ -171,7 +196,7 @@ class RunHeader(Static):
         line2.append(f"  {fmt_rate(s.tokens_per_s)} tok/s", style="bold")
         if s.mode == "auto":
             self._auto_extras(line2, s, len(badge))
-        return Text("\n").join([line1, line2])
+        return Text("\n", no_wrap=True, overflow="ellipsis").join([line1, line2])
 
     def _auto_extras(self, line: Text, s: HeaderState, after: int) -> None:
         """Auto's ceiling after the badge, then its last reason at the end, each only where it fits: the mode,
