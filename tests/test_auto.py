@@ -83,7 +83,7 @@ def test_kv_fit_is_the_ceiling_and_follows_the_projection():
     box = Box(linear_then_flat(1000), kv_tokens=100_000, context=10_000)
     ctl = AutoController(max_cap=256, kv_target=0.9)
     changes = drive(ctl, box, 60)
-    assert caps(changes) == [2, 4, 8, 9]
+    assert caps(changes) == [4, 8, 9]  # x4 while it stays within the fit, then x2, then the fit
     assert "9 conversations of 10,000 tokens fit" in changes[-1][2]
     box.context = 15_000  # the conversations turned out longer: 6 fit now
     later = drive(ctl, box, 30)
@@ -108,24 +108,49 @@ def test_preemptions_back_off_once_per_step_until_it_takes_effect():
     assert caps(drive(ctl, box, 1)) == [9]
 
 
-def test_requests_waiting_in_two_samples_cut_to_what_the_server_runs():
+def test_a_quarter_of_the_agents_waiting_three_samples_running_cuts_to_what_the_server_runs():
     box = Box(linear_then_flat(1000))
     ctl = AutoController(max_cap=32, start_cap=16)
     drive(ctl, box, 2)
     box.extra = {"waiting": 4.0, "server_running": 12.0}
-    changes = drive(ctl, box, 2)
+    assert drive(ctl, box, 2) == []
+    changes = drive(ctl, box, 1)
     assert caps(changes) == [12]
     assert "4 requests waiting at the server, it runs 12" in changes[0][2]
 
 
-def test_a_single_sample_with_a_request_waiting_is_not_a_queue():
+def test_requests_that_wait_a_scheduler_step_are_not_a_queue():
+    # at every sample a few requests have just arrived mid-step: below a quarter of the agents, never a queue
     box = Box(linear_then_flat(1000))
     ctl = AutoController(max_cap=32, start_cap=16)
-    drive(ctl, box, 2)
-    box.extra = {"waiting": 1.0}
+    box.extra = {"waiting": 3.0}
+    assert all(cap >= 16 for cap in caps(drive(ctl, box, 30)))
+    box.extra = {"waiting": 6.0}  # and one sample of a real queue is not enough either
     assert drive(ctl, box, 1) == []
+
+
+def test_slow_start_measures_a_flat_window_twice_before_it_ends():
+    # a doubling whose first window is flat (the new agents' prefill) but whose second grows goes on doubling
+    seen = {"n": 0, "ticks": 0}
+
+    def warming(n: int) -> float:  # half the rate for the first three looks at each new level
+        if n != seen["n"]:
+            seen.update(n=n, ticks=0)
+        seen["ticks"] += 1
+        return 100.0 * n if seen["ticks"] > 3 else 50.0 * n
+
+    ctl = AutoController(max_cap=256)
+    changes = drive(ctl, Box(warming), 60)
+    assert caps(changes)[:5] == [2, 4, 8, 16, 32]
+
+
+def test_no_window_opens_while_the_agents_just_admitted_have_no_first_token():
+    ctl = AutoController(max_cap=64)
+    box = Box(linear_then_flat(1000))
+    box.extra = {"cold": 1}
+    assert drive(ctl, box, 20) == []  # cap 1, its agent still in its first prefill: nothing measured
     box.extra = {}
-    assert all(cap >= 16 for cap in caps(drive(ctl, box, 5)))
+    assert caps(drive(ctl, box, 10))[:1] == [2]
 
 
 def test_429s_halve_the_cap_and_it_grows_back_only_by_probing():

@@ -117,7 +117,7 @@ class AutoConfig(_Section):
     """Auto never sets an endpoint's cap above this; 0: the endpoint's max_concurrency."""
     start_cap: int = Field(default=0, ge=0, le=4096)
     """Cap to start from; 0: the last probe's recommendation for the endpoint if one was saved, else a slow start from min_cap."""
-    kv_target: float = Field(default=0.9, gt=0, le=1)
+    kv_target: float = Field(default=0.95, gt=0, le=1)
     """Fraction of the server's KV cache the agents' conversations may fill, at their projected full length."""
 
     @model_validator(mode="after")

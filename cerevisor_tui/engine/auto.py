@@ -16,7 +16,8 @@ shows, the damage is done and slow to undo. What we took:
    past `kv_target x capacity / projected length`. This is the leading signal: it is known before the cache
    is full.
 2. **Slow start, judged by throughput per window** (TCP's slow start, with Vegas' test of "did the
-   rate grow?"): 1, 2, 4, ... while aggregate output tokens/s grows by 5% per doubling and nothing queues.
+   rate grow?"): 1, 2, 4, ... while aggregate output tokens/s grows by 5% per step and nothing queues
+   (x4 per step while that stays within the KV fit: the fit, not the throughput test, is the safety there).
    A window is counted in output tokens (about half a turn per running agent), not wall seconds, so a slow
    box is judged as fairly as a fast one; it starts only once the cap is in effect.
 3. **Backing off on what the server says**, at once and once per step (a decrease waits until it has taken
@@ -39,8 +40,10 @@ PROBE_GAIN = 1.03  # an upward probe is kept when throughput rose by this much
 COLLAPSE = 0.90  # throughput below this fraction of the smaller cap's: go back to it
 PROBE_EVERY = 4  # calm windows at one cap before an upward probe
 KV_FULL = 0.95  # KV use at which nothing grows
+WINDOW_TURNS = 1.0  # a window: this many turns of output per running agent
 KV_HEADROOM = 0.80  # KV use below which an upward probe may start
-WAITING_SAMPLES = 2  # consecutive samples with requests waiting before it counts as a queue
+WAITING_SAMPLES = 3  # consecutive samples with a queue before it counts
+WAITING_SHARE = 0.25  # a queue: at least this share of our running agents waiting (and at least one)
 TTFT_QUEUE_RATIO = 2.0  # TTFT this many times its best (and 0.5 s more) means requests queue
 HIT_DROP = 0.20  # prefix hit rate this far below its best, with the KV cache full: prefixes are evicted
 
@@ -53,6 +56,7 @@ class Signals:
     tokens: int  # output tokens streamed from this endpoint since the run started
     running: int  # our agents admitted on it
     queued: int  # our agents waiting for a slot on it
+    cold: int = 0  # of the running ones, those that have not had a first token yet (a prefill burst)
     errors: int = 0  # 429/503 answers since the run started
     ttft_p50: float | None = None  # median TTFT of its last attempts
     sample: int = 0  # bumped by every new server sample
@@ -80,7 +84,8 @@ class _Window:
     tokens0: int
     sample0: int
     preemptions0: float | None
-    waiting: float = 0.0
+    waiting: float = 0.0  # summed over its samples
+    samples: int = 0
     kv: float | None = None
     hits: float = 0.0
     hit_samples: int = 0
@@ -90,12 +95,22 @@ class _Window:
         if s.sample == self.last_sample:
             return
         self.last_sample = s.sample
-        self.waiting = max(self.waiting, s.waiting or 0.0)
+        if s.waiting is not None:
+            self.waiting += s.waiting
+            self.samples += 1
         if s.kv_usage is not None:
             self.kv = max(self.kv or 0.0, s.kv_usage)
         if s.prefix_hit_rate is not None:
             self.hits += s.prefix_hit_rate
             self.hit_samples += 1
+
+    def queue_text(self) -> str:
+        mean = self.waiting / self.samples if self.samples else 0.0
+        return "nothing waiting" if mean < 0.05 else f"{mean:.1f} waiting on average"
+
+    def queued(self, running: int) -> bool:
+        """Requests waited at the server through this window: on average a sizeable share of our agents."""
+        return self.samples > 0 and self.waiting / self.samples >= max(1.0, WAITING_SHARE * running)
 
     @property
     def hit_rate(self) -> float | None:
@@ -110,7 +125,7 @@ class AutoController:
     """The live cap of one endpoint. `update()` at every look; apply what it returns."""
 
     def __init__(self, *, min_cap: int = 1, max_cap: int = 64, start_cap: int = 0, start_why: str = "",
-                 kv_target: float = 0.9) -> None:
+                 kv_target: float = 0.95) -> None:
         self.min_cap = max(1, min_cap)
         self.max_cap = max(self.min_cap, max_cap)
         self.ceiling = self.max_cap  # moved by the operator (`+`/`-` in auto mode)
@@ -128,6 +143,7 @@ class AutoController:
         self._settling = False  # a decrease not yet in effect: no further decrease until it is
         self._probe_from: int | None = None
         self._calm = 0
+        self._flat = 0  # slow-start windows in a row that did not grow throughput
         self._errors = 0
         self._preemptions: float | None = None
         self._preempt_t: float | None = None
@@ -169,12 +185,14 @@ class AutoController:
             self._window = None
             return None
         if w is None:
+            if s.cold > self.cap // 10:
+                return None  # the agents just admitted are still in their first prefill: not the cap's steady rate
             self._window = _Window(s.t, s.tokens, s.sample, s.preemptions)
             return None
         w.see(s)
         turn = s.turn_tokens or 256.0
-        need = max(8.0, 0.5 * turn * max(1, min(self.cap, s.running or 1)))
-        if s.tokens - w.tokens0 < need or s.t <= w.t0 or (s.server_ok is not None and s.sample - w.sample0 < 2):
+        need = max(8.0, WINDOW_TURNS * turn * max(1, min(self.cap, s.running or 1)))
+        if s.tokens - w.tokens0 < need or s.t <= w.t0 or (s.server_ok is not None and s.sample == w.sample0):
             return None
         self._window = None
         return self._judge(s, w)
@@ -200,7 +218,10 @@ class AutoController:
                 preempted = s.preemptions - self._preemptions
             dt = s.t - self._preempt_t if self._preempt_t is not None else 0.0
             self._preemptions, self._preempt_t = s.preemptions, s.t
-        self._waiting_streak = self._waiting_streak + 1 if (s.waiting or 0) > 0 else 0
+        # A request that arrives during a scheduler step waits for its end: a gauge above zero now and then is
+        # not a queue; a sizeable share of our agents waiting, sample after sample, is.
+        queue = (s.waiting or 0) >= max(1.0, WAITING_SHARE * s.running)
+        self._waiting_streak = self._waiting_streak + 1 if queue else 0
         if self._settling or self.cap <= self.min_cap:
             return None
         if preempted > 0:
@@ -250,7 +271,7 @@ class AutoController:
             self.slow_start = False
             return self._to(back, f"prefix hits {pct(hits)} against {pct(best_hits)} at {back}{kv}: "
                                 "prefixes are evicted")
-        headroom = w.waiting == 0 and (w.kv is None or w.kv < KV_FULL) and not self._preempted_in(w, s)
+        headroom = not w.queued(s.running) and (w.kv is None or w.kv < KV_FULL) and not self._preempted_in(w, s)
         prev = self.measured.get(self.prev_cap) if self.prev_cap is not None else None
         if self._probe_from is not None:  # judging an upward probe
             base_cap, self._probe_from = self._probe_from, None
@@ -261,15 +282,20 @@ class AutoController:
             return None
         if self.slow_start:
             if prev is not None and self.prev_cap is not None and self.prev_cap < cap and tp < prev * GROWTH:
+                self._flat += 1
+                if self._flat < 2:
+                    return None  # measure this cap once more before judging it: one window can be noise
                 self.slow_start = False
                 if tp < prev * COLLAPSE:
                     return self._to(self.prev_cap, f"throughput {self._gain(tp, prev)} at {cap} against "
                                         f"{self.prev_cap}")
                 return None
+            self._flat = 0
             if headroom and cap < upper:
-                new = min(cap * 2, upper)
+                # x4 while that stays within what fits (the fit is the safety, not the throughput test), else x2
+                new = min(cap * 4 if fit is not None and cap * 4 <= fit else cap * 2, upper)
                 grew = f"throughput {self._gain(tp, prev)} at {cap}" if prev else f"{tp:,.0f} tok/s at {cap}"
-                return self._to(new, f"slow start: {grew}, nothing waiting{kv}" + self._fit_note(s, fit, new))
+                return self._to(new, f"slow start: {grew}, {w.queue_text()}{kv}" + self._fit_note(s, fit, new))
             self.slow_start = False
             return None
         self._calm += 1
@@ -277,7 +303,7 @@ class AutoController:
             self._calm = 0
             self._probe_from = cap
             new = min(upper, cap + max(1, cap // 4))
-            return self._to(new, f"probing upward: {tp:,.0f} tok/s at {cap}, nothing waiting{kv}")
+            return self._to(new, f"probing upward: {tp:,.0f} tok/s at {cap}, {w.queue_text()}{kv}")
         return None
 
     # ---- helpers ----------------------------------------------------------------------------------

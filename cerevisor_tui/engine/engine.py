@@ -994,7 +994,9 @@ class Engine:
                     continue
                 # measured now, after the busy check (which can take seconds), against the deadline in force
                 elapsed, limit = monotonic() - base, att.deadline_at - base
-                deadline = f" (deadline {fmt_s(limit)})" if fmt_s(elapsed) != fmt_s(limit) else ""
+                # named when the silence ran visibly past it (a slow busy check, a late loop), not for a tick's lag
+                late = elapsed - limit > max(0.5, 0.1 * limit)
+                deadline = f" (deadline {fmt_s(limit)})" if late and fmt_s(elapsed) != fmt_s(limit) else ""
                 if phase == "first_byte":
                     why = f"no first token after {fmt_s(elapsed)}{deadline}"
                 else:
