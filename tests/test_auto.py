@@ -147,10 +147,19 @@ def test_slow_start_measures_a_flat_window_twice_before_it_ends():
 def test_no_window_opens_while_the_agents_just_admitted_have_no_first_token():
     ctl = AutoController(max_cap=64)
     box = Box(linear_then_flat(1000))
-    box.extra = {"cold": 1}
-    assert drive(ctl, box, 20) == []  # cap 1, its agent still in its first prefill: nothing measured
+    ctl.cap = 8
+    box.extra = {"cold": 4}
+    assert drive(ctl, box, 8) == []  # half the agents still in their first prefill: nothing measured
     box.extra = {}
-    assert caps(drive(ctl, box, 10))[:1] == [2]
+    assert caps(drive(ctl, box, 10))[:1] == [16]
+
+
+def test_agents_that_keep_arriving_cold_do_not_hold_the_window_shut():
+    # single-turn agents: some are always in their first prefill; after a few looks the window opens anyway
+    ctl = AutoController(max_cap=64, start_cap=8)
+    box = Box(linear_then_flat(1000))
+    box.extra = {"cold": 3}
+    assert caps(drive(ctl, box, 30))[:1] == [10]
 
 
 def test_429s_halve_the_cap_and_it_grows_back_only_by_probing():

@@ -41,9 +41,11 @@ COLLAPSE = 0.90  # throughput below this fraction of the smaller cap's: go back 
 PROBE_EVERY = 4  # calm windows at one cap before an upward probe
 KV_FULL = 0.95  # KV use at which nothing grows
 WINDOW_TURNS = 1.0  # a window: this many turns of output per running agent
+COLD_LOOKS = 8  # looks a window waits for the agents just admitted to have their first token
 KV_HEADROOM = 0.80  # KV use below which an upward probe may start
 WAITING_SAMPLES = 3  # consecutive samples with a queue before it counts
-WAITING_SHARE = 0.25  # a queue: at least this share of our running agents waiting (and at least one)
+WAITING_SHARE = 0.25  # a queue: at least this share of our running agents waiting (and at least two)
+WAITING_MIN = 2.0
 TTFT_QUEUE_RATIO = 2.0  # TTFT this many times its best (and 0.5 s more) means requests queue
 HIT_DROP = 0.20  # prefix hit rate this far below its best, with the KV cache full: prefixes are evicted
 
@@ -110,7 +112,7 @@ class _Window:
 
     def queued(self, running: int) -> bool:
         """Requests waited at the server through this window: on average a sizeable share of our agents."""
-        return self.samples > 0 and self.waiting / self.samples >= max(1.0, WAITING_SHARE * running)
+        return self.samples > 0 and self.waiting / self.samples >= max(WAITING_MIN, WAITING_SHARE * running)
 
     @property
     def hit_rate(self) -> float | None:
@@ -144,6 +146,8 @@ class AutoController:
         self._probe_from: int | None = None
         self._calm = 0
         self._flat = 0  # slow-start windows in a row that did not grow throughput
+        self._cold_looks = 0
+        self._warm = False
         self._errors = 0
         self._preemptions: float | None = None
         self._preempt_t: float | None = None
@@ -185,14 +189,18 @@ class AutoController:
             self._window = None
             return None
         if w is None:
-            if s.cold > self.cap // 10:
-                return None  # the agents just admitted are still in their first prefill: not the cap's steady rate
+            # The agents just admitted are still in their first prefill: not the cap's steady rate. Agents of a
+            # turn or two keep arriving cold, so after a few looks the window opens anyway.
+            if not self._warm and s.cold > max(1, self.cap // 10) and self._cold_looks < COLD_LOOKS:
+                self._cold_looks += 1
+                return None
+            self._warm = True  # (until the next change: only a change admits a burst)
             self._window = _Window(s.t, s.tokens, s.sample, s.preemptions)
             return None
         w.see(s)
         turn = s.turn_tokens or 256.0
         need = max(8.0, WINDOW_TURNS * turn * max(1, min(self.cap, s.running or 1)))
-        if s.tokens - w.tokens0 < need or s.t <= w.t0 or (s.server_ok is not None and s.sample == w.sample0):
+        if s.tokens - w.tokens0 < need or s.t <= w.t0 or (s.server_ok is not None and s.sample - w.sample0 < 2):
             return None
         self._window = None
         return self._judge(s, w)
@@ -220,7 +228,7 @@ class AutoController:
             self._preemptions, self._preempt_t = s.preemptions, s.t
         # A request that arrives during a scheduler step waits for its end: a gauge above zero now and then is
         # not a queue; a sizeable share of our agents waiting, sample after sample, is.
-        queue = (s.waiting or 0) >= max(1.0, WAITING_SHARE * s.running)
+        queue = (s.waiting or 0) >= max(WAITING_MIN, WAITING_SHARE * s.running)
         self._waiting_streak = self._waiting_streak + 1 if queue else 0
         if self._settling or self.cap <= self.min_cap:
             return None
@@ -271,7 +279,7 @@ class AutoController:
             self.slow_start = False
             return self._to(back, f"prefix hits {pct(hits)} against {pct(best_hits)} at {back}{kv}: "
                                 "prefixes are evicted")
-        headroom = not w.queued(s.running) and (w.kv is None or w.kv < KV_FULL) and not self._preempted_in(w, s)
+        headroom = not w.queued(s.running) and self._waiting_streak == 0 and (w.kv is None or w.kv < KV_FULL) and not self._preempted_in(w, s)
         prev = self.measured.get(self.prev_cap) if self.prev_cap is not None else None
         if self._probe_from is not None:  # judging an upward probe
             base_cap, self._probe_from = self._probe_from, None
@@ -342,5 +350,6 @@ class AutoController:
             return None
         old, self.prev_cap, self.cap = self.cap, self.cap, cap
         self._window = None
+        self._warm, self._cold_looks = False, 0
         self._settling = cap < old  # a decrease takes effect as conversations end: judge nothing until it has
         return Change(cap, f"auto: {old} -> {cap} ({why})")

@@ -257,7 +257,10 @@ async def test_a_frozen_server_trips_the_idle_deadline_and_the_run_goes_on_after
     kill_index = next(i for i, e in enumerate(seen) if e.kind == "AgentKilled")
     killed = seen[kill_index]
     assert killed.agent == "long" and killed.attempt == 1 and killed.deadline == "idle"
-    assert killed.reason.startswith("no output for 3") and f"after {killed.tokens} tokens" in killed.reason
+    # the silence as measured at the kill, and the 3 s deadline: named apart when a busy check on the frozen
+    # server (its /metrics hangs too) ran the silence past it
+    assert killed.reason.startswith("no output for ") and f"after {killed.tokens} tokens" in killed.reason
+    assert killed.reason.startswith("no output for 3") or killed.reason.endswith("(deadline 3 s)"), killed.reason
     assert 1 <= killed.tokens < 1500
     warnings = [e for e in seen[:kill_index] if e.kind == "StallWarning" and e.attempt == 1]
     assert [(w.deadline, w.fraction) for w in warnings] == [("idle", 0.5), ("idle", 0.8), ("idle", 0.95)]
