@@ -626,15 +626,20 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
                     workers.start_soon(worker)
             group.cancel_scope.cancel()
     after = await _counters(client, base_url) if watch_server else None
+    ended = max((r.ended_at or started for r in done), default=time.monotonic())
+    window = (stopped_sending[0] if stopped_sending else ended) - started
+    if window <= 0 or not any(r.delta_at for r in done):
+        window = max(1e-9, ended - started)
+    return _level(concurrency, done, watch, started, ended, window, complete=not cut.cancelled_caught,
+                  counters=_level_counters(before, after))
+
+
+def _level(concurrency: int, done: list[_Request], watch: _ServerWatch, started: float, ended: float, window: float,
+           *, complete: bool, counters: dict[str, Any]) -> ProbeLevel:
+    """One level's figures from its requests: throughput as the median of short slices of `window` (a burst of
+    other load on the host, or a hiccup of the server, spoils a slice or two, not the level)."""
     ok = [r for r in done if not r.error]
     failed = [r for r in done if r.error]
-    ended = max((r.ended_at or started for r in done), default=time.monotonic())
-    window_end = stopped_sending[0] if stopped_sending else ended
-    window = window_end - started
-    if window <= 0 or not any(r.delta_at for r in done):
-        window_end, window = ended, max(1e-9, ended - started)
-    # The median of short slices, not the mean of the window: a burst of other load on the host (or a
-    # hiccup of the server) spoils a slice or two, not the level.
     n_slices = max(1, round(window / SLICE_S))
     width = window / n_slices
     slice_rates = [sum(r.tokens_between(started + i * width, started + (i + 1) * width) for r in done) / width
@@ -656,9 +661,9 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
         server_waiting_max=max(watch.waiting) if watch.waiting else None,
         server_waiting_share=watch.waiting_share(),
         kv_cache_usage_max=max(watch.kv) if watch.kv else None,
-        complete=not cut.cancelled_caught,
+        complete=complete,
         first_error=failed[0].error if failed else "",
-        **_level_counters(before, after),
+        **counters,
     )
 
 
@@ -696,38 +701,12 @@ async def _run_conversation_level(client: httpx.AsyncClient, base_url: str, conc
                     workers.start_soon(worker)
             group.cancel_scope.cancel()
     after = await _counters(client, base_url) if watch_server else None
-    ok = [r for r in done if not r.error]
-    failed = [r for r in done if r.error]
     ended = max((r.ended_at or started for r in done), default=time.monotonic())
     window = (first_idle[0] if first_idle else ended) - started
     if window <= 0 or not any(r.delta_at for r in done):
         window = max(1e-9, ended - started)
-    n_slices = max(1, round(window / SLICE_S))
-    width = window / n_slices
-    slice_rates = [sum(r.tokens_between(started + i * width, started + (i + 1) * width) for r in done) / width
-                   for i in range(n_slices)]
-    ttfts = [r.first_at - r.sent_at for r in ok if r.first_at is not None]
-    rates = [(r.tokens - 1) / (r.ended_at - r.first_at) for r in ok
-             if r.first_at is not None and r.ended_at is not None and r.tokens > 1 and r.ended_at > r.first_at]
-    return ProbeLevel(
-        concurrency=concurrency,
-        requests=len(done),
-        failed=len(failed),
-        output_tokens=sum(r.tokens for r in ok),
-        wall_s=max(1e-9, ended - started),
-        output_tokens_per_s=percentile(slice_rates, 50) or 0.0,
-        ttft_p50_s=percentile(ttfts, 50),
-        ttft_p95_s=percentile(ttfts, 95),
-        stream_tokens_per_s=percentile(rates, 50),
-        server_running_max=max(watch.running) if watch.running else None,
-        server_waiting_max=max(watch.waiting) if watch.waiting else None,
-        server_waiting_share=watch.waiting_share(),
-        kv_cache_usage_max=max(watch.kv) if watch.kv else None,
-        complete=not cut.cancelled_caught,
-        first_error=failed[0].error if failed else "",
-        conversations=conversations,
-        **_level_counters(before, after),
-    )
+    return _level(concurrency, done, watch, started, ended, window, complete=not cut.cancelled_caught,
+                  counters={**_level_counters(before, after), "conversations": conversations})
 
 
 async def _counters(client: httpx.AsyncClient, base_url: str) -> MetricsSnapshot | None:

@@ -10,13 +10,11 @@ or malformed store is simply empty. Two probes that finish at the same moment ma
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cerevisor_tui.config.paths import probe_store_file
+from cerevisor_tui.config.paths import probe_store_file, write_json_atomic
 
 SCHEMA_VERSION = 1
 MAX_ENTRIES = 50
@@ -38,7 +36,7 @@ def save_recommendation(base_url: str, model: str, cap: int, mode: str, reason: 
         "saved_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     newest = sorted(entries.items(), key=lambda kv: str(kv[1].get("saved_at", "")))[-MAX_ENTRIES:]
-    _write_atomic(path, {"schema_version": SCHEMA_VERSION, "probes": dict(newest)})
+    write_json_atomic(path, {"schema_version": SCHEMA_VERSION, "probes": dict(newest)})
 
 
 def saved_recommendation(base_url: str, model: str | None) -> dict[str, Any] | None:
@@ -76,19 +74,3 @@ def _read(path: Path) -> dict[str, dict[str, Any]]:
     if not isinstance(probes, dict):
         return {}
     return {str(k): v for k, v in probes.items() if isinstance(v, dict)}
-
-
-def _write_atomic(path: Path, data: Any) -> None:
-    # engine/report.py has the same writer; endpoints/ may not import the engine (DESIGN section 2)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, ensure_ascii=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -919,7 +919,7 @@ class Engine:
                 await anyio.sleep(wait_s)
                 wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
             except EndpointError as exc:  # the server's words, or the worker's: never with a key in them
-                raise exc.scrub(self.scrub)
+                raise exc.scrub(self.scrub) from None  # (the unscrubbed original must not ride along as context)
             finally:
                 if held is not None and (held[0].carry or held[1].carry or held[2].carry):
                     # the stream ended (or broke) on text that could have begun a key and did not: it is text

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
+from cerevisor_tui.config.paths import write_json_atomic  # noqa: F401 - the journal and the console write with it
 from cerevisor_tui.engine import events as ev
 
 SCHEMA_VERSION = 1
@@ -163,23 +160,3 @@ class Report:
             "totals": self.totals(),
             "caps": self.cap_summary(),
         }
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON to a temp file beside `path`, fsync it, then rename over: a reader never sees half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=2, ensure_ascii=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
