@@ -195,12 +195,13 @@ class AutoController:
                 self._cold_looks += 1
                 return None
             self._warm = True  # (until the next change: only a change admits a burst)
-            self._window = _Window(s.t, s.tokens, s.sample, s.preemptions)
+            # (the sample in hand was taken before the window: only later ones are about this cap)
+            self._window = _Window(s.t, s.tokens, s.sample, s.preemptions, last_sample=s.sample)
             return None
         w.see(s)
         turn = s.turn_tokens or 256.0
         need = max(8.0, WINDOW_TURNS * turn * max(1, min(self.cap, s.running or 1)))
-        if s.tokens - w.tokens0 < need or s.t <= w.t0 or (s.server_ok is not None and s.sample - w.sample0 < 2):
+        if s.tokens - w.tokens0 < need or s.t <= w.t0 or (s.server_ok is not None and s.sample == w.sample0):
             return None
         self._window = None
         return self._judge(s, w)
