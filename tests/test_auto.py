@@ -119,6 +119,26 @@ def test_a_quarter_of_the_agents_waiting_three_samples_running_cuts_to_what_the_
     assert "4 requests waiting at the server, it runs 12" in changes[0][2]
 
 
+def test_a_sample_that_says_nothing_runs_while_our_agents_stream_neither_counts_nor_breaks_a_queue():
+    # vLLM, answering /metrics late, now and then reports 0 running and 0 waiting under a steady queue
+    box = Box(linear_then_flat(1000))
+    ctl = AutoController(max_cap=32, start_cap=16)
+    drive(ctl, box, 2)
+    queue, stale = {"waiting": 4.0, "server_running": 12.0}, {"waiting": 0.0, "server_running": 0.0}
+    for extra in (queue, stale, queue, stale):
+        box.extra = extra
+        assert drive(ctl, box, 1) == []
+    box.extra = queue
+    assert caps(drive(ctl, box, 1)) == [12]
+    # a sample that says nothing waits, with requests running, does end the streak
+    box = Box(linear_then_flat(1000))
+    ctl = AutoController(max_cap=32, start_cap=16)
+    drive(ctl, box, 2)
+    for extra in (queue, queue, {"waiting": 0.0, "server_running": 12.0}, queue, queue):
+        box.extra = extra
+        assert drive(ctl, box, 1) == []
+
+
 def test_requests_that_wait_a_scheduler_step_are_not_a_queue():
     # at every sample a few requests have just arrived mid-step: below a quarter of the agents, never a queue
     box = Box(linear_then_flat(1000))

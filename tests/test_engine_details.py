@@ -178,3 +178,17 @@ async def test_the_engine_probes_one_of_its_endpoints_for_the_console():
             assert await engine.run() == 1
     (result,) = results
     assert result.server_kind == "vllm" and result.recommended_concurrency in (2, 4)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream_process", [False, True], ids=["in-process", "stream-worker"])
+async def test_each_attempt_names_itself_to_the_server_by_request_id(stream_process):
+    """X-Request-Id carries the run, agent, turn and attempt: what vLLM logs, so its log lines match ours."""
+    async with SimServer(SimSettings(tokens_per_s=2000, ttft_s=0.0, fail_first=1, fail_status=503)) as srv:
+        engine = Engine(validate({"endpoints": [{"name": "e", "base_url": srv.base_url}],
+                                  "agents": [{"name": "ä b", "prompt": "p", "turns": ["q"], "max_tokens": 4,
+                                              "retries": 1}]}), stream_process=stream_process)
+        assert await engine.run() == 0
+        ids = [r["request_id"] for r in srv.state.requests]
+    agent = "%C3%A4%20b"  # a header value is ASCII: the name as the X-Cerevisor-Agent header has it
+    assert ids == [f"{engine.run_id}.{agent}.t1.a1", f"{engine.run_id}.{agent}.t1.a2", f"{engine.run_id}.{agent}.t2.a1"]

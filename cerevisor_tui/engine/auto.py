@@ -229,8 +229,12 @@ class AutoController:
             self._preemptions, self._preempt_t = s.preemptions, s.t
         # A request that arrives during a scheduler step waits for its end: a gauge above zero now and then is
         # not a queue; a sizeable share of our agents waiting, sample after sample, is.
-        queue = (s.waiting or 0) >= max(WAITING_MIN, WAITING_SHARE * s.running)
-        self._waiting_streak = self._waiting_streak + 1 if queue else 0
+        # A server that says nothing runs while our agents stream from it (vLLM does, now and then, when its
+        # /metrics answer comes late) has told nothing about its queue: such a sample neither counts nor breaks it.
+        stale = s.server_running == 0 and s.running > s.cold
+        if not stale:
+            queue = (s.waiting or 0) >= max(WAITING_MIN, WAITING_SHARE * s.running)
+            self._waiting_streak = self._waiting_streak + 1 if queue else 0
         if self._settling or self.cap <= self.min_cap:
             return None
         if preempted > 0:

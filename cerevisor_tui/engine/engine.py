@@ -69,6 +69,11 @@ def new_run_id() -> str:
     return datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
+def request_id(run_id: str, agent: str, turn: int, attempt: int) -> str:
+    """The id an attempt's request carries to the server (X-Request-Id): the run, the agent, turn and attempt."""
+    return f"{run_id}.{agent}.t{turn}.a{attempt}"
+
+
 @dataclass(eq=False)
 class Attempt:
     """One streamed request of one turn, with its stall clock."""
@@ -862,7 +867,10 @@ class Engine:
                     "temperature": st.config.temperature,
                 }
                 url = self.base_urls[ep.name].rstrip("/") + "/chat/completions"
-                headers = {"X-Cerevisor-Agent": agent_header}
+                # X-Request-Id names the attempt in the server's own logs (vLLM takes it as its request id:
+                # "Aborted request(s) chatcmpl-<id>"); unique per run, agent, turn and attempt
+                headers = {"X-Cerevisor-Agent": agent_header,
+                           "X-Request-Id": request_id(self.run_id, agent_header, att.turn, number)}
                 stream: ChatStream | RemoteStream = (
                     self._worker.stream(ep.name, url, body, headers) if self._worker is not None
                     else ChatStream(client, ep.name, url, body, headers))

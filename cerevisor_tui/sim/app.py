@@ -225,7 +225,8 @@ class _Chat:
         agent = request.headers.get("x-cerevisor-agent") or body.get("user") or ""
         st.requests.append({"model": model, "messages": messages, "max_tokens": body.get("max_tokens"),
                             "stream": bool(body.get("stream")), "authorization": auth,
-                            "has_authorization": auth is not None, "agent": agent})
+                            "has_authorization": auth is not None, "agent": agent,
+                            "request_id": request.headers.get("x-request-id")})
         if agent:
             st.requests_by_agent[agent] += 1
         if st.requests_total <= settings.fail_first:

@@ -69,8 +69,10 @@ async def test_vllm_auto_backs_off_to_what_runs_when_requests_wait(vllm_pressure
     """Short agents fit by the dozen, but vLLM runs 4 sequences at once: past 4 the rest wait in its queue,
     and auto comes back down to what the server runs. It starts at 8 ([run.auto] start_cap, as from a saved
     probe): from 1, slow start may rightly stop below 4, as CPU vLLM's throughput barely grows with its batch."""
-    # long enough answers that the queue lasts several samples (the tiny model is fast)
-    agents = [{"name": f"s{i}", "prompt": f"Count from {i} onwards, slowly.", "max_tokens": 256, "retries": 0}
+    # long enough answers that the queue lasts several samples (the tiny model is fast), of mixed lengths: the
+    # tiny model always runs to max_tokens, and equal answers would end, and free their slots, in lockstep
+    agents = [{"name": f"s{i}", "prompt": f"Count from {i} onwards, slowly.", "max_tokens": 200 + 11 * (i % 7),
+               "retries": 0}
               for i in range(64)]
     config = auto_config(vllm_pressure.base_url, "vllm", agents)
     config["run"]["auto"] = {"start_cap": 8}
