@@ -1,0 +1,142 @@
+"""A client of a run's control socket (protocol.py): the attached console, `stop`, the tests.
+
+`ControlClient.connect(run_dir)` says hello; `run(on_event)` reads until the server says bye or the
+connection ends, handing each event (an engine event object) to `on_event` and each reply to the command
+that waits for it. `command(name, **args)` sends a command and waits for its reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cerevisor_tui.engine import events as ev
+from cerevisor_tui.supervisor.protocol import LINE_LIMIT, PROTOCOL, ProtocolError, decode, encode, socket_of
+
+CONNECT_WAIT_S = 5.0
+
+
+class AttachError(Exception):
+    """The run cannot be attached to: one line says why."""
+
+
+class CommandFailed(Exception):
+    """The run refused or could not carry out a command: its own one-line reason."""
+
+
+_FIELDS: dict[str, frozenset[str]] = {}
+
+
+def event_from_dict(data: dict[str, Any]) -> ev.Event | None:
+    """An event as the journal or the socket carries it; None for a kind this version does not know."""
+    cls = ev.ALL_EVENTS.get(data.get("event", ""))
+    if cls is None:
+        return None
+    names = _FIELDS.get(cls.kind)
+    if names is None:
+        names = _FIELDS[cls.kind] = frozenset(f.name for f in dataclasses.fields(cls))
+    try:
+        return cls(**{k: v for k, v in data.items() if k in names})
+    except TypeError:  # a field it needs is missing: not an event of this version's shape
+        return None
+
+
+class ControlClient:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: dict[str, Any]) -> None:
+        self.reader, self.writer, self.hello = reader, writer, hello
+        self.bye = ""  # the server's reason, once it said bye
+        self.live = False  # the replay is over
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self.closed = asyncio.Event()
+
+    @classmethod
+    async def connect(cls, run_dir: Path, *, replay: bool = True) -> ControlClient:
+        path = socket_of(run_dir)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(str(path), limit=LINE_LIMIT), CONNECT_WAIT_S)
+        except FileNotFoundError:
+            raise AttachError(f"run {run_dir.name} is not live (no control socket at {path})") from None
+        except ConnectionRefusedError:
+            raise AttachError(f"run {run_dir.name} is not live (nothing listens at {path})") from None
+        except PermissionError:
+            raise AttachError(f"not allowed to open {path}: the run belongs to another user") from None
+        except (OSError, TimeoutError) as exc:
+            raise AttachError(f"cannot reach run {run_dir.name} at {path}: {exc or 'no answer'}") from None
+        try:
+            writer.write(encode({"type": "hello", "protocol": PROTOCOL, "replay": replay}))
+            hello = decode(await asyncio.wait_for(reader.readline(), CONNECT_WAIT_S))
+        except (OSError, TimeoutError, ProtocolError, ValueError) as exc:
+            writer.close()
+            raise AttachError(f"run {run_dir.name} did not answer: {exc or 'no answer'}") from None
+        if hello.get("type") != "hello":
+            writer.close()
+            raise AttachError(f"run {run_dir.name} refused: {hello.get('reason') or hello}")
+        return cls(reader, writer, hello)
+
+    async def run(self, on_event: Callable[[ev.Event], None], on_live: Callable[[], None] | None = None) -> str:
+        """Read until the end; returns why it ended (the server's bye, or "connection lost")."""
+        try:
+            while True:
+                line = await self.reader.readline()
+                if not line:
+                    return self.bye or "connection lost"
+                try:
+                    message = decode(line)
+                except ProtocolError:
+                    continue
+                kind = message["type"]
+                if kind == "event":
+                    event = event_from_dict(message.get("event") or {})
+                    if event is not None:
+                        on_event(event)
+                elif kind == "reply":
+                    future = self._waiting.pop(message.get("id"), None)
+                    if future is not None and not future.done():
+                        if message.get("ok"):
+                            future.set_result(message.get("value"))
+                        else:
+                            future.set_exception(CommandFailed(str(message.get("error") or "failed")))
+                elif kind == "live":
+                    self.live = True
+                    if on_live is not None:
+                        on_live()
+                elif kind == "bye":
+                    self.bye = str(message.get("reason") or "the run closed the connection")
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            return self.bye or f"connection lost: {exc}"
+        finally:
+            self.closed.set()
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(CommandFailed(self.bye or "the connection to the run ended"))
+            self._waiting.clear()
+
+    def send(self, name: str, **args: Any) -> asyncio.Future[Any]:
+        """Send a command; the future gets its reply's value (or CommandFailed). Needs `run()` reading."""
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self.closed.is_set():
+            future.set_exception(CommandFailed(self.bye or "the connection to the run ended"))
+            return future
+        ident = next(self._ids)
+        self._waiting[ident] = future
+        try:
+            self.writer.write(encode({"type": "command", "id": ident, "name": name, "args": args}))
+        except (OSError, RuntimeError) as exc:
+            self._waiting.pop(ident, None)
+            future.set_exception(CommandFailed(f"cannot send to the run: {exc}"))
+        return future
+
+    async def command(self, name: str, **args: Any) -> Any:
+        return await self.send(name, **args)
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()

@@ -1,0 +1,250 @@
+"""The run's control socket (protocol.py): every client gets the run's events, the past ones from the
+journal and then each one live, and may send commands. It lives in the run's own process and event loop,
+subscribed to the engine like the journal; a client that cannot keep up is dropped, never waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cerevisor_tui.config.paths import write_json_atomic
+from cerevisor_tui.engine import events as ev
+from cerevisor_tui.supervisor.protocol import (
+    LINE_LIMIT,
+    PROTOCOL,
+    SUPERVISOR_FILE,
+    ProtocolError,
+    decode,
+    encode,
+    socket_path_for,
+)
+
+HELLO_WAIT_S = 10.0
+CLIENT_BUFFER_MAX = 32 * 1024 * 1024
+"""Bytes a client may have waiting in its socket's buffer; past it the client is dropped (it reattaches)."""
+CLOSE_WAIT_S = 2.0
+
+Dispatch = Callable[[str, dict[str, Any]], Any]
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket (SO_PEERCRED), None where not known."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except (OSError, AttributeError):
+        return None
+    return struct.unpack("3i", creds)[1]
+
+
+class _Client:
+    __slots__ = ("writer", "pending")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.pending: list[bytes] = []
+
+
+class ControlServer:
+    """`await start()`, subscribe it to the engine (`engine.subscribe(server)`), `await close()` at the end.
+
+    `dispatch(name, args)` carries out a command and returns a JSON-able value, or raises ValueError (or any
+    exception) whose text goes back as the reply's error.
+    """
+
+    def __init__(self, run_dir: Path, run_id: str, dispatch: Dispatch, *, config_path: str = "",
+                 events_file: str = "events.jsonl") -> None:
+        self.run_dir, self.run_id, self.dispatch = Path(run_dir), run_id, dispatch
+        self.config_path = config_path
+        self.events_path = self.run_dir / events_file
+        self.path: Path | None = None
+        self.started_at = time.time()
+        self._server: asyncio.AbstractServer | None = None
+        self._clients: list[_Client] = []
+        self._flush_pending = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        # each agent's answer so far in its current attempt: [attempt, content, reasoning, tool, tokens]
+        self._partial: dict[str, list[Any]] = {}
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> Path:
+        """Listen (socket mode 0600) and write supervisor.json; raises OSError when the socket cannot be made."""
+        self._loop = asyncio.get_running_loop()
+        path = socket_path_for(self.run_dir, self.run_id)
+        with contextlib.suppress(FileNotFoundError):
+            if path.is_socket():
+                path.unlink()  # a dead run's socket (this run holds the run directory's lock)
+        old = os.umask(0o177)
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=LINE_LIMIT)
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        self.path = path
+        write_json_atomic(self.run_dir / SUPERVISOR_FILE, {
+            "pid": os.getpid(), "socket": str(path), "run_id": self.run_id, "protocol": PROTOCOL,
+            "config": self.config_path, "started_at": self.started_at})
+        return path
+
+    async def close(self, reason: str = "the run ended") -> None:
+        """Send every client what is pending and a bye, close them and the socket."""
+        if self._server is not None:
+            self._server.close()
+        self._flush()
+        clients, self._clients = self._clients, []
+        for client in clients:
+            with contextlib.suppress(OSError, RuntimeError):
+                client.writer.write(encode({"type": "bye", "reason": reason}))
+        for client in clients:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.writer.drain(), CLOSE_WAIT_S)
+            client.writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    @property
+    def clients(self) -> int:
+        return len(self._clients)
+
+    # ---- events -----------------------------------------------------------------------------------
+    def __call__(self, event: ev.Event) -> None:
+        kind = event.kind
+        if kind == "TokenDelta":
+            part = self._partial.get(event.agent)
+            if part is None or part[0] != event.attempt:
+                part = self._partial[event.agent] = [event.attempt, [], [], [], 0]
+            if event.text:
+                part[1].append(event.text)
+            if event.reasoning:
+                part[2].append(event.reasoning)
+            if event.tool:
+                part[3].append(event.tool)
+            part[4] += event.tokens
+        elif kind == "AgentStarted" or (kind == "MessageRecorded" and event.role == "assistant"):
+            self._partial.pop(event.agent, None)
+        if not self._clients:
+            return
+        line = encode({"type": "event", "event": event.to_dict()})
+        for client in self._clients:
+            client.pending.append(line)
+        if not self._flush_pending and self._loop is not None:
+            self._flush_pending = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """One write per client per loop iteration: what the engine emitted meanwhile."""
+        self._flush_pending = False
+        for client in list(self._clients):
+            if not client.pending:
+                continue
+            data = b"".join(client.pending)
+            client.pending.clear()
+            try:
+                client.writer.write(data)
+            except (OSError, RuntimeError):
+                self._drop(client, "")
+                continue
+            if client.writer.transport.get_write_buffer_size() > CLIENT_BUFFER_MAX:
+                self._drop(client, "this client fell too far behind the run's events; attach again")
+
+    def _drop(self, client: _Client, reason: str) -> None:
+        with contextlib.suppress(ValueError):
+            self._clients.remove(client)
+        if reason:
+            with contextlib.suppress(OSError, RuntimeError):
+                client.writer.write(encode({"type": "bye", "reason": reason}))
+        client.writer.close()
+
+    def _replay(self) -> list[bytes]:
+        """events.jsonl as it stands, then each agent's answer so far: read in one step of the event loop with
+        no emit in between, so that the live events that follow start exactly where it ends."""
+        lines: list[bytes] = []
+        with contextlib.suppress(OSError), open(self.events_path, "rb") as fh:
+            for raw in fh:
+                raw = raw.strip()
+                if raw.startswith(b"{") and raw.endswith(b"}"):
+                    lines.append(b'{"type":"event","event":' + raw + b"}\n")
+        now = time.monotonic()
+        for agent, (attempt, text, reasoning, tool, tokens) in self._partial.items():
+            delta = ev.TokenDelta(now, agent, attempt, "".join(text), "".join(reasoning), "".join(tool), tokens)
+            lines.append(encode({"type": "event", "event": delta.to_dict()}))
+        return lines
+
+    # ---- one client -------------------------------------------------------------------------------
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        client: _Client | None = None
+        try:
+            uid = peer_uid(writer.get_extra_info("socket"))
+            if uid is not None and uid != os.getuid():
+                writer.write(encode({"type": "bye", "reason": f"refused: uid {uid} is not the run's owner"}))
+                return
+            try:
+                hello = decode(await asyncio.wait_for(reader.readline(), HELLO_WAIT_S))
+            except (ProtocolError, TimeoutError, ValueError) as exc:
+                writer.write(encode({"type": "bye", "reason": f"expected a hello: {exc or 'none came'}"}))
+                return
+            if hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL:
+                writer.write(encode({"type": "bye", "reason": f"this run speaks protocol {PROTOCOL}, "
+                                                              f"not {hello.get('protocol')!r}"}))
+                return
+            writer.write(encode({"type": "hello", "protocol": PROTOCOL, "run_id": self.run_id,
+                                 "run_dir": str(self.run_dir), "pid": os.getpid(), "config": self.config_path,
+                                 "started_at": self.started_at}))
+            client = _Client(writer)
+            if hello.get("replay", True):
+                client.pending.extend(self._replay())
+            client.pending.append(encode({"type": "live"}))
+            self._clients.append(client)  # no await since the replay was read: nothing is missed or doubled
+            self._flush()
+            await self._commands(reader, client)
+        except (OSError, asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            if client is not None:
+                with contextlib.suppress(ValueError):
+                    self._clients.remove(client)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.drain(), CLOSE_WAIT_S)
+            writer.close()
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def _commands(self, reader: asyncio.StreamReader, client: _Client) -> None:
+        while True:
+            line = await reader.readline()
+            if not line:
+                return
+            try:
+                message = decode(line)
+            except ProtocolError as exc:
+                client.pending.append(encode({"type": "reply", "id": None, "ok": False, "error": str(exc)}))
+                self._flush()
+                continue
+            if message["type"] != "command":
+                continue
+            ident, name, args = message.get("id"), message.get("name"), message.get("args") or {}
+            try:
+                if not isinstance(name, str) or not isinstance(args, dict):
+                    raise ValueError("a command needs a name and an object of arguments")
+                reply = {"type": "reply", "id": ident, "ok": True, "value": self.dispatch(name, args)}
+            except Exception as exc:  # noqa: BLE001 - any command's failure is the client's answer, not ours
+                reply = {"type": "reply", "id": ident, "ok": False, "error": str(exc) or type(exc).__name__}
+            try:
+                client.pending.append(encode(reply))
+            except (TypeError, ValueError):
+                client.pending.append(encode({"type": "reply", "id": ident, "ok": True, "value": None}))
+            self._flush()

@@ -1,0 +1,188 @@
+"""The control socket on a real run against the simulator: a client that attaches mid-run gets the past
+from the journal and then every event live, nothing missed or doubled; commands and their replies; what
+the socket refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.journal import Journal
+from cerevisor_tui.sim import SimServer
+from cerevisor_tui.supervisor.client import AttachError, CommandFailed, ControlClient
+from cerevisor_tui.supervisor.protocol import PROTOCOL, encode, socket_of
+from cerevisor_tui.supervisor.server import ControlServer
+
+pytestmark = pytest.mark.anyio
+
+
+AS_NOBODY = ("import socket, sys, os; os.setgid(65534); os.setuid(65534); s = socket.socket(socket.AF_UNIX)\n"
+             "try: s.connect(sys.argv[1])\nexcept PermissionError: print('denied'); sys.exit()\n"
+             "print(s.makefile().readline())")
+"""A client of uid 65534 (nobody): prints 'denied' when it cannot connect, else the server's first line."""
+
+
+def dispatch_for(engine: Engine):
+    commands = {"set_mode": engine.set_mode, "stop": engine.stop, "pause": engine.pause}
+
+    def dispatch(name: str, args: dict[str, Any]) -> Any:
+        if name not in commands:
+            raise ValueError(f"unknown command {name!r}")
+        return commands[name](**args)
+
+    return dispatch
+
+
+async def until(condition, what: str, timeout: float = 60.0) -> None:
+    async def wait() -> None:
+        while not condition():
+            await asyncio.sleep(0.02)
+
+    try:
+        await asyncio.wait_for(wait(), timeout)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+def journal_events(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+class Run:
+    """An engine with its journal and control socket, on the simulator."""
+
+    def __init__(self, url: str, run_dir: Path, agents: int = 6, **run: Any) -> None:
+        self.engine = Engine(validate({
+            "run": {"mode": "parallel", "max_concurrency": 3, **run},
+            "endpoints": [{"name": "sim", "base_url": url}],
+            "agents": [{"name": f"a{i}", "prompt": f"task {i}", "max_tokens": 60} for i in range(agents)],
+        }), run_id="r1", run_dir=str(run_dir))
+        self.journal = Journal(run_dir, self.engine.report)
+        self.journal.open()
+        self.engine.subscribe(self.journal)
+        self.server = ControlServer(run_dir, "r1", dispatch_for(self.engine))
+        self.run_dir = run_dir
+
+    async def __aenter__(self) -> Run:
+        await self.server.start()
+        self.engine.subscribe(self.server)
+        self.task = asyncio.ensure_future(self.engine.run())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.engine.stop("test over")
+        await asyncio.wait_for(asyncio.shield(self.task), 30)
+        await self.server.close("the run ended")
+        self.journal.close()
+
+
+async def test_a_client_attached_mid_run_gets_the_past_then_every_event_once(tmp_path: Path):
+    async with SimServer(SimSettings(tokens_per_s=150, ttft_s=0.05)) as sim:
+        async with Run(sim.base_url, tmp_path / "run") as run:
+            tokens: list[Any] = []
+            run.engine.subscribe(lambda e: tokens.append(e) if e.kind == "TokenDelta" else None)
+            await until(lambda: len(tokens) > 20, "tokens to flow")
+            client = await ControlClient.connect(run.run_dir)
+            assert client.hello["protocol"] == PROTOCOL and client.hello["run_id"] == "r1"
+            seen: list[Any] = []
+            reader = asyncio.ensure_future(client.run(seen.append))
+            await asyncio.wait_for(asyncio.shield(run.task), 60)
+            await run.server.close("the run ended")
+            assert await asyncio.wait_for(reader, 10) == "the run ended"
+    journaled = [json.dumps(e, sort_keys=True) for e in journal_events(tmp_path / "run")]
+    received = [json.dumps(e.to_dict(), sort_keys=True) for e in seen if e.kind not in ("TokenDelta", "KeepAlive")]
+    assert received == journaled  # the replay and the live events meet exactly: nothing missed, nothing twice
+    # the answers as the client saw them: the replayed partial text of the attempts in flight plus live deltas
+    answers: dict[str, str] = {}
+    for e in seen:
+        if e.kind == "TokenDelta":
+            answers[e.agent] = answers.get(e.agent, "") + e.text
+        elif e.kind == "AgentStarted":
+            answers[e.agent] = ""
+    recorded = {e.agent: e.content for e in seen if e.kind == "MessageRecorded" and e.role == "assistant"}
+    streamed = {a: answers[a] for a in recorded if a in answers}
+    assert streamed and all(streamed[a] == recorded[a] for a in streamed), (streamed, recorded)
+
+
+async def test_commands_reply_and_every_client_sees_their_events(tmp_path: Path):
+    async with SimServer(SimSettings(tokens_per_s=20, ttft_s=0.05)) as sim:
+        async with Run(sim.base_url, tmp_path / "run", agents=4) as run:
+            one, two = await ControlClient.connect(run.run_dir), await ControlClient.connect(run.run_dir, replay=False)
+            seen_one: list[Any] = []
+            seen_two: list[Any] = []
+            readers = [asyncio.ensure_future(one.run(seen_one.append)), asyncio.ensure_future(two.run(seen_two.append))]
+            assert await one.command("set_mode", mode="sequential") is None
+            await until(lambda: any(e.kind == "ModeChanged" and e.mode == "sequential" for e in seen_two),
+                        "the other client to see the mode change")
+            with pytest.raises(CommandFailed, match="unknown command 'explode'"):
+                await two.command("explode")
+            with pytest.raises(CommandFailed, match="unknown mode"):
+                await two.command("set_mode", mode="warp")
+            assert not any(e.kind == "RunStarted" for e in seen_two)  # replay: false
+            assert any(e.kind == "RunStarted" for e in seen_one)
+            await one.command("stop", reason="stopped from a client")
+            await asyncio.wait_for(asyncio.shield(run.task), 30)
+        for reader in readers:
+            assert await asyncio.wait_for(reader, 10) == "the run ended"
+        assert any(e.kind == "RunFinished" for e in seen_two)
+
+
+async def test_the_socket_is_the_owners_alone_and_speaks_one_protocol(tmp_path: Path):
+    async with SimServer(SimSettings(tokens_per_s=5)) as sim:
+        async with Run(sim.base_url, tmp_path / "run", agents=1) as run:
+            path = socket_of(run.run_dir)
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            writer.write(encode({"type": "hello", "protocol": PROTOCOL + 1}))
+            answer = json.loads(await reader.readline())
+            assert answer["type"] == "bye" and f"protocol {PROTOCOL}" in answer["reason"]
+            assert await reader.readline() == b""
+            writer.close()
+            if os.getuid() == 0:  # another uid: the file's mode keeps it out, and the server refuses it anyway
+                denied = subprocess.run([sys.executable, "-c", AS_NOBODY, str(path)], capture_output=True, text=True,
+                                        timeout=30)
+                assert denied.stdout.strip() == "denied", denied
+    if os.getuid() != 0:
+        return
+    # and were the socket reachable (a run dir others may enter, a socket made writable), the server says no
+    open_dir = Path(tempfile.mkdtemp(prefix="cv-open-"))
+    try:
+        open_dir.chmod(0o755)
+        async with SimServer(SimSettings(tokens_per_s=5)) as sim:
+            async with Run(sim.base_url, open_dir / "run", agents=1) as run:
+                (open_dir / "run").chmod(0o755)
+                path = socket_of(run.run_dir)
+                path.chmod(0o666)
+                # the client blocks in a plain socket call: run it off the loop that serves the socket
+                refused = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", AS_NOBODY, str(path)],
+                                                  capture_output=True, text=True, timeout=30)
+                assert json.loads(refused.stdout)["type"] == "bye", refused
+                assert "refused: uid 65534" in refused.stdout, refused
+    finally:
+        shutil.rmtree(open_dir, ignore_errors=True)
+
+
+async def test_a_run_dir_too_long_for_a_socket_path_puts_it_in_a_private_dir(tmp_path: Path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    async with SimServer(SimSettings(tokens_per_s=5)) as sim:
+        async with Run(sim.base_url, deep, agents=1) as run:
+            path = socket_of(run.run_dir)
+            assert path.parent != deep and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+            client = await ControlClient.connect(deep)
+            assert client.hello["run_dir"] == str(deep)
+            await client.close()
+    assert not path.exists()  # removed at the end
+    with pytest.raises(AttachError, match="not live"):
+        await ControlClient.connect(deep)
