@@ -35,6 +35,19 @@ def test_our_clients_read_through_the_asyncio_backend():
     assert isinstance(client._transport._pool._network_backend, AsyncioBackend)
 
 
+def test_a_client_that_cannot_be_wired_keeps_its_backend_and_says_so(monkeypatch):
+    """A custom transport (or an httpx whose pool moved) stays as it is, and the one-line notice names why."""
+    import httpx
+
+    from cerevisor_tui.endpoints import network
+
+    monkeypatch.setattr(network, "wiring_problem", "")
+    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200)))
+    assert network.use_asyncio_backend(client) is False
+    assert network.wiring_problem.startswith(f"httpx {httpx.__version__}") and "default network backend" in network.wiring_problem
+    assert network.use_asyncio_backend(build_client(2)) is True  # the notice stays as the first one said it
+
+
 def self_signed(tmp_path: Path) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is needed to make a test certificate")
