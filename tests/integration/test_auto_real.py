@@ -66,17 +66,19 @@ async def test_vllm_auto_settles_where_the_conversations_fit_and_keeps_their_pre
 
 @pytest.mark.anyio
 async def test_vllm_auto_backs_off_to_what_runs_when_requests_wait(vllm_pressure: ServerProcess):
-    """Short agents fit by the dozen, but vLLM runs 4 sequences at once: past 4 the rest wait in its queue,
+    """Agents fit by the half-dozen, but vLLM runs 4 sequences at once: past 4 the rest wait in its queue,
     and auto comes back down to what the server runs. It starts at 8 ([run.auto] start_cap, as from a saved
     probe): from 1, slow start may rightly stop below 4, as CPU vLLM's throughput barely grows with its batch."""
-    # long enough answers that the queue lasts several samples (the tiny model is fast), of mixed lengths: the
-    # tiny model always runs to max_tokens, and equal answers would end, and free their slots, in lockstep
-    agents = [{"name": f"s{i}", "prompt": f"Count from {i} onwards, slowly.", "max_tokens": 200 + 11 * (i % 7),
-               "retries": 0}
-              for i in range(64)]
+    # Long answers, so that vLLM's 4 sequences are busy and the rest wait in its queue sample after sample: with
+    # short ones a busy client (this 2-core box running other work) cannot keep the server fed, and requests
+    # hardly wait at all. Mixed lengths: the tiny model always runs to max_tokens, and equal answers would end,
+    # and free their slots, in lockstep. 4 x 750 tokens stay well inside the 4,096-token KV cache (no preemption).
+    agents = [{"name": f"s{i}", "prompt": f"Count from {i} onwards, slowly.", "max_tokens": 600 + 23 * (i % 7),
+               "retries": 0} for i in range(32)]
     config = auto_config(vllm_pressure.base_url, "vllm", agents)
     config["run"]["auto"] = {"start_cap": 8}
     engine = engine_for(config)
+    queued_before = vllm_pressure.metric("vllm:request_queue_time_seconds_sum")
     code, seen = await run_engine(engine, timeout_s=500)
     assert code == 0
     changes = cap_changes(seen, "vllm")
@@ -84,7 +86,12 @@ async def test_vllm_auto_backs_off_to_what_runs_when_requests_wait(vllm_pressure
     assert caps[0] == 8, story(changes)
     waited = [c for c in changes if "waiting at the server" in c.reason]
     samples = [(round(e.t - seen[0].t, 1), e.running, e.waiting) for e in seen if e.kind == "ServerSample"]
-    assert waited, f"{story(changes)}\nserver samples (s, running, waiting): {samples}"
+    # Little's law on vLLM's own counter: the time requests spent in its queue over the run's length is how
+    # many waited on average (however rarely /metrics was read)
+    wall = seen[-1].t - seen[0].t
+    mean_waiting = (vllm_pressure.metric("vllm:request_queue_time_seconds_sum") - queued_before) / wall
+    assert waited, (f"{story(changes)}\nserver samples (s, running, waiting): {samples}\n"
+                    f"requests waiting at vLLM on average over the run: {mean_waiting:.1f}")
     assert waited[0].effective_cap <= 4, story(changes)
     # and it does not go back to where requests queued: probes stop within one step of the sequence limit
     assert all(cap <= 6 for cap in caps[changes.index(waited[0]):]), story(changes)
