@@ -33,7 +33,7 @@ from cerevisor_tui.config.paths import default_runs_dir, find_config, user_confi
 if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine
     from cerevisor_tui.engine.journal import Journal
-    from cerevisor_tui.ui.app import CerevisorApp
+    from cerevisor_tui.ui.app import CerevisorApp, RunHandle
 
 DEMO = "built-in demo"
 RUN_FILE = "run.json"
@@ -264,13 +264,28 @@ def main(args: Any) -> int:
     return 1 if code == 0 and not whole else code
 
 
+def run_handle(engine: Engine) -> RunHandle:
+    """What the console follows an in-process run through: the engine's commands (LocalControl), a mirror
+    subscribed to its events, and its `run` to await. The app gets these, never the engine."""
+    from cerevisor_tui.engine.control import LocalControl
+    from cerevisor_tui.ui.app import RunHandle
+    from cerevisor_tui.ui.mirror import RunMirror
+
+    mirror = RunMirror()
+    engine.subscribe(mirror)
+    return RunHandle(LocalControl(engine), mirror, engine.run)
+
+
 def build_app(setup: ConsoleSetup, runs: ConsoleRuns, engine: Engine, last: LastRun | None,
               **kwargs: Any) -> CerevisorApp:
-    """The console app over `engine`, offering to resume `last` (Textual is imported only here)."""
+    """The console app over `engine`'s run, offering to resume `last` (Textual is imported only here)."""
     from cerevisor_tui.ui.app import CerevisorApp, ResumeOffer
 
     offer = None
     if last is not None:
-        offer = ResumeOffer(last.run_id, last.done, last.total, lambda config: runs.resume(last, config))
-    return CerevisorApp(engine, setup.config, simulated=setup.simulated, config_path=setup.config_path,
-                        save_path=setup.save_path, save_template=setup.save_template, resume_offer=offer, **kwargs)
+        offer = ResumeOffer(last.run_id, last.done, last.total,
+                            lambda config: run_handle(runs.resume(last, config)))
+    handle = run_handle(engine)
+    return CerevisorApp(handle.control, handle.mirror, setup.config, run=handle.run, simulated=setup.simulated,
+                        config_path=setup.config_path, save_path=setup.save_path, save_template=setup.save_template,
+                        resume_offer=offer, **kwargs)

@@ -54,7 +54,7 @@ BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 RETRY_AFTER_CAP_S = 60.0
 WAIT_BACKOFF_CAP_S = 5.0
-FINAL = frozenset({"completed", "failed", "killed", "skipped", "cancelled"})
+FINAL = ev.FINAL
 _TOKEN_DELTA_FIELDS = ("t", "agent", "attempt", "text", "reasoning", "tool", "tokens")  # what _stream fills in directly
 
 
@@ -220,6 +220,9 @@ class Engine:
             self.load[ep.name], self.load_notes[ep.name] = load.from_config(ep)
         self.server_status: dict[str, ServerStatus] = {}
         self.server_status_at: dict[str, float] = {}
+        self._load_sent: dict[str, ev.LoadChanged] = {}  # the last LoadChanged of each endpoint
+        self._background: anyio.abc.TaskGroup | None = None  # the run's long-lived tasks (monitors, probes)
+        self._probes: dict[str, anyio.CancelScope] = {}  # endpoint -> its running probe
         self.wave = -1
         self.started_at = 0.0
         self.stopping = ""
@@ -272,6 +275,7 @@ class Engine:
         if entering_auto and self.started_at:
             for name, ctl in self.auto.items():
                 self._apply_auto(name, ctl.resume())
+        self._refresh_load()
 
     def cycle_mode(self) -> str:
         mode = MODES[(MODES.index(self.scheduler.mode) + 1) % len(MODES)]
@@ -293,14 +297,16 @@ class Engine:
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused,
                                         reason=f"auto ceiling {self.auto_ceiling} (operator)",
-                                        ceiling=self.auto_ceiling))
+                                        ceiling=self.auto_ceiling, total_cap=s.effective_cap))
+        self._refresh_load()
 
-    def nudge_cap(self, delta: int) -> None:
-        """`+`/`-`: the parallel cap, or in auto mode the ceiling the controllers stay under."""
+    def nudge_cap(self, delta: int) -> int:
+        """`+`/`-`: the parallel cap, or in auto mode the ceiling the controllers stay under; returns the new one."""
         if self.scheduler.mode == "auto":
             self.set_auto_ceiling(self.auto_ceiling + delta)
-        else:
-            self.set_concurrency(self.scheduler.max_concurrency + delta)
+            return self.auto_ceiling
+        self.set_concurrency(self.scheduler.max_concurrency + delta)
+        return self.scheduler.max_concurrency
 
     def pause(self) -> None:
         self.scheduler.set_paused(True)
@@ -338,7 +344,7 @@ class Engine:
         now = time.monotonic()
         att.warned = sum(1 for f in self.policies[st.endpoint].warn_at if att.base + f * total <= now)
         self.emit(ev.StallExtended(time.monotonic(), name, att.number, att.phase, seconds, "extended by operator",
-                                   att.deadline_at, att.extensions))
+                                   att.deadline_at, att.extensions, by_operator=True))
         if st.status == "stalling":
             st.status = "streaming" if att.first_token_at is not None else "prefill"
         return True
@@ -351,16 +357,21 @@ class Engine:
         changed = []
         for name, ep in self.endpoints.items():
             new_ep = next((e for e in config.endpoints if e.name == name), ep)
-            policy = resolve_stall(config.stall, new_ep)
-            if policy != self.policies[name]:
-                self.policies[name] = policy
+            if self.set_stall_policy(name, resolve_stall(config.stall, new_ep)):
                 changed.append(name)
-        if changed:
-            for st in self.agents.values():
-                att = st.current
-                if att is not None and st.endpoint in changed and att.nap is not None:
-                    att.nap.cancel()  # the watchdog recomputes the deadline under the new policy now
         return changed
+
+    def set_stall_policy(self, endpoint: str, policy: ResolvedStall) -> bool:
+        """One endpoint's stall policy, now (see `set_stall`); returns whether it changed."""
+        if policy == self.policies[endpoint]:
+            return False
+        self.policies[endpoint] = policy
+        self.emit(ev.StallPolicyChanged(time.monotonic(), endpoint, policy.model_dump()))
+        for st in self._agents_on.get(endpoint, ()):
+            att = st.current
+            if att is not None and att.nap is not None:
+                att.nap.cancel()  # the watchdog recomputes the deadline under the new policy now
+        return True
 
     def retry(self, name: str) -> str:
         """Restart a running agent's attempt now, or run a failed/killed agent of the current wave again."""
@@ -382,6 +393,7 @@ class Engine:
             return
         self.stopping = reason
         self.scheduler.set_paused(True)
+        self.emit(ev.RunStopping(time.monotonic(), reason))
         for st in self.agents.values():
             if st.status not in FINAL and st.scope is not None:
                 st.end_status, st.end_reason = "cancelled", reason
@@ -395,11 +407,11 @@ class Engine:
         self.started_at = time.monotonic()
         async with AsyncExitStack() as stack:
             await self._open_endpoints(stack)
-            self.emit(ev.RunStarted(
-                time.monotonic(), self.run_id, self.scheduler.mode, self.scheduler.max_concurrency,
-                [[a.name for a in level] for level in self.waves], self.endpoint_summaries(), self.run_dir,
-                self._mode_note(self.scheduler.mode),
-            ))
+            self.emit(self.started_event(time.monotonic()))
+            if self.stream_process_problem:
+                self.emit(ev.RunNotice(time.monotonic(), f"{self.stream_process_problem}. Reading the streams in "
+                                       "this process instead.", "warning", "Stream worker"))
+            self._refresh_load()
             if self._history:
                 self.report.replay(self._history)
             for name, why in self.rerun.items():
@@ -408,6 +420,7 @@ class Engine:
                 for name, ctl in self.auto.items():
                     self._apply_auto(name, Change(ctl.cap, ctl.start_reason))
             async with anyio.create_task_group() as background:
+                self._background = background
                 await self._start_background(background)
                 for wave, level in enumerate(self.waves):
                     if self.stopping:
@@ -415,6 +428,7 @@ class Engine:
                         break
                     await self._run_wave(wave, [self.agents[a.name] for a in level])
                 background.cancel_scope.cancel()
+            self._background = None
         code = 0 if all(st.status in ("completed",) for st in self.agents.values()) else 1
         if self.stopping:
             code = 1
@@ -422,6 +436,18 @@ class Engine:
         self.report.finish(end)
         self.emit(ev.RunFinished(end, self.run_id, code, self.report.totals()))
         return code
+
+    def started_event(self, t: float) -> ev.RunStarted:
+        """The run's RunStarted: its plan (waves, agents, endpoints) and settings, as a console first sees it."""
+        return ev.RunStarted(
+            t, self.run_id, self.scheduler.mode, self.scheduler.max_concurrency,
+            [[a.name for a in level] for level in self.waves], self.endpoint_summaries(), self.run_dir,
+            self._mode_note(self.scheduler.mode),
+            agents={st.name: {"endpoint": st.endpoint, "wave": st.wave, "turns": st.turns}
+                    for st in self.agents.values()},
+            reused=list(self.completed_before), auto_ceiling=self.auto_ceiling, paused=self.scheduler.paused,
+            effective_cap=self.scheduler.effective_cap,
+        )
 
     async def _start_background(self, group: anyio.abc.TaskGroup) -> None:
         """Tasks that live as long as the run: each local endpoint's /health and /metrics, polled."""
@@ -461,6 +487,7 @@ class Engine:
             self.emit(sample)
             previous = m or previous
             self._refresh_fit(endpoint, m.kv_cache_size_tokens if m is not None else None)
+            self._refresh_load(endpoint)
             await anyio.sleep(self.config.run.metrics_interval_s)
 
     def _refresh_fit(self, endpoint: str, server_kv_tokens: float | None) -> None:
@@ -502,11 +529,100 @@ class Engine:
     def cap_warning(self) -> str | None:
         """Why the current cap is past what fits in an endpoint's KV memory, if it is."""
         for name, est in self.load.items():
-            limit = self.scheduler.endpoint_cap(name)
-            if est is not None and limit > est.conversations_fit:
-                return (f"cap {limit} on {name} is past the {est.conversations_fit} conversations of "
-                        f"{est.context_tokens:,} tokens that fit in its KV memory ({est.detail}): beyond it, the cliff")
+            warning = load.cap_warning(name, self.scheduler.endpoint_cap(name), est)
+            if warning:
+                return warning
         return None
+
+    def load_event(self, endpoint: str) -> ev.LoadChanged:
+        """The endpoint's load as a console shows it: conversations in flight, their zone, the cap, the fit."""
+        est = self.load.get(endpoint)
+        sample = self.last_sample.get(endpoint)
+        conversations = load.conversations_in_flight(
+            self.scheduler.running_by_endpoint.get(endpoint, 0), sample.running if sample else None,
+            sample.waiting if sample else None)
+        cap = self.scheduler.endpoint_cap(endpoint)
+        return ev.LoadChanged(
+            time.monotonic(), endpoint, conversations, cap, est.zone(conversations) if est else "",
+            dataclasses.asdict(est) if est else None, "" if est else self.load_notes.get(endpoint, ""),
+            load.cap_warning(endpoint, cap, est))
+
+    def _refresh_load(self, endpoint: str | None = None) -> None:
+        """Send a LoadChanged for each endpoint (or `endpoint`) whose load, as shown, changed."""
+        for name in (endpoint,) if endpoint is not None else self.endpoints:
+            event = self.load_event(name)
+            sent = self._load_sent.get(name)
+            if sent is None or dataclasses.replace(sent, t=event.t) != event:
+                self._load_sent[name] = event
+                self.emit(event)
+
+    # ---- probing from the console -----------------------------------------------------------------
+    def start_probe(self, endpoint: str, max_concurrency: int | None = None) -> None:
+        """Sweep one of the run's endpoints in the run's own task group; it says everything through
+        ProbeStarted, ProbeProgress and ProbeFinished. New admissions wait while it measures (running
+        agents go on), so it measures the server rather than our own growing load."""
+        ep = self.endpoints[endpoint]
+        bound = max_concurrency or max(2, ep.max_concurrency)
+        agents = len(self._agents_on.get(endpoint, ()))
+        if endpoint in self._probes:
+            return  # one at a time per endpoint: the one running reports
+        self.emit(ev.ProbeStarted(time.monotonic(), endpoint, bound, agents))
+        if self._background is None or self.stopping or endpoint not in self._clients:
+            self.emit(ev.ProbeFinished(time.monotonic(), endpoint, error=(
+                f"The run is not open: probe {endpoint} with `cerevisor-tui probe URL`.")))
+            return
+        scope = self._probes[endpoint] = anyio.CancelScope()
+        self._background.start_soon(self._probe_task, endpoint, bound, scope)
+
+    def cancel_probe(self, endpoint: str) -> bool:
+        """Cancel the endpoint's running probe (its requests are closed); returns whether one was running."""
+        scope = self._probes.get(endpoint)
+        if scope is None:
+            return False
+        scope.cancel()
+        return True
+
+    async def _probe_task(self, endpoint: str, bound: int, scope: anyio.CancelScope) -> None:
+        held = not self.scheduler.paused
+        if held:
+            self.pause()
+        result: Any = None
+        error = ""
+
+        def progress(line: str) -> None:
+            self.emit(ev.ProbeProgress(time.monotonic(), endpoint, line=line))
+
+        def level(found: Any) -> None:
+            self.emit(ev.ProbeProgress(time.monotonic(), endpoint, level=found.to_dict()))
+
+        try:
+            with scope:
+                result = await self.probe(endpoint, on_progress=progress, on_level=level, max_concurrency=bound)
+        except Exception as exc:  # noqa: BLE001 - a probe that fails says why; the run goes on
+            error = self._probe_failure(exc)
+        finally:
+            self._probes.pop(endpoint, None)
+            if held and self.scheduler.paused and not self.stopping:
+                self.resume()
+            now = time.monotonic()
+            if result is not None:
+                self.emit(ev.ProbeFinished(now, endpoint, result=result.to_dict()))
+            elif error:
+                self.emit(ev.ProbeFinished(now, endpoint, error=error))
+            elif scope.cancelled_caught:
+                self.emit(ev.ProbeFinished(now, endpoint, cancelled=True))
+            else:  # the run's own task group ended it
+                self.emit(ev.ProbeFinished(now, endpoint, error=self._probe_failure(None)))
+
+    def _probe_failure(self, error: BaseException | None) -> str:
+        """What went wrong, in the operator's words (the innermost error of a task group)."""
+        while isinstance(error, BaseExceptionGroup) and error.exceptions:
+            error = error.exceptions[0]
+        closed = isinstance(error, RuntimeError) and "closed" in str(error)  # httpx: the run closed its client
+        if error is None or closed or self.stopping:
+            return ("The run ended while probing, and its connections with it. "
+                    "Probe the server alone with `cerevisor-tui probe URL`.")
+        return str(error) or type(error).__name__
 
     # ---- auto mode --------------------------------------------------------------------------------
     async def _auto_loop(self, endpoint: str) -> None:
@@ -588,7 +704,9 @@ class Engine:
         self.scheduler.set_endpoint_cap(endpoint, change.cap)
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, change.cap, s.paused,
-                                        endpoint=endpoint, reason=change.reason, ceiling=self.auto_ceiling))
+                                        endpoint=endpoint, reason=change.reason, ceiling=self.auto_ceiling,
+                                        total_cap=s.effective_cap))
+        self._refresh_load(endpoint)
 
     async def _server_busy(self, endpoint: str) -> str | None:
         """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?
@@ -657,9 +775,13 @@ class Engine:
         with anyio.CancelScope() as scope:
             st.scope = scope
             try:
-                async with self.scheduler.slot(st.name, st.endpoint):
-                    st.started_at = time.monotonic()
-                    await self._conversation(st)
+                try:
+                    async with self.scheduler.slot(st.name, st.endpoint):
+                        st.started_at = time.monotonic()
+                        self._refresh_load(st.endpoint)
+                        await self._conversation(st)
+                finally:
+                    self._refresh_load(st.endpoint)
             except _AgentEnded as end:
                 status, reason = end.status, end.reason
         st.scope = None
@@ -950,6 +1072,7 @@ class Engine:
                 if not listed:
                     raise EndpointError(ep.name, "/v1/models lists no model; set model in the endpoint's config")
                 self.models[ep.name] = str(listed[0]["id"])
+                self.emit(ev.ModelResolved(time.monotonic(), ep.name, self.models[ep.name]))
         return self.models[ep.name]
 
     async def _watch(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
@@ -1064,7 +1187,9 @@ class Engine:
 
     def _emit_cap(self) -> None:
         s = self.scheduler
-        self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused))
+        self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused,
+                                        total_cap=s.effective_cap))
+        self._refresh_load()
 
     @staticmethod
     def _mode_note(mode: str) -> str:

@@ -11,6 +11,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+STATUSES = ("pending", "queued", "waiting", "prefill", "streaming", "stalling", "retrying",
+            "completed", "failed", "killed", "skipped", "cancelled")
+"""An agent's status, as the engine keeps it and its events tell it ("waiting": a local endpoint still loading)."""
+FINAL = frozenset({"completed", "failed", "killed", "skipped", "cancelled"})
+"""The statuses an agent ends in (AgentFinished.status)."""
+ACTIVE = frozenset({"waiting", "prefill", "streaming", "stalling", "retrying"})
+"""The statuses of an agent holding a running slot."""
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -34,6 +42,95 @@ class RunStarted(Event):
     endpoints: list[dict[str, Any]]
     run_dir: str = ""
     note: str = ""
+    # name -> {"endpoint", "wave", "turns"}: what a console shows of each agent before it starts
+    agents: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    reused: list[str] = dataclasses.field(default_factory=list)  # a resumed run's completed agents, not sent again
+    auto_ceiling: int = 0  # auto mode's ceiling (what `+`/`-` move there); 0: not said (an older journal)
+    paused: bool = False  # admissions held from the start (paused before the run began)
+    effective_cap: int = 0  # what may run at once now (auto: the sum of the endpoints' live caps); 0: not said
+
+
+@dataclass(frozen=True, slots=True)
+class RunStopping(Event):
+    """The run was told to stop: no more admissions; running and queued agents are being cancelled."""
+
+    kind: ClassVar[str] = "RunStopping"
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunNotice(Event):
+    """Something the operator should read that belongs to no agent (e.g. the stream worker could not start)."""
+
+    kind: ClassVar[str] = "RunNotice"
+    message: str
+    severity: str = "information"  # information | warning | error
+    title: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelResolved(Event):
+    """An endpoint configured without a model: the one its /v1/models listed first, which the run requests."""
+
+    kind: ClassVar[str] = "ModelResolved"
+    endpoint: str
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class StallPolicyChanged(Event):
+    """An endpoint's stall policy changed live (the settings screen): new and running attempts use it now."""
+
+    kind: ClassVar[str] = "StallPolicyChanged"
+    endpoint: str
+    policy: dict[str, Any]  # ResolvedStall.model_dump(), as RunStarted.endpoints[i]["stall"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadChanged(Event):
+    """How close an endpoint is to its KV-cache cliff, as the engine judges it (engine/load.py): sent when
+    any part changes (an admission, a server sample, a new estimate, the cap)."""
+
+    kind: ClassVar[str] = "LoadChanged"
+    endpoint: str
+    conversations: int  # in flight on it: ours holding a slot, or what the server carries when it reports more
+    cap: int  # how many the cap lets run on it now
+    zone: str = ""  # fits | cliff | overflow; "" without an estimate
+    # conversations_fit, kv_capacity_tokens, context_tokens, cpu_conversations, source, detail; None: no estimate
+    estimate: dict[str, Any] | None = None
+    note: str = ""  # why there is no estimate
+    warning: str = ""  # set when the cap is past the conversations that fit: the operator's notice
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeStarted(Event):
+    """A probe of one of the run's endpoints began (the console's `probe` command); admissions wait meanwhile."""
+
+    kind: ClassVar[str] = "ProbeStarted"
+    endpoint: str
+    max_concurrency: int
+    agents: int = 0  # agents on the endpoint whose conversations it replays (0: single requests)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeProgress(Event):
+    """What the probe is doing (`line`), or a level it finished measuring (`level`, ProbeLevel.to_dict())."""
+
+    kind: ClassVar[str] = "ProbeProgress"
+    endpoint: str
+    line: str = ""
+    level: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFinished(Event):
+    """The probe ended: `result` (ProbeResult.to_dict()), or why not (`error`), or cancelled by the operator."""
+
+    kind: ClassVar[str] = "ProbeFinished"
+    endpoint: str
+    result: dict[str, Any] | None = None
+    error: str = ""
+    cancelled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +266,7 @@ class StallExtended(Event):
     reason: str
     deadline_at: float
     extensions: int
+    by_operator: bool = False  # the operator's `e` (the agent is no longer stalling), not the busy server
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +327,7 @@ class ConcurrencyChanged(Event):
     endpoint: str = ""  # set when one endpoint's cap changed (auto mode)
     reason: str = ""  # why, e.g. "auto: 24 -> 32 (throughput +18% at 24, nothing waiting, KV 61%)"
     ceiling: int = 0  # auto mode's ceiling (what `+`/`-` move there); 0 in an event not about auto
+    total_cap: int = 0  # what the whole run may run now (auto: the sum of the live caps); 0: not said
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,5 +364,21 @@ ALL_EVENTS: dict[str, type[Event]] = {
         RunStarted, WaveStarted, WaveFinished, AgentQueued, AgentStarted, EndpointWaiting, FirstToken,
         TokenDelta, KeepAlive, MessageRecorded, TurnFinished, StallWarning, StallExtended, AgentKilled, AgentRetrying,
         AgentFinished, AgentRerun, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished,
+        RunStopping, RunNotice, ModelResolved, StallPolicyChanged, LoadChanged, ProbeStarted, ProbeProgress,
+        ProbeFinished,
     )
 }
+
+
+def from_dict(data: dict[str, Any]) -> Event | None:
+    """An event from its `to_dict()` form (a journal line, a socket message); None for a kind this version
+    does not know or a record of the wrong shape. Fields it does not know are left out, and fields a record
+    lacks take their defaults, so journals of older and newer versions both load."""
+    cls = ALL_EVENTS.get(data.get("event", ""))  # type: ignore[arg-type]
+    if cls is None:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    try:
+        return cls(**{k: v for k, v in data.items() if k in names})
+    except TypeError:
+        return None

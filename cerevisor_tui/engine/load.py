@@ -70,3 +70,19 @@ def from_server(kv_cache_tokens: float, context_tokens: int, previous: LoadEstim
     cpu = previous.cpu_conversations if previous else 0
     return LoadEstimate(fit, int(kv_cache_tokens), context_tokens, cpu, "server",
                         f"server reports {int(kv_cache_tokens):,} KV tokens")
+
+
+def conversations_in_flight(ours: int, server_running: float | None, server_waiting: float | None) -> int:
+    """Our conversations holding a slot on an endpoint, or what the server itself carries (running plus
+    waiting) when it reports more: another client may share the box, and its conversations take KV too."""
+    if server_running is None:
+        return ours
+    return max(ours, int(server_running + (server_waiting or 0)))
+
+
+def cap_warning(endpoint: str, cap: int, est: LoadEstimate | None) -> str:
+    """Why `cap` is past what fits in the endpoint's KV memory ("" when it is not)."""
+    if est is None or cap <= est.conversations_fit:
+        return ""
+    return (f"cap {cap} on {endpoint} is past the {est.conversations_fit} conversations of "
+            f"{est.context_tokens:,} tokens that fit in its KV memory ({est.detail}): beyond it, the cliff")

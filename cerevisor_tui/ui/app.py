@@ -1,6 +1,8 @@
-"""The Textual app: owns the engine (run as a worker in the app's own event loop), the UI model,
-themes and keymap; the screens read them and send the engine its commands. When the last run of the
-same config did not complete, it offers to resume it, and then runs that engine in the first one's place.
+"""The Textual app: a client of one run. It holds the run's mirror (`ui/mirror.py`, built from its events)
+and its control (`ui/control.py`, the operator's commands by name), plus themes and keymap; the screens
+read the mirror and act through the control, never on an engine. In-process, the console command also
+hands it the run to await (a worker in the app's own event loop). When the last run of the same config
+did not complete, it offers to resume it, and then follows that run in the first one's place.
 
 The app never speaks HTTP: the engine does, and tells the app everything through its events.
 """
@@ -12,20 +14,19 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from textual.app import App
 from textual.notifications import SeverityLevel
 from textual.worker import Worker, WorkerState
 
 from cerevisor_tui.config.models import Config
-from cerevisor_tui.engine.engine import FINAL, Engine
 from cerevisor_tui.ui.colours import resolve_colour
+from cerevisor_tui.ui.control import RunControl
 from cerevisor_tui.ui.keys import BINDING_IDS
-from cerevisor_tui.ui.model import UiModel
+from cerevisor_tui.ui.mirror import FINAL, RunMirror
 from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.theme_files import DEFAULT_THEME, ThemeSet
 
@@ -38,6 +39,20 @@ LOST_TERMINAL_EXIT = 128 + signal.SIGHUP
 GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections in the console (see _tune_gc)
 
 
+Runner = Callable[[], Awaitable[int]]
+"""Runs an in-process run to its end and returns its exit code (the engine's `run`); opaque to the app."""
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """What the app follows a run through: its commands, its mirror (subscribed to its events), and, in-process,
+    the run to await (None: the run goes on elsewhere)."""
+
+    control: RunControl
+    mirror: RunMirror
+    run: Runner | None = None
+
+
 @dataclass(frozen=True)
 class ResumeOffer:
     """An earlier run of this config that did not complete, and how to reopen it (the console command
@@ -46,22 +61,24 @@ class ResumeOffer:
     run_id: str
     completed: int  # agents it completed: never sent again
     total: int
-    open: Callable[[Config], Engine]
-    """The engine that resumes it under the settings in force, its journal open and subscribed; raises when
+    open: Callable[[Config], RunHandle]
+    """The run that resumes it under the settings in force, its journal open and subscribed; raises when
     the run cannot be resumed."""
 
 
 class CerevisorApp(App[int]):
-    """The operator console over one Engine."""
+    """The operator console over one run: reads its mirror, sends its control the operator's commands."""
 
     TITLE = "cerevisor-tui"
     CSS_PATH = "app.tcss"
 
     def __init__(
         self,
-        engine: Engine,
+        control: RunControl,
+        mirror: RunMirror,
         config: Config,
         *,
+        run: Runner | None = None,
         simulated: bool = False,
         config_path: Path | None = None,
         save_path: Path | None = None,
@@ -69,38 +86,35 @@ class CerevisorApp(App[int]):
         theme: str | None = None,
         themes: ThemeSet | None = None,
         clock: Callable[[], float] = time.monotonic,
-        start_engine: bool = True,
         resume_offer: ResumeOffer | None = None,
         tune_gc: bool = False,
     ) -> None:
         """`clock` is what countdowns and rates are computed against (tests freeze it); `save_path` is
         where the settings screen saves, `save_template` the TOML it starts from when that file does not
-        exist yet (the demo); `start_engine=False` shows the engine's state without running it;
+        exist yet (the demo); `run`: the in-process run, awaited in a worker (None: only show the mirror);
         `resume_offer`: the last run of this config did not complete (the palette offers to resume it);
         `tune_gc`: set the process's garbage collector for a console (see `_tune_gc`; the command sets it,
         tests that start many apps in one process do not)."""
         super().__init__(driver_class=_console_driver())
-        self.engine = engine
+        self.control = control
+        self.mirror = mirror
+        self._run = run
         self.config = config
         self.simulated = simulated
         self.config_path = config_path
         self.save_path = save_path or config_path
         self.save_template = save_template
         self.clock = clock
-        self.model = UiModel()
-        engine.subscribe(self.model)
         self.keymap: dict[str, str] = dict(config.ui.keys)
         self.engine_error = ""
         self.run_exit_code: int | None = None
         self._theme_name = theme or config.ui.theme or DEFAULT_THEME
         self._themes = themes
-        self._start_engine = start_engine
         self._engine_worker: Worker[int] | None = None
         self._shutting_down = False
         self._colours: dict[str, str] = {}
         self._colours_of: dict[str, str] | None = None
         self.resume_offer = resume_offer
-        self.probed: dict[str, Any] = {}  # endpoint -> its ProbeResult, this session
         self.probe_offered = False  # the probe is offered once per run, at the first switch to parallel/auto
         self._tune_gc_wanted = tune_gc
         self._gc_threshold: tuple[int, int, int] | None = None
@@ -140,7 +154,7 @@ class CerevisorApp(App[int]):
             self.notify(f"[ui.keys]: unknown binding id {', '.join(unknown)} (known: {', '.join(sorted(BINDING_IDS))})",
                         title="Key remap ignored", severity="warning", timeout=10)
         self.set_keymap({k: v for k, v in self.keymap.items() if k in BINDING_IDS})
-        if self._start_engine:
+        if self._run is not None:
             self._start_engine_worker()
         if self._tune_gc_wanted:
             self.call_after_refresh(self._tune_gc)
@@ -215,20 +229,33 @@ class CerevisorApp(App[int]):
         """Our messages carry agent names, paths and reasons verbatim: they are never read as markup."""
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
 
-    # ---- the engine -------------------------------------------------------------------------------
+    # ---- the run ----------------------------------------------------------------------------------
+    @property
+    def model(self) -> RunMirror:
+        """The mirror, by its older name (transcripts, throughput and trends are its UiModel part)."""
+        return self.mirror
+
     def _start_engine_worker(self) -> None:
         self._engine_worker = self.run_worker(self._run_engine(), name="engine", group="engine", exit_on_error=False)
 
     async def _run_engine(self) -> int:
-        self.run_exit_code = await self.engine.run()
+        assert self._run is not None
+        self.run_exit_code = await self._run()
         return self.run_exit_code
 
     @property
-    def run_open(self) -> bool:
-        """The engine runs and its endpoints are open (what a probe needs)."""
+    def _run_going(self) -> bool:
+        """The in-process run has not ended (without one, the run goes on elsewhere: the mirror says)."""
         worker = self._engine_worker
-        return (worker is not None and not worker.is_finished and bool(self.model.run_id)
-                and self.model.finished is None and not self.engine.stopping)
+        if self._run is None:
+            return True
+        return worker is not None and not worker.is_finished
+
+    @property
+    def run_open(self) -> bool:
+        """The run goes on and its endpoints are open (what a probe needs)."""
+        mirror = self.mirror
+        return self._run_going and bool(mirror.run_id) and mirror.finished is None and not mirror.stopping
 
     # ---- resuming the last run ----------------------------------------------------------------------
     def action_resume_last_run(self) -> None:
@@ -242,7 +269,7 @@ class CerevisorApp(App[int]):
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
-        running = sum(1 for st in self.engine.agents.values() if st.status not in FINAL)
+        running = sum(1 for a in self.mirror.agents.values() if a.status not in FINAL)
         question = (f"Stop this run ({running} agent(s) not finished are cancelled) and resume {offer.run_id}? "
                     f"Its {offer.total - offer.completed} unfinished agent(s) run again; the {offer.completed} it "
                     "completed are not sent again.")
@@ -253,19 +280,19 @@ class CerevisorApp(App[int]):
         if self._shutting_down or self.resume_offer is not offer:
             return
         try:
-            engine = offer.open(self.config)
+            handle = offer.open(self.config)
         except Exception as exc:  # noqa: BLE001 - an unusable run directory: say so, keep this run
             self.notify(str(exc) or type(exc).__name__, title="Cannot resume", severity="error", timeout=10)
             return
         self.resume_offer = None
-        self.run_worker(self._swap_engine(engine, f"replaced by the resumed run {offer.run_id}"), name="resume",
-                        group="resume")
+        self.run_worker(self._swap_run(handle, offer.run_id, f"replaced by the resumed run {offer.run_id}"),
+                        name="resume", group="resume")
 
-    async def _swap_engine(self, engine: Engine, reason: str) -> None:
-        """Stop the current run cleanly (its journal gets its end), then run `engine` in its place."""
+    async def _swap_run(self, handle: RunHandle, run_id: str, reason: str) -> None:
+        """Stop the current run cleanly (its journal gets its end), then follow `handle`'s run in its place."""
         worker = self._engine_worker
         if worker is not None and not worker.is_finished:
-            self.engine.stop(reason)
+            self.control.stop(reason)
             try:
                 await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
             except TimeoutError:
@@ -274,15 +301,16 @@ class CerevisorApp(App[int]):
                 pass  # its error was shown already
         if self._shutting_down:
             return  # quit while the old run stopped: the resumed run stays as it was, to resume next time
-        self.engine, self.model = engine, UiModel()
-        engine.subscribe(self.model)
+        self.control, self.mirror, self._run = handle.control, handle.mirror, handle.run
         self.engine_error, self.run_exit_code = "", None
         self.probe_offered = False
+        self._engine_worker = None
         main = self.screen_stack[0]
         if isinstance(main, MainScreen):
-            main.show_engine()
-        self._start_engine_worker()
-        self.notify(f"Resuming run {engine.run_id}.", timeout=4)
+            main.show_run()
+        if self._run is not None:
+            self._start_engine_worker()
+        self.notify(f"Resuming run {run_id}.", timeout=4)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker is self._engine_worker and event.state == WorkerState.ERROR:
@@ -296,15 +324,15 @@ class CerevisorApp(App[int]):
         worker = self._engine_worker
         if worker is None or worker.is_finished:
             return False
-        return any(st.status not in FINAL for st in self.engine.agents.values())
+        return any(a.status not in FINAL for a in self.mirror.agents.values())
 
     async def on_unmount(self) -> None:
         """However the app ends, let the engine finish closing its streams (and the simulator) first."""
         self._restore_gc()
         worker = self._engine_worker
-        if worker is None:
+        if worker is None or worker.is_finished:
             return
-        self.engine.stop("console closed")
+        self.control.stop("console closed")
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
 
@@ -321,7 +349,7 @@ class CerevisorApp(App[int]):
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
-        running = sum(1 for st in self.engine.agents.values() if st.status not in FINAL)
+        running = sum(1 for a in self.mirror.agents.values() if a.status not in FINAL)
         self.push_screen(
             ConfirmScreen("Quit", f"{running} agent(s) have not finished. Quit and cancel them?", yes="Quit",
                           no="Stay"),
@@ -340,7 +368,7 @@ class CerevisorApp(App[int]):
         """Stop the engine so every request is cancelled and its connection closed, then leave."""
         worker = self._engine_worker
         if worker is not None and not worker.is_finished:
-            self.engine.stop(reason)
+            self.control.stop(reason)
             try:
                 await asyncio.wait_for(worker.wait(), STOP_WAIT_S if exit_code is None else SIGNAL_STOP_WAIT_S)
             except TimeoutError:

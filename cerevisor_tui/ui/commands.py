@@ -20,8 +20,8 @@ class ConsoleCommands(Provider):
             (PALETTE_NAMES.get(b.id or "", b.description), b.action, f"{b.tooltip}  (key: {effective_keys(b, keymap)})")
             for b in MAIN_BINDINGS
         ]
-        engine = getattr(app, "engine", None)
-        for name, ep in (engine.endpoints.items() if engine is not None else ()):
+        mirror = getattr(app, "mirror", None)
+        for name, ep in (mirror.endpoints.items() if mirror is not None else ()):
             commands.append((f"Probe endpoint {name}", f"probe({name!r})",
                              f"Sweep {name} at concurrency 1, 2, 4, ... with short requests and recommend a cap"
                              + (" (a hosted API: its requests may cost)" if ep.kind == "hosted" else "")))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cerevisor_tui.engine.engine import FINAL, AgentState
+from cerevisor_tui.ui.mirror import FINAL, AgentView
 
 STATUS_LABELS = {
     "pending": "pending",
@@ -22,8 +22,6 @@ STATUS_LABELS = {
     "cancelled": "cancelled",
 }
 """Engine status -> what the agents pane shows ("waiting" is a local endpoint still loading)."""
-
-ACTIVE = frozenset({"waiting", "prefill", "streaming", "stalling", "retrying"})
 
 NORMAL, WARN, CRITICAL = "", "warn", "critical"
 
@@ -75,14 +73,17 @@ class Countdown:
     level: str  # NORMAL | WARN | CRITICAL
 
 
-def countdown(st: AgentState, warn_at: tuple[float, ...], now: float) -> Countdown | None:
+def countdown(agent: AgentView, warn_at: tuple[float, ...], now: float) -> Countdown | None:
     """Amber (WARN) past the first warn_at fraction, red (CRITICAL) past the last; None when nothing runs."""
-    att = st.current
-    if att is None or st.status in FINAL or st.status == "retrying" or not math.isfinite(att.deadline_at):
+    att = agent.attempt
+    if att is None or agent.status in FINAL or agent.status == "retrying":
         return None
-    base = att.base or att.sent_at
-    window = att.deadline_at - base
-    remaining = att.deadline_at - now
+    deadline_at = att.deadline_at
+    if not math.isfinite(deadline_at):
+        return None
+    base = att.base
+    window = deadline_at - base
+    remaining = deadline_at - now
     fraction = (now - base) / window if window > 0 else 1.0
     level = NORMAL
     if warn_at and fraction >= warn_at[-1]:
@@ -93,11 +94,11 @@ def countdown(st: AgentState, warn_at: tuple[float, ...], now: float) -> Countdo
     return Countdown(f"{phase} {fmt_clock(remaining)}", remaining, fraction, level)
 
 
-def live_rate(st: AgentState, now: float) -> float | None:
+def live_rate(agent: AgentView, now: float) -> float | None:
     """Output tokens/s of the running attempt while it streams, else the agent's average so far."""
-    att = st.current
+    att = agent.attempt
     if att is not None and att.first_token_at is not None and att.tokens > 1:
         elapsed = now - att.first_token_at
         if elapsed > 0.2:
             return att.tokens / elapsed
-    return st.output_tokens_per_s
+    return agent.output_tokens_per_s

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cerevisor_tui.commands.console import run_handle
 from cerevisor_tui.config import Config, validate
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.engine import Engine
@@ -32,9 +34,24 @@ def sim_config(tmp_path: Path, *, agents: list[dict[str, Any]], sim: dict[str, A
     })
 
 
-def console(config: Config, *, stream_process: bool = False, **kwargs: Any) -> CerevisorApp:
+def console(config: Config, *, stream_process: bool = False, start_engine: bool = True,
+            **kwargs: Any) -> CerevisorApp:
+    """The console over an in-process engine, as the console command builds it (control, mirror, run).
+    `start_engine=False`: shown, not run; the mirror gets the RunStarted the run would announce."""
     engine = Engine(config, stream_process=stream_process)
-    return CerevisorApp(engine, config, simulated=True, themes=load_themes(None), **kwargs)
+    handle = run_handle(engine)
+    if not start_engine:
+        engine.emit(engine.started_event(time.monotonic()))
+    return CerevisorApp(handle.control, handle.mirror, config, run=handle.run if start_engine else None,
+                        simulated=True, themes=load_themes(None), **kwargs)
+
+
+def engine_of(app: CerevisorApp) -> Engine:
+    """The in-process engine behind the app's control: tests compare its own state with what the console shows
+    (the app itself holds only the control and the mirror)."""
+    engine = app.control.engine  # type: ignore[attr-defined]
+    assert isinstance(engine, Engine)
+    return engine
 
 
 class EventLog:

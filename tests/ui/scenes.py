@@ -1,5 +1,6 @@
-"""Fixed console states for snapshot tests: the engine's state set at fixed monotonic times, its events
-emitted through `engine.emit` (the path the real engine uses), and a frozen app clock.
+"""Fixed console states for snapshot tests: the engine's events at fixed monotonic times, emitted through
+`engine.emit` (the path the real engine uses) into the console's mirror, and a frozen app clock. The
+engine's own state is kept alongside by the engine's rules, where its figures go into an event (the load).
 
 Nothing here reads a clock or a random source: the assistant text comes from the simulator's seeded
 word generator, so every picture is the same on every run.
@@ -7,9 +8,10 @@ word generator, so every picture is the same on every run.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 
-from cerevisor_tui.commands.console import demo_text
+from cerevisor_tui.commands.console import demo_text, run_handle
 from cerevisor_tui.config import validate
 from cerevisor_tui.config.models import Config
 from cerevisor_tui.engine import events as ev
@@ -62,27 +64,29 @@ class Driver:
         e = self.engine
         e.started_at = T0
         e.wave = 0
-        self.emit(ev.RunStarted(T0, RUN_ID, e.scheduler.mode, e.scheduler.max_concurrency,
-                                [[a.name for a in level] for level in e.waves], e.endpoint_summaries(),
-                                f"/runs/{RUN_ID}"))
+        # without the mode's note: its notification would cover the load pane in the pictures
+        self.emit(dataclasses.replace(e.started_event(T0), note=""))
+        self.emit(dataclasses.replace(e.load_event("sim"), t=T0))
         self.emit(ev.WaveStarted(T0, 0, [a.name for a in e.waves[0]]))
         for a in e.waves[0]:
             e.agents[a.name].status = "queued"
             self.emit(ev.AgentQueued(T0, a.name, 0))
 
     def server(self, t: float, **values) -> None:
-        self.emit(ev.ServerSample(t, "sim", True, "vllm", **values))
+        e = self.engine
+        e.last_sample["sim"] = sample = ev.ServerSample(t, "sim", True, "vllm", **values)
+        self.emit(sample)
         kv_tokens = values.get("kv_cache_tokens")
         if kv_tokens:  # as the engine does: the server's own capacity replaces the estimate
-            e = self.engine
             e.load["sim"] = load.from_server(kv_tokens, e.endpoints["sim"].capacity.context_tokens, e.load["sim"])
+        self.emit(dataclasses.replace(e.load_event("sim"), t=t))  # the engine's judgement of the load, as it sends it
 
     def auto_change(self, t: float, cap: int, reason: str) -> None:
         """What the engine does when sim's auto controller moves its cap: the scheduler's live cap, then the event."""
         e = self.engine
         e.scheduler.set_endpoint_cap("sim", cap)
         self.emit(ev.ConcurrencyChanged(t, e.scheduler.max_concurrency, cap, e.scheduler.paused, endpoint="sim",
-                                        reason=reason, ceiling=e.auto_ceiling))
+                                        reason=reason, ceiling=e.auto_ceiling, total_cap=e.scheduler.effective_cap))
 
     def start(self, name: str, t: float, turn: int = 1) -> Attempt:
         st = self.engine.agents[name]
@@ -172,7 +176,8 @@ def build(scene: str) -> CerevisorApp:
     config = scene_config()
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
     engine.models["sim"] = "sim-model"
-    app = CerevisorApp(engine, config, simulated=True, start_engine=False, clock=lambda: NOW,
+    handle = run_handle(engine)
+    app = CerevisorApp(handle.control, handle.mirror, config, simulated=True, clock=lambda: NOW,
                        themes=load_themes(None))
     d = Driver(engine, app)
     d.run_started()
@@ -226,7 +231,8 @@ def build_auto() -> CerevisorApp:
     config = scene_config(mode="auto")
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
     engine.models["sim"] = "sim-model"
-    app = CerevisorApp(engine, config, simulated=True, start_engine=False, clock=lambda: NOW,
+    handle = run_handle(engine)
+    app = CerevisorApp(handle.control, handle.mirror, config, simulated=True, clock=lambda: NOW,
                        themes=load_themes(None))
     d = Driver(engine, app)
     d.run_started()
@@ -255,7 +261,7 @@ def select(agent: str):
     async def run_before(pilot) -> None:
         await pilot.pause()
         table = pilot.app.screen.table
-        names = list(pilot.app.engine.agents)
+        names = list(pilot.app.mirror.agents)
         table.move_cursor(names.index(agent))
         await pilot.pause()
 

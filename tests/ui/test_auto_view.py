@@ -10,7 +10,7 @@ from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.widgets.load_pane import trend_rows
 from cerevisor_tui.ui.widgets.run_header import RunHeader
 from cerevisor_tui.ui.widgets.trend_chart import TrendChart, TrendRow, bar_text, levels
-from tests.ui.conftest import EventLog, console, kind, sim_config
+from tests.ui.conftest import EventLog, console, engine_of, kind, sim_config
 from tests.ui.scenes import AUTO_CHANGES, build
 
 SLOW = {"tokens_per_s": 8.0}
@@ -31,12 +31,12 @@ def history_text(app) -> str:
 async def test_an_auto_run_shows_AUTO_and_its_live_cap_and_a_lists_the_controllers_reasons(tmp_path):
     agents = [{"name": f"a{i}", "prompt": "hi", "max_tokens": 400} for i in range(3)]
     app = console(sim_config(tmp_path, agents=agents, sim=SLOW, run={"mode": "auto"}))
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test(size=(120, 30)) as pilot:
         start = await log.wait(kind("ConcurrencyChanged", endpoint="sim"))
         assert start.reason.startswith("auto: start at 1")
         app.screen.refresh_status()
-        cap = app.engine.scheduler.effective_cap
+        cap = engine_of(app).scheduler.effective_cap
         assert header_lines(app)[1].startswith(f" AUTO {cap} ") and " cap " not in header_lines(app)[1]
         await pilot.press("a")
         assert isinstance(app.screen, CapHistoryScreen)
@@ -48,20 +48,20 @@ async def test_an_auto_run_shows_AUTO_and_its_live_cap_and_a_lists_the_controlle
 @pytest.mark.anyio
 async def test_m_to_auto_shows_the_sum_of_live_caps_and_plus_minus_move_the_ceiling_not_the_parallel_cap(tmp_path):
     app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test() as pilot:  # 80x24
         await log.wait(kind("FirstToken", "a"))
         await pilot.press("m")
-        assert app.engine.scheduler.mode == "auto"
+        assert engine_of(app).scheduler.mode == "auto"
         await log.wait(kind("ConcurrencyChanged", endpoint="sim"))
         app.screen.refresh_status()
         line = header_lines(app)[1]
-        assert line.startswith(f" AUTO {app.engine.scheduler.effective_cap} ")
+        assert line.startswith(f" AUTO {engine_of(app).scheduler.effective_cap} ")
         assert "1 running" in line and "0 failed" in line and "tok/s" in line  # counters keep their place at 80
-        ceiling = app.engine.auto_ceiling
+        ceiling = engine_of(app).auto_ceiling
         await pilot.press("plus", "plus", "minus")
-        assert app.engine.auto_ceiling == ceiling + 1
-        assert app.engine.scheduler.max_concurrency == 2  # the parallel cap did not move
+        assert engine_of(app).auto_ceiling == ceiling + 1
+        assert engine_of(app).scheduler.max_concurrency == 2  # the parallel cap did not move
         assert f"ceiling {ceiling + 1}" in header_lines(app)[1]
         await pilot.press("a")
         text = history_text(app)

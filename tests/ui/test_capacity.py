@@ -19,7 +19,7 @@ from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.screens.probe import ProbeScreen
 from cerevisor_tui.ui.widgets.load_pane import LoadPane
 from cerevisor_tui.ui.widgets.run_header import RunHeader
-from tests.ui.conftest import FAST_SIM, EventLog, console, kind, sim_config
+from tests.ui.conftest import FAST_SIM, EventLog, console, engine_of, kind, sim_config
 from tests.ui.scenes import build
 
 SLOW = {"tokens_per_s": 8.0}
@@ -94,10 +94,10 @@ async def test_load_pane_zone_follows_the_running_count_and_the_cap_warning_mark
                            context_tokens=2048)
     app = console(config)
     notices = record_notices(app)
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test(size=(80, 24)) as pilot:
         await log.wait(kind("ServerSample"))
-        await until(lambda: app.engine.load["sim"] is not None)
+        await until(lambda: engine_of(app).load["sim"] is not None)
         main_screen(app).refresh_status()
         text = kv_text(app)
         assert "sim FITS 1 of 2 conversations fit (server)" in str(text)
@@ -105,15 +105,15 @@ async def test_load_pane_zone_follows_the_running_count_and_the_cap_warning_mark
         assert "> fit" not in header(app) and not cap_notices(notices)  # sequential: one at a time fits
 
         await pilot.press("m")  # parallel at cap 2: still within the fit; the probe is offered
-        assert app.engine.scheduler.mode == "parallel"
+        assert engine_of(app).scheduler.mode == "parallel"
         assert isinstance(app.screen, ProbeScreen)
         await pilot.press("plus")  # a console key skips the offer and does its job
         assert isinstance(app.screen, MainScreen)
-        assert app.engine.scheduler.max_concurrency == 3
+        assert engine_of(app).scheduler.max_concurrency == 3
         await pilot.pause()
-        assert cap_notices(notices) == [app.engine.cap_warning()]
+        assert cap_notices(notices) == [engine_of(app).cap_warning()]
         assert "cap 3 > fit 2" in header(app)
-        await until(lambda: app.engine.scheduler.running_by_endpoint["sim"] == 3)
+        await until(lambda: engine_of(app).scheduler.running_by_endpoint["sim"] == 3)
         main_screen(app).refresh_status()
         text = kv_text(app)
         assert "sim CLIFF 3 of 2 conversations fit (server)  cap 3 > fit" in str(text)
@@ -135,21 +135,23 @@ async def test_load_pane_zones_and_why_there_is_no_estimate():
     app = build("mid_run")  # two agents in flight on sim
     async with app.run_test(size=(120, 30)) as pilot:
         pane = app.screen.query_one(LoadPane)
-        engine = app.engine
+        engine = engine_of(app)
         cases = [(LoadEstimate(8, 65536, 8192), "FITS 2 of 8", "success"),
                  (LoadEstimate(1, 8192, 8192, cpu_conversations=4), "CLIFF 2 of 1", "warning"),
                  (LoadEstimate(0, 4096, 8192, cpu_conversations=1), "OVERFLOW 2 of 0", "error")]
         for estimate, shown, role in cases:
             engine.load["sim"] = estimate
-            pane.sync(engine, app.model, 1012.0)
+            engine.emit(engine.load_event("sim"))  # the engine judges the zone; the pane shows its word
+            pane.sync(app.mirror, 1012.0)
             text = kv_text(app)
             assert shown in str(text)
             assert any(app.colour(role) in str(span.style) for span in text.spans)
         engine.load["sim"], engine.load_notes["sim"] = None, "no [endpoints.capacity] model configured"
-        pane.sync(engine, app.model, 1012.0)
+        engine.emit(engine.load_event("sim"))
+        pane.sync(app.mirror, 1012.0)
         assert "capacity.context_tokens" in str(kv_text(app))  # the server reports its KV: say what is missing
-        app.model.servers["sim"].kv_cache_tokens = None
-        pane.sync(engine, app.model, 1012.0)
+        app.mirror.servers["sim"].kv_cache_tokens = None
+        pane.sync(app.mirror, 1012.0)
         assert str(kv_text(app)) == "sim KV estimate -  no [endpoints.capacity] model configured"
         await pilot.pause()
 
@@ -161,11 +163,11 @@ async def test_first_switch_to_parallel_offers_the_probe_which_measures_and_appl
     data = config.model_dump()
     data["endpoints"][0]["max_concurrency"] = 4  # the sweep: 1, 2, 4
     app = console(validate(data))
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test(size=(80, 24)) as pilot:
         await log.wait(kind("FirstToken"))
         await pilot.press("m")
-        assert app.engine.scheduler.mode == "parallel"  # the switch did not wait for the dialog
+        assert engine_of(app).scheduler.mode == "parallel"  # the switch did not wait for the dialog
         offer = app.screen
         assert isinstance(offer, ProbeScreen) and offer.state == "offer"
         assert "Probe sim before going parallel?" in str(offer.query_one("#probe-title").render())
@@ -174,21 +176,24 @@ async def test_first_switch_to_parallel_offers_the_probe_which_measures_and_appl
         await pilot.press("enter")
         await until(lambda: offer.state != "running", timeout=20)
         assert offer.state == "done", offer.error
-        result = offer.result
-        assert [lv.concurrency for lv in result.levels] == [1, 2, 4][:len(result.levels)]
-        assert all(lv.requests >= 2 and lv.output_tokens > 0 for lv in result.levels)
-        assert app.probed["sim"] is result
+        result = offer.result  # ProbeResult.to_dict(), as ProbeFinished carried it
+        levels = result["levels"]
+        assert [lv["concurrency"] for lv in levels] == [1, 2, 4][:len(levels)]
+        assert all(lv["requests"] >= 2 and lv["output_tokens"] > 0 for lv in levels)
+        assert app.mirror.probes["sim"].state == "done" and app.mirror.probes["sim"].result is result
+        assert [e.kind for e in log.seen if e.kind.startswith("Probe")][:1] == ["ProbeStarted"]
+        assert log.of("ProbeFinished")[-1].result == result
         # new admissions waited while it measured, and resumed after
         assert [e.paused for e in log.of("ConcurrencyChanged")] == [True, False]
-        assert not app.engine.scheduler.paused
+        assert not engine_of(app).scheduler.paused
         table = plain(offer.query_one("#probe-levels").content)
         assert "TTFT p50" in table and "recommended" in table
 
         await pilot.press("enter")  # "Apply <mode>, cap N" has the focus
         assert isinstance(app.screen, MainScreen)
-        assert app.engine.scheduler.max_concurrency == result.recommended_concurrency
-        assert app.engine.scheduler.mode == result.recommended_mode
-        assert log.of("ConcurrencyChanged")[-1].max_concurrency == result.recommended_concurrency
+        assert engine_of(app).scheduler.max_concurrency == result["recommended_concurrency"]
+        assert engine_of(app).scheduler.mode == result["recommended_mode"]
+        assert log.of("ConcurrencyChanged")[-1].max_concurrency == result["recommended_concurrency"]
 
 
 @pytest.mark.anyio
@@ -199,7 +204,7 @@ async def test_palette_probe_runs_at_once_and_esc_cancels_it_closing_its_request
         data["endpoints"][0].update(kind="local", base_url=srv.base_url)
         app = console(validate(data))
         notices = record_notices(app)
-        log = EventLog(app.engine)
+        log = EventLog(engine_of(app))
         async with app.run_test(size=(80, 24)) as pilot:
             await log.wait(kind("FirstToken"))
             await pilot.press("ctrl+p")
@@ -214,7 +219,8 @@ async def test_palette_probe_runs_at_once_and_esc_cancels_it_closing_its_request
             assert isinstance(app.screen, MainScreen)
             await until(lambda: srv.state.aborted_total >= 1)  # its request was closed, not left running
             await until(lambda: srv.state.running == 1)  # only the agent's request is left
-            assert not app.engine.scheduler.paused
+            assert not engine_of(app).scheduler.paused
             await pilot.pause()
             assert "Probe of sim cancelled." in notices
-            assert "sim" not in app.probed  # a cancelled probe leaves no result
+            await until(lambda: app.mirror.probes["sim"].state == "cancelled")  # a cancelled probe leaves no result
+            assert app.mirror.probes["sim"].result is None and log.of("ProbeFinished")[-1].cancelled

@@ -8,12 +8,13 @@ import tomllib
 
 import pytest
 
-from cerevisor_tui.commands.console import demo_text
+from cerevisor_tui.commands.console import demo_text, run_handle
 from cerevisor_tui.config import validate
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
+from tests.ui.conftest import engine_of
 from tests.ui.scenes import NOW, RUN_ID, T0
 
 ENDPOINTS = [
@@ -34,15 +35,16 @@ def three_endpoints(mode: str) -> CerevisorApp:
         agent["endpoint"] = ENDPOINTS[i % 3]["name"]
     config = validate(data, file="three endpoints")
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
-    app = CerevisorApp(engine, config, start_engine=False, clock=lambda: NOW, themes=load_themes(None))
-    engine.started_at, engine.wave = T0, 0
-    engine.emit(ev.RunStarted(T0, RUN_ID, mode, engine.scheduler.max_concurrency,
-                              [[a.name for a in level] for level in engine.waves], engine.endpoint_summaries(),
-                              f"/runs/{RUN_ID}"))
+    handle = run_handle(engine)
+    app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW, themes=load_themes(None))
+    engine.emit(engine.started_event(T0))
+    engine.emit(ev.WaveStarted(T0, 0, [a.name for a in engine.waves[0]]))
     for name in ("gpu-a", "gpu-b"):
         engine.emit(ev.ServerSample(T0 + 1, name, True, "vllm", running=1.0, waiting=0.0))
     for agent in engine.waves[0]:
-        engine.agents[agent.name].status = "streaming"
+        st = engine.agents[agent.name]
+        engine.emit(ev.AgentStarted(T0 + 1, st.name, 1, 1, st.turns, st.endpoint, 600.0, 600.0))
+        engine.emit(ev.FirstToken(T0 + 2, st.name, 1, 1, 1.0))
     return app
 
 
@@ -64,7 +66,7 @@ async def test_three_endpoints_at_80x24_keep_mode_cap_counters_and_the_run_clock
         assert "10.0.0.11" not in first  # the URLs and models gave way
         assert "1 agents" in third  # the header is two lines, the agents pane right below
 
-        app.engine.stop("operator")  # the run's state keeps its place too
+        engine_of(app).stop("operator")  # the run's state keeps its place too
         lines = await screen_lines(app, pilot)
         assert "run 0:12  STOPPING" in lines[0] and lines[1].startswith(" " + badge)
 

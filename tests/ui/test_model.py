@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
-from cerevisor_tui.config import validate
 from cerevisor_tui.engine import events as ev
-from cerevisor_tui.engine.engine import Attempt, Engine
 from cerevisor_tui.ui.format import CRITICAL, NORMAL, WARN, countdown, fmt_clock, fmt_count
+from cerevisor_tui.ui.mirror import AgentView, AttemptView
 from cerevisor_tui.ui.model import CONTENT, REASONING, USER, AgentStream, StreamCursor, UiModel
 
 
@@ -75,20 +72,18 @@ def test_throughput_counts_tokens_over_the_last_complete_window():
 
 
 def test_countdown_turns_amber_past_the_first_warning_and_red_past_the_last():
-    engine = Engine(validate({"endpoints": [{"name": "s", "kind": "simulated"}],
-                              "agents": [{"name": "a", "prompt": "p"}]}))
-    st = engine.agents["a"]
-    st.status = "streaming"
-    st.current = Attempt(1, 1, sent_at=0.0, base=100.0, deadline_at=110.0, phase="idle")
+    a = AgentView("a", "s", 0, 1, status="streaming", turn=1)
+    # streaming since 90, last token at 100: the 10 s idle deadline fires at 110
+    a.attempt = AttemptView(1, 1, sent_at=90.0, first_byte_s=60.0, idle_s=10.0, last_alive=100.0, first_token_at=95.0)
     warn_at = (0.5, 0.8, 0.95)
-    assert countdown(st, warn_at, 104.0).level == NORMAL
-    amber = countdown(st, warn_at, 105.5)
+    assert countdown(a, warn_at, 104.0).level == NORMAL
+    amber = countdown(a, warn_at, 105.5)
     assert amber.level == WARN and amber.label == "idle 0:05"
-    assert countdown(st, warn_at, 109.6).level == CRITICAL
-    st.status = "completed"
-    assert countdown(st, warn_at, 105.0) is None
-    st.status, st.current.deadline_at = "prefill", math.inf
-    assert countdown(st, warn_at, 105.0) is None
+    assert countdown(a, warn_at, 109.6).level == CRITICAL
+    a.status = "completed"
+    assert countdown(a, warn_at, 105.0) is None
+    a.status, a.attempt = "prefill", None
+    assert countdown(a, warn_at, 105.0) is None
 
 
 def test_formats():
@@ -99,15 +94,12 @@ def test_formats():
 def test_a_row_says_when_keep_alives_arrive_without_tokens():
     from cerevisor_tui.ui.widgets.agent_table import agent_row
 
-    engine = Engine(validate({"endpoints": [{"name": "s", "kind": "simulated"}],
-                              "agents": [{"name": "a", "prompt": "p"}]}))
-    st = engine.agents["a"]
-    st.status, st.turn = "stalling", 1
-    st.current = Attempt(1, 1, sent_at=0.0, last_alive=100.0, base=100.0, deadline_at=110.0, phase="idle")
-    row = agent_row(st, (0.5, 0.8), "no output for 50% of its deadline", 106.0, keepalive_at=105.5)
+    a = AgentView("a", "s", 0, 1, status="stalling", turn=1)
+    a.attempt = AttemptView(1, 1, sent_at=0.0, first_byte_s=60.0, idle_s=10.0, last_alive=100.0, first_token_at=1.0)
+    row = agent_row(a, (0.5, 0.8), "no output for 50% of its deadline", 106.0, keepalive_at=105.5)
     assert row.note == "no output for 50% of its deadline · keep-alives, no token for 0:06"
     assert row.level == WARN and row.stall == "idle 0:04" and row.status == "stalling"
-    assert agent_row(st, (0.5, 0.8), "", 106.0, keepalive_at=100.2).note == ""
+    assert agent_row(a, (0.5, 0.8), "", 106.0, keepalive_at=100.2).note == ""
 
 
 # ---- auto mode: cap history and trends --------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.widgets.run_header import RunHeader
-from tests.ui.conftest import EventLog, console, kind, sim_config
+from tests.ui.conftest import EventLog, console, engine_of, kind, sim_config
 
 SLOW = {"tokens_per_s": 8.0}  # a 400-token answer streams for ~50 s: long enough to act on
 
@@ -26,7 +26,7 @@ def row(app, agent: str) -> list[str]:
 
 async def select(pilot, agent: str) -> None:
     table = pilot.app.screen.table
-    table.move_cursor(list(pilot.app.engine.agents).index(agent))
+    table.move_cursor(list(engine_of(pilot.app).agents).index(agent))
     await pilot.pause()
     assert table.selected_agent == agent
 
@@ -40,15 +40,15 @@ def slow_agent(tmp_path, stream_process: bool = False):
 @pytest.mark.anyio
 async def test_m_cycles_the_engines_mode_and_the_header_badge(tmp_path):
     app = slow_agent(tmp_path)
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test() as pilot:
         await log.wait(kind("RunStarted"))
         assert "PARALLEL" in header_text(app)
         await pilot.press("m")
-        assert app.engine.scheduler.mode == "auto"
+        assert engine_of(app).scheduler.mode == "auto"
         assert "AUTO" in header_text(app) and "PARALLEL" not in header_text(app)
         await pilot.press("m")
-        assert app.engine.scheduler.mode == "sequential"
+        assert engine_of(app).scheduler.mode == "sequential"
         assert "SEQUENTIAL" in header_text(app)
         assert [e.mode for e in log.of("ModeChanged")] == ["auto", "sequential"]
 
@@ -56,14 +56,14 @@ async def test_m_cycles_the_engines_mode_and_the_header_badge(tmp_path):
 @pytest.mark.anyio
 async def test_plus_and_minus_move_the_engines_cap(tmp_path):
     app = slow_agent(tmp_path)
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test() as pilot:
         await log.wait(kind("RunStarted"))
         await pilot.press("plus")
-        assert app.engine.scheduler.max_concurrency == 3
+        assert engine_of(app).scheduler.max_concurrency == 3
         assert "cap 3" in header_text(app)
         await pilot.press("minus", "minus", "minus", "minus")
-        assert app.engine.scheduler.max_concurrency == 1  # never below one
+        assert engine_of(app).scheduler.max_concurrency == 1  # never below one
         assert [e.max_concurrency for e in log.of("ConcurrencyChanged")] == [3, 2, 1, 1, 1]
 
 
@@ -71,7 +71,7 @@ async def test_plus_and_minus_move_the_engines_cap(tmp_path):
 async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path, stream_process):
     agents = [{"name": "a", "prompt": "hi", "max_tokens": 400}, {"name": "b", "prompt": "hi", "max_tokens": 400}]
     app = console(sim_config(tmp_path, agents=agents, sim=SLOW), stream_process=stream_process)
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test() as pilot:
         await log.wait(kind("FirstToken", "b"))
         await select(pilot, "b")
@@ -79,15 +79,15 @@ async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path
         assert isinstance(app.screen, ConfirmScreen)
         await pilot.press("n")  # declined: nothing happens
         assert isinstance(app.screen, MainScreen)
-        assert app.engine.agents["b"].status == "streaming"
+        assert engine_of(app).agents["b"].status == "streaming"
 
         await pilot.press("k")
         await pilot.press("y")
         killed = await log.wait(kind("AgentKilled", "b"))
         assert killed.deadline == "operator" and killed.reason == "killed by operator"
         await log.wait(kind("AgentFinished", "b"))
-        assert app.engine.agents["b"].status == "killed"
-        assert app.engine.agents["a"].status == "streaming"  # only the selected one
+        assert engine_of(app).agents["b"].status == "killed"
+        assert engine_of(app).agents["a"].status == "streaming"  # only the selected one
         app.screen.refresh_status()
         await pilot.pause()  # the notification is a message: let the app take it
         cells = row(app, "b")
@@ -96,7 +96,7 @@ async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path
 
         await pilot.press("r")  # and run it again: its wave is still going
         again = await log.wait(kind("AgentStarted", "b", turn=1, attempt=2))
-        assert again.attempt == 2 and app.engine.agents["b"].status in ("prefill", "streaming")
+        assert again.attempt == 2 and engine_of(app).agents["b"].status in ("prefill", "streaming")
 
 
 @pytest.mark.anyio
@@ -106,10 +106,10 @@ async def test_e_moves_the_stalled_agents_deadline_and_the_row_leaves_amber(tmp_
                         sim={"stall_after_tokens": 3}, stall={"idle_timeout_s": 8.0, "warn_at": [0.25, 0.9],
                                                               "extend_s": 30.0, "extend_when_server_busy": False})
     app = console(config)
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test() as pilot:
         warning = await log.wait(kind("StallWarning", "a"))
-        att = app.engine.agents["a"].current
+        att = engine_of(app).agents["a"].current
         assert att is not None and att.deadline_at == warning.deadline_at
         app.screen.refresh_status()
         assert app.screen.table.row("a").level == "warn"  # amber before the deadline
@@ -118,7 +118,7 @@ async def test_e_moves_the_stalled_agents_deadline_and_the_row_leaves_amber(tmp_
         extended = await log.wait(kind("StallExtended", "a"))
         assert extended.extend_s == 30.0 and extended.reason == "extended by operator"
         assert att.deadline_at == pytest.approx(before + 30.0)
-        assert app.engine.agents["a"].status == "streaming"
+        assert engine_of(app).agents["a"].status == "streaming"
         app.screen.refresh_status()
         assert app.screen.table.row("a").level == ""
 
@@ -127,28 +127,28 @@ async def test_e_moves_the_stalled_agents_deadline_and_the_row_leaves_amber(tmp_
 async def test_p_holds_admissions_until_pressed_again(tmp_path):
     agents = [{"name": "a", "prompt": "hi", "max_tokens": 30}, {"name": "b", "prompt": "hi", "max_tokens": 5}]
     app = console(sim_config(tmp_path, agents=agents, run={"mode": "sequential"}, sim={"tokens_per_s": 40.0}))
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test() as pilot:
         await log.wait(kind("FirstToken", "a"))
         await pilot.press("p")
-        assert app.engine.scheduler.paused
+        assert engine_of(app).scheduler.paused
         assert "PAUSED" in header_text(app)
         await log.wait(kind("AgentFinished", "a"))
         await asyncio.sleep(0.3)  # time in which b would have started
-        assert app.engine.agents["b"].status == "queued"
+        assert engine_of(app).agents["b"].status == "queued"
         assert not log.of("AgentStarted", "b")
         await pilot.press("p")
-        assert not app.engine.scheduler.paused
+        assert not engine_of(app).scheduler.paused
         await log.wait(kind("AgentStarted", "b"))
 
 
 @pytest.mark.anyio
 async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_with_the_runs_code(tmp_path, stream_process):
     app = slow_agent(tmp_path, stream_process)
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test() as pilot:
         await log.wait(kind("FirstToken", "a"))
-        worker = app.engine.stream_worker
+        worker = engine_of(app).stream_worker
         assert (worker is not None) == stream_process
         pid = worker.pid if worker is not None else None
         await pilot.press("q")
@@ -159,7 +159,7 @@ async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_with_the_
         finished = await log.wait(kind("RunFinished"))
         await pilot.pause()
     assert finished.exit_code == 1
-    assert app.engine.agents["a"].status == "cancelled"
+    assert engine_of(app).agents["a"].status == "cancelled"
     assert app.return_code == 1  # the run's code: its agent did not complete (cancelled by the quit)
     if pid is not None:  # the stream worker ended with the run, and was reaped: not left behind
         assert worker.pid is None and not Path(f"/proc/{pid}").exists()

@@ -19,7 +19,7 @@ from cerevisor_tui.engine.report import Report
 from cerevisor_tui.sim import SimServer
 from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 from cerevisor_tui.ui.theme_files import load_themes
-from tests.ui.conftest import FAST_SIM, EventLog, kind
+from tests.ui.conftest import FAST_SIM, EventLog, engine_of, kind
 
 OLD_RUN = "20250101-000000-0ld1"
 
@@ -115,8 +115,8 @@ async def test_console_offers_the_incomplete_last_run_and_resuming_sends_only_th
                 await pilot.press("y")
                 assert not fresh_log.of("AgentStarted", "b")  # b was held: all the fresh run sent is a
 
-                await until(lambda: app.engine is not fresh)
-                resumed = app.engine
+                await until(lambda: engine_of(app) is not fresh)
+                resumed = engine_of(app)
                 assert resumed.run_id == OLD_RUN and resumed.run_dir == str(old_dir)
                 await until(lambda: app.model.finished is not None)
                 assert app.model.finished.exit_code == 0

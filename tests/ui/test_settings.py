@@ -11,7 +11,7 @@ from cerevisor_tui.config import load_config
 from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.screens.settings import SettingsScreen
-from tests.ui.conftest import EventLog, console, kind
+from tests.ui.conftest import EventLog, console, engine_of, kind
 
 SECRET = "sk-test-5f3a9c1e-do-not-write"
 
@@ -76,7 +76,7 @@ async def test_settings_refuse_bad_values_inline_then_save_round_trips(tmp_path,
     original = path.read_text()
     setup = resolve_config(str(path))
     app = console(setup.config, config_path=setup.config_path, save_path=setup.save_path)
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test(size=(100, 40)) as pilot:
         await log.wait(kind("RunFinished"))  # a quiet app: typing is not slowed by a busy stream
         await pilot.press("s")
@@ -108,8 +108,8 @@ async def test_settings_refuse_bad_values_inline_then_save_round_trips(tmp_path,
         assert isinstance(app.screen, MainScreen)
 
         # mode, cap and the stall deadlines apply to the running engine at once
-        assert app.engine.scheduler.max_concurrency == 7
-        policy = app.engine.policies[app.engine.config.endpoints[0].name]
+        assert engine_of(app).scheduler.max_concurrency == 7
+        policy = engine_of(app).policies[engine_of(app).config.endpoints[0].name]
         assert policy.idle_timeout_s == 42.0 and policy.warn_at == (0.6, 0.9)
 
     text = path.read_text()

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.ui.conftest import EventLog, console, kind, sim_config
+from tests.ui.conftest import EventLog, console, engine_of, kind, sim_config
 
 SLOW = {"tokens_per_s": 5.0}
 
@@ -20,7 +20,7 @@ def slow_app(tmp_path):
 @pytest.mark.anyio
 async def test_a_failed_terminal_write_from_another_thread_stops_the_run_and_exits_129(tmp_path):
     app = slow_app(tmp_path)
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test():
         await log.wait(kind("FirstToken", "a"))
         thread = threading.Thread(target=app.terminal_lost, args=("cannot write to it: Input/output error",))
@@ -35,7 +35,7 @@ async def test_a_failed_terminal_write_from_another_thread_stops_the_run_and_exi
 async def test_a_signal_before_the_app_is_mounted_still_ends_it_with_the_signals_code(tmp_path):
     app = slow_app(tmp_path)
     app.stop_from_thread(143, "console stopped by SIGTERM")  # the watch heard it while Textual was starting
-    log = EventLog(app.engine)
+    log = EventLog(engine_of(app))
     async with app.run_test():
         await app.workers.wait_for_complete()
     assert app.return_code == 143

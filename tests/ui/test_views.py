@@ -13,7 +13,7 @@ from cerevisor_tui.ui.keys import MAIN_BINDINGS, PALETTE_NAMES
 from cerevisor_tui.ui.screens.help import HelpScreen
 from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.widgets.stream_view import StreamView
-from tests.ui.conftest import console, sim_config
+from tests.ui.conftest import console, engine_of, sim_config
 from tests.ui.scenes import NOW, build
 
 
@@ -57,7 +57,7 @@ async def test_stream_follows_only_while_the_reader_is_at_the_bottom():
 
         def more(n: int) -> None:
             for i in range(n):
-                app.engine.emit(ev.TokenDelta(NOW, "researcher", 2, f"word{i} " * 8))
+                engine_of(app).emit(ev.TokenDelta(NOW, "researcher", 2, f"word{i} " * 8))
 
         more(5)
         screen.flush_streams()
@@ -90,7 +90,7 @@ async def test_tokens_are_buffered_not_written_per_token(monkeypatch):
         await pilot.pause()
         writes.clear()
         for i in range(5000):
-            app.engine.emit(ev.TokenDelta(NOW, "researcher", 2, f"t{i} "))
+            engine_of(app).emit(ev.TokenDelta(NOW, "researcher", 2, f"t{i} "))
         assert writes == []  # the subscriber touched no widget
         app.screen.flush_streams()
         assert writes == [1]  # one run of content text, in one write
@@ -120,9 +120,9 @@ async def test_ui_keys_remap_a_binding_by_its_id(tmp_path):
     app = console(config, start_engine=False)
     async with app.run_test() as pilot:
         await pilot.press("m")
-        assert app.engine.scheduler.mode == "parallel"  # m no longer cycles
+        assert engine_of(app).scheduler.mode == "parallel"  # m no longer cycles
         await pilot.press("M")
-        assert app.engine.scheduler.mode == "auto"
+        assert engine_of(app).scheduler.mode == "auto"
 
 
 @pytest.mark.anyio
@@ -137,7 +137,7 @@ async def test_command_palette_offers_every_action_by_name_and_runs_it(tmp_path)
         await pilot.press("enter")
         await pilot.pause()
         assert isinstance(app.screen, MainScreen)
-        assert app.engine.scheduler.max_concurrency == 3
+        assert engine_of(app).scheduler.max_concurrency == 3
 
 
 @pytest.mark.anyio

@@ -1,7 +1,7 @@
 """The cap history (`a`): every cap change of the run that says why, newest first, with its run time,
 endpoint and reason: auto mode's controllers at work, and the operator's moves of auto's ceiling.
 
-It reads the UI model's mirror of ConcurrencyChanged events, never the engine, and redraws while open
+It reads the run's mirror of ConcurrencyChanged events, and redraws while open
 when a change arrives.
 """
 
@@ -73,7 +73,7 @@ class CapHistoryScreen(ModalScreen[None]):
 
     def redraw(self) -> None:
         """Draw the list again if a change arrived since it was last drawn."""
-        model = self.app.model
+        model = self.app.mirror
         if model.cap_changes_total == self._shown:
             return
         self._shown = model.cap_changes_total

@@ -101,7 +101,7 @@ class HelpScreen(Screen):
         files.append("\nsaves to ", style="bold")
         files.append(str(app.save_path) if app.save_path else "-")
         files.append("\nrun dir  ", style="bold")
-        files.append(app.model.run_dir or app.engine.run_dir or "-")
+        files.append(app.mirror.run_dir or "-")
         files.append("  (events.jsonl, transcripts/, report.json)", style=v.get("text-muted", ""))
 
         page = Table.grid(padding=(0, 0))

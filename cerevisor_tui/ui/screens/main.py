@@ -1,7 +1,7 @@
-"""The main screen: header, agents, stream, load, footer; the operator's keys act on the engine here.
+"""The main screen: header, agents, stream, load, footer; the operator's keys send the run its commands here.
 
-Two timers redraw it: the stream flush at `[ui].refresh_hz` (visible pane only) and the status
-refresh (header, agents rows, load) at most 10 times a second. Events never touch a widget.
+Two timers redraw it from the run's mirror: the stream flush at `[ui].refresh_hz` (visible pane only) and
+the status refresh (header, agents rows, load) at most 10 times a second. Events never touch a widget.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from textual.containers import Container, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from cerevisor_tui.engine.engine import FINAL
 from cerevisor_tui.ui.commands import ConsoleCommands
 from cerevisor_tui.ui.format import STATUS_LABELS
 from cerevisor_tui.ui.keys import MAIN_BINDINGS
+from cerevisor_tui.ui.mirror import FINAL, AgentView
 from cerevisor_tui.ui.widgets.agent_table import AgentTable
 from cerevisor_tui.ui.widgets.load_pane import LoadPane
 from cerevisor_tui.ui.widgets.run_header import RunHeader
@@ -42,9 +42,8 @@ class MainScreen(Screen):
 
     def __init__(self) -> None:
         super().__init__()
-        self._cap_warning: str | None = None  # the cap warning last notified
+        self._cap_warning = ""  # the cap warning last notified
         self._cap_warned_at = 0  # the effective cap it was notified at
-        self._stream_problem_shown: object = None  # the engine whose stream worker failure was notified
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -72,17 +71,17 @@ class MainScreen(Screen):
         app = self.app
         self.query_one("#agents-pane").border_title = "1 agents"
         self.query_one("#load-pane").border_title = "3 load"
-        self.table.build(app.engine)
+        self.table.build(app.mirror)
         self._update_agents_subtitle()
         hz = app.config.ui.refresh_hz
         self.set_interval(1 / hz, self.flush_streams, name="stream-flush")
         self.set_interval(1 / min(hz, STATUS_HZ_MAX), self.refresh_status, name="status-refresh")
-        self.stream_pane.show(self.selected, app.model)
+        self.stream_pane.show(self.selected, app.mirror)
         self.refresh_status()
         self.table.focus()
 
     def on_agent_table_highlighted(self, event: AgentTable.Highlighted) -> None:
-        self.stream_pane.show(event.agent, self.app.model)
+        self.stream_pane.show(event.agent, self.app.mirror)
         self._update_stream_title()
         self._update_agents_subtitle()
 
@@ -99,53 +98,54 @@ class MainScreen(Screen):
         """Move new tokens of the visible stream into its view (the only per-token path to the screen)."""
         pane = self.stream_pane
         if pane.display and (self.maximized is None or self.maximized is pane):
-            pane.flush(self.app.model)
+            pane.flush(self.app.mirror)
             self._update_stream_title()
 
     def refresh_status(self) -> None:
-        """Header, agents rows, load pane and notices, from the engine's state and the model."""
+        """Header, agents rows, load pane and notices, from the run's mirror."""
         app = self.app
+        mirror = app.mirror
+        if self.table.built_from != mirror.plan_version:
+            self._show_plan()  # the run announced its agents (RunStarted) since the table was built
         now = app.clock()
-        app.model.sample(now)
-        self.query_one(RunHeader).sync(app.engine, app.model, now, simulated=app.simulated, error=app.engine_error)
-        self.table.sync(app.engine, app.model, now)
+        mirror.sample(now)
+        self.query_one(RunHeader).sync(mirror, now, simulated=app.simulated, error=app.engine_error)
+        self.table.sync(mirror, now)
         load = self.query_one(LoadPane)
         if self.maximized is None or self.maximized is load:
-            selected = self.selected
-            load.sync(app.engine, app.model, now,
-                      endpoint=app.engine.agents[selected].endpoint if selected is not None else None)
+            load.sync(mirror, now, endpoint=mirror.endpoint_of(self.selected))
         self._update_stream_title()
-        for notice in app.model.take_notices():
+        for notice in mirror.take_notices():
             app.notify(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
                        timeout=8 if notice.severity == "error" else 4)
         self._notify_cap_warning()
-        if app.engine.stream_process_problem and self._stream_problem_shown is not app.engine:
-            self._stream_problem_shown = app.engine
-            app.notify(f"{app.engine.stream_process_problem}. Reading the streams in this process instead.",
-                       title="Stream worker", severity="warning", timeout=10)
 
     def _notify_cap_warning(self) -> None:
         """Once per change of the warning (a higher cap, parallel again, the server's own capacity arriving);
         lowering the cap while still past the fit adds no new notice. The header and load pane keep a marker."""
-        engine = self.app.engine
-        warning = engine.cap_warning()
-        cap = engine.scheduler.effective_cap
+        mirror = self.app.mirror
+        warning = mirror.cap_warning()
+        cap = mirror.effective_cap
         if warning == self._cap_warning:
             return
         if warning and not (self._cap_warning and cap < self._cap_warned_at):
             self.app.notify(warning, title="Cap past the KV fit", severity="warning", timeout=8)
         self._cap_warning, self._cap_warned_at = warning, cap
 
-    def show_engine(self) -> None:
-        """Draw the app's engine and model afresh (the console switched to a resumed run)."""
-        app = self.app
-        self.table.refresh_colours()
-        self.table.build(app.engine)
+    def _show_plan(self) -> None:
+        """Build the agents pane from the mirror's agents, the cursor on the first, and show its stream."""
+        mirror = self.app.mirror
+        self.table.build(mirror)
         self._update_agents_subtitle()
-        self.stream_pane.reset(self.selected, app.model)
+        self.stream_pane.reset(self.selected, mirror)
+
+    def show_run(self) -> None:
+        """Draw the app's run afresh (the console switched to a resumed run, with a new mirror)."""
+        self.table.refresh_colours()
+        self._show_plan()
         self.query_one(RunHeader).invalidate()
         self.query_one(LoadPane).invalidate()
-        self._cap_warning, self._cap_warned_at = None, 0
+        self._cap_warning, self._cap_warned_at = "", 0
         self.refresh_status()
 
     def _update_stream_title(self) -> None:
@@ -154,9 +154,9 @@ class MainScreen(Screen):
         if name is None:
             title, subtitle = "2 stream", ""
         else:
-            st = self.app.engine.agents[name]
+            st = self.app.mirror.agents.get(name)
             title = f"2 stream · {name}"
-            subtitle = f"{STATUS_LABELS.get(st.status, st.status)} · turn {st.turn or '-'}/{st.turns}"
+            subtitle = f"{STATUS_LABELS.get(st.status, st.status)} · turn {st.turn or '-'}/{st.turns}" if st else ""
             if not pane.following:
                 subtitle += " · scrolled up (End follows)"
         if (title, subtitle) != (pane.border_title, pane.border_subtitle):
@@ -173,7 +173,8 @@ class MainScreen(Screen):
     # ---- actions ----------------------------------------------------------------------------------
     def action_toggle_mode(self) -> None:
         """The switch is immediate, never held by a dialog; the first landing on parallel/auto then offers a probe."""
-        mode = self.app.engine.cycle_mode()
+        app = self.app
+        mode = app.control.cycle_mode() or app.mirror.mode
         self.refresh_status()
         if mode == "sequential":
             self.notify("Sequential: one agent at a time; running agents finish first.", timeout=3)
@@ -183,14 +184,15 @@ class MainScreen(Screen):
     def _offer_probe(self) -> None:
         """Once per run: an endpoint not probed yet (and not hosted), with agents still to start."""
         app = self.app
-        engine = app.engine
+        mirror = app.mirror
         if app.probe_offered or not app.run_open:
             return
-        if not any(st.status in ("pending", "queued") for st in engine.agents.values()):
+        if not any(a.status in ("pending", "queued") for a in mirror.agents.values()):
             return  # nothing left to start: a cap would change nothing
-        used = {st.endpoint for st in engine.agents.values()}
-        candidates = [name for name, ep in engine.endpoints.items()
-                      if name in used and ep.kind != "hosted" and name not in app.probed]
+        used = {a.endpoint for a in mirror.agents.values()}
+        probed = {name for name, probe in mirror.probes.items() if probe.state == "done"}
+        candidates = [name for name, ep in mirror.endpoints.items()
+                      if name in used and ep.kind != "hosted" and name not in probed]
         if not candidates:
             return
         from cerevisor_tui.ui.screens.probe import ProbeScreen
@@ -201,9 +203,9 @@ class MainScreen(Screen):
     def action_probe(self, endpoint: str = "") -> None:
         """Sweep an endpoint now and offer its recommended cap (the palette's "Probe endpoint")."""
         app = self.app
-        engine = app.engine
-        name = endpoint or next(iter(engine.endpoints))
-        if name not in engine.endpoints:
+        endpoints = app.mirror.endpoints
+        name = endpoint or next(iter(endpoints), "")
+        if name not in endpoints:
             self.notify(f"No endpoint named {name}.", severity="warning")
             return
         if not app.run_open:
@@ -216,37 +218,36 @@ class MainScreen(Screen):
 
     def action_cap(self, delta: int) -> None:
         """The parallel cap, or in auto mode the ceiling its controllers stay under (the engine decides which)."""
-        engine = self.app.engine
-        engine.nudge_cap(delta)
+        app = self.app
+        app.control.nudge_cap(delta)
         self.refresh_status()
-        if engine.scheduler.mode == "sequential":
-            self.notify(f"Cap {engine.scheduler.max_concurrency}: it applies in parallel mode (m to switch).",
-                        timeout=3)
-        elif engine.scheduler.mode == "auto":
-            self.notify(f"Auto ceiling {engine.auto_ceiling}: no endpoint's cap goes above it.", timeout=3)
+        mirror = app.mirror
+        if mirror.mode == "sequential":
+            self.notify(f"Cap {mirror.run_cap}: it applies in parallel mode (m to switch).", timeout=3)
+        elif mirror.mode == "auto":
+            self.notify(f"Auto ceiling {mirror.auto_ceiling}: no endpoint's cap goes above it.", timeout=3)
 
     def action_cap_history(self) -> None:
         from cerevisor_tui.ui.screens.caps import CapHistoryScreen
 
         self.app.push_screen(CapHistoryScreen())
 
-
     def action_pause(self) -> None:
-        engine = self.app.engine
-        if engine.scheduler.paused:
-            engine.resume()
+        app = self.app
+        if app.mirror.paused:
+            app.control.resume()
             self.notify("Admissions resumed.", timeout=3)
         else:
-            engine.pause()
+            app.control.pause()
             self.notify("Paused: queued agents wait; running agents go on.", timeout=3)
         self.refresh_status()
 
-    def _selected_state(self, verb: str):
+    def _selected_state(self, verb: str) -> AgentView | None:
         name = self.selected
-        if name is None:
+        agent = self.app.mirror.agents.get(name) if name is not None else None
+        if agent is None:
             self.notify(f"No agent selected to {verb}.", severity="warning")
-            return None
-        return self.app.engine.agents[name]
+        return agent
 
     def action_kill(self) -> None:
         st = self._selected_state("kill")
@@ -259,7 +260,7 @@ class MainScreen(Screen):
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
         def answer(yes: bool | None) -> None:
-            if yes and not self.app.engine.kill(st.name):
+            if yes and self.app.control.kill(st.name) is False:
                 self.notify(f"{st.name} has already ended.", severity="warning")
 
         self.app.push_screen(ConfirmScreen(
@@ -270,8 +271,7 @@ class MainScreen(Screen):
         st = self._selected_state("extend")
         if st is None:
             return
-        engine = self.app.engine
-        if not engine.extend(st.name):
+        if self.app.control.extend(st.name) is False:
             self.notify(f"{st.name} has no running attempt to extend.", severity="warning")
             return
         self.refresh_status()
@@ -280,8 +280,9 @@ class MainScreen(Screen):
         st = self._selected_state("retry")
         if st is None:
             return
-        outcome = self.app.engine.retry(st.name)
-        self.notify(f"{st.name}: {outcome}", timeout=4)
+        outcome = self.app.control.retry(st.name)
+        if outcome:
+            self.notify(f"{st.name}: {outcome}", timeout=4)
 
     def action_settings(self) -> None:
         from cerevisor_tui.ui.screens.settings import SettingsScreen

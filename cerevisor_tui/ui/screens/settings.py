@@ -23,7 +23,14 @@ from textual.widgets import Footer, Input, Select, Static
 
 from cerevisor_tui.config.errors import ConfigError
 from cerevisor_tui.config.load import validate
-from cerevisor_tui.config.models import AutoConfig, Config, EndpointConfig, RunConfig, StallConfig
+from cerevisor_tui.config.models import (
+    AutoConfig,
+    Config,
+    EndpointConfig,
+    RunConfig,
+    StallConfig,
+    resolve_stall,
+)
 from cerevisor_tui.config.save import ENDPOINT_KEYS, CommentsWouldBeLost, SaveError, save_settings
 
 if TYPE_CHECKING:
@@ -89,6 +96,14 @@ def shown(value: Any) -> str:
     if isinstance(value, list | tuple):
         return ", ".join(shown(v) for v in value)
     return str(value)
+
+
+def _same_policy(running: dict[str, Any], policy: dict[str, Any]) -> bool:
+    """A stall policy as the run told it (JSON: lists for tuples) against one resolved here."""
+    def norm(value: Any) -> Any:
+        return list(value) if isinstance(value, tuple | list) else value
+
+    return bool(running) and all(norm(running.get(k)) == norm(v) for k, v in policy.items())
 
 
 def _message(err: dict[str, Any]) -> str:
@@ -194,11 +209,11 @@ class SettingsScreen(Screen):
 
     def _value(self, config: Config, spec: FieldSpec) -> Any:
         """What the form starts from: the config, except mode and cap, which show what runs now."""
-        scheduler = self.app.engine.scheduler
-        if (spec.section, spec.key) == ("run", "mode"):
-            return scheduler.mode
-        if (spec.section, spec.key) == ("run", "max_concurrency"):
-            return scheduler.max_concurrency
+        mirror = self.app.mirror
+        if (spec.section, spec.key) == ("run", "mode") and mirror.mode:
+            return mirror.mode
+        if (spec.section, spec.key) == ("run", "max_concurrency") and mirror.run_cap:
+            return mirror.run_cap
         if spec.section == "run":
             return getattr(config.run, spec.key)
         if spec.section == "auto":
@@ -337,15 +352,23 @@ class SettingsScreen(Screen):
         app.pop_screen()
 
     def _apply_live(self, new: Config) -> list[str]:
-        engine = self.app.engine
+        """Send the run what applies at once: mode, cap, and each endpoint's stall policy that changed."""
+        control, mirror = self.app.control, self.app.mirror
         applied = []
-        if new.run.mode != engine.scheduler.mode:
-            engine.set_mode(new.run.mode)
+        if new.run.mode != mirror.mode:
+            control.set_mode(new.run.mode)
             applied.append(f"mode {new.run.mode}")
-        if new.run.max_concurrency != engine.scheduler.max_concurrency:
-            engine.set_concurrency(new.run.max_concurrency)
+        if new.run.max_concurrency != mirror.run_cap:
+            control.set_concurrency(new.run.max_concurrency)
             applied.append(f"cap {new.run.max_concurrency}")
-        changed = engine.set_stall(new)
+        changed = []
+        for ep in new.endpoints:
+            running = mirror.endpoints.get(ep.name)
+            policy = resolve_stall(new.stall, ep).model_dump(mode="json")
+            if running is None or _same_policy(running.stall, policy):
+                continue  # an endpoint the run does not have (added here: the next run has it), or unchanged
+            if control.set_stall(ep.name, policy) is not False:
+                changed.append(ep.name)
         if changed:
             applied.append(f"stall deadlines ({', '.join(changed)})")
         return applied

@@ -21,9 +21,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from cerevisor_tui.engine.engine import AgentState, Engine
 from cerevisor_tui.ui.format import (
-    ACTIVE,
     CRITICAL,
     NORMAL,
     STATUS_LABELS,
@@ -35,7 +33,7 @@ from cerevisor_tui.ui.format import (
     fmt_seconds,
     live_rate,
 )
-from cerevisor_tui.ui.model import UiModel
+from cerevisor_tui.ui.mirror import ACTIVE, AgentView, RunMirror
 
 COLUMNS: tuple[tuple[str, str, int | None], ...] = (
     ("agent", "agent", None),
@@ -79,7 +77,7 @@ class AgentRow:
         return [getattr(self, key) for key, _, _ in COLUMNS]
 
 
-def agent_row(st: AgentState, warn_at: tuple[float, ...], note: str, now: float,
+def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
               keepalive_at: float | None = None) -> AgentRow:
     """`keepalive_at`: when the agent's stream last carried a keep-alive (bytes without a token)."""
     clock = countdown(st, warn_at, now)
@@ -96,9 +94,9 @@ def agent_row(st: AgentState, warn_at: tuple[float, ...], note: str, now: float,
         role = "stall-warn"
     if status in ("failed", "killed", "skipped", "cancelled") and st.error:
         note = st.error
-    elif st.current is not None and keepalive_at is not None and keepalive_at > st.current.last_alive + 1.0:
+    elif st.attempt is not None and keepalive_at is not None and keepalive_at > st.attempt.last_alive + 1.0:
         # alive but silent: the server (or a proxy) keeps the stream open while no token comes
-        quiet = f"keep-alives, no token for {fmt_clock(now - st.current.last_alive)}"
+        quiet = f"keep-alives, no token for {fmt_clock(now - st.attempt.last_alive)}"
         note = f"{note} · {quiet}" if note else quiet
     turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
@@ -187,6 +185,7 @@ class AgentTable(ScrollView, can_focus=True):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.names: list[str] = []
+        self.built_from = -1  # the mirror's plan_version the rows were built from
         self.cursor_row = 0
         self._index: dict[str, int] = {}
         self._rows: dict[str, AgentRow] = {}
@@ -196,9 +195,10 @@ class AgentTable(ScrollView, can_focus=True):
         self._styles: dict[str, Style] = {}
 
     # ---- content ----------------------------------------------------------------------------------
-    def build(self, engine: Engine) -> None:
+    def build(self, mirror: RunMirror) -> None:
         """One row per agent, in wave order, the cursor on the first."""
-        self.names = list(engine.agents)
+        self.built_from = mirror.plan_version
+        self.names = list(mirror.agents)
         self._index = {name: i for i, name in enumerate(self.names)}
         self._rows = {}
         self._strips = {}
@@ -213,16 +213,18 @@ class AgentTable(ScrollView, can_focus=True):
         self._styles = {}
         self._redraw()
 
-    def sync(self, engine: Engine, model: UiModel, now: float) -> int:
+    def sync(self, mirror: RunMirror, now: float) -> int:
         """Bring every row up to date; returns how many rows changed."""
         changed = 0
         top = self.scroll_offset.y
         visible = range(top, top + max(0, self.size.height - 1))
-        for name, st in engine.agents.items():
-            note = model.notes.get(name, "")
-            if not note and name in engine.completed_before and st.status == "completed":
+        endpoints = mirror.endpoints
+        for name, st in mirror.agents.items():
+            note = mirror.notes.get(name, "")
+            if not note and st.reused and st.status == "completed":
                 note = "answer reused from the earlier run"  # never sent again: its figures are in the report
-            row = agent_row(st, engine.policies[st.endpoint].warn_at, note, now, model.keepalive_at.get(name))
+            ep = endpoints.get(st.endpoint)
+            row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name))
             if self._rows.get(name) == row:
                 continue
             self._rows[name] = row

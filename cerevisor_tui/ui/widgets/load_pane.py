@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Container, Vertical
 from textual.widgets import Static
 
-from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.engine.load import LoadEstimate
 from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate
-from cerevisor_tui.ui.model import ServerView, UiModel
+from cerevisor_tui.ui.mirror import RunMirror
+from cerevisor_tui.ui.model import UiModel
 from cerevisor_tui.ui.widgets.throughput_bars import ThroughputBars
 from cerevisor_tui.ui.widgets.trend_chart import TrendChart, TrendRow
 
@@ -24,41 +24,30 @@ ZONE_ROLES = {"fits": "success", "cliff": "warning", "overflow": "error"}
 
 @dataclass(frozen=True)
 class KvRow:
-    """One endpoint's KV estimate line, as shown; compared to skip a redraw when nothing changed."""
+    """One endpoint's KV estimate line, as shown; compared to skip a redraw when nothing changed. The zone,
+    the fit and whether the cap is past it are the engine's judgement (engine/load.py), from its LoadChanged."""
 
     endpoint: str
-    estimate: LoadEstimate | None
-    note: str  # why there is no estimate
     conversations: int  # in flight on the endpoint now
     cap: int  # how many the cap lets run on it now
+    zone: str
+    estimate: dict[str, Any] | None
+    note: str  # why there is no estimate
+    cap_past_fit: bool
     server_kv_tokens: int | None
 
-    @property
-    def zone(self) -> str:
-        return self.estimate.zone(self.conversations) if self.estimate else ""
 
-    @property
-    def cap_past_fit(self) -> bool:
-        return self.estimate is not None and self.cap > self.estimate.conversations_fit
-
-
-def conversations_in_flight(engine: Engine, endpoint: str, server: ServerView | None) -> int:
-    """Our conversations holding a slot on the endpoint, or what the server itself carries (running plus
-    waiting) when it reports more: another client may share the box, and its conversations take KV too."""
-    ours = engine.scheduler.running_by_endpoint.get(endpoint, 0)
-    if server is None or server.running is None:
-        return ours
-    return max(ours, int(server.running + (server.waiting or 0)))
-
-
-def kv_rows(engine: Engine, model: UiModel) -> tuple[KvRow, ...]:
-    sched = engine.scheduler
+def kv_rows(mirror: RunMirror) -> tuple[KvRow, ...]:
     rows = []
-    for name in engine.endpoints:
-        sv = model.servers.get(name)
+    for name, ep in mirror.endpoints.items():
+        sv = mirror.servers.get(name)
         kv_tokens = int(sv.kv_cache_tokens) if sv and sv.kv_cache_tokens else None
-        rows.append(KvRow(name, engine.load.get(name), engine.load_notes.get(name, ""),
-                          conversations_in_flight(engine, name, sv), sched.endpoint_cap(name), kv_tokens))
+        load = ep.load
+        if load is None:
+            rows.append(KvRow(name, 0, 0, "", None, "", False, kv_tokens))
+        else:
+            rows.append(KvRow(name, load.conversations, load.cap, load.zone, load.estimate, load.note,
+                              bool(load.warning), kv_tokens))
     return tuple(rows)
 
 
@@ -129,10 +118,11 @@ class LoadPane(Vertical):
         """Fill the KV estimate slot by hand (`sync` fills it from the engine)."""
         self.query_one("#kv-estimate", Static).update(text)
 
-    def sync(self, engine: Engine, model: UiModel, now: float, *, endpoint: str | None = None) -> None:
+    def sync(self, mirror: RunMirror, now: float, *, endpoint: str | None = None) -> None:
         """`endpoint`: whose trend to draw (the selected agent's); None: the first endpoint's."""
+        model = mirror
         rows = []
-        for name in engine.endpoints:
+        for name in mirror.endpoints:
             sv = model.servers.get(name)
             slots = f"{sv.slots_busy}/{sv.slots_total}" if sv and sv.slots_total else ""
             rows.append((name, *((sv.running, sv.waiting, sv.kv_cache_usage, sv.prefix_hit_rate, slots, sv.detail)
@@ -175,7 +165,7 @@ class LoadPane(Vertical):
             self._label_shown = label.ljust(len(self._label_shown))
             self.query_one("#throughput-label", Static).update(self._label_shown, layout=grows)
         self._sync_trend(model, endpoint if endpoint in model.tracks else next(iter(model.tracks), None))
-        kv = kv_rows(engine, model)
+        kv = kv_rows(mirror)
         if kv != self._kv_shown:
             self._kv_shown = kv
             self.set_kv_estimate(self._kv_text(kv))
@@ -209,14 +199,15 @@ class LoadPane(Vertical):
                 elif row.note:
                     text.append(f"  {row.note}", style=muted)
                 continue
-            text.append(f"{row.zone.upper()} ", style=f"bold {colour(ZONE_ROLES[row.zone])}")
-            text.append(f"{row.conversations} of {est.conversations_fit} conversations fit ({est.source})")
+            text.append(f"{row.zone.upper()} ", style=f"bold {colour(ZONE_ROLES.get(row.zone, 'warning'))}")
+            text.append(f"{row.conversations} of {est['conversations_fit']} conversations fit ({est['source']})")
             if row.cap_past_fit:
                 text.append(f"  cap {row.cap} > fit", style=f"bold {colour('warning')}")
-            more = f"  {fmt_count(est.kv_capacity_tokens)} KV tokens, {fmt_count(est.context_tokens)} per conversation"
-            if est.cpu_conversations:
-                more += f", CPU tier {est.cpu_conversations} more"
-            if est.source == "estimate" and est.detail:
-                more += f" · {est.detail}"
+            more = (f"  {fmt_count(est['kv_capacity_tokens'])} KV tokens, {fmt_count(est['context_tokens'])} "
+                    "per conversation")
+            if est.get("cpu_conversations"):
+                more += f", CPU tier {est['cpu_conversations']} more"
+            if est.get("source") == "estimate" and est.get("detail"):
+                more += f" · {est['detail']}"
             text.append(more, style=muted)
         return text

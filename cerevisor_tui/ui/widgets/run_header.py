@@ -14,20 +14,10 @@ from dataclasses import dataclass, replace
 from rich.text import Text
 from textual.widgets import Static
 
-from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.ui.format import ACTIVE, fmt_clock, fmt_rate
-from cerevisor_tui.ui.model import UiModel
+from cerevisor_tui.ui.format import fmt_clock, fmt_rate
+from cerevisor_tui.ui.mirror import ACTIVE, RunMirror
 
 MODE_ROLES = {"sequential": "secondary", "parallel": "primary", "auto": "accent"}
-
-
-def fit_below_cap(engine: Engine) -> int | None:
-    """The fewest conversations that fit on an endpoint whose share of the cap is past them (the cap
-    warning's marker), or None when the cap is within every estimate."""
-    sched = engine.scheduler
-    fits = [est.conversations_fit for name, est in engine.load.items()
-            if est is not None and sched.endpoint_cap(name) > est.conversations_fit]
-    return min(fits) if fits else None
 
 
 @dataclass(frozen=True)
@@ -50,6 +40,7 @@ class HeaderState:
     elapsed_s: int
     health: tuple[tuple[str, bool | None], ...]
     models: tuple[str, ...]
+    wheres: tuple[str, ...]  # each endpoint's URL, or its kind where that says more ("simulated")
     simulated: bool
     finished: bool
     stopping: str
@@ -84,7 +75,6 @@ class RunHeader(Static):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._shown: HeaderState | None = None
-        self._engine: Engine | None = None
 
     def invalidate(self) -> None:
         """Redraw at the next sync (the theme changed)."""
@@ -93,51 +83,53 @@ class RunHeader(Static):
     def on_resize(self) -> None:
         """What fits changed: redraw now rather than at the next status refresh."""
         shown = self._shown
-        if shown is not None and shown.width != self.content_size.width and self._engine is not None:
-            self._draw(self._engine, replace(shown, width=self.content_size.width))
+        if shown is not None and shown.width != self.content_size.width:
+            self._draw(replace(shown, width=self.content_size.width))
 
-    def sync(self, engine: Engine, model: UiModel, now: float, *, simulated: bool, error: str = "") -> bool:
+    def sync(self, mirror: RunMirror, now: float, *, simulated: bool, error: str = "") -> bool:
         """Redraw if anything shown changed; returns whether it did."""
-        sched = engine.scheduler
-        counts = Counter(st.status for st in engine.agents.values())
-        elapsed = (now - engine.started_at) if engine.started_at else 0.0
-        if model.finished is not None:
-            elapsed = model.finished.t - engine.started_at
-        auto = sched.mode == "auto"
-        last = model.last_cap_change if auto else None
+        counts = Counter(a.status for a in mirror.agents.values())
+        started = mirror.started_at
+        elapsed = (now - started) if started is not None else 0.0
+        if mirror.finished is not None and started is not None:
+            elapsed = mirror.finished.t - started
+        auto = mirror.mode == "auto"
+        last = mirror.last_cap_change if auto else None
+        endpoints = mirror.endpoints.values()
         state = HeaderState(
-            mode=sched.mode, cap=sched.max_concurrency, effective_cap=sched.effective_cap, paused=sched.paused,
-            fit=fit_below_cap(engine),
+            mode=mirror.mode, cap=mirror.run_cap, effective_cap=mirror.effective_cap, paused=mirror.paused,
+            fit=mirror.fit_below_cap(),
             running=sum(counts[s] for s in ACTIVE), queued=counts["queued"], done=counts["completed"],
-            failed=counts["failed"], killed=counts["killed"], tokens_per_s=round(model.tokens_per_s(now), 1),
-            wave=engine.wave, waves=len(engine.waves), elapsed_s=int(elapsed),
-            health=tuple((name, model.servers[name].healthy if name in model.servers else None)
-                         for name in engine.endpoints),
-            models=tuple(engine.models.get(n) or engine.endpoints[n].model for n in engine.endpoints),
-            simulated=simulated, finished=model.finished is not None, stopping=engine.stopping, error=error,
-            ceiling=engine.auto_ceiling if auto else None,
+            failed=counts["failed"], killed=counts["killed"], tokens_per_s=round(mirror.tokens_per_s(now), 1),
+            wave=mirror.wave, waves=len(mirror.waves), elapsed_s=int(elapsed),
+            health=tuple((ep.name, mirror.servers[ep.name].healthy if ep.name in mirror.servers else None)
+                         for ep in endpoints),
+            models=tuple(ep.model for ep in endpoints),
+            wheres=tuple(ep.kind if ep.kind == "simulated" else ep.base_url for ep in endpoints),
+            simulated=simulated, finished=mirror.finished is not None, stopping=mirror.stopping, error=error,
+            ceiling=mirror.auto_ceiling if auto else None,
             last_reason=reason_text(last.endpoint, last.reason) if last is not None else "",
             width=self.content_size.width,
         )
         if state == self._shown:
             return False
-        self._draw(engine, state)
+        self._draw(state)
         return True
 
-    def _draw(self, engine: Engine, state: HeaderState) -> None:
-        self._shown, self._engine = state, engine
+    def _draw(self, state: HeaderState) -> None:
+        self._shown = state
         # two lines, always: no layout pass needed
-        self.update(self._text(engine, state), layout=False)
+        self.update(self._text(state), layout=False)
 
     def _c(self, name: str) -> str:
         return self.app.colour(name)  # type: ignore[attr-defined]
 
-    def _endpoints(self, engine: Engine, s: HeaderState, detail: str) -> Text:
+    def _endpoints(self, s: HeaderState, detail: str) -> Text:
         """Each endpoint's health dot, with `detail` "full" its name, URL (or kind) and model, "names" its name."""
         text = Text()
         if detail == "dots":
             text.append(" ")
-        for (name, healthy), model_id in zip(s.health, s.models, strict=True):
+        for (name, healthy), model_id, where in zip(s.health, s.models, s.wheres, strict=True):
             dot, colour = ("●", "success") if healthy else ("●", "error") if healthy is False else ("○", "text-muted")
             if detail == "dots":
                 text.append(dot, style=self._c(colour))
@@ -146,14 +138,12 @@ class RunHeader(Static):
             text.append(dot, style=self._c(colour))
             text.append(f" {name}", style="bold")
             if detail == "full":
-                ep = engine.endpoints[name]
-                where = ep.kind if ep.kind == "simulated" else engine.base_urls.get(name, ep.base_url)
                 text.append(f" {where}" + (f" · {model_id}" if model_id else ""), style=self._c("text-muted"))
         if detail == "dots":
             text.append(f" {len(s.health)} endpoints", style=self._c("text-muted"))
         return text
 
-    def _text(self, engine: Engine, s: HeaderState) -> Text:
+    def _text(self, s: HeaderState) -> Text:
         bg = self._c("background") or "black"
         line1 = Text(no_wrap=True, overflow="ellipsis")
         line1.append("cerevisor", style=f"bold {self._c('primary')}")
@@ -171,7 +161,7 @@ class RunHeader(Static):
             tail.append("  STOPPING", style=f"bold {self._c('warning')}")
         room = s.width - line1.cell_len - tail.cell_len
         for detail in ("full", "names", "dots"):
-            endpoints = self._endpoints(engine, s, detail)
+            endpoints = self._endpoints(s, detail)
             if not s.width or endpoints.cell_len <= room:
                 break
         line1.append_text(endpoints)

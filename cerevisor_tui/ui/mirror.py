@@ -1,0 +1,371 @@
+"""The console's picture of a run, built only from the run's events: what every widget reads.
+
+A `RunMirror` is an event subscriber (`mirror(event)`), fed live in-process, over a run's control socket,
+or from a finished run's `events.jsonl` (`feed_records`). It keeps the run (mode, caps, waves, pause,
+stop), each agent (status, turn, its running attempt and the deadline that attempt is under, tokens,
+TTFT, what its rate is computed from) and each endpoint (what it is, its stall policy, its load as the
+engine judges it), plus the transcripts, throughput and trends of `UiModel`, which it extends.
+
+Times are the run host's `time.monotonic()`: a console is on the same host (a Unix socket), so a
+deadline is compared with the console's own clock as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cerevisor_tui.engine import events as ev
+from cerevisor_tui.ui.model import Notice, UiModel
+
+FINAL, ACTIVE = ev.FINAL, ev.ACTIVE
+
+
+@dataclass(eq=False, slots=True)
+class AttemptView:
+    """The running attempt of an agent, and its stall clock: the same rules as the engine's watchdog."""
+
+    number: int
+    turn: int
+    sent_at: float
+    first_byte_s: float  # the first-byte deadline's window
+    idle_s: float  # the idle deadline's window
+    last_alive: float  # the last sign of life (a token; with liveness "bytes" any byte that came as an event)
+    by_bytes: bool = False  # the endpoint's liveness is "bytes": keep-alives are life too
+    first_token_at: float | None = None
+    tokens: int = 0  # streamed in this attempt, as token deltas told it
+    extra_s: float = 0.0  # extensions of the window in force since `extra_base`
+    extra_base: float = math.nan  # the base the extensions were given at: life since starts a fresh window
+
+    @property
+    def phase(self) -> str:
+        """"first_byte" until the first sign of life, then "idle"."""
+        if self.first_token_at is None and not (self.by_bytes and self.last_alive > self.sent_at):
+            return "first_byte"
+        return "idle"
+
+    @property
+    def base(self) -> float:
+        """Where the deadline's window starts: the request's sending, or the last sign of life."""
+        return self.sent_at if self.phase == "first_byte" else self.last_alive
+
+    @property
+    def window_s(self) -> float:
+        return self.first_byte_s if self.phase == "first_byte" else self.idle_s
+
+    @property
+    def deadline_at(self) -> float:
+        """The absolute (monotonic) time the deadline in force fires, extensions included."""
+        base = self.base
+        return base + self.window_s + (self.extra_s if self.extra_base == base else 0.0)
+
+    def deadline_is(self, deadline_at: float) -> None:
+        """The engine said where the deadline is (a warning, an extension): take its word for this window."""
+        base = self.base
+        self.extra_s, self.extra_base = deadline_at - base - self.window_s, base
+
+
+@dataclass(eq=False, slots=True)
+class AgentView:
+    """One agent as the events told it."""
+
+    name: str
+    endpoint: str
+    wave: int
+    turns: int
+    status: str = "pending"
+    turn: int = 0
+    attempts: int = 0  # requests sent, over all turns
+    tokens: int = 0  # streamed, over all attempts
+    completion_tokens: int = 0  # of completed turns, as the server counted them
+    decode_s: float = 0.0  # from first token to end, over completed turns
+    ttft_s: float | None = None  # of its first answer
+    stall_warnings: int = 0
+    error: str = ""
+    reused: bool = False  # a resumed run took its answer from the earlier run: never sent again
+    started_at: float | None = None
+    finished_at: float | None = None
+    attempt: AttemptView | None = None  # the running attempt; None between attempts and at the end
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        return self.completion_tokens / self.decode_s if self.decode_s > 0 else None
+
+
+@dataclass(eq=False)
+class EndpointView:
+    """One endpoint of the run: what it is (RunStarted), its stall policy, and its load as the engine judges it."""
+
+    name: str
+    kind: str = ""
+    base_url: str = ""
+    model: str = ""
+    max_concurrency: int = 0
+    stall: dict[str, Any] = field(default_factory=dict)
+    load: ev.LoadChanged | None = None
+
+    @property
+    def warn_at(self) -> tuple[float, ...]:
+        return tuple(self.stall.get("warn_at") or ())
+
+    @property
+    def by_bytes(self) -> bool:
+        return self.stall.get("liveness") == "bytes"
+
+
+@dataclass(eq=False)
+class ProbeView:
+    """The last probe of one endpoint: running, done (with its result), failed or cancelled."""
+
+    endpoint: str
+    max_concurrency: int
+    agents: int = 0
+    state: str = "running"  # running | done | failed | cancelled
+    line: str = ""
+    levels: list[dict[str, Any]] = field(default_factory=list)
+    result: dict[str, Any] | None = None
+    error: str = ""
+
+
+@dataclass(eq=False)
+class RunMirror(UiModel):
+    """Everything the console shows of a run, from its events alone."""
+
+    agents: dict[str, AgentView] = field(default_factory=dict)
+    endpoints: dict[str, EndpointView] = field(default_factory=dict)
+    waves: list[list[str]] = field(default_factory=list)
+    wave: int = -1  # the current wave (-1: none started yet)
+    effective_cap: int = 0  # what may run at once now
+    paused: bool = False
+    stopping: str = ""  # why the run is stopping ("" while it is not)
+    probes: dict[str, ProbeView] = field(default_factory=dict)
+    plan_version: int = 0  # bumped when the run's agents are (re)announced: the agents pane is built again
+
+    def __call__(self, event: ev.Event) -> None:
+        kind = event.kind
+        if kind == "TokenDelta":
+            if event.tokens:  # type: ignore[attr-defined]
+                a = self.agents.get(event.agent)  # type: ignore[attr-defined]
+                if a is not None:
+                    a.tokens += event.tokens  # type: ignore[attr-defined]
+                    att = a.attempt
+                    if att is not None:
+                        att.tokens += event.tokens  # type: ignore[attr-defined]
+                        att.last_alive = event.t
+                    if a.status != "streaming":
+                        a.status = "streaming"
+            UiModel.__call__(self, event)
+            return
+        UiModel.__call__(self, event)
+        handler = getattr(self, "_see_" + kind, None)
+        if handler is not None:
+            handler(event)
+
+    def feed_records(self, records: Iterable[dict[str, Any]]) -> int:
+        """Feed events in their JSON form (events.jsonl lines, parsed); returns how many were not events."""
+        skipped = 0
+        for record in records:
+            event = ev.from_dict(record)
+            if event is None:
+                skipped += 1
+            else:
+                self(event)
+        return skipped
+
+    # ---- what widgets ask -----------------------------------------------------------------------------
+    @property
+    def stopping_or_finished(self) -> bool:
+        return bool(self.stopping) or self.finished is not None
+
+    def running_on(self, endpoint: str) -> int:
+        """Our agents holding a running slot on `endpoint`."""
+        return sum(1 for a in self.agents.values() if a.endpoint == endpoint and a.status in ACTIVE)
+
+    def cap_warning(self) -> str:
+        """The first endpoint's warning that the cap is past what fits in its KV memory ("" when none is)."""
+        return next((ep.load.warning for ep in self.endpoints.values() if ep.load and ep.load.warning), "")
+
+    def fit_below_cap(self) -> int | None:
+        """The fewest conversations that fit on an endpoint whose cap is past them (the header's marker)."""
+        fits = [int(ep.load.estimate["conversations_fit"]) for ep in self.endpoints.values()
+                if ep.load is not None and ep.load.warning and ep.load.estimate]
+        return min(fits) if fits else None
+
+    def endpoint_of(self, agent: str | None) -> str | None:
+        a = self.agents.get(agent) if agent is not None else None
+        return a.endpoint if a is not None else None
+
+    # ---- the run ----------------------------------------------------------------------------------------
+    def _see_RunStarted(self, e: ev.RunStarted) -> None:
+        self.finished = None  # a resumed run goes on in the same journal
+        self.stopping = ""
+        self.wave = -1
+        self.waves = [list(level) for level in e.waves]
+        self.paused = e.paused
+        self.effective_cap = e.effective_cap or (1 if e.mode == "sequential" else e.max_concurrency)
+        if e.auto_ceiling:
+            self.auto_ceiling = e.auto_ceiling
+        self.endpoints = {}
+        for summary in e.endpoints:
+            name = str(summary.get("name", ""))
+            self.endpoints[name] = EndpointView(
+                name, str(summary.get("kind", "")), str(summary.get("base_url") or ""), str(summary.get("model") or ""),
+                int(summary.get("max_concurrency") or 0), dict(summary.get("stall") or {}))
+        reused = set(e.reused)
+        self.agents = {}
+        for wave, level in enumerate(e.waves):
+            for name in level:
+                plan = e.agents.get(name, {})
+                self.agents[name] = AgentView(name, str(plan.get("endpoint", "")), int(plan.get("wave", wave)),
+                                              int(plan.get("turns") or 1), reused=name in reused)
+        self.plan_version += 1
+
+    def _see_WaveStarted(self, e: ev.WaveStarted) -> None:
+        self.wave = e.wave
+
+    def _see_RunStopping(self, e: ev.RunStopping) -> None:
+        self.stopping = e.reason
+
+    def _see_RunNotice(self, e: ev.RunNotice) -> None:
+        self.notices.append(Notice(e.message, e.severity, e.title))
+
+    def _see_ModeChanged(self, e: ev.ModeChanged) -> None:
+        self.effective_cap = e.effective_cap
+
+    def _see_ConcurrencyChanged(self, e: ev.ConcurrencyChanged) -> None:
+        self.paused = e.paused
+        if e.total_cap:
+            self.effective_cap = e.total_cap
+        elif not e.endpoint:
+            self.effective_cap = e.effective_cap
+
+    # ---- agents -----------------------------------------------------------------------------------------
+    def _agent(self, name: str) -> AgentView:
+        found = self.agents.get(name)
+        if found is None:  # a journal from before RunStarted said who runs: learn it as it comes
+            found = self.agents[name] = AgentView(name, "", 0, 1)
+            self.plan_version += 1
+        return found
+
+    def _see_AgentQueued(self, e: ev.AgentQueued) -> None:
+        a = self._agent(e.agent)
+        a.status, a.error, a.turn, a.attempt = "queued", "", 0, None  # (again, when the operator reruns it)
+
+    def _see_AgentStarted(self, e: ev.AgentStarted) -> None:
+        a = self._agent(e.agent)
+        a.endpoint, a.turn, a.turns, a.status = e.endpoint, e.turn, e.turns, "prefill"
+        a.attempts += 1
+        if a.started_at is None:
+            a.started_at = e.t
+        ep = self.endpoints.get(e.endpoint)
+        a.attempt = AttemptView(e.attempt, e.turn, e.t, e.first_byte_deadline_s, e.idle_deadline_s, e.t,
+                                ep.by_bytes if ep is not None else False)
+
+    def _see_EndpointWaiting(self, e: ev.EndpointWaiting) -> None:
+        self._agent(e.agent).status = "waiting"
+
+    def _see_FirstToken(self, e: ev.FirstToken) -> None:
+        a = self._agent(e.agent)
+        a.status = "streaming"
+        if a.ttft_s is None:
+            a.ttft_s = e.ttft_s
+        att = a.attempt
+        if att is not None:
+            att.first_token_at = att.last_alive = e.t
+
+    def _see_KeepAlive(self, e: ev.KeepAlive) -> None:
+        att = self._agent(e.agent).attempt
+        if att is not None and att.by_bytes:
+            att.last_alive = e.t
+
+    def _see_TurnFinished(self, e: ev.TurnFinished) -> None:
+        a = self._agent(e.agent)
+        a.turn, a.turns = e.turn, e.turns
+        a.completion_tokens += e.completion_tokens
+        if e.ttft_s is not None:
+            a.decode_s += max(0.0, e.duration_s - e.ttft_s)
+            if a.ttft_s is None:
+                a.ttft_s = e.ttft_s
+        if a.attempt is None or not a.attempt.tokens:  # its tokens never came as deltas (a journal): the count
+            a.tokens += e.completion_tokens
+        a.attempt = None
+
+    def _see_StallWarning(self, e: ev.StallWarning) -> None:
+        a = self._agent(e.agent)
+        a.status = "stalling"
+        a.stall_warnings += 1
+        if a.attempt is not None:
+            a.attempt.deadline_is(e.deadline_at)
+
+    def _see_StallExtended(self, e: ev.StallExtended) -> None:
+        a = self._agent(e.agent)
+        att = a.attempt
+        if att is not None:
+            att.deadline_is(e.deadline_at)
+        if e.by_operator and a.status == "stalling":
+            a.status = "streaming" if att is not None and att.first_token_at is not None else "prefill"
+
+    def _see_AgentKilled(self, e: ev.AgentKilled) -> None:
+        a = self._agent(e.agent)
+        if a.attempt is None or not a.attempt.tokens:
+            a.tokens += e.tokens
+        a.attempt = None
+
+    def _see_AgentRetrying(self, e: ev.AgentRetrying) -> None:
+        a = self._agent(e.agent)
+        a.status, a.attempt = "retrying", None
+
+    def _see_AgentFinished(self, e: ev.AgentFinished) -> None:
+        a = self._agent(e.agent)
+        a.status, a.error, a.attempt, a.finished_at = e.status, e.error, None, e.t
+
+    # ---- endpoints --------------------------------------------------------------------------------------
+    def _endpoint(self, name: str) -> EndpointView:
+        found = self.endpoints.get(name)
+        if found is None:
+            found = self.endpoints[name] = EndpointView(name)
+        return found
+
+    def _see_ModelResolved(self, e: ev.ModelResolved) -> None:
+        self._endpoint(e.endpoint).model = e.model
+
+    def _see_StallPolicyChanged(self, e: ev.StallPolicyChanged) -> None:
+        ep = self._endpoint(e.endpoint)
+        ep.stall = dict(e.policy)
+        for a in self.agents.values():
+            att = a.attempt
+            if att is not None and a.endpoint == e.endpoint:
+                # the watchdog measures the running attempt against the new windows from now on
+                att.first_byte_s = float(ep.stall.get("first_byte_timeout_s", att.first_byte_s))
+                att.idle_s = float(ep.stall.get("idle_timeout_s", att.idle_s))
+                att.by_bytes = ep.by_bytes
+
+    def _see_LoadChanged(self, e: ev.LoadChanged) -> None:
+        self._endpoint(e.endpoint).load = e
+
+    # ---- probes -----------------------------------------------------------------------------------------
+    def _see_ProbeStarted(self, e: ev.ProbeStarted) -> None:
+        self.probes[e.endpoint] = ProbeView(e.endpoint, e.max_concurrency, e.agents)
+
+    def _see_ProbeProgress(self, e: ev.ProbeProgress) -> None:
+        probe = self.probes.get(e.endpoint)
+        if probe is None:
+            return
+        if e.line:
+            probe.line = e.line
+        if e.level is not None:
+            probe.levels.append(e.level)
+
+    def _see_ProbeFinished(self, e: ev.ProbeFinished) -> None:
+        probe = self.probes.get(e.endpoint)
+        if probe is None:
+            probe = self.probes[e.endpoint] = ProbeView(e.endpoint, 0)
+        if e.result is not None:
+            probe.state, probe.result = "done", e.result
+            probe.levels = list(e.result.get("levels") or probe.levels)
+        elif e.cancelled:
+            probe.state = "cancelled"
+        else:
+            probe.state, probe.error = "failed", e.error
