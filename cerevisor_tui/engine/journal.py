@@ -307,6 +307,28 @@ def _problem(raw: bytes, last: bool) -> tuple[dict[str, Any] | None, str]:
     return data, ""
 
 
+def read_records(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
+    """Every readable event record of a run directory's events.jsonl, in order (what a console shown a run that
+    is not running is fed: `ev.from_dict` turns each into its event), and how many lines could not be read.
+    Raises JournalError only when the file itself cannot be read."""
+    path = Path(run_dir) / EVENTS_FILE
+    try:
+        with open(path, "rb") as fh:
+            lines = fh.readlines()
+    except OSError as exc:
+        raise JournalError(f"cannot read {path}: {_why(exc)}") from None
+    records, skipped = [], 0
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        data, _ = _problem(raw, number == len(lines))
+        if data is None:
+            skipped += 1
+        else:
+            records.append(data)
+    return records, skipped
+
+
 def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
     """Read a run directory's events.jsonl back, skipping (and counting) what cannot be read.
     Raises JournalError only when the file itself cannot be read."""
