@@ -10,23 +10,9 @@ reports aggregate output tokens/s and TTFT p50/p95, while a poller reads the ser
 waiting counts and KV use, and /metrics read before and after the level gives its prefix-cache hit
 rate and preemptions.
 
-The sweep stops past the knee (`judge_single_turn`, `judge_conversations`: pure functions of the levels
-measured so far, which also make the recommendation):
-
-- the server queued requests for most of the level (vLLM `num_requests_waiting`, llama.cpp
-  `requests_deferred`, SGLang `num_queue_reqs`) and never ran as many as were sent: the cap is
-  what it ran at once;
-- `patience` levels in a row beat the best throughput so far by less than `min_gain` (only for a
-  server without a queue gauge; one with it is swept on until it queues): the cap is the smallest
-  level within `min_gain` of the best;
-- TTFT p50 blew up against level 1's (again only without a queue gauge): requests wait rather
-  than run;
-- requests failed (HTTP 429/5xx, broken streams): the server refuses more;
-- conversation mode: the prefix-cache hit rate fell out of the best level's band and throughput did
-  not pay for it. The cap is the highest level whose hit rate stays within `hit_tolerance` of the
-  best level's and whose throughput is within `throughput_tolerance` of the best throughput
-  (`recommend_conversations`): below the cache's cliff, where each agent's prefix survives until
-  its next turn. A server that reports no prefix-cache counters is judged on throughput and TTFT.
+After each level the sweep asks a judge (endpoints/knee.py: `judge_single_turn`, `judge_conversations`,
+pure functions of the levels measured so far) whether it is past the knee, and what cap to recommend
+with which reason.
 
 Everything is bounded: total requests (`max_requests`), total time (`max_seconds`) and each request
 (`request_timeout_s`), so a probe never hangs on a wedged server. The caller owns the HTTP client
@@ -40,7 +26,7 @@ import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -49,6 +35,19 @@ import httpx
 from cerevisor_tui.config.graph import OUTPUT_REF
 from cerevisor_tui.endpoints.client import DELTA, ChatStream, list_models
 from cerevisor_tui.endpoints.errors import EndpointError
+from cerevisor_tui.endpoints.knee import (
+    KneeSettings,
+    ProbeLevel,
+    Recommendation,
+    StopReason,
+    judge_conversations,
+    judge_single_turn,
+)
+
+# Tests import these from here, where they lived before knee.py.
+from cerevisor_tui.endpoints.knee import _knee as _knee
+from cerevisor_tui.endpoints.knee import _past_knee as _past_knee
+from cerevisor_tui.endpoints.knee import recommend_conversations as recommend_conversations
 from cerevisor_tui.endpoints.metrics import MetricsSnapshot, ServerStatus, prefix_hit_rate, read_server
 
 if TYPE_CHECKING:
@@ -67,29 +66,20 @@ class EndpointUnusable(EndpointError):
 
 
 @dataclass(frozen=True)
-class ProbeSettings:
-    """Bounds and thresholds of one probe; the defaults are what `cerevisor-tui probe` uses."""
+class ProbeSettings(KneeSettings):
+    """Bounds and thresholds of one probe; the defaults are what `cerevisor-tui probe` uses. The knee's
+    thresholds (and max_concurrency, max_requests, max_seconds) are KneeSettings'."""
 
-    max_concurrency: int = 64
     max_tokens: int = 64
-    max_requests: int = 1000
-    max_seconds: float = 180.0
     request_timeout_s: float = 60.0
     level_s: float = 2.0  # each level keeps sending for at least this long ...
     rounds: int = 2  # ... and at least this many requests per worker
     min_requests_per_level: int = 4
-    min_gain: float = 0.15  # a level that beats the best so far by less than this is flat
-    patience: int = 2  # flat levels in a row that end the sweep
-    ttft_blowup: float = 4.0  # TTFT p50 above this multiple of level 1's ...
-    ttft_floor_s: float = 0.5  # ... and above this many seconds is past the knee
-    waiting_share: float = 0.25  # share of server samples with requests waiting that counts as queueing
     poll_interval_s: float = 0.1
     warmup: bool = True
     # conversation mode
     min_conversations: int = 4  # a level runs max(this, its concurrency) conversations
     turn_max_tokens: int | None = None  # caps each turn's answer; None: each agent's own max_tokens
-    hit_tolerance: float = 0.15  # a prefix hit rate this far (absolute) below the best level's still holds
-    throughput_tolerance: float = 0.10  # ... and throughput this far (a fraction) below the best still holds
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -127,38 +117,6 @@ class ProbeSettings:
         return max(self.min_conversations, concurrency)
 
 
-@dataclass(frozen=True)
-class ProbeLevel:
-    """What one concurrency level measured."""
-
-    concurrency: int
-    requests: int
-    failed: int
-    output_tokens: int
-    wall_s: float
-    output_tokens_per_s: float
-    ttft_p50_s: float | None
-    ttft_p95_s: float | None
-    stream_tokens_per_s: float | None  # median decode rate of one stream
-    server_running_max: int | None = None
-    server_waiting_max: int | None = None
-    server_waiting_share: float | None = None  # share of samples with requests waiting
-    kv_cache_usage_max: float | None = None
-    complete: bool = True  # False: the time budget cut it short
-    first_error: str = ""
-    prefix_hit_rate: float | None = None  # server's prefix-cache hits / queries over the level; None: not reported
-    preemptions: int | None = None  # the server's preemptions during the level; None: not reported
-    conversations: int | None = None  # conversation mode: conversations run (requests counts their turns)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key in ("wall_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "stream_tokens_per_s",
-                    "server_waiting_share", "kv_cache_usage_max", "prefix_hit_rate"):
-            if data[key] is not None:
-                data[key] = round(data[key], 4)
-        return data
-
-
 @dataclass
 class ProbeResult:
     """The whole probe: what the server is, the levels measured, and the recommendation with its reason."""
@@ -175,7 +133,7 @@ class ProbeResult:
     recommended_concurrency: int = 1
     recommended_mode: str = "sequential"
     reason: str = ""
-    stopped_because: str = ""  # knee | queue | ttft | errors | prefix | max_concurrency | max_requests | max_seconds
+    stopped_because: StopReason | Literal[""] = ""
     total_requests: int = 0
     elapsed_s: float = 0.0
     settings: ProbeSettings = field(default_factory=ProbeSettings)
@@ -203,19 +161,6 @@ class ProbeResult:
                        "turn_max_tokens": s.turn_max_tokens, "max_requests": s.max_requests,
                        "max_seconds": s.max_seconds, "request_timeout_s": s.request_timeout_s},
         }
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    """What a judge concludes from the levels measured: the cap, why, and why the sweep ends."""
-
-    concurrency: int
-    reason: str
-    stopped_because: str
-
-    @property
-    def mode(self) -> str:
-        return "sequential" if self.concurrency <= 1 else "parallel"
 
 
 @dataclass(frozen=True)
@@ -542,7 +487,7 @@ async def _sweep(session: _Session, run: Callable[[int, int], Awaitable[ProbeLev
     """Run levels until `judge` says the sweep is past the knee or a bound ends it; record its verdict."""
     result, settings = session.result, session.settings
     verdict: Recommendation | None = None
-    ended = "max_concurrency"
+    ended: StopReason = "max_concurrency"
     for c in settings.levels():
         if time.monotonic() >= session.deadline:
             ended = "max_seconds"
@@ -583,32 +528,67 @@ def _finish(session: _Session, save: bool, say: ProgressCallback) -> ProbeResult
 
 
 async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int, budget: int,
-                     one: Callable[[int], Any], settings: ProbeSettings, deadline: float,
+                     one: Callable[[int], Awaitable[_Request]], settings: ProbeSettings, deadline: float,
                      watch_server: bool) -> ProbeLevel:
     """`concurrency` workers send requests back to back until the level has run long enough.
 
     Throughput is counted only while every worker still had a request to send (from the start to
     the moment the level stops sending), so the ragged end of the last requests does not dilute it.
     """
-    done: list[_Request] = []
-    watch = _ServerWatch()
-    issued = [0]
+    issued = 0
     at_least = settings.requests_at(concurrency)
-    stopped_sending: list[float] = []
 
-    def more() -> bool:
-        if stopped_sending:
-            return False
-        enough = issued[0] >= at_least and time.monotonic() - started >= settings.level_s
-        if enough or issued[0] >= budget:
-            stopped_sending.append(time.monotonic())
-            return False
-        issued[0] += 1
-        return True
+    async def worker(run: _LevelRun) -> None:
+        nonlocal issued
+        while run.stopped_sending is None:
+            enough = issued >= at_least and time.monotonic() - run.started >= settings.level_s
+            if enough or issued >= budget:
+                run.stopped_sending = time.monotonic()
+                return
+            issued += 1
+            run.done.append(await one(settings.max_tokens))
 
-    async def worker() -> None:
-        while more():
-            done.append(await one(settings.max_tokens))
+    return await _measure_level(client, base_url, concurrency, worker=worker, workers=concurrency,
+                                settings=settings, deadline=deadline, watch_server=watch_server)
+
+
+async def _run_conversation_level(client: httpx.AsyncClient, base_url: str, concurrency: int, conversations: int,
+                                  converse: Callable[[int, int, list[_Request]], Awaitable[None]],
+                                  settings: ProbeSettings, deadline: float, watch_server: bool) -> ProbeLevel:
+    """`concurrency` workers run `conversations` conversations, each taking the next when its own ends.
+
+    As in a single-turn level, throughput is counted only while every worker still had a conversation
+    (until the first found none left), so levels whose last conversations end raggedly compare fairly.
+    """
+    queue = iter(range(conversations))
+
+    async def worker(run: _LevelRun) -> None:
+        for i in queue:  # shared: each worker takes the next conversation not yet started
+            await converse(concurrency, i, run.done)
+        if run.stopped_sending is None:
+            run.stopped_sending = time.monotonic()
+
+    return await _measure_level(client, base_url, concurrency, worker=worker,
+                                workers=min(concurrency, conversations), settings=settings, deadline=deadline,
+                                watch_server=watch_server, conversations=conversations)
+
+
+@dataclass
+class _LevelRun:
+    """A level under way: when it started, the requests it has sent, and when it stopped sending."""
+
+    started: float
+    done: list[_Request] = field(default_factory=list)
+    stopped_sending: float | None = None  # the first worker found nothing left to send
+
+
+async def _measure_level(client: httpx.AsyncClient, base_url: str, concurrency: int, *,
+                         worker: Callable[[_LevelRun], Awaitable[None]], workers: int, settings: ProbeSettings,
+                         deadline: float, watch_server: bool, **counters: Any) -> ProbeLevel:
+    """Run `workers` copies of `worker` within the probe's deadline while polling the server's counters,
+    then the level's figures (`counters` added to them); throughput is counted until the level stopped
+    sending, when it did."""
+    watch = _ServerWatch()
 
     async def poll() -> None:
         while True:
@@ -616,22 +596,24 @@ async def _run_level(client: httpx.AsyncClient, base_url: str, concurrency: int,
             await anyio.sleep(settings.poll_interval_s)
 
     before = await _counters(client, base_url) if watch_server else None
-    started = time.monotonic()
+    run = _LevelRun(started=time.monotonic())
+    started = run.started
     with anyio.move_on_after(max(0.0, deadline - started)) as cut:
         async with anyio.create_task_group() as group:
             if watch_server:
                 group.start_soon(poll)
-            async with anyio.create_task_group() as workers:
-                for _ in range(concurrency):
-                    workers.start_soon(worker)
+            async with anyio.create_task_group() as crew:
+                for _ in range(workers):
+                    crew.start_soon(worker, run)
             group.cancel_scope.cancel()
     after = await _counters(client, base_url) if watch_server else None
+    done = run.done
     ended = max((r.ended_at or started for r in done), default=time.monotonic())
-    window = (stopped_sending[0] if stopped_sending else ended) - started
+    window = (ended if run.stopped_sending is None else run.stopped_sending) - started
     if window <= 0 or not any(r.delta_at for r in done):
         window = max(1e-9, ended - started)
     return _level(concurrency, done, watch, started, ended, window, complete=not cut.cancelled_caught,
-                  counters=_level_counters(before, after))
+                  counters={**_level_counters(before, after), **counters})
 
 
 def _level(concurrency: int, done: list[_Request], watch: _ServerWatch, started: float, ended: float, window: float,
@@ -667,48 +649,6 @@ def _level(concurrency: int, done: list[_Request], watch: _ServerWatch, started:
     )
 
 
-async def _run_conversation_level(client: httpx.AsyncClient, base_url: str, concurrency: int, conversations: int,
-                                  converse: Callable[[int, int, list[_Request]], Awaitable[None]],
-                                  settings: ProbeSettings, deadline: float, watch_server: bool) -> ProbeLevel:
-    """`concurrency` workers run `conversations` conversations, each taking the next when its own ends.
-
-    As in a single-turn level, throughput is counted only while every worker still had a conversation
-    (until the first found none left), so levels whose last conversations end raggedly compare fairly.
-    """
-    done: list[_Request] = []
-    watch = _ServerWatch()
-    queue = iter(range(conversations))
-    first_idle: list[float] = []
-
-    async def worker() -> None:
-        for i in queue:  # shared: each worker takes the next conversation not yet started
-            await converse(concurrency, i, done)
-        first_idle.append(time.monotonic())
-
-    async def poll() -> None:
-        while True:
-            watch.add(await read_server(client, base_url, timeout_s=1.0))
-            await anyio.sleep(settings.poll_interval_s)
-
-    before = await _counters(client, base_url) if watch_server else None
-    started = time.monotonic()
-    with anyio.move_on_after(max(0.0, deadline - started)) as cut:
-        async with anyio.create_task_group() as group:
-            if watch_server:
-                group.start_soon(poll)
-            async with anyio.create_task_group() as workers:
-                for _ in range(min(concurrency, conversations)):
-                    workers.start_soon(worker)
-            group.cancel_scope.cancel()
-    after = await _counters(client, base_url) if watch_server else None
-    ended = max((r.ended_at or started for r in done), default=time.monotonic())
-    window = (first_idle[0] if first_idle else ended) - started
-    if window <= 0 or not any(r.delta_at for r in done):
-        window = max(1e-9, ended - started)
-    return _level(concurrency, done, watch, started, ended, window, complete=not cut.cancelled_caught,
-                  counters={**_level_counters(before, after), "conversations": conversations})
-
-
 async def _counters(client: httpx.AsyncClient, base_url: str) -> MetricsSnapshot | None:
     """The server's cumulative counters now (prefix cache, preemptions); None when it has no /metrics."""
     return (await read_server(client, base_url, timeout_s=2.0)).metrics
@@ -722,231 +662,6 @@ def _level_counters(before: MetricsSnapshot | None, after: MetricsSnapshot | Non
     if before is not None and before.preemptions is not None and after.preemptions is not None:
         preempted = max(0, after.preemptions - before.preemptions)
     return {"prefix_hit_rate": prefix_hit_rate(before, after), "preemptions": preempted}
-
-
-# ---- the judges: pure functions of the levels measured so far -------------------------------------
-
-def judge_single_turn(levels: list[ProbeLevel], settings: ProbeSettings, *,
-                      ended: str | None = None) -> Recommendation | None:
-    """After each level of a single-turn sweep: a Recommendation when the sweep is past the knee, else
-    None; with `ended` (max_concurrency, max_requests or max_seconds) the sweep ran out, and the
-    recommendation is made from what it measured."""
-    if ended is None and levels:
-        level = levels[-1]
-        previous = levels[-2] if len(levels) > 1 else None
-        verdict = _past_knee(level, previous, levels[0], settings)
-        if verdict is not None:
-            stopped, cap, why = verdict
-            if stopped in ("ttft", "errors") and len(levels) > 1:
-                # below the level that failed or queued, throughput may have flattened earlier
-                pick, below = _knee(levels[:-1], settings)
-                if pick < cap:
-                    cap, why = pick, f"{why}; and below that, {below}"
-            return Recommendation(cap, why, stopped)
-        if not level.complete:
-            ended = "max_seconds"
-        else:
-            # A server that reports its queue tells where its capacity ends; flat throughput before that
-            # is as likely noise on the host as a knee, so only a server without that signal stops on it.
-            if _flat_levels(levels, settings) >= settings.patience and level.server_waiting_share is None:
-                return Recommendation(*_knee(levels, settings), "knee")
-            return None
-    ended = ended or "max_concurrency"
-    usable = [lv for lv in levels if lv.complete and not lv.failed]
-    if not usable:
-        return Recommendation(1, _no_level(ended, settings), ended)
-    pick, why = _knee(usable, settings)
-    if pick < max(lv.concurrency for lv in usable):
-        return Recommendation(pick, why, ended)
-    return Recommendation(pick, f"throughput still grew up to {pick} at once when the sweep reached "
-                                f"{_limit(ended, settings)}; the server may carry more", ended)
-
-
-def judge_conversations(levels: list[ProbeLevel], settings: ProbeSettings, *,
-                        ended: str | None = None) -> Recommendation | None:
-    """After each level of a conversation sweep: a Recommendation when the sweep should stop, else None;
-    with `ended` the sweep ran out. The cap itself is `recommend_conversations`'."""
-    if ended is None and levels:
-        stop = _conversation_stop(levels, settings)
-        if stop is None and not levels[-1].complete:
-            stop = "max_seconds"
-        if stop is None:
-            return None
-        ended = stop
-    ended = ended or "max_concurrency"
-    if not levels:
-        return Recommendation(1, _no_level(ended, settings), ended)
-    cap, why = recommend_conversations(levels, settings)
-    top = max(lv.concurrency for lv in levels)
-    if cap == top and ended in ("max_concurrency", "max_requests", "max_seconds"):
-        why += f"; the sweep stopped at {_limit(ended, settings)}, so the server may carry more"
-    return Recommendation(cap, why, ended)
-
-
-def recommend_conversations(levels: list[ProbeLevel], settings: ProbeSettings) -> tuple[int, str]:
-    """The cap for agents shaped like the probe's conversations, and why: the highest level whose prefix
-    hit rate stays within `hit_tolerance` of the best level's and whose throughput is within
-    `throughput_tolerance` of the best throughput.
-
-    Levels that failed, queued (the server ran fewer than were sent) or were cut short are measured but
-    not candidates. When no candidate has both, prefixes win: the highest level that keeps them, with
-    the throughput it gives up said. A server that reports no prefix-cache counters is judged on
-    throughput and TTFT alone, as the single-turn probe judges it.
-    """
-    usable = [lv for lv in levels if lv.requests and not lv.failed and lv.complete and not _queued(lv, settings)]
-    if not usable:
-        first = levels[0] if levels else None
-        if first is not None and first.failed:
-            return 1, (f"at 1 at once {first.failed} of {first.requests} requests failed ({first.first_error}), "
-                       "so one at a time")
-        return 1, "no level ran cleanly (each failed, queued or was cut short), so one at a time"
-    best = max(usable, key=lambda lv: lv.output_tokens_per_s)
-    with_hits = [lv for lv in usable if lv.prefix_hit_rate is not None]
-    if not with_hits:
-        base = usable[0].ttft_p50_s
-        calm = [lv for lv in usable if not (base and lv.ttft_p50_s and lv.ttft_p50_s > settings.ttft_floor_s
-                                            and lv.ttft_p50_s > settings.ttft_blowup * base)] or usable[:1]
-        cap, why = _knee(calm, settings)
-        return cap, f"{why}; the server reports no prefix-cache hits, so this judges throughput and TTFT alone"
-    best_hits = max(lv.prefix_hit_rate or 0.0 for lv in with_hits)
-    floor_hits = best_hits - settings.hit_tolerance
-    keeps = [lv for lv in with_hits if (lv.prefix_hit_rate or 0.0) >= floor_hits]
-    floor_tps = best.output_tokens_per_s * (1 - settings.throughput_tolerance)
-    holds = [lv for lv in keeps if lv.output_tokens_per_s >= floor_tps]
-    pick = max(holds or keeps, key=lambda lv: lv.concurrency)
-    why = f"cap {pick.concurrency}: prefix hits {pick.prefix_hit_rate or 0.0:.0%}"
-    above = [lv for lv in levels if lv.concurrency > pick.concurrency]
-    hits_above = [lv for lv in above if lv.prefix_hit_rate is not None]
-    if hits_above:
-        why += " (" + ", ".join(f"{lv.prefix_hit_rate:.0%} at {lv.concurrency}" for lv in hits_above[:2]) + ")"
-    elif best_hits < 0.05:
-        why += " (these conversations have little to reuse)"
-    if pick is best:
-        why += f", {best.output_tokens_per_s:,.0f} tokens/s"
-    else:
-        share = pick.output_tokens_per_s / best.output_tokens_per_s if best.output_tokens_per_s else 1.0
-        why += (f", throughput {share:.0%} of the best ({best.output_tokens_per_s:,.0f} tokens/s at "
-                f"{best.concurrency})")
-    if not holds:
-        why += ("; more at once gives more throughput, but each agent's prefix is evicted before its next turn "
-                "and recomputed, a cost that grows with every turn")
-    elif above:
-        why += _beyond(above[0], floor_hits, settings)
-    return pick.concurrency, why
-
-
-def _beyond(level: ProbeLevel, floor_hits: float, settings: ProbeSettings) -> str:
-    """What went wrong at the level above the recommended one, as the end of its reason."""
-    c = level.concurrency
-    if level.failed:
-        return f"; at {c} at once {level.failed} of {level.requests} requests failed ({level.first_error})"
-    if level.prefix_hit_rate is not None and level.prefix_hit_rate < floor_hits:
-        return f"; at {c} each agent's prefix is evicted before its next turn"
-    if _queued(level, settings):
-        return f"; at {c} the server queued requests, running at most {level.server_running_max} at once"
-    if not level.complete:
-        return f"; {c} was cut short by the time budget"
-    return f"; {c} at once gave {level.output_tokens_per_s:,.0f} tokens/s"
-
-
-def _conversation_stop(levels: list[ProbeLevel], settings: ProbeSettings) -> str | None:
-    """Why a conversation sweep ends after its last level (errors, queue, prefix, ttft, knee), or None."""
-    level = levels[-1]
-    previous = levels[-2] if len(levels) > 1 else None
-    if level.failed:
-        return "errors"
-    if previous is not None and _queued(level, settings):
-        return "queue"
-    if level.prefix_hit_rate is not None:
-        best_hits = max(lv.prefix_hit_rate for lv in levels if lv.prefix_hit_rate is not None)
-        lost = 0
-        for lv in reversed(levels):
-            if lv.prefix_hit_rate is None or lv.prefix_hit_rate >= best_hits - settings.hit_tolerance:
-                break
-            lost += 1
-        if lost:
-            before = max((lv.output_tokens_per_s for lv in levels[:-1]), default=0.0)
-            # prefixes are lost from here on; go on only while that buys real throughput
-            if lost >= settings.patience or level.output_tokens_per_s < before * (1 + settings.min_gain):
-                return "prefix"
-        return None
-    if previous is None or level.server_waiting_share is not None:
-        return None
-    verdict = _past_knee(level, previous, levels[0], settings)
-    if verdict is not None:
-        return verdict[0]
-    return "knee" if _flat_levels(levels, settings) >= settings.patience else None
-
-
-def _queued(level: ProbeLevel, settings: ProbeSettings) -> bool:
-    """The server queued requests for most of the level while running fewer than were sent."""
-    share, ran = level.server_waiting_share, level.server_running_max
-    return (level.concurrency > 1 and share is not None and share >= settings.waiting_share and ran is not None
-            and ran < level.concurrency)
-
-
-def _flat_levels(levels: list[ProbeLevel], settings: ProbeSettings) -> int:
-    """How many levels in a row, up to the last, beat the best throughput before them by less than min_gain."""
-    flat = 0
-    for i in range(1, len(levels)):
-        best = max(lv.output_tokens_per_s for lv in levels[:i])
-        flat = flat + 1 if levels[i].output_tokens_per_s < best * (1 + settings.min_gain) else 0
-    return flat
-
-
-def _limit(ended: str, settings: ProbeSettings) -> str:
-    return {"max_concurrency": f"the highest level tried ({settings.max_concurrency})",
-            "max_requests": f"the request budget ({settings.max_requests} requests)",
-            "max_seconds": f"the time budget ({settings.max_seconds:g} s)"}.get(ended, ended)
-
-
-def _no_level(ended: str, settings: ProbeSettings) -> str:
-    return f"no level completed within {_limit(ended, settings)}, so one at a time"
-
-
-def _knee(levels: list[ProbeLevel], settings: ProbeSettings) -> tuple[int, str]:
-    """The smallest level within min_gain of the best throughput, and why."""
-    best = max(levels, key=lambda lv: lv.output_tokens_per_s)
-    floor = best.output_tokens_per_s / (1 + settings.min_gain)
-    pick = min((lv for lv in levels if lv.output_tokens_per_s >= floor), key=lambda lv: lv.concurrency)
-    beyond = [lv.concurrency for lv in levels if lv.concurrency > pick.concurrency]
-    return pick.concurrency, (
-        f"{pick.concurrency} at once gives {pick.output_tokens_per_s:,.0f} tokens/s, within "
-        f"{settings.min_gain:.0%} of the best measured ({best.output_tokens_per_s:,.0f} at {best.concurrency}); "
-        f"{', '.join(map(str, beyond)) or 'more'} at once added no more than that"
-    )
-
-
-def _past_knee(level: ProbeLevel, previous: ProbeLevel | None, first: ProbeLevel,
-               settings: ProbeSettings) -> tuple[str, int, str] | None:
-    """(stopped_because, recommended concurrency, why) when this level is past the knee, else None."""
-    c = level.concurrency
-    prev_c = previous.concurrency if previous else 1
-    if level.failed:
-        return ("errors", prev_c,
-                f"at {c} at once {level.failed} of {level.requests} requests failed ({level.first_error}), "
-                f"so {prev_c} is the most it carried cleanly")
-    share = level.server_waiting_share
-    ran = level.server_running_max
-    # Requests wait a moment on arrival even below the cap; it is queueing only when the server also
-    # ran fewer than were sent, for most of the level.
-    if share is not None and share >= settings.waiting_share and ran is not None and ran < c and previous is not None:
-        cap = max(1, ran)
-        return ("queue", cap,
-                f"at {c} at once the server queued requests (up to {level.server_waiting_max} waiting) "
-                f"while running at most {ran}, so more than {cap} only adds waiting")
-    if previous is None:
-        return None
-    if share is not None:
-        return None  # a server with a queue gauge says when it queues; slow first tokens alone are load
-    # p50, not p95: a few slow first tokens are noise; most of them slow is a queue
-    base = first.ttft_p50_s
-    p50 = level.ttft_p50_s
-    if base and p50 and p50 > settings.ttft_floor_s and p50 > settings.ttft_blowup * base:
-        return ("ttft", prev_c,
-                f"at {c} at once TTFT p50 rose to {p50:.2f} s from {base:.2f} s at 1, so requests wait "
-                f"rather than run beyond {prev_c}")
-    return None
 
 
 async def _wait_loaded(client: httpx.AsyncClient, base_url: str, deadline: float,
