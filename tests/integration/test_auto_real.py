@@ -66,15 +66,16 @@ async def test_vllm_auto_settles_where_the_conversations_fit_and_keeps_their_pre
 
 @pytest.mark.anyio
 async def test_vllm_auto_backs_off_to_what_runs_when_requests_wait(vllm_pressure: ServerProcess):
-    """Agents fit by the half-dozen, but vLLM runs 4 sequences at once: past 4 the rest wait in its queue,
+    """Eight conversations fit, but vLLM runs 4 sequences at once: past 4 the rest wait in its queue,
     and auto comes back down to what the server runs. It starts at 8 ([run.auto] start_cap, as from a saved
     probe): from 1, slow start may rightly stop below 4, as CPU vLLM's throughput barely grows with its batch."""
-    # Long answers, so that vLLM's 4 sequences are busy and the rest wait in its queue sample after sample: with
-    # short ones a busy client (this 2-core box running other work) cannot keep the server fed, and requests
-    # hardly wait at all. Mixed lengths: the tiny model always runs to max_tokens, and equal answers would end,
-    # and free their slots, in lockstep. 4 x 750 tokens stay well inside the 4,096-token KV cache (no preemption).
-    agents = [{"name": f"s{i}", "prompt": f"Count from {i} onwards, slowly.", "max_tokens": 600 + 23 * (i % 7),
-               "retries": 0} for i in range(32)]
+    # Answers long enough that vLLM's 4 sequences stay busy and the rest wait in its queue sample after sample
+    # (with ~230 tokens a busy client, this 2-core box running other work, could not keep the server fed, and
+    # under one request waited on average), yet short enough that 8 conversations fit in the KV cache (at ~700
+    # tokens auto rightly stops at the 5 that fit, with one waiting). Mixed lengths: the tiny model always runs
+    # to max_tokens, and equal answers would end, and free their slots, in lockstep.
+    agents = [{"name": f"s{i}", "prompt": f"Count from {i} onwards, slowly.", "max_tokens": 400 + 11 * (i % 7),
+               "retries": 0} for i in range(40)]
     config = auto_config(vllm_pressure.base_url, "vllm", agents)
     config["run"]["auto"] = {"start_cap": 8}
     engine = engine_for(config)
