@@ -226,6 +226,7 @@ class Engine:
         self.wave = -1
         self.started_at = 0.0
         self.stopping = ""
+        self.ended = False  # the run has sent its RunFinished: nothing more happens, nothing more is told
         # Agents a resumed run already completed: their answers are reused, they are never sent again, unless
         # what they would run with now (prompt, endpoint, ...) is not what they ran with: then they and every
         # agent downstream of them run again, each with its reason (an AgentRerun at the start of the run).
@@ -389,7 +390,7 @@ class Engine:
 
     def stop(self, reason: str = "run stopped") -> None:
         """Stop the run: no more admissions; running and queued agents are cancelled, connections closed."""
-        if self.stopping:
+        if self.stopping or self.ended:
             return
         self.stopping = reason
         self.scheduler.set_paused(True)
@@ -434,6 +435,7 @@ class Engine:
             code = 1
         end = time.monotonic()
         self.report.finish(end)
+        self.ended = True
         self.emit(ev.RunFinished(end, self.run_id, code, self.report.totals()))
         return code
 
