@@ -17,6 +17,7 @@ examples:
   cerevisor-tui                               console on the built-in simulator (demo workflow)
   cerevisor-tui --config team.toml            console on your endpoints and agents
   cerevisor-tui run workflow.toml --report out.json
+  cerevisor-tui run workflow.toml --detach     a run that outlives the terminal; then: attach, ls, stop
   cerevisor-tui sim --port 8000               a simulated vLLM-like server on loopback
   cerevisor-tui probe http://127.0.0.1:8000/v1
   cerevisor-tui estimate --model llama-3.1-8b --gpu h100 --context 32768
@@ -70,6 +71,52 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     run.add_argument("--jsonl", action="store_true", help="print each event as one JSON object per line")
     run.add_argument("--run-dir", metavar="DIR", help="directory for events.jsonl, transcripts/ and report.json")
     run.add_argument("--resume", metavar="RUN", help="rerun only what did not complete in RUN (run id or directory)")
+    run.add_argument("--detach", action="store_true",
+                     help="run in a process of its own that outlives this terminal (SSH loss included); prints the "
+                     "run id and returns at once: then `attach`, `ls`, `stop`")
+    run.add_argument("--detached", action="store_true", help=argparse.SUPPRESS)  # the process --detach starts
+    run.add_argument("--run-id", help=argparse.SUPPRESS)  # the id --detach printed
+
+    attach = sub.add_parser(
+        "attach",
+        help="open the console on a run: live, or finished/crashed read-only",
+        description="Open the console on a run. A live run (started with `run --detach`, or any run in progress) "
+        "goes on when the console closes or its terminal goes away (an SSH drop is a detach); several consoles "
+        "may attach to one run, and each sees and may do the same. A finished or crashed run opens read-only "
+        "from its journal.",
+        epilog="examples:\n  cerevisor-tui attach                      the newest live run\n"
+        "  cerevisor-tui attach 20261201-031250-ab12\n  cerevisor-tui attach ~/runs/nightly --jsonl   its events as JSON lines, no console",
+        formatter_class=_formatter,
+    )
+    attach.add_argument("run", nargs="?", metavar="RUN", help="run id or run directory (default: the newest live run)")
+    attach.add_argument("--jsonl", action="store_true",
+                        help="no console: print the run's events as JSON lines (past ones first) until it ends")
+    attach.add_argument("--runs-dir", metavar="DIR", help="where runs are (default: [run] run_dir of the config, "
+                        "else the user state dir)")
+
+    ls = sub.add_parser(
+        "ls",
+        help="list runs: live, finished, resumable or crashed",
+        description="List the runs in the runs directory, newest first: id, state, agents done of total, started.\n"
+        "live: in progress (attach to it); finished: every agent completed; resumable: ended with agents not "
+        "completed; crashed: ended without finishing (killed, machine down). `run FILE --resume RUN` goes on "
+        "with the last two.",
+        formatter_class=_formatter,
+    )
+    ls.add_argument("--json", action="store_true", help="print the runs as a JSON list")
+    ls.add_argument("--runs-dir", metavar="DIR", help="where runs are (default: [run] run_dir of the config, else "
+                    "the user state dir)")
+
+    stop = sub.add_parser(
+        "stop",
+        help="stop a live run: running agents are cancelled, the report is written",
+        description="Stop a live run the way `q` then Stop does in its console: running agents are cancelled, the "
+        "journal and report are written, every attached console is told. Returns when the run has ended.",
+        formatter_class=_formatter,
+    )
+    stop.add_argument("run", nargs="?", metavar="RUN", help="run id or run directory (default: the newest live run)")
+    stop.add_argument("--runs-dir", metavar="DIR", help="where runs are (default: [run] run_dir of the config, "
+                      "else the user state dir)")
 
     sim = sub.add_parser(
         "sim",

@@ -6,6 +6,7 @@ first signal stops the run (report written), a second ends the process within FO
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -130,8 +131,12 @@ def main(args: Any) -> int:
             if state.skipped:
                 print(f"cerevisor-tui run: resume: {state.notice(run_dir)}", file=sys.stderr)
         else:
-            run_id = new_run_id()
+            run_id = getattr(args, "run_id", None) or new_run_id()
             run_dir = Path(args.run_dir) if args.run_dir else runs_dir / run_id
+        if getattr(args, "detach", False):
+            if lock is not None:
+                lock.release()  # the detached process takes it
+            return detach(args, run_dir, run_id)
         engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
                         stream_process=wants_stream_process(config, console=False))
         journal = Journal(run_dir, engine.report, extra_report=args.report,
@@ -145,11 +150,16 @@ def main(args: Any) -> int:
 
     engine.subscribe(journal)
     engine.subscribe(Printer(jsonl=args.jsonl))
+    engine.subscribe(wiring_notice)
     received: list[int] = []
     forced: list[ForcedExit] = []
+    detached = bool(getattr(args, "detached", False))
+    if detached:  # a detached run has no terminal to lose: only `stop`, SIGINT or SIGTERM end it
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    stop_signals = (signal.SIGINT, signal.SIGTERM) if detached else (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
     async def watch_signals(scope: anyio.CancelScope) -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
+        with anyio.open_signal_receiver(*stop_signals) as signals:
             async for signum in signals:
                 if received:
                     print("cerevisor-tui run: second signal, stopping now", file=sys.stderr)
@@ -164,12 +174,18 @@ def main(args: Any) -> int:
 
     async def body() -> int:
         code = 1
+        server = await serve_control(engine, run_dir, run_id, args.file, required=detached)
+        if server is None and detached:
+            return 1
         async with anyio.create_task_group() as group:
             group.start_soon(watch_signals, group.cancel_scope)
             try:
                 code = await engine.run()
             finally:
                 group.cancel_scope.cancel()
+                if server is not None:
+                    with anyio.CancelScope(shield=True):
+                        await server.close(f"the run ended (exit code {code})")
         return code
 
     try:
@@ -184,6 +200,91 @@ def main(args: Any) -> int:
     if received:
         return SIGNAL_EXIT.get(signal.Signals(received[0]), 130)
     return 1 if journal.error or not report_written else code
+
+
+def wiring_notice(event: Any) -> None:
+    """Once the run's clients are built: say, in one line, if they read streams the slower way."""
+    if event.kind == "RunStarted":
+        from cerevisor_tui.endpoints import network
+
+        if network.wiring_problem:
+            print(f"cerevisor-tui run: note: {network.wiring_problem}", file=sys.stderr)
+
+
+async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: str, *, required: bool) -> Any:
+    """The run's control socket (supervisor/server.py), subscribed to the engine; None, with a line on
+    stderr, when it cannot be made (a run in the foreground goes on without it, a detached one cannot)."""
+    from cerevisor_tui.engine.control import LocalControl, apply
+    from cerevisor_tui.supervisor.server import ControlServer
+
+    control = LocalControl(engine)
+    server = ControlServer(run_dir, run_id, lambda name, args: apply(control, name, args),
+                           config_path=str(Path(config_file).resolve()))
+    try:
+        await server.start()
+    except OSError as exc:
+        what = "cannot run detached" if required else "consoles cannot attach to this run"
+        print(f"cerevisor-tui run: {what}: no control socket ({exc.strerror or exc})", file=sys.stderr)
+        return None
+    engine.subscribe(server)
+    return server
+
+
+DETACH_WAIT_S = 60.0
+
+
+def detach(args: Any, run_dir: Path, run_id: str) -> int:
+    """Start this run in a process of its own (own session, no terminal, SIGHUP ignored), wait until its
+    control socket answers, say where it is, return 0. The config was checked here already: what is wrong
+    with it is said before anything starts."""
+    import subprocess
+
+    from cerevisor_tui.supervisor.protocol import read_supervisor, socket_of
+    from cerevisor_tui.supervisor.runs import answers
+
+    argv = [sys.executable, "-m", "cerevisor_tui", "run", str(Path(args.file).resolve()), "--detached"]
+    if args.resume is not None:
+        argv += ["--resume", str(run_dir.resolve())]
+    else:
+        argv += ["--run-dir", str(run_dir.resolve()), "--run-id", run_id]
+    for flag, value in (("--mode", args.mode), ("--concurrency", args.concurrency), ("--endpoint", args.endpoint),
+                        ("--model", args.model), ("--report", args.report and str(Path(args.report).resolve()))):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.jsonl:
+        argv.append("--jsonl")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = run_dir / "run.log"
+        log = open(log_path, "ab")
+    except OSError as exc:
+        print(f"cerevisor-tui run: run directory {run_dir} is not usable: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    with log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                close_fds=True)
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while time.monotonic() < deadline:
+        if read_supervisor(run_dir).get("pid") == proc.pid and answers(socket_of(run_dir)):
+            from cerevisor_tui.config.paths import default_runs_dir
+
+            # a run id is found in the default runs directory; a run elsewhere is named by its directory
+            name = run_id if run_dir.resolve().parent == default_runs_dir().resolve() else str(run_dir)
+            where = "" if name == run_id else f" --runs-dir {run_dir.parent}"
+            print(f"run {run_id} started in {run_dir} (process {proc.pid}); it goes on without this terminal")
+            print(f"  attach: cerevisor-tui attach {name}    list: cerevisor-tui ls{where}    stop: cerevisor-tui stop {name}")
+            return 0
+        code = proc.poll()
+        if code is not None:
+            tail = ""
+            with contextlib.suppress(OSError):
+                tail = log_path.read_text(errors="replace").strip().splitlines()[-1]
+            print(f"cerevisor-tui run: the detached run ended at once (exit code {code}): {tail}", file=sys.stderr)
+            return code or 1
+        time.sleep(0.05)
+    print(f"cerevisor-tui run: the detached run (process {proc.pid}) did not open its control socket within "
+          f"{DETACH_WAIT_S:.0f} s; see {run_dir / 'run.log'}", file=sys.stderr)
+    return 1
 
 
 def write_problem(journal: Any, report_written: bool, run_dir: Path) -> str:

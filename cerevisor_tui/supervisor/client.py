@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -27,23 +26,6 @@ class AttachError(Exception):
 
 class CommandFailed(Exception):
     """The run refused or could not carry out a command: its own one-line reason."""
-
-
-_FIELDS: dict[str, frozenset[str]] = {}
-
-
-def event_from_dict(data: dict[str, Any]) -> ev.Event | None:
-    """An event as the journal or the socket carries it; None for a kind this version does not know."""
-    cls = ev.ALL_EVENTS.get(data.get("event", ""))
-    if cls is None:
-        return None
-    names = _FIELDS.get(cls.kind)
-    if names is None:
-        names = _FIELDS[cls.kind] = frozenset(f.name for f in dataclasses.fields(cls))
-    try:
-        return cls(**{k: v for k, v in data.items() if k in names})
-    except TypeError:  # a field it needs is missing: not an event of this version's shape
-        return None
 
 
 class ControlClient:
@@ -93,7 +75,7 @@ class ControlClient:
                     continue
                 kind = message["type"]
                 if kind == "event":
-                    event = event_from_dict(message.get("event") or {})
+                    event = ev.from_dict(message.get("event") or {})
                     if event is not None:
                         on_event(event)
                 elif kind == "reply":
@@ -140,3 +122,72 @@ class ControlClient:
         self.writer.close()
         with contextlib.suppress(Exception):
             await self.writer.wait_closed()
+
+
+class RemoteControl:
+    """The console's RunControl (ui/control.py) over a run's control socket. A command is sent at once and
+    answered later: it returns None (what it changed comes back as events), and a refusal is told to
+    `on_error` in the run's own words. Unbound, or bound to nothing (a run that has ended, shown read-only),
+    every command is refused with `refusal`."""
+
+    def __init__(self, on_error: Callable[[str], None], refusal: str = "not connected to the run yet") -> None:
+        self.client: ControlClient | None = None
+        self.on_error = on_error
+        self.refusal = refusal
+
+    def bind(self, client: ControlClient | None, refusal: str = "") -> None:
+        self.client = client
+        if refusal:
+            self.refusal = refusal
+
+    def _send(self, name: str, **args: Any) -> None:
+        client = self.client
+        if client is None:
+            self.on_error(self.refusal)
+            return None
+
+        def done(future: asyncio.Future[Any]) -> None:
+            if not future.cancelled() and future.exception() is not None:
+                self.on_error(str(future.exception()))
+
+        client.send(name, **args).add_done_callback(done)
+        return None
+
+    def set_mode(self, mode: str) -> None:
+        return self._send("set_mode", mode=mode)
+
+    def cycle_mode(self) -> None:
+        return self._send("cycle_mode")
+
+    def set_concurrency(self, cap: int) -> None:
+        return self._send("set_concurrency", cap=cap)
+
+    def nudge_cap(self, delta: int) -> None:
+        return self._send("nudge_cap", delta=delta)
+
+    def pause(self) -> None:
+        return self._send("pause")
+
+    def resume(self) -> None:
+        return self._send("resume")
+
+    def kill(self, agent: str, reason: str = "killed by operator") -> None:
+        return self._send("kill", agent=agent, reason=reason)
+
+    def extend(self, agent: str, seconds: float | None = None) -> None:
+        return self._send("extend", agent=agent, seconds=seconds)
+
+    def retry(self, agent: str) -> None:
+        return self._send("retry", agent=agent)
+
+    def set_stall(self, endpoint: str, policy: dict[str, Any]) -> None:
+        return self._send("set_stall", endpoint=endpoint, policy=policy)
+
+    def stop(self, reason: str = "run stopped") -> None:
+        return self._send("stop", reason=reason)
+
+    def probe(self, endpoint: str, max_concurrency: int | None = None) -> None:
+        return self._send("probe", endpoint=endpoint, max_concurrency=max_concurrency)
+
+    def cancel_probe(self, endpoint: str) -> None:
+        return self._send("cancel_probe", endpoint=endpoint)

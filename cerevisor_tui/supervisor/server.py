@@ -71,7 +71,7 @@ class ControlServer:
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        # each agent's answer so far in its current attempt: [attempt, content, reasoning, tool, tokens]
+        # each agent's answer so far in its current attempt: [attempt, content, reasoning, tool, tokens, last t]
         self._partial: dict[str, list[Any]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class ControlServer:
         if kind == "TokenDelta":
             part = self._partial.get(event.agent)
             if part is None or part[0] != event.attempt:
-                part = self._partial[event.agent] = [event.attempt, [], [], [], 0]
+                part = self._partial[event.agent] = [event.attempt, [], [], [], 0, event.t]
             if event.text:
                 part[1].append(event.text)
             if event.reasoning:
@@ -131,6 +131,7 @@ class ControlServer:
             if event.tool:
                 part[3].append(event.tool)
             part[4] += event.tokens
+            part[5] = event.t
         elif kind == "AgentStarted" or (kind == "MessageRecorded" and event.role == "assistant"):
             self._partial.pop(event.agent, None)
         if not self._clients:
@@ -175,9 +176,9 @@ class ControlServer:
                 raw = raw.strip()
                 if raw.startswith(b"{") and raw.endswith(b"}"):
                     lines.append(b'{"type":"event","event":' + raw + b"}\n")
-        now = time.monotonic()
-        for agent, (attempt, text, reasoning, tool, tokens) in self._partial.items():
-            delta = ev.TokenDelta(now, agent, attempt, "".join(text), "".join(reasoning), "".join(tool), tokens)
+        for agent, (attempt, text, reasoning, tool, tokens, last) in self._partial.items():
+            # at its last token's time: a console's idle clock runs from there
+            delta = ev.TokenDelta(last, agent, attempt, "".join(text), "".join(reasoning), "".join(tool), tokens)
             lines.append(encode({"type": "event", "event": delta.to_dict()}))
         return lines
 

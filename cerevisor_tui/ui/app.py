@@ -88,13 +88,16 @@ class CerevisorApp(App[int]):
         clock: Callable[[], float] = time.monotonic,
         resume_offer: ResumeOffer | None = None,
         tune_gc: bool = False,
+        attached: bool = False,
     ) -> None:
         """`clock` is what countdowns and rates are computed against (tests freeze it); `save_path` is
         where the settings screen saves, `save_template` the TOML it starts from when that file does not
         exist yet (the demo); `run`: the in-process run, awaited in a worker (None: only show the mirror);
         `resume_offer`: the last run of this config did not complete (the palette offers to resume it);
         `tune_gc`: set the process's garbage collector for a console (see `_tune_gc`; the command sets it,
-        tests that start many apps in one process do not)."""
+        tests that start many apps in one process do not); `attached`: the run lives in a process of its own
+        (`run` follows it over its control socket): leaving, a lost terminal or a signal detach from it, and
+        `q` asks whether to detach or stop it."""
         super().__init__(driver_class=_console_driver())
         self.control = control
         self.mirror = mirror
@@ -117,6 +120,7 @@ class CerevisorApp(App[int]):
         self.resume_offer = resume_offer
         self.probe_offered = False  # the probe is offered once per run, at the first switch to parallel/auto
         self._tune_gc_wanted = tune_gc
+        self.attached = attached
         self._gc_threshold: tuple[int, int, int] | None = None
         self.on_terminal_lost: Callable[[str], None] | None = None
         """Told (from Textual's output thread) when a write to the terminal failed; the console command sets
@@ -327,10 +331,14 @@ class CerevisorApp(App[int]):
         return any(a.status not in FINAL for a in self.mirror.agents.values())
 
     async def on_unmount(self) -> None:
-        """However the app ends, let the engine finish closing its streams (and the simulator) first."""
+        """However the app ends, let the engine finish closing its streams (and the simulator) first; an
+        attached console only closes its connection (the run goes on)."""
         self._restore_gc()
         worker = self._engine_worker
         if worker is None or worker.is_finished:
+            return
+        if self.attached:
+            worker.cancel()
             return
         self.control.stop("console closed")
         with contextlib.suppress(Exception, asyncio.CancelledError):
@@ -344,6 +352,12 @@ class CerevisorApp(App[int]):
     def request_quit(self) -> None:
         if self._shutting_down:
             return
+        if self.attached and self.run_active:
+            from cerevisor_tui.ui.screens.confirm import DetachScreen
+
+            running = sum(1 for a in self.mirror.agents.values() if a.status not in FINAL)
+            self.push_screen(DetachScreen(running), self._leave)
+            return
         if not self.run_active:
             self._begin_shutdown()
             return
@@ -356,19 +370,32 @@ class CerevisorApp(App[int]):
             lambda yes: self._begin_shutdown() if yes else None,
         )
 
-    def _begin_shutdown(self, exit_code: int | None = None, reason: str = "console quit") -> None:
+    def _leave(self, choice: str | None) -> None:
+        if choice == "detach":
+            self._begin_shutdown(0, "console detached")
+        elif choice == "stop":
+            self.control.stop("stopped from an attached console")
+            self._begin_shutdown(None, "console quit", stop=False)
+
+    def _begin_shutdown(self, exit_code: int | None = None, reason: str = "console quit", *, stop: bool = True) -> None:
         """`exit_code`: None when the operator quits (the run's own code is the console's); 128 + the signal's
         number when a signal ends the console, 129 when its terminal went away."""
         if self._shutting_down:
             return
         self._shutting_down = True
-        self.run_worker(self._stop_engine_and_exit(exit_code, reason), name="shutdown", group="shutdown")
+        self.run_worker(self._stop_engine_and_exit(exit_code, reason, stop=stop and not self.attached),
+                        name="shutdown", group="shutdown")
 
-    async def _stop_engine_and_exit(self, exit_code: int | None, reason: str) -> None:
-        """Stop the engine so every request is cancelled and its connection closed, then leave."""
+    async def _stop_engine_and_exit(self, exit_code: int | None, reason: str, *, stop: bool = True) -> None:
+        """Stop the engine so every request is cancelled and its connection closed, then leave. Attached to
+        a run in its own process (`stop` False): leave it as it is (the worker, its connection, ends here),
+        unless the operator chose to stop it, which waits for its end as a quit does."""
         worker = self._engine_worker
-        if worker is not None and not worker.is_finished:
-            self.control.stop(reason)
+        if worker is not None and not worker.is_finished and self.attached and exit_code is not None:
+            worker.cancel()  # detach: close the connection, the run goes on
+        elif worker is not None and not worker.is_finished:
+            if stop:
+                self.control.stop(reason)
             try:
                 await asyncio.wait_for(worker.wait(), STOP_WAIT_S if exit_code is None else SIGNAL_STOP_WAIT_S)
             except TimeoutError:

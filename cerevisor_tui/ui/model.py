@@ -240,6 +240,7 @@ class UiModel:
     _agent_track: dict[str, EndpointTrack] = field(default_factory=dict)
     _buckets: deque[list[float]] = field(default_factory=deque)
     _last_turn: dict[str, int] = field(default_factory=dict)
+    _streamed: dict[str, int] = field(default_factory=dict)  # answer characters streamed since AgentStarted
     _last_sample_at: float = -math.inf
 
     def stream(self, agent: str) -> AgentStream:
@@ -256,6 +257,8 @@ class UiModel:
                 stream.append(REASONING, event.reasoning)
             if event.text:
                 stream.append(CONTENT, event.text)
+                streamed = self._streamed
+                streamed[event.agent] = streamed.get(event.agent, 0) + len(event.text)
             if event.tool:
                 stream.append(TOOL, event.tool)
             self._count(event.t, event.tokens)
@@ -289,7 +292,15 @@ class UiModel:
         return found
 
     def _on_MessageRecorded(self, e: ev.MessageRecorded) -> None:
-        # Assistant text already arrived token by token; only the user's side is written whole.
+        # Assistant text arrives token by token; what did not (a console fed from the journal, or attached after
+        # the answer began streaming and before the run replayed it) is written from the whole answer.
+        if e.role == "assistant":
+            seen = self._streamed.pop(e.agent, 0)
+            if seen < len(e.content):
+                stream = self.stream(e.agent)
+                if not seen and e.reasoning:
+                    stream.append(REASONING, e.reasoning + "\n")
+                stream.append(CONTENT, e.content[seen:])
         if e.role == "user":
             stream = self.stream(e.agent)
             lead = "\n\n" if stream.chars else ""
@@ -304,6 +315,7 @@ class UiModel:
             label += f" · attempt {e.attempt}"
         self._last_turn[e.agent] = e.turn
         self._agent_track[e.agent] = self.track(e.endpoint)
+        self._streamed.pop(e.agent, None)
         stream.append(META, f"\n{label}\n")
         self.notes.pop(e.agent, None)
 

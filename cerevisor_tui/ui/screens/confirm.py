@@ -38,3 +38,39 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def action_answer(self, yes: bool) -> None:
         self.dismiss(yes)
+
+
+class DetachScreen(ModalScreen[str | None]):
+    """`q` in a console attached to a run: detach (the run goes on; the safe answer, focused first), stop the
+    run, or stay. Dismisses with "detach", "stop" or None."""
+
+    BINDINGS = [
+        Binding("d", "choose('detach')", "Detach", id="detach_detach", tooltip="Leave; the run goes on"),
+        Binding("s", "choose('stop')", "Stop run", id="detach_stop", tooltip="Stop the run for every console"),
+        Binding("escape", "choose(None)", "Stay", id="detach_stay", tooltip="Back to the run"),
+    ]
+
+    def __init__(self, running: int) -> None:
+        super().__init__()
+        self._title = "Leave the run"
+        self._question = (f"{running} agent(s) have not finished. Detach (the run goes on, `cerevisor-tui attach` "
+                          "comes back to it) or stop the run (for every console)?")
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="dialog"):
+            yield Static(self._title, id="dialog-title", markup=False)
+            yield Static(self._question, id="dialog-question", markup=False)
+            with Horizontal(id="dialog-buttons"):
+                yield Button("Detach (d)", variant="primary", id="detach")
+                yield Button("Stop run (s)", variant="error", id="stop")
+                yield Button("Stay (esc)", id="stay")
+
+    def on_mount(self) -> None:
+        self.query_one("#detach", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        self.dismiss(event.button.id if event.button.id in ("detach", "stop") else None)
+
+    def action_choose(self, choice: str | None) -> None:
+        self.dismiss(choice)

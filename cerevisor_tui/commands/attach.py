@@ -1,0 +1,59 @@
+"""`cerevisor-tui attach [RUN]`: the console on a run, as a client of its control socket; a finished or
+crashed run opens read-only from its journal. `--jsonl`: no console, the events as JSON lines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+async def _print_events(run_dir: Path) -> int:
+    """Every event of a live run, the past ones first, until it ends; 0 when it finished, 1 when the
+    connection was lost."""
+    from cerevisor_tui.supervisor.client import AttachError, ControlClient
+
+    try:
+        client = await ControlClient.connect(run_dir)
+    except AttachError as exc:
+        print(f"cerevisor-tui attach: {exc}", file=sys.stderr)
+        return 1
+    out = sys.stdout
+
+    def show(event: Any) -> None:
+        out.write(json.dumps(event.to_dict(), ensure_ascii=False) + "\n")
+
+    why = await client.run(show)
+    out.flush()
+    await client.close()
+    print(f"cerevisor-tui attach: {why}", file=sys.stderr)
+    return 0 if client.bye.startswith("the run ended") else 1
+
+
+def print_journal(run_dir: Path) -> int:
+    with open(run_dir / "events.jsonl", "rb") as fh:
+        for raw in fh:
+            raw = raw.strip()
+            if raw:
+                sys.stdout.write(raw.decode("utf-8", "replace") + "\n")
+    return 0
+
+
+def main(args: Any) -> int:
+    from cerevisor_tui.commands.ls import runs_dir_of
+    from cerevisor_tui.supervisor.runs import find, run_info
+
+    try:
+        run_dir = find(args.run, runs_dir_of(args))
+    except LookupError as exc:
+        print(f"cerevisor-tui attach: {exc}", file=sys.stderr)
+        return 1
+    info = run_info(run_dir)
+    live = info is not None and info.state == "live"
+    if args.jsonl:
+        return asyncio.run(_print_events(run_dir)) if live else print_journal(run_dir)
+    from cerevisor_tui.commands.console_client import open_console
+
+    return open_console(run_dir, live=live, args=args, state=info.state if info else "")
