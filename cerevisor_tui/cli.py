@@ -49,6 +49,9 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cerevisor-tui {__version__}")
     parser.add_argument("--config", metavar="FILE", help="config file (TOML); default: see lookup below")
     parser.add_argument("--theme", metavar="NAME", help="colour theme (cerevisor-dark, cerevisor-light, cerevisor-contrast, ...)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="console: run the workflow inside the console's own process (it ends with the console) "
+                             "instead of in a run process the console attaches to (which outlives the terminal)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     run = sub.add_parser(

@@ -240,13 +240,15 @@ def main(args: Any) -> int:
         runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
         runs = ConsoleRuns(config, runs_dir, config_key(setup))
         last = incomplete_last_run(runs_dir, runs.config_key, config)  # before this run's own directory exists
-        engine = runs.open_fresh()
+        engine = runs.open_fresh() if getattr(args, "in_process", False) else None
     except (ConfigError, JournalError, ThemeError) as exc:
         print(f"cerevisor-tui: {exc}", file=sys.stderr)
         return 2
 
     from cerevisor_tui.commands.terminal_watch import TerminalWatch
 
+    if engine is None:
+        return detached_console(setup, runs, last, args, theme=theme, themes=themes)
     app = build_app(setup, runs, engine, last, theme=theme, themes=themes, tune_gc=True)
     watch = TerminalWatch(app.stop_from_thread, lambda code, reason: runs.abandon(f"{reason}; forced exit"))
     app.on_terminal_lost = watch.lost
@@ -289,3 +291,95 @@ def build_app(setup: ConsoleSetup, runs: ConsoleRuns, engine: Engine, last: Last
     return CerevisorApp(handle.control, handle.mirror, setup.config, run=handle.run, simulated=setup.simulated,
                         config_path=setup.config_path, save_path=setup.save_path, save_template=setup.save_template,
                         resume_offer=offer, **kwargs)
+
+
+WORKFLOW_FILE = "workflow.toml"
+"""In a console run's directory, when its config is not a file of the user's (the demo, or a config whose
+endpoints and agents are the demo's): the workflow the run process reads."""
+
+
+def workflow_file(setup: ConsoleSetup, run_dir: Path) -> Path:
+    """The config file the run's own process reads: the user's file, or the demo's workflow written out."""
+    if setup.config_path is not None and not setup.demo:
+        return setup.config_path
+    import tomli_w
+
+    if setup.config_path is None:
+        text = demo_text()
+    else:  # the user's settings with the demo's endpoints and agents (resolve_config)
+        data = tomllib.loads(setup.config_path.read_text(encoding="utf-8"))
+        demo = tomllib.loads(demo_text())
+        data["endpoints"], data["agents"] = demo["endpoints"], demo["agents"]
+        text = tomli_w.dumps(data)
+    path = run_dir / WORKFLOW_FILE
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | None, args: Any, **app_options: Any) -> int:
+    """The console's run in a process of its own, and the console attached to it: the run survives the
+    terminal (an SSH drop is a detach; `cerevisor-tui attach` comes back to it)."""
+    from cerevisor_tui.commands.console_client import attached_handle, open_console
+    from cerevisor_tui.commands.run import DetachError, how_to_reach, spawn_detached
+    from cerevisor_tui.engine.engine import new_run_id
+    from cerevisor_tui.supervisor.runs import run_info
+    from cerevisor_tui.ui.app import ResumeOffer
+
+    run_id = new_run_id()
+    run_dir = runs.runs_dir / run_id
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_file = workflow_file(setup, run_dir)
+        write_run_file(run_dir, run_id, runs.config_key)
+        spawn_detached(str(config_file), run_dir, run_id=run_id)
+    except (OSError, DetachError) as exc:
+        print(f"cerevisor-tui: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 1
+    apps: list[Any] = []
+
+    def notify(message: str, severity: str) -> None:
+        if apps:
+            apps[0].notify(message, severity=severity, timeout=10)
+
+    def resume(config: Config) -> Any:
+        """Go on with the last run in a process of its own, and follow it (the app stops this one first)."""
+        assert last is not None
+        write_run_file(last.run_dir, last.run_id, runs.config_key)
+        try:
+            spawn_detached(str(config_file), last.run_dir, resume=True)
+        except DetachError as exc:
+            raise RuntimeError(str(exc)) from None
+        return attached_handle(last.run_dir, notify)
+
+    live_before = ""
+    if last is not None:
+        info = run_info(last.run_dir)
+        if info is not None and info.state == "live":  # still running, in the background: not to resume
+            live_before = (f"Run {last.run_id} of this config is still running in the background: "
+                           f"`cerevisor-tui attach {last.run_dir}` shows it.")
+            last = None
+    offer = ResumeOffer(last.run_id, last.done, last.total, resume) if last is not None else None
+    if live_before:
+        apps_ready = apps.append
+
+        def on_app(app: Any) -> None:
+            apps_ready(app)
+            app.call_later(lambda: app.notify(live_before, title="Also running", severity="warning", timeout=20))
+    else:
+        on_app = apps.append
+    code = open_console(run_dir, live=True, args=args, config=setup.config, config_path=setup.config_path,
+                        simulated=setup.simulated, save_path=setup.save_path, save_template=setup.save_template,
+                        resume_offer=offer, on_app=on_app, **app_options)
+    for followed in (run_dir, last.run_dir if last is not None else None):
+        info = run_info(followed) if followed is not None else None
+        if info is not None and info.state == "live":
+            print(f"run {info.run_id} goes on without this console; {how_to_reach(followed, info.run_id)}",
+                  file=sys.stderr)
+    return code
+
+
+def write_run_file(run_dir: Path, run_id: str, config: str) -> None:
+    from cerevisor_tui.config.paths import write_json_atomic
+
+    write_json_atomic(run_dir / RUN_FILE, {"run_id": run_id, "config": config,
+                                           "started_at": datetime.now(UTC).isoformat()})

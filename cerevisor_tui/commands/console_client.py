@@ -6,6 +6,7 @@ crashed) opens read-only from its events.jsonl, every command refused with a lin
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,42 +29,60 @@ def ui_config(run_dir: Path, explicit: str | None) -> tuple[Config, Path | None]
     return validate({}), None
 
 
-def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "") -> int:
-    from cerevisor_tui.commands.terminal_watch import TerminalWatch
+def attached_handle(run_dir: Path, notify: Callable[[str, str], None]) -> Any:
+    """A RunHandle that follows the live run in `run_dir` over its control socket: commands through a
+    RemoteControl, a mirror fed from the socket, and `run` (what the app awaits) reading until the run ends
+    (its exit code) or the connection is lost (1, said on screen). `notify(message, severity)`."""
     from cerevisor_tui.supervisor.client import AttachError, ControlClient, RemoteControl
-    from cerevisor_tui.ui.app import CerevisorApp
+    from cerevisor_tui.ui.app import RunHandle
     from cerevisor_tui.ui.mirror import RunMirror
 
-    config, config_path = ui_config(run_dir, getattr(args, "config", None))
     mirror = RunMirror()
+    control = RemoteControl(lambda message: notify(message, "warning"))
+
+    async def follow() -> int:
+        try:
+            client = await ControlClient.connect(run_dir)
+        except AttachError as exc:
+            notify(str(exc), "error")
+            return 1
+        control.bind(client)
+        try:
+            why = await client.run(mirror)
+        finally:
+            control.bind(None, f"the connection to run {run_dir.name} has ended")
+            await client.close()
+        if mirror.finished is not None:
+            return mirror.finished.exit_code
+        notify(f"{why}; `cerevisor-tui attach {run_dir}` tries again", "error")
+        return 1
+
+    return RunHandle(control, mirror, follow)
+
+
+def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app_options: Any) -> int:
+    """The console on the run in `run_dir` (live: attached; else read-only from its journal) until the operator
+    leaves or the terminal goes away; returns the console's exit code. `app_options` go to the app (the
+    console's own runs pass their config's paths and the resume offer)."""
+    from cerevisor_tui.commands.terminal_watch import TerminalWatch
+    from cerevisor_tui.supervisor.client import RemoteControl
+    from cerevisor_tui.ui.app import CerevisorApp, RunHandle
+    from cerevisor_tui.ui.mirror import RunMirror
+
+    on_app = app_options.pop("on_app", None)
+    config = app_options.pop("config", None)
+    config_path = app_options.pop("config_path", None)
+    if config is None:
+        config, config_path = ui_config(run_dir, getattr(args, "config", None))
     apps: list[CerevisorApp] = []
 
-    def refused(message: str) -> None:
+    def notify(message: str, severity: str = "warning") -> None:
         if apps:
-            apps[0].notify(message, title="Not done", severity="warning", timeout=6)
+            apps[0].notify(message, title="Not done" if severity == "warning" else "Detached", severity=severity,
+                           timeout=6 if severity == "warning" else 30)
 
-    control = RemoteControl(refused)
-    follow = None
     if live:
-        async def follow() -> int:
-            """Follow the run until it ends (its exit code) or the connection is lost (1, said on screen)."""
-            try:
-                client = await ControlClient.connect(run_dir)
-            except AttachError as exc:
-                refused(str(exc))
-                return 1
-            control.bind(client)
-            try:
-                why = await client.run(mirror)
-            finally:
-                control.bind(None, f"the connection to run {run_dir.name} has ended")
-                await client.close()
-            if mirror.finished is not None:
-                return mirror.finished.exit_code
-            if apps:
-                apps[0].notify(f"{why}; `cerevisor-tui attach {run_dir.name}` tries again", title="Detached",
-                               severity="error", timeout=30)
-            return 1
+        handle = attached_handle(run_dir, notify)
     else:
         from cerevisor_tui.engine.journal import JournalError, read_records
 
@@ -72,14 +91,20 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "") -> in
         except JournalError as exc:
             print(f"cerevisor-tui attach: {exc}", file=sys.stderr)
             return 1
+        mirror = RunMirror()
         mirror.feed_records(records)
         goes_on = "" if state == "finished" else f" (`cerevisor-tui run FILE --resume {run_dir.name}` goes on with it)"
-        control.bind(None, f"run {run_dir.name} is {state or 'not running'}: this console shows it read-only{goes_on}")
-    app = CerevisorApp(control, mirror, config, run=follow, attached=True, config_path=config_path,
-                       theme=getattr(args, "theme", None), tune_gc=True)
+        control = RemoteControl(lambda message: notify(message, "warning"),
+                                f"run {run_dir.name} is {state or 'not running'}: this console shows it read-only{goes_on}")
+        handle = RunHandle(control, mirror, None)
+    app_options.setdefault("theme", getattr(args, "theme", None))
+    app = CerevisorApp(handle.control, handle.mirror, config, run=handle.run, attached=True, config_path=config_path,
+                       tune_gc=True, **app_options)
     apps.append(app)
+    if on_app is not None:
+        on_app(app)
     if not live:
-        app.call_later(lambda: refused(control.refusal))
+        app.call_later(lambda: notify(handle.control.refusal))
     watch = TerminalWatch(app.stop_from_thread, lambda code, reason: None)
     app.on_terminal_lost = watch.lost
     watch.start()

@@ -233,58 +233,75 @@ async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: st
 DETACH_WAIT_S = 60.0
 
 
-def detach(args: Any, run_dir: Path, run_id: str) -> int:
-    """Start this run in a process of its own (own session, no terminal, SIGHUP ignored), wait until its
-    control socket answers, say where it is, return 0. The config was checked here already: what is wrong
-    with it is said before anything starts."""
+class DetachError(Exception):
+    """A detached run could not be started: one line says why."""
+
+
+def spawn_detached(config_file: str, run_dir: Path, *, run_id: str = "", resume: bool = False,
+                   flags: list[str] | None = None) -> int:
+    """Start `run CONFIG --detached` in a process of its own (own session, no terminal, SIGHUP ignored), its
+    output in RUN_DIR/run.log, and wait until its control socket answers; returns its process id. Raises
+    DetachError when it ends at once (the last line of its log says why) or does not answer in time."""
     import subprocess
 
     from cerevisor_tui.supervisor.protocol import read_supervisor, socket_of
     from cerevisor_tui.supervisor.runs import answers
 
-    argv = [sys.executable, "-m", "cerevisor_tui", "run", str(Path(args.file).resolve()), "--detached"]
-    if args.resume is not None:
-        argv += ["--resume", str(run_dir.resolve())]
-    else:
-        argv += ["--run-dir", str(run_dir.resolve()), "--run-id", run_id]
-    for flag, value in (("--mode", args.mode), ("--concurrency", args.concurrency), ("--endpoint", args.endpoint),
-                        ("--model", args.model), ("--report", args.report and str(Path(args.report).resolve()))):
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.jsonl:
-        argv.append("--jsonl")
+    argv = [sys.executable, "-m", "cerevisor_tui", "run", str(Path(config_file).resolve()), "--detached"]
+    argv += (["--resume", str(run_dir.resolve())] if resume else
+             ["--run-dir", str(run_dir.resolve()), "--run-id", run_id])
+    argv += flags or []
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         log_path = run_dir / "run.log"
         log = open(log_path, "ab")
     except OSError as exc:
-        print(f"cerevisor-tui run: run directory {run_dir} is not usable: {exc.strerror or exc}", file=sys.stderr)
-        return 2
+        raise DetachError(f"run directory {run_dir} is not usable: {exc.strerror or exc}") from None
     with log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                 close_fds=True)
     deadline = time.monotonic() + DETACH_WAIT_S
     while time.monotonic() < deadline:
         if read_supervisor(run_dir).get("pid") == proc.pid and answers(socket_of(run_dir)):
-            from cerevisor_tui.config.paths import default_runs_dir
-
-            # a run id is found in the default runs directory; a run elsewhere is named by its directory
-            name = run_id if run_dir.resolve().parent == default_runs_dir().resolve() else str(run_dir)
-            where = "" if name == run_id else f" --runs-dir {run_dir.parent}"
-            print(f"run {run_id} started in {run_dir} (process {proc.pid}); it goes on without this terminal")
-            print(f"  attach: cerevisor-tui attach {name}    list: cerevisor-tui ls{where}    stop: cerevisor-tui stop {name}")
-            return 0
+            return proc.pid
         code = proc.poll()
         if code is not None:
             tail = ""
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, IndexError):
                 tail = log_path.read_text(errors="replace").strip().splitlines()[-1]
-            print(f"cerevisor-tui run: the detached run ended at once (exit code {code}): {tail}", file=sys.stderr)
-            return code or 1
+            raise DetachError(f"the detached run ended at once (exit code {code}): {tail}")
         time.sleep(0.05)
-    print(f"cerevisor-tui run: the detached run (process {proc.pid}) did not open its control socket within "
-          f"{DETACH_WAIT_S:.0f} s; see {run_dir / 'run.log'}", file=sys.stderr)
-    return 1
+    raise DetachError(f"the detached run (process {proc.pid}) did not open its control socket within "
+                      f"{DETACH_WAIT_S:.0f} s; see {log_path}")
+
+
+def how_to_reach(run_dir: Path, run_id: str) -> str:
+    """The commands that reach a detached run: by id in the default runs directory, else by its directory."""
+    from cerevisor_tui.config.paths import default_runs_dir
+
+    name = run_id if run_dir.resolve().parent == default_runs_dir().resolve() else str(run_dir)
+    where = "" if name == run_id else f" --runs-dir {run_dir.parent}"
+    return f"attach: cerevisor-tui attach {name}    list: cerevisor-tui ls{where}    stop: cerevisor-tui stop {name}"
+
+
+def detach(args: Any, run_dir: Path, run_id: str) -> int:
+    """`run --detach`: start the run in a process of its own, say where it is, return 0. The config was checked
+    here already: what is wrong with it is said before anything starts."""
+    flags: list[str] = []
+    for flag, value in (("--mode", args.mode), ("--concurrency", args.concurrency), ("--endpoint", args.endpoint),
+                        ("--model", args.model), ("--report", args.report and str(Path(args.report).resolve()))):
+        if value is not None:
+            flags += [flag, str(value)]
+    if args.jsonl:
+        flags.append("--jsonl")
+    try:
+        pid = spawn_detached(args.file, run_dir, run_id=run_id, resume=args.resume is not None, flags=flags)
+    except DetachError as exc:
+        print(f"cerevisor-tui run: {exc}", file=sys.stderr)
+        return 1
+    print(f"run {run_id} started in {run_dir} (process {pid}); it goes on without this terminal")
+    print(f"  {how_to_reach(run_dir, run_id)}")
+    return 0
 
 
 def write_problem(journal: Any, report_written: bool, run_dir: Path) -> str:

@@ -1,7 +1,7 @@
 """The console in a real terminal (tmux): a fresh start shows the simulator's agents streaming within
-5 s, `m` changes the mode badge, `q` then confirm exits (1: the run's agents were cancelled) and leaves the
+5 s, `m` changes the mode badge, `q` then "stop the run" exits (1: its agents were cancelled) and leaves the
 terminal as it found it; the exit code is the run's; and a terminal that goes away (`tmux kill-session`,
-what an SSH drop does) ends the console within 5 s, its run stopped and its report written."""
+what an SSH drop does) ends the console within 5 s while its run, in a process of its own, goes on."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from cerevisor_tui.supervisor.runs import run_info
 
 TMUX = shutil.which("tmux")
 SCRIPT = Path(sys.executable).with_name("cerevisor-tui")
@@ -82,9 +84,9 @@ def test_fresh_console_streams_switches_mode_and_quits_cleanly(tmp_path):
         screen = term.wait(lambda s: "AUTO" in s.splitlines()[1], 3.0, "AUTO mode badge")
         assert "PARALLEL" not in screen.splitlines()[1]
 
-        term.keys("q")
-        term.wait(lambda s: "have not finished" in s, 3.0, "quit confirmation")
-        term.keys("y")
+        term.keys("q")  # the run lives in a process of its own: leave it running (d) or stop it (s)
+        term.wait(lambda s: "have not finished" in s and "Detach (d)" in s, 3.0, "leave dialog")
+        term.keys("s")
         screen = term.wait(lambda s: "EXIT:" in s, 10.0, "exit")
         assert "EXIT:1" in screen  # the run's code: its agents did not all complete (they were cancelled)
         # the terminal is restored: main screen, cursor shown, no mouse reporting, nothing of the app left
@@ -97,6 +99,7 @@ def test_fresh_console_streams_switches_mode_and_quits_cleanly(tmp_path):
     runs = list((tmp_path / "state" / "cerevisor-tui" / "runs").iterdir())
     assert len(runs) == 1
     assert (runs[0] / "events.jsonl").stat().st_size > 0 and (runs[0] / "report.json").is_file()
+    assert json.loads((runs[0] / "events.jsonl").read_text().splitlines()[-1])["event"] == "RunFinished"
     assert list((runs[0] / "transcripts").glob("*.jsonl"))
 
 
@@ -193,7 +196,8 @@ max_tokens = 4000
     "exec",  # the console is the session leader: the hang-up sends it SIGHUP (and SIGCONT)
     "child",  # a child of a shell that ignores SIGHUP: no signal at all, only a tty that stopped answering
 ])
-def test_tmux_kill_session_ends_the_console_within_5_s_with_its_run_stopped_and_reported(tmp_path, shell):
+def test_tmux_kill_session_ends_the_console_within_5_s_and_its_run_goes_on(tmp_path, shell):
+    """An SSH drop: the console ends (a detach), its run, in a process of its own, does not; `stop` ends it."""
     config = workflow(tmp_path, sim="tokens_per_s = 5.0", agents=SLOW_AGENTS)
     term = Terminal(tmp_path)
     rc_file = tmp_path / "rc"
@@ -222,7 +226,13 @@ def test_tmux_kill_session_ends_the_console_within_5_s_with_its_run_stopped_and_
     finally:
         term.close()
     assert gone_after_s < 5.0, f"the console was still there {gone_after_s:.1f} s after its terminal went"
-    report = json.loads((run_dir(tmp_path) / "report.json").read_text())
+    run = run_info(run_dir(tmp_path))
+    assert run is not None and run.state == "live"
+    assert not [line for line in (run.path / "events.jsonl").read_text().splitlines() if "cancelled" in line]
+    stop = subprocess.run([sys.executable, "-m", "cerevisor_tui", "stop", str(run.path)], capture_output=True,
+                          text=True, timeout=60)
+    assert stop.returncode == 0, stop.stderr
+    report = json.loads((run.path / "report.json").read_text())
     assert report["finished_at"] and {a["status"] for a in report["agents"]} == {"cancelled"}
     if shell == "child":
         # the shell survives the hang-up and records the console's exit code: 129, as for SIGHUP
