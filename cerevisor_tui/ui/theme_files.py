@@ -1,6 +1,7 @@
 """Colour themes as TOML data files, turned into `textual.theme.Theme` objects.
 
-The packaged themes live in `cerevisor_tui/ui/themes/`; the user themes folder
+The shipped themes live in the repository's top-level `themes/` (`cerevisor_tui/ui/themes` links to it, so the
+wheel packages them as `cerevisor_tui/ui/themes/*.toml`); the user themes folder
 (`paths.user_themes_dir()`) is read after them, so a user file may replace a packaged theme by name.
 """
 

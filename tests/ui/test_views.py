@@ -273,3 +273,15 @@ async def test_a_long_transcript_is_wrapped_from_its_end_and_older_lines_as_the_
         view.scroll_end(animate=False, immediate=True)
         await pilot.pause()
         assert shown()[-1] == "line 2999" and view.following
+
+
+def test_the_shipped_themes_are_the_top_level_themes_folder():
+    """themes/ beside config.example.toml is what the package loads (its ui/themes links there)."""
+    from pathlib import Path
+
+    from cerevisor_tui.ui.theme_files import packaged_themes
+
+    root = Path(__file__).resolve().parents[2] / "themes"
+    shipped = sorted(p.stem for p in root.glob("*.toml"))
+    assert shipped == ["cerevisor-contrast", "cerevisor-dark", "cerevisor-light"]
+    assert sorted(packaged_themes()) == shipped
