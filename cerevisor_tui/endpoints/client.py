@@ -29,17 +29,15 @@ from cerevisor_tui.endpoints.errors import (
     StreamBroken,
 )
 from cerevisor_tui.endpoints.network import use_asyncio_backend
+from cerevisor_tui.kinds import DELTA, FINISH, KEEPALIVE, USAGE
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line longer than this is a protocol error, not a memory leak
 MAX_ERROR_BODY_BYTES = 64 << 10
 _scan_json = json.JSONDecoder().scan_once  # (text, index) -> (object, end index)
 _scan_string = json.decoder.scanstring  # (text, index after the opening quote) -> (string, end index)
 
-# What the stream yields: (kind, payload)
-KEEPALIVE = 0  # payload None: an SSE comment or a chunk with nothing in it
-DELTA = 1  # payload (content, reasoning, tool_text, chunks): the text of `chunks` consecutive chunks of one read
-USAGE = 2  # payload (prompt_tokens, completion_tokens)
-FINISH = 3  # payload finish_reason
+# What the stream yields: (kind, payload), the kinds as cerevisor_tui/kinds.py defines them (KEEPALIVE, DELTA,
+# USAGE, FINISH); imported from here by the worker, the probe and the engine
 
 
 def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncClient:

@@ -1,0 +1,37 @@
+"""The fixed sets of names the layers share, each defined once: run modes, agent statuses, stream item kinds.
+
+Dependency-free (the standard library's `typing` only), so `cli.py` can offer the modes without importing
+pydantic or the engine. Modes and statuses are `Literal` types, so their values stay the very strings the
+config, the journal and the report hold; a typo is a type error, and a new name shows every place to update.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal, NewType, get_args
+
+Mode = Literal["sequential", "parallel", "auto"]
+"""How many agents run at once: one, up to the cap, or as many as each endpoint's server sustains."""
+MODES: Final[tuple[Mode, ...]] = get_args(Mode)
+
+ActiveStatus = Literal["waiting", "prefill", "streaming", "stalling", "retrying"]
+"""The statuses of an agent holding a running slot ("waiting": a local endpoint still loading)."""
+FinalStatus = Literal["completed", "failed", "killed", "skipped", "cancelled"]
+"""The statuses an agent ends in (AgentFinished.status, the report's `status`)."""
+Status = Literal["pending", "queued", ActiveStatus, FinalStatus]
+"""An agent's status, as the engine keeps it and its events tell it."""
+STATUSES: Final[tuple[Status, ...]] = get_args(Status)
+FINAL_STATUSES: Final[tuple[FinalStatus, ...]] = get_args(FinalStatus)  # in the report's order
+FINAL: Final[frozenset[str]] = frozenset(FINAL_STATUSES)
+ACTIVE: Final[frozenset[str]] = frozenset(get_args(ActiveStatus))
+
+# What a chat stream yields: (kind, payload). Plain ints at run time: they are compared once a token, and
+# the stream worker's pipe (`marshal`) carries them, which takes no IntEnum.
+StreamItemKind = NewType("StreamItemKind", int)
+KEEPALIVE: Final = StreamItemKind(0)  # payload None: an SSE comment or a chunk with nothing in it
+DELTA: Final = StreamItemKind(1)  # payload (content, reasoning, tool_text, chunks): `chunks` consecutive chunks' text
+USAGE: Final = StreamItemKind(2)  # payload (prompt_tokens, completion_tokens)
+FINISH: Final = StreamItemKind(3)  # payload finish_reason
+# the stream worker's own, on its pipe only (endpoints/worker.py)
+BYTES: Final = StreamItemKind(4)  # payload None: bytes arrived (a partial line) that made no item yet
+END: Final = StreamItemKind(5)  # payload None: the stream ended cleanly
+ERROR: Final = StreamItemKind(6)  # payload (error class name, problem, status, retry_after_s, retryable)
