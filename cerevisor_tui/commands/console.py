@@ -320,7 +320,7 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
     """The console's run in a process of its own, and the console attached to it: the run survives the
     terminal (an SSH drop is a detach; `cerevisor-tui attach` comes back to it)."""
     from cerevisor_tui.commands.console_client import attached_handle, open_console
-    from cerevisor_tui.commands.run import DetachError, how_to_reach, spawn_detached
+    from cerevisor_tui.commands.run import DetachError, how_to_reach, spawn_detached, start_detached
     from cerevisor_tui.engine.engine import new_run_id
     from cerevisor_tui.supervisor.runs import run_info
     from cerevisor_tui.ui.app import ResumeOffer
@@ -331,7 +331,8 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
         run_dir.mkdir(parents=True, exist_ok=True)
         config_file = workflow_file(setup, run_dir)
         write_run_file(run_dir, run_id, runs.config_key)
-        spawn_detached(str(config_file), run_dir, run_id=run_id)
+        # the console draws while the run process starts (the two start-ups overlap); it connects once it answers
+        starting = start_detached(str(config_file), run_dir, run_id=run_id)
     except (OSError, DetachError) as exc:
         print(f"cerevisor-tui: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 1
@@ -369,7 +370,7 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
         on_app = apps.append
     code = open_console(run_dir, live=True, args=args, config=setup.config, config_path=setup.config_path,
                         simulated=setup.simulated, save_path=setup.save_path, save_template=setup.save_template,
-                        resume_offer=offer, on_app=on_app, **app_options)
+                        resume_offer=offer, on_app=on_app, starting=starting, **app_options)
     for followed in (run_dir, last.run_dir if last is not None else None):
         info = run_info(followed) if followed is not None else None
         if info is not None and info.state == "live":

@@ -29,10 +29,27 @@ def ui_config(run_dir: Path, explicit: str | None) -> tuple[Config, Path | None]
     return validate({}), None
 
 
-def attached_handle(run_dir: Path, notify: Callable[[str, str], None]) -> Any:
+async def until_served(proc: Any, run_dir: Path) -> None:
+    """Wait for a run process just started (commands/run.py `start_detached`) to answer on its socket; raises
+    DetachError if it ends first or takes longer than DETACH_WAIT_S."""
+    import asyncio
+    import time
+
+    from cerevisor_tui.commands.run import DETACH_WAIT_S, DetachError, served
+
+    deadline = time.monotonic() + DETACH_WAIT_S
+    while not served(proc, run_dir):
+        if time.monotonic() > deadline:
+            raise DetachError(f"the run process ({proc.pid}) did not open its control socket within "
+                              f"{DETACH_WAIT_S:.0f} s; see {run_dir / 'run.log'}")
+        await asyncio.sleep(0.02)
+
+
+def attached_handle(run_dir: Path, notify: Callable[[str, str], None], starting: Any = None) -> Any:
     """A RunHandle that follows the live run in `run_dir` over its control socket: commands through a
     RemoteControl, a mirror fed from the socket, and `run` (what the app awaits) reading until the run ends
-    (its exit code) or the connection is lost (1, said on screen). `notify(message, severity)`."""
+    (its exit code) or the connection is lost (1, said on screen). `notify(message, severity)`. `starting`:
+    the run's process, just started (the console draws while it starts, and connects once it answers)."""
     from cerevisor_tui.supervisor.client import AttachError, ControlClient, RemoteControl
     from cerevisor_tui.ui.app import RunHandle
     from cerevisor_tui.ui.mirror import RunMirror
@@ -41,9 +58,13 @@ def attached_handle(run_dir: Path, notify: Callable[[str, str], None]) -> Any:
     control = RemoteControl(lambda message: notify(message, "warning"))
 
     async def follow() -> int:
+        from cerevisor_tui.commands.run import DetachError
+
         try:
+            if starting is not None:
+                await until_served(starting, run_dir)
             client = await ControlClient.connect(run_dir)
-        except AttachError as exc:
+        except (AttachError, DetachError) as exc:
             notify(str(exc), "error")
             return 1
         control.bind(client)
@@ -81,8 +102,9 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app
             apps[0].notify(message, title="Not done" if severity == "warning" else "Detached", severity=severity,
                            timeout=6 if severity == "warning" else 30)
 
+    starting = app_options.pop("starting", None)
     if live:
-        handle = attached_handle(run_dir, notify)
+        handle = attached_handle(run_dir, notify, starting)
     else:
         from cerevisor_tui.engine.journal import JournalError, read_records
 

@@ -237,15 +237,11 @@ class DetachError(Exception):
     """A detached run could not be started: one line says why."""
 
 
-def spawn_detached(config_file: str, run_dir: Path, *, run_id: str = "", resume: bool = False,
-                   flags: list[str] | None = None) -> int:
+def start_detached(config_file: str, run_dir: Path, *, run_id: str = "", resume: bool = False,
+                   flags: list[str] | None = None) -> Any:
     """Start `run CONFIG --detached` in a process of its own (own session, no terminal, SIGHUP ignored), its
-    output in RUN_DIR/run.log, and wait until its control socket answers; returns its process id. Raises
-    DetachError when it ends at once (the last line of its log says why) or does not answer in time."""
+    output in RUN_DIR/run.log; returns the Popen at once (`served` says when its socket answers)."""
     import subprocess
-
-    from cerevisor_tui.supervisor.protocol import read_supervisor, socket_of
-    from cerevisor_tui.supervisor.runs import answers
 
     argv = [sys.executable, "-m", "cerevisor_tui", "run", str(Path(config_file).resolve()), "--detached"]
     argv += (["--resume", str(run_dir.resolve())] if resume else
@@ -253,26 +249,43 @@ def spawn_detached(config_file: str, run_dir: Path, *, run_id: str = "", resume:
     argv += flags or []
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        log_path = run_dir / "run.log"
-        log = open(log_path, "ab")
+        log = open(run_dir / "run.log", "ab")
     except OSError as exc:
         raise DetachError(f"run directory {run_dir} is not usable: {exc.strerror or exc}") from None
     with log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                 close_fds=True)
+
+
+def served(proc: Any, run_dir: Path) -> bool:
+    """The run process started by `start_detached` answers on its control socket (False: not yet). Raises
+    DetachError when it has ended (the last line of its log says why)."""
+    from cerevisor_tui.supervisor.protocol import read_supervisor, socket_of
+    from cerevisor_tui.supervisor.runs import answers
+
+    if read_supervisor(run_dir).get("pid") == proc.pid and answers(socket_of(run_dir)):
+        return True
+    code = proc.poll()
+    if code is not None:
+        tail = ""
+        with contextlib.suppress(OSError, IndexError):
+            tail = (run_dir / "run.log").read_text(errors="replace").strip().splitlines()[-1]
+        raise DetachError(f"the run process ended at once (exit code {code}): {tail}")
+    return False
+
+
+def spawn_detached(config_file: str, run_dir: Path, *, run_id: str = "", resume: bool = False,
+                   flags: list[str] | None = None) -> int:
+    """`start_detached`, then wait until its control socket answers; returns its process id. Raises
+    DetachError when it ends at once or does not answer in DETACH_WAIT_S."""
+    proc = start_detached(config_file, run_dir, run_id=run_id, resume=resume, flags=flags)
     deadline = time.monotonic() + DETACH_WAIT_S
     while time.monotonic() < deadline:
-        if read_supervisor(run_dir).get("pid") == proc.pid and answers(socket_of(run_dir)):
+        if served(proc, run_dir):
             return proc.pid
-        code = proc.poll()
-        if code is not None:
-            tail = ""
-            with contextlib.suppress(OSError, IndexError):
-                tail = log_path.read_text(errors="replace").strip().splitlines()[-1]
-            raise DetachError(f"the detached run ended at once (exit code {code}): {tail}")
         time.sleep(0.05)
-    raise DetachError(f"the detached run (process {proc.pid}) did not open its control socket within "
-                      f"{DETACH_WAIT_S:.0f} s; see {log_path}")
+    raise DetachError(f"the run process ({proc.pid}) did not open its control socket within {DETACH_WAIT_S:.0f} s; "
+                      f"see {run_dir / 'run.log'}")
 
 
 def how_to_reach(run_dir: Path, run_id: str) -> str:
