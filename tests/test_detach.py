@@ -98,6 +98,16 @@ def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path):
     assert resumed.returncode == 0, resumed.stderr
     info = ls(tmp_path)[run_id]
     assert info["state"] == "finished" and info["done"] == info["total"] == 3
+    # a console opening it read-only sees the resumed run as it ended, not the crashed one's leftovers
+    from cerevisor_tui.engine.journal import read_records
+    from cerevisor_tui.ui.mirror import RunMirror
+
+    mirror = RunMirror()
+    mirror.feed_records(read_records(run_dir)[0])
+    assert {a.name: a.status for a in mirror.agents.values()} == {"a0": "completed", "a1": "completed",
+                                                                   "a2": "completed"}
+    assert mirror.finished is not None and mirror.finished.exit_code == 0
+    assert not [note for note in mirror.notes.values() if "cancel" in note]
 
 
 def test_detach_says_what_is_wrong_before_it_starts_anything(tmp_path: Path):

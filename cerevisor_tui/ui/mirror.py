@@ -201,6 +201,7 @@ class RunMirror(UiModel):
     def _see_RunStarted(self, e: ev.RunStarted) -> None:
         self.finished = None  # a resumed run goes on in the same journal
         self.stopping = ""
+        self.notes.clear()  # an earlier run's notes ("cancelled: run stopped") are not this run's
         self.wave = -1
         self.waves = [list(level) for level in e.waves]
         self.paused = e.paused
