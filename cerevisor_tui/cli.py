@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from cerevisor_tui import __version__
+from cerevisor_tui.kinds import MODES
 
 EPILOG = """\
 examples:
@@ -63,7 +64,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         formatter_class=_formatter,
     )
     run.add_argument("file", metavar="FILE", help="workflow config (TOML)")
-    run.add_argument("--mode", choices=["sequential", "parallel", "auto"],
+    run.add_argument("--mode", choices=MODES,
                      help="override [run].mode: sequential (one agent at a time), parallel (up to --concurrency), "
                      "auto (each endpoint's cap follows what its server sustains: KV fit, queue, preemptions, throughput)")
     run.add_argument("--concurrency", type=int, metavar="N",

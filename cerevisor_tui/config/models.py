@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Mode = Literal["sequential", "parallel", "auto"]
+from cerevisor_tui.kinds import Mode
+
 EndpointKind = Literal["local", "hosted", "simulated"]
 Liveness = Literal["tokens", "bytes"]
 

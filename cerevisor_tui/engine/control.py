@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from cerevisor_tui.config.models import ResolvedStall
-from cerevisor_tui.engine.scheduler import MODES
+from cerevisor_tui.kinds import MODES
 
 if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine

@@ -11,13 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-STATUSES = ("pending", "queued", "waiting", "prefill", "streaming", "stalling", "retrying",
-            "completed", "failed", "killed", "skipped", "cancelled")
-"""An agent's status, as the engine keeps it and its events tell it ("waiting": a local endpoint still loading)."""
-FINAL = frozenset({"completed", "failed", "killed", "skipped", "cancelled"})
-"""The statuses an agent ends in (AgentFinished.status)."""
-ACTIVE = frozenset({"waiting", "prefill", "streaming", "stalling", "retrying"})
-"""The statuses of an agent holding a running slot."""
+# An agent's statuses and the run's modes are defined in cerevisor_tui/kinds.py; the console reads them here.
+from cerevisor_tui.kinds import ACTIVE, FINAL, STATUSES, FinalStatus, Mode, Status  # noqa: F401
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +31,7 @@ class Event:
 class RunStarted(Event):
     kind: ClassVar[str] = "RunStarted"
     run_id: str
-    mode: str
+    mode: Mode
     max_concurrency: int
     waves: list[list[str]]
     endpoints: list[dict[str, Any]]
@@ -144,7 +139,7 @@ class WaveStarted(Event):
 class WaveFinished(Event):
     kind: ClassVar[str] = "WaveFinished"
     wave: int
-    statuses: dict[str, str]
+    statuses: dict[str, Status]
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +289,7 @@ class AgentFinished(Event):
 
     kind: ClassVar[str] = "AgentFinished"
     agent: str
-    status: str
+    status: FinalStatus
     error: str = ""
     output: str = ""
     # What a completed agent ran with (engine.agent_inputs): a resumed run compares it with its config
@@ -313,7 +308,7 @@ class AgentRerun(Event):
 @dataclass(frozen=True, slots=True)
 class ModeChanged(Event):
     kind: ClassVar[str] = "ModeChanged"
-    mode: str
+    mode: Mode
     effective_cap: int
     note: str = ""
 

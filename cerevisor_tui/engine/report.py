@@ -8,9 +8,10 @@ from typing import Any
 
 from cerevisor_tui.config.paths import write_json_atomic  # noqa: F401 - the journal and the console write with it
 from cerevisor_tui.engine import events as ev
+from cerevisor_tui.kinds import FINAL_STATUSES
 
 SCHEMA_VERSION = 1
-STATUSES = ("completed", "failed", "killed", "skipped", "cancelled")
+STATUSES = FINAL_STATUSES  # an agent's status in the report, and the totals counted by it, in this order
 
 
 def _now_iso() -> str:

@@ -16,13 +16,13 @@ from contextlib import asynccontextmanager
 
 import anyio
 
-MODES = ("sequential", "parallel", "auto")
+from cerevisor_tui.kinds import MODES, Mode
 
 
 class Scheduler:
-    def __init__(self, mode: str, max_concurrency: int, endpoint_caps: dict[str, int],
+    def __init__(self, mode: Mode, max_concurrency: int, endpoint_caps: dict[str, int],
                  on_change: Callable[[], None] | None = None) -> None:
-        self.mode = mode
+        self.mode: Mode = mode
         self.max_concurrency = max_concurrency
         self.endpoint_caps = dict(endpoint_caps)
         self.paused = False
@@ -57,7 +57,7 @@ class Scheduler:
     def queued(self) -> int:
         return len(self._waiters)
 
-    def set_mode(self, mode: str) -> None:
+    def set_mode(self, mode: Mode) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
         self.mode = mode
