@@ -48,8 +48,8 @@ Speed and clocks. Every run is at `--speed` 4 (4x real time), at which the host 
 pace. As fast as the host goes (speed 1000) the large caps give the same figures (within 0.3%), but
 small ones read up to 11% low: the engine's turnaround between an agent's turns then costs simulated
 time that a real server would not lose. The engine itself runs on the simulator's clock: for each
-run, the `time` that cerevisor_tui.engine.engine reads `monotonic()` through (every timestamp, Auto's
-throughput windows included) is replaced by one that reads the simulated clock. A real server and its
+run, the `time` that the engine's modules (engine, conversation, watchdog, monitor, connections) read
+`monotonic()` through (every timestamp, Auto's throughput windows included) is replaced by one that reads the simulated clock. A real server and its
 client share one clock; here the simulated server slows down when the host is busy and the wall clock
 does not, so on the wall clock the controller would take the host's hiccups for the server's
 throughput (on a busy 2-core box, slow starts ended at 8 by noise). `--engine-clock wall` shows that,
@@ -97,6 +97,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.engine import connections, conversation, monitor, watchdog
 from cerevisor_tui.engine import engine as engine_module
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.engine import Engine
@@ -260,9 +261,13 @@ class _ServerClock:
         return getattr(time, name)
 
 
+# the engine and its parts: each reads the clock through its own module's `time`
+_CLOCKED_MODULES = (engine_module, connections, conversation, monitor, watchdog)
+
+
 def server_clock_works() -> bool:
-    """Whether the engine reads its clock through its module's `time`, which `_engine_clock` swaps."""
-    return getattr(engine_module, "time", None) is time
+    """Whether the engine reads its clock through its modules' `time`, which `_engine_clock` swaps."""
+    return all(getattr(module, "time", None) is time for module in _CLOCKED_MODULES)
 
 
 @contextlib.contextmanager
@@ -270,11 +275,14 @@ def _engine_clock(sim: Any, on_server_clock: bool) -> Iterator[None]:
     if not on_server_clock:
         yield
         return
-    engine_module.time = _ServerClock(sim)
+    clock = _ServerClock(sim)
+    for module in _CLOCKED_MODULES:
+        module.time = clock
     try:
         yield
     finally:
-        engine_module.time = time
+        for module in _CLOCKED_MODULES:
+            module.time = time
 
 
 # ---- one run -------------------------------------------------------------------------------------------
@@ -579,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.metrics_interval_s:
         args.metrics_interval_s = round(DEFAULT_METRICS_INTERVAL_S / args.scale / args.speed, 4)
     if args.engine_clock == "server" and not server_clock_works():
-        print("auto_mode: cerevisor_tui.engine.engine no longer reads its clock through its module's `time`: "
+        print("auto_mode: the engine's modules no longer read their clock through their module's `time`: "
               "the engine runs on the wall clock (update _engine_clock)", file=sys.stderr)
         args.engine_clock = "wall"
     # auto starts as on a fresh install: no probe recommendation saved for some earlier loopback port

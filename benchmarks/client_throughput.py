@@ -470,14 +470,14 @@ def _use_chat_stream_from(path: str) -> None:
     """Client R: the engine builds its streams from the ChatStream of the endpoints/client.py at `path`."""
     import importlib.util
 
-    from cerevisor_tui.engine import engine as engine_module
+    from cerevisor_tui.engine import connections
 
     spec = importlib.util.spec_from_file_location("cerevisor_bench_baseline_client", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # @dataclass looks its class's module up while it runs
     spec.loader.exec_module(module)
-    engine_module.ChatStream = module.ChatStream  # type: ignore[attr-defined]
+    connections.ChatStream = module.ChatStream  # type: ignore[attr-defined]  # what Connections.stream builds
 
 
 def client_main(mode: str, base_url: str, streams: int, tokens: int, window: tuple[float, float],

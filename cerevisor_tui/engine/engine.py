@@ -1,8 +1,11 @@
-"""The engine: runs a workflow's waves through the scheduler, streams each agent's turns, and watches
-every attempt with two deadlines. Everything it does is told as events; commands change it live.
+"""The engine: runs a workflow's waves through the scheduler, one conversation per agent, and tells
+everything it does as events; commands change it live.
 
 The engine owns no clock but `time.monotonic()` and no UI: a console, a headless printer, a journal
-and a report all subscribe to the same events.
+and a report all subscribe to the same events. Its parts, each in a module of its own and handed what it
+needs of the engine's state: the endpoints' connections (engine/connections.py), the server monitor
+(engine/monitor.py), the stall watchdog (engine/watchdog.py) and each agent's conversation and attempts
+(engine/conversation.py). This module keeps the commands, the waves, auto mode's feed and the run loop.
 """
 
 from __future__ import annotations
@@ -10,161 +13,54 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
-import os
-import random
 import secrets
 import time
-import urllib.parse
-from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import httpx
 
 from cerevisor_tui.config.graph import OUTPUT_REF, wave_levels
 from cerevisor_tui.config.models import AgentConfig, Config, EndpointConfig, ResolvedStall, resolve_stall
-from cerevisor_tui.config.secrets import Scrubber, StreamScrubber, key_problem
-from cerevisor_tui.endpoints.client import (
-    DELTA,
-    KEEPALIVE,
-    ChatStream,
-    build_client,
-    list_models,
-)
-from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable, MissingApiKey
-from cerevisor_tui.endpoints.metrics import MetricsSnapshot, ServerStatus, prefix_hit_rate, read_server
+from cerevisor_tui.config.secrets import Scrubber
+from cerevisor_tui.endpoints.errors import EndpointError
+from cerevisor_tui.endpoints.metrics import ServerStatus
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.auto import AutoController, Change, Signals
+from cerevisor_tui.engine.connections import Connections, api_key, wants_stream_process
+from cerevisor_tui.engine.conversation import (
+    BACKOFF_BASE_S,
+    BACKOFF_CAP_S,
+    RETRY_AFTER_CAP_S,
+    WAIT_BACKOFF_CAP_S,
+    AgentEnded,
+    AgentState,
+    Conversations,
+    Subscriber,
+    TurnFigures,
+    request_id,
+)
+from cerevisor_tui.engine.monitor import ServerMonitor
 from cerevisor_tui.engine.report import Report
-from cerevisor_tui.engine.scheduler import MODES, Scheduler
+from cerevisor_tui.engine.scheduler import Scheduler
+from cerevisor_tui.engine.watchdog import Attempt, BusyCheck, Watchdog, fmt_s
+from cerevisor_tui.kinds import FINAL, MODES, FinalStatus, Mode
 
 if TYPE_CHECKING:
-    from cerevisor_tui.endpoints.worker import RemoteStream, StreamWorker
+    from cerevisor_tui.endpoints.worker import StreamWorker
 
-Subscriber = Callable[[ev.Event], None]
-BusyCheck = Callable[[str], Awaitable[str | None]]
-
-BACKOFF_BASE_S = 0.5
-BACKOFF_CAP_S = 30.0
-RETRY_AFTER_CAP_S = 60.0
-WAIT_BACKOFF_CAP_S = 5.0
-FINAL = ev.FINAL
-_TOKEN_DELTA_FIELDS = ("t", "agent", "attempt", "text", "reasoning", "tool", "tokens")  # what _stream fills in directly
-
-
-def fmt_s(seconds: float) -> str:
-    """Seconds as the operator reads them: 1800 s, 2.5 s, 0.25 s."""
-    if seconds >= 10:
-        return f"{seconds:.0f} s"
-    return f"{seconds:.3g} s"
+# What other modules, tests and benchmarks import from here, wherever it lives now.
+__all__ = [
+    "BACKOFF_BASE_S", "BACKOFF_CAP_S", "FINAL", "RETRY_AFTER_CAP_S", "WAIT_BACKOFF_CAP_S", "AgentState", "Attempt",
+    "BusyCheck", "Engine", "Subscriber", "api_key", "fmt_s", "new_run_id", "request_id", "wants_stream_process",
+]
 
 
 def new_run_id() -> str:
     return datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(2)
-
-
-def request_id(run_id: str, agent: str, turn: int, attempt: int) -> str:
-    """The id an attempt's request carries to the server (X-Request-Id): the run, the agent, turn and attempt."""
-    return f"{run_id}.{agent}.t{turn}.a{attempt}"
-
-
-@dataclass(eq=False)
-class Attempt:
-    """One streamed request of one turn, with its stall clock."""
-
-    number: int
-    turn: int
-    sent_at: float
-    last_alive: float = 0.0
-    first_token_at: float | None = None
-    tokens: int = 0
-    phase: str = "first_byte"
-    deadline_at: float = math.inf
-    base: float = 0.0
-    extra_s: float = 0.0
-    extensions: int = 0
-    warned: int = 0
-    kill_reason: str = ""
-    kill_deadline: str = ""
-    by_operator: bool = False
-    restart: bool = False
-    stream: ChatStream | RemoteStream | None = None
-    scope: anyio.CancelScope | None = None
-    nap: anyio.CancelScope | None = None  # the watchdog's sleep: cancelled to make it look again at once
-    # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
-    alive: anyio.Event = field(default_factory=anyio.Event)
-
-    def kill(self, deadline: str, reason: str, *, by_operator: bool = False, restart: bool = False) -> None:
-        if self.kill_reason:
-            return
-        self.kill_deadline, self.kill_reason = deadline, reason
-        self.by_operator, self.restart = by_operator, restart
-        if self.scope is not None:
-            self.scope.cancel()
-
-
-@dataclass(eq=False)
-class AgentState:
-    """What the engine knows of one agent now; read by the console, written only by the engine."""
-
-    config: AgentConfig
-    endpoint: str
-    wave: int
-    status: str = "pending"
-    turn: int = 0
-    attempts: int = 0  # requests sent, over all turns
-    turn_attempts: dict[int, int] = field(default_factory=dict)  # turn -> its attempts so far (1: no retry yet)
-    retries_used: int = 0
-    tokens: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    ttft_s: float | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    decode_s: float = 0.0
-    stall_warnings: int = 0
-    error: str = ""
-    output: str = ""
-    current: Attempt | None = None
-    scope: anyio.CancelScope | None = None
-    end_status: str = ""
-    end_reason: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
-    turns_done: int = 0
-    last_prompt_tokens: int = 0  # what the server counted for the last completed turn
-    last_completion_tokens: int = 0
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def turns(self) -> int:
-        return 1 + len(self.config.turns)
-
-    @property
-    def output_tokens_per_s(self) -> float | None:
-        return self.completion_tokens / self.decode_s if self.decode_s > 0 else None
-
-
-class _AttemptFailed(Exception):
-    def __init__(self, status: str, reason: str, *, retryable: bool, retry_after_s: float | None = None,
-                 restart: bool = False) -> None:
-        super().__init__(reason)
-        self.status, self.reason, self.retryable = status, reason, retryable
-        self.retry_after_s, self.restart = retry_after_s, restart
-
-
-class _AgentEnded(Exception):
-    def __init__(self, status: str, reason: str) -> None:
-        super().__init__(reason)
-        self.status, self.reason = status, reason
 
 
 class Engine:
@@ -174,9 +70,6 @@ class Engine:
                  completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None,
                  stream_process: bool = False) -> None:
         self.config = config
-        # the agents' streams read by a worker process (endpoints/worker.py) rather than in this loop
-        self.stream_process = stream_process
-        self.stream_process_problem = ""  # why the worker could not start, if it could not
         self.run_id = run_id or new_run_id()
         self.run_dir = run_dir
         self.waves = wave_levels(config.agents)
@@ -203,23 +96,8 @@ class Engine:
         self._agents_on: dict[str, list[AgentState]] = {ep.name: [] for ep in config.endpoints}
         for st in self.agents.values():
             self._agents_on.setdefault(st.endpoint, []).append(st)
-        self._rejections: dict[str, int] = {ep.name: 0 for ep in config.endpoints}  # 429/503 answers
-        self._ttfts: dict[str, deque[float]] = {ep.name: deque(maxlen=16) for ep in config.endpoints}
-        # tokens per character, as the server counts them: [prompt tokens, characters sent]
-        self._token_ratio: dict[str, list[float]] = {ep.name: [0.0, 0.0] for ep in config.endpoints}
-        self._turn_tokens: dict[str, list[float]] = {ep.name: [0.0, 0.0] for ep in config.endpoints}
-        self.last_sample: dict[str, ev.ServerSample] = {}
-        self._samples: dict[str, int] = {ep.name: 0 for ep in config.endpoints}
-        self.base_urls: dict[str, str] = {ep.name: ep.base_url for ep in config.endpoints}
-        self.models: dict[str, str] = {ep.name: ep.model for ep in config.endpoints if ep.model}
-        self.busy_check: BusyCheck | None = None
-        # KV load per endpoint: the configured estimate, replaced by the server's own capacity when it reports one
-        self.load: dict[str, load.LoadEstimate | None] = {}
-        self.load_notes: dict[str, str] = {}
-        for ep in config.endpoints:
-            self.load[ep.name], self.load_notes[ep.name] = load.from_config(ep)
-        self.server_status: dict[str, ServerStatus] = {}
-        self.server_status_at: dict[str, float] = {}
+        # what each endpoint's turns measured (rejections, TTFTs, tokens per character and per answer): auto's figures
+        self.figures: dict[str, TurnFigures] = {ep.name: TurnFigures() for ep in config.endpoints}
         self._load_sent: dict[str, ev.LoadChanged] = {}  # the last LoadChanged of each endpoint
         self._background: anyio.abc.TaskGroup | None = None  # the run's long-lived tasks (monitors, probes)
         self._probes: dict[str, anyio.CancelScope] = {}  # endpoint -> its running probe
@@ -241,19 +119,49 @@ class Engine:
         self._history = [e for e in history or () if e.get("agent") not in self.rerun]
         self.report = Report()
         self._subscribers: list[Subscriber] = [self.report]
-        self._clients: dict[str, httpx.AsyncClient] = {}
-        self._worker: StreamWorker | None = None
-        self._model_locks: dict[str, anyio.Lock] = {}
-        self._requeue: list[AgentState] = []
         self._wave_group: anyio.abc.TaskGroup | None = None
-        self._rng = random.Random()
         # every form of the run's API keys, taken out of whatever text enters the run (config/secrets.py)
         self.scrub = Scrubber.from_env(ep.api_key_env for ep in config.endpoints)
+        # The run's parts, each handed what it needs of the engine's state (the same objects, not copies).
+        self.connections = Connections(config, self.emit, stream_process=stream_process)
+        self.base_urls = self.connections.base_urls  # the simulator's, once it is started
+        self.models = self.connections.models  # configured, or resolved from /v1/models
+        self.monitor = ServerMonitor(config, self.connections, self.emit, self.projected_context)
+        # KV load per endpoint: the configured estimate, replaced by the server's own capacity when it reports one
+        self.load = self.monitor.load
+        self.load_notes = self.monitor.load_notes
+        self.last_sample = self.monitor.last_sample
+        self.server_status = self.monitor.status
+        self.server_status_at = self.monitor.status_at
+        self.watchdog = Watchdog(self.policies, self.emit)
+        self.conversations = Conversations(
+            run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
+            watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
+            scrub=self.scrub, render=self.render, stopping=lambda: self.stopping)
+
+    @property
+    def stream_process(self) -> bool:
+        """Whether the agents' streams are read by a worker process (endpoints/worker.py) rather than in this loop."""
+        return self.connections.stream_process
+
+    @property
+    def stream_process_problem(self) -> str:
+        """Why the stream worker could not start, if it could not (the run then reads in this process)."""
+        return self.connections.stream_process_problem
 
     @property
     def stream_worker(self) -> StreamWorker | None:
         """The process reading the agents' streams while a run is going with `stream_process` on."""
-        return self._worker
+        return self.connections.worker
+
+    @property
+    def busy_check(self) -> BusyCheck | None:
+        """Asked at a stall deadline whether the server is busy; the run sets the monitor's unless one is set."""
+        return self.watchdog.busy_check
+
+    @busy_check.setter
+    def busy_check(self, check: BusyCheck | None) -> None:
+        self.watchdog.busy_check = check
 
     # ---- events -------------------------------------------------------------------------------
     def subscribe(self, subscriber: Subscriber) -> None:
@@ -266,7 +174,7 @@ class Engine:
             subscriber(event)
 
     # ---- commands (live) ----------------------------------------------------------------------
-    def set_mode(self, mode: str) -> None:
+    def set_mode(self, mode: Mode) -> None:
         """Switch sequential/parallel/auto now; running agents are never stopped by it."""
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}")
@@ -278,7 +186,7 @@ class Engine:
                 self._apply_auto(name, ctl.resume())
         self._refresh_load()
 
-    def cycle_mode(self) -> str:
+    def cycle_mode(self) -> Mode:
         mode = MODES[(MODES.index(self.scheduler.mode) + 1) % len(MODES)]
         self.set_mode(mode)
         return mode
@@ -337,17 +245,7 @@ class Engine:
         att = st.current
         if att is None or st.status in FINAL:
             return False
-        seconds = seconds if seconds is not None else self.policies[st.endpoint].extend_s
-        att.extra_s += seconds
-        att.deadline_at += seconds
-        # re-arm only the warnings still ahead of the new deadline
-        total = att.deadline_at - att.base
-        now = time.monotonic()
-        att.warned = sum(1 for f in self.policies[st.endpoint].warn_at if att.base + f * total <= now)
-        self.emit(ev.StallExtended(time.monotonic(), name, att.number, att.phase, seconds, "extended by operator",
-                                   att.deadline_at, att.extensions, by_operator=True))
-        if st.status == "stalling":
-            st.status = "streaming" if att.first_token_at is not None else "prefill"
+        self.watchdog.extend(st, att, seconds)
         return True
 
     def set_stall(self, config: Config) -> list[str]:
@@ -369,9 +267,8 @@ class Engine:
         self.policies[endpoint] = policy
         self.emit(ev.StallPolicyChanged(time.monotonic(), endpoint, policy.model_dump()))
         for st in self._agents_on.get(endpoint, ()):
-            att = st.current
-            if att is not None and att.nap is not None:
-                att.nap.cancel()  # the watchdog recomputes the deadline under the new policy now
+            if st.current is not None:
+                st.current.look_again()  # the watchdog recomputes the deadline under the new policy now
         return True
 
     def retry(self, name: str) -> str:
@@ -407,7 +304,7 @@ class Engine:
         """Run every wave; returns the exit code (0 all completed, 1 some failed or were killed)."""
         self.started_at = time.monotonic()
         async with AsyncExitStack() as stack:
-            await self._open_endpoints(stack)
+            await self.connections.open(stack)
             self.emit(self.started_event(time.monotonic()))
             if self.stream_process_problem:
                 self.emit(ev.RunNotice(time.monotonic(), f"{self.stream_process_problem}. Reading the streams in "
@@ -455,59 +352,14 @@ class Engine:
         """Tasks that live as long as the run: each local endpoint's /health and /metrics, polled."""
         for ep in self.config.endpoints:
             if ep.kind != "hosted":
-                group.start_soon(self._monitor, ep.name)
+                group.start_soon(self.monitor.run, ep.name, self._refresh_load)
             group.start_soon(self._auto_loop, ep.name)
         if self.busy_check is None:
-            self.busy_check = self._server_busy
+            self.busy_check = self.monitor.busy
 
     async def read_server(self, endpoint: str) -> ServerStatus:
-        """One look at the endpoint's /health and /metrics; a server that answers nonsense is 'unknown', never a crash."""
-        base_url = self.base_urls[endpoint]
-        try:
-            return await read_server(self._clients[endpoint], base_url)
-        except Exception as exc:  # noqa: BLE001 - a monitoring read must never end the run
-            return ServerStatus(base_url=base_url, reachable=False, error=f"unreadable: {exc}"[:200])
-
-    async def _monitor(self, endpoint: str) -> None:
-        previous: MetricsSnapshot | None = None
-        while True:
-            status = await self.read_server(endpoint)
-            self.server_status[endpoint] = status
-            self.server_status_at[endpoint] = time.monotonic()
-            m = status.metrics
-            detail = status.loading_message or ("loading" if status.loading else "") or (status.error or "")
-            self.last_sample[endpoint] = sample = ev.ServerSample(
-                time.monotonic(), endpoint, status.reachable and not status.loading and (status.health_status or 0) < 400,
-                status.kind, _num(m.requests_running) if m else None, _num(m.requests_waiting) if m else None,
-                m.kv_cache_usage if m else None,
-                (prefix_hit_rate(previous, m) if m and previous else (m.prefix_cache_hit_rate if m else None)),
-                _num(m.preemptions) if m else None, _num(m.kv_cache_size_tokens) if m else None, detail,
-                slots_busy=status.slots.processing if status.slots else None,
-                slots_total=status.slots.total if status.slots else None,
-            )
-            self._samples[endpoint] += 1
-            self.emit(sample)
-            previous = m or previous
-            self._refresh_fit(endpoint, m.kv_cache_size_tokens if m is not None else None)
-            self._refresh_load(endpoint)
-            await anyio.sleep(self.config.run.metrics_interval_s)
-
-    def _refresh_fit(self, endpoint: str, server_kv_tokens: float | None) -> None:
-        """How many conversations fit: the server's own KV capacity when it reports one (else the configured
-        estimate's), over the conversation length `[endpoints.capacity] context_tokens` gives, or else the
-        one the agents' own conversations project to (their live context and their turns to come)."""
-        current = self.load.get(endpoint)
-        context = (self.endpoints[endpoint].capacity.context_tokens or int(self.projected_context(endpoint) or 0)
-                   or (current.context_tokens if current else 0))
-        if not context:
-            return
-        if server_kv_tokens:
-            if (current is None or current.source != "server" or current.kv_capacity_tokens != server_kv_tokens
-                    or current.context_tokens != context):
-                self.load[endpoint] = load.from_server(server_kv_tokens, context, current)
-        elif current is not None and current.context_tokens != context:
-            self.load[endpoint] = dataclasses.replace(
-                current, context_tokens=context, conversations_fit=current.kv_capacity_tokens // context)
+        """One look at the endpoint's /health and /metrics (see ServerMonitor.read)."""
+        return await self.monitor.read(endpoint)
 
     async def probe(self, endpoint: str, *, on_progress: Callable[[str], None] | None = None,
                     on_level: Callable[[Any], None] | None = None, max_concurrency: int | None = None) -> Any:
@@ -517,14 +369,14 @@ class Engine:
         """
         from cerevisor_tui.endpoints.probe import ProbeSettings, probe_conversations
 
-        if endpoint not in self._clients:
+        if endpoint not in self.connections.clients:
             raise EndpointError(endpoint, "the run is not open: probe it with `cerevisor-tui probe URL`")
         ep = self.endpoints[endpoint]
         settings = ProbeSettings(max_concurrency=max_concurrency or max(2, ep.max_concurrency))
         # shaped like this endpoint's agents (their prompts, turns, growing conversations); none: single requests
         agents = [st.config for st in self._agents_on.get(endpoint, ())]
         return await probe_conversations(
-            self._clients[endpoint], self.base_urls[endpoint], agents, model=self.models.get(endpoint) or None,
+            self.connections.clients[endpoint], self.base_urls[endpoint], agents, model=self.models.get(endpoint) or None,
             settings=settings, on_progress=on_progress, on_level=on_level, endpoint=endpoint,
             save=ep.kind != "simulated")  # the built-in simulator's port is new every run: nothing to remember
 
@@ -569,7 +421,7 @@ class Engine:
         if endpoint in self._probes:
             return  # one at a time per endpoint: the one running reports
         self.emit(ev.ProbeStarted(time.monotonic(), endpoint, bound, agents))
-        if self._background is None or self.stopping or endpoint not in self._clients:
+        if self._background is None or self.stopping or endpoint not in self.connections.clients:
             self.emit(ev.ProbeFinished(time.monotonic(), endpoint, error=(
                 f"The run is not open: probe {endpoint} with `cerevisor-tui probe URL`.")))
             return
@@ -642,39 +494,39 @@ class Engine:
         """What the controller of `endpoint` sees now: the engine's own figures and the server's last sample."""
         states = self._agents_on.get(endpoint, [])
         sample = self.last_sample.get(endpoint)
-        ttfts = sorted(self._ttfts[endpoint])
+        figures = self.figures[endpoint]
+        ttfts = sorted(figures.ttfts)
         watched = self.endpoints[endpoint].kind != "hosted"
         kv_tokens = sample.kv_cache_tokens if sample is not None else None
         if not kv_tokens and self.load.get(endpoint) is not None:
             kv_tokens = self.load[endpoint].kv_capacity_tokens
-        produced, turns = self._turn_tokens[endpoint]
         return Signals(
             t=time.monotonic(), tokens=sum(st.tokens for st in states),
             running=self.scheduler.running_by_endpoint.get(endpoint, 0), queued=self.scheduler.queued_for(endpoint),
             cold=sum(1 for st in states if st.started_at is not None and st.ttft_s is None and st.status not in FINAL),
-            errors=self._rejections[endpoint], ttft_p50=ttfts[len(ttfts) // 2] if ttfts else None,
-            sample=self._samples[endpoint],
+            errors=figures.rejections, ttft_p50=ttfts[len(ttfts) // 2] if ttfts else None,
+            sample=self.monitor.samples[endpoint],
             server_ok=(sample.healthy if sample is not None else False) if watched else None,
             waiting=sample.waiting if sample else None, server_running=sample.running if sample else None,
             kv_usage=sample.kv_cache_usage if sample else None, preemptions=sample.preemptions if sample else None,
             prefix_hit_rate=sample.prefix_hit_rate if sample else None, kv_tokens=kv_tokens,
             slots=sample.slots_total if sample else None, context_tokens=self.projected_context(endpoint),
-            turn_tokens=produced / turns if turns else None,
+            turn_tokens=figures.answer_length(),
         )
 
     def projected_context(self, endpoint: str) -> float | None:
         """The mean full length, in tokens, of the conversations of `endpoint`'s agents still to run or running
         in the current wave: what each has sent so far by the server's own count, plus its turns to come (at
         the measured tokens per character) and their answers (at the measured answer length)."""
-        prompt_tokens, chars = self._token_ratio[endpoint]
-        per_char = prompt_tokens / chars if chars else 0.25
-        produced, turns = self._turn_tokens[endpoint]
+        figures = self.figures[endpoint]
+        per_char = figures.tokens_per_char()
+        measured = figures.answer_length()
         total, count = 0.0, 0
         for st in self._agents_on.get(endpoint, ()):
             if st.status in FINAL or (st.wave != self.wave and st.status == "pending"):
                 continue
             cfg = st.config
-            answer = produced / turns if turns else cfg.max_tokens
+            answer = measured if measured is not None else cfg.max_tokens
             texts = [cfg.prompt, *cfg.turns]
             if st.turns_done:
                 base = st.last_prompt_tokens + st.last_completion_tokens
@@ -685,23 +537,6 @@ class Engine:
             count += 1
         return total / count if count else None
 
-    def _count_turn(self, st: AgentState, messages: list[dict[str, str]], prompt_tokens: int, completion_tokens: int,
-                    ttft: float | None) -> None:
-        """A completed turn's figures, for auto mode's projection of conversation lengths and its TTFT."""
-        chars = sum(len(m["content"]) for m in messages)
-        ratio = self._token_ratio[st.endpoint]
-        if prompt_tokens:
-            ratio[0] += prompt_tokens
-            ratio[1] += chars
-        st.turns_done = st.turn
-        st.last_prompt_tokens = prompt_tokens or round(chars * (ratio[0] / ratio[1] if ratio[1] else 0.25))
-        st.last_completion_tokens = completion_tokens
-        answers = self._turn_tokens[st.endpoint]
-        answers[0] += completion_tokens
-        answers[1] += 1
-        if ttft is not None:
-            self._ttfts[st.endpoint].append(ttft)
-
     def _apply_auto(self, endpoint: str, change: Change) -> None:
         self.scheduler.set_endpoint_cap(endpoint, change.cap)
         s = self.scheduler
@@ -711,25 +546,8 @@ class Engine:
         self._refresh_load(endpoint)
 
     async def _server_busy(self, endpoint: str) -> str | None:
-        """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?
-
-        The monitor's recent sample answers at once when it can: a swamped server (the very case this check
-        is for) can take seconds to answer a fresh /metrics read, and a late event loop adds its own. A
-        sample that says busy stands for a while (a queue does not vanish in seconds); one that says not
-        busy only while it is as fresh as the monitor makes them. Otherwise, or with no usable sample (no
-        /metrics, an error), ask afresh.
-        """
-        if self.endpoints[endpoint].kind == "hosted":
-            return None
-        recent = self.server_status.get(endpoint)
-        age = time.monotonic() - self.server_status_at.get(endpoint, -math.inf)
-        interval = self.config.run.metrics_interval_s
-        if recent is not None and recent.busy_reason and age <= max(10.0, 3 * interval):
-            return recent.busy_reason
-        if recent is not None and recent.reachable and recent.metrics is not None and age <= 1.5 * interval + 0.5:
-            return None
-        status = await self.read_server(endpoint)
-        return status.busy_reason
+        """The run's own busy check (ServerMonitor.busy)."""
+        return await self.monitor.busy(endpoint)
 
     async def _run_wave(self, wave: int, states: list[AgentState]) -> None:
         self.wave = wave
@@ -773,7 +591,8 @@ class Engine:
             return
         st.status = "queued"
         self.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
-        status, reason = "completed", ""
+        status: FinalStatus = "completed"
+        reason = ""
         with anyio.CancelScope() as scope:
             st.scope = scope
             try:
@@ -781,10 +600,10 @@ class Engine:
                     async with self.scheduler.slot(st.name, st.endpoint):
                         st.started_at = time.monotonic()
                         self._refresh_load(st.endpoint)
-                        await self._conversation(st)
+                        await self.conversations.run(st)
                 finally:
                     self._refresh_load(st.endpoint)
-            except _AgentEnded as end:
+            except AgentEnded as end:
                 status, reason = end.status, end.reason
         st.scope = None
         if scope.cancelled_caught:
@@ -794,7 +613,7 @@ class Engine:
         else:
             self._finish(st, status, reason)
 
-    def _finish(self, st: AgentState, status: str, reason: str, output: str = "",
+    def _finish(self, st: AgentState, status: FinalStatus, reason: str, output: str = "",
                 inputs: dict[str, str] | None = None) -> None:
         st.status, st.error, st.output = status, reason, output
         st.current = None
@@ -856,328 +675,7 @@ class Engine:
         """Insert dependencies' final answers for {{ name.output }}."""
         return OUTPUT_REF.sub(lambda m: self.agents[m.group(1)].output, text)
 
-    async def _conversation(self, st: AgentState) -> None:
-        cfg = st.config
-        messages: list[dict[str, str]] = []
-        if cfg.system:
-            messages.append({"role": "system", "content": cfg.system})
-        user_turns = [cfg.prompt, *cfg.turns]
-        answer = ""
-        for turn, text in enumerate(user_turns):
-            st.turn = turn + 1
-            messages.append({"role": "user", "content": self.render(text)})
-            self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(st.turn, 0) + 1, st.turn, "user",
-                                         messages[-1]["content"]))
-            answer = await self._turn(st, messages)
-            messages.append({"role": "assistant", "content": answer})
-        st.messages = messages
-        st.output = answer
-
-    async def _turn(self, st: AgentState, messages: list[dict[str, str]]) -> str:
-        """One turn: its attempts are numbered within it (2 is its first retry or restart), and an operator's
-        rerun of the agent goes on counting, so 'attempt 2' always means the turn was sent before."""
-        while True:
-            st.attempts += 1
-            number = st.turn_attempts[st.turn] = st.turn_attempts.get(st.turn, 0) + 1
-            try:
-                return await self._attempt(st, messages, number)
-            except _AttemptFailed as failure:
-                if failure.restart:
-                    continue
-                if self.stopping:
-                    raise _AgentEnded("cancelled", self.stopping) from None
-                if not failure.retryable or st.retries_used >= st.config.retries:
-                    raise _AgentEnded(failure.status, failure.reason) from None
-                st.retries_used += 1
-                delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (st.retries_used - 1)) * (0.5 + self._rng.random())
-                if failure.retry_after_s is not None:
-                    delay = max(delay, min(failure.retry_after_s, RETRY_AFTER_CAP_S))
-                st.status = "retrying"
-                self.emit(ev.AgentRetrying(time.monotonic(), st.name, number + 1, failure.reason, delay))
-                await anyio.sleep(delay)
-
-    async def _attempt(self, st: AgentState, messages: list[dict[str, str]], number: int) -> str:
-        policy = self.policies[st.endpoint]
-        now = time.monotonic()
-        att = Attempt(number, st.turn, sent_at=now, last_alive=now,
-                      deadline_at=now + policy.first_byte_timeout_s)
-        st.current = att
-        st.status = "prefill"
-        self.emit(ev.AgentStarted(now, st.name, att.number, st.turn, st.turns, st.endpoint,
-                                  policy.first_byte_timeout_s, policy.idle_timeout_s))
-        parts: list[str] = []
-        thinking: list[str] = []
-        error: EndpointError | None = None
-        with anyio.CancelScope() as scope:
-            att.scope = scope
-            async with anyio.create_task_group() as group:
-                group.start_soon(self._watch, st, att, policy)
-                try:
-                    await self._stream(st, att, messages, policy, parts, thinking)
-                except EndpointError as exc:
-                    error = exc
-                group.cancel_scope.cancel()
-        st.current = None
-        answer = "".join(parts)
-        if att.kill_reason or error is not None or scope.cancelled_caught:
-            if parts or thinking:
-                self.emit(ev.MessageRecorded(time.monotonic(), st.name, att.number, st.turn, "assistant", answer,
-                                             "".join(thinking), partial=True))
-            if att.kill_reason:
-                if not att.restart:
-                    self.emit(ev.AgentKilled(time.monotonic(), st.name, att.number, att.kill_deadline,
-                                             att.kill_reason, att.tokens))
-                status = "cancelled" if self.stopping else "killed"
-                reason = att.kill_reason if att.by_operator else f"{att.kill_deadline} deadline: {att.kill_reason}"
-                raise _AttemptFailed(status, reason, retryable=not att.by_operator, restart=att.restart)
-            if error is not None:
-                if error.status in (429, 503):
-                    self._rejections[st.endpoint] += 1
-                raise _AttemptFailed("failed", str(error), retryable=error.retryable, retry_after_s=error.retry_after_s)
-            raise _AttemptFailed("cancelled", "cancelled", retryable=False)
-        stream = att.stream
-        usage = stream.usage if stream and stream.usage else None
-        prompt_tokens = usage[0] if usage else 0
-        completion_tokens = usage[1] if usage else att.tokens
-        end = time.monotonic()
-        st.prompt_tokens += prompt_tokens
-        st.completion_tokens += completion_tokens
-        ttft = att.first_token_at - att.sent_at if att.first_token_at is not None else None
-        if att.first_token_at is not None:
-            st.decode_s += end - att.first_token_at
-        self._count_turn(st, messages, prompt_tokens, completion_tokens, ttft)
-        self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking)))
-        self.emit(ev.TurnFinished(end, st.name, att.number, st.turn, st.turns, prompt_tokens, completion_tokens,
-                                  stream.finish_reason if stream else "", ttft, end - att.sent_at))
-        return answer
-
-    async def _stream(self, st: AgentState, att: Attempt, messages: list[dict[str, str]], policy: ResolvedStall,
-                      parts: list[str], thinking: list[str]) -> None:
-        ep = self.endpoints[st.endpoint]
-        client = self._clients[ep.name]
-        name, number = st.name, att.number
-        emit = self.emit
-        # token deltas skip emit()'s frame: the same loop over the same (live) list of subscribers
-        subscribers = self._subscribers
-        # TokenDelta is a frozen dataclass, whose generated __init__ sets each field through
-        # object.__setattr__: that was the costliest line of this loop. Its slots are filled through their
-        # descriptors instead (the same object, a third of the time), as long as its fields are still these.
-        new_event = object.__new__
-        TokenDelta = ev.TokenDelta
-        fast_delta = ("__slots__" in vars(TokenDelta) and not hasattr(TokenDelta, "__post_init__")
-                      and [f.name for f in dataclasses.fields(TokenDelta)] == list(_TOKEN_DELTA_FIELDS))
-        if fast_delta:
-            set_t = ev.Event.t.__set__
-            set_agent, set_attempt = TokenDelta.agent.__set__, TokenDelta.attempt.__set__
-            set_text, set_reasoning, set_tool = TokenDelta.text.__set__, TokenDelta.reasoning.__set__, TokenDelta.tool.__set__
-            set_tokens = TokenDelta.tokens.__set__
-        monotonic = time.monotonic
-        by_bytes = policy.liveness == "bytes"
-        # With a key configured, each delta field is scrubbed with the tail of the one before held back, as an
-        # echoed key may be split across deltas (config/secrets.py: StreamScrubber). Without one: one test.
-        held = (self.scrub.stream(), self.scrub.stream(), self.scrub.stream()) if self.scrub else None
-        # a header value must be ASCII: a non-ASCII agent name goes percent-encoded
-        agent_header = name if name.isascii() else urllib.parse.quote(name, safe="")
-        wait_s = 0.25
-        while True:
-            try:
-                model = await self._model(ep)
-                body = {
-                    "model": model,
-                    "messages": messages,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                    "max_tokens": st.config.max_tokens,
-                    "temperature": st.config.temperature,
-                }
-                url = self.base_urls[ep.name].rstrip("/") + "/chat/completions"
-                # X-Request-Id names the attempt in the server's own logs (vLLM takes it as its request id:
-                # "Aborted request(s) chatcmpl-<id>"); unique per run, agent, turn and attempt
-                headers = {"X-Cerevisor-Agent": agent_header,
-                           "X-Request-Id": request_id(self.run_id, agent_header, att.turn, number)}
-                stream: ChatStream | RemoteStream = (
-                    self._worker.stream(ep.name, url, body, headers) if self._worker is not None
-                    else ChatStream(client, ep.name, url, body, headers))
-                att.stream = stream
-                async for kind, payload in stream.events():
-                    if kind == DELTA:
-                        now = monotonic()
-                        att.last_alive = now
-                        content, reasoning, tool, chunks = payload
-                        if held is not None:
-                            content, reasoning, tool = _held_back(held, content, reasoning, tool)
-                        if att.first_token_at is None:
-                            att.first_token_at = now
-                            ttft = now - att.sent_at
-                            if st.ttft_s is None:
-                                st.ttft_s = ttft
-                            st.status = "streaming"
-                            att.alive.set()
-                            emit(ev.FirstToken(now, name, number, st.turn, ttft))
-                        elif st.status != "streaming":
-                            st.status = "streaming"
-                        att.tokens += chunks
-                        st.tokens += chunks
-                        if content:
-                            parts.append(content)
-                        if reasoning:
-                            thinking.append(reasoning)
-                        if fast_delta:
-                            delta = new_event(TokenDelta)
-                            set_t(delta, now)
-                            set_agent(delta, name)
-                            set_attempt(delta, number)
-                            set_text(delta, content)
-                            set_reasoning(delta, reasoning)
-                            set_tool(delta, tool)
-                            set_tokens(delta, chunks)
-                        else:
-                            delta = TokenDelta(now, name, number, content, reasoning, tool, chunks)
-                        for subscriber in subscribers:
-                            subscriber(delta)
-                    elif kind == KEEPALIVE:
-                        if by_bytes:
-                            att.last_alive = monotonic()
-                            att.alive.set()
-                        emit(ev.KeepAlive(monotonic(), name, number))
-                return
-            except EndpointUnreachable as exc:
-                exc.scrub(self.scrub)
-                # A local server that is still loading refuses its port: wait inside the first-byte window.
-                if ep.kind == "hosted" or att.first_token_at is not None:
-                    raise
-                st.status = "waiting"
-                emit(ev.EndpointWaiting(monotonic(), name, number, ep.name, exc.problem, wait_s))
-                await anyio.sleep(wait_s)
-                wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
-            except EndpointError as exc:  # the server's words, or the worker's: never with a key in them
-                raise exc.scrub(self.scrub) from None  # (the unscrubbed original must not ride along as context)
-            finally:
-                if held is not None and (held[0].carry or held[1].carry or held[2].carry):
-                    # the stream ended (or broke) on text that could have begun a key and did not: it is text
-                    tail = (held[0].flush(), held[1].flush(), held[2].flush())
-                    if tail[0]:
-                        parts.append(tail[0])
-                    if tail[1]:
-                        thinking.append(tail[1])
-                    for subscriber in subscribers:
-                        subscriber(TokenDelta(monotonic(), name, number, *tail, 0))
-
-    async def _model(self, ep: EndpointConfig) -> str:
-        """The model id to request: configured, or the first that /v1/models lists (asked once)."""
-        if ep.name in self.models:
-            return self.models[ep.name]
-        lock = self._model_locks.setdefault(ep.name, anyio.Lock())
-        async with lock:
-            if ep.name not in self.models:
-                listed = await list_models(self._clients[ep.name], ep.name, self.base_urls[ep.name])
-                if not listed:
-                    raise EndpointError(ep.name, "/v1/models lists no model; set model in the endpoint's config")
-                self.models[ep.name] = str(listed[0]["id"])
-                self.emit(ev.ModelResolved(time.monotonic(), ep.name, self.models[ep.name]))
-        return self.models[ep.name]
-
-    async def _watch(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
-        """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill.
-        The policy is the endpoint's current one at each look (`set_stall` changes it live)."""
-        monotonic = time.monotonic
-        seen_base = -1.0
-        while True:
-            now = monotonic()
-            changed = self.policies[st.endpoint] is not policy
-            policy = self.policies[st.endpoint]
-            fractions = policy.warn_at
-            if att.first_token_at is None and not (policy.liveness == "bytes" and att.last_alive > att.sent_at):
-                phase, base, window = "first_byte", att.sent_at, policy.first_byte_timeout_s
-            else:
-                phase, base, window = "idle", att.last_alive, policy.idle_timeout_s
-            if policy.liveness == "bytes" and att.stream is not None and att.stream.last_byte_at > base:
-                base = att.last_alive = att.stream.last_byte_at
-            if base != seen_base:  # a sign of life: the window starts again, warnings re-arm
-                seen_base = base
-                att.extra_s = 0.0
-                att.warned = 0
-            total = window + att.extra_s
-            if changed:  # a longer window re-arms the warnings it moved ahead; a shorter one gives its due ones now
-                att.warned = min(att.warned, sum(1 for f in fractions if now >= base + f * total))
-            att.phase = phase
-            att.deadline_at = base + total
-            att.base = base
-            while att.warned < len(fractions) and now >= base + fractions[att.warned] * total:
-                fraction = fractions[att.warned]
-                att.warned += 1
-                st.stall_warnings += 1
-                st.status = "stalling"
-                self.emit(ev.StallWarning(now, st.name, att.number, phase, fraction, max(0.0, att.deadline_at - now),
-                                          att.deadline_at))
-            if now >= att.deadline_at:
-                reason = await self._busy_reason(st, att, policy)
-                if reason:
-                    att.extensions += 1
-                    att.extra_s += policy.extend_s
-                    att.deadline_at += policy.extend_s
-                    att.warned = sum(1 for f in fractions if base + f * (total + policy.extend_s) <= now)
-                    self.emit(ev.StallExtended(monotonic(), st.name, att.number, phase, policy.extend_s, reason,
-                                               att.deadline_at, att.extensions))
-                    continue
-                if att.last_alive > base or (policy.liveness == "bytes" and att.stream is not None
-                                             and att.stream.last_byte_at > base):
-                    # it came back to life while the server was asked (or while this busy loop caught up
-                    # with bytes that had already arrived): not stalled after all
-                    continue
-                # measured now, after the busy check (which can take seconds), against the deadline in force
-                elapsed, limit = monotonic() - base, att.deadline_at - base
-                # named when the silence ran visibly past it (a slow busy check, a late loop), not for a tick's lag
-                late = elapsed - limit > max(0.5, 0.1 * limit)
-                deadline = f" (deadline {fmt_s(limit)})" if late and fmt_s(elapsed) != fmt_s(limit) else ""
-                if phase == "first_byte":
-                    why = f"no first token after {fmt_s(elapsed)}{deadline}"
-                else:
-                    why = f"no output for {fmt_s(elapsed)} after {att.tokens} tokens{deadline}"
-                att.kill(phase, why)
-                return
-            next_at = att.deadline_at
-            if att.warned < len(fractions):
-                next_at = min(next_at, base + fractions[att.warned] * total)
-            delay = max(0.0, next_at - monotonic()) + 0.001
-            with anyio.CancelScope() as att.nap, anyio.move_on_after(delay):
-                if phase == "first_byte" and not att.alive.is_set():
-                    await att.alive.wait()
-                else:
-                    await anyio.sleep(delay)
-            att.nap = None
-
-    async def _busy_reason(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> str | None:
-        """The seam for the server-busy extension: ask the endpoint whether it is loading or queueing."""
-        if not policy.extend_when_server_busy or att.extensions >= policy.max_extensions or self.busy_check is None:
-            return None
-        with anyio.move_on_after(2.0):
-            return await self.busy_check(st.endpoint)
-        return None
-
     # ---- endpoints ----------------------------------------------------------------------------
-    async def _open_endpoints(self, stack: AsyncExitStack) -> None:
-        cap = max(self.config.run.max_concurrency, *(ep.max_concurrency for ep in self.config.endpoints), 1)
-        for ep in self.config.endpoints:
-            key = api_key(ep)
-            if ep.kind == "simulated" and not ep.base_url:
-                from cerevisor_tui.sim import SimServer
-
-                server = await stack.enter_async_context(SimServer(ep.sim, port=0))
-                self.base_urls[ep.name] = server.base_url
-            client = build_client(min(cap, ep.max_concurrency), key)
-            self._clients[ep.name] = await stack.enter_async_context(client)
-        if self.stream_process:
-            from cerevisor_tui.endpoints.worker import StreamWorker
-
-            worker = StreamWorker()
-            for ep in self.config.endpoints:
-                worker.add_client(ep.name, min(cap, ep.max_concurrency), ep.api_key_env)
-            try:
-                self._worker = await stack.enter_async_context(worker)
-            except EndpointError as exc:  # a machine that cannot start it still runs, reading in this process
-                self.stream_process_problem = exc.problem
-
     def endpoint_summaries(self) -> list[dict[str, Any]]:
         """Endpoints as the report shows them: never the key, only the variable's name."""
         return [
@@ -1194,8 +692,9 @@ class Engine:
         self._refresh_load()
 
     @staticmethod
-    def _mode_note(mode: str) -> str:
+    def _mode_note(mode: Mode) -> str:
         return "each endpoint's cap follows what its server sustains; +/- move the ceiling" if mode == "auto" else ""
+
 
 
 def _saved_probe_cap(ep: EndpointConfig) -> tuple[int, str]:
@@ -1226,41 +725,3 @@ def _input_change(key: str, before: str, now: str) -> str:
         return f"model {before or '(the first listed)'} -> {now or '(the first listed)'}"
     return f"{key} {before} -> {now}"
 
-
-def _num(value: float | int | None) -> float | None:
-    return None if value is None else float(value)
-
-
-def api_key(ep: EndpointConfig) -> str | None:
-    """The endpoint's API key, from the environment variable its config names (never from a file); one
-    that cannot go in an HTTP header is refused, naming the variable, never showing the value."""
-    if not ep.api_key_env:
-        return None
-    value = os.environ.get(ep.api_key_env)
-    if not value:
-        raise MissingApiKey(ep.name, f"environment variable {ep.api_key_env} (api_key_env) is not set")
-    problem = key_problem(value)
-    if problem:
-        raise MissingApiKey(ep.name, f"environment variable {ep.api_key_env} (api_key_env) {problem}")
-    return value
-
-
-def _held_back(held: tuple[StreamScrubber, StreamScrubber, StreamScrubber], content: str, reasoning: str,
-               tool: str) -> tuple[str, str, str]:
-    """One delta's fields, scrubbed, less any tail that could begin a key (see StreamScrubber)."""
-    if content or held[0].carry:
-        content = held[0].feed(content)
-    if reasoning or held[1].carry:
-        reasoning = held[1].feed(reasoning)
-    if tool or held[2].carry:
-        tool = held[2].feed(tool)
-    return content, reasoning, tool
-
-
-def wants_stream_process(config: Config, *, console: bool) -> bool:
-    """`[run] stream_process`: "auto" reads the streams in a second process in the console (where drawing
-    competes with reading for the loop) when there is a second CPU to run it on."""
-    setting = config.run.stream_process
-    if setting == "auto":
-        return console and (os.cpu_count() or 1) >= 2
-    return setting == "on"

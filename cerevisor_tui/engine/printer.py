@@ -8,7 +8,7 @@ from collections import Counter
 from typing import TextIO
 
 from cerevisor_tui.engine import events as ev
-from cerevisor_tui.engine.engine import fmt_s
+from cerevisor_tui.engine.watchdog import fmt_s
 
 # Events that never make a line for people: checked first, as they come once per streamed chunk.
 _SILENT = frozenset({"TokenDelta", "KeepAlive"})

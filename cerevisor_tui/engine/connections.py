@@ -1,0 +1,110 @@
+"""The run's connections to its endpoints: an HTTP client for each (and the built-in simulator where one is
+configured without a URL), the model each is asked for, and who reads the agents' streams (this process, or
+the stream worker process of endpoints/worker.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+
+from cerevisor_tui.config.models import Config, EndpointConfig
+from cerevisor_tui.config.secrets import key_problem
+from cerevisor_tui.endpoints.client import ChatStream, build_client, list_models
+from cerevisor_tui.endpoints.errors import EndpointError, MissingApiKey
+from cerevisor_tui.engine import events as ev
+
+if TYPE_CHECKING:
+    from cerevisor_tui.endpoints.worker import RemoteStream, StreamWorker
+
+
+class Connections:
+    """Open for the length of a run (`open`); `stream` gives an attempt its stream, read where the run reads."""
+
+    def __init__(self, config: Config, emit: Callable[[ev.Event], None], *, stream_process: bool = False) -> None:
+        self.config = config
+        self.emit = emit
+        # the agents' streams read by a worker process (endpoints/worker.py) rather than in this loop
+        self.stream_process = stream_process
+        self.stream_process_problem = ""  # why the worker could not start, if it could not
+        self.base_urls: dict[str, str] = {ep.name: ep.base_url for ep in config.endpoints}
+        self.models: dict[str, str] = {ep.name: ep.model for ep in config.endpoints if ep.model}
+        self.clients: dict[str, httpx.AsyncClient] = {}
+        self.worker: StreamWorker | None = None
+        self._model_locks: dict[str, anyio.Lock] = {}
+
+    async def open(self, stack: AsyncExitStack) -> None:
+        """A client per endpoint (and its simulator, and the stream worker), closed when `stack` closes."""
+        cap = max(self.config.run.max_concurrency, *(ep.max_concurrency for ep in self.config.endpoints), 1)
+        for ep in self.config.endpoints:
+            key = api_key(ep)
+            if ep.kind == "simulated" and not ep.base_url:
+                from cerevisor_tui.sim import SimServer
+
+                server = await stack.enter_async_context(SimServer(ep.sim, port=0))
+                self.base_urls[ep.name] = server.base_url
+            client = build_client(min(cap, ep.max_concurrency), key)
+            self.clients[ep.name] = await stack.enter_async_context(client)
+        if self.stream_process:
+            from cerevisor_tui.endpoints.worker import StreamWorker
+
+            worker = StreamWorker()
+            for ep in self.config.endpoints:
+                worker.add_client(ep.name, min(cap, ep.max_concurrency), ep.api_key_env)
+            try:
+                self.worker = await stack.enter_async_context(worker)
+            except EndpointError as exc:  # a machine that cannot start it still runs, reading in this process
+                self.stream_process_problem = exc.problem
+
+    async def model(self, ep: EndpointConfig) -> str:
+        """The model id to request: configured, or the first that /v1/models lists (asked once)."""
+        if ep.name in self.models:
+            return self.models[ep.name]
+        lock = self._model_locks.setdefault(ep.name, anyio.Lock())
+        async with lock:
+            if ep.name not in self.models:
+                listed = await list_models(self.clients[ep.name], ep.name, self.base_urls[ep.name])
+                if not listed:
+                    raise EndpointError(ep.name, "/v1/models lists no model; set model in the endpoint's config")
+                self.models[ep.name] = str(listed[0]["id"])
+                self.emit(ev.ModelResolved(time.monotonic(), ep.name, self.models[ep.name]))
+        return self.models[ep.name]
+
+    def chat_url(self, endpoint: str) -> str:
+        return self.base_urls[endpoint].rstrip("/") + "/chat/completions"
+
+    def stream(self, endpoint: str, url: str, body: dict[str, Any],
+               headers: dict[str, str]) -> ChatStream | RemoteStream:
+        """One request's stream: read by the stream worker while it runs, else in this process."""
+        if self.worker is not None:
+            return self.worker.stream(endpoint, url, body, headers)
+        return ChatStream(self.clients[endpoint], endpoint, url, body, headers)
+
+
+def api_key(ep: EndpointConfig) -> str | None:
+    """The endpoint's API key, from the environment variable its config names (never from a file); one
+    that cannot go in an HTTP header is refused, naming the variable, never showing the value."""
+    if not ep.api_key_env:
+        return None
+    value = os.environ.get(ep.api_key_env)
+    if not value:
+        raise MissingApiKey(ep.name, f"environment variable {ep.api_key_env} (api_key_env) is not set")
+    problem = key_problem(value)
+    if problem:
+        raise MissingApiKey(ep.name, f"environment variable {ep.api_key_env} (api_key_env) {problem}")
+    return value
+
+
+def wants_stream_process(config: Config, *, console: bool) -> bool:
+    """`[run] stream_process`: "auto" reads the streams in a second process in the console (where drawing
+    competes with reading for the loop) when there is a second CPU to run it on."""
+    setting = config.run.stream_process
+    if setting == "auto":
+        return console and (os.cpu_count() or 1) >= 2
+    return setting == "on"

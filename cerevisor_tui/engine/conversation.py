@@ -1,0 +1,378 @@
+"""One agent's conversation: its turns in order, each turn's attempts (retried with backoff), each attempt
+streamed under the stall watchdog, and what the engine keeps of the agent meanwhile (`AgentState`).
+
+`Conversations._stream` is the run's hot path, once per token: see the measured fast path for TokenDelta there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import anyio
+
+from cerevisor_tui.config.models import AgentConfig, EndpointConfig, ResolvedStall
+from cerevisor_tui.config.secrets import Scrubber, StreamScrubber
+from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
+from cerevisor_tui.engine import events as ev
+from cerevisor_tui.engine.connections import Connections
+from cerevisor_tui.engine.watchdog import Attempt, Watchdog
+from cerevisor_tui.kinds import DELTA, KEEPALIVE, FinalStatus, Status
+
+Subscriber = Callable[[ev.Event], None]
+
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 30.0
+RETRY_AFTER_CAP_S = 60.0
+WAIT_BACKOFF_CAP_S = 5.0
+_TOKEN_DELTA_FIELDS = ("t", "agent", "attempt", "text", "reasoning", "tool", "tokens")  # what _stream fills in directly
+
+
+def request_id(run_id: str, agent: str, turn: int, attempt: int) -> str:
+    """The id an attempt's request carries to the server (X-Request-Id): the run, the agent, turn and attempt."""
+    return f"{run_id}.{agent}.t{turn}.a{attempt}"
+
+
+@dataclass(eq=False)
+class AgentState:
+    """What the engine knows of one agent now; read by the console, written only by the engine."""
+
+    config: AgentConfig
+    endpoint: str
+    wave: int
+    status: Status = "pending"
+    turn: int = 0
+    attempts: int = 0  # requests sent, over all turns
+    turn_attempts: dict[int, int] = field(default_factory=dict)  # turn -> its attempts so far (1: no retry yet)
+    retries_used: int = 0
+    tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    decode_s: float = 0.0
+    stall_warnings: int = 0
+    error: str = ""
+    output: str = ""
+    current: Attempt | None = None
+    scope: anyio.CancelScope | None = None
+    end_status: str = ""
+    end_reason: str = ""
+    messages: list[dict[str, str]] = field(default_factory=list)
+    turns_done: int = 0
+    last_prompt_tokens: int = 0  # what the server counted for the last completed turn
+    last_completion_tokens: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def turns(self) -> int:
+        return 1 + len(self.config.turns)
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        return self.completion_tokens / self.decode_s if self.decode_s > 0 else None
+
+
+@dataclass(eq=False)
+class TurnFigures:
+    """What one endpoint's turns measured, for auto mode: rejections, recent TTFTs, and the tokens per
+    character and per answer its conversations project with."""
+
+    rejections: int = 0  # 429/503 answers
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=16))
+    prompt_tokens: float = 0.0  # tokens per character, as the server counts them: prompt tokens over characters sent
+    prompt_chars: float = 0.0
+    answer_tokens: float = 0.0  # completion tokens over completed turns
+    answers: int = 0
+
+    def tokens_per_char(self) -> float:
+        return self.prompt_tokens / self.prompt_chars if self.prompt_chars else 0.25
+
+    def answer_length(self) -> float | None:
+        return self.answer_tokens / self.answers if self.answers else None
+
+
+class AttemptFailed(Exception):
+    """One attempt ended without its answer: `retryable` says whether the turn may be sent again."""
+
+    def __init__(self, status: FinalStatus, reason: str, *, retryable: bool, retry_after_s: float | None = None,
+                 restart: bool = False) -> None:
+        super().__init__(reason)
+        self.status, self.reason, self.retryable = status, reason, retryable
+        self.retry_after_s, self.restart = retry_after_s, restart
+
+
+class AgentEnded(Exception):
+    """The agent's conversation ended without its answer: `status` and `reason` are its AgentFinished's."""
+
+    def __init__(self, status: FinalStatus, reason: str) -> None:
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+class Conversations:
+    """Runs agents' conversations for one run: `await run(st)` for each agent. It holds what they share and
+    is handed each piece of the engine it needs; the ones that change live are the engine's own objects
+    (`policies`, `subscribers`) or asked for when needed (`stopping`)."""
+
+    def __init__(self, *, run_id: str, endpoints: Mapping[str, EndpointConfig], policies: Mapping[str, ResolvedStall],
+                 connections: Connections, watchdog: Watchdog, figures: Mapping[str, TurnFigures],
+                 emit: Subscriber, subscribers: list[Subscriber], scrub: Scrubber,
+                 render: Callable[[str], str], stopping: Callable[[], str]) -> None:
+        self.run_id = run_id
+        self.endpoints = endpoints
+        self.policies = policies
+        self.connections = connections
+        self.watchdog = watchdog
+        self.figures = figures
+        self.emit = emit  # the engine's: scrubs, then tells every subscriber
+        self.subscribers = subscribers  # the engine's live list, which token deltas are handed to directly
+        self.scrub = scrub
+        self.render = render  # inserts dependencies' answers for {{ name.output }}
+        self.stopping = stopping  # why the run is stopping; "" while it is not
+        self._rng = random.Random()
+
+    async def run(self, st: AgentState) -> None:
+        """The agent's turns in order, each user message after the answer before; its last answer is its output."""
+        cfg = st.config
+        messages: list[dict[str, str]] = []
+        if cfg.system:
+            messages.append({"role": "system", "content": cfg.system})
+        user_turns = [cfg.prompt, *cfg.turns]
+        answer = ""
+        for turn, text in enumerate(user_turns):
+            st.turn = turn + 1
+            messages.append({"role": "user", "content": self.render(text)})
+            self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(st.turn, 0) + 1, st.turn, "user",
+                                         messages[-1]["content"]))
+            answer = await self._turn(st, messages)
+            messages.append({"role": "assistant", "content": answer})
+        st.messages = messages
+        st.output = answer
+
+    async def _turn(self, st: AgentState, messages: list[dict[str, str]]) -> str:
+        """One turn: its attempts are numbered within it (2 is its first retry or restart), and an operator's
+        rerun of the agent goes on counting, so 'attempt 2' always means the turn was sent before."""
+        while True:
+            st.attempts += 1
+            number = st.turn_attempts[st.turn] = st.turn_attempts.get(st.turn, 0) + 1
+            try:
+                return await self._attempt(st, messages, number)
+            except AttemptFailed as failure:
+                if failure.restart:
+                    continue
+                stopping = self.stopping()
+                if stopping:
+                    raise AgentEnded("cancelled", stopping) from None
+                if not failure.retryable or st.retries_used >= st.config.retries:
+                    raise AgentEnded(failure.status, failure.reason) from None
+                st.retries_used += 1
+                delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (st.retries_used - 1)) * (0.5 + self._rng.random())
+                if failure.retry_after_s is not None:
+                    delay = max(delay, min(failure.retry_after_s, RETRY_AFTER_CAP_S))
+                st.status = "retrying"
+                self.emit(ev.AgentRetrying(time.monotonic(), st.name, number + 1, failure.reason, delay))
+                await anyio.sleep(delay)
+
+    async def _attempt(self, st: AgentState, messages: list[dict[str, str]], number: int) -> str:
+        policy = self.policies[st.endpoint]
+        now = time.monotonic()
+        att = Attempt(number, st.turn, sent_at=now, last_alive=now,
+                      deadline_at=now + policy.first_byte_timeout_s)
+        st.current = att
+        st.status = "prefill"
+        self.emit(ev.AgentStarted(now, st.name, att.number, st.turn, st.turns, st.endpoint,
+                                  policy.first_byte_timeout_s, policy.idle_timeout_s))
+        parts: list[str] = []
+        thinking: list[str] = []
+        error: EndpointError | None = None
+        with anyio.CancelScope() as scope:
+            att.scope = scope
+            async with anyio.create_task_group() as group:
+                group.start_soon(self.watchdog.watch, st, att, policy)
+                try:
+                    await self._stream(st, att, messages, policy, parts, thinking)
+                except EndpointError as exc:
+                    error = exc
+                group.cancel_scope.cancel()
+        st.current = None
+        answer = "".join(parts)
+        if att.kill_reason or error is not None or scope.cancelled_caught:
+            if parts or thinking:
+                self.emit(ev.MessageRecorded(time.monotonic(), st.name, att.number, st.turn, "assistant", answer,
+                                             "".join(thinking), partial=True))
+            if att.kill_reason:
+                if not att.restart:
+                    self.emit(ev.AgentKilled(time.monotonic(), st.name, att.number, att.kill_deadline,
+                                             att.kill_reason, att.tokens))
+                status = "cancelled" if self.stopping() else "killed"
+                reason = att.kill_reason if att.by_operator else f"{att.kill_deadline} deadline: {att.kill_reason}"
+                raise AttemptFailed(status, reason, retryable=not att.by_operator, restart=att.restart)
+            if error is not None:
+                if error.status in (429, 503):
+                    self.figures[st.endpoint].rejections += 1
+                raise AttemptFailed("failed", str(error), retryable=error.retryable, retry_after_s=error.retry_after_s)
+            raise AttemptFailed("cancelled", "cancelled", retryable=False)
+        stream = att.stream
+        usage = stream.usage if stream and stream.usage else None
+        prompt_tokens = usage[0] if usage else 0
+        completion_tokens = usage[1] if usage else att.tokens
+        end = time.monotonic()
+        st.prompt_tokens += prompt_tokens
+        st.completion_tokens += completion_tokens
+        ttft = att.first_token_at - att.sent_at if att.first_token_at is not None else None
+        if att.first_token_at is not None:
+            st.decode_s += end - att.first_token_at
+        self._count_turn(st, messages, prompt_tokens, completion_tokens, ttft)
+        self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking)))
+        self.emit(ev.TurnFinished(end, st.name, att.number, st.turn, st.turns, prompt_tokens, completion_tokens,
+                                  stream.finish_reason if stream else "", ttft, end - att.sent_at))
+        return answer
+
+    async def _stream(self, st: AgentState, att: Attempt, messages: list[dict[str, str]], policy: ResolvedStall,
+                      parts: list[str], thinking: list[str]) -> None:
+        ep = self.endpoints[st.endpoint]
+        connections = self.connections
+        name, number = st.name, att.number
+        emit = self.emit
+        # token deltas skip emit()'s frame: the same loop over the same (live) list of subscribers
+        subscribers = self.subscribers
+        # TokenDelta is a frozen dataclass, whose generated __init__ sets each field through
+        # object.__setattr__: that was the costliest line of this loop. Its slots are filled through their
+        # descriptors instead (the same object, a third of the time), as long as its fields are still these.
+        new_event = object.__new__
+        TokenDelta = ev.TokenDelta
+        fast_delta = ("__slots__" in vars(TokenDelta) and not hasattr(TokenDelta, "__post_init__")
+                      and [f.name for f in dataclasses.fields(TokenDelta)] == list(_TOKEN_DELTA_FIELDS))
+        if fast_delta:
+            set_t = ev.Event.t.__set__
+            set_agent, set_attempt = TokenDelta.agent.__set__, TokenDelta.attempt.__set__
+            set_text, set_reasoning, set_tool = TokenDelta.text.__set__, TokenDelta.reasoning.__set__, TokenDelta.tool.__set__
+            set_tokens = TokenDelta.tokens.__set__
+        monotonic = time.monotonic
+        by_bytes = policy.liveness == "bytes"
+        # With a key configured, each delta field is scrubbed with the tail of the one before held back, as an
+        # echoed key may be split across deltas (config/secrets.py: StreamScrubber). Without one: one test.
+        held = (self.scrub.stream(), self.scrub.stream(), self.scrub.stream()) if self.scrub else None
+        # a header value must be ASCII: a non-ASCII agent name goes percent-encoded
+        agent_header = name if name.isascii() else urllib.parse.quote(name, safe="")
+        wait_s = 0.25
+        while True:
+            try:
+                model = await connections.model(ep)
+                body = {
+                    "model": model,
+                    "messages": messages,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "max_tokens": st.config.max_tokens,
+                    "temperature": st.config.temperature,
+                }
+                url = connections.chat_url(ep.name)
+                # X-Request-Id names the attempt in the server's own logs (vLLM takes it as its request id:
+                # "Aborted request(s) chatcmpl-<id>"); unique per run, agent, turn and attempt
+                headers = {"X-Cerevisor-Agent": agent_header,
+                           "X-Request-Id": request_id(self.run_id, agent_header, att.turn, number)}
+                stream = connections.stream(ep.name, url, body, headers)
+                att.stream = stream
+                async for kind, payload in stream.events():
+                    if kind == DELTA:
+                        now = monotonic()
+                        att.last_alive = now
+                        content, reasoning, tool, chunks = payload
+                        if held is not None:
+                            content, reasoning, tool = _held_back(held, content, reasoning, tool)
+                        if att.first_token_at is None:
+                            att.first_token_at = now
+                            ttft = now - att.sent_at
+                            if st.ttft_s is None:
+                                st.ttft_s = ttft
+                            st.status = "streaming"
+                            att.alive.set()
+                            emit(ev.FirstToken(now, name, number, st.turn, ttft))
+                        elif st.status != "streaming":
+                            st.status = "streaming"
+                        att.tokens += chunks
+                        st.tokens += chunks
+                        if content:
+                            parts.append(content)
+                        if reasoning:
+                            thinking.append(reasoning)
+                        if fast_delta:
+                            delta = new_event(TokenDelta)
+                            set_t(delta, now)
+                            set_agent(delta, name)
+                            set_attempt(delta, number)
+                            set_text(delta, content)
+                            set_reasoning(delta, reasoning)
+                            set_tool(delta, tool)
+                            set_tokens(delta, chunks)
+                        else:
+                            delta = TokenDelta(now, name, number, content, reasoning, tool, chunks)
+                        for subscriber in subscribers:
+                            subscriber(delta)
+                    elif kind == KEEPALIVE:
+                        if by_bytes:
+                            att.last_alive = monotonic()
+                            att.alive.set()
+                        emit(ev.KeepAlive(monotonic(), name, number))
+                return
+            except EndpointUnreachable as exc:
+                exc.scrub(self.scrub)
+                # A local server that is still loading refuses its port: wait inside the first-byte window.
+                if ep.kind == "hosted" or att.first_token_at is not None:
+                    raise
+                st.status = "waiting"
+                emit(ev.EndpointWaiting(monotonic(), name, number, ep.name, exc.problem, wait_s))
+                await anyio.sleep(wait_s)
+                wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
+            except EndpointError as exc:  # the server's words, or the worker's: never with a key in them
+                raise exc.scrub(self.scrub) from None  # (the unscrubbed original must not ride along as context)
+            finally:
+                if held is not None and (held[0].carry or held[1].carry or held[2].carry):
+                    # the stream ended (or broke) on text that could have begun a key and did not: it is text
+                    tail = (held[0].flush(), held[1].flush(), held[2].flush())
+                    if tail[0]:
+                        parts.append(tail[0])
+                    if tail[1]:
+                        thinking.append(tail[1])
+                    for subscriber in subscribers:
+                        subscriber(TokenDelta(monotonic(), name, number, *tail, 0))
+
+
+    def _count_turn(self, st: AgentState, messages: list[dict[str, str]], prompt_tokens: int, completion_tokens: int,
+                    ttft: float | None) -> None:
+        """A completed turn's figures, for auto mode's projection of conversation lengths and its TTFT."""
+        chars = sum(len(m["content"]) for m in messages)
+        figures = self.figures[st.endpoint]
+        if prompt_tokens:
+            figures.prompt_tokens += prompt_tokens
+            figures.prompt_chars += chars
+        st.turns_done = st.turn
+        st.last_prompt_tokens = prompt_tokens or round(chars * figures.tokens_per_char())
+        st.last_completion_tokens = completion_tokens
+        figures.answer_tokens += completion_tokens
+        figures.answers += 1
+        if ttft is not None:
+            figures.ttfts.append(ttft)
+
+
+def _held_back(held: tuple[StreamScrubber, StreamScrubber, StreamScrubber], content: str, reasoning: str,
+               tool: str) -> tuple[str, str, str]:
+    """One delta's fields, scrubbed, less any tail that could begin a key (see StreamScrubber)."""
+    if content or held[0].carry:
+        content = held[0].feed(content)
+    if reasoning or held[1].carry:
+        reasoning = held[1].feed(reasoning)
+    if tool or held[2].carry:
+        tool = held[2].feed(tool)
+    return content, reasoning, tool

@@ -1,0 +1,177 @@
+"""The stall watchdog: each attempt's two deadlines (first byte, then idle), the warnings on the way to them,
+and at a deadline the question to the server (loading? queueing? then extend) before the kill.
+
+It reads the endpoint's stall policy afresh at each look, so `Engine.set_stall` changes running attempts too.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+
+from cerevisor_tui.config.models import ResolvedStall
+from cerevisor_tui.engine import events as ev
+
+if TYPE_CHECKING:
+    from cerevisor_tui.endpoints.client import ChatStream
+    from cerevisor_tui.endpoints.worker import RemoteStream
+    from cerevisor_tui.engine.conversation import AgentState
+
+BusyCheck = Callable[[str], Awaitable[str | None]]
+"""Asked at a deadline with the endpoint's name: why the server is busy (loading, queueing), or None."""
+BUSY_CHECK_TIMEOUT_S = 2.0  # a busy check that takes longer says nothing: the attempt is judged without it
+
+
+def fmt_s(seconds: float) -> str:
+    """Seconds as the operator reads them: 1800 s, 2.5 s, 0.25 s."""
+    if seconds >= 10:
+        return f"{seconds:.0f} s"
+    return f"{seconds:.3g} s"
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One streamed request of one turn, with its stall clock."""
+
+    number: int
+    turn: int
+    sent_at: float
+    last_alive: float = 0.0
+    first_token_at: float | None = None
+    tokens: int = 0
+    phase: str = "first_byte"
+    deadline_at: float = math.inf
+    base: float = 0.0
+    extra_s: float = 0.0
+    extensions: int = 0
+    warned: int = 0
+    kill_reason: str = ""
+    kill_deadline: str = ""
+    by_operator: bool = False
+    restart: bool = False
+    stream: ChatStream | RemoteStream | None = None
+    scope: anyio.CancelScope | None = None
+    nap: anyio.CancelScope | None = None  # the watchdog's sleep: cancelled to make it look again at once
+    # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
+    alive: anyio.Event = field(default_factory=anyio.Event)
+
+    def kill(self, deadline: str, reason: str, *, by_operator: bool = False, restart: bool = False) -> None:
+        if self.kill_reason:
+            return
+        self.kill_deadline, self.kill_reason = deadline, reason
+        self.by_operator, self.restart = by_operator, restart
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def look_again(self) -> None:
+        """Wake the watchdog now (a policy changed): it measures the deadline afresh."""
+        if self.nap is not None:
+            self.nap.cancel()
+
+
+class Watchdog:
+    """Watches a run's attempts under each endpoint's live stall policy; warnings, extensions and kills are
+    told through `emit`. `busy_check` answers at a deadline (None: never extend for a busy server)."""
+
+    def __init__(self, policies: Mapping[str, ResolvedStall], emit: Callable[[ev.Event], None]) -> None:
+        self.policies = policies  # the engine's own: `set_stall` replaces an endpoint's entry
+        self.emit = emit
+        self.busy_check: BusyCheck | None = None
+
+    async def watch(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
+        """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill.
+        The policy is the endpoint's current one at each look (`set_stall` changes it live)."""
+        monotonic = time.monotonic
+        seen_base = -1.0
+        while True:
+            now = monotonic()
+            changed = self.policies[st.endpoint] is not policy
+            policy = self.policies[st.endpoint]
+            fractions = policy.warn_at
+            if att.first_token_at is None and not (policy.liveness == "bytes" and att.last_alive > att.sent_at):
+                phase, base, window = "first_byte", att.sent_at, policy.first_byte_timeout_s
+            else:
+                phase, base, window = "idle", att.last_alive, policy.idle_timeout_s
+            if policy.liveness == "bytes" and att.stream is not None and att.stream.last_byte_at > base:
+                base = att.last_alive = att.stream.last_byte_at
+            if base != seen_base:  # a sign of life: the window starts again, warnings re-arm
+                seen_base = base
+                att.extra_s = 0.0
+                att.warned = 0
+            total = window + att.extra_s
+            if changed:  # a longer window re-arms the warnings it moved ahead; a shorter one gives its due ones now
+                att.warned = min(att.warned, sum(1 for f in fractions if now >= base + f * total))
+            att.phase = phase
+            att.deadline_at = base + total
+            att.base = base
+            while att.warned < len(fractions) and now >= base + fractions[att.warned] * total:
+                fraction = fractions[att.warned]
+                att.warned += 1
+                st.stall_warnings += 1
+                st.status = "stalling"
+                self.emit(ev.StallWarning(now, st.name, att.number, phase, fraction, max(0.0, att.deadline_at - now),
+                                          att.deadline_at))
+            if now >= att.deadline_at:
+                reason = await self.busy_reason(st, att, policy)
+                if reason:
+                    att.extensions += 1
+                    att.extra_s += policy.extend_s
+                    att.deadline_at += policy.extend_s
+                    att.warned = sum(1 for f in fractions if base + f * (total + policy.extend_s) <= now)
+                    self.emit(ev.StallExtended(monotonic(), st.name, att.number, phase, policy.extend_s, reason,
+                                               att.deadline_at, att.extensions))
+                    continue
+                if att.last_alive > base or (policy.liveness == "bytes" and att.stream is not None
+                                             and att.stream.last_byte_at > base):
+                    # it came back to life while the server was asked (or while this busy loop caught up
+                    # with bytes that had already arrived): not stalled after all
+                    continue
+                # measured now, after the busy check (which can take seconds), against the deadline in force
+                elapsed, limit = monotonic() - base, att.deadline_at - base
+                # named when the silence ran visibly past it (a slow busy check, a late loop), not for a tick's lag
+                late = elapsed - limit > max(0.5, 0.1 * limit)
+                deadline = f" (deadline {fmt_s(limit)})" if late and fmt_s(elapsed) != fmt_s(limit) else ""
+                if phase == "first_byte":
+                    why = f"no first token after {fmt_s(elapsed)}{deadline}"
+                else:
+                    why = f"no output for {fmt_s(elapsed)} after {att.tokens} tokens{deadline}"
+                att.kill(phase, why)
+                return
+            next_at = att.deadline_at
+            if att.warned < len(fractions):
+                next_at = min(next_at, base + fractions[att.warned] * total)
+            delay = max(0.0, next_at - monotonic()) + 0.001
+            with anyio.CancelScope() as att.nap, anyio.move_on_after(delay):
+                if phase == "first_byte" and not att.alive.is_set():
+                    await att.alive.wait()
+                else:
+                    await anyio.sleep(delay)
+            att.nap = None
+
+    async def busy_reason(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> str | None:
+        """The seam for the server-busy extension: ask the endpoint whether it is loading or queueing."""
+        if not policy.extend_when_server_busy or att.extensions >= policy.max_extensions or self.busy_check is None:
+            return None
+        with anyio.move_on_after(BUSY_CHECK_TIMEOUT_S):
+            return await self.busy_check(st.endpoint)
+        return None
+
+    def extend(self, st: AgentState, att: Attempt, seconds: float | None = None) -> None:
+        """The operator's extension: the attempt's current deadline moves later by `seconds` (default the
+        policy's extend_s), and only the warnings still ahead of the new deadline re-arm."""
+        policy = self.policies[st.endpoint]
+        seconds = seconds if seconds is not None else policy.extend_s
+        att.extra_s += seconds
+        att.deadline_at += seconds
+        total = att.deadline_at - att.base
+        now = time.monotonic()
+        att.warned = sum(1 for f in policy.warn_at if att.base + f * total <= now)
+        self.emit(ev.StallExtended(time.monotonic(), st.name, att.number, att.phase, seconds, "extended by operator",
+                                   att.deadline_at, att.extensions, by_operator=True))
+        if st.status == "stalling":
+            st.status = "streaming" if att.first_token_at is not None else "prefill"
