@@ -192,3 +192,11 @@ async def test_each_attempt_names_itself_to_the_server_by_request_id(stream_proc
         ids = [r["request_id"] for r in srv.state.requests]
     agent = "%C3%A4%20b"  # a header value is ASCII: the name as the X-Cerevisor-Agent header has it
     assert ids == [f"{engine.run_id}.{agent}.t1.a1", f"{engine.run_id}.{agent}.t1.a2", f"{engine.run_id}.{agent}.t2.a1"]
+
+
+def test_token_deltas_take_the_fast_path():
+    """`Conversations._stream` fills each TokenDelta's slots through their descriptors (a third of the cost of
+    the dataclass's own __init__, once a token); a change to TokenDelta's fields would turn that off unseen."""
+    from cerevisor_tui.engine.conversation import token_delta_fast_path
+
+    assert token_delta_fast_path()

@@ -33,6 +33,14 @@ WAIT_BACKOFF_CAP_S = 5.0
 _TOKEN_DELTA_FIELDS = ("t", "agent", "attempt", "text", "reasoning", "tool", "tokens")  # what _stream fills in directly
 
 
+def token_delta_fast_path() -> bool:
+    """Whether `Conversations._stream` may fill a TokenDelta's slots through their descriptors: only while
+    it is still a slotted dataclass of exactly these fields, with no __post_init__ to run."""
+    TokenDelta = ev.TokenDelta
+    return ("__slots__" in vars(TokenDelta) and not hasattr(TokenDelta, "__post_init__")
+            and [f.name for f in dataclasses.fields(TokenDelta)] == list(_TOKEN_DELTA_FIELDS))
+
+
 def request_id(run_id: str, agent: str, turn: int, attempt: int) -> str:
     """The id an attempt's request carries to the server (X-Request-Id): the run, the agent, turn and attempt."""
     return f"{run_id}.{agent}.t{turn}.a{attempt}"
@@ -251,8 +259,7 @@ class Conversations:
         # descriptors instead (the same object, a third of the time), as long as its fields are still these.
         new_event = object.__new__
         TokenDelta = ev.TokenDelta
-        fast_delta = ("__slots__" in vars(TokenDelta) and not hasattr(TokenDelta, "__post_init__")
-                      and [f.name for f in dataclasses.fields(TokenDelta)] == list(_TOKEN_DELTA_FIELDS))
+        fast_delta = token_delta_fast_path()
         if fast_delta:
             set_t = ev.Event.t.__set__
             set_agent, set_attempt = TokenDelta.agent.__set__, TokenDelta.attempt.__set__
