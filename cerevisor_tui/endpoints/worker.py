@@ -33,10 +33,7 @@ from typing import Any
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.endpoints import errors
 from cerevisor_tui.endpoints.client import DELTA, FINISH, USAGE, ChatStream, build_client
-
-BYTES = 4  # payload None: bytes arrived (a partial line) that made no item yet; matters for liveness = "bytes"
-END = 5  # payload None: the stream ended cleanly
-ERROR = 6  # payload (error class name, problem, status, retry_after_s, retryable)
+from cerevisor_tui.kinds import BYTES, END, ERROR  # what only the worker's pipe carries
 
 _HEADER = struct.Struct(">I")
 _WRITE_HIGH_BYTES = 4 << 20  # the child stops reading sockets while this much is unread by the parent
