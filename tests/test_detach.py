@@ -19,12 +19,14 @@ def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def workflow(tmp_path: Path, agents: int = 4, tokens_per_s: float = 20.0, max_tokens: int = 40) -> Path:
+def workflow(tmp_path: Path, agents: int = 4, tokens_per_s: float = 20.0, max_tokens: int = 40,
+             name: str = "a") -> Path:
+    """A workflow on the built-in simulator: `agents` agents named NAME0, NAME1, ... in one wave, 2 at a time."""
     lines = ["[run]", 'mode = "parallel"', "max_concurrency = 2", f'run_dir = "{tmp_path / "runs"}"', "",
              "[[endpoints]]", 'name = "sim"', 'kind = "simulated"', "",
              "[endpoints.sim]", f"tokens_per_s = {tokens_per_s}", "ttft_s = 0.05", ""]
     for i in range(agents):
-        lines += ["[[agents]]", f'name = "a{i}"', f'prompt = "task {i}"', f"max_tokens = {max_tokens}", ""]
+        lines += ["[[agents]]", f'name = "{name}{i}"', f'prompt = "task {i}"', f"max_tokens = {max_tokens}", ""]
     path = tmp_path / "wf.toml"
     path.write_text("\n".join(lines))
     return path

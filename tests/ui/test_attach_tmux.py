@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_detach import workflow
 from tests.ui.test_tmux import SCRIPT, TMUX, Terminal
 
 pytestmark = pytest.mark.skipif(TMUX is None or not SCRIPT.exists(),
@@ -24,12 +25,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 def detached_run(tmp_path: Path, agents: int = 4, tokens_per_s: float = 25.0, max_tokens: int = 200) -> Path:
-    lines = ["[run]", 'mode = "parallel"', "max_concurrency = 2", f'run_dir = "{tmp_path / "runs"}"', "",
-             "[[endpoints]]", 'name = "sim"', 'kind = "simulated"', "",
-             "[endpoints.sim]", f"tokens_per_s = {tokens_per_s}", "ttft_s = 0.05", ""]
-    for i in range(agents):
-        lines += ["[[agents]]", f'name = "agent{i}"', f'prompt = "task {i}"', f"max_tokens = {max_tokens}", ""]
-    (tmp_path / "wf.toml").write_text("\n".join(lines))
+    workflow(tmp_path, agents, tokens_per_s, max_tokens, name="agent")
     proc = subprocess.run([sys.executable, "-m", "cerevisor_tui", "run", str(tmp_path / "wf.toml"), "--detach"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, **env(tmp_path)})
     assert proc.returncode == 0, proc.stderr
