@@ -135,11 +135,20 @@ class ChatStream:
     finish_reason: str = ""
     usage: tuple[int, int] | None = None
     _done: bool = field(default=False, repr=False)
+    _network: Any = field(default=None, repr=False)  # the connection, once the response has begun
+
+    def abort(self) -> None:
+        """Drop the connection now (a kill): the server sees it go at once, whenever this task next runs. The
+        cancellation that follows closes the response as usual; this only makes the server's side prompt."""
+        abort = getattr(self._network, "abort", None)  # our backend's streams (endpoints/network.py) have one
+        if abort is not None:
+            abort()
 
     async def events(self) -> AsyncIterator[tuple[int, Any]]:
         try:
             try:
                 async with self.client.stream("POST", self.url, json=self.body, headers=self.headers) as response:
+                    self._network = response.extensions.get("network_stream")  # httpx's documented extension
                     if response.status_code >= 300:
                         raise await _http_error(self.endpoint, response)
                     ctype = response.headers.get("content-type", "")

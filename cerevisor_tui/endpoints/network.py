@@ -87,6 +87,10 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         self._transport = transport
         self._protocol = protocol
 
+    def abort(self) -> None:
+        """Drop the connection at once, from outside the task reading it (a kill: ChatStream.abort)."""
+        self._transport.abort()
+
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         p = self._protocol
         chunks = p.chunks

@@ -67,6 +67,11 @@ class Attempt:
         self.by_operator, self.restart = by_operator, restart
         if self.scope is not None:
             self.scope.cancel()
+        # The cancellation reaches the reading task only when it next waits, and with data already buffered it
+        # may not wait for a while (vLLM then generated a killed answer to its end): drop the connection now.
+        abort = getattr(self.stream, "abort", None)
+        if abort is not None:
+            abort()
 
     def look_again(self) -> None:
         """Wake the watchdog now (a policy changed): it measures the deadline afresh."""
