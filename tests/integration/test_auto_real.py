@@ -91,6 +91,12 @@ async def test_vllm_auto_backs_off_to_what_runs_when_requests_wait(vllm_pressure
     # many waited on average (however rarely /metrics was read)
     wall = seen[-1].t - seen[0].t
     mean_waiting = (vllm_pressure.metric("vllm:request_queue_time_seconds_sum") - queued_before) / wall
+    if not waited and mean_waiting < 1.0:
+        # The condition under test never arose: this 2-core box, busy with other work, could not feed vLLM
+        # faster than it answers (vLLM's API process then holds the requests, and its engine logs "Running: 1").
+        # The back-off rule itself is tested on recorded signals (tests/test_auto.py).
+        pytest.skip(f"vLLM's queue-time counter says {mean_waiting:.1f} requests waited on average: no queue "
+                    f"formed to back off from\n{story(changes)}\nserver samples: {samples}")
     assert waited, (f"{story(changes)}\nserver samples (s, running, waiting): {samples}\n"
                     f"requests waiting at vLLM on average over the run: {mean_waiting:.1f}")
     assert waited[0].effective_cap <= 4, story(changes)
