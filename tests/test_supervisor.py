@@ -72,7 +72,7 @@ class Run:
         self.journal = Journal(run_dir, self.engine.report)
         self.journal.open()
         self.engine.subscribe(self.journal)
-        self.server = ControlServer(run_dir, "r1", dispatch_for(self.engine))
+        self.server = ControlServer(run_dir, "r1", dispatch_for(self.engine), in_flight=self.engine.in_flight)
         self.run_dir = run_dir
 
     async def __aenter__(self) -> Run:

@@ -218,7 +218,7 @@ async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: st
     from cerevisor_tui.supervisor.server import ControlServer
 
     control = LocalControl(engine)
-    server = ControlServer(run_dir, run_id, lambda name, args: apply(control, name, args),
+    server = ControlServer(run_dir, run_id, lambda name, args: apply(control, name, args), in_flight=engine.in_flight,
                            config_path=str(Path(config_file).resolve()))
     try:
         await server.start()

@@ -200,8 +200,7 @@ class Conversations:
         st.status = "prefill"
         self.emit(ev.AgentStarted(now, st.name, att.number, st.turn, st.turns, st.endpoint,
                                   policy.first_byte_timeout_s, policy.idle_timeout_s))
-        parts: list[str] = []
-        thinking: list[str] = []
+        parts, thinking = att.parts, att.thinking
         error: EndpointError | None = None
         with anyio.CancelScope() as scope:
             att.scope = scope
@@ -314,6 +313,8 @@ class Conversations:
                             parts.append(content)
                         if reasoning:
                             thinking.append(reasoning)
+                        if tool:
+                            att.tools.append(tool)
                         if fast_delta:
                             delta = new_event(TokenDelta)
                             set_t(delta, now)

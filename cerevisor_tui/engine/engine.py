@@ -336,6 +336,14 @@ class Engine:
         self.emit(ev.RunFinished(end, self.run_id, code, self.report.totals()))
         return code
 
+    def in_flight(self) -> list[ev.TokenDelta]:
+        """Each running attempt's answer so far, as one TokenDelta at its last sign of life (for a console that
+        attaches mid-answer: the journal has only finished answers)."""
+        return [ev.TokenDelta(att.last_alive, st.name, att.number, "".join(att.parts), "".join(att.thinking),
+                              "".join(att.tools), att.tokens)
+                for st in self.agents.values()
+                if (att := st.current) is not None and (att.parts or att.thinking or att.tools)]
+
     def started_event(self, t: float) -> ev.RunStarted:
         """The run's RunStarted: its plan (waves, agents, endpoints) and settings, as a console first sees it."""
         return ev.RunStarted(

@@ -55,6 +55,11 @@ class Attempt:
     by_operator: bool = False
     restart: bool = False
     stream: ChatStream | RemoteStream | None = None
+    # its answer so far, as streamed (content, reasoning, tool calls): the turn's result, and what a console
+    # that attaches mid-answer is given (Engine.in_flight)
+    parts: list[str] = field(default_factory=list)
+    thinking: list[str] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
     scope: anyio.CancelScope | None = None
     nap: anyio.CancelScope | None = None  # the watchdog's sleep: cancelled to make it look again at once
     # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -15,9 +14,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from cerevisor_tui.engine.journal import EVENTS_FILE
 from cerevisor_tui.supervisor.protocol import read_supervisor, socket_of
-
-EVENTS_FILE = "events.jsonl"
 
 
 @dataclass
@@ -141,13 +139,3 @@ def age(seconds: float) -> str:
     if left < 48 * 3600:
         return f"{left / 3600:.0f} h ago"
     return f"{left / 86400:.0f} d ago"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -19,6 +19,7 @@ import msgspec
 
 from cerevisor_tui.config.paths import write_json_atomic
 from cerevisor_tui.engine import events as ev
+from cerevisor_tui.engine.journal import EVENTS_FILE
 from cerevisor_tui.supervisor.protocol import (
     LINE_LIMIT,
     PROTOCOL,
@@ -74,14 +75,16 @@ class ControlServer:
     """`await start()`, subscribe it to the engine (`engine.subscribe(server)`), `await close()` at the end.
 
     `dispatch(name, args)` carries out a command and returns a JSON-able value, or raises ValueError (or any
-    exception) whose text goes back as the reply's error.
+    exception) whose text goes back as the reply's error. `in_flight()` gives each running attempt's answer so
+    far as events (`Engine.in_flight`): what a client attaching mid-answer gets after the journal.
     """
 
     def __init__(self, run_dir: Path, run_id: str, dispatch: Dispatch, *, config_path: str = "",
-                 events_file: str = "events.jsonl") -> None:
+                 in_flight: Callable[[], list[ev.Event]] = list) -> None:
         self.run_dir, self.run_id, self.dispatch = Path(run_dir), run_id, dispatch
         self.config_path = config_path
-        self.events_path = self.run_dir / events_file
+        self.in_flight = in_flight
+        self.events_path = self.run_dir / EVENTS_FILE
         self.path: Path | None = None
         self.started_at = time.time()
         self._server: asyncio.AbstractServer | None = None
@@ -89,8 +92,6 @@ class ControlServer:
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        # each agent's answer so far in its current attempt: [attempt, content, reasoning, tool, tokens, last t]
-        self._partial: dict[str, list[Any]] = {}
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> Path:
@@ -143,21 +144,6 @@ class ControlServer:
 
     # ---- events -----------------------------------------------------------------------------------
     def __call__(self, event: ev.Event) -> None:
-        kind = event.kind
-        if kind == "TokenDelta":
-            part = self._partial.get(event.agent)
-            if part is None or part[0] != event.attempt:
-                part = self._partial[event.agent] = [event.attempt, [], [], [], 0, event.t]
-            if event.text:
-                part[1].append(event.text)
-            if event.reasoning:
-                part[2].append(event.reasoning)
-            if event.tool:
-                part[3].append(event.tool)
-            part[4] += event.tokens
-            part[5] = event.t
-        elif kind == "AgentStarted" or (kind == "MessageRecorded" and event.role == "assistant"):
-            self._partial.pop(event.agent, None)
         if not self._clients:
             return
         line = event_line(event)
@@ -200,10 +186,7 @@ class ControlServer:
                 raw = raw.strip()
                 if raw.startswith(b"{") and raw.endswith(b"}"):
                     lines.append(b'{"type":"event","event":' + raw + b"}\n")
-        for agent, (attempt, text, reasoning, tool, tokens, last) in self._partial.items():
-            # at its last token's time: a console's idle clock runs from there
-            delta = ev.TokenDelta(last, agent, attempt, "".join(text), "".join(reasoning), "".join(tool), tokens)
-            lines.append(event_line(delta))
+        lines.extend(event_line(delta) for delta in self.in_flight())
         return lines
 
     # ---- one client -------------------------------------------------------------------------------

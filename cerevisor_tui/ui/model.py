@@ -53,6 +53,7 @@ class AgentStream:
         self.chars = 0
         self.generation = 0
         self.version = 0  # bumped on every append: a cheap "anything new?" check
+        self.dropped = 0  # characters trimmed away so far: `written` counts every character ever appended
 
     def append(self, kind: str, text: str) -> None:
         if not text:
@@ -66,7 +67,12 @@ class AgentStream:
         if self.chars > self.max_chars:
             self._trim()
 
+    @property
+    def written(self) -> int:
+        return self.chars + self.dropped
+
     def _trim(self) -> None:
+        before = self.chars
         target = self.max_chars * 3 // 4
         while self.chars > target and len(self.pieces) > 1:
             _, parts = self.pieces.pop(0)
@@ -77,6 +83,7 @@ class AgentStream:
             text = "".join(parts)[-target:]
             self.pieces[0] = (kind, [text])
             self.chars = len(text)
+        self.dropped += before - self.chars
         self.generation += 1
 
     def read(self, cursor: StreamCursor) -> tuple[StreamCursor, list[tuple[str, str]], bool]:
@@ -240,7 +247,7 @@ class UiModel:
     _agent_track: dict[str, EndpointTrack] = field(default_factory=dict)
     _buckets: deque[list[float]] = field(default_factory=deque)
     _last_turn: dict[str, int] = field(default_factory=dict)
-    _streamed: dict[str, int] = field(default_factory=dict)  # answer characters streamed since AgentStarted
+    _answer_from: dict[str, int] = field(default_factory=dict)  # agent -> its stream's `written` at AgentStarted
     _last_sample_at: float = -math.inf
 
     def stream(self, agent: str) -> AgentStream:
@@ -257,8 +264,6 @@ class UiModel:
                 stream.append(REASONING, event.reasoning)
             if event.text:
                 stream.append(CONTENT, event.text)
-                streamed = self._streamed
-                streamed[event.agent] = streamed.get(event.agent, 0) + len(event.text)
             if event.tool:
                 stream.append(TOOL, event.tool)
             self._count(event.t, event.tokens)
@@ -292,15 +297,14 @@ class UiModel:
         return found
 
     def _on_MessageRecorded(self, e: ev.MessageRecorded) -> None:
-        # Assistant text arrives token by token; what did not (a console fed from the journal, or attached after
-        # the answer began streaming and before the run replayed it) is written from the whole answer.
+        # Assistant text arrives token by token; an answer none of which streamed here (a console fed from the
+        # journal, which keeps only whole answers) is written whole.
         if e.role == "assistant":
-            seen = self._streamed.pop(e.agent, 0)
-            if seen < len(e.content):
-                stream = self.stream(e.agent)
-                if not seen and e.reasoning:
+            stream = self.stream(e.agent)
+            if stream.written == self._answer_from.pop(e.agent, -1):
+                if e.reasoning:
                     stream.append(REASONING, e.reasoning + "\n")
-                stream.append(CONTENT, e.content[seen:])
+                stream.append(CONTENT, e.content)
         if e.role == "user":
             stream = self.stream(e.agent)
             lead = "\n\n" if stream.chars else ""
@@ -315,8 +319,8 @@ class UiModel:
             label += f" · attempt {e.attempt}"
         self._last_turn[e.agent] = e.turn
         self._agent_track[e.agent] = self.track(e.endpoint)
-        self._streamed.pop(e.agent, None)
         stream.append(META, f"\n{label}\n")
+        self._answer_from[e.agent] = stream.written
         self.notes.pop(e.agent, None)
 
     def _on_EndpointWaiting(self, e: ev.EndpointWaiting) -> None:
