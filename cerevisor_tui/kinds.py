@@ -13,8 +13,9 @@ Mode = Literal["sequential", "parallel", "auto"]
 """How many agents run at once: one, up to the cap, or as many as each endpoint's server sustains."""
 MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 
-ActiveStatus = Literal["waiting", "prefill", "streaming", "stalling", "retrying"]
-"""The statuses of an agent holding a running slot ("waiting": a local endpoint still loading)."""
+ActiveStatus = Literal["waiting", "prefill", "streaming", "stalling", "retrying", "tool", "approval"]
+"""The statuses of an agent holding a running slot ("waiting": a local endpoint still loading; "tool": one of
+its MCP tool calls is executing; "approval": a tool call waits for the operator, shown as "needs approval")."""
 FinalStatus = Literal["completed", "failed", "killed", "skipped", "cancelled"]
 """The statuses an agent ends in (AgentFinished.status, the report's `status`)."""
 Status = Literal["pending", "queued", ActiveStatus, FinalStatus]
@@ -35,3 +36,5 @@ FINISH: Final = StreamItemKind(3)  # payload finish_reason
 BYTES: Final = StreamItemKind(4)  # payload None: bytes arrived (a partial line) that made no item yet
 END: Final = StreamItemKind(5)  # payload None: the stream ended cleanly
 ERROR: Final = StreamItemKind(6)  # payload (error class name, problem, status, retry_after_s, retryable)
+# after the worker's own, so their numbers stay: a chunk's tool_calls pieces, for the agent loop to put together
+TOOL_CALLS: Final = StreamItemKind(7)  # payload ((index, id, name, arguments), ...): each piece, None where absent

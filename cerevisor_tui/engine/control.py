@@ -57,16 +57,30 @@ class LocalControl:
         self.engine.resume()
 
     def kill(self, agent: str, reason: str = "killed by operator") -> bool:
-        """Close the agent's running request (no retry follows) or drop it from the queue; False: it had ended."""
+        """Close the agent's running request (no retry follows) or drop it from the queue; False: it had ended.
+        While the agent is in a tool call, the call is cancelled instead and the model told so."""
         return self.engine.kill(self._agent(agent), reason)
 
     def extend(self, agent: str, seconds: float | None = None) -> bool:
-        """Move the running attempt's deadline later (default [stall].extend_s); False: nothing runs."""
+        """Move the running attempt's deadline later (default [stall].extend_s), or the running tool call's
+        tool deadline; False: nothing runs."""
         return self.engine.extend(self._agent(agent), seconds)
 
     def retry(self, agent: str) -> str:
         """Restart the running attempt, or run a failed/killed agent of the current wave again; says which."""
         return self.engine.retry(self._agent(agent))
+
+    def approve(self, agent: str, call_id: str, scope: str = "once") -> str:
+        """Let a tool call that waits for approval run: "once" (this call) or "run" (this tool, for the rest of
+        the run, kept by --resume). Returns the scope."""
+        if scope not in ("once", "run"):
+            raise ValueError(f"approve: scope must be once or run, not {scope!r}")
+        self.engine.approve(self._agent(agent), call_id, scope)
+        return scope
+
+    def deny(self, agent: str, call_id: str) -> None:
+        """Refuse a tool call that waits for approval: the model gets a result saying the operator denied it."""
+        self.engine.deny(self._agent(agent), call_id)
 
     def set_stall(self, endpoint: str, policy: dict[str, Any]) -> bool:
         """The endpoint's whole stall policy (the keys of RunStarted's `stall`); returns whether it changed."""

@@ -248,6 +248,14 @@ class Engine:
         self.watchdog.extend(st, att, seconds)
         return True
 
+    def approve(self, name: str, call_id: str, scope: str = "once") -> None:
+        """Let the agent's tool call that waits for approval run, once or for the rest of the run."""
+        raise ValueError(f"no such tool call {call_id!r} waiting for approval on {name}")
+
+    def deny(self, name: str, call_id: str) -> None:
+        """Refuse the agent's tool call that waits for approval."""
+        raise ValueError(f"no such tool call {call_id!r} waiting for approval on {name}")
+
     def set_stall(self, config: Config) -> list[str]:
         """Take `config`'s `[stall]` and endpoint stall overrides now: new attempts get them, and the running
         ones' deadlines are measured against them from now on (a raised first-byte timeout saves an agent

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 # An agent's statuses and the run's modes are defined in cerevisor_tui/kinds.py; the console reads them here.
 from cerevisor_tui.kinds import ACTIVE, FINAL, STATUSES, FinalStatus, Mode, Status  # noqa: F401
@@ -345,6 +345,74 @@ class ServerSample(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallStarted(Event):
+    """An agent's MCP tool call began executing (after its permission): the idle deadline waits meanwhile,
+    and the call has its own deadline (`deadline`, monotonic; None: none) with warnings at `warn_at`."""
+
+    kind: ClassVar[str] = "ToolCallStarted"
+    agent: str
+    attempt: int
+    turn: int
+    call_id: str
+    server: str
+    tool: str
+    arguments: str  # JSON text as the model sent it, secrets scrubbed, cut to 2000 characters
+    deadline: float | None = None
+    warn_at: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallFinished(Event):
+    """A tool call ended: ok, error (the server's or ours), denied (by a rule, the operator or headless),
+    timeout (its tool deadline) or killed (by the operator); `result` is a one-line preview of what the model got."""
+
+    kind: ClassVar[str] = "ToolCallFinished"
+    agent: str
+    call_id: str
+    server: str
+    tool: str
+    outcome: Literal["ok", "error", "denied", "timeout", "killed"]
+    result: str  # one line, at most 200 characters, scrubbed
+    elapsed_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalRequested(Event):
+    """A tool call the server's rules `ask` about waits for the operator (the agent's status is "approval")."""
+
+    kind: ClassVar[str] = "ApprovalRequested"
+    agent: str
+    call_id: str
+    server: str
+    tool: str
+    arguments: str  # as in ToolCallStarted
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalDecided(Event):
+    """What was decided about a tool call: once, for the rest of the run, or denied; by whom."""
+
+    kind: ClassVar[str] = "ApprovalDecided"
+    agent: str
+    call_id: str
+    server: str
+    tool: str
+    decision: Literal["once", "run", "deny"]
+    by: Literal["operator", "rule", "headless"]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallWarning(Event):
+    """A running tool call has passed `fraction` of its tool deadline."""
+
+    kind: ClassVar[str] = "ToolCallWarning"
+    agent: str
+    call_id: str
+    fraction: float
+    remaining_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class RunFinished(Event):
     kind: ClassVar[str] = "RunFinished"
     run_id: str
@@ -360,7 +428,7 @@ ALL_EVENTS: dict[str, type[Event]] = {
         TokenDelta, KeepAlive, MessageRecorded, TurnFinished, StallWarning, StallExtended, AgentKilled, AgentRetrying,
         AgentFinished, AgentRerun, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished,
         RunStopping, RunNotice, ModelResolved, StallPolicyChanged, LoadChanged, ProbeStarted, ProbeProgress,
-        ProbeFinished,
+        ProbeFinished, ToolCallStarted, ToolCallFinished, ApprovalRequested, ApprovalDecided, ToolCallWarning,
     )
 }
 
