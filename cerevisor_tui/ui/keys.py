@@ -25,6 +25,12 @@ MAIN_BINDINGS: list[Binding] = [
             tooltip="Move the selected agent's stall deadline later by stall.extend_s (default 300 s)."),
     Binding("r", "retry", "Retry", id="retry",
             tooltip="Restart the selected agent's attempt, or run a failed or killed agent again."),
+    Binding("o", "cycle_sort", "Sort", id="cycle_sort", show=False,
+            tooltip="Sort the agents: wave order → nearest deadline first → status → tokens/s. The cursor stays "
+                    "on its agent as rows move."),
+    Binding("slash", "filter", "Filter", key_display="/", id="filter", show=False,
+            tooltip="Filter the agents by name or status as you type (e.g. fail, stall, approval); enter keeps "
+                    "the filter, esc in the filter line clears it."),
     Binding("s", "settings", "Settings", id="settings",
             tooltip="Edit run, stall and endpoint settings, and save them to the config file."),
     Binding("enter", "open_stream", "Stream", id="open_stream", show=False,
@@ -52,6 +58,8 @@ PALETTE_NAMES: dict[str, str] = {
     "kill": "Kill selected agent",
     "extend": "Extend selected agent's deadline",
     "retry": "Retry selected agent",
+    "cycle_sort": "Sort agents (wave / deadline / status / tokens/s)",
+    "filter": "Filter agents by name or status",
     "settings": "Settings",
     "open_stream": "Open stream of selected agent",
     "leave_stream": "Back to agents",
@@ -72,5 +80,5 @@ def effective_keys(binding: Binding, keymap: dict[str, str]) -> str:
         return keymap[binding.id]
     if binding.key_display:
         return binding.key_display
-    names = {"question_mark": "?", "plus": "+", "minus": "-", "equals_sign": "=", "escape": "esc"}
+    names = {"question_mark": "?", "slash": "/", "plus": "+", "minus": "-", "equals_sign": "=", "escape": "esc"}
     return ",".join(names.get(k, k) for k in binding.key.split(","))

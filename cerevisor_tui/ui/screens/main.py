@@ -17,7 +17,8 @@ from cerevisor_tui.ui.commands import ConsoleCommands
 from cerevisor_tui.ui.format import STATUS_LABELS
 from cerevisor_tui.ui.keys import MAIN_BINDINGS
 from cerevisor_tui.ui.mirror import FINAL, AgentView
-from cerevisor_tui.ui.widgets.agent_table import AgentTable
+from cerevisor_tui.ui.widgets.agent_filter import AgentFilter
+from cerevisor_tui.ui.widgets.agent_table import SORT_LABELS, SORTS, AgentTable
 from cerevisor_tui.ui.widgets.load_pane import LoadPane
 from cerevisor_tui.ui.widgets.run_header import RunHeader
 from cerevisor_tui.ui.widgets.stream_pane import StreamPane
@@ -50,6 +51,7 @@ class MainScreen(Screen):
         with Container(id="body"):
             with AgentsPane(id="agents-pane"):
                 yield AgentTable(id="agents")
+                yield AgentFilter(id="agents-filter")
             yield StreamPane(id="stream-pane")
             yield LoadPane(id="load-pane")
         yield Footer(show_command_palette=False)
@@ -87,8 +89,19 @@ class MainScreen(Screen):
 
     def _update_agents_subtitle(self) -> None:
         table = self.table
-        self.query_one("#agents-pane").border_subtitle = (
-            f"{table.cursor_row + 1} of {table.row_count}" if table.row_count else "")
+        parts = []
+        if table.sort != "wave":
+            parts.append(f"by {SORT_LABELS[table.sort]}")
+        if table.filter:
+            parts.append(f"/{table.filter}: {table.row_count} of {len(table.all_names)}")
+        if table.row_count:
+            parts.append(f"{table.cursor_row + 1} of {table.row_count}")
+        elif table.filter:
+            parts.append("none match")
+        subtitle = " · ".join(parts)
+        pane = self.query_one("#agents-pane")
+        if pane.border_subtitle != subtitle:
+            pane.border_subtitle = subtitle
 
     def on_agent_table_selected(self, event: AgentTable.Selected) -> None:
         self.action_open_stream()
@@ -109,8 +122,10 @@ class MainScreen(Screen):
             self._show_plan()  # the run announced its agents (RunStarted) since the table was built
         now = app.clock()
         mirror.sample(now)
+        table = self.table
+        table.sync(mirror, now)  # first: the header counts the amber and red rows it found
         self.query_one(RunHeader).sync(mirror, now, simulated=app.simulated, error=app.engine_error)
-        self.table.sync(mirror, now)
+        self._update_agents_subtitle()
         load = self.query_one(LoadPane)
         if self.maximized is None or self.maximized is load:
             load.sync(mirror, now, endpoint=mirror.endpoint_of(self.selected))
@@ -283,6 +298,27 @@ class MainScreen(Screen):
         outcome = self.app.control.retry(st.name)
         if outcome:
             self.notify(f"{st.name}: {outcome}", timeout=4)
+
+    def action_cycle_sort(self) -> None:
+        ids = [sort for sort, _ in SORTS]
+        table = self.table
+        table.set_sort(ids[(ids.index(table.sort) + 1) % len(ids)], self.app.mirror, self.app.clock())
+        self._update_agents_subtitle()
+        self.notify(f"Agents sorted by {SORT_LABELS[table.sort]}.", timeout=2)
+
+    def action_filter(self) -> None:
+        if self.maximized is not None and self.maximized is not self.query_one("#agents-pane"):
+            self.minimize()
+        self.query_one(AgentFilter).open()
+
+    def on_input_changed(self, event: AgentFilter.Changed) -> None:
+        if isinstance(event.input, AgentFilter):
+            self.table.set_filter(event.value, self.app.mirror, self.app.clock())
+            self._update_agents_subtitle()
+
+    def on_agent_filter_done(self, event: AgentFilter.Done) -> None:
+        self.table.focus()
+        self._update_agents_subtitle()
 
     def action_settings(self) -> None:
         from cerevisor_tui.ui.screens.settings import SettingsScreen

@@ -1,4 +1,5 @@
-"""The agents pane: one line per agent, drawn through Textual's line API from a cached strip per row.
+"""The agents pane: one line per agent, drawn through Textual's line API from a cached strip per row; sorted
+(wave order, nearest deadline, status, tokens/s) and filtered (by name or status) at its status refresh.
 
 A `DataTable` of 256 busy rows cost about 130 ms of CPU a frame: every cell update invalidates its row
 caches, so each frame rendered every visible cell through Rich again. Here a row is turned into one
@@ -8,6 +9,7 @@ are refreshed; a frame of a full box costs a few milliseconds.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -54,6 +56,20 @@ NAME_MIN = 16
 """In a narrow pane the agent column gives up cells down to this (names are cut with an ellipsis) so
 that the note keeps NOTE_WANTED; below that the note gets what is left, and then the pane's edge cuts."""
 NOTE_WANTED = 20
+
+SORTS: tuple[tuple[str, str], ...] = (
+    ("wave", "wave order"),
+    ("deadline", "nearest deadline"),
+    ("status", "status"),
+    ("rate", "tokens/s"),
+)
+"""What the sort key cycles through: (id, what the pane's subtitle calls it)."""
+SORT_LABELS = dict(SORTS)
+
+STATUS_ORDER = {status: i for i, status in enumerate((
+    "approval", "stalling", "failed", "killed", "waiting", "retrying", "tool", "prefill", "streaming", "queued",
+    "pending", "completed", "skipped", "cancelled"))}
+"""The status sort: what needs the operator first, then what runs, then what waits, then what has ended."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +123,27 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
     )
 
 
+def sort_key(sort: str, st: AgentView, warn_at: tuple[float, ...], now: float, order: int) -> tuple:
+    """Where the agent goes under `sort`; `order` (its place in wave order) breaks ties, so rows that are equal
+    keep still."""
+    if sort == "deadline":
+        clock = countdown(st, warn_at, now)
+        return (clock.remaining_s if clock is not None else math.inf, order)
+    if sort == "status":
+        return (STATUS_ORDER.get(st.status, len(STATUS_ORDER)), order)
+    if sort == "rate":
+        rate = live_rate(st, now) if st.status in ACTIVE or st.status == "completed" else st.output_tokens_per_s
+        return (-rate if rate is not None else math.inf, order)
+    return (order,)
+
+
+def matches(text: str, st: AgentView) -> bool:
+    """The filter: `text` (lower case) is part of the agent's name, or of its status as shown or as the engine
+    names it ("fail", "stall", "approval")."""
+    return (text in st.name.lower() or text in STATUS_LABELS.get(st.status, st.status).lower()
+            or text in st.status)
+
+
 _CONTROL = re.compile("[\x00-\x1f\x7f]+")
 
 
@@ -124,9 +161,12 @@ def _fit(text: str, width: int, right: bool) -> str:
 
 
 class AgentTable(ScrollView, can_focus=True):
-    """One line per agent in wave order under a fixed header; the cursor row is the selected agent.
+    """One line per agent under a fixed header, in wave order or sorted, all or those the filter matches; the
+    cursor row is the selected agent.
 
-    `sync` recomputes each row's `AgentRow` and redraws only the visible lines whose row changed.
+    `sync` recomputes each row's `AgentRow` and redraws only the visible lines whose row changed; under a sort
+    or a filter it then puts the rows in order (a few hundred comparisons at the status refresh, never per
+    token), and the cursor stays on its agent as rows move.
     """
 
     BINDINGS = [
@@ -184,7 +224,12 @@ class AgentTable(ScrollView, can_focus=True):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
-        self.names: list[str] = []
+        self.names: list[str] = []  # the rows shown, in order
+        self.all_names: list[str] = []  # every agent, in wave order
+        self.sort = "wave"
+        self.filter = ""  # lower case; "" shows every agent
+        self.amber = 0  # agents whose countdown is amber, and red, at the last sync (the header counts them)
+        self.red = 0
         self.built_from = -1  # the mirror's plan_version the rows were built from
         self.cursor_row = 0
         self._index: dict[str, int] = {}
@@ -196,9 +241,11 @@ class AgentTable(ScrollView, can_focus=True):
 
     # ---- content ----------------------------------------------------------------------------------
     def build(self, mirror: RunMirror) -> None:
-        """One row per agent, in wave order, the cursor on the first."""
+        """One row per agent, in wave order (sorted and filtered at the next sync), the cursor on the first."""
         self.built_from = mirror.plan_version
-        self.names = list(mirror.agents)
+        self.all_names = list(mirror.agents)
+        self.names = [name for name in self.all_names
+                      if not self.filter or matches(self.filter, mirror.agents[name])]
         self._index = {name: i for i, name in enumerate(self.names)}
         self._rows = {}
         self._strips = {}
@@ -214,8 +261,8 @@ class AgentTable(ScrollView, can_focus=True):
         self._redraw()
 
     def sync(self, mirror: RunMirror, now: float) -> int:
-        """Bring every row up to date; returns how many rows changed."""
-        changed = 0
+        """Bring every row up to date, then their order; returns how many rows changed."""
+        changed = amber = red = 0
         top = self.scroll_offset.y
         visible = range(top, top + max(0, self.size.height - 1))
         endpoints = mirror.endpoints
@@ -225,6 +272,10 @@ class AgentTable(ScrollView, can_focus=True):
                 note = "answer reused from the earlier run"  # never sent again: its figures are in the report
             ep = endpoints.get(st.endpoint)
             row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name))
+            if row.level == WARN:
+                amber += 1
+            elif row.level == CRITICAL:
+                red += 1
             if self._rows.get(name) == row:
                 continue
             self._rows[name] = row
@@ -232,7 +283,66 @@ class AgentTable(ScrollView, can_focus=True):
             index = self._index.get(name)
             if index is not None and index in visible:
                 self.refresh_line(index + 1)
+        self.amber, self.red = amber, red
+        if self.sort != "wave" or self.filter or len(self.names) != len(self.all_names):
+            self.arrange(mirror, now)
         return changed
+
+    def arrange(self, mirror: RunMirror, now: float) -> None:
+        """Put the rows in the sort's order, those the filter matches only; the cursor stays on its agent (on
+        the first row when its agent is filtered out)."""
+        agents, endpoints = mirror.agents, mirror.endpoints
+        names = [name for name in self.all_names
+                 if name in agents and (not self.filter or matches(self.filter, agents[name]))]
+        if self.sort != "wave":
+            order = {name: i for i, name in enumerate(self.all_names)}
+
+            def key(name: str) -> tuple:
+                st = agents[name]
+                ep = endpoints.get(st.endpoint)
+                return sort_key(self.sort, st, ep.warn_at if ep is not None else (), now, order[name])
+
+            names.sort(key=key)
+        if names == self.names:
+            return
+        selected = self.selected_agent
+        self.names = names
+        self._index = {name: i for i, name in enumerate(names)}
+        self.virtual_size = Size(self.virtual_size.width, len(names) + 1)
+        index = self._index.get(selected) if selected is not None else None
+        self.cursor_row = index if index is not None else 0
+        if index is None and names:
+            self.scroll_to(0, 0, animate=False, immediate=True)
+            self.post_message(self.Highlighted(self, names[0]))
+        else:
+            self._scroll_to_cursor()
+        self.refresh()
+
+    def set_sort(self, sort: str, mirror: RunMirror, now: float) -> None:
+        """Sort by `sort` (an id of SORTS) now, the cursor on the first row: the agent the sort puts first."""
+        self.sort = sort
+        self.arrange(mirror, now)
+        self.scroll_to(0, 0, animate=False, immediate=True)
+        if self.names and self.cursor_row != 0:
+            self.refresh_line(self.cursor_row + 1)
+            self.cursor_row = 0
+            self.refresh_line(1)
+            self.post_message(self.Highlighted(self, self.names[0]))
+
+    def set_filter(self, text: str, mirror: RunMirror, now: float) -> None:
+        """Show only the agents whose name or status contains `text` (any case); "" shows them all."""
+        self.filter = text.strip().lower()
+        self.arrange(mirror, now)
+
+    def show_agent(self, agent: str, mirror: RunMirror, now: float) -> bool:
+        """Put the cursor on `agent`, clearing a filter that hides it; False: no such agent."""
+        if agent not in self._index and agent in self.all_names:
+            self.set_filter("", mirror, now)
+        index = self._index.get(agent)
+        if index is None:
+            return False
+        self.move_cursor(index)
+        return True
 
     def row(self, agent: str) -> AgentRow | None:
         """What the agent's row shows now (None before the first sync)."""
