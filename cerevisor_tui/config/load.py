@@ -69,10 +69,24 @@ def check_references(config: Config, *, file: str | None = None) -> None:
         seen.add(ep.name)
     if config.agents and not config.endpoints:
         raise ConfigError("agents are defined but no [[endpoints]] table is", file=file, key="endpoints")
+    pools: set[str] = set()
+    for i, pool in enumerate(config.pools):
+        key = f"pools[{i}] ({pool.name})"
+        if pool.name in seen or pool.name in pools:
+            raise ConfigError(f"pool name {pool.name!r} is already the name of an endpoint or pool: agents name "
+                              "either in their endpoint", file=file, key=f"{key}.name")
+        pools.add(pool.name)
+        for j, member in enumerate(pool.endpoints):
+            if member not in seen:
+                raise ConfigError(f"unknown endpoint {member!r} (known: {', '.join(sorted(seen))})",
+                                  file=file, key=f"{key}.endpoints[{j}]")
+            if member in pool.endpoints[:j]:
+                raise ConfigError(f"endpoint {member!r} is listed twice", file=file, key=f"{key}.endpoints[{j}]")
     for i, agent in enumerate(config.agents):
-        if agent.endpoint and agent.endpoint not in seen:
+        if agent.endpoint and agent.endpoint not in seen and agent.endpoint not in pools:
+            known = ", ".join(sorted(seen)) + (f"; pools: {', '.join(sorted(pools))}" if pools else "")
             raise ConfigError(
-                f"unknown endpoint {agent.endpoint!r} (known: {', '.join(sorted(seen))})",
+                f"unknown endpoint {agent.endpoint!r} (known: {known})",
                 file=file,
                 key=f"agents[{i}] ({agent.name}).endpoint",
             )

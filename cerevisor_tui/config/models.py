@@ -1,4 +1,4 @@
-"""Pydantic models of the TOML config: `[run]`, `[stall]`, `[ui]`, `[[endpoints]]`, `[[agents]]`.
+"""Pydantic models of the TOML config: `[run]`, `[stall]`, `[ui]`, `[[endpoints]]`, `[[pools]]`, `[[agents]]`.
 
 Every model forbids unknown keys, so a typo is an error that names the key rather than a setting
 silently ignored. The one-line docstring under each field is the user-facing documentation: the
@@ -19,6 +19,8 @@ from cerevisor_tui.kinds import Mode
 
 EndpointKind = Literal["local", "hosted", "simulated"]
 Liveness = Literal["tokens", "bytes"]
+PoolPolicy = Literal["least-loaded", "round-robin"]
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP header name (RFC 9110 token)
 
 DEFAULT_FIRST_BYTE_S: dict[str, float] = {"hosted": 600.0, "local": 1800.0, "simulated": 1800.0}
 MAX_AGENT_NAME_BYTES = 200  # transcripts/<name>.jsonl must fit a file name (255 bytes on most filesystems)
@@ -141,6 +143,8 @@ class RunConfig(_Section):
     """Read the agents' streams in a second process: auto = in the console when the machine has 2+ CPUs."""
     auto: AutoConfig = AutoConfig()
     """Auto mode's controller."""
+    budget_usd: float = Field(default=0.0, ge=0)
+    """Most the run may spend on priced endpoints (price_in_per_mtok/price_out_per_mtok), in USD: once reached, no new agent is admitted (running ones finish); 0: no budget."""
 
 
 class StallPolicy(_Section):
@@ -288,6 +292,29 @@ class EndpointConfig(StallPolicy):
     """Simulator settings, for kind "simulated"."""
     capacity: CapacitySettings = CapacitySettings()
     """What the KV estimate of the load pane assumes about this endpoint's box."""
+    session_header: str = "X-Session-ID"
+    """Header that carries each agent's stable session id (<run id>/<agent>), so a router keeps its turns on one worker; empty: not sent."""
+    max_model_len: int = Field(default=0, ge=0)
+    """The model's context length in tokens, for the context-fill meter; 0: what /v1/models says (vLLM's max_model_len)."""
+    price_in_per_mtok: float = Field(default=0.0, ge=0)
+    """Price of a million prompt tokens, in USD, for the cost meters and [run] budget_usd; 0: not priced."""
+    price_out_per_mtok: float = Field(default=0.0, ge=0)
+    """Price of a million completion tokens, in USD; 0: not priced."""
+
+    @field_validator("session_header")
+    @classmethod
+    def _session_header(cls, value: str) -> str:
+        if value and not _HEADER_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not an HTTP header name (letters, digits and -, e.g. X-Session-ID)")
+        return value
+
+    @property
+    def priced(self) -> bool:
+        return bool(self.price_in_per_mtok or self.price_out_per_mtok)
+
+    def cost_usd(self, prompt_tokens: int, completion_tokens: int) -> float:
+        """What a request's tokens cost at this endpoint's prices (0 when it has none)."""
+        return (prompt_tokens * self.price_in_per_mtok + completion_tokens * self.price_out_per_mtok) / 1e6
 
     @field_validator("name")
     @classmethod
@@ -313,11 +340,31 @@ class EndpointConfig(StallPolicy):
         return self
 
 
+class PoolConfig(_Section):
+    """A `[[pools]]` table: endpoints that serve the same model, among which the run places each agent."""
+
+    name: str
+    """Name agents use in their `endpoint` to be placed on a member of this pool."""
+    endpoints: list[str] = Field(min_length=1)
+    """Names of the [[endpoints]] that serve the same model."""
+    policy: PoolPolicy = "least-loaded"
+    """How an agent's member is chosen when it starts: least-loaded (our running agents vs the member's cap, its queue, its KV use) or round-robin; every turn of the agent then stays on that member."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        if _control_char(value) is not None:
+            raise ValueError(f"holds a control character (U+{ord(_control_char(value)):04X})")
+        return value
+
+
 class AgentConfig(_Section):
     name: str
     """Unique name; used in depends_on and in {{ name.output }}."""
     endpoint: str = ""
-    """Endpoint name; empty: the first endpoint."""
+    """Endpoint or pool name; empty: the first endpoint."""
     system: str = ""
     """System prompt."""
     prompt: str
@@ -351,6 +398,8 @@ class Config(_Section):
     """Console settings."""
     endpoints: list[EndpointConfig] = []
     """Model servers."""
+    pools: list[PoolConfig] = []
+    """Endpoints serving the same model, among which agents are placed."""
     agents: list[AgentConfig] = []
     """The workflow."""
 
@@ -360,7 +409,18 @@ class Config(_Section):
                 return ep
         raise KeyError(name)
 
+    def pool(self, name: str) -> PoolConfig | None:
+        return next((p for p in self.pools if p.name == name), None)
+
+    def agent_pool(self, agent: AgentConfig) -> PoolConfig | None:
+        """The pool an agent's `endpoint` names, if it names one."""
+        return self.pool(agent.endpoint) if agent.endpoint and self.pools else None
+
     def agent_endpoint(self, agent: AgentConfig) -> EndpointConfig:
+        """The agent's endpoint; for a pool agent, the pool's first member (the run places it on any member)."""
+        pool = self.agent_pool(agent)
+        if pool is not None:
+            return self.endpoint(pool.endpoints[0])
         return self.endpoint(agent.endpoint) if agent.endpoint else self.endpoints[0]
 
 

@@ -46,6 +46,11 @@ def request_id(run_id: str, agent: str, turn: int, attempt: int) -> str:
     return f"{run_id}.{agent}.t{turn}.a{attempt}"
 
 
+def header_value(name: str) -> str:
+    """An agent's name as a header value, which must be ASCII: a non-ASCII name goes percent-encoded."""
+    return name if name.isascii() else urllib.parse.quote(name, safe="")
+
+
 @dataclass(eq=False)
 class AgentState:
     """What the engine knows of one agent now; read by the console, written only by the engine."""
@@ -199,7 +204,8 @@ class Conversations:
         st.current = att
         st.status = "prefill"
         self.emit(ev.AgentStarted(now, st.name, att.number, st.turn, st.turns, st.endpoint,
-                                  policy.first_byte_timeout_s, policy.idle_timeout_s))
+                                  policy.first_byte_timeout_s, policy.idle_timeout_s,
+                                  request_id=request_id(self.run_id, header_value(st.name), st.turn, number)))
         parts, thinking = att.parts, att.thinking
         error: EndpointError | None = None
         with anyio.CancelScope() as scope:
@@ -269,8 +275,9 @@ class Conversations:
         # With a key configured, each delta field is scrubbed with the tail of the one before held back, as an
         # echoed key may be split across deltas (config/secrets.py: StreamScrubber). Without one: one test.
         held = (self.scrub.stream(), self.scrub.stream(), self.scrub.stream()) if self.scrub else None
-        # a header value must be ASCII: a non-ASCII agent name goes percent-encoded
-        agent_header = name if name.isascii() else urllib.parse.quote(name, safe="")
+        agent_header = header_value(name)
+        # a router keeps every request of one session on one worker (vllm-router's consistent_hash, llm-d, ...)
+        session = {ep.session_header: f"{self.run_id}/{agent_header}"} if ep.session_header else {}
         wait_s = 0.25
         while True:
             try:
@@ -287,7 +294,7 @@ class Conversations:
                 # X-Request-Id names the attempt in the server's own logs (vLLM takes it as its request id:
                 # "Aborted request(s) chatcmpl-<id>"); unique per run, agent, turn and attempt
                 headers = {"X-Cerevisor-Agent": agent_header,
-                           "X-Request-Id": request_id(self.run_id, agent_header, att.turn, number)}
+                           "X-Request-Id": request_id(self.run_id, agent_header, att.turn, number), **session}
                 stream = connections.stream(ep.name, url, body, headers)
                 att.stream = stream
                 async for kind, payload in stream.events():

@@ -161,6 +161,7 @@ class AgentStarted(Event):
     endpoint: str
     first_byte_deadline_s: float
     idle_deadline_s: float
+    request_id: str = ""  # the X-Request-Id the request carries: the server logs its abort under this id
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,7 +226,9 @@ class _Chat:
         st.requests.append({"model": model, "messages": messages, "max_tokens": body.get("max_tokens"),
                             "stream": bool(body.get("stream")), "authorization": auth,
                             "has_authorization": auth is not None, "agent": agent,
-                            "request_id": request.headers.get("x-request-id")})
+                            "request_id": request.headers.get("x-request-id"),
+                            # what routers read (X-Session-ID and the like); never the key
+                            "headers": {k: v for k, v in request.headers.items() if k != "authorization"}})
         if agent:
             st.requests_by_agent[agent] += 1
         if st.requests_total <= settings.fail_first:
