@@ -292,6 +292,19 @@ class EndpointConfig(StallPolicy):
     """Simulator settings, for kind "simulated"."""
     capacity: CapacitySettings = CapacitySettings()
     """What the KV estimate of the load pane assumes about this endpoint's box."""
+    metrics_urls: list[str] = []
+    """When this endpoint is a router (vllm-router, llm-d, ...): the root URLs of the workers behind it (http://host:port); the load pane and the busy check read each one's /health and /metrics (without the API key) instead of the router's."""
+
+    @field_validator("metrics_urls")
+    @classmethod
+    def _metrics_urls(cls, value: list[str]) -> list[str]:
+        for i, url in enumerate(value):
+            problem = url_problem(url)
+            if problem:
+                raise ValueError(f"[{i}] {url!r}: {problem}")
+        if len(set(value)) < len(value):
+            raise ValueError("a worker is listed twice")
+        return value
     session_header: str = "X-Session-ID"
     """Header that carries each agent's stable session id (<run id>/<agent>), so a router keeps its turns on one worker; empty: not sent."""
     max_model_len: int = Field(default=0, ge=0)

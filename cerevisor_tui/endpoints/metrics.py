@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -286,23 +287,62 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     return MetricsSnapshot(kind="unknown")
 
 
-def prefix_hit_rate(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> float | None:
-    """Prefix-cache hits / queries between two snapshots (0..1); None when nothing was queried.
+def prefix_counts(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> tuple[float, float] | None:
+    """(hits, queries) of the prefix cache between two snapshots; None for a server without the counters.
 
-    vLLM exposes cumulative counters, so the rate is their difference. A counter that went down means
-    the server restarted: the current values then count from zero. SGLang exposes its own rate,
-    which is returned as is.
+    vLLM exposes cumulative counters, so these are their difference. A counter that went down means the
+    server restarted: the current values then count from zero.
     """
     if cur.prefix_cache_queries is None or cur.prefix_cache_hits is None:
-        return cur.prefix_cache_hit_rate
+        return None
     queries, hits = cur.prefix_cache_queries, cur.prefix_cache_hits
     if prev is not None and prev.prefix_cache_queries is not None and prev.prefix_cache_hits is not None:
         if queries >= prev.prefix_cache_queries and hits >= prev.prefix_cache_hits:
             queries -= prev.prefix_cache_queries
             hits -= prev.prefix_cache_hits
+    return hits, queries
+
+
+def prefix_hit_rate(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> float | None:
+    """Prefix-cache hits / queries between two snapshots (0..1); None when nothing was queried.
+
+    SGLang exposes its own rate, which is returned as is.
+    """
+    counts = prefix_counts(prev, cur)
+    if counts is None:
+        return cur.prefix_cache_hit_rate
+    hits, queries = counts
     if queries <= 0:
         return None
     return min(1.0, max(0.0, hits / queries))
+
+
+def combine(snapshots: Iterable[MetricsSnapshot]) -> MetricsSnapshot | None:
+    """The workers behind one router as one server: counts and KV capacity summed, KV use the fullest
+    worker's (the one nearest its cliff); a value none of them reports stays None. None for no snapshots."""
+    found = list(snapshots)
+    if not found:
+        return None
+
+    def total(name: str) -> Any:
+        values = [getattr(m, name) for m in found if getattr(m, name) is not None]
+        return sum(values) if values else None
+
+    def most(name: str) -> Any:
+        values = [getattr(m, name) for m in found if getattr(m, name) is not None]
+        return max(values) if values else None
+
+    models: dict[str, None] = {}
+    for m in found:
+        models.update(dict.fromkeys(m.models))
+    return MetricsSnapshot(
+        kind=next((m.kind for m in found if m.kind != "unknown"), "unknown"),
+        requests_running=total("requests_running"), requests_waiting=total("requests_waiting"),
+        kv_cache_usage=most("kv_cache_usage"), prefix_cache_queries=total("prefix_cache_queries"),
+        prefix_cache_hits=total("prefix_cache_hits"), prefix_cache_hit_rate=most("prefix_cache_hit_rate"),
+        preemptions=total("preemptions"), num_gpu_blocks=total("num_gpu_blocks"), block_size=most("block_size"),
+        kv_cache_size_tokens=total("kv_cache_size_tokens"), models=tuple(models),
+    )
 
 
 def parse_slots(data: Any) -> SlotsStatus | None:
@@ -375,6 +415,64 @@ async def read_server(
         slots=slots,
         error=_scrubbed(client, "; ".join(errors)) or None,
     )
+
+
+@dataclass(frozen=True)
+class RoutedStatus:
+    """One look at a router and the workers behind it: `fleet` is the whole as one server (the router's
+    health, the workers' metrics combined), `workers` each worker's own status, in the configured order."""
+
+    fleet: ServerStatus
+    workers: tuple[ServerStatus, ...]
+
+
+async def read_routed(
+    client: httpx.AsyncClient, base_url: str, worker_client: httpx.AsyncClient, worker_urls: Iterable[str],
+    *, timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> RoutedStatus:
+    """Read a router's /health and each worker's /health and /metrics (at once, with short timeouts).
+
+    A router's own /metrics speaks of routing, not of the servers' queues and KV caches, so the workers'
+    are read instead (`worker_client`, which carries no API key: vLLM serves /health and /metrics without
+    one, and a key is not sent where the operator did not point the endpoint). The fleet is healthy while
+    the router answers and at least one worker is up; it is loading while every worker that answers is.
+    Never raises.
+    """
+    urls = list(worker_urls)
+    workers: list[ServerStatus | None] = [None] * len(urls)
+
+    async def one(i: int, url: str) -> None:
+        try:
+            workers[i] = await read_server(worker_client, url, timeout_s=timeout_s)
+        except Exception as exc:  # noqa: BLE001 - one worker's nonsense must not hide the others
+            workers[i] = ServerStatus(base_url=url, reachable=False, error=f"unreadable: {exc}"[:200])
+
+    async with anyio.create_task_group() as group:
+        for i, url in enumerate(urls):
+            group.start_soon(one, i, url)
+    statuses = tuple(w for w in workers if w is not None)
+    root = server_root(base_url)
+    try:
+        health = await client.get(f"{root}/health", timeout=httpx.Timeout(timeout_s))
+    except httpx.HTTPError as exc:
+        fleet = ServerStatus(base_url=base_url, reachable=False,
+                             error=_scrubbed(client, f"router health: {_describe(exc)}"),
+                             metrics=combine(w.metrics for w in statuses if w.metrics is not None))
+        return RoutedStatus(fleet, statuses)
+    answering = [w for w in statuses if w.reachable]
+    up = [w for w in answering if not w.loading and (w.health_status or 0) < 400]
+    errors = [f"router health: HTTP {health.status_code}"] if health.status_code >= 400 else []
+    if len(up) < len(statuses):
+        errors.append(f"{len(statuses) - len(up)} of {len(statuses)} workers down")
+    loading = bool(answering) and all(w.loading for w in answering)
+    # the router's answer unless it is fine and no worker is up: then the fleet is as good as down
+    status = health.status_code if health.status_code >= 400 or up or loading else 503
+    return RoutedStatus(ServerStatus(
+        base_url=base_url, reachable=True, health_status=status, loading=loading,
+        loading_message=next((w.loading_message for w in answering if w.loading_message), None) if loading else None,
+        metrics=combine(w.metrics for w in statuses if w.metrics is not None),
+        error=_scrubbed(client, "; ".join(errors)) or None,
+    ), statuses)
 
 
 def _scrubbed(client: httpx.AsyncClient, text: str | None) -> str | None:

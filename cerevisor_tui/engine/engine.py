@@ -365,11 +365,12 @@ class Engine:
         )
 
     async def _start_background(self, group: anyio.abc.TaskGroup) -> None:
-        """Tasks that live as long as the run: each local endpoint's /health and /metrics, polled."""
+        """Tasks that live as long as the run: each local endpoint's /health and /metrics, polled; the box's GPUs."""
         for ep in self.config.endpoints:
             if ep.kind != "hosted":
                 group.start_soon(self.monitor.run, ep.name, self._refresh_load)
             group.start_soon(self._auto_loop, ep.name)
+        group.start_soon(self.monitor.run_gpus)
         if self.busy_check is None:
             self.busy_check = self.monitor.busy
 

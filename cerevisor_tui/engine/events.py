@@ -343,6 +343,26 @@ class ServerSample(Event):
     detail: str = ""
     slots_busy: int | None = None  # llama.cpp /slots: slots generating
     slots_total: int | None = None
+    # prefix-cache lookups the hit rate stands for (tokens, since the last sample), to weigh it in a total
+    prefix_queries: float | None = None
+    # an endpoint that is a router (metrics_urls): each worker as {"url", "healthy", "running", "waiting",
+    # "kv_cache_usage", "prefix_hit_rate", "prefix_queries", "kv_cache_tokens", "detail"}, in config order;
+    # the fields above are then the workers' together
+    workers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSample(Event):
+    """The GPUs of the box the run is on, read through NVML with each round of server samples.
+
+    Each GPU as {"index", "name", "utilization", "memory_used_bytes", "memory_total_bytes", "power_w",
+    "power_limit_w", "temperature_c"} (utilization 0..1; a value the GPU does not report is None). No GPU
+    readable (no NVIDIA driver, no bindings): `gpus` empty and `error` says why, once.
+    """
+
+    kind: ClassVar[str] = "GpuSample"
+    gpus: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,7 +447,7 @@ ALL_EVENTS: dict[str, type[Event]] = {
     for cls in (
         RunStarted, WaveStarted, WaveFinished, AgentQueued, AgentStarted, EndpointWaiting, FirstToken,
         TokenDelta, KeepAlive, MessageRecorded, TurnFinished, StallWarning, StallExtended, AgentKilled, AgentRetrying,
-        AgentFinished, AgentRerun, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished,
+        AgentFinished, AgentRerun, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished, GpuSample,
         RunStopping, RunNotice, ModelResolved, StallPolicyChanged, LoadChanged, ProbeStarted, ProbeProgress,
         ProbeFinished, ToolCallStarted, ToolCallFinished, ApprovalRequested, ApprovalDecided, ToolCallWarning,
     )

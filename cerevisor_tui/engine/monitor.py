@@ -1,5 +1,6 @@
-"""The server monitor: each watched endpoint's /health and /metrics, read on the run's interval and told as a
-ServerSample; the KV fit the server's own capacity implies; and, at a stall deadline, whether the server is busy.
+"""The server monitor: each watched endpoint's /health and /metrics (a router's: each of its workers'), read on
+the run's interval and told as a ServerSample; the box's GPUs, told as a GpuSample at the same pace; the KV fit
+the server's own capacity implies; and, at a stall deadline, whether the server is busy.
 """
 
 from __future__ import annotations
@@ -8,14 +9,25 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 import anyio
+import httpx
 
 from cerevisor_tui.config.models import Config
-from cerevisor_tui.endpoints.metrics import MetricsSnapshot, ServerStatus, prefix_hit_rate, read_server
+from cerevisor_tui.endpoints.client import build_client
+from cerevisor_tui.endpoints.metrics import (
+    MetricsSnapshot,
+    ServerStatus,
+    prefix_counts,
+    prefix_hit_rate,
+    read_routed,
+    read_server,
+)
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.connections import Connections
+from cerevisor_tui.engine.gpus import GpuReader, watch_gpus
 
 
 class ServerMonitor:
@@ -38,40 +50,84 @@ class ServerMonitor:
         self.load_notes: dict[str, str] = {}
         for ep in config.endpoints:
             self.load[ep.name], self.load_notes[ep.name] = load.from_config(ep)
+        # a router's workers are read with a client of their own, without the endpoint's API key
+        self._worker_clients: dict[str, httpx.AsyncClient] = {}
+        self.gpu_reader: Callable[[], GpuReader] = GpuReader  # tests hand in one over a fake NVML
 
     async def read(self, endpoint: str) -> ServerStatus:
-        """One look at the endpoint's /health and /metrics; a server that answers nonsense is 'unknown', never a crash."""
+        """One look at the endpoint's /health and /metrics; a server that answers nonsense is 'unknown', never a crash.
+        A router (`metrics_urls`): its health and its workers' metrics together."""
+        return (await self.look(endpoint))[0]
+
+    async def look(self, endpoint: str) -> tuple[ServerStatus, tuple[ServerStatus, ...]]:
+        """The endpoint's status, and each of its workers' when it is a router (else none)."""
         base_url = self.connections.base_urls[endpoint]
+        workers = self.endpoints[endpoint].metrics_urls
         try:
-            return await read_server(self.connections.clients[endpoint], base_url)
+            if not workers:
+                return await read_server(self.connections.clients[endpoint], base_url), ()
+            client = self._worker_clients.get(endpoint)
+            if client is None:  # a look outside the monitor's loop (a deadline before the first sample)
+                async with build_client(len(workers)) as client:
+                    routed = await read_routed(self.connections.clients[endpoint], base_url, client, workers)
+            else:
+                routed = await read_routed(self.connections.clients[endpoint], base_url, client, workers)
+            return routed.fleet, routed.workers
         except Exception as exc:  # noqa: BLE001 - a monitoring read must never end the run
-            return ServerStatus(base_url=base_url, reachable=False, error=f"unreadable: {exc}"[:200])
+            return ServerStatus(base_url=base_url, reachable=False, error=f"unreadable: {exc}"[:200]), ()
 
     async def run(self, endpoint: str, on_sample: Callable[[str], None]) -> None:
         """Read the endpoint every `[run] metrics_interval_s` for as long as the run goes on; `on_sample` is
         called after each sample and the fit it implies."""
-        previous: MetricsSnapshot | None = None
+        workers = self.endpoints[endpoint].metrics_urls
+        if workers:
+            async with build_client(len(workers)) as client:
+                self._worker_clients[endpoint] = client
+                try:
+                    await self._run(endpoint, on_sample)
+                finally:
+                    del self._worker_clients[endpoint]
+        else:
+            await self._run(endpoint, on_sample)
+
+    async def _run(self, endpoint: str, on_sample: Callable[[str], None]) -> None:
+        previous: dict[str, MetricsSnapshot] = {}  # by worker URL; "" for the endpoint itself
         while True:
-            status = await self.read(endpoint)
+            status, workers = await self.look(endpoint)
             self.status[endpoint] = status
             self.status_at[endpoint] = time.monotonic()
+            rows = [_sample_fields(w, previous.get(w.base_url)) for w in workers]
+            fields = _sample_fields(status, previous.get(""))
+            if workers:  # the fleet's prefix hits: the workers' own, since each one's last sample, together
+                counted = [r for r in rows if r["prefix_queries"] is not None]
+                queries = sum(r["prefix_queries"] for r in counted)
+                hits = sum(r["prefix_hit_rate"] * r["prefix_queries"] for r in counted if r["prefix_hit_rate"] is not None)
+                fields["prefix_queries"] = queries if counted else None
+                fields["prefix_hit_rate"] = hits / queries if queries > 0 else None
             m = status.metrics
-            detail = status.loading_message or ("loading" if status.loading else "") or (status.error or "")
             self.last_sample[endpoint] = sample = ev.ServerSample(
-                time.monotonic(), endpoint, status.reachable and not status.loading and (status.health_status or 0) < 400,
-                status.kind, _num(m.requests_running) if m else None, _num(m.requests_waiting) if m else None,
-                m.kv_cache_usage if m else None,
-                (prefix_hit_rate(previous, m) if m and previous else (m.prefix_cache_hit_rate if m else None)),
-                _num(m.preemptions) if m else None, _num(m.kv_cache_size_tokens) if m else None, detail,
+                time.monotonic(), endpoint, fields["healthy"], status.kind, fields["running"], fields["waiting"],
+                fields["kv_cache_usage"], fields["prefix_hit_rate"], _num(m.preemptions) if m else None,
+                fields["kv_cache_tokens"], fields["detail"],
                 slots_busy=status.slots.processing if status.slots else None,
                 slots_total=status.slots.total if status.slots else None,
+                prefix_queries=fields["prefix_queries"],
+                workers=[{"url": w.base_url, **row} for w, row in zip(workers, rows, strict=True)],
             )
             self.samples[endpoint] += 1
             self.emit(sample)
-            previous = m or previous
+            if m is not None:
+                previous[""] = m
+            for w in workers:
+                if w.metrics is not None:
+                    previous[w.base_url] = w.metrics
             self.refresh_fit(endpoint, m.kv_cache_size_tokens if m is not None else None)
             on_sample(endpoint)
             await anyio.sleep(self.config.run.metrics_interval_s)
+
+    async def run_gpus(self) -> None:
+        """Read the box's GPUs at the pace of the server samples, for as long as the run goes on."""
+        await watch_gpus(self.emit, self.config.run.metrics_interval_s, self.gpu_reader())
 
     def refresh_fit(self, endpoint: str, server_kv_tokens: float | None) -> None:
         """How many conversations fit: the server's own KV capacity when it reports one (else the configured
@@ -114,3 +170,21 @@ class ServerMonitor:
 
 def _num(value: float | int | None) -> float | None:
     return None if value is None else float(value)
+
+
+def _sample_fields(status: ServerStatus, previous: MetricsSnapshot | None) -> dict[str, Any]:
+    """What a ServerSample (or one worker of it) says of one server's status; `previous` is its last metrics."""
+    m = status.metrics
+    # the prefix hits since the last sample; a first sample has only what the server says itself (SGLang's rate)
+    counts = prefix_counts(previous, m) if m is not None and previous is not None else None
+    return {
+        "healthy": status.reachable and not status.loading and (status.health_status or 0) < 400,
+        "running": _num(m.requests_running) if m else None,
+        "waiting": _num(m.requests_waiting) if m else None,
+        "kv_cache_usage": m.kv_cache_usage if m else None,
+        "prefix_hit_rate": (prefix_hit_rate(previous, m) if previous is not None else m.prefix_cache_hit_rate)
+        if m else None,
+        "prefix_queries": counts[1] if counts is not None else None,
+        "kv_cache_tokens": _num(m.kv_cache_size_tokens) if m else None,
+        "detail": status.loading_message or ("loading" if status.loading else "") or (status.error or ""),
+    }

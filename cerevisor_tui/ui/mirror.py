@@ -142,6 +142,8 @@ class RunMirror(UiModel):
     stopping: str = ""  # why the run is stopping ("" while it is not)
     probes: dict[str, ProbeView] = field(default_factory=dict)
     plan_version: int = 0  # bumped when the run's agents are (re)announced: the agents pane is built again
+    samples: dict[str, ev.ServerSample] = field(default_factory=dict)  # each endpoint's last, workers and all
+    gpus: ev.GpuSample | None = None  # the run's box's GPUs, as last read; None: none read yet
 
     def __call__(self, event: ev.Event) -> None:
         kind = event.kind
@@ -345,6 +347,12 @@ class RunMirror(UiModel):
 
     def _see_LoadChanged(self, e: ev.LoadChanged) -> None:
         self._endpoint(e.endpoint).load = e
+
+    def _see_ServerSample(self, e: ev.ServerSample) -> None:
+        self.samples[e.endpoint] = e
+
+    def _see_GpuSample(self, e: ev.GpuSample) -> None:
+        self.gpus = e
 
     # ---- probes -----------------------------------------------------------------------------------------
     def _see_ProbeStarted(self, e: ev.ProbeStarted) -> None:

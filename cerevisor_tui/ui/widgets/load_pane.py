@@ -1,5 +1,6 @@
-"""The load pane: what each server reports, an endpoint's trend over the run (cap, tokens/s, queue, KV),
-the aggregate throughput sparkline, and each endpoint's KV estimate."""
+"""The load pane: what each server reports (with several endpoints or a router's workers, the fleet: a row
+each and their totals), the GPUs of the run's box, an endpoint's trend over the run (cap, tokens/s, queue,
+KV), the aggregate throughput sparkline, and each endpoint's KV estimate."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from textual.app import ComposeResult
 from textual.containers import Container, Vertical
 from textual.widgets import Static
 
+from cerevisor_tui.engine import events as ev
 from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate
-from cerevisor_tui.ui.mirror import RunMirror
+from cerevisor_tui.ui.mirror import ACTIVE, RunMirror
 from cerevisor_tui.ui.model import UiModel
 from cerevisor_tui.ui.widgets.throughput_bars import ThroughputBars
 from cerevisor_tui.ui.widgets.trend_chart import TrendChart, TrendRow
@@ -51,6 +53,94 @@ def kv_rows(mirror: RunMirror) -> tuple[KvRow, ...]:
     return tuple(rows)
 
 
+@dataclass(frozen=True)
+class FleetRow:
+    """One line of the fleet table: an endpoint, a worker behind a router (`worker`), or the totals."""
+
+    name: str
+    health: str  # up | down | loading | "" (not polled, or no sample yet)
+    running: float | None
+    waiting: float | None
+    kv: float | None
+    prefix: float | None
+    agents: int | None  # ours running there; None for a worker (the router places them, not we)
+    detail: str = ""
+    worker: bool = False
+    total: bool = False
+
+
+def _health(healthy: bool | None, detail: str) -> str:
+    if healthy is None:
+        return ""
+    if healthy:
+        return "up"
+    return "loading" if "load" in detail.lower() else "down"
+
+
+def _worker_name(url: str) -> str:
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+def fleet_rows(mirror: RunMirror) -> tuple[FleetRow, ...]:
+    """A row per endpoint and, under a router, per worker; then the totals (running and waiting summed, KV the
+    fullest server's, prefix hits weighed by the lookups each made). Empty when there is one endpoint and no
+    workers: the pane then keeps its one-line form."""
+    samples = mirror.samples
+    if len(mirror.endpoints) < 2 and not any(s.workers for s in samples.values()):
+        return ()
+    running_on: dict[str, int] = {}
+    for a in mirror.agents.values():
+        if a.status in ACTIVE:
+            running_on[a.endpoint] = running_on.get(a.endpoint, 0) + 1
+    rows: list[FleetRow] = []
+    for name in mirror.endpoints:
+        s = samples.get(name)
+        agents = running_on.get(name, 0)
+        if s is None:
+            rows.append(FleetRow(name, "", None, None, None, None, agents))
+            continue
+        rows.append(FleetRow(name, _health(s.healthy, s.detail), s.running, s.waiting, s.kv_cache_usage,
+                             s.prefix_hit_rate, agents, s.detail))
+        for w in s.workers:
+            detail = str(w.get("detail") or "")
+            rows.append(FleetRow(_worker_name(str(w.get("url", ""))), _health(w.get("healthy"), detail), w.get("running"),
+                                 w.get("waiting"), w.get("kv_cache_usage"), w.get("prefix_hit_rate"), None, detail,
+                                 worker=True))
+    tops = [r for r in rows if not r.worker]
+    weighed = [(s.prefix_hit_rate, s.prefix_queries) for s in samples.values()
+               if s.endpoint in mirror.endpoints and s.prefix_hit_rate is not None and s.prefix_queries]
+    queries = sum(q for _, q in weighed)
+
+    def total(values: list[float | None]) -> float | None:
+        found = [v for v in values if v is not None]
+        return sum(found) if found else None
+
+    kvs = [r.kv for r in tops if r.kv is not None]
+    rows.append(FleetRow("total", "", total([r.running for r in tops]), total([r.waiting for r in tops]),
+                         max(kvs) if kvs else None, sum(r * q for r, q in weighed) / queries if queries else None,
+                         sum(r.agents or 0 for r in tops), total=True))
+    return tuple(rows)
+
+
+def gpu_lines(sample: ev.GpuSample | None) -> tuple[str, ...]:
+    """The GPU rows: `GPU 0 H100  util 87%  mem 71.2/80.0 GiB  power 512/700 W  63°C`, or why there are none.
+    Nothing before the first GpuSample (a run that has not read them yet, a journal from an older version)."""
+    if sample is None:
+        return ()
+    if not sample.gpus:
+        return (f"GPUs  not read: {sample.error or 'none found'}",)
+    lines = []
+    for g in sample.gpus:
+        used, total = g.get("memory_used_bytes"), g.get("memory_total_bytes")
+        memory = "-" if used is None or total is None else f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB"
+        power, limit = g.get("power_w"), g.get("power_limit_w")
+        watts = "-" if power is None else f"{power:.0f}" + (f"/{limit:.0f}" if limit else "") + " W"
+        temp = g.get("temperature_c")
+        lines.append(f"GPU {g.get('index', '?')} {g.get('name', '')}  util {fmt_percent(g.get('utilization'))}  "
+                     f"mem {memory}  power {watts}  " + ("-" if temp is None else f"{temp:.0f}°C"))
+    return tuple(lines)
+
+
 def trend_rows(model: UiModel, endpoint: str, colour: Callable[[str], str]) -> tuple[TrendRow, ...]:
     """`endpoint`'s trend as the chart draws it: cap, output tokens/s, requests waiting, KV-cache use.
     `colour` turns a theme variable into a Rich colour."""
@@ -82,6 +172,8 @@ class LoadPane(Vertical):
     LoadPane {
         height: auto;
         #servers { height: auto; text-wrap: nowrap; text-overflow: ellipsis; }
+        #gpus { height: auto; text-wrap: nowrap; text-overflow: ellipsis; display: none; }
+        #gpus.-shown { display: block; }
         #trend { height: auto; }
         #throughput-row { height: 1; layout: horizontal; }
         #throughput-label { height: 1; width: auto; color: $text-muted; padding-right: 2; }
@@ -93,6 +185,7 @@ class LoadPane(Vertical):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._servers_shown: object = None
+        self._gpus_shown: object = None
         self._samples_shown = -1
         self._label_shown = ""
         self._kv_shown: object = None
@@ -100,6 +193,7 @@ class LoadPane(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="servers")
+        yield Static(id="gpus")
         yield TrendChart(id="trend")
         with Container(id="throughput-row"):
             yield Static(id="throughput-label")
@@ -109,6 +203,7 @@ class LoadPane(Vertical):
     def invalidate(self) -> None:
         """Redraw everything at the next sync (the theme or the engine changed)."""
         self._servers_shown = None
+        self._gpus_shown = None
         self._label_shown = ""
         self._kv_shown = None
         self._trend_shown = None
@@ -121,35 +216,12 @@ class LoadPane(Vertical):
     def sync(self, mirror: RunMirror, now: float, *, endpoint: str | None = None) -> None:
         """`endpoint`: whose trend to draw (the selected agent's); None: the first endpoint's."""
         model = mirror
-        rows = []
-        for name in mirror.endpoints:
-            sv = model.servers.get(name)
-            slots = f"{sv.slots_busy}/{sv.slots_total}" if sv and sv.slots_total else ""
-            rows.append((name, *((sv.running, sv.waiting, sv.kv_cache_usage, sv.prefix_hit_rate, slots, sv.detail)
-                                  if sv else (None, None, None, None, "", ""))))
-        rows_key = tuple(rows)
-        if rows_key != self._servers_shown:
-            self._servers_shown = rows_key
-            text = Text(no_wrap=True, overflow="ellipsis")
-            muted = self.app.colour("text-muted")  # type: ignore[attr-defined]
-            for i, (name, running, waiting, kv, prefix, slots, detail) in enumerate(rows):
-                if i:
-                    text.append("\n")
-                text.append(f"{name} ", style="bold")
-                text.append("running ", style=muted)
-                text.append(f"{fmt_number(running)}  ")
-                text.append("waiting ", style=muted)
-                text.append(f"{fmt_number(waiting)}  ")
-                text.append("KV ", style=muted)
-                text.append(f"{fmt_percent(kv)}  ")
-                text.append("prefix hit ", style=muted)
-                text.append(fmt_percent(prefix))
-                if slots:
-                    text.append("  slots ", style=muted)
-                    text.append(slots)
-                if detail:
-                    text.append(f"  {detail}", style=muted)
-            self.query_one("#servers", Static).update(text)
+        self._sync_gpus(mirror)
+        fleet = fleet_rows(mirror)
+        rows = fleet or self._server_lines(mirror)
+        if rows != self._servers_shown:
+            self._servers_shown = rows
+            self.query_one("#servers", Static).update(self._fleet_text(fleet) if fleet else self._lines_text(rows))
         if model.samples_taken != self._samples_shown:
             self._samples_shown = model.samples_taken
             # a fixed time window, oldest on the left, so the line does not stretch while it fills
@@ -169,6 +241,76 @@ class LoadPane(Vertical):
         if kv != self._kv_shown:
             self._kv_shown = kv
             self.set_kv_estimate(self._kv_text(kv))
+
+    @staticmethod
+    def _server_lines(mirror: RunMirror) -> tuple[tuple[Any, ...], ...]:
+        rows = []
+        for name in mirror.endpoints:
+            sv = mirror.servers.get(name)
+            slots = f"{sv.slots_busy}/{sv.slots_total}" if sv and sv.slots_total else ""
+            rows.append((name, *((sv.running, sv.waiting, sv.kv_cache_usage, sv.prefix_hit_rate, slots, sv.detail)
+                                  if sv else (None, None, None, None, "", ""))))
+        return tuple(rows)
+
+    def _lines_text(self, rows: tuple[tuple[Any, ...], ...]) -> Text:
+        """One endpoint's line: `sim running 2  waiting 0  KV 41%  prefix hit 93%`."""
+        text = Text(no_wrap=True, overflow="ellipsis")
+        muted = self.app.colour("text-muted")  # type: ignore[attr-defined]
+        for i, (name, running, waiting, kv, prefix, slots, detail) in enumerate(rows):
+            if i:
+                text.append("\n")
+            text.append(f"{name} ", style="bold")
+            text.append("running ", style=muted)
+            text.append(f"{fmt_number(running)}  ")
+            text.append("waiting ", style=muted)
+            text.append(f"{fmt_number(waiting)}  ")
+            text.append("KV ", style=muted)
+            text.append(f"{fmt_percent(kv)}  ")
+            text.append("prefix hit ", style=muted)
+            text.append(fmt_percent(prefix))
+            if slots:
+                text.append("  slots ", style=muted)
+                text.append(slots)
+            if detail:
+                text.append(f"  {detail}", style=muted)
+        return text
+
+    def _sync_gpus(self, mirror: RunMirror) -> None:
+        lines = gpu_lines(mirror.gpus)
+        if lines == self._gpus_shown:
+            return
+        self._gpus_shown = lines
+        gpus = self.query_one("#gpus", Static)
+        gpus.set_class(bool(lines), "-shown")
+        muted = self.app.colour("text-muted")  # type: ignore[attr-defined]
+        text = Text(no_wrap=True, overflow="ellipsis")
+        for i, line in enumerate(lines):
+            if i:
+                text.append("\n")
+            head, _, rest = line.partition("  ")
+            text.append(head, style="bold")
+            text.append(f"  {rest}", style=muted if mirror.gpus is not None and not mirror.gpus.gpus else "")
+        gpus.update(text)
+
+    def _fleet_text(self, rows: tuple[FleetRow, ...]) -> Text:
+        """The fleet as a table: a header, a row per endpoint (its workers indented under it), the totals."""
+        colour = self.app.colour  # type: ignore[attr-defined]
+        muted = colour("text-muted")
+        health_style = {"up": colour("success"), "down": f"bold {colour('error')}", "loading": colour("warning")}
+        width = min(28, max(len("endpoint"), *(len(r.name) + (2 if r.worker else 0) for r in rows)))
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append(f"{'endpoint':<{width}}  health   running  waiting    KV  prefix  agents", style=muted)
+        for r in rows:
+            text.append("\n")
+            name = ("  " + r.name if r.worker else r.name)[:width]
+            text.append(f"{name:<{width}}", style="bold" if not r.worker else "")
+            text.append(f"  {r.health or '-':<7}", style=health_style.get(r.health, muted))
+            text.append(f"  {fmt_number(r.running):>7}  {fmt_number(r.waiting):>7}  {fmt_percent(r.kv):>4}  "
+                        f"{fmt_percent(r.prefix):>6}  {'' if r.agents is None else r.agents:>6}",
+                        style="bold" if r.total else "")
+            if r.detail:
+                text.append(f"  {r.detail}", style=muted)
+        return text
 
     def _sync_trend(self, model: UiModel, endpoint: str | None) -> None:
         """Rebuild the chart's rows only when a sample came, the cap moved or another endpoint is shown."""
