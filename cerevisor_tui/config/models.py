@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import unicodedata
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -199,6 +199,10 @@ class UiConfig(_Section):
     """Key remaps, binding id = keys, e.g. toggle_mode = "M"."""
     refresh_hz: float = Field(default=12.0, ge=1, le=30)
     """How often visible panes are redrawn while tokens stream."""
+    notify: bool = True
+    """Ring the terminal when an agent needs you (approval, killed, failed, endpoint down, about to be killed):
+    the bell and a desktop notification (OSC 9 and OSC 777, which most terminals show); once per agent per
+    state change."""
 
 
 class SimSettings(_Section):
@@ -250,6 +254,10 @@ class SimSettings(_Section):
     """Each extra sequence in the batch slows every sequence's decode by this fraction."""
     max_num_batched_tokens: int = Field(default=8192, ge=1)
     """Tokens one scheduler step computes: one per decoding sequence plus prompt chunks (chunked prefill)."""
+    tool_steps: int = Field(default=1, ge=0)
+    """When a request offers tools: answer with a tool call while the current turn holds fewer tool-calling answers than this, then in text; 0: never call tools."""
+    tool_args: dict[str, dict[str, Any]] = {}
+    """Arguments to call named tools with, e.g. { get_current_time = { timezone = "UTC" } }; when set, only these tools are called. Other arguments are made from each tool's schema."""
 
 
 class CapacitySettings(_Section):
@@ -305,6 +313,7 @@ class EndpointConfig(StallPolicy):
         if len(set(value)) < len(value):
             raise ValueError("a worker is listed twice")
         return value
+
     session_header: str = "X-Session-ID"
     """Header that carries each agent's stable session id (<run id>/<agent>), so a router keeps its turns on one worker; empty: not sent."""
     max_model_len: int = Field(default=0, ge=0)
@@ -373,6 +382,68 @@ class PoolConfig(_Section):
         return value
 
 
+_SERVER_NAME = re.compile(r"[A-Za-z0-9_-]{1,32}")
+
+
+class McpServerConfig(_Section):
+    """A `[[mcp_servers]]` table: an MCP tool server, started once per run and shared by the agents that list it."""
+
+    name: str
+    """Name agents use in their `tools` (letters, digits, _ and -; it prefixes the tools' names the model sees)."""
+    command: str = ""
+    """Program that serves MCP over stdio (e.g. "uvx", or a path); or give url."""
+    args: list[str] = []
+    """Its arguments, e.g. ["mcp-server-time"]."""
+    env: list[str] = []
+    """Names of environment variables passed through to it; it gets no others but PATH, HOME and the like (the MCP SDK's safe set)."""
+    cwd: str = ""
+    """Working directory of the command; empty: the run's."""
+    url: str = ""
+    """URL of an MCP server that speaks streamable HTTP, instead of a command."""
+    allow: list[str] = []
+    """Tool-name globs that run without asking (deny wins over ask over allow)."""
+    ask: list[str] = []
+    """Tool-name globs that wait for the operator's approval (headless: denied unless run --approve-all)."""
+    deny: list[str] = []
+    """Tool-name globs never run: the model is told the call was denied."""
+    tool_timeout_s: float = Field(default=120.0, gt=0)
+    """Longest one call of this server's tools may take; then it is cancelled and the model told why."""
+    warn_at: list[float] = [0.5, 0.8, 0.95]
+    """Fractions of tool_timeout_s at which a ToolCallWarning is raised."""
+    start_timeout_s: float = Field(default=60.0, gt=0)
+    """Longest the server may take to start and list its tools; then agents that use it fail, saying why."""
+    max_result_chars: int = Field(default=16000, ge=100)
+    """Longest tool result handed to the model; a longer one is cut, and the cut said in the result."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _SERVER_NAME.fullmatch(value):
+            raise ValueError("must be 1-32 letters, digits, _ or - (it prefixes tool names the model sees)")
+        return value
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        problem = url_problem(value) if value else None
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("warn_at")
+    @classmethod
+    def _fractions(cls, value: list[float]) -> list[float]:
+        if any(not 0 < f < 1 for f in value):
+            raise ValueError("each fraction must be between 0 and 1 (exclusive)")
+        return sorted(set(value))
+
+    @model_validator(mode="after")
+    def _transport(self) -> McpServerConfig:
+        if bool(self.command) == bool(self.url):
+            raise ValueError("give either command (stdio) or url (streamable HTTP)")
+        return self
+
+
 class AgentConfig(_Section):
     name: str
     """Unique name; used in depends_on and in {{ name.output }}."""
@@ -392,6 +463,12 @@ class AgentConfig(_Section):
     """Sampling temperature."""
     retries: int = Field(default=2, ge=0, le=20)
     """New attempts after a failed or killed one (429, 5xx, connection errors and stall kills)."""
+    tools: list[str] = []
+    """MCP tools it may call: a server's name (all its tools) or "server.tool"; empty: none."""
+    max_steps: int = Field(default=10, ge=1, le=1000)
+    """With tools: most model requests one turn may make (each answer that calls tools, and the last); past it the agent fails."""
+    tool_choice: str = ""
+    """With tools: "" (the server's default), "auto", "required", "none", or "server.tool": that tool is forced at the first request of each turn, and "none" sent after it."""
 
     @field_validator("name")
     @classmethod
@@ -413,6 +490,8 @@ class Config(_Section):
     """Model servers."""
     pools: list[PoolConfig] = []
     """Endpoints serving the same model, among which agents are placed."""
+    mcp_servers: list[McpServerConfig] = []
+    """MCP tool servers the agents may use."""
     agents: list[AgentConfig] = []
     """The workflow."""
 

@@ -14,6 +14,7 @@ import contextlib
 import os
 import signal
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from textual.worker import Worker, WorkerState
 from cerevisor_tui.config.models import Config
 from cerevisor_tui.ui.colours import resolve_colour
 from cerevisor_tui.ui.control import RunControl
+from cerevisor_tui.ui.inbox import AttentionItem, terminal_alert
 from cerevisor_tui.ui.keys import BINDING_IDS
 from cerevisor_tui.ui.mirror import FINAL, RunMirror
 from cerevisor_tui.ui.screens.main import MainScreen
@@ -127,6 +129,9 @@ class CerevisorApp(App[int]):
         its terminal watch here. Unset, the app stops itself (`stop_from_thread`)."""
         self._console_loop: asyncio.AbstractEventLoop | None = None
         self._pending_stop: tuple[int, str] | None = None  # a stop asked for before the app was mounted
+        self.rung: deque[str] = deque(maxlen=100)
+        """The terminal alerts this console sent, newest last (what `ring` wrote, or would have written to a
+        headless terminal)."""
 
     # ---- setup ------------------------------------------------------------------------------------
     def get_default_screen(self) -> MainScreen:
@@ -212,6 +217,15 @@ class CerevisorApp(App[int]):
             self.on_terminal_lost(reason)
         else:
             self.stop_from_thread(LOST_TERMINAL_EXIT, f"console lost its terminal ({reason})")
+
+    def ring(self, item: AttentionItem) -> None:
+        """A new inbox item: the bell and a desktop notification, unless `[ui] notify = false`."""
+        if not self.config.ui.notify:
+            return
+        alert = terminal_alert(f"cerevisor: {item.agent} {item.label}", item.text)
+        self.rung.append(alert)
+        if not self.is_headless and self._driver is not None:
+            self._driver.write(alert)
 
     def colour(self, name: str) -> str:
         """A theme variable as a concrete colour for Rich styles ("" when it is not one)."""

@@ -15,13 +15,16 @@ STATUS_LABELS = {
     "streaming": "streaming",
     "stalling": "stalling",
     "retrying": "retrying",
+    "tool": "tool",
+    "approval": "needs approval",
     "completed": "done",
     "failed": "failed",
     "killed": "killed",
     "skipped": "skipped",
     "cancelled": "cancelled",
 }
-"""Engine status -> what the agents pane shows ("waiting" is a local endpoint still loading)."""
+"""Engine status -> what the agents pane shows ("waiting" is a local endpoint still loading; a running tool
+call shows as `tool: NAME 3.2s`, see `tool_status`)."""
 
 NORMAL, WARN, CRITICAL = "", "warn", "critical"
 
@@ -92,6 +95,29 @@ def countdown(agent: AgentView, warn_at: tuple[float, ...], now: float) -> Count
         level = WARN
     phase = "first" if att.phase == "first_byte" else "idle"
     return Countdown(f"{phase} {fmt_clock(remaining)}", remaining, fraction, level)
+
+
+def tool_status(tool: str, elapsed_s: float, width: int = 20) -> str:
+    """`tool: NAME 3.2s` in at most `width` cells: a long tool name is cut, the time always shows."""
+    elapsed = f"{elapsed_s:.1f}s" if elapsed_s < 100 else fmt_clock(elapsed_s)
+    room = width - len("tool:  ") - len(elapsed)
+    name = tool if len(tool) <= room else tool[:max(1, room - 1)] + "…"
+    return f"tool: {name} {elapsed}"
+
+
+def tool_countdown(deadline: float | None, warn_at: tuple[float, ...], started: float, now: float) -> Countdown | None:
+    """The running tool call's countdown to its tool deadline (None: it has none); coloured as a stall's."""
+    if deadline is None or not math.isfinite(deadline):
+        return None
+    window = deadline - started
+    remaining = deadline - now
+    fraction = (now - started) / window if window > 0 else 1.0
+    level = NORMAL
+    if warn_at and fraction >= warn_at[-1]:
+        level = CRITICAL
+    elif warn_at and fraction >= warn_at[0]:
+        level = WARN
+    return Countdown(f"tool {fmt_clock(remaining)}", remaining, fraction, level)
 
 
 def live_rate(agent: AgentView, now: float) -> float | None:

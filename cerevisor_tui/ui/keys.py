@@ -25,6 +25,15 @@ MAIN_BINDINGS: list[Binding] = [
             tooltip="Move the selected agent's stall deadline later by stall.extend_s (default 300 s)."),
     Binding("r", "retry", "Retry", id="retry",
             tooltip="Restart the selected agent's attempt, or run a failed or killed agent again."),
+    Binding("i", "inbox", "Inbox", id="inbox", show=False,
+            tooltip="The attention inbox: every agent that needs you (approval, killed, failed, endpoint down, "
+                    "about to be killed), newest first; enter goes to one, d dismisses it."),
+    Binding("n", "next_attention", "Next", id="next_attention", show=False,
+            tooltip="Go to the next agent in the inbox (newest first) and act on it: a tool call waiting for "
+                    "approval opens its prompt."),
+    Binding("y", "answer_approval", "Approve", id="answer_approval", show=False,
+            tooltip="Answer the selected agent's tool call that needs approval: approve once, for the run, "
+                    "or deny."),
     Binding("o", "cycle_sort", "Sort", id="cycle_sort", show=False,
             tooltip="Sort the agents: wave order → nearest deadline first → status → tokens/s. The cursor stays "
                     "on its agent as rows move."),
@@ -58,6 +67,9 @@ PALETTE_NAMES: dict[str, str] = {
     "kill": "Kill selected agent",
     "extend": "Extend selected agent's deadline",
     "retry": "Retry selected agent",
+    "inbox": "Attention inbox",
+    "next_attention": "Next agent that needs you",
+    "answer_approval": "Answer the selected agent's approval",
     "cycle_sort": "Sort agents (wave / deadline / status / tokens/s)",
     "filter": "Filter agents by name or status",
     "settings": "Settings",

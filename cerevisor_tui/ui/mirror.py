@@ -18,9 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cerevisor_tui.engine import events as ev
-from cerevisor_tui.ui.model import Notice, UiModel
+from cerevisor_tui.ui.inbox import Inbox
+from cerevisor_tui.ui.model import ALERT, META, TOOL, Notice, UiModel
 
 FINAL, ACTIVE = ev.FINAL, ev.ACTIVE
+
+TOOL_ARGUMENTS_SHOWN = 500
+"""Characters of a tool call's arguments the stream shows (the approval prompt shows them all)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -88,6 +92,8 @@ class AgentView:
     started_at: float | None = None
     finished_at: float | None = None
     attempt: AttemptView | None = None  # the running attempt; None between attempts and at the end
+    tool: ev.ToolCallStarted | None = None  # the tool call executing (status "tool")
+    approval: ev.ApprovalRequested | None = None  # the tool call waiting for the operator (status "approval")
 
     @property
     def output_tokens_per_s(self) -> float | None:
@@ -142,6 +148,7 @@ class RunMirror(UiModel):
     stopping: str = ""  # why the run is stopping ("" while it is not)
     probes: dict[str, ProbeView] = field(default_factory=dict)
     plan_version: int = 0  # bumped when the run's agents are (re)announced: the agents pane is built again
+    inbox: Inbox = field(default_factory=Inbox)  # the agents that need the operator now
     samples: dict[str, ev.ServerSample] = field(default_factory=dict)  # each endpoint's last, workers and all
     gpus: ev.GpuSample | None = None  # the run's box's GPUs, as last read; None: none read yet
 
@@ -157,6 +164,8 @@ class RunMirror(UiModel):
                         att.tokens += event.tokens  # type: ignore[attr-defined]
                         att.last_alive = event.t
                     if a.status != "streaming":
+                        if a.status == "stalling":
+                            self.inbox.clear(a.name, "stall")
                         a.status = "streaming"
             UiModel.__call__(self, event)
             return
@@ -204,6 +213,7 @@ class RunMirror(UiModel):
         self.finished = None  # a resumed run goes on in the same journal
         self.stopping = ""
         self.notes.clear()  # an earlier run's notes ("cancelled: run stopped") are not this run's
+        self.inbox.reset()
         self.wave = -1
         self.waves = [list(level) for level in e.waves]
         self.paused = e.paused
@@ -255,11 +265,14 @@ class RunMirror(UiModel):
     def _see_AgentQueued(self, e: ev.AgentQueued) -> None:
         a = self._agent(e.agent)
         a.status, a.error, a.turn, a.attempt = "queued", "", 0, None  # (again, when the operator reruns it)
+        self.inbox.clear(e.agent)
 
     def _see_AgentStarted(self, e: ev.AgentStarted) -> None:
         a = self._agent(e.agent)
         a.endpoint, a.turn, a.turns, a.status = e.endpoint, e.turn, e.turns, "prefill"
         a.attempts += 1
+        a.tool = a.approval = None
+        self.inbox.clear(e.agent, "killed", "failed", "stall", "approval")
         if a.started_at is None:
             a.started_at = e.t
         ep = self.endpoints.get(e.endpoint)
@@ -268,10 +281,12 @@ class RunMirror(UiModel):
 
     def _see_EndpointWaiting(self, e: ev.EndpointWaiting) -> None:
         self._agent(e.agent).status = "waiting"
+        self.inbox.open(e.agent, "endpoint", f"{e.endpoint}: {e.reason}", e.t)
 
     def _see_FirstToken(self, e: ev.FirstToken) -> None:
         a = self._agent(e.agent)
         a.status = "streaming"
+        self.inbox.clear(e.agent, "endpoint", "stall")
         if a.ttft_s is None:
             a.ttft_s = e.ttft_s
         att = a.attempt
@@ -301,12 +316,19 @@ class RunMirror(UiModel):
         a.stall_warnings += 1
         if a.attempt is not None:
             a.attempt.deadline_is(e.deadline_at)
+        ep = self.endpoints.get(a.endpoint)
+        warn_at = ep.warn_at if ep is not None else ()
+        if not warn_at or e.fraction >= warn_at[-1]:  # past its last warning: killed next, unless someone acts
+            what = "first token" if e.deadline == "first_byte" else "output"
+            self.inbox.open(e.agent, "stall", f"no {what} for {e.fraction:.0%} of its deadline, "
+                            f"{e.remaining_s:.0f} s left", e.t)
 
     def _see_StallExtended(self, e: ev.StallExtended) -> None:
         a = self._agent(e.agent)
         att = a.attempt
         if att is not None:
             att.deadline_is(e.deadline_at)
+        self.inbox.clear(e.agent, "stall")
         if e.by_operator and a.status == "stalling":
             a.status = "streaming" if att is not None and att.first_token_at is not None else "prefill"
 
@@ -315,14 +337,67 @@ class RunMirror(UiModel):
         if a.attempt is None or not a.attempt.tokens:
             a.tokens += e.tokens
         a.attempt = None
+        self.inbox.clear(e.agent, "stall", "endpoint", "approval")  # what follows (a retry, its end) says more
 
     def _see_AgentRetrying(self, e: ev.AgentRetrying) -> None:
         a = self._agent(e.agent)
         a.status, a.attempt = "retrying", None
+        self.inbox.clear(e.agent, "stall", "approval")
 
     def _see_AgentFinished(self, e: ev.AgentFinished) -> None:
         a = self._agent(e.agent)
         a.status, a.error, a.attempt, a.finished_at = e.status, e.error, None, e.t
+        a.tool = a.approval = None
+        if e.status in ("killed", "failed"):
+            self.inbox.open(e.agent, e.status, e.error or e.status, e.t)
+        else:
+            self.inbox.clear(e.agent)
+
+    # ---- tool calls and approvals -------------------------------------------------------------------------
+    def _see_ToolCallStarted(self, e: ev.ToolCallStarted) -> None:
+        a = self._agent(e.agent)
+        a.status, a.tool, a.approval = "tool", e, None
+        self.inbox.clear(e.agent, "approval", "stall", "endpoint")
+        arguments = e.arguments if len(e.arguments) <= TOOL_ARGUMENTS_SHOWN else e.arguments[:TOOL_ARGUMENTS_SHOWN] + "…"
+        self.stream(e.agent).append(TOOL, f"\n⚙ {e.server}.{e.tool} {arguments}\n")
+
+    def _see_ToolCallWarning(self, e: ev.ToolCallWarning) -> None:
+        a = self._agent(e.agent)
+        call = a.tool
+        if call is None or call.call_id != e.call_id:
+            return
+        if not call.warn_at or e.fraction >= call.warn_at[-1]:
+            self.inbox.open(e.agent, "stall", f"tool {call.server}.{call.tool}: {e.remaining_s:.0f} s to its "
+                            "tool deadline", e.t)
+
+    def _see_ToolCallFinished(self, e: ev.ToolCallFinished) -> None:
+        a = self._agent(e.agent)
+        if a.tool is not None and a.tool.call_id == e.call_id:
+            a.tool = None
+            if a.status == "tool":
+                a.status = "prefill"  # the model is given the result next
+        self.inbox.clear(e.agent, "stall")
+        result = f": {e.result}" if e.result else ""
+        self.stream(e.agent).append(META if e.outcome == "ok" else ALERT,
+                                    f"  ↳ {e.outcome} in {e.elapsed_s:.1f} s{result}\n")
+
+    def _see_ApprovalRequested(self, e: ev.ApprovalRequested) -> None:
+        a = self._agent(e.agent)
+        a.status, a.approval = "approval", e
+        arguments = e.arguments if len(e.arguments) <= TOOL_ARGUMENTS_SHOWN else e.arguments[:TOOL_ARGUMENTS_SHOWN] + "…"
+        self.inbox.open(e.agent, "approval", f"{e.server}.{e.tool} {arguments}", e.t)
+        self.stream(e.agent).append(ALERT, f"\n? {e.server}.{e.tool} needs approval: {arguments}\n")
+
+    def _see_ApprovalDecided(self, e: ev.ApprovalDecided) -> None:
+        a = self._agent(e.agent)
+        if a.approval is not None and a.approval.call_id == e.call_id:
+            a.approval = None
+            self.inbox.clear(e.agent, "approval")
+            if a.status == "approval":
+                a.status = "prefill"
+        what = {"once": "approved once", "run": "approved for the run", "deny": "denied"}[e.decision]
+        self.stream(e.agent).append(META if e.decision != "deny" else ALERT,
+                                    f"  {e.server}.{e.tool} {what} by {e.by}\n")
 
     # ---- endpoints --------------------------------------------------------------------------------------
     def _endpoint(self, name: str) -> EndpointView:
@@ -348,8 +423,21 @@ class RunMirror(UiModel):
     def _see_LoadChanged(self, e: ev.LoadChanged) -> None:
         self._endpoint(e.endpoint).load = e
 
+    def _endpoint_health(self, e: ev.ServerSample) -> None:
+        """An endpoint that says it is down puts its running agents in the inbox; up again takes them out."""
+        if e.healthy is False:
+            for a in self.agents.values():
+                if a.endpoint == e.endpoint and a.status in ACTIVE and a.status not in ("tool", "approval"):
+                    self.inbox.open(a.name, "endpoint", f"{e.endpoint} down" + (f": {e.detail}" if e.detail else ""),
+                                    e.t)
+        elif e.healthy and any(item.kind == "endpoint" for item in self.inbox.items.values()):
+            for a in self.agents.values():
+                if a.endpoint == e.endpoint:
+                    self.inbox.clear(a.name, "endpoint")
+
     def _see_ServerSample(self, e: ev.ServerSample) -> None:
         self.samples[e.endpoint] = e
+        self._endpoint_health(e)
 
     def _see_GpuSample(self, e: ev.GpuSample) -> None:
         self.gpus = e

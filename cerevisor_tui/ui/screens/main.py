@@ -14,7 +14,8 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from cerevisor_tui.ui.commands import ConsoleCommands
-from cerevisor_tui.ui.format import STATUS_LABELS
+from cerevisor_tui.ui.format import STATUS_LABELS, fmt_clock, tool_countdown
+from cerevisor_tui.ui.inbox import HINTS
 from cerevisor_tui.ui.keys import MAIN_BINDINGS
 from cerevisor_tui.ui.mirror import FINAL, AgentView
 from cerevisor_tui.ui.widgets.agent_filter import AgentFilter
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp
 
 STATUS_HZ_MAX = 4.0
+RING_FRESH_S = 30.0
+"""An inbox item rings the terminal only when it is this new: attaching to a run replays its journal, and
+an agent killed an hour ago is in the inbox, not news."""
 
 
 class AgentsPane(Vertical):
@@ -44,6 +48,7 @@ class MainScreen(Screen):
     def __init__(self) -> None:
         super().__init__()
         self._cap_warning = ""  # the cap warning last notified
+        self._jumped_seq = 0  # the inbox item `n` went to last
         self._cap_warned_at = 0  # the effective cap it was notified at
 
     def compose(self) -> ComposeResult:
@@ -124,7 +129,8 @@ class MainScreen(Screen):
         mirror.sample(now)
         table = self.table
         table.sync(mirror, now)  # first: the header counts the amber and red rows it found
-        self.query_one(RunHeader).sync(mirror, now, simulated=app.simulated, error=app.engine_error)
+        self.query_one(RunHeader).sync(mirror, now, simulated=app.simulated, error=app.engine_error,
+                                       amber=table.amber, red=table.red)
         self._update_agents_subtitle()
         load = self.query_one(LoadPane)
         if self.maximized is None or self.maximized is load:
@@ -133,6 +139,12 @@ class MainScreen(Screen):
         for notice in mirror.take_notices():
             app.notify(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
                        timeout=8 if notice.severity == "error" else 4)
+        for item in mirror.inbox.take_new():
+            if now - item.t <= RING_FRESH_S:
+                app.ring(item)
+                if item.kind == "approval":
+                    app.notify(f"{item.agent}: {item.text}  (y answers, n goes to it)", title="Needs approval",
+                               severity="warning", timeout=8)
         self._notify_cap_warning()
 
     def _notify_cap_warning(self) -> None:
@@ -172,6 +184,15 @@ class MainScreen(Screen):
             st = self.app.mirror.agents.get(name)
             title = f"2 stream · {name}"
             subtitle = f"{STATUS_LABELS.get(st.status, st.status)} · turn {st.turn or '-'}/{st.turns}" if st else ""
+            call = st.tool if st is not None and st.status == "tool" else None
+            if call is not None:  # the call in flight: its name, how long it has run, its tool deadline
+                now = self.app.clock()
+                subtitle = f"tool {call.server}.{call.tool} · {now - call.t:.1f}s"
+                clock = tool_countdown(call.deadline, call.warn_at, call.t, now)
+                if clock is not None:
+                    subtitle += f" · deadline in {fmt_clock(clock.remaining_s)}"
+            elif st is not None and st.status == "approval":
+                subtitle = "needs approval · y answers"
             if not pane.following:
                 subtitle += " · scrolled up (End follows)"
         if (title, subtitle) != (pane.border_title, pane.border_subtitle):
@@ -319,6 +340,68 @@ class MainScreen(Screen):
     def on_agent_filter_done(self, event: AgentFilter.Done) -> None:
         self.table.focus()
         self._update_agents_subtitle()
+
+    def action_inbox(self) -> None:
+        from cerevisor_tui.ui.screens.inbox import InboxScreen
+
+        self.app.push_screen(InboxScreen(), lambda agent: self.go_to(agent) if agent else None)
+
+    def action_next_attention(self) -> None:
+        """The next inbox item, newest first, wrapping round: go to its agent and act on it."""
+        items = self.app.mirror.inbox.newest_first()
+        if not items:
+            self.notify("Nothing needs you now.", timeout=2)
+            return
+        item = next((i for i in items if i.seq < self._jumped_seq), items[0])
+        self._jumped_seq = item.seq
+        self.go_to(item.agent)
+
+    def go_to(self, agent: str) -> None:
+        """Select `agent` (clearing a filter that hides it) and act on what it needs: an approval opens its
+        prompt, anything else says what the keys can do."""
+        app = self.app
+        if not self.table.show_agent(agent, app.mirror, app.clock()):
+            return
+        line = self.query_one(AgentFilter)
+        if not self.table.filter and line.value:  # the filter hid the agent: it is gone, and so is its line
+            line.value = ""
+            line.remove_class("-open")
+        if self.maximized is not None:
+            self.minimize()
+        self.table.focus()
+        self._update_agents_subtitle()
+        st = app.mirror.agents.get(agent)
+        if st is not None and st.approval is not None:
+            self.action_answer_approval()
+            return
+        item = app.mirror.inbox.items.get(agent)
+        if item is not None:
+            self.notify(f"{agent} {item.label}: {item.text}  ({HINTS[item.kind]})", timeout=5)
+
+    def action_answer_approval(self) -> None:
+        st = self._selected_state("answer")
+        if st is None:
+            return
+        request = st.approval
+        if request is None:
+            self.notify(f"{st.name} has no tool call waiting for approval.", severity="warning")
+            return
+        from cerevisor_tui.ui.screens.approval import ApprovalScreen
+
+        def decided(decision: str | None) -> None:
+            if decision is None:
+                return
+            control = self.app.control
+            try:
+                if decision == "deny":
+                    control.deny(request.agent, request.call_id)
+                else:
+                    control.approve(request.agent, request.call_id, decision)
+            except ValueError as exc:  # decided meanwhile (another console, the call's end): the run says so
+                self.notify(str(exc), severity="warning")
+            self.refresh_status()
+
+        self.app.push_screen(ApprovalScreen(request), decided)
 
     def action_settings(self) -> None:
         from cerevisor_tui.ui.screens.settings import SettingsScreen

@@ -28,12 +28,15 @@ from cerevisor_tui.ui.format import (
     NORMAL,
     STATUS_LABELS,
     WARN,
+    Countdown,
     countdown,
     fmt_clock,
     fmt_count,
     fmt_rate,
     fmt_seconds,
     live_rate,
+    tool_countdown,
+    tool_status,
 )
 from cerevisor_tui.ui.mirror import ACTIVE, AgentView, RunMirror
 
@@ -50,6 +53,10 @@ COLUMNS: tuple[tuple[str, str, int | None], ...] = (
 )
 """(key, label, width): fixed widths, so a changing number never makes the columns jump. The agent
 column fits the longest name (up to 24 cells); the note takes what is left of the pane's width."""
+
+STATUS_WIDTH, STATUS_WIDTH_MAX = 9, 20
+"""The status column is 9 cells until a longer status shows (`needs approval`, `tool: NAME 3.2s`), then as
+wide as that, up to 20, for the rest of the run: the columns never jump back and forth."""
 
 RIGHT = frozenset({"wave", "turn", "ttft", "rate", "tokens", "stall"})
 NAME_MIN = 16
@@ -93,14 +100,27 @@ class AgentRow:
         return [getattr(self, key) for key, _, _ in COLUMNS]
 
 
+def agent_clock(st: AgentView, warn_at: tuple[float, ...], now: float) -> Countdown | None:
+    """The countdown the row shows: its running tool call's tool deadline, or its attempt's stall deadline;
+    none while a tool call waits for the operator (that time is not the model's)."""
+    if st.status == "tool" and st.tool is not None:
+        call = st.tool
+        return tool_countdown(call.deadline, call.warn_at, call.t, now)
+    if st.status == "approval":
+        return None
+    return countdown(st, warn_at, now)
+
+
 def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
               keepalive_at: float | None = None) -> AgentRow:
     """`keepalive_at`: when the agent's stream last carried a keep-alive (bytes without a token)."""
-    clock = countdown(st, warn_at, now)
+    call = st.tool if st.status == "tool" else None
+    clock = agent_clock(st, warn_at, now)
     level = clock.level if clock else NORMAL
     status = st.status
     role = {
         "streaming": "success", "prefill": "primary", "waiting": "warning", "stalling": "stall-warn",
+        "tool": "accent", "approval": "warning",
         "retrying": "warning", "completed": "success", "failed": "error", "killed": "error",
         "skipped": "text-muted", "cancelled": "text-muted", "queued": "text-muted", "pending": "text-muted",
     }.get(status, "foreground")
@@ -110,14 +130,19 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         role = "stall-warn"
     if status in ("failed", "killed", "skipped", "cancelled") and st.error:
         note = st.error
+    elif call is not None:
+        note = f"{call.server}.{call.tool} {call.arguments}"
+    elif status == "approval" and st.approval is not None:
+        note = f"{st.approval.server}.{st.approval.tool} {st.approval.arguments} (y answers)"
     elif st.attempt is not None and keepalive_at is not None and keepalive_at > st.attempt.last_alive + 1.0:
         # alive but silent: the server (or a proxy) keeps the stream open while no token comes
         quiet = f"keep-alives, no token for {fmt_clock(now - st.attempt.last_alive)}"
         note = f"{note} · {quiet}" if note else quiet
     turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
+    label = tool_status(call.tool, now - call.t) if call is not None else STATUS_LABELS.get(status, status)
     return AgentRow(
-        agent=st.name, wave=str(st.wave + 1), status=STATUS_LABELS.get(status, status), turn=turn,
+        agent=st.name, wave=str(st.wave + 1), status=label, turn=turn,
         ttft=fmt_seconds(st.ttft_s), rate=fmt_rate(rate), tokens=fmt_count(st.tokens) if st.tokens else "-",
         stall=clock.label if clock else "", note=note, status_role=role, level=level,
     )
@@ -127,7 +152,7 @@ def sort_key(sort: str, st: AgentView, warn_at: tuple[float, ...], now: float, o
     """Where the agent goes under `sort`; `order` (its place in wave order) breaks ties, so rows that are equal
     keep still."""
     if sort == "deadline":
-        clock = countdown(st, warn_at, now)
+        clock = agent_clock(st, warn_at, now)
         return (clock.remaining_s if clock is not None else math.inf, order)
     if sort == "status":
         return (STATUS_ORDER.get(st.status, len(STATUS_ORDER)), order)
@@ -237,6 +262,7 @@ class AgentTable(ScrollView, can_focus=True):
         self._strips: dict[str, tuple[object, Strip]] = {}  # name -> (what it was drawn from, strip)
         self._widths: list[int] = []
         self._name_width = 5
+        self._status_width = STATUS_WIDTH  # grows (up to STATUS_WIDTH_MAX) to the longest status shown
         self._styles: dict[str, Style] = {}
 
     # ---- content ----------------------------------------------------------------------------------
@@ -272,6 +298,10 @@ class AgentTable(ScrollView, can_focus=True):
                 note = "answer reused from the earlier run"  # never sent again: its figures are in the report
             ep = endpoints.get(st.endpoint)
             row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name))
+            if len(row.status) > self._status_width:
+                self._status_width = min(len(row.status), STATUS_WIDTH_MAX)
+                self._layout()
+                self.refresh()
             if row.level == WARN:
                 amber += 1
             elif row.level == CRITICAL:
@@ -421,10 +451,12 @@ class AgentTable(ScrollView, can_focus=True):
     def _layout(self) -> None:
         """Column widths for the pane's width: every column but the note as wide as it needs, the note the
         rest; a narrow pane cuts long names first (to NAME_MIN), then the note."""
-        others = sum(width or 0 for key, _, width in COLUMNS if key not in ("agent", "note"))
+        others = sum(width or 0 for key, _, width in COLUMNS if key not in ("agent", "note", "status"))
+        others += self._status_width
         others += len(COLUMNS)  # a space before each cell
         name = max(min(self._name_width, NAME_MIN), min(self._name_width, self.size.width - others - NOTE_WANTED))
-        widths = [name if key == "agent" else (width or 0) for key, _, width in COLUMNS]
+        widths = [name if key == "agent" else self._status_width if key == "status" else (width or 0)
+                  for key, _, width in COLUMNS]
         widths[-1] = max(0, self.size.width - others - name)
         if widths != self._widths:
             self._widths = widths

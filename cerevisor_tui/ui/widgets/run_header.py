@@ -4,7 +4,8 @@ reason (`a` lists them all).
 
 Two lines, each cut to the width, never wrapped: a first line that wrapped pushed the second (mode, cap,
 counters) out of the header. Where the endpoints do not fit, each loses its URL and model, then the line
-shows only their health dots; the run clock and the run's state keep their place."""
+shows only their health dots; the run clock and the run's state keep their place, and so do the counts of
+what needs the operator (inbox N, agents in amber and red), shown only when there are any."""
 
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ class HeaderState:
     ceiling: int | None = None  # auto's ceiling
     last_reason: str = ""  # auto's last change, as shown: "sim: 24 -> 32 (throughput +18% at 24, ...)"
     width: int = 0
+    inbox: int = 0  # agents that need the operator (the attention inbox, i)
+    amber: int = 0  # agents whose countdown is amber, and red
+    red: int = 0
 
 
 def reason_text(endpoint: str, reason: str) -> str:
@@ -86,8 +90,10 @@ class RunHeader(Static):
         if shown is not None and shown.width != self.content_size.width:
             self._draw(replace(shown, width=self.content_size.width))
 
-    def sync(self, mirror: RunMirror, now: float, *, simulated: bool, error: str = "") -> bool:
-        """Redraw if anything shown changed; returns whether it did."""
+    def sync(self, mirror: RunMirror, now: float, *, simulated: bool, error: str = "", amber: int = 0,
+             red: int = 0) -> bool:
+        """Redraw if anything shown changed; returns whether it did. `amber`, `red`: agents whose countdown is
+        that colour (the agents table counts them as it draws their rows)."""
         counts = Counter(a.status for a in mirror.agents.values())
         started = mirror.started_at
         elapsed = (now - started) if started is not None else 0.0
@@ -109,7 +115,7 @@ class RunHeader(Static):
             simulated=simulated, finished=mirror.finished is not None, stopping=mirror.stopping, error=error,
             ceiling=mirror.auto_ceiling if auto else None,
             last_reason=reason_text(last.endpoint, last.reason) if last is not None else "",
-            width=self.content_size.width,
+            width=self.content_size.width, inbox=len(mirror.inbox), amber=amber, red=red,
         )
         if state == self._shown:
             return False
@@ -151,6 +157,12 @@ class RunHeader(Static):
             line1.append(" ")
             line1.append(" SIMULATED ", style=f"bold {bg} on {self._c('warning')}")
         tail = Text()
+        if s.inbox:
+            tail.append(f"  inbox {s.inbox}", style=f"bold {bg} on {self._c('error')}")
+        if s.amber:
+            tail.append(f"  {s.amber} amber", style=f"bold {self._c('stall-warn')}")
+        if s.red:
+            tail.append(f"  {s.red} red", style=f"bold {self._c('stall-critical')}")
         tail.append(f"  run {fmt_clock(s.elapsed_s)}", style=self._c("text-muted"))
         bad = s.failed + s.killed
         if s.error:
