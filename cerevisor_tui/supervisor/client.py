@@ -216,6 +216,12 @@ class RemoteControl:
     def retry(self, agent: str) -> None:
         return self._send("retry", agent=agent)
 
+    def approve(self, agent: str, call_id: str, scope: str = "once") -> None:
+        return self._send("approve", agent=agent, call_id=call_id, scope=scope)
+
+    def deny(self, agent: str, call_id: str) -> None:
+        return self._send("deny", agent=agent, call_id=call_id)
+
     def set_stall(self, endpoint: str, policy: dict[str, Any]) -> None:
         return self._send("set_stall", endpoint=endpoint, policy=policy)
 
