@@ -22,11 +22,17 @@ PANES = (
                "(amber `> fit N` when it lets more conversations run than fit in KV memory), agents running / "
                "queued / done / failed, output tokens per second, the wave, the run time. In auto mode the "
                "badge carries the live cap (AUTO 32: the sum of the endpoints' caps), then, where the line has "
-               "room, auto's ceiling and the reason for its last change."),
+               "room, auto's ceiling and the reason for its last change. What needs you: inbox N (open items of the "
+               "attention inbox, i) and the agents in amber and red."),
     ("1 agents", "One row per agent: wave, status, turn k/n, time to first token, tokens/s, tokens, and the "
-                 "countdown to its nearest stall deadline (first token, or idle once streaming)."),
+                 "countdown to its nearest stall deadline (first token, or idle once streaming; in a tool call, "
+                 "its tool deadline). A running MCP call shows as tool: NAME 3.2s, a call waiting for you as "
+                 "needs approval (y answers). o sorts (wave order, nearest deadline, status, tokens/s), / "
+                 "filters by name or status; the pane's corner says which."),
     ("2 stream", "The selected agent's conversation: your prompts, its answer as it streams (reasoning "
-                 "dimmed). It follows new text while you are at the bottom; scroll up to read, End to follow."),
+                 "dimmed), each tool call with its arguments and its result on a line (the corner: the call in "
+                 "flight, its time and deadline). It follows new text while you are at the bottom; scroll up to "
+                 "read, End to follow."),
     ("3 load", "What the server reports in /metrics: requests running and waiting, KV-cache use, prefix "
                "hits (- until it reports them); the trend over the whole run of one endpoint (the selected "
                "agent's): its cap, output tokens/s, requests waiting and KV use, one bar a server sample (wide "
@@ -43,6 +49,16 @@ MODES = (
              "throughput); +/- move its ceiling, and a lists every change with its reason."),
 )
 """What `m` cycles through. Lowering a cap, in any mode, never stops a running agent."""
+
+ATTENTION = (
+    ("inbox (i)", "Every agent that needs you, newest first: a tool call to approve, killed, failed, its endpoint "
+                  "down, past its last stall warning. enter goes to it, d dismisses it; n on the main screen goes "
+                  "to the next one and acts (an approval opens its prompt)."),
+    ("approval (y)", "o approves the call once, a approves the tool for the rest of the run, d denies it (the "
+                     "model is told you denied it), esc leaves it waiting."),
+    ("bell", "A new item rings the terminal once per agent per change of its state: the bell and a desktop "
+             "notification (OSC 9, OSC 777). [ui] notify = false turns it off."),
+)
 
 
 class HelpScreen(Screen):
@@ -117,6 +133,13 @@ class HelpScreen(Screen):
                           style=v.get("text-muted", "")))
         page.add_row(Text("\nPanes", style=heading))
         page.add_row(panes)
+        attention = Table.grid(padding=(0, 2))
+        attention.add_column(style="bold", no_wrap=True)
+        attention.add_column(ratio=1)
+        for name, text in ATTENTION:
+            attention.add_row(Text(name), Text(text))
+        page.add_row(Text("\nWhen an agent needs you", style=heading))
+        page.add_row(attention)
         page.add_row(Text("\nStall colours", style=heading))
         page.add_row(stall)
         page.add_row(Text("\nFiles", style=heading))
