@@ -3,14 +3,17 @@ X-Request-ID on every request, each attempt's request id in the journal."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
+import anyio
 import pytest
 
 from cerevisor_tui.config import ConfigError, SimSettings, validate
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.journal import Journal
 from cerevisor_tui.sim import SimServer
+from tests.conftest import free_port
 
 FAST = SimSettings(tokens_per_s=2000, ttft_s=0.0)
 
@@ -79,3 +82,124 @@ async def test_every_request_carries_the_agents_session_id(header, expect, strea
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     journaled = [e["request_id"] for e in events if e["event"] == "AgentStarted"]
     assert sorted(journaled) == sorted(r["request_id"] for r in seen) and len(set(journaled)) == 4
+
+
+# ---- placement ---------------------------------------------------------------------------------------------------
+def fleet(urls: dict[str, str], agents: int, *, turns: int = 3, policy: str = "least-loaded", run: dict | None = None,
+          member: dict | None = None) -> dict:
+    return {"run": {"max_concurrency": 64, "metrics_interval_s": 60, **(run or {})},
+            "endpoints": [{"name": n, "base_url": u, "model": "sim-model", **(member or {})} for n, u in urls.items()],
+            "pools": [{"name": "fleet", "endpoints": list(urls), "policy": policy}],
+            "agents": [{"name": f"a{i}", "endpoint": "fleet", "prompt": f"task {i} " * 40, "max_tokens": 4,
+                        "retries": 0, "turns": [f"more {t}" for t in range(turns - 1)]} for i in range(agents)]}
+
+
+def agents_by_server(servers: dict[str, SimServer]) -> dict[str, dict[str, int]]:
+    """Each simulated replica's requests, counted by the agent that sent them."""
+    return {name: dict(srv.state.requests_by_agent) for name, srv in servers.items()}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("policy", ["least-loaded", "round-robin"])
+async def test_a_pool_spreads_its_agents_and_keeps_every_turn_on_one_member(policy):
+    names = ["r0", "r1", "r2", "r3"]
+    async with contextlib.AsyncExitStack() as stack:
+        servers = {n: await stack.enter_async_context(SimServer(FAST)) for n in names}
+        engine = Engine(validate(fleet({n: s.base_url for n, s in servers.items()}, 8, policy=policy)))
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+        counts = agents_by_server(servers)
+    placed = {e.agent: e.endpoint for e in seen if e.kind == "AgentPlaced"}
+    assert len(placed) == 8 and not any(e.moved_from for e in seen if e.kind == "AgentPlaced")
+    for agent, member in placed.items():  # every turn of it on its member, none elsewhere
+        assert counts[member].get(agent) == 3
+        assert all(agent not in counts[other] for other in names if other != member)
+    per_member = [sum(1 for m in placed.values() if m == n) for n in names]
+    assert per_member == [2, 2, 2, 2]
+    started = {(e.agent, e.endpoint) for e in seen if e.kind == "AgentStarted"}
+    assert started == set(placed.items())  # the console is told where each attempt runs
+    assert engine.started_event(0).agents["a0"]["endpoint"] == "fleet"
+
+
+@pytest.mark.anyio
+async def test_least_loaded_counts_each_members_cap():
+    """A member with room for 1 takes 1 agent of 5 when the other has room for 8, the rest wait for room."""
+    async with SimServer(FAST) as small, SimServer(FAST) as big:
+        config = fleet({"small": small.base_url, "big": big.base_url}, 5, turns=1)
+        config["endpoints"][0]["max_concurrency"] = 1
+        engine = Engine(validate(config))
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+    placed = [e.endpoint for e in seen if e.kind == "AgentPlaced"]
+    assert placed.count("small") == 1 and placed.count("big") == 4
+    assert engine.scheduler.max_running == 5
+
+
+@pytest.mark.anyio
+async def test_an_agent_on_a_member_that_refuses_moves_at_once_and_says_its_prefix_is_lost(stream_process):
+    """The first member refuses connections: the agent placed there moves to the other member in its next
+    attempt, without spending a retry (retries = 0) or waiting; the member is down for the rest of the run."""
+    async with SimServer(FAST) as live:
+        dead = f"http://127.0.0.1:{free_port()}/v1"
+        engine = Engine(validate(fleet({"dead": dead, "live": live.base_url}, 3, turns=2,
+                                       run={"max_concurrency": 1})), stream_process=stream_process)
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+        counts = dict(live.state.requests_by_agent)
+    placed = [e for e in seen if e.kind == "AgentPlaced"]
+    assert [(e.agent, e.endpoint, e.moved_from) for e in placed] == [
+        ("a0", "dead", ""), ("a0", "live", "dead"), ("a1", "live", ""), ("a2", "live", "")]
+    assert "prefix" in placed[1].reason and "refused" in placed[1].reason
+    assert counts == {"a0": 2, "a1": 2, "a2": 2}
+    assert [e.title for e in seen if e.kind == "RunNotice"] == ["Pool member down"]
+    assert not [e for e in seen if e.kind in ("AgentRetrying", "EndpointWaiting")]
+
+
+@pytest.mark.anyio
+async def test_a_member_failing_its_health_check_gets_no_new_agent():
+    async with SimServer(SimSettings(tokens_per_s=2000, ttft_s=0.0, cold_start_s=120)) as cold, SimServer(FAST) as warm:
+        engine = Engine(validate(fleet({"cold": cold.base_url, "warm": warm.base_url}, 4, turns=1,
+                                       run={"metrics_interval_s": 0.05})))
+        seen: list = []
+        engine.pause()  # admissions wait until the cold member's /health has put it down
+
+        def watch(event) -> None:
+            seen.append(event)
+            if event.kind == "RunNotice" and event.title == "Pool member down":
+                engine.resume()
+
+        engine.subscribe(watch)
+        assert await engine.run() == 0
+    assert {e.endpoint for e in seen if e.kind == "AgentPlaced"} == {"warm"}
+    down = [e for e in seen if e.kind == "RunNotice" and e.title == "Pool member down"]
+    assert down and "health check" in down[0].message
+    assert cold.state.requests_by_agent == {}
+
+
+@pytest.mark.anyio
+async def test_when_every_member_is_down_an_agent_waits_for_its_members_port_like_a_lone_local_endpoint():
+    port = free_port()
+    config = fleet({"a": f"http://127.0.0.1:{port}/v1", "b": f"http://127.0.0.1:{free_port()}/v1"}, 1, turns=1)
+    engine = Engine(validate(config))
+    seen: list = []
+    started = anyio.Event()
+
+    def watch(event) -> None:
+        seen.append(event)
+        if event.kind == "EndpointWaiting":
+            started.set()
+
+    engine.subscribe(watch)
+    async with anyio.create_task_group() as group:
+        group.start_soon(engine.run)
+        await started.wait()  # both refused: it waits on the member it was moved to
+        member = engine.agents["a0"].endpoint
+        url = config["endpoints"][[e["name"] for e in config["endpoints"]].index(member)]["base_url"]
+        async with SimServer(FAST, port=int(url.rsplit(":", 1)[1].split("/")[0])):
+            with anyio.fail_after(30):
+                while engine.agents["a0"].status != "completed":
+                    await anyio.sleep(0.05)
+    assert [(e.endpoint, e.moved_from) for e in seen if e.kind == "AgentPlaced"] == [("a", ""), ("b", "a")]

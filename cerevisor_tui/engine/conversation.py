@@ -56,8 +56,9 @@ class AgentState:
     """What the engine knows of one agent now; read by the console, written only by the engine."""
 
     config: AgentConfig
-    endpoint: str
+    endpoint: str  # where it runs: for a pool's agent, the member it is placed on (the pool's first until then)
     wave: int
+    pool: str = ""  # the pool its config names, if any
     status: Status = "pending"
     turn: int = 0
     attempts: int = 0  # requests sent, over all turns
@@ -124,6 +125,10 @@ class AttemptFailed(Exception):
         self.retry_after_s, self.restart = retry_after_s, restart
 
 
+class Relocated(EndpointUnreachable):
+    """A pool's member refused the connection and the agent was moved to another member."""
+
+
 class AgentEnded(Exception):
     """The agent's conversation ended without its answer: `status` and `reason` are its AgentFinished's."""
 
@@ -140,7 +145,8 @@ class Conversations:
     def __init__(self, *, run_id: str, endpoints: Mapping[str, EndpointConfig], policies: Mapping[str, ResolvedStall],
                  connections: Connections, watchdog: Watchdog, figures: Mapping[str, TurnFigures],
                  emit: Subscriber, subscribers: list[Subscriber], scrub: Scrubber,
-                 render: Callable[[str], str], stopping: Callable[[], str]) -> None:
+                 render: Callable[[str], str], stopping: Callable[[], str],
+                 relocate: Callable[[AgentState, str], bool] | None = None) -> None:
         self.run_id = run_id
         self.endpoints = endpoints
         self.policies = policies
@@ -152,6 +158,8 @@ class Conversations:
         self.scrub = scrub
         self.render = render  # inserts dependencies' answers for {{ name.output }}
         self.stopping = stopping  # why the run is stopping; "" while it is not
+        # moves a pool's agent off a member that is down (Engine.relocate); None: no pools
+        self.relocate = relocate
         self._rng = random.Random()
 
     async def run(self, st: AgentState) -> None:
@@ -176,6 +184,8 @@ class Conversations:
         """One turn: its attempts are numbered within it (2 is its first retry or restart), and an operator's
         rerun of the agent goes on counting, so 'attempt 2' always means the turn was sent before."""
         while True:
+            if st.pool and self.relocate is not None:
+                self.relocate(st, "")  # its member failed a health check since: it moves before sending
             st.attempts += 1
             number = st.turn_attempts[st.turn] = st.turn_attempts.get(st.turn, 0) + 1
             try:
@@ -231,6 +241,8 @@ class Conversations:
                 reason = att.kill_reason if att.by_operator else f"{att.kill_deadline} deadline: {att.kill_reason}"
                 raise AttemptFailed(status, reason, retryable=not att.by_operator, restart=att.restart)
             if error is not None:
+                if isinstance(error, Relocated):  # the next attempt goes to another member at once
+                    raise AttemptFailed("failed", str(error), retryable=True, restart=True)
                 if error.status in (429, 503):
                     self.figures[st.endpoint].rejections += 1
                 raise AttemptFailed("failed", str(error), retryable=error.retryable, retry_after_s=error.retry_after_s)
@@ -343,6 +355,9 @@ class Conversations:
                 return
             except EndpointUnreachable as exc:
                 exc.scrub(self.scrub)
+                # A pool's member that refuses is down for the pool: the agent moves to another member at once.
+                if st.pool and self.relocate is not None and self.relocate(st, exc.problem):
+                    raise Relocated(ep.name, exc.problem) from None
                 # A local server that is still loading refuses its port: wait inside the first-byte window.
                 if ep.kind == "hosted" or att.first_token_at is not None:
                     raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -44,6 +45,7 @@ from cerevisor_tui.engine.conversation import (
     request_id,
 )
 from cerevisor_tui.engine.monitor import ServerMonitor
+from cerevisor_tui.engine.placement import HOSTED_DOWN_S, MemberLoad, Placement
 from cerevisor_tui.engine.report import Report
 from cerevisor_tui.engine.scheduler import Scheduler
 from cerevisor_tui.engine.watchdog import Attempt, BusyCheck, Watchdog, fmt_s
@@ -76,13 +78,18 @@ class Engine:
         self.agents: dict[str, AgentState] = {}
         for wave, level in enumerate(self.waves):
             for agent in level:
-                self.agents[agent.name] = AgentState(agent, config.agent_endpoint(agent).name, wave)
+                pool = config.agent_pool(agent)
+                self.agents[agent.name] = AgentState(agent, config.agent_endpoint(agent).name, wave,
+                                                     pool=pool.name if pool else "")
         self.endpoints = {ep.name: ep for ep in config.endpoints}
+        # pools: each agent of one is placed on a member when admitted and stays there (engine/placement.py)
+        self.placement = Placement(config.pools)
         self.policies: dict[str, ResolvedStall] = {
             ep.name: resolve_stall(config.stall, ep) for ep in config.endpoints
         }
         self.scheduler = Scheduler(
-            config.run.mode, config.run.max_concurrency, {ep.name: ep.max_concurrency for ep in config.endpoints}
+            config.run.mode, config.run.max_concurrency, {ep.name: ep.max_concurrency for ep in config.endpoints},
+            pools={p.name: list(p.endpoints) for p in config.pools}, place=self._place,
         )
         # auto mode: a controller per endpoint (engine/auto.py) and what it is fed
         auto = config.run.auto
@@ -95,7 +102,8 @@ class Engine:
         self.auto_ceiling = max((c.max_cap for c in self.auto.values()), default=1)
         self._agents_on: dict[str, list[AgentState]] = {ep.name: [] for ep in config.endpoints}
         for st in self.agents.values():
-            self._agents_on.setdefault(st.endpoint, []).append(st)
+            if not st.pool:  # a pool's agent joins its member's list once placed
+                self._agents_on.setdefault(st.endpoint, []).append(st)
         # what each endpoint's turns measured (rejections, TTFTs, tokens per character and per answer): auto's figures
         self.figures: dict[str, TurnFigures] = {ep.name: TurnFigures() for ep in config.endpoints}
         self._load_sent: dict[str, ev.LoadChanged] = {}  # the last LoadChanged of each endpoint
@@ -137,7 +145,7 @@ class Engine:
         self.conversations = Conversations(
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
-            scrub=self.scrub, render=self.render, stopping=lambda: self.stopping)
+            scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.relocate)
 
     @property
     def stream_process(self) -> bool:
@@ -358,7 +366,8 @@ class Engine:
             t, self.run_id, self.scheduler.mode, self.scheduler.max_concurrency,
             [[a.name for a in level] for level in self.waves], self.endpoint_summaries(), self.run_dir,
             self._mode_note(self.scheduler.mode),
-            agents={st.name: {"endpoint": st.endpoint, "wave": st.wave, "turns": st.turns}
+            agents={st.name: {"endpoint": st.pool or st.endpoint, "wave": st.wave, "turns": st.turns,
+                              **({"pool": st.pool} if st.pool else {})}
                     for st in self.agents.values()},
             reused=list(self.completed_before), auto_ceiling=self.auto_ceiling, paused=self.scheduler.paused,
             effective_cap=self.scheduler.effective_cap,
@@ -368,7 +377,7 @@ class Engine:
         """Tasks that live as long as the run: each local endpoint's /health and /metrics, polled; the box's GPUs."""
         for ep in self.config.endpoints:
             if ep.kind != "hosted":
-                group.start_soon(self.monitor.run, ep.name, self._refresh_load)
+                group.start_soon(self.monitor.run, ep.name, self._on_sample)
             group.start_soon(self._auto_loop, ep.name)
         group.start_soon(self.monitor.run_gpus)
         if self.busy_check is None:
@@ -614,7 +623,9 @@ class Engine:
             st.scope = scope
             try:
                 try:
-                    async with self.scheduler.slot(st.name, st.endpoint):
+                    async with self.scheduler.slot(st.name, st.pool or st.endpoint) as where:
+                        if st.pool:
+                            self._placed(st, where)
                         st.started_at = time.monotonic()
                         self._refresh_load(st.endpoint)
                         await self.conversations.run(st)
@@ -652,7 +663,7 @@ class Engine:
             "prompt": _digest(render(cfg.prompt)),
             "turns": _digest(json.dumps([render(text) for text in cfg.turns], ensure_ascii=False)),
             "depends_on": ", ".join(sorted(cfg.depends_on)),
-            "endpoint": ep.name,
+            "endpoint": cfg.endpoint if self.config.agent_pool(cfg) else ep.name,  # a pool: any member will do
             "model": ep.model,  # as configured: "" is the first /v1/models lists
             "max_tokens": str(cfg.max_tokens),
             "temperature": str(cfg.temperature),
@@ -691,6 +702,69 @@ class Engine:
     def render(self, text: str) -> str:
         """Insert dependencies' final answers for {{ name.output }}."""
         return OUTPUT_REF.sub(lambda m: self.agents[m.group(1)].output, text)
+
+    # ---- pools ------------------------------------------------------------------------------------
+    def member_loads(self, pool: str) -> list[MemberLoad]:
+        """What placement weighs of each member of `pool` now: our agents there, its cap, its last sample."""
+        loads = []
+        for name in self.placement.members(pool):
+            sample = self.last_sample.get(name)
+            loads.append(MemberLoad(name, self.scheduler.running_by_endpoint.get(name, 0),
+                                    self.scheduler.endpoint_cap(name), sample.waiting if sample else None,
+                                    sample.kv_cache_usage if sample else None))
+        return loads
+
+    def _place(self, agent: str, pool: str) -> str | None:
+        """The scheduler asks: the member of `pool` that `agent`, admitted now, goes to (None: none has room)."""
+        chosen = self.placement.choose(pool, self.member_loads(pool), time.monotonic())
+        return chosen.name if chosen is not None else None
+
+    def _placed(self, st: AgentState, member: str, moved_from: str = "", reason: str = "") -> None:
+        if st in self._agents_on.get(st.endpoint, ()):
+            self._agents_on[st.endpoint].remove(st)
+        st.endpoint = member
+        self._agents_on.setdefault(member, []).append(st)
+        self.emit(ev.AgentPlaced(time.monotonic(), st.name, member, st.pool, moved_from, reason))
+
+    def relocate(self, st: AgentState, refused: str = "") -> bool:
+        """Move a pool's agent off its member when that member is down: `refused` is why its connection was just
+        refused (the member is marked down by it), else the agent moves only if its member is already marked
+        down (a failed health check). Returns whether it moved; it stays where it is when no other member is up."""
+        member, now = st.endpoint, time.monotonic()
+        if not st.pool:
+            return False
+        if refused:
+            until = now + HOSTED_DOWN_S if self.endpoints[member].kind == "hosted" else math.inf
+            if self.placement.mark_down(member, f"refused a connection: {refused}", until=until):
+                self._tell_down(member)
+        elif not self.placement.is_down(member, now):
+            return False
+        target = self.placement.move_target(st.pool, self.member_loads(st.pool), member, now)
+        if target is None:
+            return False
+        self.scheduler.move(st.name, target.name)
+        why = self.placement.down.get(member, "down")
+        self._placed(st, target.name, member, f"moved from {member}, which {why}; its prefix cache there is lost "
+                                              f"and {target.name} computes the conversation afresh")
+        self._refresh_load(member)
+        self._refresh_load(target.name)
+        return True
+
+    def _on_sample(self, endpoint: str) -> None:
+        """After each server sample: a pool member's health decides whether placement counts it as down."""
+        sample = self.last_sample.get(endpoint)
+        if sample is not None and self.placement.pools_of(endpoint):
+            if sample.healthy:
+                if self.placement.mark_up(endpoint):
+                    self.emit(ev.RunNotice(time.monotonic(), f"{endpoint} is healthy again: pool agents may be "
+                                           "placed on it", "information", "Pool member up"))
+            elif self.placement.mark_down(endpoint, f"failed its health check ({sample.detail or 'unhealthy'})"):
+                self._tell_down(endpoint)
+        self._refresh_load(endpoint)
+
+    def _tell_down(self, member: str) -> None:
+        self.emit(ev.RunNotice(time.monotonic(), f"{member} {self.placement.down[member]}: no new agent goes "
+                               "there, and its agents move at their next attempt", "warning", "Pool member down"))
 
     # ---- endpoints ----------------------------------------------------------------------------
     def endpoint_summaries(self) -> list[dict[str, Any]]:

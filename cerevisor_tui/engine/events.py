@@ -150,6 +150,19 @@ class AgentQueued(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class AgentPlaced(Event):
+    """A pool's agent was placed on a member (it stays there for every turn), or moved off a member that is down
+    (`moved_from`, with `reason`: the conversation's prefix cache there is lost)."""
+
+    kind: ClassVar[str] = "AgentPlaced"
+    agent: str
+    endpoint: str
+    pool: str
+    moved_from: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class AgentStarted(Event):
     """An attempt was admitted and its request is being sent (the stall clock starts here)."""
 
@@ -445,7 +458,7 @@ class RunFinished(Event):
 ALL_EVENTS: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
-        RunStarted, WaveStarted, WaveFinished, AgentQueued, AgentStarted, EndpointWaiting, FirstToken,
+        RunStarted, WaveStarted, WaveFinished, AgentQueued, AgentPlaced, AgentStarted, EndpointWaiting, FirstToken,
         TokenDelta, KeepAlive, MessageRecorded, TurnFinished, StallWarning, StallExtended, AgentKilled, AgentRetrying,
         AgentFinished, AgentRerun, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished, GpuSample,
         RunStopping, RunNotice, ModelResolved, StallPolicyChanged, LoadChanged, ProbeStarted, ProbeProgress,

@@ -7,6 +7,9 @@ admissions until the running count is below the new cap.
 
 In auto mode there is no run-wide cap: each endpoint has a live cap of its own (`set_endpoint_cap`, set by
 its auto controller), never above the endpoint's `max_concurrency`.
+
+An agent of a pool waits under the pool's name; when it is its turn, `place` (the engine's placement,
+engine/placement.py) names the member with room it goes to, and the slot is held there.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from cerevisor_tui.kinds import MODES, Mode
 
 class Scheduler:
     def __init__(self, mode: Mode, max_concurrency: int, endpoint_caps: dict[str, int],
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, *, pools: dict[str, list[str]] | None = None,
+                 place: Callable[[str, str], str | None] | None = None) -> None:
         self.mode: Mode = mode
         self.max_concurrency = max_concurrency
         self.endpoint_caps = dict(endpoint_caps)
@@ -32,6 +36,9 @@ class Scheduler:
         self.auto_caps: dict[str, int] = {name: 1 for name in endpoint_caps}
         self._waiters: dict[str, tuple[str, anyio.Event]] = {}
         self._on_change = on_change
+        self.pools = pools or {}  # pool -> its members
+        self._place = place  # (agent, pool) -> the member it goes to, or None while no member has room
+        self.holding: dict[str, str] = {}  # agent -> the endpoint its slot is on
 
     @property
     def effective_cap(self) -> int:
@@ -51,7 +58,8 @@ class Scheduler:
         return min(limit, self.effective_cap)
 
     def queued_for(self, endpoint: str) -> int:
-        return sum(1 for ep, _ in self._waiters.values() if ep == endpoint)
+        """Agents waiting for `endpoint`, those of a pool it is a member of included."""
+        return sum(1 for ep, _ in self._waiters.values() if ep == endpoint or endpoint in self.pools.get(ep, ()))
 
     @property
     def queued(self) -> int:
@@ -77,8 +85,9 @@ class Scheduler:
         self._pump()
 
     @asynccontextmanager
-    async def slot(self, agent: str, endpoint: str) -> AsyncIterator[None]:
-        """Hold a running slot for `agent` on `endpoint`; waits (FIFO) until admitted."""
+    async def slot(self, agent: str, endpoint: str) -> AsyncIterator[str]:
+        """Hold a running slot for `agent` on `endpoint` (or on a member of the pool it names); waits (FIFO)
+        until admitted, and yields the endpoint the slot is on."""
         admitted = anyio.Event()
         self._waiters[agent] = (endpoint, admitted)
         self._pump()
@@ -86,14 +95,24 @@ class Scheduler:
             await admitted.wait()
         except BaseException:
             if self._waiters.pop(agent, None) is None:  # admitted in the same instant as cancelled
-                self._release(endpoint)
+                self._release(agent)
             raise
         try:
-            yield
+            yield self.holding[agent]
         finally:
-            self._release(endpoint)
+            self._release(agent)
 
-    def _release(self, endpoint: str) -> None:
+    def move(self, agent: str, endpoint: str) -> None:
+        """Move a running agent's slot to `endpoint` now (its member went down), even past that endpoint's cap:
+        it was running already, and holding it behind the queue would punish it for its server's failure."""
+        old = self.holding[agent]
+        self.running_by_endpoint[old] -= 1
+        self.running_by_endpoint[endpoint] = self.running_by_endpoint.get(endpoint, 0) + 1
+        self.holding[agent] = endpoint
+        self._pump()
+
+    def _release(self, agent: str) -> None:
+        endpoint = self.holding.pop(agent)
         self.running -= 1
         self.running_by_endpoint[endpoint] -= 1
         self._pump()
@@ -106,8 +125,14 @@ class Scheduler:
         for agent, (endpoint, event) in self._waiters.items():
             if self.running >= cap:
                 break
-            if self.running_by_endpoint.get(endpoint, 0) >= self.endpoint_cap(endpoint):
+            if endpoint in self.pools:
+                member = self._place(agent, endpoint) if self._place is not None else None
+                if member is None:
+                    continue
+                endpoint = member
+            elif self.running_by_endpoint.get(endpoint, 0) >= self.endpoint_cap(endpoint):
                 continue
+            self.holding[agent] = endpoint
             self.running += 1
             self.running_by_endpoint[endpoint] = self.running_by_endpoint.get(endpoint, 0) + 1
             admitted.append(agent)
