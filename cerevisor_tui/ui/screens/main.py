@@ -278,7 +278,14 @@ class MainScreen(Screen):
             self.notify("Paused: queued agents wait; running agents go on.", timeout=3)
         self.refresh_status()
 
+    def _catch_up(self) -> None:
+        """A key acts on the agents the run has announced, even before the next status refresh shows them
+        (an approval can come a few milliseconds after the run starts)."""
+        if self.table.built_from != self.app.mirror.plan_version:
+            self.refresh_status()
+
     def _selected_state(self, verb: str) -> AgentView | None:
+        self._catch_up()
         name = self.selected
         agent = self.app.mirror.agents.get(name) if name is not None else None
         if agent is None:
@@ -360,6 +367,7 @@ class MainScreen(Screen):
         """Select `agent` (clearing a filter that hides it) and act on what it needs: an approval opens its
         prompt, anything else says what the keys can do."""
         app = self.app
+        self._catch_up()
         if not self.table.show_agent(agent, app.mirror, app.clock()):
             return
         line = self.query_one(AgentFilter)
