@@ -90,6 +90,24 @@ def check_references(config: Config, *, file: str | None = None) -> None:
                 file=file,
                 key=f"agents[{i}] ({agent.name}).endpoint",
             )
+    servers: set[str] = set()
+    for i, server in enumerate(config.mcp_servers):
+        if server.name in servers:
+            raise ConfigError(f"duplicate MCP server name {server.name!r}", file=file, key=f"mcp_servers[{i}].name")
+        servers.add(server.name)
+    for i, agent in enumerate(config.agents):
+        for j, tool in enumerate(agent.tools):
+            server = tool.split(".", 1)[0]
+            if server not in servers:
+                known = ", ".join(sorted(servers)) or "none: add an [[mcp_servers]] table"
+                raise ConfigError(f"unknown MCP server {server!r} in {tool!r} (known: {known})",
+                                  file=file, key=f"agents[{i}] ({agent.name}).tools[{j}]")
+        choice = agent.tool_choice
+        if choice and choice not in ("auto", "required", "none"):
+            server, _, tool = choice.partition(".")
+            if not tool or not any(t in (server, choice) for t in agent.tools):
+                raise ConfigError(f"{choice!r} is not auto, required, none or a server.tool of this agent's tools",
+                                  file=file, key=f"agents[{i}] ({agent.name}).tool_choice")
     wave_levels(config.agents, file=file)
 
 

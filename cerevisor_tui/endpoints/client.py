@@ -36,7 +36,7 @@ from cerevisor_tui.endpoints.errors import (
     StreamBroken,
 )
 from cerevisor_tui.endpoints.network import use_asyncio_backend
-from cerevisor_tui.kinds import DELTA, FINISH, KEEPALIVE, USAGE
+from cerevisor_tui.kinds import DELTA, FINISH, KEEPALIVE, TOOL_CALLS, USAGE
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line longer than this is a protocol error, not a memory leak
 MAX_ERROR_BODY_BYTES = 64 << 10
@@ -55,6 +55,8 @@ class _ToolFunction(msgspec.Struct, gc=False):
 
 
 class _ToolCall(msgspec.Struct, gc=False):
+    index: int | None = None
+    id: str | None = None
     function: _ToolFunction | None = None
 
 
@@ -338,6 +340,8 @@ class ChatStream:
                 if content or reasoning or tool:
                     self.tokens += 1
                     out.append((DELTA, (content, reasoning, tool, 1)))
+                if delta.tool_calls:  # the pieces, for the agent loop to put each call together
+                    out.append((TOOL_CALLS, _tool_pieces(delta.tool_calls)))
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
                 out.append((FINISH, choice.finish_reason))
@@ -424,6 +428,19 @@ def _tool_text(tool_calls: list[_ToolCall | None]) -> str:
         if fn is not None:
             parts.append((fn.name or "") + (fn.arguments or ""))
     return "".join(parts) or " "
+
+
+def _tool_pieces(tool_calls: list[_ToolCall | None]) -> tuple[tuple[int, str | None, str | None, str | None], ...]:
+    """A delta's tool calls as (index, id, name, arguments piece): a call's later pieces carry only its index
+    (OpenAI's streaming form); a whole message's calls carry no index and are numbered in order."""
+    pieces = []
+    for i, call in enumerate(tool_calls):
+        if call is None:
+            continue
+        fn = call.function
+        pieces.append((call.index if call.index is not None else i, call.id, fn.name if fn else None,
+                       fn.arguments if fn else None))
+    return tuple(pieces)
 
 
 def _reason(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -22,7 +23,12 @@ from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.watchdog import Attempt, Watchdog
-from cerevisor_tui.kinds import DELTA, KEEPALIVE, FinalStatus, Status
+from cerevisor_tui.kinds import DELTA, KEEPALIVE, TOOL_CALLS, FinalStatus, Status
+from cerevisor_tui.tools.manager import ToolSetupError
+from cerevisor_tui.tools.schemas import function_name
+
+if TYPE_CHECKING:
+    from cerevisor_tui.engine.toolcalls import ToolCalls
 
 Subscriber = Callable[[ev.Event], None]
 
@@ -78,10 +84,14 @@ class AgentState:
     scope: anyio.CancelScope | None = None
     end_status: str = ""
     end_reason: str = ""
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
     turns_done: int = 0
     last_prompt_tokens: int = 0  # what the server counted for the last completed turn
     last_completion_tokens: int = 0
+    # with tools: what it is offered (a Toolset), the step of the turn's tool loop, the last answer's tool calls
+    toolset: Any = None
+    step: int = 0
+    calls: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -146,7 +156,7 @@ class Conversations:
                  connections: Connections, watchdog: Watchdog, figures: Mapping[str, TurnFigures],
                  emit: Subscriber, subscribers: list[Subscriber], scrub: Scrubber,
                  render: Callable[[str], str], stopping: Callable[[], str],
-                 relocate: Callable[[AgentState, str], bool] | None = None) -> None:
+                 relocate: Callable[[AgentState, str], bool] | None = None, tools: ToolCalls | None = None) -> None:
         self.run_id = run_id
         self.endpoints = endpoints
         self.policies = policies
@@ -158,6 +168,7 @@ class Conversations:
         self.scrub = scrub
         self.render = render  # inserts dependencies' answers for {{ name.output }}
         self.stopping = stopping  # why the run is stopping; "" while it is not
+        self.tools = tools  # the run's MCP tool calls (engine/toolcalls.py); None: no [[mcp_servers]]
         # moves a pool's agent off a member that is down (Engine.relocate); None: no pools
         self.relocate = relocate
         self._rng = random.Random()
@@ -165,7 +176,12 @@ class Conversations:
     async def run(self, st: AgentState) -> None:
         """The agent's turns in order, each user message after the answer before; its last answer is its output."""
         cfg = st.config
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
+        if cfg.tools and self.tools is not None:
+            try:
+                st.toolset = self.tools.toolset(cfg)
+            except ToolSetupError as exc:
+                raise AgentEnded("failed", str(exc)) from None
         if cfg.system:
             messages.append({"role": "system", "content": cfg.system})
         user_turns = [cfg.prompt, *cfg.turns]
@@ -175,12 +191,39 @@ class Conversations:
             messages.append({"role": "user", "content": self.render(text)})
             self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(st.turn, 0) + 1, st.turn, "user",
                                          messages[-1]["content"]))
+            if st.toolset is not None:
+                answer = await self._tool_turn(st, messages)
+                continue
             answer = await self._turn(st, messages)
             messages.append({"role": "assistant", "content": answer})
         st.messages = messages
         st.output = answer
 
-    async def _turn(self, st: AgentState, messages: list[dict[str, str]]) -> str:
+    async def _tool_turn(self, st: AgentState, messages: list[dict[str, Any]]) -> str:
+        """A turn of an agent with tools: each answer that calls tools has them run (through MCP) and their
+        results appended, and the model is asked again, until it answers without a call or max_steps is spent."""
+        assert self.tools is not None
+        limit = st.config.max_steps
+        for step in range(1, limit + 1):
+            st.step = step
+            answer = await self._turn(st, messages)
+            calls = st.calls
+            if not calls:
+                messages.append({"role": "assistant", "content": answer})
+                return answer
+            messages.append({"role": "assistant", "content": answer or None, "tool_calls": calls})
+            if step == limit:
+                names = ", ".join(sorted({c["function"]["name"] for c in calls}))
+                raise AgentEnded("failed", f"max_steps ({limit}) reached: the model still called tools ({names}) "
+                                           "at its last step")
+            for call in calls:
+                content = await self.tools.run(st, st.turn_attempts.get(st.turn, 0), st.toolset, call)
+                messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+                self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(st.turn, 0), st.turn,
+                                             "tool", content, tool_call_id=call["id"]))
+        raise AssertionError("unreachable")
+
+    async def _turn(self, st: AgentState, messages: list[dict[str, Any]]) -> str:
         """One turn: its attempts are numbered within it (2 is its first retry or restart), and an operator's
         rerun of the agent goes on counting, so 'attempt 2' always means the turn was sent before."""
         while True:
@@ -206,7 +249,7 @@ class Conversations:
                 self.emit(ev.AgentRetrying(time.monotonic(), st.name, number + 1, failure.reason, delay))
                 await anyio.sleep(delay)
 
-    async def _attempt(self, st: AgentState, messages: list[dict[str, str]], number: int) -> str:
+    async def _attempt(self, st: AgentState, messages: list[dict[str, Any]], number: int) -> str:
         policy = self.policies[st.endpoint]
         now = time.monotonic()
         att = Attempt(number, st.turn, sent_at=now, last_alive=now,
@@ -258,12 +301,15 @@ class Conversations:
         if att.first_token_at is not None:
             st.decode_s += end - att.first_token_at
         self._count_turn(st, messages, prompt_tokens, completion_tokens, ttft)
-        self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking)))
+        st.calls = assembled_calls(att.calls, f"{request_id(self.run_id, st.name, st.turn, att.number)}.") \
+            if att.calls else []
+        self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking),
+                                     tool_calls=st.calls))
         self.emit(ev.TurnFinished(end, st.name, att.number, st.turn, st.turns, prompt_tokens, completion_tokens,
                                   stream.finish_reason if stream else "", ttft, end - att.sent_at))
         return answer
 
-    async def _stream(self, st: AgentState, att: Attempt, messages: list[dict[str, str]], policy: ResolvedStall,
+    async def _stream(self, st: AgentState, att: Attempt, messages: list[dict[str, Any]], policy: ResolvedStall,
                       parts: list[str], thinking: list[str]) -> None:
         ep = self.endpoints[st.endpoint]
         connections = self.connections
@@ -302,6 +348,11 @@ class Conversations:
                     "max_tokens": st.config.max_tokens,
                     "temperature": st.config.temperature,
                 }
+                if st.toolset is not None:
+                    body["tools"] = st.toolset.tools
+                    choice = tool_choice(st.config.tool_choice, st.step)
+                    if choice is not None:
+                        body["tool_choice"] = choice
                 url = connections.chat_url(ep.name)
                 # X-Request-Id names the attempt in the server's own logs (vLLM takes it as its request id:
                 # "Aborted request(s) chatcmpl-<id>"); unique per run, agent, turn and attempt
@@ -352,6 +403,12 @@ class Conversations:
                             att.last_alive = monotonic()
                             att.alive.set()
                         emit(ev.KeepAlive(monotonic(), name, number))
+                    elif kind == TOOL_CALLS:
+                        for index, call_id, fn_name, piece in payload:
+                            parts_of = att.calls.setdefault(index, ["", "", ""])
+                            parts_of[0] = parts_of[0] or call_id or ""
+                            parts_of[1] += fn_name or ""
+                            parts_of[2] += piece or ""
                 return
             except EndpointUnreachable as exc:
                 exc.scrub(self.scrub)
@@ -379,10 +436,10 @@ class Conversations:
                         subscriber(TokenDelta(monotonic(), name, number, *tail, 0))
 
 
-    def _count_turn(self, st: AgentState, messages: list[dict[str, str]], prompt_tokens: int, completion_tokens: int,
+    def _count_turn(self, st: AgentState, messages: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
                     ttft: float | None) -> None:
         """A completed turn's figures, for auto mode's projection of conversation lengths and its TTFT."""
-        chars = sum(len(m["content"]) for m in messages)
+        chars = sum(len(m.get("content") or "") for m in messages)
         figures = self.figures[st.endpoint]
         if prompt_tokens:
             figures.prompt_tokens += prompt_tokens
@@ -394,6 +451,28 @@ class Conversations:
         figures.answers += 1
         if ttft is not None:
             figures.ttfts.append(ttft)
+
+
+def tool_choice(setting: str, step: int) -> Any:
+    """The request's `tool_choice` for an agent's setting at a step of its tool loop: "" sends none (the
+    server's default), "auto" | "required" | "none" as they are, and "server.tool" forces that tool at the
+    first step of each turn and sends "none" after it, so the model answers from the tool's result."""
+    if not setting:
+        return None
+    if setting in ("auto", "required", "none"):
+        return setting
+    if step > 1:
+        return "none"
+    server, _, tool = setting.partition(".")
+    return {"type": "function", "function": {"name": function_name(server, tool)}}
+
+
+def assembled_calls(pieces: dict[int, list[str]], id_prefix: str) -> list[dict[str, Any]]:
+    """A streamed answer's tool calls, put together from their pieces (OpenAI message form), in index order;
+    a call the server sent without an id gets one of ours."""
+    return [{"id": parts[0] or f"{id_prefix}{index}", "type": "function",
+             "function": {"name": parts[1], "arguments": parts[2]}}
+            for index, parts in sorted(pieces.items())]
 
 
 def _held_back(held: tuple[StreamScrubber, StreamScrubber, StreamScrubber], content: str, reasoning: str,

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -48,8 +49,10 @@ from cerevisor_tui.engine.monitor import ServerMonitor
 from cerevisor_tui.engine.placement import HOSTED_DOWN_S, MemberLoad, Placement
 from cerevisor_tui.engine.report import Report
 from cerevisor_tui.engine.scheduler import Scheduler
+from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls, ToolMemory
 from cerevisor_tui.engine.watchdog import Attempt, BusyCheck, Watchdog, fmt_s
 from cerevisor_tui.kinds import FINAL, MODES, FinalStatus, Mode
+from cerevisor_tui.tools.manager import McpServers
 
 if TYPE_CHECKING:
     from cerevisor_tui.endpoints.worker import StreamWorker
@@ -70,7 +73,7 @@ class Engine:
 
     def __init__(self, config: Config, *, run_id: str | None = None, run_dir: str = "",
                  completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None,
-                 stream_process: bool = False) -> None:
+                 stream_process: bool = False, ask: AskPolicy = "operator") -> None:
         self.config = config
         self.run_id = run_id or new_run_id()
         self.run_dir = run_dir
@@ -129,7 +132,16 @@ class Engine:
         self._subscribers: list[Subscriber] = [self.report]
         self._wave_group: anyio.abc.TaskGroup | None = None
         # every form of the run's API keys, taken out of whatever text enters the run (config/secrets.py)
-        self.scrub = Scrubber.from_env(ep.api_key_env for ep in config.endpoints)
+        # (and the variables the MCP servers are given: a server's own token must not reach the screen either)
+        self.scrub = Scrubber.from_env([*(ep.api_key_env for ep in config.endpoints),
+                                        *(name for server in config.mcp_servers for name in server.env)])
+        # MCP tool servers, those an agent lists: started when the run opens, ended with it (tools/manager.py).
+        # `ask`: what a tool call its server's rules `ask` about gets: the operator's answer, or headless, deny
+        # or approve. A resumed run takes its earlier calls' results and "for the run" approvals from the journal.
+        used = {tool.split(".", 1)[0] for agent in config.agents for tool in agent.tools}
+        self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir)
+        self.tools = ToolCalls(self.tool_servers, emit=self.emit, scrub=self.scrub, ask=ask,
+                               memory=_tool_memory(run_dir) if used else None)
         # The run's parts, each handed what it needs of the engine's state (the same objects, not copies).
         self.connections = Connections(config, self.emit, stream_process=stream_process)
         self.base_urls = self.connections.base_urls  # the simulator's, once it is started
@@ -145,7 +157,8 @@ class Engine:
         self.conversations = Conversations(
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
-            scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.relocate)
+            scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.relocate,
+            tools=self.tools)
 
     @property
     def stream_process(self) -> bool:
@@ -234,10 +247,13 @@ class Engine:
         self._emit_cap()
 
     def kill(self, name: str, reason: str = "killed by operator") -> bool:
-        """Kill an agent's running attempt (no retry follows), or drop it from the queue."""
+        """Kill an agent's running attempt (no retry follows), or drop it from the queue; in a tool call, the
+        call is cancelled and the model told so."""
         st = self.agents[name]
         if st.status in FINAL:
             return False
+        if st.status == "tool" and self.tools.kill(name, reason):
+            return True
         if st.current is not None and st.current.scope is not None:
             st.current.kill("operator", reason, by_operator=True)
         elif st.scope is not None:
@@ -250,6 +266,8 @@ class Engine:
     def extend(self, name: str, seconds: float | None = None) -> bool:
         """Move the running attempt's current deadline later by `seconds` (default [stall].extend_s)."""
         st = self.agents[name]
+        if st.status == "tool":
+            return self.tools.extend(st, seconds if seconds is not None else self.policies[st.endpoint].extend_s)
         att = st.current
         if att is None or st.status in FINAL:
             return False
@@ -258,11 +276,11 @@ class Engine:
 
     def approve(self, name: str, call_id: str, scope: str = "once") -> None:
         """Let the agent's tool call that waits for approval run, once or for the rest of the run."""
-        raise ValueError(f"no such tool call {call_id!r} waiting for approval on {name}")
+        self.tools.approve(name, call_id, scope)
 
     def deny(self, name: str, call_id: str) -> None:
         """Refuse the agent's tool call that waits for approval."""
-        raise ValueError(f"no such tool call {call_id!r} waiting for approval on {name}")
+        self.tools.deny(name, call_id)
 
     def set_stall(self, config: Config) -> list[str]:
         """Take `config`'s `[stall]` and endpoint stall overrides now: new attempts get them, and the running
@@ -321,6 +339,7 @@ class Engine:
         self.started_at = time.monotonic()
         async with AsyncExitStack() as stack:
             await self.connections.open(stack)
+            await self.tool_servers.open(stack)
             self.emit(self.started_event(time.monotonic()))
             if self.stream_process_problem:
                 self.emit(ev.RunNotice(time.monotonic(), f"{self.stream_process_problem}. Reading the streams in "
@@ -800,6 +819,19 @@ def _saved_probe_cap(ep: EndpointConfig) -> tuple[int, str]:
     if not saved or not saved.get("cap"):
         return 0, ""
     return int(saved["cap"]), f"the probe of {saved.get('saved_at', 'an earlier run')} recommended it"
+
+
+def _tool_memory(run_dir: str) -> ToolMemory | None:
+    """What an earlier run in this run directory got from its tools (a resumed run); None: nothing."""
+    if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
+        return None
+    from cerevisor_tui.engine.journal import read_records
+
+    try:
+        records, _ = read_records(run_dir)
+    except Exception:  # noqa: BLE001 - unreadable: the journal's own reader says so; calls simply run again
+        return None
+    return ToolMemory.from_records(records)
 
 
 def _digest(text: str) -> str:

@@ -250,6 +250,10 @@ class MessageRecorded(Event):
     content: str
     reasoning: str = ""
     partial: bool = False
+    # OpenAI's form: an assistant message's calls ({"id", "type": "function", "function": {"name", "arguments"}});
+    # a "tool" message answers the call named by tool_call_id
+    tool_calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    tool_call_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -225,6 +225,10 @@ class Journal:
                     record["reasoning"] = event.reasoning
                 if event.partial:
                     record["partial"] = True
+                if event.tool_calls:
+                    record["tool_calls"] = event.tool_calls
+                if event.tool_call_id:
+                    record["tool_call_id"] = event.tool_call_id
                 fh.write(_dumps(record) + "\n")
                 fh.flush()
             elif isinstance(event, ev.AgentQueued):

@@ -60,6 +60,7 @@ class Attempt:
     parts: list[str] = field(default_factory=list)
     thinking: list[str] = field(default_factory=list)
     tools: list[str] = field(default_factory=list)
+    calls: dict[int, list[str]] = field(default_factory=dict)  # tool calls by index: [id, name, arguments] so far
     scope: anyio.CancelScope | None = None
     nap: anyio.CancelScope | None = None  # the watchdog's sleep: cancelled to make it look again at once
     # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
@@ -185,3 +186,66 @@ class Watchdog:
                                    att.deadline_at, att.extensions, by_operator=True))
         if st.status == "stalling":
             st.status = "streaming" if att.first_token_at is not None else "prefill"
+
+
+@dataclass(eq=False)
+class ToolCall:
+    """One MCP tool call while it executes, with its own deadline (tool_timeout_s): time in a tool is not
+    model silence, so no stream deadline runs meanwhile."""
+
+    call_id: str
+    server: str
+    tool: str
+    started_at: float
+    deadline_at: float
+    warn_at: tuple[float, ...] = ()
+    warned: int = 0
+    outcome: str = ""  # "timeout" | "killed" once it was ended so
+    reason: str = ""
+    scope: anyio.CancelScope | None = None
+    nap: anyio.CancelScope | None = None
+
+    def kill(self, outcome: str, reason: str) -> None:
+        if self.outcome:
+            return
+        self.outcome, self.reason = outcome, reason
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def look_again(self) -> None:
+        if self.nap is not None:
+            self.nap.cancel()
+
+
+async def watch_tool(st: AgentState, call: ToolCall, emit: Callable[[ev.Event], None]) -> None:
+    """A tool call's deadline: ToolCallWarning at each `warn_at` fraction of it, then the call is cancelled."""
+    monotonic = time.monotonic
+    while True:
+        now = monotonic()
+        total = call.deadline_at - call.started_at
+        while call.warned < len(call.warn_at) and now >= call.started_at + call.warn_at[call.warned] * total:
+            fraction = call.warn_at[call.warned]
+            call.warned += 1
+            emit(ev.ToolCallWarning(now, st.name, call.call_id, fraction, max(0.0, call.deadline_at - now)))
+        if now >= call.deadline_at:
+            call.kill("timeout", f"no result after {fmt_s(now - call.started_at)} (tool_timeout_s)")
+            return
+        next_at = call.deadline_at
+        if call.warned < len(call.warn_at):
+            next_at = min(next_at, call.started_at + call.warn_at[call.warned] * total)
+        with anyio.CancelScope() as call.nap, anyio.move_on_after(max(0.0, next_at - monotonic()) + 0.001):
+            await anyio.sleep_forever()
+        call.nap = None
+
+
+def extend_tool(st: AgentState, call: ToolCall, seconds: float, emit: Callable[[ev.Event], None],
+                attempt: int) -> None:
+    """The operator's extension of a running tool call: its deadline moves later by `seconds`; the warnings
+    still ahead of the new deadline re-arm. Told as a StallExtended of deadline "tool"."""
+    call.deadline_at += seconds
+    total = call.deadline_at - call.started_at
+    now = time.monotonic()
+    call.warned = sum(1 for f in call.warn_at if call.started_at + f * total <= now)
+    emit(ev.StallExtended(now, st.name, attempt, "tool", seconds, "tool call extended by operator",
+                          call.deadline_at, 0, by_operator=True))
+    call.look_again()

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.sim import text as simtext
+from cerevisor_tui.sim import tools as simtools
 from cerevisor_tui.sim.kv import KvCache
 from cerevisor_tui.sim.profiles import SimServerSpec, resolve
 from cerevisor_tui.sim.scheduler import DONE, Engine, Sequence
@@ -260,6 +261,10 @@ class _Chat:
                 param="max_tokens",
             )
         stream = bool(body.get("stream"))
+        call = simtools.choose_call(body, messages, settings, rendered)
+        if call is not None:  # the answer is a tool call: its arguments stream as its tokens
+            words = iter(simtools.pieces(call[2]))
+            max_tokens = len(simtools.pieces(call[2]))
         seq = Sequence(
             prompt_tokens=prompt_tokens,
             hashes=simtext.block_hashes(rendered, st.spec.block_size),
@@ -267,21 +272,22 @@ class _Chat:
             notify_each_token=stream,
         )
         st.engine.submit(seq)
-        words = simtext.words(simtext.text_seed(settings.seed, rendered))
-        finish = "length" if explicit else "stop"
+        if call is None:
+            words = simtext.words(simtext.text_seed(settings.seed, rendered))
+        finish = "tool_calls" if call is not None else "length" if explicit else "stop"
         request_id = f"chatcmpl-sim-{next(self._ids)}"
         if stream:
             opts = body.get("stream_options") or {}
-            return _Stream(self._events(seq, words, request_id, model, finish, bool(opts.get("include_usage"))),
+            return _Stream(self._events(seq, words, request_id, model, finish, bool(opts.get("include_usage")), call),
                            lambda: self._abort(seq))
-        return await self._whole(request, seq, words, request_id, model, finish)
+        return await self._whole(request, seq, words, request_id, model, finish, call)
 
     def _abort(self, seq: Sequence) -> None:
         if self.state.engine.abort(seq):
             self.state.aborted_total += 1
 
     async def _whole(self, request: Request, seq: Sequence, words, request_id: str, model: str,
-                     finish: str) -> Response:
+                     finish: str, call: tuple[str, str, str] | None = None) -> Response:
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
@@ -298,15 +304,20 @@ class _Chat:
             return Response(status_code=499)
         self.state.completed_total += 1
         content = "".join(itertools.islice(words, seq.generated))
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if call is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call[0], "type": "function", "function": {"name": call[1], "arguments": call[2]}}]}
         return JSONResponse({
             "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+            "choices": [{"index": 0, "message": message,
                          "logprobs": None, "finish_reason": finish, "stop_reason": None}],
             "usage": {"prompt_tokens": seq.prompt_tokens, "completion_tokens": seq.generated,
                       "total_tokens": seq.prompt_tokens + seq.generated},
         })
 
-    async def _events(self, seq: Sequence, words, request_id: str, model: str, finish: str, usage: bool):
+    async def _events(self, seq: Sequence, words, request_id: str, model: str, finish: str, usage: bool,
+                      call: tuple[str, str, str] | None = None):
         st, settings = self.state, self.state.settings
         created = int(time.time())
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
@@ -328,15 +339,24 @@ class _Chat:
                 ready = seq.generated
                 if ready > sent:
                     out: list[str] = []
-                    if sent == 0:
+                    if sent == 0 and call is None:
                         out.append(head + '"delta":{"role":"assistant","content":""},"logprobs":null,'
                                    '"finish_reason":null}]}\n\n')
+                    elif sent == 0:  # OpenAI's form: the call's id and name first, then its arguments in pieces
+                        first = {"role": "assistant", "content": None, "tool_calls": [
+                            {"index": 0, "id": call[0], "type": "function",
+                             "function": {"name": call[1], "arguments": ""}}]}
+                        out.append(head + '"delta":' + json.dumps(first) + word_tail[1:])
                     while sent < ready:
                         if sent == drop_at:
                             break
                         if sent == bad_at:
                             out.append('data: {"id": broken\n\n')
-                        out.append(head + '"delta":{"content":' + json.dumps(next(words)) + word_tail)
+                        if call is None:
+                            out.append(head + '"delta":{"content":' + json.dumps(next(words)) + word_tail)
+                        else:
+                            piece = {"tool_calls": [{"index": 0, "function": {"arguments": next(words)}}]}
+                            out.append(head + '"delta":' + json.dumps(piece) + word_tail[1:])
                         sent += 1
                     if out:
                         yield "".join(out).encode()

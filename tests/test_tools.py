@@ -1,0 +1,114 @@
+"""Agents with MCP tools, end to end on loopback: the simulator answers with tool calls, a small MCP server
+(tests/fixtures/mcp_fake.py, the SDK's own server side) answers them over stdio, and the engine runs the loop,
+asks for permission, keeps the tool deadline and records the conversation in OpenAI's message form."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from cerevisor_tui.config import validate
+from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.journal import Journal
+
+FAKE = str(Path(__file__).parent / "fixtures" / "mcp_fake.py")
+
+
+def workflow(tool_args: dict[str, Any], *, server: dict[str, Any] | None = None, agents: int = 1,
+             tool_steps: int = 1, **agent: Any) -> dict[str, Any]:
+    return {
+        "stall": {"idle_timeout_s": 30},
+        "endpoints": [{"name": "sim", "kind": "simulated",
+                       "sim": {"speed": 50, "seed": 3, "tool_steps": tool_steps, "tool_args": tool_args}}],
+        "mcp_servers": [{"name": "fake", "command": sys.executable, "args": [FAKE], "allow": ["*"],
+                         **(server or {})}],
+        "agents": [{"name": f"a{i}", "prompt": "use the tool", "tools": ["fake"], "max_tokens": 8, "retries": 0,
+                    **agent} for i in range(agents)],
+    }
+
+
+async def run(data: dict[str, Any], run_dir: Path | None = None, *, ask: str = "deny",
+              during: Any = None) -> tuple[Engine, list, int]:
+    engine = Engine(validate(data), run_dir=str(run_dir or ""), ask=ask)  # type: ignore[arg-type]
+    seen: list = []
+    engine.subscribe(seen.append)
+    journal = None
+    if run_dir is not None:
+        journal = Journal(run_dir, engine.report)
+        journal.open(resume=(run_dir / "events.jsonl").exists())
+        engine.subscribe(journal)
+    async with anyio.create_task_group() as group:
+        if during is not None:
+            group.start_soon(during, engine, seen)
+        code = await engine.run()
+        group.cancel_scope.cancel()
+    if journal is not None:
+        journal.close()
+    return engine, seen, code
+
+
+def kinds(seen: list, kind: str) -> list:
+    return [e for e in seen if e.kind == kind]
+
+
+def transcript(run_dir: Path, agent: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "transcripts" / f"{agent}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.anyio
+async def test_a_tool_call_runs_through_mcp_and_the_transcript_replays_as_an_openai_conversation(tmp_path):
+    engine, seen, code = await run(workflow({"add": {"a": 2, "b": 40}}), tmp_path)
+    assert code == 0, [e for e in seen if e.kind == "AgentFinished"]
+    started, finished = kinds(seen, "ToolCallStarted"), kinds(seen, "ToolCallFinished")
+    assert [(e.server, e.tool, json.loads(e.arguments)) for e in started] == [("fake", "add", {"a": 2, "b": 40})]
+    assert started[0].deadline is not None and started[0].warn_at == (0.5, 0.8, 0.95)
+    assert [(e.outcome, e.result) for e in finished] == [("ok", "42")]
+    lines = transcript(tmp_path, "a0")
+    assert [m["role"] for m in lines] == ["user", "assistant", "tool", "assistant"]
+    call = lines[1]["tool_calls"][0]
+    assert call["type"] == "function" and call["function"]["name"] == "fake__add"
+    assert json.loads(call["function"]["arguments"]) == {"a": 2, "b": 40}  # put together from streamed pieces
+    assert lines[2] == {"turn": 1, "attempt": 1, "role": "tool", "content": "42", "tool_call_id": call["id"]}
+    assert lines[3]["content"] and "tool_calls" not in lines[3]
+    assert engine.agents["a0"].status == "completed"
+
+
+@pytest.mark.anyio
+async def test_the_model_is_offered_the_tools_schemas_and_gets_each_result_before_it_answers():
+    engine, seen, code = await run(workflow({"echo": {"text": "hello"}}, tool_steps=2))
+    assert code == 0
+    msgs = engine.agents["a0"].messages
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    assert msgs[2]["content"] == "echo: hello" and msgs[2]["tool_call_id"] == msgs[1]["tool_calls"][0]["id"]
+    offered = engine.agents["a0"].toolset.tools
+    names = {t["function"]["name"] for t in offered}
+    assert {"fake__echo", "fake__add", "fake__hang"} <= names
+    add = next(t for t in offered if t["function"]["name"] == "fake__add")["function"]
+    assert add["parameters"]["required"] == ["a", "b"] and add["description"] == "Add two whole numbers."
+
+
+@pytest.mark.anyio
+async def test_max_steps_ends_a_tool_loop_that_never_answers_with_a_clear_failure():
+    engine, seen, code = await run(workflow({"echo": {"text": "again"}}, tool_steps=50, max_steps=3))
+    assert code == 1
+    end = kinds(seen, "AgentFinished")[-1]
+    assert end.status == "failed" and "max_steps (3) reached" in end.error and "fake__echo" in end.error
+    assert len(kinds(seen, "ToolCallFinished")) == 2  # the third answer's call is not run
+
+
+@pytest.mark.anyio
+async def test_a_tool_listed_by_name_is_the_only_one_offered_and_deny_rules_hide_a_tool():
+    data = workflow({"echo": {"text": "x"}}, server={"allow": ["*"], "deny": ["hang", "crash"]})
+    data["agents"][0]["tools"] = ["fake.echo"]
+    engine, _, code = await run(data)
+    assert code == 0
+    assert [t["function"]["name"] for t in engine.agents["a0"].toolset.tools] == ["fake__echo"]
+    data["agents"][0]["tools"] = ["fake"]
+    engine, _, _ = await run(data)
+    names = {t["function"]["name"] for t in engine.agents["a0"].toolset.tools}
+    assert "fake__hang" not in names and "fake__crash" not in names and "fake__echo" in names
