@@ -67,6 +67,7 @@ class RemoteStream:
         self.tokens = 0
         self.finish_reason = ""
         self.usage: tuple[int, int] | None = None
+        self.cached_tokens: int | None = None
         self.items: collections.deque[tuple[int, Any]] = collections.deque()
         self.waiter: asyncio.Future[None] | None = None
         self.process: asyncio.subprocess.Process | None = None  # the worker process reading it
@@ -102,7 +103,9 @@ class RemoteStream:
                     raise _ERRORS.get(name, errors.EndpointError)(
                         self.endpoint, problem, status=status, retry_after_s=retry_after_s, retryable=retryable)
                 elif kind == USAGE:
-                    self.usage = tuple(payload)  # type: ignore[assignment]
+                    self.usage = (payload[0], payload[1])
+                    if len(payload) > 2:  # (prompt, completion, cached)
+                        self.cached_tokens = payload[2]
                 elif kind == FINISH:
                     self.finish_reason = payload
                 yield (kind, payload)

@@ -36,6 +36,8 @@ class Connections:
         self.base_urls: dict[str, str] = {ep.name: ep.base_url for ep in config.endpoints}
         self.models: dict[str, str] = {ep.name: ep.model for ep in config.endpoints if ep.model}
         self.clients: dict[str, httpx.AsyncClient] = {}
+        # the model's context length per endpoint (configured, or vLLM's max_model_len from /v1/models); 0: unknown
+        self.max_model_len: dict[str, int] = {ep.name: ep.max_model_len for ep in config.endpoints if ep.max_model_len}
         self.worker: StreamWorker | None = None
         self._model_locks: dict[str, anyio.Lock] = {}
 
@@ -73,8 +75,29 @@ class Connections:
                 if not listed:
                     raise EndpointError(ep.name, "/v1/models lists no model; set model in the endpoint's config")
                 self.models[ep.name] = str(listed[0]["id"])
+                self._take_max_model_len(ep.name, listed)
                 self.emit(ev.ModelResolved(time.monotonic(), ep.name, self.models[ep.name]))
         return self.models[ep.name]
+
+    async def context_limit(self, ep: EndpointConfig) -> int:
+        """The model's context length (for the context-fill meter): configured, or what /v1/models said of it
+        (asked once; a hosted API's list says nothing of it); 0 when unknown. Never raises."""
+        if ep.name not in self.max_model_len:
+            self.max_model_len[ep.name] = 0
+            if ep.kind != "hosted" and ep.name in self.clients:
+                try:
+                    listed = await list_models(self.clients[ep.name], ep.name, self.base_urls[ep.name])
+                except EndpointError:
+                    return 0
+                self._take_max_model_len(ep.name, listed)
+        return self.max_model_len[ep.name]
+
+    def _take_max_model_len(self, endpoint: str, listed: list[dict[str, Any]]) -> None:
+        model = self.models.get(endpoint)
+        card = next((m for m in listed if m.get("id") == model), listed[0] if listed else {})
+        value = card.get("max_model_len")
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0 and not self.max_model_len.get(endpoint):
+            self.max_model_len[endpoint] = value
 
     def chat_url(self, endpoint: str) -> str:
         return self.base_urls[endpoint].rstrip("/") + "/chat/completions"

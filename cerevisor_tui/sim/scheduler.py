@@ -58,6 +58,7 @@ class Sequence:
     admitted_once: bool = False
     blocked_at: int = -1  # kv.releases when admission last failed
     preemptions: int = 0
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache (usage's cached_tokens)
     aborted: bool = False
     closed: bool = False  # the server is shutting down
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -193,6 +194,7 @@ class Engine:
             seq.prefill_left = max(1, got.compute_tokens)
             seq.reload_left = got.cpu_hit_tokens
             if not seq.admitted_once:
+                seq.cached_tokens = got.gpu_hit_tokens + got.cpu_hit_tokens
                 seq.not_before = self.now + p.ttft_s
                 self.prompt_tokens_total += seq.prompt_tokens
                 seq.admitted_once = True
