@@ -2,8 +2,9 @@
 worker's /health and /metrics for the load pane (ServerSample.workers) and for the busy check at a deadline.
 
 The router here is a small TCP proxy on loopback, as a router is to its clients: /health answers, /metrics
-has nothing of the servers' queues (404), and each chat request is forwarded whole to one worker (in turn)
-and its answer streamed back; the workers are simulators. Nothing of ours is mocked.
+does not speak for its workers (404 here; vllm-router passes its first worker's through), and each chat
+request is forwarded whole to one worker (in turn) and its answer streamed back; the workers are
+simulators. Nothing of ours is mocked.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.conftest import free_port, http_head, read_request
 
 class Router:
     """Forward each POST to the next worker in turn (one request per connection), answer /health itself,
-    and 404 its /metrics (a router's own metrics say nothing of queues). Records each request head."""
+    and 404 its /metrics. Records each request head."""
 
     def __init__(self, workers: list[SimServer]) -> None:
         self.ports = itertools.cycle([w.port for w in workers])

@@ -432,9 +432,9 @@ async def read_routed(
 ) -> RoutedStatus:
     """Read a router's /health and each worker's /health and /metrics (at once, with short timeouts).
 
-    A router's own /metrics speaks of routing, not of the servers' queues and KV caches, so the workers'
-    are read instead (`worker_client`, which carries no API key: vLLM serves /health and /metrics without
-    one, and a key is not sent where the operator did not point the endpoint). The fleet is healthy while
+    A router's /metrics does not speak for the fleet (vllm-router 0.1.17 passes its first worker's through),
+    so the workers' are read instead (`worker_client`, which carries no API key: vLLM serves /health and
+    /metrics without one, and a key is not sent where the operator did not point the endpoint). The fleet is healthy while
     the router answers and at least one worker is up; it is loading while every worker that answers is.
     Never raises.
     """

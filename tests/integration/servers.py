@@ -135,6 +135,12 @@ class ServerProcess:
         self._signal(signal.SIGCONT)
         self.frozen = False
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once, as a crashed box or an OOM kill would: no graceful end."""
+        assert self.proc is not None
+        self._signal(signal.SIGKILL)
+        self.frozen = False
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return

@@ -1,5 +1,6 @@
-"""A fleet of real servers: two vLLM (CPU) replicas of the tiny model behind vLLM's own router
-(`vllm-router --policy consistent_hash`, which keeps a session on one worker by its X-Session-ID header).
+"""A fleet of real servers: two vLLM (CPU) replicas of the tiny model, placed on by the run itself as one
+`[[pools]]` table, and behind vLLM's own router (`vllm-router --policy consistent_hash`, which keeps a
+session on one worker by its X-Session-ID header).
 
 What is checked is what the servers themselves say: which replica received each request (vLLM logs
 `Received request chatcmpl-<our X-Request-Id>`), how many prompt tokens came from its prefix cache (the
@@ -158,3 +159,70 @@ async def test_a_kill_through_the_router_aborts_the_request_on_its_worker(router
     assert await until(lambda: all(r.metric("vllm:num_requests_running") == 0 for r in replicas), 30)
     assert not re.search(rf"Request chatcmpl-{re.escape(rid)} aborted",
                          next(r for r in replicas if r is not replica).log_text())
+
+
+def pool_config(replicas: tuple[ServerProcess, ...], *, max_tokens: int, retries: int = 0) -> dict:
+    return {
+        "run": {"mode": "parallel", "max_concurrency": AGENTS, "metrics_interval_s": 0.5},
+        "stall": {"first_byte_timeout_s": 300.0, "idle_timeout_s": 120.0},
+        "endpoints": [{"name": r.name, "base_url": r.base_url, "kind": "local", "model": MODEL} for r in replicas],
+        "pools": [{"name": "replicas", "endpoints": [r.name for r in replicas]}],
+        "agents": [{"name": f"agent{i}", "endpoint": "replicas", "prompt": _long_prompt(i), "max_tokens": max_tokens,
+                    "retries": retries, "turns": ["Go on.", "Sum it up."]} for i in range(AGENTS)],
+    }
+
+
+@pytest.mark.anyio
+async def test_a_pool_of_two_replicas_keeps_each_agent_on_one_and_spreads_them(replicas):
+    served_before = {r.name: r.metric("vllm:request_success_total") for r in replicas}
+    engine = engine_for(pool_config(replicas, max_tokens=16))
+    code, seen = await run_engine(engine, timeout_s=900)
+    assert code == 0, [e for e in seen if e.kind == "AgentFinished" and e.status != "completed"]
+    started = [e for e in seen if e.kind == "AgentStarted"]
+    assert len(started) == AGENTS * TURNS
+    where = received_by(replicas, [e.request_id for e in started])
+    on: dict[str, set[str]] = defaultdict(set)
+    for e in started:
+        assert where[e.request_id] == [e.endpoint], (e.request_id, e.endpoint, where[e.request_id])  # sent where told
+        on[e.agent].add(e.endpoint)
+    assert all(len(members) == 1 for members in on.values()), on  # every turn of an agent on one replica
+    agents_on = {r.name: sum(1 for members in on.values() if r.name in members) for r in replicas}
+    assert min(agents_on.values()) > 0 and max(agents_on.values()) <= 1.5 * min(agents_on.values()), agents_on
+    # each replica's own count of the requests it served: three turns of each of its agents
+    served = {r.name: r.metric("vllm:request_success_total") - served_before[r.name] for r in replicas}
+    assert served == {name: TURNS * n for name, n in agents_on.items()}, (served, agents_on)
+    placed = [e for e in seen if e.kind == "AgentPlaced"]
+    assert len(placed) == AGENTS and not any(e.moved_from for e in placed)
+
+
+@pytest.mark.anyio
+async def test_a_replica_killed_mid_run_has_its_agents_placed_again_and_they_complete(pool: Pool, replicas):
+    """Runs last in this module: it kills replica-b (SIGKILL, its whole process group) once one of its agents
+    has finished a turn, while the others are mid-answer. Each of its agents moves to replica-a at its next
+    attempt and completes there. A later test that needs replica-b gets a fresh one from the pool."""
+    a, b = replicas
+    engine = engine_for(pool_config(replicas, max_tokens=200, retries=2))
+    on: dict[str, str] = {}
+    killed_at: list[float] = []
+
+    def on_event(event) -> None:
+        if event.kind == "AgentPlaced":
+            on[event.agent] = event.endpoint
+        elif event.kind == "TurnFinished" and on.get(event.agent) == b.name and not killed_at:
+            b.kill()
+            killed_at.append(event.t)
+
+    code, seen = await run_engine(engine, on_event, timeout_s=900)
+    assert killed_at, "no agent of replica-b finished a turn"
+    assert code == 0, [(e.agent, e.status, e.error) for e in seen if e.kind == "AgentFinished"]
+    moved = [e for e in seen if e.kind == "AgentPlaced" and e.moved_from]
+    assert moved and all(e.moved_from == b.name and e.endpoint == a.name and "prefix" in e.reason for e in moved)
+    after = [e for e in seen if e.kind == "AgentStarted" and e.t > killed_at[0]]
+    on_b = {e.agent for e in seen if e.kind == "AgentPlaced" and e.endpoint == b.name and not e.moved_from}
+    unfinished = {e.agent for e in after} & on_b
+    assert unfinished and unfinished <= {e.agent for e in moved}  # every agent of b still running was moved
+    # and replica-a received their turns after the move
+    moved_requests = [e.request_id for e in after if e.agent in unfinished and e.endpoint == a.name]
+    assert moved_requests and all(received_by((a,), [rid])[rid] == [a.name] for rid in moved_requests)
+    statuses = {e.agent: e.status for e in seen if e.kind == "AgentFinished"}
+    assert statuses == {f"agent{i}": "completed" for i in range(AGENTS)}
