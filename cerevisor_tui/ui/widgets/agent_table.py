@@ -56,7 +56,8 @@ column fits the longest name (up to 24 cells); the note takes what is left of th
 
 STATUS_WIDTH, STATUS_WIDTH_MAX = 9, 20
 """The status column is 9 cells until a longer status shows (`needs approval`, `tool: NAME 3.2s`), then as
-wide as that, up to 20, for the rest of the run: the columns never jump back and forth."""
+wide as that, up to 20 where the pane has room, for the rest of the run: the columns never jump back and forth."""
+STATUS_WANTED = {"approval": len("needs approval"), "tool": STATUS_WIDTH_MAX}
 
 RIGHT = frozenset({"wave", "turn", "ttft", "rate", "tokens", "stall"})
 NAME_MIN = 16
@@ -112,8 +113,9 @@ def agent_clock(st: AgentView, warn_at: tuple[float, ...], now: float) -> Countd
 
 
 def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
-              keepalive_at: float | None = None) -> AgentRow:
-    """`keepalive_at`: when the agent's stream last carried a keep-alive (bytes without a token)."""
+              keepalive_at: float | None = None, status_width: int = STATUS_WIDTH_MAX) -> AgentRow:
+    """`keepalive_at`: when the agent's stream last carried a keep-alive (bytes without a token); `status_width`:
+    the cells a running tool call's `tool: NAME 3.2s` is fitted in (its name is cut, never its time)."""
     call = st.tool if st.status == "tool" else None
     clock = agent_clock(st, warn_at, now)
     level = clock.level if clock else NORMAL
@@ -140,7 +142,7 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         note = f"{note} · {quiet}" if note else quiet
     turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
-    label = tool_status(call.tool, now - call.t) if call is not None else STATUS_LABELS.get(status, status)
+    label = tool_status(call.tool, now - call.t, status_width) if call is not None else STATUS_LABELS.get(status, status)
     return AgentRow(
         agent=st.name, wave=str(st.wave + 1), status=label, turn=turn,
         ttft=fmt_seconds(st.ttft_s), rate=fmt_rate(rate), tokens=fmt_count(st.tokens) if st.tokens else "-",
@@ -263,6 +265,7 @@ class AgentTable(ScrollView, can_focus=True):
         self._widths: list[int] = []
         self._name_width = 5
         self._status_width = STATUS_WIDTH  # grows (up to STATUS_WIDTH_MAX) to the longest status shown
+        self._status_cells = STATUS_WIDTH  # what the pane's width leaves it of that
         self._styles: dict[str, Style] = {}
 
     # ---- content ----------------------------------------------------------------------------------
@@ -297,11 +300,13 @@ class AgentTable(ScrollView, can_focus=True):
             if not note and st.reused and st.status == "completed":
                 note = "answer reused from the earlier run"  # never sent again: its figures are in the report
             ep = endpoints.get(st.endpoint)
-            row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name))
-            if len(row.status) > self._status_width:
-                self._status_width = min(len(row.status), STATUS_WIDTH_MAX)
+            wanted = STATUS_WANTED.get(st.status, 0)
+            if wanted > self._status_width:
+                self._status_width = wanted
                 self._layout()
                 self.refresh()
+            row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name),
+                            self._status_cells)
             if row.level == WARN:
                 amber += 1
             elif row.level == CRITICAL:
@@ -452,10 +457,13 @@ class AgentTable(ScrollView, can_focus=True):
         """Column widths for the pane's width: every column but the note as wide as it needs, the note the
         rest; a narrow pane cuts long names first (to NAME_MIN), then the note."""
         others = sum(width or 0 for key, _, width in COLUMNS if key not in ("agent", "note", "status"))
-        others += self._status_width
         others += len(COLUMNS)  # a space before each cell
+        # a wide status gives way before the countdown does: the name keeps its minimum, the note goes first
+        room = self.size.width - others - min(self._name_width, NAME_MIN)
+        self._status_cells = max(STATUS_WIDTH, min(self._status_width, room))
+        others += self._status_cells
         name = max(min(self._name_width, NAME_MIN), min(self._name_width, self.size.width - others - NOTE_WANTED))
-        widths = [name if key == "agent" else self._status_width if key == "status" else (width or 0)
+        widths = [name if key == "agent" else self._status_cells if key == "status" else (width or 0)
                   for key, _, width in COLUMNS]
         widths[-1] = max(0, self.size.width - others - name)
         if widths != self._widths:
