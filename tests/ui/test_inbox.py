@@ -184,3 +184,18 @@ def test_the_alert_cannot_break_out_of_its_escape_sequences():
     alert = terminal_alert("cerevisor: a;b failed", "HTTP 500\x07\x1b]0;pwned\x1b\\")
     assert alert == ("\x07\x1b]9;cerevisor: a,b failed: HTTP 500 ]0;pwned \\\x07"
                      "\x1b]777;notify;cerevisor: a,b failed;HTTP 500 ]0;pwned \\\x07")
+
+
+@pytest.mark.anyio
+async def test_enter_in_the_inbox_goes_to_the_agent_and_acts(tmp_path):
+    app, engine = run(tmp_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        trouble(engine)
+        refresh(app)
+        await pilot.press("i", "down", "enter")  # the second newest: c, its endpoint down
+        await pilot.pause()
+        assert not isinstance(app.screen, InboxScreen)
+        assert app.screen.table.selected_agent == "c"
+        await pilot.press("i", "enter")  # the newest: d's tool call, whose prompt opens
+        await pilot.pause()
+        assert isinstance(app.screen, ApprovalScreen) and app.screen.request.agent == "d"
