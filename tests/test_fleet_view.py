@@ -120,6 +120,10 @@ async def test_each_worker_behind_a_router_is_read_and_the_fleet_is_their_sum(mo
         odd_server.close()
     samples = [e for e in seen if e.kind == "ServerSample"]
     assert samples and all([w["url"] for w in s.workers] == urls for s in samples)  # in config order
+    assert all(s.workers[3]["detail"] == "health: connection refused" for s in samples)
+    # (a read that timed out, on a box busy enough, makes a sample short of that worker: not these)
+    samples = [s for s in samples if all(w["healthy"] for w in s.workers[:3])]
+    assert samples
     for s in samples:  # the fleet's figures are its workers' together, from the same reads
         assert s.running == sum(w["running"] or 0 for w in s.workers)
         assert s.waiting == sum(w["waiting"] or 0 for w in s.workers)
@@ -128,7 +132,6 @@ async def test_each_worker_behind_a_router_is_read_and_the_fleet_is_their_sum(mo
         assert s.detail == "1 of 4 workers down"
         assert [w["healthy"] for w in s.workers] == [True, True, True, False]
         assert s.workers[2]["detail"] == "metrics: HTTP 404" and s.workers[2]["running"] is None
-        assert s.workers[3]["detail"] == "health: connection refused"
     # the router spread the 4 agents over both workers: each was seen busy
     assert any(s.workers[0]["running"] for s in samples) and any(s.workers[1]["running"] for s in samples)
     # the router's /metrics was never asked; the key went to the endpoint, never to a worker
