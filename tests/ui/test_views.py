@@ -285,3 +285,45 @@ def test_the_shipped_themes_are_the_top_level_themes_folder():
     shipped = sorted(p.stem for p in root.glob("*.toml"))
     assert shipped == ["cerevisor-contrast", "cerevisor-dark", "cerevisor-light"]
     assert sorted(packaged_themes()) == shipped
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("width", [13, 41, 80])
+async def test_text_added_to_a_long_paragraph_wraps_exactly_as_the_whole_paragraph_would(width):
+    """Flushes re-wrap only the last row; the rows must equal a wrap of each whole line, styles included."""
+    import random
+
+    from textual.app import App
+
+    class One(App):
+        def colour(self, name):
+            return None
+
+        def compose(self):
+            yield StreamView()
+
+    def cells(strip):  # each cell's character and style: the same rows however their segments are cut
+        return [(ch, seg.style) for seg in strip for ch in seg.text]
+
+    rng = random.Random(width)
+    words = ["a", "bb", "word", "longerword", "x" * 55, "tab\there", "wide\u4e2d\u6587", "\u4e2d" * 9, "  ", "end."]
+    app = One()
+    async with app.run_test(size=(width + 1, 30)) as pilot:
+        view = app.query_one(StreamView)
+        await pilot.pause()
+        incremental = 0
+        for flush in range(200):
+            batch = []
+            for _ in range(rng.randint(1, 4)):
+                kind = rng.choice(["content", "content", "reasoning", "tool"])
+                text = "".join(rng.choice(words) + rng.choice(["", " ", " ", "  "]) for _ in range(rng.randint(1, 3)))
+                batch.append((kind, text + ("\n" if rng.random() < 0.03 else "")))
+            incremental += view._tail is not None and view._tail[0] == len(view._lines) - 1
+            view.append(batch)
+            if flush % 10:
+                continue
+            want = [cells(row) for line in view._lines[view._head:] for row in view._wrap(line, view._wrap_width)]
+            got = [cells(row) for row in view._rows]
+            assert got == want, [("".join(c for c, _ in g), "".join(c for c, _ in w))
+                                 for g, w in zip(got, want, strict=False) if g != w][:3]
+        assert incremental > 100  # most flushes took the last-row path
