@@ -78,6 +78,9 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     run.add_argument("--detach", action="store_true",
                      help="run in a process of its own that outlives this terminal (SSH loss included); prints the "
                      "run id and returns at once: then `attach`, `ls`, `stop`")
+    run.add_argument("--approve-all", action="store_true",
+                     help="approve every MCP tool call its server's rules `ask` about (without it, a run in the "
+                     "foreground denies them and tells the model; a --detach run waits for a console to answer)")
     run.add_argument("--detached", action="store_true", help=argparse.SUPPRESS)  # the process --detach starts
     run.add_argument("--run-id", help=argparse.SUPPRESS)  # the id --detach printed
 

@@ -137,8 +137,12 @@ def main(args: Any) -> int:
             if lock is not None:
                 lock.release()  # the detached process takes it
             return detach(args, run_dir, run_id)
+        # a tool call its server's rules `ask` about: --approve-all approves it; a detached run (a console's, or
+        # --detach) waits for a console to answer; a run in the foreground has no one to ask and denies it
+        ask = "approve" if getattr(args, "approve_all", False) else "operator" if getattr(args, "detached", False) \
+            else "deny"
         engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
-                        stream_process=wants_stream_process(config, console=False))
+                        stream_process=wants_stream_process(config, console=False), ask=ask)
         journal = Journal(run_dir, engine.report, extra_report=args.report,
                           on_error=lambda line: engine.stop(f"run stopped: {line}"))
         journal.open(resume=resuming, lock=lock)
@@ -307,6 +311,8 @@ def detach(args: Any, run_dir: Path, run_id: str) -> int:
             flags += [flag, str(value)]
     if args.jsonl:
         flags.append("--jsonl")
+    if getattr(args, "approve_all", False):
+        flags.append("--approve-all")
     try:
         pid = spawn_detached(args.file, run_dir, run_id=run_id, resume=args.resume is not None, flags=flags)
     except DetachError as exc:
