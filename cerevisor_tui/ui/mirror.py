@@ -12,6 +12,7 @@ deadline is compared with the console's own clock as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -94,6 +95,36 @@ class AgentView:
     attempt: AttemptView | None = None  # the running attempt; None between attempts and at the end
     tool: ev.ToolCallStarted | None = None  # the tool call executing (status "tool")
     approval: ev.ApprovalRequested | None = None  # the tool call waiting for the operator (status "approval")
+    pool: str = ""  # the pool it was placed from (its endpoint is the member)
+    moved_from: str = ""  # the member it left because that member was down (its prefix cache there is lost)
+    # meters (AgentMeters): prompt tokens sent and served from the prefix cache, context length, cost
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # None: its server does not say
+    context_tokens: int = 0
+    max_model_len: int = 0
+    cost_usd: float = 0.0
+    meter_warning: str = ""  # its context is nearly full, or its next turn will not fit
+
+    @property
+    def context_fill(self) -> float | None:
+        return self.context_tokens / self.max_model_len if self.max_model_len and self.context_tokens else None
+
+    def meter_note(self, priced: bool = False) -> str:
+        """Where a pool's agent runs and its meters, in one line; "" for an agent of a lone endpoint that is not
+        priced and has nothing to flag (its line stays as it always was)."""
+        if self.meter_warning:
+            return self.meter_warning
+        if not (self.pool or priced):
+            return ""
+        parts = [f"on {self.endpoint}" + (f" (moved from {self.moved_from}: prefix lost)" if self.moved_from else "")
+                 if self.pool else ""]
+        if self.cached_tokens is not None and self.prompt_tokens:
+            parts.append(f"cache {self.cached_tokens / self.prompt_tokens:.0%}")
+        if self.context_fill is not None:
+            parts.append(f"ctx {self.context_fill:.0%}")
+        if priced:
+            parts.append(f"${self.cost_usd:.4f}")
+        return " · ".join(p for p in parts if p)
 
     @property
     def output_tokens_per_s(self) -> float | None:
@@ -111,6 +142,7 @@ class EndpointView:
     max_concurrency: int = 0
     stall: dict[str, Any] = field(default_factory=dict)
     load: ev.LoadChanged | None = None
+    priced: bool = False  # it has a price per million tokens: its agents' rows show their cost
 
     @property
     def warn_at(self) -> tuple[float, ...]:
@@ -148,6 +180,7 @@ class RunMirror(UiModel):
     stopping: str = ""  # why the run is stopping ("" while it is not)
     probes: dict[str, ProbeView] = field(default_factory=dict)
     plan_version: int = 0  # bumped when the run's agents are (re)announced: the agents pane is built again
+    run_cost_usd: float = 0.0  # what the run's requests cost so far on priced endpoints
     inbox: Inbox = field(default_factory=Inbox)  # the agents that need the operator now
     samples: dict[str, ev.ServerSample] = field(default_factory=dict)  # each endpoint's last, workers and all
     gpus: ev.GpuSample | None = None  # the run's box's GPUs, as last read; None: none read yet
@@ -226,6 +259,7 @@ class RunMirror(UiModel):
             self.endpoints[name] = EndpointView(
                 name, str(summary.get("kind", "")), str(summary.get("base_url") or ""), str(summary.get("model") or ""),
                 int(summary.get("max_concurrency") or 0), dict(summary.get("stall") or {}))
+            self.endpoints[name].priced = bool(summary.get("price_in_per_mtok") or summary.get("price_out_per_mtok"))
         reused = set(e.reused)
         self.agents = {}
         for wave, level in enumerate(e.waves):
@@ -325,6 +359,11 @@ class RunMirror(UiModel):
 
     def _see_StallExtended(self, e: ev.StallExtended) -> None:
         a = self._agent(e.agent)
+        if e.deadline == "tool":  # the operator moved a running tool call's deadline, not the model's
+            if a.tool is not None:
+                a.tool = dataclasses.replace(a.tool, deadline=e.deadline_at)
+            self.inbox.clear(e.agent, "stall")
+            return
         att = a.attempt
         if att is not None:
             att.deadline_is(e.deadline_at)
@@ -398,6 +437,31 @@ class RunMirror(UiModel):
         what = {"once": "approved once", "run": "approved for the run", "deny": "denied"}[e.decision]
         self.stream(e.agent).append(META if e.decision != "deny" else ALERT,
                                     f"  {e.server}.{e.tool} {what} by {e.by}\n")
+
+    # ---- pools and meters -------------------------------------------------------------------------------
+    def _see_AgentPlaced(self, e: ev.AgentPlaced) -> None:
+        a = self._agent(e.agent)
+        a.endpoint, a.pool = e.endpoint, e.pool
+        if e.moved_from:
+            a.moved_from = e.moved_from
+            self.notices.append(Notice(f"{e.agent}: {e.reason}", "warning", "Agent moved"))
+
+    def _see_AgentMeters(self, e: ev.AgentMeters) -> None:
+        a = self._agent(e.agent)
+        a.prompt_tokens += e.prompt_tokens
+        if e.cached_tokens is not None:
+            a.cached_tokens = (a.cached_tokens or 0) + e.cached_tokens
+        a.context_tokens, a.max_model_len, a.cost_usd = e.context_tokens, e.max_model_len, e.cost_usd
+        a.meter_warning = e.warning
+        self.run_cost_usd = e.run_cost_usd
+
+    def meter_note(self, agent: str) -> str:
+        """The agent's placement and meters in one line, for its row when nothing else is noted (AgentView.meter_note)."""
+        a = self.agents.get(agent)
+        if a is None:
+            return ""
+        ep = self.endpoints.get(a.endpoint)
+        return a.meter_note(priced=ep is not None and ep.priced)
 
     # ---- endpoints --------------------------------------------------------------------------------------
     def _endpoint(self, name: str) -> EndpointView:

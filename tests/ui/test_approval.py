@@ -4,17 +4,21 @@ answer to a call that needs approval."""
 from __future__ import annotations
 
 import inspect
+import sys
+from pathlib import Path
 
 import pytest
 
 from cerevisor_tui.commands.console import run_handle
+from cerevisor_tui.config import validate
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.supervisor.client import RemoteControl
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.control import RunControl
+from cerevisor_tui.ui.screens.approval import ApprovalScreen
 from cerevisor_tui.ui.theme_files import load_themes
-from tests.ui.conftest import sim_config
+from tests.ui.conftest import FAST_SIM, EventLog, console, engine_of, kind, sim_config
 
 T0 = 1000.0
 NOW = 1100.0
@@ -87,3 +91,112 @@ def test_an_attached_console_sends_every_command_the_in_process_one_does():
         ours = inspect.signature(member).parameters
         remote = inspect.signature(getattr(RemoteControl, name)).parameters
         assert list(ours) == list(remote), name
+
+
+FAKE_MCP = str(Path(__file__).parents[1] / "fixtures" / "mcp_fake.py")
+
+
+def asking(tmp_path, *, tool_steps: int, tool: str = "echo", arguments: dict | None = None,
+           server: dict | None = None) -> CerevisorApp:
+    """The console over a real run: one agent whose model (the simulator) calls the fake MCP server's `tool`
+    (`echo`, which its server's rules `ask` about) `tool_steps` times."""
+    return console(validate({
+        "run": {"run_dir": str(tmp_path / "runs"), "metrics_interval_s": 0.2},
+        "stall": {"idle_timeout_s": 30.0, "extend_s": 100.0},
+        "endpoints": [{"name": "sim", "kind": "simulated",
+                       "sim": {**FAST_SIM, "tool_steps": tool_steps,
+                               "tool_args": {tool: arguments or {"text": "hello"}}}}],
+        "mcp_servers": [{"name": "fake", "command": sys.executable, "args": [FAKE_MCP], "ask": ["echo"],
+                         **(server or {})}],
+        "agents": [{"name": "a", "prompt": "use the tool", "tools": ["fake"], "max_tokens": 8, "retries": 0}],
+    }))
+
+
+async def answer(pilot, log: EventLog, key: str, number: int) -> None:
+    """Wait for the run's `number`th approval request, open the prompt with y and answer with `key`."""
+    await log.wait(lambda e: e.kind == "ApprovalRequested" and len(log.of("ApprovalRequested")) >= number)
+    requested = log.of("ApprovalRequested")[number - 1]
+    app = pilot.app
+    await pilot.pause()
+    assert app.mirror.agents["a"].status == "approval"
+    assert app.mirror.inbox.items["a"].kind == "approval"
+    await pilot.press("y")
+    await pilot.pause()
+    assert isinstance(app.screen, ApprovalScreen) and app.screen.request.call_id == requested.call_id
+    await pilot.press(key)
+    await log.wait(kind("ApprovalDecided", "a", call_id=requested.call_id))
+
+
+@pytest.mark.anyio
+async def test_an_ask_call_approved_once_runs_and_the_next_call_asks_again(tmp_path):
+    app = asking(tmp_path, tool_steps=2)
+    log = EventLog(engine_of(app))
+    async with app.run_test(size=(120, 30)) as pilot:
+        await answer(pilot, log, "o", 1)
+        await answer(pilot, log, "o", 2)
+        await log.wait(kind("AgentFinished", "a"), timeout=20)
+    decided = log.of("ApprovalDecided")
+    assert [(e.decision, e.by) for e in decided] == [("once", "operator"), ("once", "operator")]
+    assert [e.outcome for e in log.of("ToolCallFinished")] == ["ok", "ok"]
+    assert log.of("AgentFinished")[0].status == "completed"
+    assert "echo: hello" in log.of("ToolCallFinished")[0].result
+    text = app.mirror.stream("a").text()
+    assert text.count("fake.echo approved once by operator") == 2 and "↳ ok in" in text
+    assert len(app.mirror.inbox) == 0
+
+
+@pytest.mark.anyio
+async def test_an_ask_call_approved_for_the_run_is_not_asked_about_again(tmp_path):
+    app = asking(tmp_path, tool_steps=2)
+    log = EventLog(engine_of(app))
+    async with app.run_test(size=(120, 30)) as pilot:
+        await answer(pilot, log, "a", 1)
+        await log.wait(kind("AgentFinished", "a"), timeout=20)
+    assert [(e.decision, e.by) for e in log.of("ApprovalDecided")] == [("run", "operator")]
+    assert len(log.of("ApprovalRequested")) == 1
+    assert [e.outcome for e in log.of("ToolCallFinished")] == ["ok", "ok"]
+    assert log.of("AgentFinished")[0].status == "completed"
+
+
+@pytest.mark.anyio
+async def test_an_ask_call_denied_is_not_run_and_the_model_is_told(tmp_path):
+    app = asking(tmp_path, tool_steps=1)
+    log = EventLog(engine_of(app))
+    async with app.run_test(size=(120, 30)) as pilot:
+        await answer(pilot, log, "d", 1)
+        await log.wait(kind("AgentFinished", "a"), timeout=20)
+        await pilot.pause()
+    assert [(e.decision, e.by) for e in log.of("ApprovalDecided")] == [("deny", "operator")]
+    finished = log.of("ToolCallFinished")
+    assert [e.outcome for e in finished] == ["denied"] and "denied by the operator" in finished[0].result
+    assert not log.of("ToolCallStarted")
+    assert log.of("AgentFinished")[0].status == "completed"  # the model answered, told of the denial
+    assert "fake.echo denied by operator" in app.mirror.stream("a").text()
+    assert len(app.mirror.inbox) == 0
+
+
+@pytest.mark.anyio
+async def test_e_and_k_act_on_the_running_tool_call(tmp_path):
+    app = asking(tmp_path, tool_steps=1, tool="hang", arguments={"seconds": 60},
+                 server={"allow": ["hang"], "tool_timeout_s": 30.0})
+    log = EventLog(engine_of(app))
+    async with app.run_test(size=(120, 30)) as pilot:
+        started = await log.wait(kind("ToolCallStarted", "a"), timeout=20)
+        await pilot.pause()
+        assert app.mirror.agents["a"].status == "tool"
+        await pilot.press("e")
+        extended = await log.wait(kind("StallExtended", "a", deadline="tool"))
+        assert extended.deadline_at == pytest.approx(started.deadline + 100.0)
+        app.screen.refresh_status()
+        await pilot.pause()
+        call = app.mirror.agents["a"].tool
+        assert call is not None and call.deadline == extended.deadline_at  # the countdown counts to the new one
+        assert app.screen.table.row_texts("a")[-2].startswith("tool 2:")
+        await pilot.press("k")
+        await pilot.pause()
+        await pilot.press("y")  # the kill's confirmation
+        finished = await log.wait(kind("ToolCallFinished", "a"))
+        assert finished.outcome == "killed"
+        await log.wait(kind("AgentFinished", "a"), timeout=20)
+    assert log.of("AgentFinished")[0].status == "completed"  # the model was told and answered
+    assert "↳ killed in" in app.mirror.stream("a").text()

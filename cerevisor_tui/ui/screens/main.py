@@ -306,9 +306,13 @@ class MainScreen(Screen):
             if yes and self.app.control.kill(st.name) is False:
                 self.notify(f"{st.name} has already ended.", severity="warning")
 
-        self.app.push_screen(ConfirmScreen(
-            "Kill agent", f"Kill {st.name}? Its request is closed now and no retry follows.", yes="Kill",
-            no="Keep"), answer)
+        if st.status == "tool" and st.tool is not None:
+            title = "Kill tool call"
+            question = (f"Cancel {st.name}'s call of {st.tool.server}.{st.tool.tool}? The model is told it was "
+                        "killed, and the agent goes on.")
+        else:
+            title, question = "Kill agent", f"Kill {st.name}? Its request is closed now and no retry follows."
+        self.app.push_screen(ConfirmScreen(title, question, yes="Kill", no="Keep"), answer)
 
     def action_extend(self) -> None:
         st = self._selected_state("extend")
