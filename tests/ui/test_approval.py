@@ -200,3 +200,38 @@ async def test_e_and_k_act_on_the_running_tool_call(tmp_path):
         await log.wait(kind("AgentFinished", "a"), timeout=20)
     assert log.of("AgentFinished")[0].status == "completed"  # the model was told and answered
     assert "↳ killed in" in app.mirror.stream("a").text()
+
+
+def tools_scene() -> CerevisorApp:
+    """Three agents at NOW: one in a tool call 3.2 s in, one whose call waits for approval, one waiting for
+    its first token; fixed paths and a frozen clock, for the snapshots."""
+    agents = ["researcher", "planner", "skeptic"]
+    config = validate({
+        "stall": {"first_byte_timeout_s": 60.0, "idle_timeout_s": 30.0},
+        "endpoints": [{"name": "sim", "kind": "simulated", "sim": FAST_SIM}],
+        "agents": [{"name": name, "prompt": "go"} for name in agents],
+    })
+    engine = Engine(config, run_id="20260101-120000-tools", run_dir="/runs/20260101-120000-tools")
+    handle = run_handle(engine)
+    app = CerevisorApp(handle.control, handle.mirror, config, simulated=True, clock=lambda: NOW,
+                       themes=load_themes(None))
+    engine.emit(engine.started_event(T0))
+    engine.emit(ev.WaveStarted(T0, 0, agents))
+    for name in agents:
+        engine.emit(ev.AgentStarted(NOW - 10, name, 1, 1, 1, "sim", 60.0, 30.0))
+    engine.emit(ev.FirstToken(NOW - 9, "researcher", 1, 1, 1.0))
+    engine.emit(ev.ToolCallStarted(NOW - 3.2, "researcher", 1, 1, "c1", "time", "get_current_time",
+                                   '{"timezone": "Europe/Paris"}', NOW + 26.8, (0.5, 0.8)))
+    engine.emit(ev.ApprovalRequested(NOW - 1, "planner", "c2", "files", "write_file",
+                                     '{"path": "/tmp/report.md", "content": "# Report\\nAll good"}'))
+    return app
+
+
+def test_snapshot_a_tool_call_and_an_approval_at_80x24(snap_compare):
+    """The status column widened (tool: NAME 3.2s, needs approval), the countdown still on screen, inbox 1 in the
+    header, the stream pane's corner with the call in flight."""
+    assert snap_compare(tools_scene(), terminal_size=(80, 24))
+
+
+def test_snapshot_the_approval_prompt_at_80x24(snap_compare):
+    assert snap_compare(tools_scene(), terminal_size=(80, 24), press=["n"])
