@@ -218,11 +218,16 @@ class CerevisorApp(App[int]):
         else:
             self.stop_from_thread(LOST_TERMINAL_EXIT, f"console lost its terminal ({reason})")
 
-    def ring(self, item: AttentionItem) -> None:
-        """A new inbox item: the bell and a desktop notification, unless `[ui] notify = false`."""
-        if not self.config.ui.notify:
+    def ring(self, items: list[AttentionItem]) -> None:
+        """New inbox items: the bell and one desktop notification, unless `[ui] notify = false`. Several at once
+        (a local server that is down for every agent) ring once, naming them."""
+        if not self.config.ui.notify or not items:
             return
-        alert = terminal_alert(f"cerevisor: {item.agent} {item.label}", item.text)
+        if len(items) == 1:
+            alert = terminal_alert(f"cerevisor: {items[0].agent} {items[0].label}", items[0].text)
+        else:
+            alert = terminal_alert(f"cerevisor: {len(items)} agents need you",
+                                   ", ".join(f"{item.agent} {item.label}" for item in items))
         self.rung.append(alert)
         if not self.is_headless and self._driver is not None:
             self._driver.write(alert)

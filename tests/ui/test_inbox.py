@@ -70,6 +70,9 @@ async def test_the_inbox_lists_what_needs_the_operator_newest_first_and_clears_i
         assert [(i.agent, i.kind) for i in inbox.newest_first()] == [
             ("d", "approval"), ("c", "endpoint"), ("b", "stall"), ("a", "killed")]
         assert "inbox 4" in header(app)
+        assert len(app.rung) == 1  # four at once ring once, naming them
+        assert app.rung[0].startswith("\x07\x1b]9;cerevisor: 4 agents need you: a killed, b stalling, c endpoint "
+                                      "down, d needs approval\x07")
         assert app.screen.table.row_texts("d")[2] == "needs approval"
 
         await pilot.press("i")

@@ -139,12 +139,15 @@ class MainScreen(Screen):
         for notice in mirror.take_notices():
             app.notify(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
                        timeout=8 if notice.severity == "error" else 4)
-        for item in mirror.inbox.take_new():
-            if now - item.t <= RING_FRESH_S:
-                app.ring(item)
-                if item.kind == "approval":
-                    app.notify(f"{item.agent}: {item.text}  (y answers, n goes to it)", title="Needs approval",
-                               severity="warning", timeout=8)
+        fresh = [item for item in mirror.inbox.take_new() if now - item.t <= RING_FRESH_S]
+        app.ring(fresh)
+        approvals = [item for item in fresh if item.kind == "approval"]
+        if len(approvals) == 1:
+            app.notify(f"{approvals[0].agent}: {approvals[0].text}  (y answers, n goes to it)",
+                       title="Needs approval", severity="warning", timeout=8)
+        elif approvals:
+            app.notify(f"{len(approvals)} tool calls wait for you: n goes to each, i lists them.",
+                       title="Needs approval", severity="warning", timeout=8)
         self._notify_cap_warning()
 
     def _notify_cap_warning(self) -> None:
