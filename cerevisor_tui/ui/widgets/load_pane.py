@@ -304,7 +304,7 @@ class LoadPane(Vertical):
             text.append("\n")
             name = ("  " + r.name if r.worker else r.name)[:width]
             text.append(f"{name:<{width}}", style="bold" if not r.worker else "")
-            text.append(f"  {r.health or '-':<7}", style=health_style.get(r.health, muted))
+            text.append(f"  {r.health or ('' if r.total else '-'):<7}", style=health_style.get(r.health, muted))
             text.append(f"  {fmt_number(r.running):>7}  {fmt_number(r.waiting):>7}  {fmt_percent(r.kv):>4}  "
                         f"{fmt_percent(r.prefix):>6}  {'' if r.agents is None else r.agents:>6}",
                         style="bold" if r.total else "")
