@@ -203,3 +203,35 @@ async def test_when_every_member_is_down_an_agent_waits_for_its_members_port_lik
                 while engine.agents["a0"].status != "completed":
                     await anyio.sleep(0.05)
     assert [(e.endpoint, e.moved_from) for e in seen if e.kind == "AgentPlaced"] == [("a", ""), ("b", "a")]
+
+
+@pytest.mark.anyio
+async def test_the_console_mirror_shows_where_each_agent_runs_and_its_meters(tmp_path):
+    """The mirror learns placement and meters from the events alone, live and from the journal: the moved
+    agent's row says where it runs and that its prefix was lost, with its cache share, context fill and cost."""
+    from cerevisor_tui.ui.mirror import RunMirror
+
+    async with SimServer(FAST) as live:
+        config = fleet({"dead": f"http://127.0.0.1:{free_port()}/v1", "live": live.base_url}, 2, turns=2,
+                       run={"max_concurrency": 1}, member={"price_in_per_mtok": 1.0, "price_out_per_mtok": 2.0})
+        engine = Engine(validate(config), run_dir=str(tmp_path))
+        journal = Journal(tmp_path, engine.report)
+        journal.open()
+        mirror = RunMirror()
+        engine.subscribe(journal)
+        engine.subscribe(mirror)
+        try:
+            assert await engine.run() == 0
+        finally:
+            journal.close()
+    replayed = RunMirror()
+    replayed.feed_records(json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines())
+    for m in (mirror, replayed):
+        a0, a1 = m.agents["a0"], m.agents["a1"]
+        assert (a0.endpoint, a0.pool, a0.moved_from, a1.endpoint, a1.moved_from) == ("live", "fleet", "dead", "live", "")
+        note = m.meter_note("a0")
+        assert note.startswith("on live (moved from dead: prefix lost) · cache ") and "ctx " in note
+        assert note.endswith(f"${engine.agents['a0'].cost_usd:.4f}") and engine.agents["a0"].cost_usd > 0
+        assert m.run_cost_usd == pytest.approx(engine.run_cost_usd)
+        assert a0.cached_tokens == engine.agents["a0"].cached_tokens > 0
+    assert any(n.title == "Agent moved" for n in mirror.notices)

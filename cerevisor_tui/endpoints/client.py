@@ -75,9 +75,14 @@ class _Choice(msgspec.Struct, gc=False):
     finish_reason: str | None = None
 
 
+class _PromptDetails(msgspec.Struct, gc=False):
+    cached_tokens: int | float | None = None  # prompt tokens served from the prefix cache
+
+
 class _Usage(msgspec.Struct, gc=False):
     prompt_tokens: int | float | None = None
     completion_tokens: int | float | None = None
+    prompt_tokens_details: _PromptDetails | None = None  # vLLM with --enable-prompt-tokens-details, OpenAI
 
 
 class _Chunk(msgspec.Struct, gc=False):
@@ -136,6 +141,7 @@ class ChatStream:
     tokens: int = 0
     finish_reason: str = ""
     usage: tuple[int, int] | None = None
+    cached_tokens: int | None = None  # of the prompt, from the prefix cache, where the server says
     _done: bool = field(default=False, repr=False)
     _network: Any = field(default=None, repr=False)  # the connection, once the response has begun
 
@@ -348,7 +354,12 @@ class ChatStream:
         usage = chunk.usage
         if usage is not None and (usage.prompt_tokens is not None or usage.completion_tokens is not None):
             self.usage = (int(usage.prompt_tokens or 0), int(usage.completion_tokens or 0))
-            out.append((USAGE, self.usage))
+            details = usage.prompt_tokens_details
+            if details is not None and details.cached_tokens is not None:
+                self.cached_tokens = int(details.cached_tokens)
+                out.append((USAGE, (*self.usage, self.cached_tokens)))
+            else:
+                out.append((USAGE, self.usage))
         if not out:
             out.append((KEEPALIVE, None))
         return out

@@ -36,6 +36,7 @@ BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 RETRY_AFTER_CAP_S = 60.0
 WAIT_BACKOFF_CAP_S = 5.0
+CONTEXT_WARN_FILL = 0.8  # an agent's context this full is flagged, before the turn that would not fit
 _TOKEN_DELTA_FIELDS = ("t", "agent", "attempt", "text", "reasoning", "tool", "tokens")  # what _stream fills in directly
 
 
@@ -88,6 +89,11 @@ class AgentState:
     turns_done: int = 0
     last_prompt_tokens: int = 0  # what the server counted for the last completed turn
     last_completion_tokens: int = 0
+    # meters (issue 12): prompt tokens the server served from its prefix cache, the conversation's length now,
+    # and what the agent cost on priced endpoints
+    cached_tokens: int = 0
+    context_tokens: int = 0
+    cost_usd: float = 0.0
     # with tools: what it is offered (a Toolset), the step of the turn's tool loop, the last answer's tool calls
     toolset: Any = None
     step: int = 0
@@ -168,6 +174,9 @@ class Conversations:
         self.scrub = scrub
         self.render = render  # inserts dependencies' answers for {{ name.output }}
         self.stopping = stopping  # why the run is stopping; "" while it is not
+        self.run_cost_usd = 0.0  # what every agent's requests cost on priced endpoints
+        self.budget_usd = 0.0  # [run] budget_usd: `on_budget` is told once when run_cost_usd reaches it
+        self.on_budget: Callable[[float], None] | None = None
         self.tools = tools  # the run's MCP tool calls (engine/toolcalls.py); None: no [[mcp_servers]]
         # moves a pool's agent off a member that is down (Engine.relocate); None: no pools
         self.relocate = relocate
@@ -307,6 +316,7 @@ class Conversations:
                                      tool_calls=st.calls))
         self.emit(ev.TurnFinished(end, st.name, att.number, st.turn, st.turns, prompt_tokens, completion_tokens,
                                   stream.finish_reason if stream else "", ttft, end - att.sent_at))
+        await self._meter(st, prompt_tokens, completion_tokens, getattr(stream, "cached_tokens", None))
         return answer
 
     async def _stream(self, st: AgentState, att: Attempt, messages: list[dict[str, Any]], policy: ResolvedStall,
@@ -435,6 +445,34 @@ class Conversations:
                     for subscriber in subscribers:
                         subscriber(TokenDelta(monotonic(), name, number, *tail, 0))
 
+
+    async def _meter(self, st: AgentState, prompt_tokens: int, completion_tokens: int, cached: int | None) -> None:
+        """After a request: the agent's meters (AgentMeters), its context flagged when the next turn will not fit
+        the model's context, and the run's budget checked."""
+        ep = self.endpoints[st.endpoint]
+        if cached is not None:
+            st.cached_tokens += cached
+        st.context_tokens = prompt_tokens + completion_tokens
+        cost = ep.cost_usd(prompt_tokens, completion_tokens)
+        st.cost_usd += cost
+        before, self.run_cost_usd = self.run_cost_usd, self.run_cost_usd + cost
+        limit = await self.connections.context_limit(ep)
+        warning = ""
+        if limit and st.context_tokens:
+            fill = st.context_tokens / limit
+            texts = st.config.turns
+            following = self.render(texts[st.turn - 1]) if st.turn <= len(texts) else ""
+            need = round(st.context_tokens + len(following) * self.figures[st.endpoint].tokens_per_char()
+                         + st.config.max_tokens) if following else 0
+            if need > limit:
+                warning = (f"context {fill:.0%} full: its next turn needs ~{need:,} tokens of the model's "
+                           f"{limit:,}, and the server will refuse it")
+            elif fill >= CONTEXT_WARN_FILL:
+                warning = f"context {fill:.0%} full ({st.context_tokens:,} of {limit:,} tokens)"
+        self.emit(ev.AgentMeters(time.monotonic(), st.name, st.turn, prompt_tokens, cached, st.context_tokens, limit,
+                                 round(st.cost_usd, 6), round(self.run_cost_usd, 6), warning))
+        if self.budget_usd and before < self.budget_usd <= self.run_cost_usd and self.on_budget is not None:
+            self.on_budget(self.run_cost_usd)
 
     def _count_turn(self, st: AgentState, messages: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
                     ttft: float | None) -> None:

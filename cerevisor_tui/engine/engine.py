@@ -161,6 +161,11 @@ class Engine:
             tools=self.tools)
 
     @property
+    def run_cost_usd(self) -> float:
+        """What the run's requests cost so far on priced endpoints."""
+        return self.conversations.run_cost_usd
+
+    @property
     def stream_process(self) -> bool:
         """Whether the agents' streams are read by a worker process (endpoints/worker.py) rather than in this loop."""
         return self.connections.stream_process
@@ -337,6 +342,8 @@ class Engine:
     async def run(self) -> int:
         """Run every wave; returns the exit code (0 all completed, 1 some failed or were killed)."""
         self.started_at = time.monotonic()
+        self.conversations.budget_usd = self.config.run.budget_usd
+        self.conversations.on_budget = self._budget_reached
         async with AsyncExitStack() as stack:
             await self.connections.open(stack)
             await self.tool_servers.open(stack)
@@ -722,6 +729,14 @@ class Engine:
         """Insert dependencies' final answers for {{ name.output }}."""
         return OUTPUT_REF.sub(lambda m: self.agents[m.group(1)].output, text)
 
+    def _budget_reached(self, spent_usd: float) -> None:
+        """[run] budget_usd is spent: admissions pause (running agents finish, nothing is killed); the operator
+        may resume past it."""
+        self.pause()
+        self.emit(ev.RunNotice(time.monotonic(), f"Budget reached: ${spent_usd:.4f} of ${self.config.run.budget_usd:g} "
+                               "spent. No new agent is admitted; running agents finish. Resume (p) to go on past it, "
+                               "or stop the run.", "warning", "Budget reached"))
+
     # ---- pools ------------------------------------------------------------------------------------
     def member_loads(self, pool: str) -> list[MemberLoad]:
         """What placement weighs of each member of `pool` now: our agents there, its cap, its last sample."""
@@ -791,7 +806,9 @@ class Engine:
         return [
             {"name": ep.name, "kind": ep.kind, "base_url": self.base_urls.get(ep.name, ep.base_url),
              "model": self.models.get(ep.name, ep.model), "max_concurrency": ep.max_concurrency,
-             "api_key_env": ep.api_key_env, "stall": self.policies[ep.name].model_dump()}
+             "api_key_env": ep.api_key_env, "stall": self.policies[ep.name].model_dump(),
+             **({"price_in_per_mtok": ep.price_in_per_mtok, "price_out_per_mtok": ep.price_out_per_mtok}
+                if ep.priced else {})}
             for ep in self.config.endpoints
         ]
 

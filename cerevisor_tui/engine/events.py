@@ -239,6 +239,23 @@ class TurnFinished(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class AgentMeters(Event):
+    """An agent's meters after each request: its prompt served from the server's prefix cache, how full its
+    context is, and what it has cost so far (priced endpoints), with the run's cost."""
+
+    kind: ClassVar[str] = "AgentMeters"
+    agent: str
+    turn: int
+    prompt_tokens: int  # of this request
+    cached_tokens: int | None  # of those, served from the prefix cache; None: the server does not say
+    context_tokens: int  # the conversation's length now: the last prompt and its answer
+    max_model_len: int = 0  # the model's context length; 0: unknown
+    cost_usd: float = 0.0  # the agent's so far
+    run_cost_usd: float = 0.0  # the run's so far
+    warning: str = ""  # the context is nearly full, or the next turn will not fit
+
+
+@dataclass(frozen=True, slots=True)
 class MessageRecorded(Event):
     """A whole message of an agent's conversation, as sent or as answered (`partial` when its attempt died)."""
 
@@ -463,7 +480,7 @@ ALL_EVENTS: dict[str, type[Event]] = {
     cls.kind: cls
     for cls in (
         RunStarted, WaveStarted, WaveFinished, AgentQueued, AgentPlaced, AgentStarted, EndpointWaiting, FirstToken,
-        TokenDelta, KeepAlive, MessageRecorded, TurnFinished, StallWarning, StallExtended, AgentKilled, AgentRetrying,
+        TokenDelta, KeepAlive, MessageRecorded, TurnFinished, AgentMeters, StallWarning, StallExtended, AgentKilled, AgentRetrying,
         AgentFinished, AgentRerun, ModeChanged, ConcurrencyChanged, ServerSample, RunFinished, GpuSample,
         RunStopping, RunNotice, ModelResolved, StallPolicyChanged, LoadChanged, ProbeStarted, ProbeProgress,
         ProbeFinished, ToolCallStarted, ToolCallFinished, ApprovalRequested, ApprovalDecided, ToolCallWarning,

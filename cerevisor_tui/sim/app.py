@@ -313,7 +313,8 @@ class _Chat:
             "choices": [{"index": 0, "message": message,
                          "logprobs": None, "finish_reason": finish, "stop_reason": None}],
             "usage": {"prompt_tokens": seq.prompt_tokens, "completion_tokens": seq.generated,
-                      "total_tokens": seq.prompt_tokens + seq.generated},
+                      "total_tokens": seq.prompt_tokens + seq.generated,
+                      "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}},
         })
 
     async def _events(self, seq: Sequence, words, request_id: str, model: str, finish: str, usage: bool,
@@ -373,7 +374,9 @@ class _Chat:
                     if usage:
                         tail.append(event({"choices": [], "usage": {
                             "prompt_tokens": seq.prompt_tokens, "completion_tokens": sent,
-                            "total_tokens": seq.prompt_tokens + sent}}))
+                            "total_tokens": seq.prompt_tokens + sent,
+                            # as vLLM with --enable-prompt-tokens-details: the prompt's prefix-cache hits
+                            "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}}))
                     tail.append("data: [DONE]\n\n")
                     st.completed_total += 1
                     yield "".join(tail).encode()

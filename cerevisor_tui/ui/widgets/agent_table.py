@@ -299,6 +299,7 @@ class AgentTable(ScrollView, can_focus=True):
             note = mirror.notes.get(name, "")
             if not note and st.reused and st.status == "completed":
                 note = "answer reused from the earlier run"  # never sent again: its figures are in the report
+            note = note or mirror.meter_note(name)  # a pool's member and the meters, when there is something to show
             ep = endpoints.get(st.endpoint)
             wanted = STATUS_WANTED.get(st.status, 0)
             if wanted > self._status_width:
