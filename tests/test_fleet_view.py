@@ -178,3 +178,30 @@ def test_workers_combined_sum_counts_and_capacity_and_take_the_fullest_kv():
     assert fleet.preemptions is None  # none of them reports it: unknown, not 0
     assert fleet.busy_reason() == "server busy: 3 requests waiting"
     assert combine([]) is None
+
+
+@pytest.mark.anyio
+async def test_the_fleet_is_down_with_its_router_or_all_its_workers_and_loading_while_they_all_load():
+    from cerevisor_tui.endpoints.client import build_client
+    from cerevisor_tui.endpoints.metrics import read_routed
+
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    async with SimServer(SimSettings()) as up, SimServer(SimSettings(cold_start_s=60)) as loading, \
+            build_client(4) as client:
+        up_url, loading_url = f"http://127.0.0.1:{up.port}", f"http://127.0.0.1:{loading.port}"
+
+        # the router does not answer: the fleet is unreachable, yet its workers' queues are still read
+        routed = await read_routed(client, f"{dead[0]}/v1", client, [up_url])
+        assert not routed.fleet.reachable and routed.fleet.error == "router health: connection refused"
+        assert routed.fleet.metrics is not None and routed.fleet.metrics.kind == "vllm"
+        assert [w.reachable for w in routed.workers] == [True]
+
+        # the router answers (a simulator stands in), every worker that answers is loading: loading, not down
+        routed = await read_routed(client, up.base_url, client, [loading_url, dead[1]])
+        assert routed.fleet.loading and routed.fleet.busy_reason == "server loading model"
+        assert routed.fleet.error == "2 of 2 workers down"
+
+        # no worker answers at all: the router's 200 does not make the fleet healthy
+        routed = await read_routed(client, up.base_url, client, dead)
+        assert routed.fleet.reachable and not routed.fleet.loading and routed.fleet.health_status == 503
+        assert routed.fleet.error == "2 of 2 workers down" and routed.fleet.metrics is None
