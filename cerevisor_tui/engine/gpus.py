@@ -9,6 +9,7 @@ A value one GPU does not support (power on some boards) is None; the others are 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -85,9 +86,9 @@ class GpuReader:
         self._nvml, self._handles, self._names = None, [], []
 
 
-async def watch_gpus(emit: Any, interval_s: float, reader: GpuReader | None = None) -> None:
+async def watch_gpus(emit: Callable[[ev.Event], None], interval_s: float) -> None:
     """Emit a GpuSample every `interval_s` while the run goes on; with no GPU readable, one that says why."""
-    reader = reader or GpuReader()
+    reader = GpuReader()
     problem = await anyio.to_thread.run_sync(reader.open)
     if problem:
         emit(ev.GpuSample(time.monotonic(), error=problem))

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import anyio
@@ -27,7 +28,7 @@ from cerevisor_tui.endpoints.metrics import (
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.connections import Connections
-from cerevisor_tui.engine.gpus import GpuReader, watch_gpus
+from cerevisor_tui.engine.gpus import watch_gpus
 
 
 class ServerMonitor:
@@ -52,7 +53,6 @@ class ServerMonitor:
             self.load[ep.name], self.load_notes[ep.name] = load.from_config(ep)
         # a router's workers are read with a client of their own, without the endpoint's API key
         self._worker_clients: dict[str, httpx.AsyncClient] = {}
-        self.gpu_reader: Callable[[], GpuReader] = GpuReader  # tests hand in one over a fake NVML
 
     async def read(self, endpoint: str) -> ServerStatus:
         """One look at the endpoint's /health and /metrics; a server that answers nonsense is 'unknown', never a crash.
@@ -67,10 +67,8 @@ class ServerMonitor:
             if not workers:
                 return await read_server(self.connections.clients[endpoint], base_url), ()
             client = self._worker_clients.get(endpoint)
-            if client is None:  # a look outside the monitor's loop (a deadline before the first sample)
-                async with build_client(len(workers)) as client:
-                    routed = await read_routed(self.connections.clients[endpoint], base_url, client, workers)
-            else:
+            # a look outside the monitor's loop (a deadline before its first sample) brings a client of its own
+            async with nullcontext(client) if client is not None else build_client(len(workers)) as client:
                 routed = await read_routed(self.connections.clients[endpoint], base_url, client, workers)
             return routed.fleet, routed.workers
         except Exception as exc:  # noqa: BLE001 - a monitoring read must never end the run
@@ -127,7 +125,7 @@ class ServerMonitor:
 
     async def run_gpus(self) -> None:
         """Read the box's GPUs at the pace of the server samples, for as long as the run goes on."""
-        await watch_gpus(self.emit, self.config.run.metrics_interval_s, self.gpu_reader())
+        await watch_gpus(self.emit, self.config.run.metrics_interval_s)
 
     def refresh_fit(self, endpoint: str, server_kv_tokens: float | None) -> None:
         """How many conversations fit: the server's own KV capacity when it reports one (else the configured
