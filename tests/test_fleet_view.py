@@ -205,3 +205,19 @@ async def test_the_fleet_is_down_with_its_router_or_all_its_workers_and_loading_
         routed = await read_routed(client, up.base_url, client, dead)
         assert routed.fleet.reachable and not routed.fleet.loading and routed.fleet.health_status == 503
         assert routed.fleet.error == "2 of 2 workers down" and routed.fleet.metrics is None
+
+
+def test_metrics_urls_are_checked_where_the_config_says_them():
+    from cerevisor_tui.config import ConfigError
+
+    def problem(**endpoint) -> str:
+        with pytest.raises(ConfigError) as caught:
+            validate({"endpoints": [{"name": "fleet", "base_url": "http://10.0.0.20:8080/v1", **endpoint}]},
+                     file="fleet.toml")
+        return str(caught.value)
+
+    assert problem(metrics_urls=["http://10.0.0.21:8000", "10.0.0.22:8000"]) == (
+        "fleet.toml: endpoints[0] (fleet).metrics_urls: [1] '10.0.0.22:8000': must start with http:// or https://")
+    assert "a worker is listed twice" in problem(metrics_urls=["http://10.0.0.21:8000"] * 2)
+    assert 'metrics_urls are read only on a kind "local" endpoint' in problem(
+        kind="hosted", metrics_urls=["http://10.0.0.21:8000"])

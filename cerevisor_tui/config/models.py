@@ -359,6 +359,9 @@ class EndpointConfig(StallPolicy):
     def _url(self) -> EndpointConfig:
         if self.kind != "simulated" and not self.base_url:
             raise ValueError(f'base_url is required for kind "{self.kind}"')
+        if self.metrics_urls and self.kind == "hosted":  # hosted endpoints are never polled: they would go unread
+            raise ValueError('metrics_urls are read only on a kind "local" endpoint (a hosted one is not polled): '
+                             'a router you run is "local"')
         return self
 
 
