@@ -182,6 +182,7 @@ class RunMirror(UiModel):
     plan_version: int = 0  # bumped when the run's agents are (re)announced: the agents pane is built again
     run_cost_usd: float = 0.0  # what the run's requests cost so far on priced endpoints
     inbox: Inbox = field(default_factory=Inbox)  # the agents that need the operator now
+    _operator_kills: set[str] = field(default_factory=set)  # killed by an operator: no news to the inbox
     samples: dict[str, ev.ServerSample] = field(default_factory=dict)  # each endpoint's last, workers and all
     gpus: ev.GpuSample | None = None  # the run's box's GPUs, as last read; None: none read yet
 
@@ -300,6 +301,7 @@ class RunMirror(UiModel):
         a = self._agent(e.agent)
         a.status, a.error, a.turn, a.attempt = "queued", "", 0, None  # (again, when the operator reruns it)
         self.inbox.clear(e.agent)
+        self._operator_kills.discard(e.agent)
 
     def _see_AgentStarted(self, e: ev.AgentStarted) -> None:
         a = self._agent(e.agent)
@@ -377,6 +379,8 @@ class RunMirror(UiModel):
             a.tokens += e.tokens
         a.attempt = None
         self.inbox.clear(e.agent, "stall", "endpoint", "approval")  # what follows (a retry, its end) says more
+        if e.deadline == "operator":
+            self._operator_kills.add(e.agent)
 
     def _see_AgentRetrying(self, e: ev.AgentRetrying) -> None:
         a = self._agent(e.agent)
@@ -387,7 +391,7 @@ class RunMirror(UiModel):
         a = self._agent(e.agent)
         a.status, a.error, a.attempt, a.finished_at = e.status, e.error, None, e.t
         a.tool = a.approval = None
-        if e.status in ("killed", "failed"):
+        if e.status in ("killed", "failed") and not (e.status == "killed" and e.agent in self._operator_kills):
             self.inbox.open(e.agent, e.status, e.error or e.status, e.t)
         else:
             self.inbox.clear(e.agent)

@@ -42,8 +42,8 @@ def run(tmp_path, *, notify: bool = True) -> tuple[CerevisorApp, Engine]:
 
 def trouble(engine: Engine) -> None:
     """Four agents in four kinds of trouble, a first and d last."""
-    engine.emit(ev.AgentKilled(NOW - 9, "a", 1, "operator", "killed by operator", 3))
-    engine.emit(ev.AgentFinished(NOW - 9, "a", "killed", "killed by operator"))
+    engine.emit(ev.AgentKilled(NOW - 9, "a", 1, "idle", "no output for 30 s after 3 tokens", 3))
+    engine.emit(ev.AgentFinished(NOW - 9, "a", "killed", "no output for 30 s after 3 tokens"))
     engine.emit(ev.StallWarning(NOW - 8, "b", 1, "first_byte", 0.5, 50.0, NOW + 42))
     engine.emit(ev.StallWarning(NOW - 7, "b", 1, "first_byte", 0.9, 10.0, NOW + 3))
     engine.emit(ev.EndpointWaiting(NOW - 6, "c", 1, "sim", "connection refused", 1.0))
@@ -202,3 +202,22 @@ async def test_enter_in_the_inbox_goes_to_the_agent_and_acts(tmp_path):
         await pilot.press("i", "enter")  # the newest: d's tool call, whose prompt opens
         await pilot.pause()
         assert isinstance(app.screen, ApprovalScreen) and app.screen.request.agent == "d"
+
+
+@pytest.mark.anyio
+async def test_an_agent_the_operator_killed_is_no_news(tmp_path):
+    app, engine = run(tmp_path)
+    async with app.run_test() as pilot:
+        engine.emit(ev.AgentKilled(NOW - 1, "a", 1, "operator", "killed by operator", 3))
+        engine.emit(ev.AgentFinished(NOW - 1, "a", "killed", "killed by operator"))
+        refresh(app)
+        await pilot.pause()
+        assert "a" not in app.mirror.inbox.items and not app.rung
+        # run again (r), then killed by its watchdog: that is news
+        engine.emit(ev.AgentQueued(NOW, "a", 0))
+        engine.emit(ev.AgentStarted(NOW, "a", 2, 1, 1, "sim", 100.0, 60.0))
+        engine.emit(ev.AgentKilled(NOW, "a", 2, "first_byte", "no first token after 100 s", 0))
+        engine.emit(ev.AgentFinished(NOW, "a", "killed", "no first token after 100 s"))
+        refresh(app)
+        await pilot.pause()
+        assert app.mirror.inbox.items["a"].kind == "killed" and len(app.rung) == 1

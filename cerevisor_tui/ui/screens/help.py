@@ -51,8 +51,8 @@ MODES = (
 """What `m` cycles through. Lowering a cap, in any mode, never stops a running agent."""
 
 ATTENTION = (
-    ("inbox (i)", "Every agent that needs you, newest first: a tool call to approve, killed, failed, its endpoint "
-                  "down, past its last stall warning. enter goes to it, d dismisses it; n on the main screen goes "
+    ("inbox (i)", "Every agent that needs you, newest first: a tool call to approve, killed (by its watchdog, "
+                  "not by you), failed, its endpoint down, past its last stall warning. enter goes to it, d dismisses it; n on the main screen goes "
                   "to the next one and acts (an approval opens its prompt)."),
     ("approval (y)", "o approves the call once, a approves the tool for the rest of the run, d denies it (the "
                      "model is told you denied it), esc leaves it waiting."),
