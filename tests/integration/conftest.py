@@ -70,9 +70,15 @@ class Pool:
         servers.stop_all()
 
 
+# vLLM 0.32 answers a named tool_choice (structured output, test_mcp_real.py) only with a tool parser set, which
+# it takes only with auto tool choice: "pythonic" needs no special tokens, so the tiny model's tokenizer passes.
+# A request without tools is not touched by either.
+TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+
+
 def _default_vllm(log_dir: Path) -> Callable[[int], ServerProcess]:
-    """vLLM as the peers script starts it, plus --enable-log-requests so aborts show in its log."""
-    return lambda port: servers.vllm(port, log_dir, ["--enable-log-requests"])
+    """vLLM as the peers script starts it, plus --enable-log-requests so aborts show in its log, and TOOL_ARGS."""
+    return lambda port: servers.vllm(port, log_dir, ["--enable-log-requests", *TOOL_ARGS])
 
 
 @pytest.fixture(scope="session")

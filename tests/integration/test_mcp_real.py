@@ -108,3 +108,36 @@ def test_mcp_server_git_on_a_throwaway_repository_with_its_permission_rules(tmp_
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr
     log = subprocess.run([*git, "log", "--oneline"], capture_output=True, text=True, check=True).stdout
     assert "the model's commit" in log
+
+
+FAKE = Path(__file__).resolve().parents[1] / "fixtures" / "mcp_fake.py"
+
+
+def test_real_vllm_forced_tool_call_reaches_an_mcp_server_and_the_agent_completes(vllm_server, tmp_path: Path):
+    """tool_choice naming the function (vLLM satisfies it with structured output), then "none" so the model answers.
+
+    The tool is a no-argument one of our SDK-built server (tests/fixtures/mcp_fake.py), not one of the package
+    index's: the tiny model has random weights, and structured output makes any free-text argument (a timezone,
+    a repo_path) a random string that does not close within max_tokens, so the call's JSON never ends.
+    An object with no properties is "{}" at once: what vLLM's structured output does is tested, not the model."""
+    import sys
+
+    from tests.integration.servers import MODEL
+
+    config = {
+        "stall": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 60.0},
+        "endpoints": [{"name": "box", "base_url": vllm_server.base_url, "kind": "local", "model": MODEL}],
+        "mcp_servers": [{"name": "fake", "command": sys.executable, "args": [str(FAKE)], "allow": ["*"]}],
+        "agents": [{"name": "forced", "prompt": "List the environment.", "tools": ["fake.environment_names"],
+                    "tool_choice": "fake.environment_names", "max_tokens": 48, "temperature": 0.0, "retries": 0}],
+    }
+    run_dir = tmp_path / "run"
+    proc = cerevisor("run", str(write_config(tmp_path / "vllm.toml", config)), "--run-dir", str(run_dir), "--jsonl")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    lines = transcript(run_dir, "forced")
+    call, result = call_and_result(lines)
+    assert call["function"]["name"] == "fake__environment_names" and call["id"].startswith("chatcmpl-tool-")
+    assert json.loads(call["function"]["arguments"]) == {}
+    assert "PATH" in result.split("\n")  # the server's own answer
+    assert [m["role"] for m in lines] == ["user", "assistant", "tool", "assistant"]
+    assert lines[-1]["content"] and "tool_calls" not in lines[-1]  # the second request (tool_choice none): text
