@@ -38,7 +38,7 @@ from cerevisor_tui.ui.format import (
     tool_countdown,
     tool_status,
 )
-from cerevisor_tui.ui.mirror import ACTIVE, AgentView, RunMirror
+from cerevisor_tui.ui.mirror import ACTIVE, FINAL, AgentView, RunMirror
 
 COLUMNS: tuple[tuple[str, str, int | None], ...] = (
     ("agent", "agent", None),
@@ -150,12 +150,24 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
     )
 
 
+def deadline_at(st: AgentView) -> float:
+    """When the deadline the row counts down to fires (monotonic; inf: none), by the rules of `agent_clock`
+    without building its label: the deadline sort asks it of every agent at every refresh."""
+    if st.status == "tool":
+        deadline = st.tool.deadline if st.tool is not None else None
+        return deadline if deadline is not None else math.inf
+    att = st.attempt
+    if att is None or st.status == "approval" or st.status == "retrying" or st.status in FINAL:
+        return math.inf
+    deadline = att.deadline_at
+    return deadline if math.isfinite(deadline) else math.inf  # (a NaN would leave the sort's order undefined)
+
+
 def sort_key(sort: str, st: AgentView, warn_at: tuple[float, ...], now: float, order: int) -> tuple:
     """Where the agent goes under `sort`; `order` (its place in wave order) breaks ties, so rows that are equal
     keep still."""
     if sort == "deadline":
-        clock = agent_clock(st, warn_at, now)
-        return (clock.remaining_s if clock is not None else math.inf, order)
+        return (deadline_at(st), order)
     if sort == "status":
         return (STATUS_ORDER.get(st.status, len(STATUS_ORDER)), order)
     if sort == "rate":
