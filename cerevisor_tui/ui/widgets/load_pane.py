@@ -1,6 +1,6 @@
 """The load pane: what each server reports (with several endpoints or a router's workers, the fleet: a row
-each and their totals), the GPUs of the run's box, an endpoint's trend over the run (cap, tokens/s, queue,
-KV), the aggregate throughput sparkline, and each endpoint's KV estimate."""
+each and their totals), an endpoint's trend over the run (cap, tokens/s, queue, KV), the aggregate
+throughput sparkline, each endpoint's KV estimate, and the GPUs of the run's box."""
 
 from __future__ import annotations
 
@@ -165,7 +165,7 @@ class LoadPane(Vertical):
     """Server numbers from ServerSample events (`-` until a server reports one), one endpoint's trend over
     the run (shown in the wide layout, in auto mode, and maximized), throughput over time, and per
     endpoint the KV estimate: the zone of the conversations in flight, how many fit, and whether the cap
-    lets more run than fit."""
+    lets more run than fit; then a row per GPU of the run's box, once the run has read them (GpuSample)."""
 
     ALLOW_MAXIMIZE = True
     DEFAULT_CSS = """
@@ -193,12 +193,13 @@ class LoadPane(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="servers")
-        yield Static(id="gpus")
         yield TrendChart(id="trend")
         with Container(id="throughput-row"):
             yield Static(id="throughput-label")
             yield ThroughputBars(id="throughput")
         yield Static(Text("KV estimate  -"), id="kv-estimate")
+        # last: a box of 8 GPUs is 8 lines, and the lines above keep their places in a pane of 6
+        yield Static(id="gpus")
 
     def invalidate(self) -> None:
         """Redraw everything at the next sync (the theme or the engine changed)."""
