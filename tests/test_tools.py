@@ -112,3 +112,31 @@ async def test_a_tool_listed_by_name_is_the_only_one_offered_and_deny_rules_hide
     engine, _, _ = await run(data)
     names = {t["function"]["name"] for t in engine.agents["a0"].toolset.tools}
     assert "fake__hang" not in names and "fake__crash" not in names and "fake__echo" in names
+
+
+@pytest.mark.anyio
+async def test_tool_calls_come_through_the_stream_worker_process_too(tmp_path):
+    data = workflow({"add": {"a": 1, "b": 2}})
+    engine = Engine(validate(data), stream_process=True, ask="deny")
+    seen: list = []
+    engine.subscribe(seen.append)
+    assert await engine.run() == 0
+    assert engine.stream_process and not engine.stream_process_problem  # its streams were read by the worker
+    assert [(e.outcome, e.result) for e in kinds(seen, "ToolCallFinished")] == [("ok", "3")]
+    assert json.loads(engine.agents["a0"].messages[1]["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
+
+
+def test_the_headless_run_prints_a_line_for_each_call_and_decision(tmp_path):
+    import subprocess
+
+    import tomli_w
+
+    data = workflow({"echo": {"text": "hi"}}, server={"allow": [], "ask": ["echo"]})
+    path = tmp_path / "run.toml"
+    path.write_text(tomli_w.dumps(data))
+    done = subprocess.run([sys.executable, "-m", "cerevisor_tui", "run", str(path), "--run-dir", str(tmp_path / "r"),
+                           "--approve-all"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "a0: fake.echo approved once (headless)" in done.stdout
+    assert 'a0: tool fake.echo {"text": "hi"}' in done.stdout
+    assert "a0: tool fake.echo OK in" in done.stdout and ": echo: hi" in done.stdout

@@ -51,6 +51,21 @@ class Printer:
             again = f", attempt {e.attempt}" if e.attempt > 1 else ""  # attempts count within a turn: 2 is a retry
             return (f"{e.agent}: turn {e.turn}/{e.turns}{again} sent to {e.endpoint} "
                     f"(first-byte deadline {fmt_s(e.first_byte_deadline_s)}, idle {fmt_s(e.idle_deadline_s)})")
+        if isinstance(e, ev.ToolCallStarted):
+            args = e.arguments if len(e.arguments) <= 120 else e.arguments[:119] + "…"
+            return f"{e.agent}: tool {e.server}.{e.tool} {args}"
+        if isinstance(e, ev.ToolCallFinished):
+            return (f"{e.agent}: tool {e.server + '.' if e.server else ''}{e.tool} {e.outcome.upper()} "
+                    f"in {fmt_s(e.elapsed_s)}: {e.result}")
+        if isinstance(e, ev.ToolCallWarning):
+            return f"{e.agent}: TOOL WARNING {int(e.fraction * 100)}% of the tool deadline, {fmt_s(e.remaining_s)} left"
+        if isinstance(e, ev.ApprovalRequested):
+            return f"{e.agent}: NEEDS APPROVAL {e.server}.{e.tool} {e.arguments[:120]}"
+        if isinstance(e, ev.ApprovalDecided):
+            what = {"once": "approved once", "run": "approved for the run", "deny": "denied"}[e.decision]
+            return f"{e.agent}: {e.server}.{e.tool} {what} ({e.by})"
+        if isinstance(e, ev.RunNotice):
+            return f"{e.severity.upper()}: {e.message}"
         if isinstance(e, ev.EndpointWaiting):
             return f"{e.agent}: waiting for endpoint {e.endpoint} ({e.reason}); retry in {fmt_s(e.retry_in_s)}"
         if isinstance(e, ev.FirstToken):
