@@ -76,6 +76,8 @@ async def test_a_tool_call_runs_through_mcp_and_the_transcript_replays_as_an_ope
     assert lines[2] == {"turn": 1, "attempt": 1, "role": "tool", "content": "42", "tool_call_id": call["id"]}
     assert lines[3]["content"] and "tool_calls" not in lines[3]
     assert engine.agents["a0"].status == "completed"
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["agents"][0]["tool_calls"] == {"ok": 1}
 
 
 @pytest.mark.anyio
@@ -140,3 +142,55 @@ def test_the_headless_run_prints_a_line_for_each_call_and_decision(tmp_path):
     assert "a0: fake.echo approved once (headless)" in done.stdout
     assert 'a0: tool fake.echo {"text": "hi"}' in done.stdout
     assert "a0: tool fake.echo OK in" in done.stdout and ": echo: hi" in done.stdout
+
+
+@pytest.mark.anyio
+async def test_a_server_spoken_to_over_streamable_http_by_url():
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, FAKE, "--http", str(port)], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        while True:  # until it listens (it ends the test if it dies)
+            assert server.poll() is None, "the HTTP MCP server did not start"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                await anyio.sleep(0.05)
+        data = workflow({"add": {"a": 20, "b": 22}})
+        data["mcp_servers"] = [{"name": "fake", "url": f"http://127.0.0.1:{port}/mcp", "allow": ["*"]}]
+        engine, seen, code = await run(data)
+        assert code == 0, kinds(seen, "AgentFinished")
+        assert [(e.outcome, e.result) for e in kinds(seen, "ToolCallFinished")] == [("ok", "42")]
+    finally:
+        server.terminate()
+        server.wait()
+
+
+@pytest.mark.parametrize(("change", "key", "problem"), [
+    ({"agents": [{"name": "a", "prompt": "p", "tools": ["nope"]}]}, "agents[0] (a).tools[0]",
+     "unknown MCP server 'nope' in 'nope' (known: fake)"),
+    ({"mcp_servers": [{"name": "fake", "command": "x"}, {"name": "fake", "command": "y"}]},
+     "mcp_servers[1] (fake).name",
+     "duplicate MCP server name 'fake'"),
+    ({"mcp_servers": [{"name": "fake"}]}, "mcp_servers[0]", "give either command (stdio) or url"),
+    ({"mcp_servers": [{"name": "fake", "command": "x", "url": "http://h/mcp"}]}, "mcp_servers[0]", "give either"),
+    ({"mcp_servers": [{"name": "my server", "command": "x"}]}, "mcp_servers[0] (my server).name",
+     "letters, digits, _ or -"),
+    ({"agents": [{"name": "a", "prompt": "p", "tools": ["fake"], "tool_choice": "other.tool"}]},
+     "agents[0] (a).tool_choice", "not auto, required, none or a server.tool of this agent's tools"),
+])
+def test_a_bad_tools_config_names_the_key_and_the_problem(change, key, problem):
+    from cerevisor_tui.config.errors import ConfigError
+
+    data = workflow({})
+    data.update(change)
+    with pytest.raises(ConfigError) as info:
+        validate(data, file="tools.toml")
+    text = str(info.value)
+    assert text.startswith("tools.toml: ") and key in text and problem in text, text

@@ -93,7 +93,8 @@ def check_references(config: Config, *, file: str | None = None) -> None:
     servers: set[str] = set()
     for i, server in enumerate(config.mcp_servers):
         if server.name in servers:
-            raise ConfigError(f"duplicate MCP server name {server.name!r}", file=file, key=f"mcp_servers[{i}].name")
+            raise ConfigError(f"duplicate MCP server name {server.name!r}", file=file,
+                              key=f"mcp_servers[{i}] ({server.name}).name")
         servers.add(server.name)
     for i, agent in enumerate(config.agents):
         for j, tool in enumerate(agent.tools):

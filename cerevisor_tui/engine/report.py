@@ -84,6 +84,9 @@ class Report:
                 a["output_tokens_per_s"] = round(a["completion_tokens"] / a["_decode_s"], 2)
         elif isinstance(event, ev.StallWarning):
             self.agents[event.agent]["stall_warnings"] += 1
+        elif isinstance(event, ev.ToolCallFinished):  # an agent with tools: its calls by outcome (ok, error, ...)
+            calls = self.agents[event.agent].setdefault("tool_calls", {})
+            calls[event.outcome] = calls.get(event.outcome, 0) + 1
         elif isinstance(event, ev.AgentRerun):
             self.agents[event.agent]["rerun_reason"] = event.reason
         elif isinstance(event, ev.AgentFinished):
