@@ -417,7 +417,8 @@ class Conversations:
                         for index, call_id, fn_name, piece in payload:
                             parts_of = att.calls.setdefault(index, ["", "", ""])
                             parts_of[0] = parts_of[0] or call_id or ""
-                            parts_of[1] += fn_name or ""
+                            if fn_name and fn_name != parts_of[1]:  # some servers repeat the whole name
+                                parts_of[1] += fn_name
                             parts_of[2] += piece or ""
                 return
             except EndpointUnreachable as exc:
