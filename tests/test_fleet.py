@@ -12,6 +12,7 @@ import pytest
 from cerevisor_tui.config import ConfigError, SimSettings, validate
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.journal import Journal
+from cerevisor_tui.engine.printer import Printer
 from cerevisor_tui.sim import SimServer
 from tests.conftest import free_port
 
@@ -156,6 +157,9 @@ async def test_an_agent_on_a_member_that_refuses_moves_at_once_and_says_its_pref
     assert counts == {"a0": 2, "a1": 2, "a2": 2}
     assert [e.title for e in seen if e.kind == "RunNotice"] == ["Pool member down"]
     assert not [e for e in seen if e.kind in ("AgentRetrying", "EndpointWaiting")]
+    a0 = engine.report.to_dict()["agents"][0]
+    assert (a0["pool"], a0["endpoint"], a0["moves"], a0["attempts"]) == ("fleet", "live", 1, 3)
+    assert Printer.describe(placed[1]).startswith("a0: MOVED to live (pool fleet): moved from dead")
 
 
 @pytest.mark.anyio

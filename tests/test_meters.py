@@ -9,6 +9,7 @@ import pytest
 
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.printer import Printer
 from cerevisor_tui.sim import SimServer
 
 FAST = SimSettings(tokens_per_s=2000, ttft_s=0.0)
@@ -36,6 +37,8 @@ async def test_cached_prompt_tokens_come_from_the_servers_usage(stream_process):
     for before, after in zip(m, m[1:], strict=False):  # all of the earlier prompt, in whole blocks of 16
         assert before.prompt_tokens - 16 < after.cached_tokens <= after.prompt_tokens
     assert engine.agents["a"].cached_tokens == sum(x.cached_tokens for x in m)
+    agent = engine.report.to_dict()["agents"][0]
+    assert agent["cached_tokens"] == engine.agents["a"].cached_tokens and "cost_usd" not in agent
     assert m[-1].context_tokens == m[-1].prompt_tokens + 8 and m[-1].cost_usd == 0.0
 
 
@@ -88,3 +91,7 @@ async def test_cost_per_agent_and_run_and_a_budget_that_pauses_admissions():
     notices = [e for e in seen if e.kind == "RunNotice" and e.title == "Budget reached"]
     assert len(notices) == 1 and "running agents finish" in notices[0].message
     assert engine.agents["a0"].status == "completed" and engine.agents["a1"].status == "cancelled"
+    report = engine.report.to_dict()
+    assert report["totals"]["cost_usd"] == pytest.approx(engine.run_cost_usd)
+    assert report["agents"][0]["cost_usd"] == pytest.approx(engine.agents["a0"].cost_usd)
+    assert Printer.describe(notices[0]).startswith("WARNING: Budget reached: $")  # a headless run says so too

@@ -66,6 +66,14 @@ class Printer:
             return f"{e.agent}: {e.server}.{e.tool} {what} ({e.by})"
         if isinstance(e, ev.RunNotice):
             return f"{e.severity.upper()}: {e.message}"
+        if isinstance(e, ev.AgentPlaced):
+            if e.moved_from:
+                return f"{e.agent}: MOVED to {e.endpoint} (pool {e.pool}): {e.reason}"
+            return f"{e.agent}: placed on {e.endpoint} (pool {e.pool})"
+        if isinstance(e, ev.AgentMeters):
+            return f"{e.agent}: {e.warning}" if e.warning else ""
+        if isinstance(e, ev.RunNotice):
+            return f"{e.severity.upper()}: {e.message}"
         if isinstance(e, ev.EndpointWaiting):
             return f"{e.agent}: waiting for endpoint {e.endpoint} ({e.reason}); retry in {fmt_s(e.retry_in_s)}"
         if isinstance(e, ev.FirstToken):

@@ -32,6 +32,7 @@ class Report:
         self._t_end: float | None = None
         self._running: set[str] = set()
         self.max_running = 0
+        self.cost_usd = 0.0  # the run's, on priced endpoints (AgentMeters)
         # each endpoint's cap over the run: [(t, cap, reason)], and its own max_concurrency
         self.caps: dict[str, list[tuple[float, int, str]]] = {}
         self._endpoint_max: dict[str, int] = {}
@@ -84,6 +85,18 @@ class Report:
                 a["output_tokens_per_s"] = round(a["completion_tokens"] / a["_decode_s"], 2)
         elif isinstance(event, ev.StallWarning):
             self.agents[event.agent]["stall_warnings"] += 1
+        elif isinstance(event, ev.AgentPlaced):  # a pool's agent: where it ran (its last member)
+            a = self.agents[event.agent]
+            a["pool"], a["endpoint"] = event.pool, event.endpoint
+            if event.moved_from:
+                a["moves"] = a.get("moves", 0) + 1
+        elif isinstance(event, ev.AgentMeters):
+            a = self.agents[event.agent]
+            if event.cached_tokens is not None:  # only where the server says (vLLM --enable-prompt-tokens-details)
+                a["cached_tokens"] = a.get("cached_tokens", 0) + event.cached_tokens
+            if event.cost_usd or "cost_usd" in a:  # priced endpoints only
+                a["cost_usd"] = event.cost_usd
+            self.cost_usd = event.run_cost_usd
         elif isinstance(event, ev.ToolCallFinished):  # an agent with tools: its calls by outcome (ok, error, ...)
             calls = self.agents[event.agent].setdefault("tool_calls", {})
             calls[event.outcome] = calls.get(event.outcome, 0) + 1
@@ -150,6 +163,7 @@ class Report:
         return {
             "agents": len(self.agents), **counts, "output_tokens": output, "wall_s": round(wall, 3),
             "output_tokens_per_s": round(output / wall, 2) if wall > 0 else None, "max_running": self.max_running,
+            **({"cost_usd": round(self.cost_usd, 6)} if self.cost_usd else {}),
         }
 
     def to_dict(self) -> dict[str, Any]:
