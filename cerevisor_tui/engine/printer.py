@@ -51,6 +51,12 @@ class Printer:
             again = f", attempt {e.attempt}" if e.attempt > 1 else ""  # attempts count within a turn: 2 is a retry
             return (f"{e.agent}: turn {e.turn}/{e.turns}{again} sent to {e.endpoint} "
                     f"(first-byte deadline {fmt_s(e.first_byte_deadline_s)}, idle {fmt_s(e.idle_deadline_s)})")
+        if isinstance(e, ev.AgentPlaced):
+            if e.moved_from:
+                return f"{e.agent}: MOVED to {e.endpoint} (pool {e.pool}): {e.reason}"
+            return f"{e.agent}: placed on {e.endpoint} (pool {e.pool})"
+        if isinstance(e, ev.AgentMeters):
+            return f"{e.agent}: {e.warning}" if e.warning else ""
         if isinstance(e, ev.ToolCallStarted):
             args = e.arguments if len(e.arguments) <= 120 else e.arguments[:119] + "…"
             return f"{e.agent}: tool {e.server}.{e.tool} {args}"
@@ -64,14 +70,6 @@ class Printer:
         if isinstance(e, ev.ApprovalDecided):
             what = {"once": "approved once", "run": "approved for the run", "deny": "denied"}[e.decision]
             return f"{e.agent}: {e.server}.{e.tool} {what} ({e.by})"
-        if isinstance(e, ev.RunNotice):
-            return f"{e.severity.upper()}: {e.message}"
-        if isinstance(e, ev.AgentPlaced):
-            if e.moved_from:
-                return f"{e.agent}: MOVED to {e.endpoint} (pool {e.pool}): {e.reason}"
-            return f"{e.agent}: placed on {e.endpoint} (pool {e.pool})"
-        if isinstance(e, ev.AgentMeters):
-            return f"{e.agent}: {e.warning}" if e.warning else ""
         if isinstance(e, ev.RunNotice):
             return f"{e.severity.upper()}: {e.message}"
         if isinstance(e, ev.EndpointWaiting):

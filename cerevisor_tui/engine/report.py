@@ -85,6 +85,9 @@ class Report:
                 a["output_tokens_per_s"] = round(a["completion_tokens"] / a["_decode_s"], 2)
         elif isinstance(event, ev.StallWarning):
             self.agents[event.agent]["stall_warnings"] += 1
+        elif isinstance(event, ev.ToolCallFinished):  # an agent with tools: its calls by outcome (ok, error, ...)
+            calls = self.agents[event.agent].setdefault("tool_calls", {})
+            calls[event.outcome] = calls.get(event.outcome, 0) + 1
         elif isinstance(event, ev.AgentPlaced):  # a pool's agent: where it ran (its last member)
             a = self.agents[event.agent]
             a["pool"], a["endpoint"] = event.pool, event.endpoint
@@ -97,9 +100,6 @@ class Report:
             if event.cost_usd or "cost_usd" in a:  # priced endpoints only
                 a["cost_usd"] = event.cost_usd
             self.cost_usd = event.run_cost_usd
-        elif isinstance(event, ev.ToolCallFinished):  # an agent with tools: its calls by outcome (ok, error, ...)
-            calls = self.agents[event.agent].setdefault("tool_calls", {})
-            calls[event.outcome] = calls.get(event.outcome, 0) + 1
         elif isinstance(event, ev.AgentRerun):
             self.agents[event.agent]["rerun_reason"] = event.reason
         elif isinstance(event, ev.AgentFinished):
