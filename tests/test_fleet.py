@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 
 import anyio
 import pytest
@@ -239,3 +240,58 @@ async def test_the_console_mirror_shows_where_each_agent_runs_and_its_meters(tmp
         assert m.run_cost_usd == pytest.approx(engine.run_cost_usd)
         assert a0.cached_tokens == engine.agents["a0"].cached_tokens > 0
     assert any(n.title == "Agent moved" for n in mirror.notices)
+
+
+@pytest.mark.anyio
+async def test_auto_mode_sets_each_members_cap_and_placement_respects_it():
+    """In auto mode each member has its own controller and live cap (a ConcurrencyChanged naming it); no
+    member ever runs more of our agents than its live cap allows, and the pool's agents all complete."""
+    async with SimServer(FAST) as a, SimServer(FAST) as b:
+        config = fleet({"a": a.base_url, "b": b.base_url}, 12, turns=2,
+                       run={"mode": "auto", "metrics_interval_s": 0.05, "auto": {"start_cap": 2, "max_cap": 4}})
+        engine = Engine(validate(config))
+        seen: list = []
+        over: list[str] = []
+
+        def watch(event) -> None:
+            seen.append(event)
+            if event.kind == "AgentStarted":
+                for member in ("a", "b"):
+                    if engine.scheduler.running_by_endpoint[member] > engine.scheduler.endpoint_cap(member):
+                        over.append(member)
+
+        engine.subscribe(watch)
+        assert await engine.run() == 0
+    caps = {e.endpoint for e in seen if e.kind == "ConcurrencyChanged" and e.endpoint}
+    assert caps == {"a", "b"} and not over
+    placed = [e.endpoint for e in seen if e.kind == "AgentPlaced"]
+    assert sorted(set(placed)) == ["a", "b"] and len(placed) == 12
+
+
+@pytest.mark.anyio
+async def test_an_agent_whose_member_fails_its_health_check_moves_at_its_next_attempt():
+    """The member answers, then its /health fails (the simulator goes back to loading): the agent running
+    there is not moved mid-answer; its next attempt (here the operator's restart) goes to the other member."""
+    stalls = SimSettings(tokens_per_s=2000, ttft_s=0.0, stall_after_tokens=1)
+    async with SimServer(stalls) as a, SimServer(FAST) as b:
+        config = fleet({"a": a.base_url, "b": b.base_url}, 1, turns=1, run={"metrics_interval_s": 0.05})
+        config["stall"] = {"idle_timeout_s": 60}
+        engine = Engine(validate(config))
+        seen: list = []
+
+        def watch(event) -> None:
+            seen.append(event)
+            if event.kind == "FirstToken" and engine.agents["a0"].endpoint == "a":
+                a.state.settings.cold_start_s = 600.0  # /health answers 503 "loading" from now on
+                a.state.started_at = time.monotonic()
+            elif event.kind == "RunNotice" and event.title == "Pool member down":
+                assert engine.retry("a0") == "restarting"
+
+        engine.subscribe(watch)
+        with anyio.fail_after(60):
+            assert await engine.run() == 0
+    moves = [(e.endpoint, e.moved_from) for e in seen if e.kind == "AgentPlaced"]
+    assert moves == [("a", ""), ("b", "a")]
+    moved = [e for e in seen if e.kind == "AgentPlaced"][1]
+    assert "health check" in moved.reason and "prefix" in moved.reason
+    assert b.state.requests_by_agent == {"a0": 1}
