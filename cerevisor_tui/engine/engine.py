@@ -734,8 +734,9 @@ class Engine:
         may resume past it."""
         self.pause()
         self.emit(ev.RunNotice(time.monotonic(), f"Budget reached: ${spent_usd:.4f} of ${self.config.run.budget_usd:g} "
-                               "spent. No new agent is admitted; running agents finish. Resume (p) to go on past it, "
-                               "or stop the run.", "warning", "Budget reached"))
+                               "spent. No new agent is admitted; running agents finish. Resume (p, in a console: "
+                               f"cerevisor-tui attach {self.run_id}) to go on past it, or stop the run "
+                               f"(cerevisor-tui stop {self.run_id}).", "warning", "Budget reached"))
 
     # ---- pools ------------------------------------------------------------------------------------
     def member_loads(self, pool: str) -> list[MemberLoad]:
