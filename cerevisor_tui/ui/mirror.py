@@ -449,6 +449,7 @@ class RunMirror(UiModel):
         if e.moved_from:
             a.moved_from = e.moved_from
             self.notices.append(Notice(f"{e.agent}: {e.reason}", "warning", "Agent moved"))
+            self.stream(e.agent).append(ALERT, f"\n↪ {e.reason}\n")  # its transcript says where it went on
 
     def _see_AgentMeters(self, e: ev.AgentMeters) -> None:
         a = self._agent(e.agent)
