@@ -16,10 +16,10 @@ import anyio
 
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.engine import events as ev
-from cerevisor_tui.engine.watchdog import ToolCall, extend_tool, fmt_s, watch_tool
+from cerevisor_tui.engine.watchdog import ToolCall, extend_tool, watch_tool
 from cerevisor_tui.tools.manager import McpServers, ToolCallError, Toolset
 from cerevisor_tui.tools.permissions import Approvals, rule_for
-from cerevisor_tui.tools.schemas import capped, parse_arguments, preview, shown_arguments
+from cerevisor_tui.tools.schemas import capped, parse_arguments, preview, result_text, shown_arguments
 
 AskPolicy = Literal["operator", "deny", "approve"]
 """What `ask` means in this run: wait for the operator (a console may answer), or, headless, deny
@@ -214,8 +214,6 @@ class ToolCalls:
                     group.start_soon(watch_tool, st, tc, self.emit)
                     try:
                         result, is_error = await self.servers.call(server, tool, args)
-                        from cerevisor_tui.tools.schemas import result_text
-
                         text = result_text(result)
                         if is_error:
                             outcome = "error"
@@ -237,5 +235,3 @@ class ToolCalls:
                                       preview(text), elapsed))
         return text
 
-
-__all__ = ["AskPolicy", "ToolCalls", "ToolMemory", "fmt_s"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from collections.abc import Iterable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -127,7 +126,7 @@ class McpServers:
                 return stack.enter_context(open(Path(self.log_dir) / f"mcp-{cfg.name}.log", "a", encoding="utf-8"))
             except OSError:
                 pass
-        return stack.enter_context(open(os.devnull, "w", encoding="utf-8")) if sys.platform != "win32" else sys.stderr
+        return stack.enter_context(open(os.devnull, "w", encoding="utf-8"))
 
     def toolset(self, agent: AgentConfig) -> Toolset:
         """The tools `agent` lists, offered as OpenAI tools (a tool its server denies is not offered);
