@@ -121,3 +121,40 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+@pytest.mark.anyio
+async def test_a_detached_run_waits_for_a_console_to_approve_over_its_control_socket(tmp_path):
+    import asyncio
+
+    from cerevisor_tui.supervisor.client import ControlClient
+    from tests.test_detach import cli, started
+
+    config = workflow({"echo": {"text": "over the socket"}}, server={"allow": [], "ask": ["echo"]})
+    config["run"] = {"run_dir": str(tmp_path / "runs")}
+    path = tmp_path / "detached.toml"
+    path.write_text(tomli_w.dumps(config))
+    _, run_dir = started(cli("run", str(path), "--detach"))
+    client = await ControlClient.connect(run_dir)
+    asked: asyncio.Future = asyncio.get_running_loop().create_future()
+    ended = asyncio.Event()
+
+    def on_event(event) -> None:
+        if event.kind == "ApprovalRequested" and not asked.done():
+            asked.set_result(event)
+        elif event.kind == "RunFinished":
+            ended.set()
+
+    reading = asyncio.ensure_future(client.run(on_event))
+    try:
+        request = await asyncio.wait_for(asked, 60)  # it waits: a detached run has a console to ask
+        assert await client.command("approve", agent=request.agent, call_id=request.call_id, scope="once") == "once"
+        await asyncio.wait_for(ended.wait(), 60)
+    finally:
+        await client.close()
+        await reading
+    records = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    decided = [(r["decision"], r["by"]) for r in records if r["event"] == "ApprovalDecided"]
+    assert decided == [("once", "operator")]
+    assert [(r["outcome"], r["result"]) for r in records if r["event"] == "ToolCallFinished"] == [
+        ("ok", "echo: over the socket")]
