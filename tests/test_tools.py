@@ -142,6 +142,7 @@ def test_the_headless_run_prints_a_line_for_each_call_and_decision(tmp_path):
     assert "a0: fake.echo approved once (headless)" in done.stdout
     assert 'a0: tool fake.echo {"text": "hi"}' in done.stdout
     assert "a0: tool fake.echo OK in" in done.stdout and ": echo: hi" in done.stdout
+    assert "a0: turn 1/1, step 2 sent to sim" in done.stdout  # a tool loop's second request is its step, not a retry
 
 
 @pytest.mark.anyio

@@ -267,7 +267,8 @@ class Conversations:
         st.status = "prefill"
         self.emit(ev.AgentStarted(now, st.name, att.number, st.turn, st.turns, st.endpoint,
                                   policy.first_byte_timeout_s, policy.idle_timeout_s,
-                                  request_id=request_id(self.run_id, header_value(st.name), st.turn, number)))
+                                  request_id=request_id(self.run_id, header_value(st.name), st.turn, number),
+                                  step=st.step if st.toolset is not None else 0))
         parts, thinking = att.parts, att.thinking
         error: EndpointError | None = None
         with anyio.CancelScope() as scope:

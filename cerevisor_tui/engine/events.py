@@ -175,6 +175,7 @@ class AgentStarted(Event):
     first_byte_deadline_s: float
     idle_deadline_s: float
     request_id: str = ""  # the X-Request-Id the request carries: the server logs its abort under this id
+    step: int = 0  # an agent with tools: the step of the turn's tool loop (1, 2, ...); 0: no tool loop
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,8 @@ class Printer:
             return f"wave {e.wave} finished: " + ", ".join(f"{n} {status}" for status, n in counts.most_common())
         if isinstance(e, ev.AgentStarted):
             again = f", attempt {e.attempt}" if e.attempt > 1 else ""  # attempts count within a turn: 2 is a retry
+            if e.step:  # a tool loop's steps are attempts of the turn too: its step says more than its attempt
+                again = f", step {e.step}"
             return (f"{e.agent}: turn {e.turn}/{e.turns}{again} sent to {e.endpoint} "
                     f"(first-byte deadline {fmt_s(e.first_byte_deadline_s)}, idle {fmt_s(e.idle_deadline_s)})")
         if isinstance(e, ev.AgentPlaced):
