@@ -79,3 +79,14 @@ def test_the_fake_server_fixture_is_runnable_alone():
 
     done = subprocess.run([sys.executable, FAKE, "--fail-start"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 3 and "refusing to start" in done.stderr
+
+
+@pytest.mark.anyio
+async def test_a_server_that_never_answers_at_start_fails_its_agents_at_start_timeout_s():
+    silent = {"command": sys.executable, "args": ["-c", "import time; time.sleep(120)"], "start_timeout_s": 1.0}
+    data = with_bystander(workflow({"echo": {"text": "x"}}, server=silent))
+    engine, seen, code = await run(data)
+    ends = {e.agent: e for e in kinds(seen, "AgentFinished")}
+    assert ends["bystander"].status == "completed"
+    assert ends["a0"].status == "failed"
+    assert ends["a0"].error == "MCP server fake did not start within 1 s (start_timeout_s)"
