@@ -188,7 +188,7 @@ class Conversations:
         messages: list[dict[str, Any]] = []
         if cfg.tools and self.tools is not None:
             try:
-                st.toolset = self.tools.toolset(cfg)
+                st.toolset = await self.tools.toolset(cfg)  # its servers may still be starting
             except ToolSetupError as exc:
                 raise AgentEnded("failed", str(exc)) from None
         if cfg.system:

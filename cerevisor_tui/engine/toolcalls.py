@@ -93,9 +93,10 @@ class ToolCalls:
         self.pending: dict[tuple[str, str], _Pending] = {}
         self.running: dict[str, tuple[ToolCall, int]] = {}  # agent -> its running call, and the attempt it answers
 
-    def toolset(self, agent: Any) -> Toolset | None:
-        """The tools an agent is offered; None without `tools`. Raises ToolSetupError."""
-        return self.servers.toolset(agent) if agent.tools else None
+    async def toolset(self, agent: Any) -> Toolset | None:
+        """The tools an agent is offered, once their servers have started; None without `tools`. Raises
+        ToolSetupError."""
+        return await self.servers.toolset(agent) if agent.tools else None
 
     # ---- the operator ---------------------------------------------------------------------------------
     def approve(self, agent: str, call_id: str, scope: str) -> None:

@@ -39,7 +39,7 @@ class ToolServer:
     session: Any = None  # mcp.ClientSession, once started
     tools: dict[str, Any] = field(default_factory=dict)  # name -> mcp Tool
     problem: str = ""  # why it cannot be used now ("" while it can)
-    pid: int | None = None
+    ready: anyio.Event | None = None  # made when the run opens (in its event loop); set once started, or failed
 
     @property
     def name(self) -> str:
@@ -66,17 +66,18 @@ class McpServers:
         return bool(self.servers)
 
     async def open(self, stack: AsyncExitStack) -> None:
-        """Start every server (each in a task of its own that holds its session open until `stack` closes);
-        returns once each has started or failed. Never raises for a server: its `problem` says why."""
+        """Start every server, all at once, each in a task of its own that holds its session open until
+        `stack` closes; returns at once (the run begins while they start: `toolset` waits for those an
+        agent needs). Never raises for a server: its `problem` says why."""
         if not self.servers:
             return
         group = await stack.enter_async_context(anyio.create_task_group())
         stack.callback(group.cancel_scope.cancel)  # runs first on the way out: every session closes
-        async with anyio.create_task_group() as starting:  # all at once; each returns started or failed
-            for server in self.servers.values():
-                starting.start_soon(group.start, self._serve, server)
+        for server in self.servers.values():
+            server.ready = anyio.Event()
+            group.start_soon(self._serve, server)
 
-    async def _serve(self, server: ToolServer, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+    async def _serve(self, server: ToolServer) -> None:
         cfg = server.config
         started = False
         try:
@@ -94,7 +95,8 @@ class McpServers:
                     server.session = session
                     server.tools = {tool.name: tool for tool in listed.tools}
                     started = True
-                    task_status.started()
+                    if server.ready is not None:
+                        server.ready.set()
                     await anyio.sleep_forever()
             if scope.cancelled_caught and not started:
                 server.problem = (f"MCP server {cfg.name} did not start within {cfg.start_timeout_s:g} s "
@@ -104,8 +106,8 @@ class McpServers:
             server.problem = f"MCP server {cfg.name} {what}: {_reason(exc)}"
         finally:
             server.session = None
-            if not started:
-                task_status.started()
+            if server.ready is not None:
+                server.ready.set()
 
     def _transport(self, cfg: McpServerConfig, stack: AsyncExitStack) -> Any:
         if cfg.url:
@@ -128,9 +130,9 @@ class McpServers:
                 pass
         return stack.enter_context(open(os.devnull, "w", encoding="utf-8"))
 
-    def toolset(self, agent: AgentConfig) -> Toolset:
-        """The tools `agent` lists, offered as OpenAI tools (a tool its server denies is not offered);
-        raises ToolSetupError, in the operator's words, when one cannot be."""
+    async def toolset(self, agent: AgentConfig) -> Toolset:
+        """The tools `agent` lists, offered as OpenAI tools (a tool its server denies is not offered), once
+        their servers have started; raises ToolSetupError, in the operator's words, when one cannot be."""
         from cerevisor_tui.tools.permissions import rule_for
 
         tools: list[dict[str, Any]] = []
@@ -138,6 +140,8 @@ class McpServers:
         for entry in agent.tools:
             server_name, _, tool_name = entry.partition(".")
             server = self.servers[server_name]
+            if server.ready is not None:
+                await server.ready.wait()
             if server.problem or server.session is None:
                 raise ToolSetupError(server.problem or f"MCP server {server_name} is not running")
             if tool_name and tool_name not in server.tools:
