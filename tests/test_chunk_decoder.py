@@ -10,7 +10,7 @@ import pytest
 
 from cerevisor_tui.config import validate
 from cerevisor_tui.endpoints import client
-from cerevisor_tui.endpoints.client import DELTA, FINISH, KEEPALIVE, USAGE, ChatStream
+from cerevisor_tui.endpoints.client import DELTA, FINISH, KEEPALIVE, TOOL_CALLS, USAGE, ChatStream
 from cerevisor_tui.endpoints.errors import EndpointHTTPError, ProtocolError
 from cerevisor_tui.engine.engine import Engine
 from tests.conftest import RawServer, chunk, http_head
@@ -71,7 +71,9 @@ async def test_a_vllm_stream_with_reasoning_tool_calls_finish_and_usage():
         (DELTA, ("", "think more", "", 2)),
         (DELTA, ("Hello world", "", "", 2)),
         (DELTA, ("", "", "search", 1)),
+        (TOOL_CALLS, ((0, "call_1", "search", ""),)),  # the pieces the agent loop puts each call together from
         (DELTA, ("", "", '{"q": 1}', 1)),
+        (TOOL_CALLS, ((0, None, None, '{"q": 1}'),)),
         (DELTA, ("!", "", "", 1)),
         (FINISH, "stop"),
         (USAGE, (7, 8)),

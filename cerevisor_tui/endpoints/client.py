@@ -346,8 +346,9 @@ class ChatStream:
                 if content or reasoning or tool:
                     self.tokens += 1
                     out.append((DELTA, (content, reasoning, tool, 1)))
-                if delta.tool_calls:  # the pieces, for the agent loop to put each call together
-                    out.append((TOOL_CALLS, _tool_pieces(delta.tool_calls)))
+                pieces = _tool_pieces(delta.tool_calls) if delta.tool_calls else ()
+                if pieces:  # the pieces, for the agent loop to put each call together
+                    out.append((TOOL_CALLS, pieces))
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
                 out.append((FINISH, choice.finish_reason))
@@ -446,9 +447,9 @@ def _tool_pieces(tool_calls: list[_ToolCall | None]) -> tuple[tuple[int, str | N
     (OpenAI's streaming form); a whole message's calls carry no index and are numbered in order."""
     pieces = []
     for i, call in enumerate(tool_calls):
-        if call is None:
-            continue
-        fn = call.function
+        fn = call.function if call is not None else None
+        if call is None or not (call.id or (fn and (fn.name or fn.arguments))):
+            continue  # a piece that carries nothing opens no call
         pieces.append((call.index if call.index is not None else i, call.id, fn.name if fn else None,
                        fn.arguments if fn else None))
     return tuple(pieces)
