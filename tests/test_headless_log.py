@@ -56,7 +56,7 @@ async def test_a_first_byte_kill_after_a_long_busy_check_names_the_silence_and_t
         await writer.drain()
         await asyncio.sleep(10)
 
-    async def slow_busy_check(endpoint: str) -> None:
+    async def slow_busy_check(endpoint: str, since: float) -> None:
         await anyio.sleep(1.0)  # a swamped server answering /metrics late: then not busy after all
         return None
 

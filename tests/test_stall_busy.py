@@ -117,3 +117,67 @@ async def test_a_fresh_not_busy_sample_answers_the_deadline_without_a_new_read(m
     killed = [e for e in seen if e.kind == "AgentKilled"]
     assert len(killed) == 1 and killed[0].deadline == "idle"
     assert quiet.metrics_reads == (1 if metrics else 2)
+
+
+class _WaitingAtTheStartServer:
+    """/metrics says one request waits on its first read and none after; the answer's one token is sent only
+    once that first read has arrived, then the stream is silent: the queue it saw was over before the silence."""
+
+    def __init__(self) -> None:
+        self.metrics_reads = 0
+        self.first_read = asyncio.Event()
+
+    async def serve(self, reader, writer) -> None:
+        from tests.conftest import chunk, http_head, read_request, sse_chunk
+
+        try:
+            request = await read_request(reader)
+            if request.startswith(b"GET /metrics"):
+                self.metrics_reads += 1
+                self.first_read.set()
+                waiting = b"1.0" if self.metrics_reads == 1 else b"0.0"
+                body = (b'vllm:num_requests_running{model_name="m"} 0.0\n'
+                        b'vllm:num_requests_waiting{model_name="m"} ' + waiting + b"\n")
+                writer.write(http_head(200, "text/plain", length=len(body)) + body)
+            elif request.startswith(b"GET"):
+                writer.write(http_head(200, "application/json", length=2) + b"{}")
+            else:
+                writer.write(http_head(200, "text/event-stream"))
+                await writer.drain()
+                await self.first_read.wait()
+                writer.write(chunk(sse_chunk("one")))
+                await writer.drain()
+                await reader.read()  # silent until the client gives up
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.anyio
+async def test_a_queue_seen_before_the_last_token_does_not_extend_the_silence_after_it():
+    """The monitor's first sample said '1 waiting' (our own request, before its first token); at the idle
+    deadline that sample is recent but older than the silence, so the watchdog asks afresh, hears no queue,
+    and kills. (It once extended such a deadline by the stale sample: a flaky test_cli stall test.)"""
+    server_state = _WaitingAtTheStartServer()
+    server = await asyncio.start_server(server_state.serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        engine = Engine(validate({
+            "run": {"metrics_interval_s": 30.0},
+            "stall": {"first_byte_timeout_s": 5.0, "idle_timeout_s": 1.0, "extend_when_server_busy": True,
+                      "extend_s": 0.5, "max_extensions": 1},
+            "endpoints": [{"name": "box", "kind": "local", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"}],
+            "agents": [{"name": "a", "prompt": "p", "retries": 0}],
+        }))
+        seen = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 1
+    finally:
+        server.close()
+    assert not [e for e in seen if e.kind == "StallExtended"]
+    killed = [e for e in seen if e.kind == "AgentKilled"]
+    assert len(killed) == 1 and killed[0].deadline == "idle"
+    assert any(e.kind == "ServerSample" and e.waiting == 1 for e in seen)  # the queue was seen, at the start
+    assert server_state.metrics_reads == 2  # and asked again at the deadline

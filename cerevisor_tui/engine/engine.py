@@ -597,9 +597,9 @@ class Engine:
                                         total_cap=s.effective_cap))
         self._refresh_load(endpoint)
 
-    async def _server_busy(self, endpoint: str) -> str | None:
+    async def _server_busy(self, endpoint: str, since: float = -math.inf) -> str | None:
         """The run's own busy check (ServerMonitor.busy)."""
-        return await self.monitor.busy(endpoint)
+        return await self.monitor.busy(endpoint, since)
 
     async def _run_wave(self, wave: int, states: list[AgentState]) -> None:
         self.wave = wave

@@ -91,9 +91,10 @@ class ServerMonitor:
     async def _run(self, endpoint: str, on_sample: Callable[[str], None]) -> None:
         previous: dict[str, MetricsSnapshot] = {}  # by worker URL; "" for the endpoint itself
         while True:
+            started = time.monotonic()  # what the server answers is its state since then, not before
             status, workers = await self.look(endpoint)
             self.status[endpoint] = status
-            self.status_at[endpoint] = time.monotonic()
+            self.status_at[endpoint] = started
             rows = [_sample_fields(w, previous.get(w.base_url)) for w in workers]
             fields = _sample_fields(status, previous.get(""))
             if workers:  # the fleet's prefix hits: the workers' own, since each one's last sample, together
@@ -144,23 +145,26 @@ class ServerMonitor:
             self.load[endpoint] = dataclasses.replace(
                 current, context_tokens=context, conversations_fit=current.kv_capacity_tokens // context)
 
-    async def busy(self, endpoint: str) -> str | None:
+    async def busy(self, endpoint: str, since: float = -math.inf) -> str | None:
         """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?
 
         The monitor's recent sample answers at once when it can: a swamped server (the very case this check
         is for) can take seconds to answer a fresh /metrics read, and a late event loop adds its own. A
         sample that says busy stands for a while (a queue does not vanish in seconds); one that says not
         busy only while it is as fresh as the monitor makes them. Otherwise, or with no usable sample (no
-        /metrics, an error), ask afresh.
+        /metrics, an error), ask afresh. A sample taken before `since` (when the silence being judged began)
+        does not answer: a request of ours still waiting at its start says nothing of a silence after its tokens.
         """
         if self.endpoints[endpoint].kind == "hosted":
             return None
         recent = self.status.get(endpoint)
-        age = time.monotonic() - self.status_at.get(endpoint, -math.inf)
+        taken = self.status_at.get(endpoint, -math.inf)
+        age = time.monotonic() - taken
         interval = self.config.run.metrics_interval_s
-        if recent is not None and recent.busy_reason and age <= max(10.0, 3 * interval):
+        if recent is not None and recent.busy_reason and age <= max(10.0, 3 * interval) and taken >= since:
             return recent.busy_reason
-        if recent is not None and recent.reachable and recent.metrics is not None and age <= 1.5 * interval + 0.5:
+        if (recent is not None and not recent.busy_reason and recent.reachable and recent.metrics is not None
+                and age <= 1.5 * interval + 0.5):
             return None
         status = await self.read(endpoint)
         return status.busy_reason

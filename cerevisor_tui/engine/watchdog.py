@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from cerevisor_tui.endpoints.worker import RemoteStream
     from cerevisor_tui.engine.conversation import AgentState
 
-BusyCheck = Callable[[str], Awaitable[str | None]]
+BusyCheck = Callable[[str, float], Awaitable[str | None]]  # (endpoint, since): a look older than `since` cannot say
 """Asked at a deadline with the endpoint's name: why the server is busy (loading, queueing), or None."""
 BUSY_CHECK_TIMEOUT_S = 2.0  # a busy check that takes longer says nothing: the attempt is judged without it
 
@@ -169,7 +169,7 @@ class Watchdog:
         if not policy.extend_when_server_busy or att.extensions >= policy.max_extensions or self.busy_check is None:
             return None
         with anyio.move_on_after(BUSY_CHECK_TIMEOUT_S):
-            return await self.busy_check(st.endpoint)
+            return await self.busy_check(st.endpoint, att.base)  # the silence began at att.base
         return None
 
     def extend(self, st: AgentState, att: Attempt, seconds: float | None = None) -> None:

@@ -96,10 +96,10 @@ def timed_busy_check(engine: Engine, log: list[tuple[float, str | None]]):
     """The engine's own busy check, recording how long each call took and what it said (for failures)."""
     busy_check = engine._server_busy
 
-    async def timed(endpoint: str) -> str | None:
+    async def timed(endpoint: str, since: float) -> str | None:
         started, answer = time.monotonic(), None
         try:
-            answer = await busy_check(endpoint)
+            answer = await busy_check(endpoint, since)
             return answer
         finally:
             log.append((round(time.monotonic() - started, 2), answer))
