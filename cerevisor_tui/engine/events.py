@@ -8,6 +8,7 @@ and `events.jsonl`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -488,6 +489,26 @@ ALL_EVENTS: dict[str, type[Event]] = {
     )
 }
 
+
+
+def handlers(obj: object, *prefixes: str) -> dict[str, Callable[[Any], Any]]:
+    """How a subscriber dispatches: its methods named a prefix + an event kind (`_on_RunStarted`), by kind,
+    looked up once. With several prefixes a kind's methods run in their order (a subclass's after its base's)."""
+    table: dict[str, Callable[[Any], Any]] = {}
+    for kind in ALL_EVENTS:
+        found = [m for prefix in prefixes if (m := getattr(obj, prefix + kind, None)) is not None]
+        if len(found) == 1:
+            table[kind] = found[0]
+        elif found:
+            table[kind] = _each(found)
+    return table
+
+
+def _each(methods: list[Callable[[Any], Any]]) -> Callable[[Any], None]:
+    def each(event: Any) -> None:
+        for method in methods:
+            method(event)
+    return each
 
 def from_dict(data: dict[str, Any]) -> Event | None:
     """An event from its `to_dict()` form (a journal line, a socket message); None for a kind this version

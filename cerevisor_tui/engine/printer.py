@@ -34,78 +34,131 @@ class Printer:
             self.out.flush()
 
     @staticmethod
-    def describe(e: ev.Event) -> str:  # noqa: C901 - one branch per event kind reads best
-        if isinstance(e, ev.RunStarted):
-            eps = ", ".join(f"{d['name']} ({d['kind']}, {d['base_url']})" for d in e.endpoints)
-            note = f" [{e.note}]" if e.note else ""
-            where = f", run dir {e.run_dir}" if e.run_dir else ""
-            return f"run {e.run_id}: {sum(map(len, e.waves))} agents in {len(e.waves)} waves, mode {e.mode}, cap {e.max_concurrency}, endpoints {eps}{where}{note}"
-        if isinstance(e, ev.WaveStarted):
-            if len(e.agents) > 10:  # a wide wave is a count, not a line of thousands of names
-                return f"wave {e.wave} started: {len(e.agents):,} agents ({', '.join(e.agents[:3])}, ...)"
-            return f"wave {e.wave} started: {', '.join(e.agents)}"
-        if isinstance(e, ev.WaveFinished):
-            counts = Counter(e.statuses.values())  # counts, not names: the line stays short at 10,000 agents
-            return f"wave {e.wave} finished: " + ", ".join(f"{n} {status}" for status, n in counts.most_common())
-        if isinstance(e, ev.AgentStarted):
-            again = f", attempt {e.attempt}" if e.attempt > 1 else ""  # attempts count within a turn: 2 is a retry
-            if e.step:  # a tool loop's steps are attempts of the turn too: its step says more than its attempt
-                again = f", step {e.step}"
-            return (f"{e.agent}: turn {e.turn}/{e.turns}{again} sent to {e.endpoint} "
-                    f"(first-byte deadline {fmt_s(e.first_byte_deadline_s)}, idle {fmt_s(e.idle_deadline_s)})")
-        if isinstance(e, ev.AgentPlaced):
-            if e.moved_from:
-                return f"{e.agent}: MOVED to {e.endpoint} (pool {e.pool}): {e.reason}"
-            return f"{e.agent}: placed on {e.endpoint} (pool {e.pool})"
-        if isinstance(e, ev.AgentMeters):
-            return f"{e.agent}: {e.warning}" if e.warning else ""
-        if isinstance(e, ev.ToolCallStarted):
-            args = e.arguments if len(e.arguments) <= 120 else e.arguments[:119] + "…"
-            return f"{e.agent}: tool {e.server}.{e.tool} {args}"
-        if isinstance(e, ev.ToolCallFinished):
-            return (f"{e.agent}: tool {e.server + '.' if e.server else ''}{e.tool} {e.outcome.upper()} "
-                    f"in {fmt_s(e.elapsed_s)}: {e.result}")
-        if isinstance(e, ev.ToolCallWarning):
-            return f"{e.agent}: TOOL WARNING {int(e.fraction * 100)}% of the tool deadline, {fmt_s(e.remaining_s)} left"
-        if isinstance(e, ev.ApprovalRequested):
-            return f"{e.agent}: NEEDS APPROVAL {e.server}.{e.tool} {e.arguments[:120]}"
-        if isinstance(e, ev.ApprovalDecided):
-            what = {"once": "approved once", "run": "approved for the run", "deny": "denied"}[e.decision]
-            return f"{e.agent}: {e.server}.{e.tool} {what} ({e.by})"
-        if isinstance(e, ev.RunNotice):
-            return f"{e.severity.upper()}: {e.message}"
-        if isinstance(e, ev.EndpointWaiting):
-            return f"{e.agent}: waiting for endpoint {e.endpoint} ({e.reason}); retry in {fmt_s(e.retry_in_s)}"
-        if isinstance(e, ev.FirstToken):
-            return f"{e.agent}: first token after {e.ttft_s:.2f} s (turn {e.turn})"
-        if isinstance(e, ev.TurnFinished):
-            return (f"{e.agent}: turn {e.turn}/{e.turns} done, {e.completion_tokens} tokens "
-                    f"({e.finish_reason or 'no finish reason'}) in {e.duration_s:.2f} s")
-        if isinstance(e, ev.StallWarning):
-            what = "no first token" if e.deadline == "first_byte" else "no output"
-            return f"{e.agent}: STALL WARNING {what}, {int(e.fraction * 100)}% of the {e.deadline} deadline, {fmt_s(e.remaining_s)} left"
-        if isinstance(e, ev.StallExtended):
-            return f"{e.agent}: {e.deadline} deadline extended by {fmt_s(e.extend_s)}: {e.reason}"
-        if isinstance(e, ev.AgentKilled):
-            return f"{e.agent}: KILLED ({e.deadline} deadline): {e.reason}"
-        if isinstance(e, ev.AgentRetrying):
-            return f"{e.agent}: retrying as attempt {e.attempt} in {fmt_s(e.delay_s)}: {e.cause}"
-        if isinstance(e, ev.AgentRerun):
-            return f"{e.agent}: completed before, runs again: {e.reason}"
-        if isinstance(e, ev.AgentFinished):
-            why = f": {e.error}" if e.error else ""
-            return f"{e.agent}: {e.status.upper()}{why}"
-        if isinstance(e, ev.ModeChanged):
-            return f"mode {e.mode} (cap {e.effective_cap})" + (f" [{e.note}]" if e.note else "")
-        if isinstance(e, ev.ConcurrencyChanged):
-            if e.endpoint:
-                return f"{e.endpoint}: {e.reason or f'cap {e.effective_cap}'}"
-            if e.reason:
-                return f"{e.reason} (effective cap {e.effective_cap})"
-            return f"cap {e.max_concurrency} (effective {e.effective_cap})" + (", admissions paused" if e.paused else "")
-        if isinstance(e, ev.RunFinished):
-            t = e.totals
-            return (f"run {e.run_id} finished: {t['completed']}/{t['agents']} completed, {t['failed']} failed, "
-                    f"{t['killed']} killed, {t['skipped']} skipped, {t['output_tokens']} output tokens in "
-                    f"{t['wall_s']:.1f} s" + (f"; report {e.report_path}" if e.report_path else ""))
-        return ""
+    def describe(e: ev.Event) -> str:
+        """The event's line, "" for an event the log does not show."""
+        line = _LINES.get(e.kind)
+        return line(e) if line is not None else ""
+
+    @staticmethod
+    def _line_RunStarted(e: ev.RunStarted) -> str:
+        eps = ", ".join(f"{d['name']} ({d['kind']}, {d['base_url']})" for d in e.endpoints)
+        note = f" [{e.note}]" if e.note else ""
+        where = f", run dir {e.run_dir}" if e.run_dir else ""
+        return f"run {e.run_id}: {sum(map(len, e.waves))} agents in {len(e.waves)} waves, mode {e.mode}, cap {e.max_concurrency}, endpoints {eps}{where}{note}"
+
+    @staticmethod
+    def _line_WaveStarted(e: ev.WaveStarted) -> str:
+        if len(e.agents) > 10:  # a wide wave is a count, not a line of thousands of names
+            return f"wave {e.wave} started: {len(e.agents):,} agents ({', '.join(e.agents[:3])}, ...)"
+        return f"wave {e.wave} started: {', '.join(e.agents)}"
+
+    @staticmethod
+    def _line_WaveFinished(e: ev.WaveFinished) -> str:
+        counts = Counter(e.statuses.values())  # counts, not names: the line stays short at 10,000 agents
+        return f"wave {e.wave} finished: " + ", ".join(f"{n} {status}" for status, n in counts.most_common())
+
+    @staticmethod
+    def _line_AgentStarted(e: ev.AgentStarted) -> str:
+        again = f", attempt {e.attempt}" if e.attempt > 1 else ""  # attempts count within a turn: 2 is a retry
+        if e.step:  # a tool loop's steps are attempts of the turn too: its step says more than its attempt
+            again = f", step {e.step}"
+        return (f"{e.agent}: turn {e.turn}/{e.turns}{again} sent to {e.endpoint} "
+                f"(first-byte deadline {fmt_s(e.first_byte_deadline_s)}, idle {fmt_s(e.idle_deadline_s)})")
+
+    @staticmethod
+    def _line_AgentPlaced(e: ev.AgentPlaced) -> str:
+        if e.moved_from:
+            return f"{e.agent}: MOVED to {e.endpoint} (pool {e.pool}): {e.reason}"
+        return f"{e.agent}: placed on {e.endpoint} (pool {e.pool})"
+
+    @staticmethod
+    def _line_AgentMeters(e: ev.AgentMeters) -> str:
+        return f"{e.agent}: {e.warning}" if e.warning else ""
+
+    @staticmethod
+    def _line_ToolCallStarted(e: ev.ToolCallStarted) -> str:
+        args = e.arguments if len(e.arguments) <= 120 else e.arguments[:119] + "…"
+        return f"{e.agent}: tool {e.server}.{e.tool} {args}"
+
+    @staticmethod
+    def _line_ToolCallFinished(e: ev.ToolCallFinished) -> str:
+        return (f"{e.agent}: tool {e.server + '.' if e.server else ''}{e.tool} {e.outcome.upper()} "
+                f"in {fmt_s(e.elapsed_s)}: {e.result}")
+
+    @staticmethod
+    def _line_ToolCallWarning(e: ev.ToolCallWarning) -> str:
+        return f"{e.agent}: TOOL WARNING {int(e.fraction * 100)}% of the tool deadline, {fmt_s(e.remaining_s)} left"
+
+    @staticmethod
+    def _line_ApprovalRequested(e: ev.ApprovalRequested) -> str:
+        return f"{e.agent}: NEEDS APPROVAL {e.server}.{e.tool} {e.arguments[:120]}"
+
+    @staticmethod
+    def _line_ApprovalDecided(e: ev.ApprovalDecided) -> str:
+        what = {"once": "approved once", "run": "approved for the run", "deny": "denied"}[e.decision]
+        return f"{e.agent}: {e.server}.{e.tool} {what} ({e.by})"
+
+    @staticmethod
+    def _line_RunNotice(e: ev.RunNotice) -> str:
+        return f"{e.severity.upper()}: {e.message}"
+
+    @staticmethod
+    def _line_EndpointWaiting(e: ev.EndpointWaiting) -> str:
+        return f"{e.agent}: waiting for endpoint {e.endpoint} ({e.reason}); retry in {fmt_s(e.retry_in_s)}"
+
+    @staticmethod
+    def _line_FirstToken(e: ev.FirstToken) -> str:
+        return f"{e.agent}: first token after {e.ttft_s:.2f} s (turn {e.turn})"
+
+    @staticmethod
+    def _line_TurnFinished(e: ev.TurnFinished) -> str:
+        return (f"{e.agent}: turn {e.turn}/{e.turns} done, {e.completion_tokens} tokens "
+                f"({e.finish_reason or 'no finish reason'}) in {e.duration_s:.2f} s")
+
+    @staticmethod
+    def _line_StallWarning(e: ev.StallWarning) -> str:
+        what = "no first token" if e.deadline == "first_byte" else "no output"
+        return f"{e.agent}: STALL WARNING {what}, {int(e.fraction * 100)}% of the {e.deadline} deadline, {fmt_s(e.remaining_s)} left"
+
+    @staticmethod
+    def _line_StallExtended(e: ev.StallExtended) -> str:
+        return f"{e.agent}: {e.deadline} deadline extended by {fmt_s(e.extend_s)}: {e.reason}"
+
+    @staticmethod
+    def _line_AgentKilled(e: ev.AgentKilled) -> str:
+        return f"{e.agent}: KILLED ({e.deadline} deadline): {e.reason}"
+
+    @staticmethod
+    def _line_AgentRetrying(e: ev.AgentRetrying) -> str:
+        return f"{e.agent}: retrying as attempt {e.attempt} in {fmt_s(e.delay_s)}: {e.cause}"
+
+    @staticmethod
+    def _line_AgentRerun(e: ev.AgentRerun) -> str:
+        return f"{e.agent}: completed before, runs again: {e.reason}"
+
+    @staticmethod
+    def _line_AgentFinished(e: ev.AgentFinished) -> str:
+        why = f": {e.error}" if e.error else ""
+        return f"{e.agent}: {e.status.upper()}{why}"
+
+    @staticmethod
+    def _line_ModeChanged(e: ev.ModeChanged) -> str:
+        return f"mode {e.mode} (cap {e.effective_cap})" + (f" [{e.note}]" if e.note else "")
+
+    @staticmethod
+    def _line_ConcurrencyChanged(e: ev.ConcurrencyChanged) -> str:
+        if e.endpoint:
+            return f"{e.endpoint}: {e.reason or f'cap {e.effective_cap}'}"
+        if e.reason:
+            return f"{e.reason} (effective cap {e.effective_cap})"
+        return f"cap {e.max_concurrency} (effective {e.effective_cap})" + (", admissions paused" if e.paused else "")
+
+    @staticmethod
+    def _line_RunFinished(e: ev.RunFinished) -> str:
+        t = e.totals
+        return (f"run {e.run_id} finished: {t['completed']}/{t['agents']} completed, {t['failed']} failed, "
+                f"{t['killed']} killed, {t['skipped']} skipped, {t['output_tokens']} output tokens in "
+                f"{t['wall_s']:.1f} s" + (f"; report {e.report_path}" if e.report_path else ""))
+
+
+_LINES = ev.handlers(Printer, "_line_")

@@ -36,80 +36,93 @@ class Report:
         # each endpoint's cap over the run: [(t, cap, reason)], and its own max_concurrency
         self.caps: dict[str, list[tuple[float, int, str]]] = {}
         self._endpoint_max: dict[str, int] = {}
+        self._handlers = ev.handlers(self, "_on_")  # TokenDelta and KeepAlive have none: not in the report
 
     def __call__(self, event: ev.Event) -> None:
-        kind = event.kind
-        if kind == "TokenDelta" or kind == "KeepAlive":
-            return
-        if isinstance(event, ev.RunStarted):
-            self.run_id, self.mode, self.endpoints = event.run_id, event.mode, event.endpoints
-            self.started_at, self._t0 = _now_iso(), event.t
-            self._endpoint_max = {ep["name"]: int(ep.get("max_concurrency") or 0) for ep in event.endpoints}
-            self.caps = {name: [] for name in self._endpoint_max}
-            if event.mode != "auto":  # auto's controllers say their start caps themselves
-                cap = 1 if event.mode == "sequential" else event.max_concurrency
-                self._cap_all(event.t, cap, f"{event.mode}, cap {cap}")
-            for wave, names in enumerate(event.waves):
-                for name in names:
-                    self.agents[name] = {
-                        "name": name, "wave": wave, "status": "pending", "attempts": 0, "turns": 0,
-                        "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None, "duration_s": 0.0,
-                        "output_tokens_per_s": None, "stall_warnings": 0, "error": "", "rerun_reason": "",
-                        "_decode_s": 0.0, "_t_start": None,
-                    }
-        elif isinstance(event, ev.ModeChanged):
-            self.mode = event.mode
-            if event.mode != "auto":
-                self._cap_all(event.t, event.effective_cap, f"mode {event.mode}")
-        elif isinstance(event, ev.ConcurrencyChanged):
-            if event.endpoint:
-                self._cap(event.endpoint, event.t, event.effective_cap, event.reason)
-            elif self.mode == "parallel":  # (in auto mode a run-wide change moves the ceiling, not a cap)
-                self._cap_all(event.t, event.max_concurrency, event.reason or f"cap {event.max_concurrency}")
-        elif isinstance(event, ev.AgentStarted):
-            a = self.agents[event.agent]
-            a["attempts"] += 1  # every request sent, over all turns: retries and restarts included
-            if a["_t_start"] is None:
-                a["_t_start"] = event.t
-            self._running.add(event.agent)
-            self.max_running = max(self.max_running, len(self._running))
-        elif isinstance(event, ev.TurnFinished):
-            a = self.agents[event.agent]
-            a["turns"] += 1
-            a["prompt_tokens"] += event.prompt_tokens
-            a["completion_tokens"] += event.completion_tokens
-            if a["ttft_s"] is None and event.ttft_s is not None:
-                a["ttft_s"] = round(event.ttft_s, 4)
-            a["_decode_s"] += event.duration_s - (event.ttft_s or 0.0)
-            if a["_decode_s"] > 0:
-                a["output_tokens_per_s"] = round(a["completion_tokens"] / a["_decode_s"], 2)
-        elif isinstance(event, ev.StallWarning):
-            self.agents[event.agent]["stall_warnings"] += 1
-        elif isinstance(event, ev.ToolCallFinished):  # an agent with tools: its calls by outcome (ok, error, ...)
-            calls = self.agents[event.agent].setdefault("tool_calls", {})
-            calls[event.outcome] = calls.get(event.outcome, 0) + 1
-        elif isinstance(event, ev.AgentPlaced):  # a pool's agent: where it ran (its last member)
-            a = self.agents[event.agent]
-            a["pool"], a["endpoint"] = event.pool, event.endpoint
-            if event.moved_from:
-                a["moves"] = a.get("moves", 0) + 1
-        elif isinstance(event, ev.AgentMeters):
-            a = self.agents[event.agent]
-            if event.cached_tokens is not None:  # only where the server says (vLLM --enable-prompt-tokens-details)
-                a["cached_tokens"] = a.get("cached_tokens", 0) + event.cached_tokens
-            if event.cost_usd or "cost_usd" in a:  # priced endpoints only
-                a["cost_usd"] = event.cost_usd
-            self.cost_usd = event.run_cost_usd
-        elif isinstance(event, ev.AgentRerun):
-            self.agents[event.agent]["rerun_reason"] = event.reason
-        elif isinstance(event, ev.AgentFinished):
-            a = self.agents[event.agent]
-            a["status"], a["error"] = event.status, event.error
-            if a["_t_start"] is not None:
-                a["duration_s"] = round(event.t - a["_t_start"], 3)
-            self._running.discard(event.agent)
-        elif isinstance(event, ev.RunFinished):
-            self.finished_at, self._t_end = _now_iso(), event.t
+        handler = self._handlers.get(event.kind)
+        if handler is not None:
+            handler(event)
+
+    def _on_RunStarted(self, event: ev.RunStarted) -> None:
+        self.run_id, self.mode, self.endpoints = event.run_id, event.mode, event.endpoints
+        self.started_at, self._t0 = _now_iso(), event.t
+        self._endpoint_max = {ep["name"]: int(ep.get("max_concurrency") or 0) for ep in event.endpoints}
+        self.caps = {name: [] for name in self._endpoint_max}
+        if event.mode != "auto":  # auto's controllers say their start caps themselves
+            cap = 1 if event.mode == "sequential" else event.max_concurrency
+            self._cap_all(event.t, cap, f"{event.mode}, cap {cap}")
+        for wave, names in enumerate(event.waves):
+            for name in names:
+                self.agents[name] = {
+                    "name": name, "wave": wave, "status": "pending", "attempts": 0, "turns": 0,
+                    "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None, "duration_s": 0.0,
+                    "output_tokens_per_s": None, "stall_warnings": 0, "error": "", "rerun_reason": "",
+                    "_decode_s": 0.0, "_t_start": None,
+                }
+
+    def _on_ModeChanged(self, event: ev.ModeChanged) -> None:
+        self.mode = event.mode
+        if event.mode != "auto":
+            self._cap_all(event.t, event.effective_cap, f"mode {event.mode}")
+
+    def _on_ConcurrencyChanged(self, event: ev.ConcurrencyChanged) -> None:
+        if event.endpoint:
+            self._cap(event.endpoint, event.t, event.effective_cap, event.reason)
+        elif self.mode == "parallel":  # (in auto mode a run-wide change moves the ceiling, not a cap)
+            self._cap_all(event.t, event.max_concurrency, event.reason or f"cap {event.max_concurrency}")
+
+    def _on_AgentStarted(self, event: ev.AgentStarted) -> None:
+        a = self.agents[event.agent]
+        a["attempts"] += 1  # every request sent, over all turns: retries and restarts included
+        if a["_t_start"] is None:
+            a["_t_start"] = event.t
+        self._running.add(event.agent)
+        self.max_running = max(self.max_running, len(self._running))
+
+    def _on_TurnFinished(self, event: ev.TurnFinished) -> None:
+        a = self.agents[event.agent]
+        a["turns"] += 1
+        a["prompt_tokens"] += event.prompt_tokens
+        a["completion_tokens"] += event.completion_tokens
+        if a["ttft_s"] is None and event.ttft_s is not None:
+            a["ttft_s"] = round(event.ttft_s, 4)
+        a["_decode_s"] += event.duration_s - (event.ttft_s or 0.0)
+        if a["_decode_s"] > 0:
+            a["output_tokens_per_s"] = round(a["completion_tokens"] / a["_decode_s"], 2)
+
+    def _on_StallWarning(self, event: ev.StallWarning) -> None:
+        self.agents[event.agent]["stall_warnings"] += 1
+
+    def _on_ToolCallFinished(self, event: ev.ToolCallFinished) -> None:  # an agent with tools: its calls by outcome (ok, error, ...)
+        calls = self.agents[event.agent].setdefault("tool_calls", {})
+        calls[event.outcome] = calls.get(event.outcome, 0) + 1
+
+    def _on_AgentPlaced(self, event: ev.AgentPlaced) -> None:  # a pool's agent: where it ran (its last member)
+        a = self.agents[event.agent]
+        a["pool"], a["endpoint"] = event.pool, event.endpoint
+        if event.moved_from:
+            a["moves"] = a.get("moves", 0) + 1
+
+    def _on_AgentMeters(self, event: ev.AgentMeters) -> None:
+        a = self.agents[event.agent]
+        if event.cached_tokens is not None:  # only where the server says (vLLM --enable-prompt-tokens-details)
+            a["cached_tokens"] = a.get("cached_tokens", 0) + event.cached_tokens
+        if event.cost_usd or "cost_usd" in a:  # priced endpoints only
+            a["cost_usd"] = event.cost_usd
+        self.cost_usd = event.run_cost_usd
+
+    def _on_AgentRerun(self, event: ev.AgentRerun) -> None:
+        self.agents[event.agent]["rerun_reason"] = event.reason
+
+    def _on_AgentFinished(self, event: ev.AgentFinished) -> None:
+        a = self.agents[event.agent]
+        a["status"], a["error"] = event.status, event.error
+        if a["_t_start"] is not None:
+            a["duration_s"] = round(event.t - a["_t_start"], 3)
+        self._running.discard(event.agent)
+
+    def _on_RunFinished(self, event: ev.RunFinished) -> None:
+        self.finished_at, self._t_end = _now_iso(), event.t
 
     def _cap(self, endpoint: str, t: float, cap: int, reason: str) -> None:
         history = self.caps.setdefault(endpoint, [])

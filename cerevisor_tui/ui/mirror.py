@@ -16,7 +16,7 @@ import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from cerevisor_tui.engine import events as ev
 from cerevisor_tui.ui.inbox import Inbox
@@ -171,6 +171,8 @@ class ProbeView:
 class RunMirror(UiModel):
     """Everything the console shows of a run, from its events alone."""
 
+    HANDLERS: ClassVar[tuple[str, ...]] = ("_on_", "_see_")
+
     agents: dict[str, AgentView] = field(default_factory=dict)
     endpoints: dict[str, EndpointView] = field(default_factory=dict)
     waves: list[list[str]] = field(default_factory=list)
@@ -203,10 +205,7 @@ class RunMirror(UiModel):
                         a.status = "streaming"
             UiModel.__call__(self, event)
             return
-        UiModel.__call__(self, event)
-        handler = getattr(self, "_see_" + kind, None)
-        if handler is not None:
-            handler(event)
+        UiModel.__call__(self, event)  # its handlers, then this class's (HANDLERS)
 
     def feed_records(self, records: Iterable[dict[str, Any]]) -> int:
         """Feed events in their JSON form (events.jsonl lines, parsed); returns how many were not events."""

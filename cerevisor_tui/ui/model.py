@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from cerevisor_tui.engine import events as ev
 
@@ -249,6 +251,8 @@ class UiModel:
     _last_turn: dict[str, int] = field(default_factory=dict)
     _answer_from: dict[str, int] = field(default_factory=dict)  # agent -> its stream's `written` at AgentStarted
     _last_sample_at: float = -math.inf
+    _table: dict[str, Callable[[Any], Any]] | None = field(default=None, init=False, repr=False, compare=False)  # kind -> handler
+    HANDLERS: ClassVar[tuple[str, ...]] = ("_on_",)  # the prefixes of the methods that take an event kind
 
     def stream(self, agent: str) -> AgentStream:
         found = self.streams.get(agent)
@@ -271,11 +275,14 @@ class UiModel:
             if track is not None:
                 track.tokens += event.tokens
             return
+        table = self._table
+        if table is None:
+            table = self._table = ev.handlers(self, *self.HANDLERS)
         if isinstance(event, ev.KeepAlive):
             self.keepalive_at[event.agent] = event.t  # shown: a server that is alive but sends no tokens
-            return
-        self.version += 1
-        handler = getattr(self, "_on_" + event.kind, None)
+        else:
+            self.version += 1
+        handler = table.get(event.kind)
         if handler is not None:
             handler(event)
 
