@@ -71,6 +71,13 @@ class _QuietServer:
         self.metrics = metrics
         self.metrics_reads = 0
 
+    def metrics_body(self) -> bytes:
+        return (b'vllm:num_requests_running{model_name="m"} 1.0\n'
+                b'vllm:num_requests_waiting{model_name="m"} 0.0\n') if self.metrics else b""
+
+    async def before_token(self) -> None:
+        pass
+
     async def serve(self, reader, writer) -> None:
         from tests.conftest import chunk, http_head, read_request, sse_chunk
 
@@ -78,13 +85,15 @@ class _QuietServer:
             request = await read_request(reader)
             if request.startswith(b"GET /metrics"):
                 self.metrics_reads += 1
-                body = (b'vllm:num_requests_running{model_name="m"} 1.0\n'
-                        b'vllm:num_requests_waiting{model_name="m"} 0.0\n') if self.metrics else b""
+                body = self.metrics_body()
                 writer.write(http_head(200 if self.metrics else 404, "text/plain", length=len(body)) + body)
             elif request.startswith(b"GET"):
                 writer.write(http_head(200, "application/json", length=2) + b"{}")
             else:
-                writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("one")))
+                writer.write(http_head(200, "text/event-stream"))
+                await writer.drain()
+                await self.before_token()
+                writer.write(chunk(sse_chunk("one")))
                 await writer.drain()
                 await reader.read()  # silent until the client gives up
             await writer.drain()
@@ -119,40 +128,22 @@ async def test_a_fresh_not_busy_sample_answers_the_deadline_without_a_new_read(m
     assert quiet.metrics_reads == (1 if metrics else 2)
 
 
-class _WaitingAtTheStartServer:
+class _WaitingAtTheStartServer(_QuietServer):
     """/metrics says one request waits on its first read and none after; the answer's one token is sent only
     once that first read has arrived, then the stream is silent: the queue it saw was over before the silence."""
 
     def __init__(self) -> None:
-        self.metrics_reads = 0
+        super().__init__(metrics=True)
         self.first_read = asyncio.Event()
 
-    async def serve(self, reader, writer) -> None:
-        from tests.conftest import chunk, http_head, read_request, sse_chunk
+    def metrics_body(self) -> bytes:
+        self.first_read.set()
+        waiting = b"1.0" if self.metrics_reads == 1 else b"0.0"
+        return (b'vllm:num_requests_running{model_name="m"} 0.0\n'
+                b'vllm:num_requests_waiting{model_name="m"} ' + waiting + b"\n")
 
-        try:
-            request = await read_request(reader)
-            if request.startswith(b"GET /metrics"):
-                self.metrics_reads += 1
-                self.first_read.set()
-                waiting = b"1.0" if self.metrics_reads == 1 else b"0.0"
-                body = (b'vllm:num_requests_running{model_name="m"} 0.0\n'
-                        b'vllm:num_requests_waiting{model_name="m"} ' + waiting + b"\n")
-                writer.write(http_head(200, "text/plain", length=len(body)) + body)
-            elif request.startswith(b"GET"):
-                writer.write(http_head(200, "application/json", length=2) + b"{}")
-            else:
-                writer.write(http_head(200, "text/event-stream"))
-                await writer.drain()
-                await self.first_read.wait()
-                writer.write(chunk(sse_chunk("one")))
-                await writer.drain()
-                await reader.read()  # silent until the client gives up
-            await writer.drain()
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    async def before_token(self) -> None:
+        await self.first_read.wait()
 
 
 @pytest.mark.anyio
