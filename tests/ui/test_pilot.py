@@ -26,7 +26,9 @@ def row(app, agent: str) -> list[str]:
 
 async def select(pilot, agent: str) -> None:
     table = pilot.app.screen.table
-    table.move_cursor(list(engine_of(pilot.app).agents).index(agent))
+    if agent not in table.names:  # its row comes at the next status refresh (4 Hz), late on a busy box: now
+        pilot.app.screen.refresh_status()
+    table.move_cursor(table.names.index(agent))
     await pilot.pause()
     assert table.selected_agent == agent
 
