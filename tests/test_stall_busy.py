@@ -130,20 +130,21 @@ async def test_a_fresh_not_busy_sample_answers_the_deadline_without_a_new_read(m
 
 class _WaitingAtTheStartServer(_QuietServer):
     """/metrics says one request waits on its first read and none after; the answer's one token is sent only
-    once that first read has arrived, then the stream is silent: the queue it saw was over before the silence."""
+    once the run has taken that sample in, then the stream is silent: the queue it saw was over before the
+    silence."""
 
     def __init__(self) -> None:
         super().__init__(metrics=True)
-        self.first_read = asyncio.Event()
+        self.sampled = lambda: False  # whether the run has taken in that first sample (set by the test)
 
     def metrics_body(self) -> bytes:
-        self.first_read.set()
         waiting = b"1.0" if self.metrics_reads == 1 else b"0.0"
         return (b'vllm:num_requests_running{model_name="m"} 0.0\n'
                 b'vllm:num_requests_waiting{model_name="m"} ' + waiting + b"\n")
 
     async def before_token(self) -> None:
-        await self.first_read.wait()
+        while not self.sampled():  # the test's own loop: the sample is taken in before the token is sent
+            await asyncio.sleep(0.01)
 
 
 @pytest.mark.anyio
@@ -164,6 +165,7 @@ async def test_a_queue_seen_before_the_last_token_does_not_extend_the_silence_af
         }))
         seen = []
         engine.subscribe(seen.append)
+        server_state.sampled = lambda: any(e.kind == "ServerSample" for e in seen)
         assert await engine.run() == 1
     finally:
         server.close()

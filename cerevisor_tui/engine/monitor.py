@@ -91,10 +91,10 @@ class ServerMonitor:
     async def _run(self, endpoint: str, on_sample: Callable[[str], None]) -> None:
         previous: dict[str, MetricsSnapshot] = {}  # by worker URL; "" for the endpoint itself
         while True:
-            started = time.monotonic()  # what the server answers is its state since then, not before
             status, workers = await self.look(endpoint)
             self.status[endpoint] = status
-            self.status_at[endpoint] = started
+            # when it answered: a swamped vLLM answers /metrics seconds after it was asked, with its state then
+            self.status_at[endpoint] = time.monotonic()
             rows = [_sample_fields(w, previous.get(w.base_url)) for w in workers]
             fields = _sample_fields(status, previous.get(""))
             if workers:  # the fleet's prefix hits: the workers' own, since each one's last sample, together
@@ -154,6 +154,7 @@ class ServerMonitor:
         busy only while it is as fresh as the monitor makes them. Otherwise, or with no usable sample (no
         /metrics, an error), ask afresh. A sample taken before `since` (when the silence being judged began)
         does not answer: a request of ours still waiting at its start says nothing of a silence after its tokens.
+        A sample's time is when its answer came.
         """
         if self.endpoints[endpoint].kind == "hosted":
             return None

@@ -130,10 +130,12 @@ async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vl
 
     code, seen = await run_engine(engine, lambda event: None, timeout_s=600)
     failed = {e.agent: f"{e.status}: {e.error}" for e in seen if e.kind == "AgentFinished" and e.status != "completed"}
-    if failed and checks and all(answer is None for _, answer in checks):
+    extended = [e for e in seen if e.kind == "StallExtended"]
+    if (failed or not extended) and checks and all(answer is None for _, answer in checks):
         # At no deadline did vLLM's /metrics say a request was waiting (none answered in 2 s, or each said 0
         # waiting while the agents had no first token: on this busy 2-core box its API process held them before
-        # its scheduler saw them). The server never said they were queued, which is what this test is about.
+        # its scheduler saw them; or their first tokens came while it was asked, so none was killed either). The
+        # server never said they were queued, which is what this test is about.
         pytest.skip(f"vLLM said no request was waiting at any of {len(checks)} busy checks (s, answer): "
                     f"{checks}; {failed}")
     assert code == 0 and not failed, f"{failed}; busy checks (s, answer): {checks}"
@@ -153,7 +155,6 @@ async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vl
     assert waiting_seen >= 1 or kv_seen[-1] >= 0.5 or counted >= 1, (
         f"the reader saw no pressure over {len(read)} samples: waiting {waiting_seen}, KV {kv_seen}, "
         f"preemptions counted {counted}")
-    extended = [e for e in seen if e.kind == "StallExtended"]
     assert extended, f"no first-byte deadline was extended; busy checks (s, answer): {checks}"
     assert all(e.deadline == "first_byte" and "waiting" in e.reason for e in extended), extended
 
