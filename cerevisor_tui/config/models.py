@@ -57,6 +57,14 @@ def _control_char(text: str) -> str | None:
     return next((ch for ch in text if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp")), None)
 
 
+def _checked_url(value: str) -> str:
+    """A URL field's validator: `value` as it is, or a ValueError saying what is wrong with it ("" is no URL)."""
+    problem = url_problem(value) if value else None
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
 def url_problem(url: str) -> str | None:
     """Why `url` is not the base URL of a server (http[s]://host[:port][/path]), or None."""
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
@@ -350,10 +358,7 @@ class EndpointConfig(StallPolicy):
     @field_validator("base_url")
     @classmethod
     def _base_url(cls, value: str) -> str:
-        problem = url_problem(value) if value else None
-        if problem:
-            raise ValueError(problem)
-        return value
+        return _checked_url(value)
 
     @model_validator(mode="after")
     def _url(self) -> EndpointConfig:
@@ -428,10 +433,7 @@ class McpServerConfig(_Section):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        problem = url_problem(value) if value else None
-        if problem:
-            raise ValueError(problem)
-        return value
+        return _checked_url(value)
 
     @field_validator("warn_at")
     @classmethod

@@ -98,6 +98,7 @@ class Connections:
         value = card.get("max_model_len")
         if isinstance(value, int) and not isinstance(value, bool) and value > 0 and not self.max_model_len.get(endpoint):
             self.max_model_len[endpoint] = value
+        self.max_model_len.setdefault(endpoint, 0)  # the list was read: context_limit does not ask for it again
 
     def chat_url(self, endpoint: str) -> str:
         return self.base_urls[endpoint].rstrip("/") + "/chat/completions"

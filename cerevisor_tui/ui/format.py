@@ -84,17 +84,20 @@ def countdown(agent: AgentView, warn_at: tuple[float, ...], now: float) -> Count
     deadline_at = att.deadline_at
     if not math.isfinite(deadline_at):
         return None
-    base = att.base
-    window = deadline_at - base
-    remaining = deadline_at - now
+    return _countdown("first" if att.phase == "first_byte" else "idle", att.base, deadline_at, warn_at, now)
+
+
+def _countdown(label: str, base: float, deadline: float, warn_at: tuple[float, ...], now: float) -> Countdown:
+    """A window from `base` to `deadline`: amber past its first warn_at fraction, red past its last."""
+    window = deadline - base
+    remaining = deadline - now
     fraction = (now - base) / window if window > 0 else 1.0
     level = NORMAL
     if warn_at and fraction >= warn_at[-1]:
         level = CRITICAL
     elif warn_at and fraction >= warn_at[0]:
         level = WARN
-    phase = "first" if att.phase == "first_byte" else "idle"
-    return Countdown(f"{phase} {fmt_clock(remaining)}", remaining, fraction, level)
+    return Countdown(f"{label} {fmt_clock(remaining)}", remaining, fraction, level)
 
 
 def tool_status(tool: str, elapsed_s: float, width: int = 20) -> str:
@@ -109,15 +112,7 @@ def tool_countdown(deadline: float | None, warn_at: tuple[float, ...], started: 
     """The running tool call's countdown to its tool deadline (None: it has none); coloured as a stall's."""
     if deadline is None or not math.isfinite(deadline):
         return None
-    window = deadline - started
-    remaining = deadline - now
-    fraction = (now - started) / window if window > 0 else 1.0
-    level = NORMAL
-    if warn_at and fraction >= warn_at[-1]:
-        level = CRITICAL
-    elif warn_at and fraction >= warn_at[0]:
-        level = WARN
-    return Countdown(f"tool {fmt_clock(remaining)}", remaining, fraction, level)
+    return _countdown("tool", started, deadline, warn_at, now)
 
 
 def live_rate(agent: AgentView, now: float) -> float | None:
