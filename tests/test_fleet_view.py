@@ -97,6 +97,8 @@ class MetricsLess:
             else:
                 writer.write(http_head(404, "text/plain", length=0))
             await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the run's client closed a kept-alive connection without a request (at the run's end)
         finally:
             writer.close()
 
