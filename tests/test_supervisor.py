@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.journal import Journal
 from cerevisor_tui.sim import SimServer
@@ -186,3 +187,71 @@ async def test_a_run_dir_too_long_for_a_socket_path_puts_it_in_a_private_dir(tmp
     assert not path.exists()  # removed at the end
     with pytest.raises(AttachError, match="not live"):
         await ControlClient.connect(deep)
+
+
+def _message(i: int, size: int = 2000) -> Any:
+    return ev.MessageRecorded(t=float(i), agent=f"a{i % 7}", attempt=1, turn=i, role="assistant",
+                              content=f"answer {i} " + "x" * size)
+
+
+async def test_a_journal_larger_than_a_clients_buffer_is_replayed_whole_while_live_events_wait(tmp_path: Path):
+    """A long run's journal (tens of MB) is streamed to an attaching console as it reads, not written at once
+    into a buffer it would overflow (the client was dropped as 'too far behind' before reading a byte); the
+    events emitted meanwhile follow the replay, each once."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    past = [_message(i) for i in range(2000)]  # 4 MB, 64 times the buffer below
+    with open(run_dir / "events.jsonl", "w", encoding="utf-8") as fh:
+        for event in past:
+            fh.write(json.dumps(event.to_dict()) + "\n")
+    server = ControlServer(run_dir, "r1", lambda name, args: None, buffer_max=64 * 1024)
+    await server.start()
+    try:
+        client = await ControlClient.connect(run_dir)
+        seen: list[Any] = []
+        live = [_message(100_000 + i, 100) for i in range(50)]  # held meanwhile: under the buffer
+        sent = 0
+
+        def on_event(event: Any) -> None:
+            nonlocal sent
+            seen.append(event)
+            if sent < len(live) and len(seen) % 40 == 0:  # the run goes on while the past is read
+                server(live[sent])
+                sent += 1
+
+        reader = asyncio.ensure_future(client.run(on_event))
+        await until(lambda: client.live or client.closed.is_set(), "the replay to end")
+        assert client.live, f"dropped during its replay: {client.bye}"
+        for event in live[sent:]:
+            server(event)
+        await until(lambda: len(seen) == len(past) + len(live), "every event")
+        assert [e.turn for e in seen] == [e.turn for e in past + live]  # in order, each once
+        assert server.clients == 1 and not client.bye
+        await client.close()
+        await asyncio.wait_for(reader, 10)
+    finally:
+        await server.close()
+
+
+async def test_a_client_that_stops_reading_during_its_replay_is_dropped_and_the_run_goes_on(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / "events.jsonl", "w", encoding="utf-8") as fh:
+        for i in range(2000):
+            fh.write(json.dumps(_message(i).to_dict()) + "\n")
+    server = ControlServer(run_dir, "r1", lambda name, args: None, buffer_max=64 * 1024)
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(socket_of(run_dir)))
+        writer.write(encode({"type": "hello", "protocol": PROTOCOL}))
+        assert json.loads(await reader.readline())["type"] == "hello"  # then it reads nothing more
+        await until(lambda: server.clients == 1, "the client to be taken in")
+        i = 0
+        while server.clients:  # the events it is not reading pile up past its buffer: it is let go
+            server(_message(10_000 + i))
+            i += 1
+            await asyncio.sleep(0.001)
+        assert i * 2000 > 64 * 1024
+        writer.close()
+    finally:
+        await server.close()

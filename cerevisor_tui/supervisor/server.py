@@ -37,7 +37,13 @@ full box's 2,560 events a second this took the attached console from 1,057 wake-
 CPU from 36% to 27% of a core (benchmarks/console_load.py). Countdowns are absolute times, so nothing drawn
 is late by it; the stream pane draws at 12 Hz anyway."""
 CLIENT_BUFFER_MAX = 32 * 1024 * 1024
-"""Bytes a client may have waiting in its socket's buffer; past it the client is dropped (it reattaches)."""
+"""Bytes a client may have waiting in its socket's buffer, or held for it while its replay is sent; past it the
+client is dropped (it reattaches)."""
+REPLAY_CHUNK = 256 * 1024
+"""The journal goes to an attaching client this many bytes at a time, each sent before the next is read: a
+long run's journal (12 bytes an output token: 90 MB after an hour at 2,000 tokens/s) is never read or
+buffered whole, and the run's loop goes on between chunks."""
+_EVENT_PREFIX = b'{"type":"event","event":'
 CLOSE_WAIT_S = 2.0
 
 Dispatch = Callable[[str, dict[str, Any]], Any]
@@ -69,11 +75,14 @@ def peer_uid(sock: socket.socket) -> int | None:
 
 
 class _Client:
-    __slots__ = ("writer", "pending")
+    __slots__ = ("writer", "pending", "replaying", "held", "counted")
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
         self.pending: list[bytes] = []
+        self.replaying = False  # the past is being sent: live events wait in `pending`
+        self.held = 0  # bytes of them, counted up to pending[counted]
+        self.counted = 0
 
 
 class ControlServer:
@@ -85,8 +94,9 @@ class ControlServer:
     """
 
     def __init__(self, run_dir: Path, run_id: str, dispatch: Dispatch, *, config_path: str = "",
-                 in_flight: Callable[[], list[ev.Event]] = list) -> None:
+                 in_flight: Callable[[], list[ev.Event]] = list, buffer_max: int = CLIENT_BUFFER_MAX) -> None:
         self.run_dir, self.run_id, self.dispatch = Path(run_dir), run_id, dispatch
+        self.buffer_max = buffer_max
         self.config_path = config_path
         self.in_flight = in_flight
         self.events_path = self.run_dir / EVENTS_FILE
@@ -164,6 +174,12 @@ class ControlServer:
         for client in list(self._clients):
             if not client.pending:
                 continue
+            if client.replaying:  # its live events wait for the past; one that does not take the past in is let go
+                client.held += sum(map(len, client.pending[client.counted:]))
+                client.counted = len(client.pending)
+                if client.held > self.buffer_max:
+                    self._drop(client, "this client fell too far behind the run's events; attach again")
+                continue
             data = b"".join(client.pending)
             client.pending.clear()
             try:
@@ -171,7 +187,7 @@ class ControlServer:
             except (OSError, RuntimeError):
                 self._drop(client, "")
                 continue
-            if client.writer.transport.get_write_buffer_size() > CLIENT_BUFFER_MAX:
+            if client.writer.transport.get_write_buffer_size() > self.buffer_max:
                 self._drop(client, "this client fell too far behind the run's events; attach again")
 
     def _drop(self, client: _Client, reason: str) -> None:
@@ -182,17 +198,29 @@ class ControlServer:
                 client.writer.write(encode({"type": "bye", "reason": reason}))
         client.writer.close()
 
-    def _replay(self) -> list[bytes]:
-        """events.jsonl as it stands, then each agent's answer so far: read in one step of the event loop with
-        no emit in between, so that the live events that follow start exactly where it ends."""
-        lines: list[bytes] = []
-        with contextlib.suppress(OSError), open(self.events_path, "rb") as fh:
-            for raw in fh:
-                raw = raw.strip()
-                if raw.startswith(b"{") and raw.endswith(b"}"):
-                    lines.append(b'{"type":"event","event":' + raw + b"}\n")
-        lines.extend(event_line(delta) for delta in self.in_flight())
-        return lines
+    async def _send_past(self, client: _Client, end: int, snapshot: list[bytes]) -> None:
+        """The journal's first `end` bytes, a chunk at a time as the client takes them in, then `snapshot` (each
+        running agent's answer so far). Live events meanwhile wait in the client's `pending`."""
+        writer = client.writer
+        try:
+            fh = open(self.events_path, "rb")
+        except OSError:
+            end = 0
+        else:
+            with fh:
+                rest = b""
+                while end > 0 and client in self._clients:
+                    chunk = fh.read(min(REPLAY_CHUNK, end))
+                    if not chunk:
+                        break
+                    end -= len(chunk)
+                    data = rest + chunk
+                    cut = data.rfind(b"\n") + 1 if end > 0 else len(data)
+                    data, rest = data[:cut], data[cut:]
+                    writer.write(b"".join([_EVENT_PREFIX + raw + b"}\n" for raw in map(bytes.strip, data.split(b"\n"))
+                                           if raw.startswith(b"{") and raw.endswith(b"}")]))
+                    await writer.drain()
+        writer.write(b"".join(snapshot))
 
     # ---- one client -------------------------------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -219,9 +247,21 @@ class ControlServer:
                                  "started_at": self.started_at}))
             client = _Client(writer)
             if hello.get("replay", True):
-                client.pending.extend(self._replay())
-            client.pending.append(encode({"type": "live"}))
-            self._clients.append(client)  # no await since the replay was read: nothing is missed or doubled
+                # In one step of the loop, no emit in between: the journal as it stands (it is flushed at every
+                # event), each running agent's answer so far, and the client taken in, so that every event
+                # after these goes to its `pending`: nothing is missed or doubled.
+                end = 0
+                with contextlib.suppress(OSError):
+                    end = os.stat(self.events_path).st_size
+                snapshot = [event_line(delta) for delta in self.in_flight()]
+                client.replaying = True
+            self._clients.append(client)
+            if client.replaying:
+                await self._send_past(client, end, snapshot)
+                if client not in self._clients:
+                    return
+                client.replaying, client.held, client.counted = False, 0, 0
+            client.pending.insert(0, encode({"type": "live"}))
             self._flush()
             await self._commands(reader, client)
         except (OSError, asyncio.IncompleteReadError, ConnectionError):
