@@ -95,3 +95,61 @@ async def test_cost_per_agent_and_run_and_a_budget_that_pauses_admissions():
     assert report["totals"]["cost_usd"] == pytest.approx(engine.run_cost_usd)
     assert report["agents"][0]["cost_usd"] == pytest.approx(engine.agents["a0"].cost_usd)
     assert Printer.describe(notices[0]).startswith("WARNING: Budget reached: $")  # a headless run says so too
+
+
+@pytest.mark.anyio
+async def test_a_resumed_run_counts_what_it_spent_before_toward_its_budget(tmp_path):
+    """The budget is the run's, across --resume: the journal's last run_cost_usd is where the resumed run
+    counts on from (it used to start again at 0 and spend the budget a second time)."""
+    from cerevisor_tui.engine.journal import Journal, read_journal
+
+    def config(budget: float):
+        return validate({
+            "run": {"max_concurrency": 1, "budget_usd": budget},
+            "endpoints": [{"name": "e", "base_url": srv.base_url, "kind": "local",
+                           "price_in_per_mtok": 1e6, "price_out_per_mtok": 2e6}],
+            "agents": [{"name": f"a{i}", "prompt": "same prompt", "max_tokens": 4} for i in range(3)]})
+
+    async def run(engine: Engine, stop_after: str = "") -> list:
+        journal = Journal(tmp_path / "run", engine.report)
+        journal.open(resume=engine.completed_before != {})
+        engine.subscribe(journal)
+        seen: list = []
+
+        def watch(event) -> None:
+            seen.append(event)
+            if event.kind == "AgentFinished" and event.agent == stop_after:
+                engine.stop("stopped by the test")
+            elif event.kind == "RunNotice" and event.title == "Budget reached":
+                engine.stop("budget reached")
+
+        engine.subscribe(watch)
+        await engine.run()
+        journal.close()
+        return seen
+
+    async with SimServer(FAST) as srv:
+        first = Engine(config(1e9), run_id="r1", run_dir=str(tmp_path / "run"))
+        await run(first, stop_after="a0")
+        one = first.run_cost_usd  # what one agent costs (same prompt, same answer length)
+        assert one > 0 and first.agents["a0"].status == "completed"
+        state = read_journal(tmp_path / "run")
+        assert state.spent_usd == pytest.approx(one) and set(state.completed) == {"a0"}
+
+        # budget 1.5 agents: a1 runs (1 spent before, < 1.5), then 2 > 1.5: a2 is never admitted
+        second = Engine(config(1.5 * one), run_id="r1", run_dir=str(tmp_path / "run"), completed=state.completed,
+                        history=state.history, spent_usd=state.spent_usd)
+        seen = await run(second)
+        assert second.agents["a1"].status == "completed" and second.agents["a2"].status == "cancelled"
+        assert second.run_cost_usd == pytest.approx(2 * one)
+        assert second.report.to_dict()["totals"]["cost_usd"] == pytest.approx(2 * one)
+        assert [e for e in seen if e.kind == "AgentMeters"][-1].run_cost_usd == pytest.approx(2 * one)
+
+        # a budget already spent: nothing is admitted, and the run says why at once
+        state = read_journal(tmp_path / "run")
+        assert state.spent_usd == pytest.approx(2 * one)
+        third = Engine(config(1.5 * one), run_id="r1", run_dir=str(tmp_path / "run"), completed=state.completed,
+                       history=state.history, spent_usd=state.spent_usd)
+        seen = await run(third)
+        assert third.agents["a2"].status == "cancelled" and not any(e.kind == "AgentStarted" for e in seen)
+        assert any(e.kind == "RunNotice" and e.title == "Budget reached" for e in seen)

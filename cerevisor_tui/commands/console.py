@@ -112,6 +112,7 @@ class LastRun:
     history: list[dict[str, Any]]  # the completed agents' recorded events, for the report
     done: int  # agents of the workflow it completed
     total: int  # agents in the workflow
+    spent_usd: float = 0.0  # what it spent on priced endpoints: the resumed run counts on from it
 
 
 def incomplete_last_run(runs_dir: Path, config: str, setup_config: Config) -> LastRun | None:
@@ -123,13 +124,14 @@ def incomplete_last_run(runs_dir: Path, config: str, setup_config: Config) -> La
     if path is None:
         return None
     try:
-        run_dir, run_id, completed, history = resume_state(str(path), runs_dir)
+        run_dir, state = resume_state(str(path), runs_dir)
     except ConfigError:
         return None  # it never got as far as its first event
-    done = sum(1 for agent in setup_config.agents if agent.name in completed)
+    done = sum(1 for agent in setup_config.agents if agent.name in state.completed)
     if done in (0, len(setup_config.agents)):
         return None
-    return LastRun(run_dir, run_id, completed, history, done, len(setup_config.agents))
+    return LastRun(run_dir, state.run_id, state.completed, state.history, done, len(setup_config.agents),
+                   state.spent_usd)
 
 
 class ConsoleRuns:
@@ -144,7 +146,8 @@ class ConsoleRuns:
         self._closing = threading.Lock()  # the console's own close, or the terminal watch's forced one
 
     def open(self, run_id: str, run_dir: Path, *, completed: dict[str, str] | None = None,
-             history: list[dict[str, Any]] | None = None, config: Config | None = None) -> Engine:
+             history: list[dict[str, Any]] | None = None, spent_usd: float = 0.0,
+             config: Config | None = None) -> Engine:
         """An engine for the run, its journal open and subscribed; raises JournalError on an unusable directory.
         `config`: the settings in force now (the settings screen may have saved new ones since start-up)."""
         from cerevisor_tui.engine.engine import Engine, wants_stream_process
@@ -153,7 +156,7 @@ class ConsoleRuns:
 
         config = config or self.config
         engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
-                        stream_process=wants_stream_process(config, console=True))
+                        spent_usd=spent_usd, stream_process=wants_stream_process(config, console=True))
         # one process per run directory (its lock); a write that fails mid-run stops the run, saying why
         journal = Journal(run_dir, engine.report, on_error=lambda line: engine.stop(f"run stopped: {line}"))
         journal.open(resume=completed is not None)
@@ -175,7 +178,8 @@ class ConsoleRuns:
 
     def resume(self, last: LastRun, config: Config | None = None) -> Engine:
         """The last run taken up again: the same id and directory, its completed agents never sent again."""
-        return self.open(last.run_id, last.run_dir, completed=last.completed, history=last.history, config=config)
+        return self.open(last.run_id, last.run_dir, completed=last.completed, history=last.history,
+                         spent_usd=last.spent_usd, config=config)
 
     def close(self) -> bool:
         """Write each report and close each journal; returns whether everything was written."""

@@ -13,13 +13,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from cerevisor_tui.config import Config, ConfigError, load_config, validate
 from cerevisor_tui.config.checks import preflight
 from cerevisor_tui.config.paths import default_runs_dir
+
+if TYPE_CHECKING:
+    from cerevisor_tui.engine.journal import JournalState
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 FORCE_EXIT_S = 1.5
@@ -62,17 +65,16 @@ def find_run(run: str, runs_dir: Path) -> Path:
     return path
 
 
-def resume_state(run: str, runs_dir: Path) -> tuple[Path, str, dict[str, str], list[dict[str, Any]]]:
-    """A run to resume: its directory, its id, the answers of the agents it completed, and their events
-    (what cannot be read is skipped; engine/journal.py `read_journal`)."""
+def resume_state(run: str, runs_dir: Path) -> tuple[Path, JournalState]:
+    """A run to resume: its directory and what its journal says (the answers of the agents it completed,
+    their events, what it spent; what cannot be read is skipped: engine/journal.py `read_journal`)."""
     from cerevisor_tui.engine.journal import JournalError, read_journal
 
     path = find_run(run, runs_dir)
     try:
-        state = read_journal(path)
+        return path, read_journal(path)
     except JournalError as exc:
         raise ConfigError(str(exc), key="--resume") from None
-    return path, state.run_id, state.completed, state.history
 
 
 class ForcedExit:
@@ -122,12 +124,13 @@ def main(args: Any) -> int:
         runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
         completed: dict[str, str] = {}
         history: list[dict[str, Any]] = []
+        spent_usd = 0.0
         resuming = args.resume is not None
         if resuming:
             run_dir = find_run(args.resume, runs_dir)
             lock = RunLock(run_dir).acquire()  # before reading: another process may still be writing it
             state = read_journal(run_dir)
-            run_id, completed, history = state.run_id, state.completed, state.history
+            run_id, completed, history, spent_usd = state.run_id, state.completed, state.history, state.spent_usd
             if state.skipped:
                 print(f"cerevisor-tui run: resume: {state.notice(run_dir)}", file=sys.stderr)
         else:
@@ -142,7 +145,7 @@ def main(args: Any) -> int:
         ask = "approve" if getattr(args, "approve_all", False) else "operator" if getattr(args, "detached", False) \
             else "deny"
         engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
-                        stream_process=wants_stream_process(config, console=False), ask=ask)
+                        spent_usd=spent_usd, stream_process=wants_stream_process(config, console=False), ask=ask)
         journal = Journal(run_dir, engine.report, extra_report=args.report,
                           on_error=lambda line: engine.stop(f"run stopped: {line}"))
         journal.open(resume=resuming, lock=lock)

@@ -73,7 +73,7 @@ class Engine:
 
     def __init__(self, config: Config, *, run_id: str | None = None, run_dir: str = "",
                  completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None,
-                 stream_process: bool = False, ask: AskPolicy = "operator") -> None:
+                 spent_usd: float = 0.0, stream_process: bool = False, ask: AskPolicy = "operator") -> None:
         self.config = config
         self.run_id = run_id or new_run_id()
         self.run_dir = run_dir
@@ -159,6 +159,7 @@ class Engine:
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
             scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.relocate,
             tools=self.tools)
+        self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
 
     @property
     def run_cost_usd(self) -> float:
@@ -348,6 +349,8 @@ class Engine:
             await self.connections.open(stack)
             await self.tool_servers.open(stack)
             self.emit(self.started_event(time.monotonic()))
+            if 0 < self.config.run.budget_usd <= self.run_cost_usd:  # a resumed run already spent it
+                self._budget_reached(self.run_cost_usd)
             if self.stream_process_problem:
                 self.emit(ev.RunNotice(time.monotonic(), f"{self.stream_process_problem}. Reading the streams in "
                                        "this process instead.", "warning", "Stream worker"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -269,11 +270,13 @@ class Journal:
 @dataclass
 class JournalState:
     """What a run directory's journal says, for `--resume`: its run id, the answers of the agents it
-    completed, their recorded events, and how many lines could not be read."""
+    completed, their recorded events, what the run has spent on priced endpoints, and how many lines could
+    not be read."""
 
     run_id: str
     completed: dict[str, str] = field(default_factory=dict)
     history: list[dict[str, Any]] = field(default_factory=list)
+    spent_usd: float = 0.0  # the last AgentMeters' run_cost_usd: a resumed run counts on from it
     skipped: int = 0
     first_problem: str = ""  # e.g. "line 12: invalid UTF-8"
 
@@ -359,6 +362,10 @@ def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
         elif data["event"] == "AgentFinished" and data["status"] == "completed":
             state.completed[data["agent"]] = data.get("output", "")
             finished[data["agent"]] = data
+        elif data["event"] == "AgentMeters":
+            spent = data.get("run_cost_usd")
+            if isinstance(spent, int | float) and not isinstance(spent, bool) and math.isfinite(spent):
+                state.spent_usd = float(spent)
     # The figures of completed agents carry over into the resumed run's report: the events since each
     # one's last AgentQueued (an earlier failed run of the same agent does not count twice), then its last
     # completed AgentFinished, which says what it ran with (the engine compares that with the config).
