@@ -55,14 +55,14 @@ def apply_overrides(config: Config, args: Any, *, file: str) -> Config:
 
 def find_run(run: str, runs_dir: Path) -> Path:
     """The directory of the run `--resume RUN` names: a directory, or a run id under the runs directory."""
+    from cerevisor_tui.supervisor.runs import find
+
     if not run.strip():
         raise ConfigError("names no run: give the run id printed at its start, or its directory", key="--resume")
-    path = Path(run)
-    if not path.is_dir():
-        path = runs_dir / run
-    if not (path / "events.jsonl").is_file():
-        raise ConfigError(f"no run to resume at {path} (it has no events.jsonl)", key="--resume")
-    return path
+    try:
+        return find(run, runs_dir)
+    except LookupError as exc:
+        raise ConfigError(f"nothing to resume: {exc}", key="--resume") from None
 
 
 def resume_state(run: str, runs_dir: Path) -> tuple[Path, JournalState]:
