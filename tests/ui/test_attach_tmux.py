@@ -54,6 +54,7 @@ def test_an_ssh_drop_is_a_detach_and_a_new_console_shows_the_whole_run(tmp_path:
         second.wait(lambda s: "streaming" in s and "agent0" in s and "agent3" in s, 15.0, "the run in a new console")
         screen = second.wait(lambda s: "FINISHED" in s, 60.0, "the run to finish")
         assert "4 done" in screen
+        assert "SIMULATED" in screen.splitlines()[0]  # the run's own endpoints say so: attach has no config
         finished = {e["agent"]: e["status"] for e in journal(run_dir) if e["event"] == "AgentFinished"}
         assert finished == {f"agent{i}": "completed" for i in range(4)}  # nothing was cancelled by the drop
     finally:

@@ -112,7 +112,8 @@ class RunHeader(Static):
                          for ep in endpoints),
             models=tuple(ep.model for ep in endpoints),
             wheres=tuple(ep.kind if ep.kind == "simulated" else ep.base_url for ep in endpoints),
-            simulated=simulated, finished=mirror.finished is not None, stopping=mirror.stopping, error=error,
+            # the run's own endpoints say so too: a console attached to it knows no config
+            simulated=simulated or any(ep.kind == "simulated" for ep in endpoints), finished=mirror.finished is not None, stopping=mirror.stopping, error=error,
             ceiling=mirror.auto_ceiling if auto else None,
             last_reason=reason_text(last.endpoint, last.reason) if last is not None else "",
             width=self.content_size.width, inbox=len(mirror.inbox), amber=amber, red=red,
