@@ -86,7 +86,9 @@ def test_a_detached_run_goes_on_alone_and_stop_ends_it_with_its_report(tmp_path:
              "the run's process to end")
     assert ls(tmp_path)[run_id]["state"] == "resumable"
     gone = cli("stop", run_id, "--runs-dir", str(tmp_path / "runs"))
-    assert gone.returncode == 1 and "is not live" in gone.stderr
+    assert gone.returncode == 1 and f"run {run_id} is resumable: nothing to stop" in gone.stderr
+    newest = cli("stop", "--runs-dir", str(tmp_path / "runs"))
+    assert newest.returncode == 1 and f"no live run to stop under {tmp_path / 'runs'}" in newest.stderr
 
 
 def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path):

@@ -118,6 +118,9 @@ def find(run: str | None, runs_dir: Path, *, live: bool = False) -> Path:
             path = runs_dir / run
         if not (path / EVENTS_FILE).is_file():
             raise LookupError(f"no run {run!r}: neither a run directory nor a run id under {runs_dir}")
+        info = run_info(path) if live else None
+        if info is not None and info.state != "live":  # stop: there is nothing to stop
+            raise LookupError(f"run {info.run_id} is {info.state}: nothing to stop")
         return path
     runs = list_runs(runs_dir)
     for info in runs:
@@ -126,8 +129,10 @@ def find(run: str | None, runs_dir: Path, *, live: bool = False) -> Path:
     if not runs:
         raise LookupError(f"no runs under {runs_dir}")
     newest = runs[0]
-    what = "no live run" if live else "no live run to attach to"
-    raise LookupError(f"{what} under {runs_dir}; the newest is {newest.run_id} ({newest.state}): name it to open it")
+    if live:  # stop: there is nothing to stop
+        raise LookupError(f"no live run to stop under {runs_dir} (the newest, {newest.run_id}, is {newest.state})")
+    raise LookupError(f"no live run to attach to under {runs_dir}; the newest is {newest.run_id} ({newest.state}): "
+                      "name it to open it")
 
 
 def age(seconds: float) -> str:
