@@ -194,6 +194,24 @@ async def test_each_attempt_names_itself_to_the_server_by_request_id(stream_proc
     assert ids == [f"{engine.run_id}.{agent}.t1.a1", f"{engine.run_id}.{agent}.t1.a2", f"{engine.run_id}.{agent}.t2.a1"]
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream_process", [False, True], ids=["in-process", "stream-worker"])
+async def test_extra_body_carries_a_servers_own_parameters_the_agents_over_its_endpoints(stream_process):
+    async with SimServer(SimSettings(tokens_per_s=2000, ttft_s=0.0)) as srv:
+        engine = Engine(validate({
+            "endpoints": [{"name": "e", "base_url": srv.base_url,
+                           "extra_body": {"top_k": 20, "chat_template_kwargs": {"enable_thinking": False}}}],
+            "agents": [{"name": "plain", "prompt": "p", "max_tokens": 4},
+                       {"name": "eos", "prompt": "p", "max_tokens": 4, "extra_body": {"ignore_eos": True, "top_k": 5}}],
+        }), stream_process=stream_process)
+        assert await engine.run() == 0
+        bodies = {r["agent"]: r["body"] for r in srv.state.requests}
+    assert bodies["plain"]["top_k"] == 20 and bodies["plain"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "ignore_eos" not in bodies["plain"] and bodies["plain"]["max_tokens"] == 4
+    assert bodies["eos"]["top_k"] == 5 and bodies["eos"]["ignore_eos"] is True  # the agent's keys win
+    assert bodies["eos"]["chat_template_kwargs"] == {"enable_thinking": False} and bodies["eos"]["stream"] is True
+
+
 def test_token_deltas_take_the_fast_path():
     """`Conversations._stream` fills each TokenDelta's slots through their descriptors (a third of the cost of
     the dataclass's own __init__, once a token); a change to TokenDelta's fields would turn that off unseen."""

@@ -186,6 +186,23 @@ def test_infinities_in_the_config_are_refused(tmp_path, capsys, table, key, valu
     assert f"{table}.{key}" in err and "finite" in err
 
 
+@pytest.mark.parametrize("where,value,words", [
+    ("agents[0] (a).extra_body", "{ max_tokens = 5 }", "max_tokens: set by the run itself"),
+    ("agents[0] (a).extra_body", "{ stream = false, model = \"x\" }", "model, stream: set by the run itself"),
+    ("agents[0] (a).extra_body", "{ since = 2026-12-01 }", "since: datetime.date(2026, 12, 1) has no JSON form"),
+    ("endpoints[0] (e).extra_body", "{ top_k = nan }", "top_k: nan has no JSON form"),
+    ("endpoints[0] (e).extra_body", "[1, 2]", "valid dictionary"),
+])
+def test_an_extra_body_that_the_run_cannot_send_is_refused(tmp_path, capsys, where, value, words):
+    cfg = tmp_path / "w.toml"
+    endpoint_line = f"extra_body = {value}\n" if where.startswith("endpoints") else ""
+    agent_line = "" if endpoint_line else f"extra_body = {value}\n"
+    cfg.write_text(f'[[endpoints]]\nname = "e"\nbase_url = "http://127.0.0.1:9/v1"\n{endpoint_line}'
+                   f'[[agents]]\nname = "a"\nprompt = "p"\n{agent_line}')
+    err = one_line_exit_2(cli_main(["run", str(cfg)]), capsys.readouterr().err)
+    assert where in err and words in err, err
+
+
 ESTIMATE_BASE = ["estimate", "--model", "llama-3.1-8b", "--gpu", "h100"]
 
 

@@ -8,6 +8,7 @@ settings screen and `config.example.toml` show it.
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 import unicodedata
 from typing import Any, Literal
@@ -50,6 +51,24 @@ def agent_name_problem(name: str) -> str | None:
     if name.split(".")[0].lower() in _RESERVED_NAMES:
         return f"{name.split('.')[0]!r} is a reserved device name on Windows; pick another"
     return None
+
+
+OWN_BODY_KEYS = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+                           "temperature", "tools", "tool_choice"})
+"""A chat request's fields the run sets itself: an `extra_body` may not (an agent's own keys set the rest)."""
+
+
+def _checked_extra_body(value: dict[str, Any]) -> dict[str, Any]:
+    taken = sorted(OWN_BODY_KEYS & value.keys())
+    if taken:
+        raise ValueError(f"{', '.join(taken)}: set by the run itself (an agent's max_tokens, temperature or "
+                         "tool_choice key sets what may be set)")
+    for key, item in value.items():
+        try:
+            json.dumps(item, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: {item!r} has no JSON form (a TOML date or time, or a NaN)") from None
+    return value
 
 
 def _control_char(text: str) -> str | None:
@@ -330,6 +349,13 @@ class EndpointConfig(StallPolicy):
     """Price of a million prompt tokens, in USD, for the cost meters and [run] budget_usd; 0: not priced."""
     price_out_per_mtok: float = Field(default=0.0, ge=0)
     """Price of a million completion tokens, in USD; 0: not priced."""
+    extra_body: dict[str, Any] = {}
+    """Fields added to every chat request's JSON body, for a server's own parameters: e.g. {chat_template_kwargs = {enable_thinking = false}} (Qwen3 on vLLM or SGLang), {top_k = 20}; an agent's extra_body adds to it."""
+
+    @field_validator("extra_body")
+    @classmethod
+    def _extra_body(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _checked_extra_body(value)
 
     @field_validator("session_header")
     @classmethod
@@ -474,6 +500,13 @@ class AgentConfig(_Section):
     """With tools: most model requests one turn may make (each answer that calls tools, and the last); past it the agent fails."""
     tool_choice: str = ""
     """With tools: "" (the server's default), "auto", "required", "none", or "server.tool": that tool is forced at the first request of each turn, and "none" sent after it."""
+    extra_body: dict[str, Any] = {}
+    """Fields added to its chat requests' JSON body, over its endpoint's extra_body (its keys win): e.g. {ignore_eos = true} or {min_tokens = 100} on vLLM."""
+
+    @field_validator("extra_body")
+    @classmethod
+    def _extra_body(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _checked_extra_body(value)
 
     @field_validator("name")
     @classmethod

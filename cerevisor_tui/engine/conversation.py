@@ -352,6 +352,8 @@ class Conversations:
             try:
                 model = await connections.model(ep)
                 body = {
+                    **ep.extra_body,  # a server's own parameters ([[endpoints]] and [[agents]] extra_body)
+                    **st.config.extra_body,
                     "model": model,
                     "messages": messages,
                     "stream": True,

@@ -696,6 +696,7 @@ class Engine:
             "model": ep.model,  # as configured: "" is the first /v1/models lists
             "max_tokens": str(cfg.max_tokens),
             "temperature": str(cfg.temperature),
+            "extra_body": json.dumps({**ep.extra_body, **cfg.extra_body}, sort_keys=True),
         }
 
     def _plan_resume(self) -> dict[str, str]:

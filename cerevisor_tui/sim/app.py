@@ -228,6 +228,7 @@ class _Chat:
                             "stream": bool(body.get("stream")), "authorization": auth,
                             "has_authorization": auth is not None, "agent": agent,
                             "request_id": request.headers.get("x-request-id"),
+                            "body": {k: v for k, v in body.items() if k != "messages"},
                             # what routers read (X-Session-ID and the like); never the key
                             "headers": {k: v for k, v in request.headers.items() if k != "authorization"}})
         if agent:
