@@ -71,6 +71,14 @@ class RemoteStream:
         self.items: collections.deque[tuple[int, Any]] = collections.deque()
         self.waiter: asyncio.Future[None] | None = None
         self.process: asyncio.subprocess.Process | None = None  # the worker process reading it
+        self.sid = 0  # its id with the worker, once open
+
+    def abort(self) -> None:
+        """Have the worker drop the connection now (a kill), as ChatStream.abort does in-process: the cancellation
+        that follows reaches `events` only once it has handed on what is already buffered, and the worker's
+        task only when it next waits; meanwhile the server went on generating."""
+        if self.sid:
+            self.worker.close_stream(self.sid, cancel=True)
 
     def feed(self, kind: int, payload: Any, now: float) -> None:
         self.last_byte_at = now
@@ -82,7 +90,7 @@ class RemoteStream:
 
     async def events(self) -> AsyncIterator[tuple[int, Any]]:
         worker = self.worker
-        sid = await worker.open(self)
+        sid = self.sid = await worker.open(self)
         items = self.items
         ended = False
         try:
@@ -320,6 +328,9 @@ class _Child:
         self.reported.pop(sid, None)
 
     def cancel(self, sid: int) -> None:
+        stream = self.streams.get(sid)
+        if stream is not None:
+            stream.abort()  # the connection goes now, not when the task next waits (ChatStream.abort)
         task = self.tasks.get(sid)
         if task is not None:
             task.cancel()

@@ -114,3 +114,36 @@ async def until(check: Callable[[], bool], timeout_s: float = 15.0) -> bool:
             return True
         await anyio.sleep(0.2)
     return check()
+
+
+class RanToItsEnd:
+    """For a kill test on vLLM: whether the request had already run to its end when the kill was given.
+
+    vLLM (about 1,000 tokens/s here, its threads on both cores) sometimes answers a stream's first token
+    only as the whole answer is done: there is then nothing left to abort, and no abort is logged. Its own
+    figures say so: a request that finished by length, whose end-to-end latency (from its arrival) is
+    shorter than the time from our sending it to our kill. A kill that failed to stop a request still
+    generating reads the other way round (the request ran on for seconds after the kill), and fails.
+    """
+
+    def __init__(self, *servers: ServerProcess) -> None:
+        self.servers = servers
+        self.before = self._figures()
+        self.sent_at = self.killed_at = 0.0
+        self.finished = self.latency_s = 0.0
+
+    def _figures(self) -> tuple[float, float]:
+        return (sum(s.metric("vllm:request_success_total", finished_reason="length") for s in self.servers),
+                sum(s.metric("vllm:e2e_request_latency_seconds_sum") for s in self.servers))
+
+    def skip_if_done_before_the_kill(self) -> None:
+        import pytest
+
+        finished, latency = self._figures()
+        self.finished, self.latency_s = finished - self.before[0], latency - self.before[1]
+        if self.finished == 1 and 0 < self.latency_s < self.killed_at - self.sent_at:
+            pytest.skip(f"vLLM had run the answer to its end before the kill ({self})")
+
+    def __str__(self) -> str:
+        return (f"kill {self.killed_at - self.sent_at:.3f} s after sending; requests that ran to their length: "
+                f"{self.finished:.0f}, their end-to-end latency {self.latency_s:.3f} s")

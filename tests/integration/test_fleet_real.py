@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
 
 from tests.integration import servers
-from tests.integration.checks import engine_for, run_engine, until
+from tests.integration.checks import RanToItsEnd, engine_for, run_engine, until
 from tests.integration.conftest import Pool
 from tests.integration.servers import MODEL, ServerProcess
 from tests.integration.usage_proxy import UsageProxy
@@ -144,8 +145,13 @@ async def test_a_kill_through_the_router_aborts_the_request_on_its_worker(router
         "agents": [{"name": "long", "prompt": "Write a very long story.", "max_tokens": 1900, "retries": 0}],
     })
 
+    ran_out = RanToItsEnd(*replicas)
+
     def on_event(event) -> None:
-        if event.kind == "TokenDelta":
+        if event.kind == "AgentStarted":
+            ran_out.sent_at = event.t
+        elif event.kind == "TokenDelta" and not ran_out.killed_at:
+            ran_out.killed_at = time.monotonic()
             engine.kill("long", "killed by the test")
 
     code, seen = await run_engine(engine, on_event)
@@ -157,8 +163,10 @@ async def test_a_kill_through_the_router_aborts_the_request_on_its_worker(router
     assert len(worker) == 1, f"request {rid} reached {worker}"
     replica = next(r for r in replicas if r.name == worker[0])
     aborted = f"Request chatcmpl-{rid} aborted"
+    if aborted not in replica.log_text():
+        ran_out.skip_if_done_before_the_kill()
     assert await until(lambda: aborted in replica.log_text(), 30), (
-        f"{replica.name} did not log the abort ({aborted!r}):\n{replica.log_tail()}")
+        f"{replica.name} did not log the abort ({aborted!r}; {ran_out}):\n{replica.log_tail()}")
     assert await until(lambda: all(r.metric("vllm:num_requests_running") == 0 for r in replicas), 30)
     assert not re.search(rf"Request chatcmpl-{re.escape(rid)} aborted",
                          next(r for r in replicas if r is not replica).log_text())
