@@ -277,3 +277,21 @@ def test_an_unusable_endpoint_exits_1_with_one_line():
     assert proc.returncode == 1
     assert len(proc.stderr.strip().splitlines()) == 1 and "unreachable" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+@pytest.mark.anyio
+async def test_the_endpoints_extra_body_goes_with_every_probe_request():
+    """A probe measures what the run will send: a Qwen3 endpoint with thinking turned off is probed that way."""
+    from cerevisor_tui.config import AgentConfig
+    from cerevisor_tui.endpoints.probe import probe_conversations
+
+    extra = {"top_k": 3, "chat_template_kwargs": {"enable_thinking": False}}
+    settings = ProbeSettings(max_tokens=8, max_concurrency=4, max_requests=12, extra_body=extra)
+    *_, state = await _probe(SimSettings(max_num_seqs=4, **FAST), settings)
+    bodies = [r["body"] for r in state.requests]
+    async with SimServer(SimSettings(**FAST)) as srv, build_client(4) as client:
+        agents = [AgentConfig(name=f"a{i}", prompt=f"task {i}", turns=["go on"], max_tokens=8) for i in range(4)]
+        await probe_conversations(client, srv.base_url, agents, settings=settings, save=False)
+        bodies += [r["body"] for r in srv.state.requests]
+    assert len(bodies) > 12 and all(b["top_k"] == 3 and b["chat_template_kwargs"] == {"enable_thinking": False}
+                                    and b["stream"] is True for b in bodies)

@@ -33,9 +33,11 @@ class _Target:
     the agents whose conversations to replay."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, model: str | None = None,
-                 sim: SimSettings | None = None, label: str = "", agents: list[AgentConfig] | None = None) -> None:
+                 sim: SimSettings | None = None, label: str = "", agents: list[AgentConfig] | None = None,
+                 extra_body: dict[str, Any] | None = None) -> None:
         self.base_url, self.api_key, self.model, self.sim, self.label = base_url, api_key, model, sim, label
         self.agents = agents or []
+        self.extra_body = extra_body or {}  # the endpoint's own request parameters, sent as the run sends them
         self.note = ""  # said on stderr once the probe starts
 
 
@@ -55,6 +57,7 @@ def main(args: Any) -> int:
             max_seconds=max_seconds if max_seconds is not None else (
                 CONVERSATION_MAX_SECONDS if conversation else SINGLE_TURN_MAX_SECONDS),
             level_s=getattr(args, "level_seconds", ProbeSettings.level_s),
+            extra_body=target.extra_body,
         )
     except (ConfigError, ValueError) as exc:
         print(f"{PROG}: error: {_flag_text(exc)}", file=sys.stderr)
@@ -123,10 +126,11 @@ def _endpoint_target(args: Any, ep: EndpointConfig, label: str, agents: list[Age
     model = args.model or ep.model or None
     key_env = args.api_key_env or ep.api_key_env
     if ep.kind == "simulated" and not ep.base_url:
-        return _Target("", model=model, sim=ep.sim, label=f"{label} (built-in simulator)", agents=agents)
+        return _Target("", model=model, sim=ep.sim, label=f"{label} (built-in simulator)", agents=agents,
+                       extra_body=ep.extra_body)
     url = _normalize(ep.base_url)
     key = _key(key_env, url, allow_insecure=ep.allow_insecure_http) if key_env else None
-    return _Target(url, api_key=key, model=model, label=label, agents=agents)
+    return _Target(url, api_key=key, model=model, label=label, agents=agents, extra_body=ep.extra_body)
 
 
 def _agents(n: int) -> str:

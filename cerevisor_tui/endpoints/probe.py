@@ -80,6 +80,7 @@ class ProbeSettings(KneeSettings):
     # conversation mode
     min_conversations: int = 4  # a level runs max(this, its concurrency) conversations
     turn_max_tokens: int | None = None  # caps each turn's answer; None: each agent's own max_tokens
+    extra_body: dict[str, Any] = field(default_factory=dict)  # the endpoint's own request parameters (config)
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
@@ -341,7 +342,7 @@ async def probe_conversations(
         session_id = f"probe-{probe_id}-{c}-{i + 1}"  # a router keeps the conversation on one server
         for n, user in enumerate((first, *shape.turns)):
             messages = [*messages, {"role": "user", "content": user}]
-            body = {"model": result.model, "messages": messages, "stream": True,
+            body = {**settings.extra_body, "model": result.model, "messages": messages, "stream": True,
                     "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
                     "temperature": shape.temperature}
             headers = {"X-Session-ID": session_id, "X-Request-ID": f"{session_id}-{n + 1}"}
@@ -433,7 +434,8 @@ def _short_requests(client: httpx.AsyncClient, session: _Session,
     result = session.result
 
     async def one(max_tokens: int) -> _Request:
-        body = {"model": result.model, "messages": [{"role": "user", "content": PROMPT.format(n=next(counter))}],
+        body = {**session.settings.extra_body, "model": result.model,
+                "messages": [{"role": "user", "content": PROMPT.format(n=next(counter))}],
                 "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens}
         req = await _send(client, endpoint, session.url, body, session.settings.request_timeout_s)
         result.total_requests += 1

@@ -427,7 +427,8 @@ class Engine:
         if endpoint not in self.connections.clients:
             raise EndpointError(endpoint, "the run is not open: probe it with `cerevisor-tui probe URL`")
         ep = self.endpoints[endpoint]
-        settings = ProbeSettings(max_concurrency=max_concurrency or max(2, ep.max_concurrency))
+        settings = ProbeSettings(max_concurrency=max_concurrency or max(2, ep.max_concurrency),
+                                 extra_body=ep.extra_body)
         # shaped like this endpoint's agents (their prompts, turns, growing conversations); none: single requests
         agents = [st.config for st in self._agents_on.get(endpoint, ())]
         return await probe_conversations(
