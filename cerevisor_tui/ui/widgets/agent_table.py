@@ -59,6 +59,7 @@ STATUS_WIDTH, STATUS_WIDTH_MAX = 9, 20
 wide as that, up to 20 where the pane has room, for the rest of the run: the columns never jump back and forth."""
 STATUS_WANTED = {"approval": len("needs approval"), "tool": STATUS_WIDTH_MAX}
 
+STATUS_COLUMN = [key for key, _, _ in COLUMNS].index("status")
 RIGHT = frozenset({"wave", "turn", "ttft", "rate", "tokens", "stall"})
 NAME_MIN = 16
 """In a narrow pane the agent column gives up cells down to this (names are cut with an ellipsis) so
@@ -95,6 +96,7 @@ class AgentRow:
     note: str
     status_role: str  # a theme colour name for the status cell
     level: str  # stall level of the row: NORMAL | WARN | CRITICAL
+    tool: tuple[str, float] | None = None  # a running tool call (name, elapsed): drawn fitted to the column's width
 
     def texts(self) -> list[str]:
         """The cells' text in column order."""
@@ -147,6 +149,7 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         agent=st.name, wave=str(st.wave + 1), status=label, turn=turn,
         ttft=fmt_seconds(st.ttft_s), rate=fmt_rate(rate), tokens=fmt_count(st.tokens) if st.tokens else "-",
         stall=clock.label if clock else "", note=note, status_role=role, level=level,
+        tool=(call.tool, now - call.t) if call is not None else None,
     )
 
 
@@ -508,6 +511,8 @@ class AgentTable(ScrollView, can_focus=True):
             texts, styles = [name, *[""] * (len(COLUMNS) - 1)], [Style()] * len(COLUMNS)
         else:
             texts = row.texts()
+            if row.tool is not None:  # fitted to the column as it is now: the row may predate the pane's size
+                texts[STATUS_COLUMN] = tool_status(*row.tool, self._status_cells)
             level = ""
             if row.level == WARN:
                 level = "stall-warn"
