@@ -107,7 +107,9 @@ async def test_vllm_auto_backs_off_to_what_runs_when_requests_wait(vllm_pressure
 
 @pytest.mark.anyio
 async def test_llama_auto_settles_at_its_slot_count(llama: ServerProcess):
-    agents = [{"name": f"l{i}", "prompt": f"Tell story {i}.", "turns": ["Go on."], "max_tokens": 48, "retries": 0}
+    # 400-token answers: the tiny model streams 3,000-4,500 tokens/s alone on this VM, and with 48 the whole run
+    # ended in about a second, at cap 2, before slow start had the samples to go on
+    agents = [{"name": f"l{i}", "prompt": f"Tell story {i}.", "turns": ["Go on."], "max_tokens": 400, "retries": 0}
               for i in range(24)]
     engine = engine_for(auto_config(llama.base_url, "llama", agents))
     code, seen = await run_engine(engine, timeout_s=500)
