@@ -292,7 +292,7 @@ def build_app(setup: ConsoleSetup, runs: ConsoleRuns, engine: Engine, last: Last
         offer = ResumeOffer(last.run_id, last.done, last.total,
                             lambda config: run_handle(runs.resume(last, config)))
     handle = run_handle(engine)
-    return CerevisorApp(handle.control, handle.mirror, setup.config, run=handle.run, simulated=setup.simulated,
+    return CerevisorApp(handle.control, handle.mirror, setup.config, run=handle.run,
                         config_path=setup.config_path, save_path=setup.save_path, save_template=setup.save_template,
                         resume_offer=offer, **kwargs)
 
@@ -373,7 +373,7 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
     else:
         on_app = apps.append
     code = open_console(run_dir, live=True, args=args, config=setup.config, config_path=setup.config_path,
-                        simulated=setup.simulated, save_path=setup.save_path, save_template=setup.save_template,
+                        save_path=setup.save_path, save_template=setup.save_template,
                         resume_offer=offer, on_app=on_app, starting=starting, **app_options)
     for followed in (run_dir, last.run_dir if last is not None else None):
         info = run_info(followed) if followed is not None else None

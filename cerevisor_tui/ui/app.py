@@ -81,7 +81,6 @@ class CerevisorApp(App[int]):
         config: Config,
         *,
         run: Runner | None = None,
-        simulated: bool = False,
         config_path: Path | None = None,
         save_path: Path | None = None,
         save_template: str | None = None,
@@ -105,7 +104,6 @@ class CerevisorApp(App[int]):
         self.mirror = mirror
         self._run = run
         self.config = config
-        self.simulated = simulated
         self.config_path = config_path
         self.save_path = save_path or config_path
         self.save_template = save_template

@@ -43,7 +43,7 @@ def console(config: Config, *, stream_process: bool = False, start_engine: bool 
     if not start_engine:
         engine.emit(engine.started_event(time.monotonic()))
     return CerevisorApp(handle.control, handle.mirror, config, run=handle.run if start_engine else None,
-                        simulated=True, themes=load_themes(None), **kwargs)
+                        themes=load_themes(None), **kwargs)
 
 
 def engine_of(app: CerevisorApp) -> Engine:

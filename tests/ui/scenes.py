@@ -177,7 +177,7 @@ def build(scene: str) -> CerevisorApp:
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
     engine.models["sim"] = "sim-model"
     handle = run_handle(engine)
-    app = CerevisorApp(handle.control, handle.mirror, config, simulated=True, clock=lambda: NOW,
+    app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW,
                        themes=load_themes(None))
     d = Driver(engine, app)
     d.run_started()
@@ -232,7 +232,7 @@ def build_auto() -> CerevisorApp:
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
     engine.models["sim"] = "sim-model"
     handle = run_handle(engine)
-    app = CerevisorApp(handle.control, handle.mirror, config, simulated=True, clock=lambda: NOW,
+    app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW,
                        themes=load_themes(None))
     d = Driver(engine, app)
     d.run_started()

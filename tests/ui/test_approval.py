@@ -213,7 +213,7 @@ def tools_scene() -> CerevisorApp:
     })
     engine = Engine(config, run_id="20260101-120000-tools", run_dir="/runs/20260101-120000-tools")
     handle = run_handle(engine)
-    app = CerevisorApp(handle.control, handle.mirror, config, simulated=True, clock=lambda: NOW,
+    app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW,
                        themes=load_themes(None))
     engine.emit(engine.started_event(T0))
     engine.emit(ev.WaveStarted(T0, 0, agents))

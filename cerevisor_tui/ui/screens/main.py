@@ -129,7 +129,7 @@ class MainScreen(Screen):
         mirror.sample(now)
         table = self.table
         table.sync(mirror, now)  # first: the header counts the amber and red rows it found
-        self.query_one(RunHeader).sync(mirror, now, simulated=app.simulated, error=app.engine_error,
+        self.query_one(RunHeader).sync(mirror, now, error=app.engine_error,
                                        amber=table.amber, red=table.red)
         self._update_agents_subtitle()
         load = self.query_one(LoadPane)

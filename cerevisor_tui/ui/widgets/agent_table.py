@@ -96,11 +96,15 @@ class AgentRow:
     note: str
     status_role: str  # a theme colour name for the status cell
     level: str  # stall level of the row: NORMAL | WARN | CRITICAL
-    tool: tuple[str, float] | None = None  # a running tool call (name, elapsed): drawn fitted to the column's width
+    tool: tuple[str, float] | None = None  # a running tool call (name, elapsed): its status fits the column
 
-    def texts(self) -> list[str]:
-        """The cells' text in column order."""
-        return [getattr(self, key) for key, _, _ in COLUMNS]
+    def texts(self, status_cells: int = STATUS_WIDTH_MAX) -> list[str]:
+        """The cells' text in column order; a running tool call's status fitted in `status_cells` (the column as
+        it is when drawn: a row may predate the pane's size)."""
+        texts = [getattr(self, key) for key, _, _ in COLUMNS]
+        if self.tool is not None:
+            texts[STATUS_COLUMN] = tool_status(*self.tool, status_cells)
+        return texts
 
 
 def agent_clock(st: AgentView, warn_at: tuple[float, ...], now: float) -> Countdown | None:
@@ -115,9 +119,9 @@ def agent_clock(st: AgentView, warn_at: tuple[float, ...], now: float) -> Countd
 
 
 def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
-              keepalive_at: float | None = None, status_width: int = STATUS_WIDTH_MAX) -> AgentRow:
-    """`keepalive_at`: when the agent's stream last carried a keep-alive (bytes without a token); `status_width`:
-    the cells a running tool call's `tool: NAME 3.2s` is fitted in (its name is cut, never its time)."""
+              keepalive_at: float | None = None) -> AgentRow:
+    """`keepalive_at`: when the agent's stream last carried a keep-alive (bytes without a token). A running tool
+    call's `tool: NAME 3.2s` is fitted to the status column when drawn (its name is cut, never its time)."""
     call = st.tool if st.status == "tool" else None
     clock = agent_clock(st, warn_at, now)
     level = clock.level if clock else NORMAL
@@ -144,7 +148,7 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         note = f"{note} · {quiet}" if note else quiet
     turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
-    label = tool_status(call.tool, now - call.t, status_width) if call is not None else STATUS_LABELS.get(status, status)
+    label = "tool" if call is not None else STATUS_LABELS.get(status, status)
     return AgentRow(
         agent=st.name, wave=str(st.wave + 1), status=label, turn=turn,
         ttft=fmt_seconds(st.ttft_s), rate=fmt_rate(rate), tokens=fmt_count(st.tokens) if st.tokens else "-",
@@ -321,8 +325,7 @@ class AgentTable(ScrollView, can_focus=True):
                 self._status_width = wanted
                 self._layout()
                 self.refresh()
-            row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name),
-                            self._status_cells)
+            row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name))
             if row.level == WARN:
                 amber += 1
             elif row.level == CRITICAL:
@@ -402,7 +405,7 @@ class AgentTable(ScrollView, can_focus=True):
     def row_texts(self, agent: str) -> list[str]:
         """The agent's cells as shown, in column order (empty before the first sync)."""
         row = self._rows.get(agent)
-        return row.texts() if row else []
+        return row.texts(self._status_cells) if row else []
 
     @property
     def row_count(self) -> int:
@@ -510,9 +513,7 @@ class AgentTable(ScrollView, can_focus=True):
         if row is None:
             texts, styles = [name, *[""] * (len(COLUMNS) - 1)], [Style()] * len(COLUMNS)
         else:
-            texts = row.texts()
-            if row.tool is not None:  # fitted to the column as it is now: the row may predate the pane's size
-                texts[STATUS_COLUMN] = tool_status(*row.tool, self._status_cells)
+            texts = row.texts(self._status_cells)
             level = ""
             if row.level == WARN:
                 level = "stall-warn"

@@ -90,7 +90,7 @@ class RunHeader(Static):
         if shown is not None and shown.width != self.content_size.width:
             self._draw(replace(shown, width=self.content_size.width))
 
-    def sync(self, mirror: RunMirror, now: float, *, simulated: bool, error: str = "", amber: int = 0,
+    def sync(self, mirror: RunMirror, now: float, *, error: str = "", amber: int = 0,
              red: int = 0) -> bool:
         """Redraw if anything shown changed; returns whether it did. `amber`, `red`: agents whose countdown is
         that colour (the agents table counts them as it draws their rows)."""
@@ -112,8 +112,8 @@ class RunHeader(Static):
                          for ep in endpoints),
             models=tuple(ep.model for ep in endpoints),
             wheres=tuple(ep.kind if ep.kind == "simulated" else ep.base_url for ep in endpoints),
-            # the run's own endpoints say so too: a console attached to it knows no config
-            simulated=simulated or any(ep.kind == "simulated" for ep in endpoints), finished=mirror.finished is not None, stopping=mirror.stopping, error=error,
+            simulated=any(ep.kind == "simulated" for ep in endpoints),  # the run's own endpoints, config or not
+            finished=mirror.finished is not None, stopping=mirror.stopping, error=error,
             ceiling=mirror.auto_ceiling if auto else None,
             last_reason=reason_text(last.endpoint, last.reason) if last is not None else "",
             width=self.content_size.width, inbox=len(mirror.inbox), amber=amber, red=red,
