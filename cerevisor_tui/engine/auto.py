@@ -316,7 +316,8 @@ class AutoController:
             self._calm = 0
             self._probe_from = cap
             new = min(upper, cap + max(1, cap // 4))
-            return self._to(new, f"probing upward: {tp:,.0f} tok/s at {cap}, {w.queue_text()}{kv}")
+            return self._to(new, f"probing upward: {tp:,.0f} tok/s at {cap}, {w.queue_text()}{kv}"
+                                 + self._fit_note(s, fit, new))
         return None
 
     # ---- helpers ----------------------------------------------------------------------------------
