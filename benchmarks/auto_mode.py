@@ -97,9 +97,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine import connections, conversation, monitor, watchdog
 from cerevisor_tui.engine import engine as engine_module
-from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import ProfileError, SimServer, resolve
 

@@ -339,9 +339,11 @@ class AttachedRun:
         return [self.pid, *child_pids(self.pid)]
 
     async def stop(self, mirror: Any) -> None:
+        from cerevisor_tui.contract.commands import Stop
+
         if self.client is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.client.command("stop", reason="benchmark over"), 10)
+                await asyncio.wait_for(self.client.command(Stop(reason="benchmark over")), 10)
         for _ in range(150):
             if mirror.finished is not None or not alive(self.pid):
                 break

@@ -2,23 +2,26 @@
 
 The same events (a synthetic run's, mostly TokenDelta) go
 - (a) in-process: to a RunMirror called directly, as the in-process console's engine calls it;
-- (b) over the socket: ControlServer (its subscriber call: the answer-so-far bookkeeping, to_dict, JSON
-  line) -> its writes to a Unix socket -> ControlClient (readline, JSON line to dict, dict to event) ->
+- (b) over the socket: ControlServer (its subscriber call: the event's JSON line, msgspec straight from the
+  Struct) -> its writes to a Unix socket -> ControlClient (readline, the line decoded into its typed message) ->
   RunMirror, the server and the client each in a process of its own, as `run --detach` and `attach` are.
 Each side's CPU is its own process's `time.process_time()` over the events, so the figures are per
 CPU-second and move little with the machine's load; wall time moves with it. The cases run in fresh
 processes, interleaved over --rounds, and the script prints medians and ratios.
 
     python benchmarks/event_channel.py                    # 60,000 events, 5 rounds (about 1 minute)
-    python benchmarks/event_channel.py --events 20000 --rounds 3 --codec shipped,json,msgspec-dict
+    python benchmarks/event_channel.py --events 20000 --rounds 3 --codec shipped,dict
 
 The server emits the events `--batch` at a time, one batch per loop iteration (the engine emits what one
 network read of each stream carried, and the server writes what a loop iteration emitted as one write).
-`--codec` compares ways to write and read the event lines: `shipped` (supervisor/server.py's event_line
-and client.py's read_event: a TokenDelta straight from and to its dataclass with msgspec, the other kinds
-as before), `json` (before that: to_dict, json.dumps, json.loads, from_dict for every event) and
-`msgspec-dict` (msgspec's encoder and decoder in place of json's, to_dict and from_dict kept). All three
-write the same JSON lines (protocol.py).
+`--codec` compares ways to write and read the event lines: `shipped` (contract/wire.py: msgspec encodes
+each event Struct and decodes each line into its typed message, fields checked) and `dict` (the same lines
+through to_dict, json.dumps, json.loads and `events.event_of`, the typed check kept). Both write the same
+JSON lines.
+
+Measured (2 cores, 60,000 events, 5 rounds, medians): before the contract package, when events were
+dataclasses and only TokenDelta lines took msgspec, the socket cost 14.5 us of CPU an event (server and
+client together). The figures of the contract package are in the README's benchmark table.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def make_events(n: int, agents: int, tokens_per_delta: int = 8, deltas_per_turn:
     user's message recorded, FirstToken, `deltas_per_turn` TokenDeltas of `tokens_per_delta` tokens each,
     TurnFinished and the assistant's message recorded (the whole answer), the agents interleaved a step at
     a time; every 2,048 events a ServerSample and a LoadChanged of the endpoint."""
-    from cerevisor_tui.engine import events as ev
+    from cerevisor_tui.contract import events as ev
 
     names = [f"agent-{i:03d}" for i in range(agents)]
     stall = {"first_byte_timeout_s": 60.0, "idle_timeout_s": 30.0, "liveness": "tokens", "warn_at": [0.5, 0.8]}
@@ -92,29 +95,25 @@ def make_events(n: int, agents: int, tokens_per_delta: int = 8, deltas_per_turn:
 
 def use_codec(codec: str) -> None:
     """Put the codec's event line writer and reader in the server's and the client's modules (what they call)."""
-    from cerevisor_tui.engine import events as ev
-    from cerevisor_tui.supervisor import client, protocol, server
+    import msgspec
+
+    from cerevisor_tui.contract import events as ev
+    from cerevisor_tui.contract import wire
+    from cerevisor_tui.supervisor import client, server
 
     if codec == "shipped":
         return
-    if codec == "json":  # before msgspec: every event through to_dict, json.dumps, json.loads and from_dict
-        def event_line(event: Any) -> bytes:
-            return protocol.encode({"type": "event", "event": event.to_dict()})
 
-        def read_event(line: bytes) -> Any:
-            return ev.from_dict(protocol.decode(line).get("event") or {})
-    else:  # msgspec-dict: msgspec in place of json.dumps and json.loads, to_dict and from_dict as before
-        import msgspec
+    def event_line(event: Any) -> bytes:  # dict: every event through to_dict and json.dumps
+        return json.dumps({"type": "event", "event": event.to_dict()}, separators=(",", ":")).encode() + b"\n"
 
-        encode, decode = msgspec.json.Encoder().encode, msgspec.json.Decoder().decode
+    def read_server(line: bytes) -> Any:  # and back through json.loads and event_of
+        data = json.loads(line)
+        if data.get("type") == "event":
+            return wire.EventMessage(ev.event_of(data["event"]))
+        return msgspec.convert(data, wire.ServerMessage)
 
-        def event_line(event: Any) -> bytes:
-            return encode({"type": "event", "event": event.to_dict()}) + b"\n"
-
-        def read_event(line: bytes) -> Any:
-            return ev.from_dict(decode(line).get("event") or {})
-
-    server.event_line, client.read_event = event_line, read_event  # type: ignore[attr-defined]
+    server.event_line, client.read_server = event_line, read_server  # type: ignore[attr-defined]
 
 
 # ---- the three processes ------------------------------------------------------------------------------
@@ -142,8 +141,8 @@ async def run_server(args: argparse.Namespace) -> dict[str, Any]:
     started, events = make_events(args.events, args.agents)
     got_done = asyncio.Event()
 
-    def dispatch(name: str, command_args: dict[str, Any]) -> Any:
-        if name == "done":  # the client has taken in every event
+    def dispatch(command: Any) -> Any:
+        if command.name == "pause":  # the client has taken in every event
             got_done.set()
         return None
 
@@ -176,6 +175,7 @@ async def run_server(args: argparse.Namespace) -> dict[str, Any]:
 
 async def run_client(args: argparse.Namespace) -> dict[str, Any]:
     """(b), the console's side: a ControlClient feeding a RunMirror, until every event has come."""
+    from cerevisor_tui.contract.commands import Pause
     from cerevisor_tui.supervisor.client import ControlClient
     from cerevisor_tui.ui.mirror import RunMirror
 
@@ -196,7 +196,7 @@ async def run_client(args: argparse.Namespace) -> dict[str, Any]:
         if seen[0] == want:
             marks["cpu"] = time.process_time() - marks["cpu0"]
             marks["sys"] = os.times().system - marks["sys0"]
-            client.send("done")
+            client.send(Pause())
 
     await client.run(on_event)
     if seen[0] != want:
@@ -258,9 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=256, help="agents whose events interleave (default 256)")
     parser.add_argument("--batch", type=int, default=16, help="events the server is given per loop iteration")
     parser.add_argument("--rounds", type=int, default=5, help="rounds, each case in fresh processes (default 5)")
-    parser.add_argument("--codec", default="shipped,json",
-                        help="the ways to write and read event lines compared, comma-separated: shipped, json, "
-                        "msgspec-dict (default shipped,json)")
+    parser.add_argument("--codec", default="shipped,dict",
+                        help="the ways to write and read event lines compared, comma-separated: shipped, dict "
+                        "(default shipped,dict)")
     parser.add_argument("--events-per-s", type=float, default=2560,
                         help="the event rate the summary prices the channel at (default 2,560: what console_load.py "
                         "measured over the socket at 256 agents and 21,500 tokens/s)")
@@ -275,13 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         return child(args)
 
     codecs = [c.strip() for c in args.codec.split(",") if c.strip()]
-    if not codecs or any(c not in ("shipped", "json", "msgspec-dict") for c in codecs):
-        parser.error("--codec: shipped, json or msgspec-dict, comma-separated")
+    if not codecs or any(c not in ("shipped", "dict") for c in codecs):
+        parser.error("--codec: shipped or dict, comma-separated")
     _, sample = make_events(min(args.events, 20_000), args.agents)
     deltas = sum(1 for e in sample if e.kind == "TokenDelta")
-    from cerevisor_tui.supervisor.protocol import encode
+    from cerevisor_tui.contract.wire import event_line
 
-    line_bytes = statistics.fmean(len(encode({"type": "event", "event": e.to_dict()})) for e in sample)
+    line_bytes = statistics.fmean(len(event_line(e)) for e in sample)
     print(f"event channel: {args.events:,} events of {args.agents} agents ({deltas / len(sample):.0%} TokenDelta, "
           f"{line_bytes:.0f} bytes a line on average), {args.batch} a loop iteration; {args.rounds} rounds; "
           f"codecs {', '.join(codecs)}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}", flush=True)

@@ -186,7 +186,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "  cerevisor-tui estimate --model qwen3-32b --gpu h100 --cpu-offload-gib 200 --context 16384\n"
         "  cerevisor-tui estimate --list\n\n"
         "--kv-memory-gib is per GPU, as vLLM logs it ('Available KV cache memory: X GiB'); the tokens printed\n"
-        "then match vLLM's own 'GPU KV cache size: N tokens'. See DESIGN.md section 6 for the zones.",
+        "then match vLLM's own 'GPU KV cache size: N tokens'. README's \"Capacity\" section explains the zones.",
         formatter_class=_formatter,
     )
     model = est.add_mutually_exclusive_group(required=True)

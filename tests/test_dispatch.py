@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.printer import Printer
 from cerevisor_tui.engine.report import Report
 from cerevisor_tui.ui.mirror import RunMirror
@@ -17,7 +17,7 @@ from cerevisor_tui.ui.model import UiModel
 def test_each_handler_method_names_an_event_kind(cls, prefixes):
     named = [(prefix, name[len(prefix):]) for name in dir(cls) for prefix in prefixes if name.startswith(prefix)]
     assert named, f"{cls.__name__} has no {prefixes} methods"
-    unknown = [prefix + kind for prefix, kind in named if kind not in ev.ALL_EVENTS]
+    unknown = [prefix + kind for prefix, kind in named if kind not in {cls.kind for cls in ev.EVENT_TYPES}]
     assert not unknown, f"{cls.__name__}: {unknown} name no event kind"
 
 

@@ -210,11 +210,3 @@ async def test_extra_body_carries_a_servers_own_parameters_the_agents_over_its_e
     assert "ignore_eos" not in bodies["plain"] and bodies["plain"]["max_tokens"] == 4
     assert bodies["eos"]["top_k"] == 5 and bodies["eos"]["ignore_eos"] is True  # the agent's keys win
     assert bodies["eos"]["chat_template_kwargs"] == {"enable_thinking": False} and bodies["eos"]["stream"] is True
-
-
-def test_token_deltas_take_the_fast_path():
-    """`Conversations._stream` fills each TokenDelta's slots through their descriptors (a third of the cost of
-    the dataclass's own __init__, once a token); a change to TokenDelta's fields would turn that off unseen."""
-    from cerevisor_tui.engine.conversation import token_delta_fast_path
-
-    assert token_delta_fast_path()

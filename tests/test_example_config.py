@@ -1,4 +1,4 @@
-"""config.example.toml documents every config key (DESIGN, section 4): a new key without its line there fails here."""
+"""config.example.toml documents every config key (README and ARCHITECTURE.md): a new key without its line there fails here."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.config import SimSettings
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.printer import Printer
 from cerevisor_tui.sim import start_in_thread
 from tests.conftest import RawServer, http_head

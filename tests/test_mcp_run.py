@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from cerevisor_tui.contract.commands import Approve
 from tests.test_tools import kinds, run, workflow
 from tests.test_tools_permissions import waiter
 
@@ -68,11 +69,11 @@ async def test_a_resumed_run_never_repeats_a_recorded_call_and_keeps_for_the_run
                     server={"allow": [], "ask": ["note"]})
 
     async def approve_for_run(engine, seen):
-        from cerevisor_tui.engine.control import LocalControl, apply
+        from cerevisor_tui.contract.commands import command_of
 
         await waiter(engine, seen, lambda e: e.kind == "ApprovalRequested").wait()
         e = kinds(seen, "ApprovalRequested")[0]
-        apply(LocalControl(engine), "approve", {"agent": e.agent, "call_id": e.call_id, "scope": "run"})
+        engine.handle(command_of({"name": "approve", "agent": e.agent, "call_id": e.call_id, "scope": "run"}))
 
     engine, seen, code = await run(data, run_dir, ask="operator", during=approve_for_run)
     assert code == 1 and "max_steps (2) reached" in kinds(seen, "AgentFinished")[0].error
@@ -148,7 +149,7 @@ async def test_a_detached_run_waits_for_a_console_to_approve_over_its_control_so
     reading = asyncio.ensure_future(client.run(on_event))
     try:
         request = await asyncio.wait_for(asked, 60)  # it waits: a detached run has a console to ask
-        assert await client.command("approve", agent=request.agent, call_id=request.call_id, scope="once") == "once"
+        assert await client.command(Approve(agent=request.agent, call_id=request.call_id, scope="once")) == "once"
         await asyncio.wait_for(ended.wait(), 60)
     finally:
         await client.close()

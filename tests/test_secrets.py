@@ -158,7 +158,7 @@ def test_scrubbing_costs_nothing_without_a_key():
 
 def test_a_key_in_an_event_field_is_scrubbed_by_emit(monkeypatch):
     from cerevisor_tui.config import validate
-    from cerevisor_tui.engine import events as ev
+    from cerevisor_tui.contract import events as ev
     from cerevisor_tui.engine.engine import Engine
 
     key = canary()

@@ -11,7 +11,7 @@ import pytest
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.sim import ProfileError, SimServer, resolve
 from cerevisor_tui.sim.kv import KvCache, KvHold
-from cerevisor_tui.sim.scheduler import Engine, EngineParams, Sequence
+from cerevisor_tui.sim.scheduler import BatchEngine, EngineParams, Sequence
 from cerevisor_tui.sim.text import block_hashes
 
 
@@ -70,7 +70,7 @@ def test_admission_refuses_what_does_not_fit_and_grow_reports_full():
 @pytest.mark.anyio
 async def test_engine_queues_when_full_and_preempts_to_grow():
     kv = KvCache(num_blocks=16, block_size=4)
-    eng = Engine(EngineParams(speed=1000.0, tokens_per_s=100.0, ttft_s=0.0, max_num_seqs=64), kv)
+    eng = BatchEngine(EngineParams(speed=1000.0, tokens_per_s=100.0, ttft_s=0.0, max_num_seqs=64), kv)
     seqs = [Sequence(prompt_tokens=8, hashes=block_hashes(prompt(f"s{i}", 2), 4), max_tokens=24,
                      notify_each_token=False) for i in range(8)]
     for s in seqs:

@@ -1,4 +1,4 @@
-"""The two-deadline stall watchdog, at test scale over real loopback HTTP (DESIGN section 5)."""
+"""The two-deadline stall watchdog, at test scale over real loopback HTTP."""
 
 from __future__ import annotations
 

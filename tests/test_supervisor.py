@@ -18,12 +18,14 @@ from typing import Any
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import commands as cmd
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract.wire import PROTOCOL, Hello, encode
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.journal import Journal
 from cerevisor_tui.sim import SimServer
 from cerevisor_tui.supervisor.client import AttachError, CommandFailed, ControlClient
-from cerevisor_tui.supervisor.protocol import PROTOCOL, encode, socket_of
+from cerevisor_tui.supervisor.protocol import socket_of
 from cerevisor_tui.supervisor.server import ControlServer
 
 pytestmark = pytest.mark.anyio
@@ -33,17 +35,6 @@ AS_NOBODY = ("import socket, sys, os; os.setgid(65534); os.setuid(65534); s = so
              "try: s.connect(sys.argv[1])\nexcept PermissionError: print('denied'); sys.exit()\n"
              "print(s.makefile().readline())")
 """A client of uid 65534 (nobody): prints 'denied' when it cannot connect, else the server's first line."""
-
-
-def dispatch_for(engine: Engine):
-    commands = {"set_mode": engine.set_mode, "stop": engine.stop, "pause": engine.pause}
-
-    def dispatch(name: str, args: dict[str, Any]) -> Any:
-        if name not in commands:
-            raise ValueError(f"unknown command {name!r}")
-        return commands[name](**args)
-
-    return dispatch
 
 
 async def until(condition, what: str, timeout: float = 60.0) -> None:
@@ -73,7 +64,7 @@ class Run:
         self.journal = Journal(run_dir, self.engine.report)
         self.journal.open()
         self.engine.subscribe(self.journal)
-        self.server = ControlServer(run_dir, "r1", dispatch_for(self.engine), in_flight=self.engine.in_flight)
+        self.server = ControlServer(run_dir, "r1", self.engine.handle, in_flight=self.engine.in_flight)
         self.run_dir = run_dir
 
     async def __aenter__(self) -> Run:
@@ -96,7 +87,7 @@ async def test_a_client_attached_mid_run_gets_the_past_then_every_event_once(tmp
             run.engine.subscribe(lambda e: tokens.append(e) if e.kind == "TokenDelta" else None)
             await until(lambda: len(tokens) > 20, "tokens to flow")
             client = await ControlClient.connect(run.run_dir)
-            assert client.hello["protocol"] == PROTOCOL and client.hello["run_id"] == "r1"
+            assert client.hello.protocol == PROTOCOL and client.hello.run_id == "r1"
             seen: list[Any] = []
             reader = asyncio.ensure_future(client.run(seen.append))
             await asyncio.wait_for(asyncio.shield(run.task), 60)
@@ -124,16 +115,16 @@ async def test_commands_reply_and_every_client_sees_their_events(tmp_path: Path)
             seen_one: list[Any] = []
             seen_two: list[Any] = []
             readers = [asyncio.ensure_future(one.run(seen_one.append)), asyncio.ensure_future(two.run(seen_two.append))]
-            assert await one.command("set_mode", mode="sequential") is None
+            assert await one.command(cmd.SetMode(mode="sequential")) == "sequential"
             await until(lambda: any(e.kind == "ModeChanged" and e.mode == "sequential" for e in seen_two),
                         "the other client to see the mode change")
-            with pytest.raises(CommandFailed, match="unknown command 'explode'"):
-                await two.command("explode")
-            with pytest.raises(CommandFailed, match="unknown mode"):
-                await two.command("set_mode", mode="warp")
+            with pytest.raises(CommandFailed, match="no agent named 'nobody'"):
+                await two.command(cmd.Kill(agent="nobody"))
+            with pytest.raises(CommandFailed, match="Invalid enum value 'warp' - at `mode`"):
+                await two.command(cmd.SetMode(mode="warp"))  # type: ignore[arg-type]
             assert not any(e.kind == "RunStarted" for e in seen_two)  # replay: false
             assert any(e.kind == "RunStarted" for e in seen_one)
-            await one.command("stop", reason="stopped from a client")
+            await one.command(cmd.Stop(reason="stopped from a client"))
             await asyncio.wait_for(asyncio.shield(run.task), 30)
         for reader in readers:
             assert await asyncio.wait_for(reader, 10) == "the run ended"
@@ -146,10 +137,15 @@ async def test_the_socket_is_the_owners_alone_and_speaks_one_protocol(tmp_path: 
             path = socket_of(run.run_dir)
             assert stat.S_IMODE(path.stat().st_mode) == 0o600
             reader, writer = await asyncio.open_unix_connection(str(path))
-            writer.write(encode({"type": "hello", "protocol": PROTOCOL + 1}))
+            writer.write(b'{"type":"hello","protocol":1,"replay":true}\n')  # version 1's hello
             answer = json.loads(await reader.readline())
-            assert answer["type"] == "bye" and f"protocol {PROTOCOL}" in answer["reason"]
+            assert answer["type"] == "bye" and answer["reason"] == f"this run speaks protocol {PROTOCOL}, not protocol 1"
             assert await reader.readline() == b""
+            writer.close()
+            reader, writer = await asyncio.open_unix_connection(str(path))
+            writer.write(b'{"type":"command","id":1,"command":{"name":"pause"}}\n')  # no hello first
+            answer = json.loads(await reader.readline())
+            assert answer == {"type": "bye", "reason": f"this run speaks protocol {PROTOCOL}, not a command before its hello"}
             writer.close()
             if os.getuid() == 0:  # another uid: the file's mode keeps it out, and the server refuses it anyway
                 denied = subprocess.run([sys.executable, "-c", AS_NOBODY, str(path)], capture_output=True, text=True,
@@ -182,7 +178,7 @@ async def test_a_run_dir_too_long_for_a_socket_path_puts_it_in_a_private_dir(tmp
             path = socket_of(run.run_dir)
             assert path.parent != deep and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
             client = await ControlClient.connect(deep)
-            assert client.hello["run_dir"] == str(deep)
+            assert client.hello.run_dir == str(deep)
             await client.close()
     assert not path.exists()  # removed at the end
     with pytest.raises(AttachError, match="not live"):
@@ -204,7 +200,7 @@ async def test_a_journal_larger_than_a_clients_buffer_is_replayed_whole_while_li
     with open(run_dir / "events.jsonl", "w", encoding="utf-8") as fh:
         for event in past:
             fh.write(json.dumps(event.to_dict()) + "\n")
-    server = ControlServer(run_dir, "r1", lambda name, args: None, buffer_max=64 * 1024)
+    server = ControlServer(run_dir, "r1", lambda command: None, buffer_max=64 * 1024)
     await server.start()
     try:
         client = await ControlClient.connect(run_dir)
@@ -239,11 +235,11 @@ async def test_a_client_that_stops_reading_during_its_replay_is_dropped_and_the_
     with open(run_dir / "events.jsonl", "w", encoding="utf-8") as fh:
         for i in range(2000):
             fh.write(json.dumps(_message(i).to_dict()) + "\n")
-    server = ControlServer(run_dir, "r1", lambda name, args: None, buffer_max=64 * 1024)
+    server = ControlServer(run_dir, "r1", lambda command: None, buffer_max=64 * 1024)
     await server.start()
     try:
         reader, writer = await asyncio.open_unix_connection(str(socket_of(run_dir)))
-        writer.write(encode({"type": "hello", "protocol": PROTOCOL}))
+        writer.write(encode(Hello(PROTOCOL)))
         assert json.loads(await reader.readline())["type"] == "hello"  # then it reads nothing more
         await until(lambda: server.clients == 1, "the client to be taken in")
         i = 0
@@ -255,3 +251,42 @@ async def test_a_client_that_stops_reading_during_its_replay_is_dropped_and_the_
         writer.close()
     finally:
         await server.close()
+
+
+async def test_a_command_line_that_does_not_check_is_refused_in_one_line_that_answers_it(tmp_path: Path):
+    """What a client sends is read as the contract's types: an unknown command, a value out of its bounds, a
+    field this version does not know or a line that is not JSON each get a one-line refusal (with the command's
+    id where it has one), and the run goes on."""
+    async with SimServer(SimSettings(tokens_per_s=5)) as sim:
+        async with Run(sim.base_url, tmp_path / "run", agents=1) as run:
+            reader, writer = await asyncio.open_unix_connection(str(socket_of(run.run_dir)), limit=1 << 26)
+            writer.write(b'{"type":"hello","protocol":%d,"replay":false}\n' % PROTOCOL)
+            assert json.loads(await reader.readline())["type"] == "hello"
+            assert json.loads(await reader.readline()) == {"type": "live"}
+            lines = {
+                b'{"type":"command","id":1,"command":{"name":"explode"}}': "Invalid value 'explode' - at `name`",
+                b'{"type":"command","id":2,"command":{"name":"set_stall","endpoint":"x"}}': "missing required field `policy`",
+                b'{"type":"command","id":3,"command":{"name":"set_concurrency","cap":1e4000}}': "at `cap`",
+                b'{"type":"command","id":4,"command":{"name":"extend","agent":"a0","seconds":-100000}}': "at `seconds`",
+                b'{"type":"command","id":5,"command":{"name":"pause","now":true}}': "unknown field `now`",
+                b'{"type":"command","id":6,"command":{"name":"pause"},"later":1}': "unknown field `later`",
+                b'{"type":"command","id":7,' + b'[' * 5000: "",
+                b'not json': "",
+            }
+            for line, problem in lines.items():
+                writer.write(line + b"\n")
+                while (reply := json.loads(await reader.readline()))["type"] != "reply":
+                    pass  # an event of the run
+                assert reply["ok"] is False and problem in reply["error"], (line[:60], reply)
+                assert reply["id"] == (json.loads(line)["id"] if problem else None)
+            writer.write(b'{"type":"command","id":9,"command":{"name":"pause"}}\n')
+            while (reply := json.loads(await reader.readline()))["type"] != "reply":
+                pass
+            assert reply == {"type": "reply", "id": 9, "ok": True, "value": None, "error": ""}
+            assert run.engine.scheduler.paused
+            writer.write(b'{"type":"command","id":10,"command":{"name":"kill","agent":"' + b"x" * (2 << 20) + b'"}}\n')
+            while (answer := json.loads(await reader.readline()))["type"] != "bye":
+                pass
+            assert answer["reason"] == "a line over 1024 KiB: not a command of this run"
+            writer.close()
+            assert run.engine.scheduler.paused and not run.task.done()  # the run goes on

@@ -11,8 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
-from cerevisor_tui.engine import events as ev
-from cerevisor_tui.engine.control import LocalControl, apply
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract.commands import command_of
 from tests.test_tools import kinds, run, workflow
 
 
@@ -40,7 +40,6 @@ async def test_an_ask_call_waits_for_the_operator_who_approves_once_then_denies_
     statuses: list[str] = []
 
     async def operator(engine, seen):
-        control = LocalControl(engine)
         while True:
             requested = [e for e in seen if e.kind == "ApprovalRequested"]
             decided = len(kinds(seen, "ApprovalDecided"))
@@ -48,7 +47,7 @@ async def test_an_ask_call_waits_for_the_operator_who_approves_once_then_denies_
                 e = requested[decided]
                 statuses.append(engine.agents[e.agent].status)
                 command, args = next(answers)
-                apply(control, command, {"agent": e.agent, "call_id": e.call_id, **args})
+                engine.handle(command_of({"name": command, "agent": e.agent, "call_id": e.call_id, **args}))
                 continue
             asked = len(requested)
             await waiter(engine, seen, lambda e: e.kind == "ApprovalRequested"
@@ -71,7 +70,7 @@ async def test_approved_for_the_run_the_tool_is_not_asked_about_again():
     async def operator(engine, seen):
         await waiter(engine, seen, lambda e: e.kind == "ApprovalRequested").wait()
         e = kinds(seen, "ApprovalRequested")[0]
-        assert apply(LocalControl(engine), "approve", {"agent": e.agent, "call_id": e.call_id, "scope": "run"}) == "run"
+        assert engine.handle(command_of({"name": "approve", "agent": e.agent, "call_id": e.call_id, "scope": "run"})) == "run"
 
     engine, seen, code = await run(workflow({"echo": {"text": "hi"}}, server=asking(), tool_steps=3),
                                    ask="operator", during=operator)
@@ -106,13 +105,12 @@ async def test_a_tool_in_no_list_asks_and_deny_wins_over_ask_and_allow():
 @pytest.mark.anyio
 async def test_approve_or_deny_of_a_call_that_is_not_waiting_is_one_clear_error():
     engine, _, _ = await run(workflow({"echo": {"text": "hi"}}))
-    control = LocalControl(engine)
     with pytest.raises(ValueError, match="no such tool call 'nope' waiting for approval on a0"):
-        apply(control, "approve", {"agent": "a0", "call_id": "nope"})
-    with pytest.raises(ValueError, match="scope must be once or run"):
-        apply(control, "approve", {"agent": "a0", "call_id": "nope", "scope": "forever"})
+        engine.handle(command_of({"name": "approve", "agent": "a0", "call_id": "nope"}))
+    with pytest.raises(ValueError, match="Invalid enum value 'forever' - at `scope`"):
+        engine.handle(command_of({"name": "approve", "agent": "a0", "call_id": "nope", "scope": "forever"}))
     with pytest.raises(ValueError, match="no such tool call"):
-        apply(control, "deny", {"agent": "a0", "call_id": "nope"})
+        engine.handle(command_of({"name": "deny", "agent": "a0", "call_id": "nope"}))
 
 
 @pytest.mark.anyio
@@ -144,7 +142,7 @@ async def test_kill_acts_on_the_running_tool_call_and_the_agent_goes_on():
     async def operator(engine, seen):
         await waiter(engine, seen, lambda e: e.kind == "ToolCallStarted").wait()
         assert engine.agents["a0"].status == "tool"
-        assert apply(LocalControl(engine), "kill", {"agent": "a0"}) is True
+        assert engine.handle(command_of({"name": "kill", "agent": "a0"})) is True
 
     engine, seen, code = await run(workflow({"hang": {"seconds": 60}}), during=operator)
     assert code == 0
@@ -157,7 +155,7 @@ async def test_kill_acts_on_the_running_tool_call_and_the_agent_goes_on():
 async def test_extend_moves_the_running_tool_calls_deadline():
     async def operator(engine, seen):
         await waiter(engine, seen, lambda e: e.kind == "ToolCallStarted").wait()
-        assert apply(LocalControl(engine), "extend", {"agent": "a0", "seconds": 5.0}) is True
+        assert engine.handle(command_of({"name": "extend", "agent": "a0", "seconds": 5.0})) is True
 
     data = workflow({"hang": {"seconds": 1.5}}, server={"tool_timeout_s": 1.0})
     engine, seen, code = await run(data, during=operator)

@@ -4,7 +4,6 @@ crashed run opens read-only from its journal. `--jsonl`: no console, the events 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 async def _print_events(run_dir: Path) -> int:
     """Every event of a live run, the past ones first, until it ends; 0 when it finished, 1 when the
     connection was lost."""
+    from cerevisor_tui.contract.events import encode_event
     from cerevisor_tui.supervisor.client import AttachError, ControlClient
 
     try:
@@ -23,7 +23,7 @@ async def _print_events(run_dir: Path) -> int:
     out = sys.stdout
 
     def show(event: Any) -> None:
-        out.write(json.dumps(event.to_dict(), ensure_ascii=False) + "\n")
+        out.write(encode_event(event).decode() + "\n")
 
     why = await client.run(show)
     out.flush()

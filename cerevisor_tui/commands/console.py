@@ -196,7 +196,7 @@ class ConsoleRuns:
         """The process exits now, without its event loop (the terminal watch's forced exit): each report as
         it stands, the agents that had not finished marked cancelled (they will not), and the locks released.
         The journals are left as written: a resume reruns what has no end in them."""
-        from cerevisor_tui.engine import events as ev
+        from cerevisor_tui.contract import events as ev
         from cerevisor_tui.engine.report import STATUSES
 
         if not self._closing.acquire(timeout=1.0):

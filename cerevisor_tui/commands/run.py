@@ -221,11 +221,9 @@ def wiring_notice(event: Any) -> None:
 async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: str, *, required: bool) -> Any:
     """The run's control socket (supervisor/server.py), subscribed to the engine; None, with a line on
     stderr, when it cannot be made (a run in the foreground goes on without it, a detached one cannot)."""
-    from cerevisor_tui.engine.control import LocalControl, apply
     from cerevisor_tui.supervisor.server import ControlServer
 
-    control = LocalControl(engine)
-    server = ControlServer(run_dir, run_id, lambda name, args: apply(control, name, args), in_flight=engine.in_flight,
+    server = ControlServer(run_dir, run_id, engine.handle, in_flight=engine.in_flight,
                            config_path=str(Path(config_file).resolve()))
     try:
         await server.start()

@@ -10,6 +10,7 @@ STOP_WAIT_S = 30.0
 
 
 async def _stop(run_dir: Any) -> tuple[int, str]:
+    from cerevisor_tui.contract.commands import Stop
     from cerevisor_tui.supervisor.client import AttachError, CommandFailed, ControlClient
 
     try:
@@ -19,7 +20,7 @@ async def _stop(run_dir: Any) -> tuple[int, str]:
     finished: list[Any] = []
     reader = asyncio.ensure_future(client.run(lambda e: finished.append(e) if e.kind == "RunFinished" else None))
     try:
-        await client.command("stop", reason="stopped by `cerevisor-tui stop`")
+        await client.command(Stop(reason="stopped by `cerevisor-tui stop`"))
     except CommandFailed as exc:
         reader.cancel()
         await client.close()

@@ -11,11 +11,12 @@ transcript, a report or the screen.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import msgspec
 
 MASK = "[redacted]"
 MIN_SECRET_CHARS = 8
@@ -124,7 +125,7 @@ class Scrubber:
         return False
 
     def record(self, record: Any) -> Any:
-        """A dataclass record (an engine event) with its text fields scrubbed; the same object when none
+        """An event (a msgspec Struct) with its text fields scrubbed; the same object when none
         holds a key, so the usual event costs a scan of its strings and nothing more."""
         names = _text_fields(type(record))
         changes = {}
@@ -132,7 +133,7 @@ class Scrubber:
             value = getattr(record, name)
             if self._holds(value):
                 changes[name] = self.value(value)
-        return dataclasses.replace(record, **changes) if changes else record
+        return msgspec.structs.replace(record, **changes) if changes else record
 
     def tail_start(self, text: str) -> int:
         """Where the longest tail of `text` that could begin a key starts (len(text) when none could): the
@@ -196,16 +197,12 @@ _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
 def _text_fields(cls: type) -> tuple[str, ...]:
-    """The fields of a dataclass that may hold text (not numbers or flags), cached per class."""
+    """The fields of a Struct that may hold text (not numbers or flags), cached per class."""
     found = _FIELDS.get(cls)
     if found is None:
-        found = _FIELDS[cls] = tuple(
-            f.name for f in dataclasses.fields(cls)
-            if not (isinstance(f.type, str) and f.type.replace(" ", "") in _NOT_TEXT)
-            and f.type not in (int, float, bool)
-        )
+        found = _FIELDS[cls] = tuple(f.name for f in msgspec.structs.fields(cls) if f.type not in _NOT_TEXT)
     return found
 
 
-_NOT_TEXT = frozenset({"int", "float", "bool", "int|None", "float|None", "bool|None"})
+_NOT_TEXT = (int, float, bool, int | None, float | None, bool | None)
 

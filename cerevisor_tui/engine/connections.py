@@ -16,9 +16,9 @@ import httpx
 
 from cerevisor_tui.config.models import Config, EndpointConfig
 from cerevisor_tui.config.secrets import key_problem
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import ChatStream, build_client, list_models
 from cerevisor_tui.endpoints.errors import EndpointError, MissingApiKey
-from cerevisor_tui.engine import events as ev
 
 if TYPE_CHECKING:
     from cerevisor_tui.endpoints.worker import RemoteStream, StreamWorker

@@ -1,12 +1,11 @@
 """One agent's conversation: its turns in order, each turn's attempts (retried with backoff), each attempt
 streamed under the stall watchdog, and what the engine keeps of the agent meanwhile (`AgentState`).
 
-`Conversations._stream` is the run's hot path, once per token: see the measured fast path for TokenDelta there.
+`Conversations._stream` is the run's hot path, once per token.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 import urllib.parse
@@ -19,8 +18,8 @@ import anyio
 
 from cerevisor_tui.config.models import AgentConfig, EndpointConfig, ResolvedStall
 from cerevisor_tui.config.secrets import Scrubber, StreamScrubber
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
-from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.watchdog import Attempt, Watchdog
 from cerevisor_tui.kinds import DELTA, KEEPALIVE, TOOL_CALLS, FinalStatus, Status
@@ -37,15 +36,6 @@ BACKOFF_CAP_S = 30.0
 RETRY_AFTER_CAP_S = 60.0
 WAIT_BACKOFF_CAP_S = 5.0
 CONTEXT_WARN_FILL = 0.8  # an agent's context this full is flagged, before the turn that would not fit
-_TOKEN_DELTA_FIELDS = ("t", "agent", "attempt", "text", "reasoning", "tool", "tokens")  # what _stream fills in directly
-
-
-def token_delta_fast_path() -> bool:
-    """Whether `Conversations._stream` may fill a TokenDelta's slots through their descriptors: only while
-    it is still a slotted dataclass of exactly these fields, with no __post_init__ to run."""
-    TokenDelta = ev.TokenDelta
-    return ("__slots__" in vars(TokenDelta) and not hasattr(TokenDelta, "__post_init__")
-            and [f.name for f in dataclasses.fields(TokenDelta)] == list(_TOKEN_DELTA_FIELDS))
 
 
 def request_id(run_id: str, agent: str, turn: int, attempt: int) -> str:
@@ -66,7 +56,8 @@ class AgentState:
     endpoint: str  # where it runs: for a pool's agent, the member it is placed on (the pool's first until then)
     wave: int
     pool: str = ""  # the pool its config names, if any
-    status: Status = "pending"
+    _status: Status = field(default="pending", repr=False)
+    on_status: Callable[[AgentState], None] | None = field(default=None, repr=False)  # told each change
     turn: int = 0
     attempts: int = 0  # requests sent, over all turns
     turn_attempts: dict[int, int] = field(default_factory=dict)  # turn -> its attempts so far (1: no retry yet)
@@ -98,6 +89,17 @@ class AgentState:
     toolset: Any = None
     step: int = 0
     calls: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @status.setter
+    def status(self, value: Status) -> None:
+        if value != self._status:
+            self._status = value
+            if self.on_status is not None:
+                self.on_status(self)
 
     @property
     def name(self) -> str:
@@ -328,17 +330,7 @@ class Conversations:
         emit = self.emit
         # token deltas skip emit()'s frame: the same loop over the same (live) list of subscribers
         subscribers = self.subscribers
-        # TokenDelta is a frozen dataclass, whose generated __init__ sets each field through
-        # object.__setattr__: that was the costliest line of this loop. Its slots are filled through their
-        # descriptors instead (the same object, a third of the time), as long as its fields are still these.
-        new_event = object.__new__
         TokenDelta = ev.TokenDelta
-        fast_delta = token_delta_fast_path()
-        if fast_delta:
-            set_t = ev.Event.t.__set__
-            set_agent, set_attempt = TokenDelta.agent.__set__, TokenDelta.attempt.__set__
-            set_text, set_reasoning, set_tool = TokenDelta.text.__set__, TokenDelta.reasoning.__set__, TokenDelta.tool.__set__
-            set_tokens = TokenDelta.tokens.__set__
         monotonic = time.monotonic
         by_bytes = policy.liveness == "bytes"
         # With a key configured, each delta field is scrubbed with the tail of the one before held back, as an
@@ -398,17 +390,7 @@ class Conversations:
                             thinking.append(reasoning)
                         if tool:
                             att.tools.append(tool)
-                        if fast_delta:
-                            delta = new_event(TokenDelta)
-                            set_t(delta, now)
-                            set_agent(delta, name)
-                            set_attempt(delta, number)
-                            set_text(delta, content)
-                            set_reasoning(delta, reasoning)
-                            set_tool(delta, tool)
-                            set_tokens(delta, chunks)
-                        else:
-                            delta = TokenDelta(now, name, number, content, reasoning, tool, chunks)
+                        delta = TokenDelta(now, name, number, content, reasoning, tool, chunks)
                         for subscriber in subscribers:
                             subscriber(delta)
                     elif kind == KEEPALIVE:

@@ -23,13 +23,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
+from pydantic import ValidationError
 
 from cerevisor_tui.config.graph import OUTPUT_REF, wave_levels
 from cerevisor_tui.config.models import AgentConfig, Config, EndpointConfig, ResolvedStall, resolve_stall
 from cerevisor_tui.config.secrets import Scrubber
+from cerevisor_tui.contract import commands as cmd
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError
 from cerevisor_tui.endpoints.metrics import ServerStatus
-from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.auto import AutoController, Change, Signals
 from cerevisor_tui.engine.connections import Connections, api_key, wants_stream_process
@@ -83,7 +86,7 @@ class Engine:
             for agent in level:
                 pool = config.agent_pool(agent)
                 self.agents[agent.name] = AgentState(agent, config.agent_endpoint(agent).name, wave,
-                                                     pool=pool.name if pool else "")
+                                                     pool=pool.name if pool else "", on_status=self._tell_status)
         self.endpoints = {ep.name: ep for ep in config.endpoints}
         # pools: each agent of one is placed on a member when admitted and stays there (engine/placement.py)
         self.placement = Placement(config.pools)
@@ -201,6 +204,59 @@ class Engine:
             subscriber(event)
 
     # ---- commands (live) ----------------------------------------------------------------------
+    def handle(self, command: cmd.Command) -> Any:
+        """Carry out an operator's command (contract/commands.py), from the console or the control socket;
+        returns a small JSON-able value that says what it did, or raises ValueError (one line, for the
+        client) for an agent or endpoint this run does not have, or a value out of its bounds."""
+        match cmd.checked(command):
+            case cmd.SetMode(mode=mode):
+                self.set_mode(mode)
+                return mode
+            case cmd.CycleMode():
+                return self.cycle_mode()
+            case cmd.SetConcurrency(cap=cap):
+                self.set_concurrency(cap)
+                return self.scheduler.max_concurrency
+            case cmd.NudgeCap(delta=delta):
+                return self.nudge_cap(delta)
+            case cmd.Pause():
+                return self.pause()
+            case cmd.Resume():
+                return self.resume()
+            case cmd.Kill(agent=agent, reason=reason):
+                return self.kill(self._named_agent(agent), reason)
+            case cmd.Extend(agent=agent, seconds=seconds):
+                return self.extend(self._named_agent(agent), seconds)
+            case cmd.Retry(agent=agent):
+                return self.retry(self._named_agent(agent))
+            case cmd.Approve(agent=agent, call_id=call_id, scope=scope):
+                self.approve(self._named_agent(agent), call_id, scope)
+                return scope
+            case cmd.Deny(agent=agent, call_id=call_id):
+                return self.deny(self._named_agent(agent), call_id)
+            case cmd.SetStall(endpoint=endpoint, policy=policy):
+                return self.set_stall_policy(self._named_endpoint(endpoint), _checked_stall(policy))
+            case cmd.Stop(reason=reason):
+                return self.stop(reason)
+            case cmd.Probe(endpoint=endpoint, max_concurrency=cap):
+                return self.start_probe(self._named_endpoint(endpoint), cap)
+            case cmd.CancelProbe(endpoint=endpoint):
+                return self.cancel_probe(self._named_endpoint(endpoint))
+        raise ValueError(f"this run does not take {type(command).__name__}")
+
+    def _tell_status(self, st: AgentState) -> None:
+        self.emit(ev.AgentStatus(time.monotonic(), st.name, st.status))
+
+    def _named_agent(self, name: str) -> str:
+        if name not in self.agents:
+            raise ValueError(f"no agent named {name!r} in this run")
+        return name
+
+    def _named_endpoint(self, name: str) -> str:
+        if name not in self.endpoints:
+            raise ValueError(f"no endpoint named {name!r} in this run")
+        return name
+
     def set_mode(self, mode: Mode) -> None:
         """Switch sequential/parallel/auto now; running agents are never stopped by it."""
         if mode not in MODES:
@@ -462,7 +518,7 @@ class Engine:
         for name in (endpoint,) if endpoint is not None else self.endpoints:
             event = self.load_event(name)
             sent = self._load_sent.get(name)
-            if sent is None or dataclasses.replace(sent, t=event.t) != event:
+            if sent is None or msgspec.structs.replace(sent, t=event.t) != event:
                 self._load_sent[name] = event
                 self.emit(event)
 
@@ -871,3 +927,12 @@ def _input_change(key: str, before: str, now: str) -> str:
         return f"model {before or '(the first listed)'} -> {now or '(the first listed)'}"
     return f"{key} {before} -> {now}"
 
+
+def _checked_stall(policy: dict[str, Any]) -> ResolvedStall:
+    """A stall policy from a command, checked as `[stall]` is; ValueError names the key that does not."""
+    try:
+        return ResolvedStall.model_validate(policy)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "policy"
+        raise ValueError(f"set_stall: {where}: {first['msg']}") from None

@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 
 
 class GpuReader:

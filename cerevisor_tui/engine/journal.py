@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.report import Report, write_json_atomic
 
 SKIPPED = frozenset({"TokenDelta", "KeepAlive"})
@@ -214,7 +214,7 @@ class Journal:
             return
         path = self.dir / EVENTS_FILE
         try:
-            self._events.write(_dumps(event.to_dict()) + "\n")
+            self._events.write(ev.encode_event(event).decode() + "\n")
             self._events.flush()
             if isinstance(event, ev.MessageRecorded):
                 path = self.dir / "transcripts" / f"{event.agent}.jsonl"
@@ -301,22 +301,16 @@ def _problem(raw: bytes, last: bool) -> tuple[dict[str, Any] | None, str]:
         return None, "truncated last line" if cut else "not JSON"
     if not isinstance(data, dict) or not isinstance(data.get("event"), str):
         return None, "not an event"
-    t = data.get("t")
-    if "t" in data and (isinstance(t, bool) or not isinstance(t, int | float)):
-        return None, f"{data['event']} with a time that is not a number"
-    if "agent" in data and not isinstance(data["agent"], str):
-        return None, f"{data['event']} whose agent is not a name"
-    if data["event"] == "AgentFinished":
-        if not isinstance(data.get("agent"), str) or not isinstance(data.get("status"), str):
-            return None, "AgentFinished without an agent or a status"
-        if not isinstance(data.get("output", ""), str) or not isinstance(data.get("inputs", {}), dict):
-            return None, "AgentFinished of the wrong shape"
+    try:
+        ev.event_of(data)  # its fields checked as this version's event: what is read back is what it says
+    except ev.EventError as exc:
+        return None, f"{data['event']}: {exc}"
     return data, ""
 
 
 def read_records(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
     """Every readable event record of a run directory's events.jsonl, in order (what a console shown a run that
-    is not running is fed: `ev.from_dict` turns each into its event), and how many lines could not be read.
+    is not running is fed: `ev.event_of` turns each into its event), and how many lines could not be read.
     Raises JournalError only when the file itself cannot be read."""
     path = Path(run_dir) / EVENTS_FILE
     try:

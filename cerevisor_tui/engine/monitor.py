@@ -16,6 +16,7 @@ import anyio
 import httpx
 
 from cerevisor_tui.config.models import Config
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import build_client
 from cerevisor_tui.endpoints.metrics import (
     MetricsSnapshot,
@@ -25,7 +26,6 @@ from cerevisor_tui.endpoints.metrics import (
     read_routed,
     read_server,
 )
-from cerevisor_tui.engine import events as ev
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.gpus import watch_gpus

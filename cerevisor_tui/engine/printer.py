@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from typing import TextIO
 
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.watchdog import fmt_s
 
 # Events that never make a line for people: checked first, as they come once per streamed chunk.
@@ -22,7 +21,7 @@ class Printer:
 
     def __call__(self, event: ev.Event) -> None:
         if self.jsonl:
-            self.out.write(json.dumps(event.to_dict(), ensure_ascii=False, default=str) + "\n")
+            self.out.write(ev.encode_event(event).decode() + "\n")
             return
         if event.kind in _SILENT:
             return

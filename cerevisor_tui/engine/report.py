@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cerevisor_tui.config.paths import write_json_atomic  # noqa: F401 - the journal and the console write with it
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.kinds import FINAL_STATUSES
 
 SCHEMA_VERSION = 1
@@ -157,15 +157,17 @@ class Report:
     def replay(self, events: list[dict[str, Any]]) -> None:
         """Feed recorded events of an earlier run (a resumed run's completed agents) into the figures."""
         for data in events:
-            cls = ev.ALL_EVENTS.get(data.get("event", ""))
-            if cls is None or cls in (ev.RunStarted, ev.RunFinished, ev.ModeChanged, ev.ConcurrencyChanged,
-                                      ev.AgentFinished, ev.AgentRerun):
-                continue  # the new run's own (it ends each agent itself); an agent's figures are what carries over
-            fields = {k: v for k, v in data.items() if k != "event"}
             try:
-                self(cls(**fields))
-            except (TypeError, KeyError, ValueError, AttributeError):
+                event = ev.event_of(data)
+            except ev.EventError:
                 continue  # a record from another version of the schema, or damaged: skip it rather than fail the resume
+            if isinstance(event, (ev.RunStarted, ev.RunFinished, ev.ModeChanged, ev.ConcurrencyChanged,
+                                  ev.AgentFinished, ev.AgentRerun)):
+                continue  # the new run's own (it ends each agent itself); an agent's figures are what carries over
+            try:
+                self(event)
+            except (TypeError, KeyError, ValueError, AttributeError):
+                continue  # damaged (an agent's figures before its start): skip it rather than fail the resume
 
     def totals(self) -> dict[str, Any]:
         agents = self.agents.values()

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import anyio
 
 from cerevisor_tui.config.secrets import Scrubber
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.watchdog import ToolCall, extend_tool, watch_tool
 from cerevisor_tui.tools.manager import McpServers, ToolCallError, Toolset
 from cerevisor_tui.tools.permissions import Approvals, rule_for
@@ -232,6 +232,7 @@ class ToolCalls:
         if self.scrub:
             text = self.scrub(text)
         elapsed = time.monotonic() - now
+        st.status = "prefill"  # the model is given the result next
         self.emit(ev.ToolCallFinished(time.monotonic(), name, call_id, server, tool, outcome,  # type: ignore[arg-type]
                                       preview(text), elapsed))
         return text

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import anyio
 
 from cerevisor_tui.config.models import ResolvedStall
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract.deadlines import next_look, stream_window, warnings_due
 
 if TYPE_CHECKING:
     from cerevisor_tui.endpoints.client import ChatStream
@@ -104,10 +105,10 @@ class Watchdog:
             changed = self.policies[st.endpoint] is not policy
             policy = self.policies[st.endpoint]
             fractions = policy.warn_at
-            if att.first_token_at is None and not (policy.liveness == "bytes" and att.last_alive > att.sent_at):
-                phase, base, window = "first_byte", att.sent_at, policy.first_byte_timeout_s
-            else:
-                phase, base, window = "idle", att.last_alive, policy.idle_timeout_s
+            phase, base, window = stream_window(
+                sent_at=att.sent_at, last_alive=att.last_alive, first_token_at=att.first_token_at,
+                by_bytes=policy.liveness == "bytes", first_byte_s=policy.first_byte_timeout_s,
+                idle_s=policy.idle_timeout_s)
             if policy.liveness == "bytes" and att.stream is not None and att.stream.last_byte_at > base:
                 base = att.last_alive = att.stream.last_byte_at
             if base != seen_base:  # a sign of life: the window starts again, warnings re-arm
@@ -116,7 +117,7 @@ class Watchdog:
                 att.warned = 0
             total = window + att.extra_s
             if changed:  # a longer window re-arms the warnings it moved ahead; a shorter one gives its due ones now
-                att.warned = min(att.warned, sum(1 for f in fractions if now >= base + f * total))
+                att.warned = min(att.warned, warnings_due(fractions, base, total, now))
             att.phase = phase
             att.deadline_at = base + total
             att.base = base
@@ -133,7 +134,7 @@ class Watchdog:
                     att.extensions += 1
                     att.extra_s += policy.extend_s
                     att.deadline_at += policy.extend_s
-                    att.warned = sum(1 for f in fractions if base + f * (total + policy.extend_s) <= now)
+                    att.warned = warnings_due(fractions, base, total + policy.extend_s, now)
                     self.emit(ev.StallExtended(monotonic(), st.name, att.number, phase, policy.extend_s, reason,
                                                att.deadline_at, att.extensions))
                     continue
@@ -153,10 +154,7 @@ class Watchdog:
                     why = f"no output for {fmt_s(elapsed)} after {att.tokens} tokens{deadline}"
                 att.kill(phase, why)
                 return
-            next_at = att.deadline_at
-            if att.warned < len(fractions):
-                next_at = min(next_at, base + fractions[att.warned] * total)
-            delay = max(0.0, next_at - monotonic()) + 0.001
+            delay = max(0.0, next_look(fractions, att.warned, base, total) - monotonic()) + 0.001
             with anyio.CancelScope() as att.nap, anyio.move_on_after(delay):
                 if phase == "first_byte" and not att.alive.is_set():
                     await att.alive.wait()
@@ -179,10 +177,9 @@ class Watchdog:
         seconds = seconds if seconds is not None else policy.extend_s
         att.extra_s += seconds
         att.deadline_at += seconds
-        total = att.deadline_at - att.base
         now = time.monotonic()
-        att.warned = sum(1 for f in policy.warn_at if att.base + f * total <= now)
-        self.emit(ev.StallExtended(time.monotonic(), st.name, att.number, att.phase, seconds, "extended by operator",
+        att.warned = warnings_due(policy.warn_at, att.base, att.deadline_at - att.base, now)
+        self.emit(ev.StallExtended(now, st.name, att.number, att.phase, seconds, "extended by operator",
                                    att.deadline_at, att.extensions, by_operator=True))
         if st.status == "stalling":
             st.status = "streaming" if att.first_token_at is not None else "prefill"
@@ -230,9 +227,7 @@ async def watch_tool(st: AgentState, call: ToolCall, emit: Callable[[ev.Event], 
         if now >= call.deadline_at:
             call.kill("timeout", f"no result after {fmt_s(now - call.started_at)} (tool_timeout_s)")
             return
-        next_at = call.deadline_at
-        if call.warned < len(call.warn_at):
-            next_at = min(next_at, call.started_at + call.warn_at[call.warned] * total)
+        next_at = next_look(call.warn_at, call.warned, call.started_at, total)
         with anyio.CancelScope() as call.nap, anyio.move_on_after(max(0.0, next_at - monotonic()) + 0.001):
             await anyio.sleep_forever()
         call.nap = None
@@ -243,9 +238,8 @@ def extend_tool(st: AgentState, call: ToolCall, seconds: float, emit: Callable[[
     """The operator's extension of a running tool call: its deadline moves later by `seconds`; the warnings
     still ahead of the new deadline re-arm. Told as a StallExtended of deadline "tool"."""
     call.deadline_at += seconds
-    total = call.deadline_at - call.started_at
     now = time.monotonic()
-    call.warned = sum(1 for f in call.warn_at if call.started_at + f * total <= now)
+    call.warned = warnings_due(call.warn_at, call.started_at, call.deadline_at - call.started_at, now)
     emit(ev.StallExtended(now, st.name, attempt, "tool", seconds, "tool call extended by operator",
                           call.deadline_at, 0, by_operator=True))
     call.look_again()

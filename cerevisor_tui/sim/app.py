@@ -1,7 +1,7 @@
 """The simulator's HTTP face: a starlette app speaking the parts of vLLM's OpenAI API the console uses.
 
 `/health`, `/v1/models`, `/v1/chat/completions` (streamed as SSE, or not) and `/metrics` with vLLM's
-metric names. The work of generating tokens lives in `scheduler.Engine`; this module turns requests
+metric names. The work of generating tokens lives in `scheduler.BatchEngine`; this module turns requests
 into engine sequences, streams their tokens, injects the configured faults and keeps the counters.
 """
 
@@ -30,7 +30,7 @@ from cerevisor_tui.sim import text as simtext
 from cerevisor_tui.sim import tools as simtools
 from cerevisor_tui.sim.kv import KvCache
 from cerevisor_tui.sim.profiles import SimServerSpec, resolve
-from cerevisor_tui.sim.scheduler import DONE, Engine, Sequence
+from cerevisor_tui.sim.scheduler import DONE, BatchEngine, Sequence
 
 OWNER = "cerevisor-sim"
 _DROP = object()  # yielded by a stream to cut the connection without finishing the response
@@ -45,7 +45,7 @@ class SimState:
     settings: SimSettings
     model: str
     spec: SimServerSpec
-    engine: Engine
+    engine: BatchEngine
     started_at: float = field(default_factory=time.monotonic)
     requests_total: int = 0  # chat requests received
     completed_total: int = 0
@@ -418,7 +418,7 @@ def create_app(settings: SimSettings, *, model: str = "sim-model") -> Starlette:
     """A starlette app serving one simulated model; `app.state.sim` is its SimState."""
     spec = resolve(settings)
     kv = KvCache(spec.num_gpu_blocks, spec.block_size, spec.num_cpu_blocks)
-    state = SimState(settings=settings, model=model, spec=spec, engine=Engine(spec.params, kv))
+    state = SimState(settings=settings, model=model, spec=spec, engine=BatchEngine(spec.params, kv))
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_SimCollector(state))
     _install_log_filter()

@@ -68,7 +68,7 @@ class Sequence:
         return self.phase == DONE
 
 
-class Engine:
+class BatchEngine:
     """Runs sequences against a KvCache; one per simulated server, living in one event loop."""
 
     def __init__(self, params: EngineParams, kv: KvCache) -> None:

@@ -1,8 +1,8 @@
-"""A client of a run's control socket (protocol.py): the attached console, `stop`, the tests.
+"""A client of a run's control socket (contract/wire.py): the attached console, `stop`, the tests.
 
 `ControlClient.connect(run_dir)` says hello; `run(on_event)` reads until the server says bye or the
-connection ends, handing each event (an engine event object) to `on_event` and each reply to the command
-that waits for it. `command(name, **args)` sends a command and waits for its reply.
+connection ends, handing each event to `on_event` and each reply to the command that waits for it.
+`send(command)` sends a command (contract/commands.py) and gives a future of its reply.
 """
 
 from __future__ import annotations
@@ -14,41 +14,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
-from cerevisor_tui.engine import events as ev
-from cerevisor_tui.supervisor.protocol import LINE_LIMIT, PROTOCOL, ProtocolError, decode, encode, socket_of
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract.commands import Command
+from cerevisor_tui.contract.wire import (
+    PROTOCOL,
+    Bye,
+    EventMessage,
+    Hello,
+    Live,
+    Reply,
+    Welcome,
+    WireError,
+    command_line,
+    encode,
+    read_server,
+)
+from cerevisor_tui.supervisor.protocol import LINE_LIMIT, socket_of
 
 CONNECT_WAIT_S = 5.0
-
-
-class _TokenDeltaLine(msgspec.Struct):
-    event: ev.TokenDelta  # the line's other keys ("type", the event's "event") are skipped
-
-
-_decode_token_delta_line = msgspec.json.Decoder(_TokenDeltaLine).decode
-_TOKEN_DELTA_LINE = b'{"type":"event","event":{"event":"TokenDelta",'
-_EVENT_LINE = b'{"type":"event",'
-
-
-def read_event(line: bytes) -> ev.Event | None:
-    """The event an event line carries (None when it is one of a kind this version does not know); raises
-    ProtocolError for a line that is not JSON.
-
-    A TokenDelta line as the server writes it (nine in ten under load) is decoded by msgspec straight into
-    the event, its fields checked against the dataclass: with it the console's side took 9.7 us of CPU an
-    event (reading, decoding and the RunMirror's 2.8), 24.4 with json.loads and from_dict for every event
-    (benchmarks/event_channel.py, medians of 5 rounds). Any other line, or one that does not fit, takes
-    the general way."""
-    if line.startswith(_TOKEN_DELTA_LINE):
-        try:
-            return _decode_token_delta_line(line).event
-        except msgspec.DecodeError:
-            pass
-    message = decode(line)
-    if message["type"] != "event":
-        raise ProtocolError(f"not an event: {message['type']}")
-    return ev.from_dict(message.get("event") or {})
 
 
 class AttachError(Exception):
@@ -60,10 +43,11 @@ class CommandFailed(Exception):
 
 
 class ControlClient:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: dict[str, Any]) -> None:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, hello: Welcome) -> None:
         self.reader, self.writer, self.hello = reader, writer, hello
         self.bye = ""  # the server's reason, once it said bye
         self.live = False  # the replay is over
+        self.unreadable = 0  # lines that were not messages of this version (an event of a kind it does not know)
         self._ids = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self.closed = asyncio.Event()
@@ -83,14 +67,15 @@ class ControlClient:
         except (OSError, TimeoutError) as exc:
             raise AttachError(f"cannot reach run {run_dir.name} at {path}: {exc or 'no answer'}") from None
         try:
-            writer.write(encode({"type": "hello", "protocol": PROTOCOL, "replay": replay}))
-            hello = decode(await asyncio.wait_for(reader.readline(), CONNECT_WAIT_S))
-        except (OSError, TimeoutError, ProtocolError, ValueError) as exc:
+            writer.write(encode(Hello(PROTOCOL, replay)))
+            hello = read_server(await asyncio.wait_for(reader.readline(), CONNECT_WAIT_S))
+        except (OSError, TimeoutError, WireError, ValueError) as exc:
             writer.close()
             raise AttachError(f"run {run_dir.name} did not answer: {exc or 'no answer'}") from None
-        if hello.get("type") != "hello":
+        if not isinstance(hello, Welcome):
             writer.close()
-            raise AttachError(f"run {run_dir.name} refused: {hello.get('reason') or hello}")
+            why = hello.reason if isinstance(hello, Bye) else f"a {type(hello).__name__} before its hello"
+            raise AttachError(f"run {run_dir.name} refused: {why}")
         return cls(reader, writer, hello)
 
     async def run(self, on_event: Callable[[ev.Event], None], on_live: Callable[[], None] | None = None) -> str:
@@ -101,32 +86,25 @@ class ControlClient:
                 if not line:
                     return self.bye or "connection lost"
                 try:
-                    if line.startswith(_EVENT_LINE):  # nearly every line: straight to the event
-                        event, message = read_event(line), None
-                    else:
-                        message = decode(line)
-                except ProtocolError:
+                    message = read_server(line)
+                except WireError:
+                    self.unreadable += 1
                     continue
-                if message is None or message["type"] == "event":
-                    if message is not None:
-                        event = ev.from_dict(message.get("event") or {})
-                    if event is not None:
-                        on_event(event)
-                    continue
-                kind = message["type"]
-                if kind == "reply":
-                    future = self._waiting.pop(message.get("id"), None)
+                if isinstance(message, EventMessage):  # nearly every line
+                    on_event(message.event)
+                elif isinstance(message, Reply):
+                    future = self._waiting.pop(message.id, None) if message.id is not None else None
                     if future is not None and not future.done():
-                        if message.get("ok"):
-                            future.set_result(message.get("value"))
+                        if message.ok:
+                            future.set_result(message.value)
                         else:
-                            future.set_exception(CommandFailed(str(message.get("error") or "failed")))
-                elif kind == "live":
+                            future.set_exception(CommandFailed(message.error or "failed"))
+                elif isinstance(message, Live):
                     self.live = True
                     if on_live is not None:
                         on_live()
-                elif kind == "bye":
-                    self.bye = str(message.get("reason") or "the run closed the connection")
+                elif isinstance(message, Bye):
+                    self.bye = message.reason or "the run closed the connection"
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
             return self.bye or f"connection lost: {exc}"
         finally:
@@ -136,7 +114,7 @@ class ControlClient:
                     future.set_exception(CommandFailed(self.bye or "the connection to the run ended"))
             self._waiting.clear()
 
-    def send(self, name: str, **args: Any) -> asyncio.Future[Any]:
+    def send(self, command: Command) -> asyncio.Future[Any]:
         """Send a command; the future gets its reply's value (or CommandFailed). Needs `run()` reading."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         if self.closed.is_set():
@@ -145,14 +123,14 @@ class ControlClient:
         ident = next(self._ids)
         self._waiting[ident] = future
         try:
-            self.writer.write(encode({"type": "command", "id": ident, "name": name, "args": args}))
+            self.writer.write(command_line(ident, command))
         except (OSError, RuntimeError) as exc:
             self._waiting.pop(ident, None)
             future.set_exception(CommandFailed(f"cannot send to the run: {exc}"))
         return future
 
-    async def command(self, name: str, **args: Any) -> Any:
-        return await self.send(name, **args)
+    async def command(self, command: Command) -> Any:
+        return await self.send(command)
 
     async def close(self) -> None:
         self.writer.close()
@@ -162,7 +140,7 @@ class ControlClient:
 
 class RemoteControl:
     """The console's RunControl (ui/control.py) over a run's control socket. A command is sent at once and
-    answered later: it returns None (what it changed comes back as events), and a refusal is told to
+    answered later: `send` returns None (what it changed comes back as events), and a refusal is told to
     `on_error` in the run's own words. Unbound, or bound to nothing (a run that has ended, shown read-only),
     every command is refused with `refusal`."""
 
@@ -176,7 +154,7 @@ class RemoteControl:
         if refusal:
             self.refusal = refusal
 
-    def _send(self, name: str, **args: Any) -> None:
+    def send(self, command: Command) -> None:
         client = self.client
         if client is None:
             self.on_error(self.refusal)
@@ -186,50 +164,5 @@ class RemoteControl:
             if not future.cancelled() and future.exception() is not None:
                 self.on_error(str(future.exception()))
 
-        client.send(name, **args).add_done_callback(done)
+        client.send(command).add_done_callback(done)
         return None
-
-    def set_mode(self, mode: str) -> None:
-        return self._send("set_mode", mode=mode)
-
-    def cycle_mode(self) -> None:
-        return self._send("cycle_mode")
-
-    def set_concurrency(self, cap: int) -> None:
-        return self._send("set_concurrency", cap=cap)
-
-    def nudge_cap(self, delta: int) -> None:
-        return self._send("nudge_cap", delta=delta)
-
-    def pause(self) -> None:
-        return self._send("pause")
-
-    def resume(self) -> None:
-        return self._send("resume")
-
-    def kill(self, agent: str, reason: str = "killed by operator") -> None:
-        return self._send("kill", agent=agent, reason=reason)
-
-    def extend(self, agent: str, seconds: float | None = None) -> None:
-        return self._send("extend", agent=agent, seconds=seconds)
-
-    def retry(self, agent: str) -> None:
-        return self._send("retry", agent=agent)
-
-    def approve(self, agent: str, call_id: str, scope: str = "once") -> None:
-        return self._send("approve", agent=agent, call_id=call_id, scope=scope)
-
-    def deny(self, agent: str, call_id: str) -> None:
-        return self._send("deny", agent=agent, call_id=call_id)
-
-    def set_stall(self, endpoint: str, policy: dict[str, Any]) -> None:
-        return self._send("set_stall", endpoint=endpoint, policy=policy)
-
-    def stop(self, reason: str = "run stopped") -> None:
-        return self._send("stop", reason=reason)
-
-    def probe(self, endpoint: str, max_concurrency: int | None = None) -> None:
-        return self._send("probe", endpoint=endpoint, max_concurrency=max_concurrency)
-
-    def cancel_probe(self, endpoint: str) -> None:
-        return self._send("cancel_probe", endpoint=endpoint)

@@ -1,17 +1,7 @@
-"""The control socket's wire format, version 1: one JSON object per line (UTF-8, `\n`-terminated), each
-with a "type". The socket is a Unix domain socket of mode 0600 in the run directory (or, when that path is
-too long for one, under a private directory in the temp dir; `supervisor.json` in the run directory says
-where); the server refuses peers of another uid.
-
-Client to server:
-  {"type": "hello", "protocol": 1, "replay": true}    first; replay: false skips the run's past events
-  {"type": "command", "id": 7, "name": "set_mode", "args": {"mode": "auto"}}
-Server to client:
-  {"type": "hello", "protocol": 1, "run_id": ..., "run_dir": ..., "pid": ..., "config": ..., "started_at": ...}
-  {"type": "event", "event": {"event": "AgentStarted", "t": ..., ...}}   Event.to_dict(), as events.jsonl has it
-  {"type": "live"}        after the replay: what follows happens now
-  {"type": "reply", "id": 7, "ok": true, "value": ...}   or "ok": false, "error": "one line"
-  {"type": "bye", "reason": "..."}   the server closes the connection after it
+"""Where a run's control socket is and how its run is found: the socket is a Unix domain socket of mode 0600
+in the run directory (or, when that path is too long for one, under a private directory in the temp dir;
+`supervisor.json` in the run directory says where); the server refuses peers of another uid. What goes over
+it is contract/wire.py.
 
 Times in events are the run host's CLOCK_MONOTONIC (`time.monotonic()`): a client on the same host (every
 client of a Unix socket is) compares them with its own clock, so deadlines are absolute times. The replay
@@ -29,30 +19,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-PROTOCOL = 1
 SOCKET_NAME = "control.sock"
 SUPERVISOR_FILE = "supervisor.json"
 LINE_LIMIT = 64 * 1024 * 1024
 """The longest line either side accepts (a replayed answer can be long)."""
 SUN_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
-
-
-class ProtocolError(Exception):
-    """The other side sent something this version does not understand."""
-
-
-def encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-
-
-def decode(line: bytes) -> dict[str, Any]:
-    try:
-        message = json.loads(line)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"not a JSON line: {exc}") from None
-    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-        raise ProtocolError("a message without a type")
-    return message
 
 
 def socket_path_for(run_dir: Path, run_id: str) -> Path:

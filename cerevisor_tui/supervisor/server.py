@@ -1,4 +1,4 @@
-"""The run's control socket (protocol.py): every client gets the run's events, the past ones from the
+"""The run's control socket (contract/wire.py, supervisor/protocol.py): every client gets the run's events, the past ones from the
 journal and then each one live, and may send commands. It lives in the run's own process and event loop,
 subscribed to the engine like the journal; a client that cannot keep up is dropped, never waited for.
 """
@@ -18,19 +18,27 @@ from typing import Any
 import msgspec
 
 from cerevisor_tui.config.paths import write_json_atomic
-from cerevisor_tui.engine import events as ev
-from cerevisor_tui.engine.journal import EVENTS_FILE
-from cerevisor_tui.supervisor.protocol import (
-    LINE_LIMIT,
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract.commands import Command
+from cerevisor_tui.contract.wire import (
+    EVENT_PREFIX,
     PROTOCOL,
-    SUPERVISOR_FILE,
-    ProtocolError,
-    decode,
+    Bye,
+    Hello,
+    Live,
+    Reply,
+    Welcome,
+    WireError,
     encode,
-    socket_path_for,
+    event_line,
+    read_client,
 )
+from cerevisor_tui.engine.journal import EVENTS_FILE
+from cerevisor_tui.supervisor.protocol import SUPERVISOR_FILE, socket_path_for
 
 HELLO_WAIT_S = 10.0
+COMMAND_LINE_LIMIT = 1024 * 1024
+"""The longest line a client may send (a hello, a command): what it reads is never a replayed answer."""
 FLUSH_EVERY_S = 0.02
 """Events go to a client in one write at most this often (a reply at once, after the events before it): at a
 full box's 2,560 events a second this took the attached console from 1,057 wake-ups a second to 149, and its
@@ -43,26 +51,9 @@ REPLAY_CHUNK = 256 * 1024
 """The journal goes to an attaching client this many bytes at a time, each sent before the next is read: a
 long run's journal (12 bytes an output token: 90 MB after an hour at 2,000 tokens/s) is never read or
 buffered whole, and the run's loop goes on between chunks."""
-_EVENT_PREFIX = b'{"type":"event","event":'
 CLOSE_WAIT_S = 2.0
 
-Dispatch = Callable[[str, dict[str, Any]], Any]
-
-_encode_fields = msgspec.json.Encoder().encode
-_TOKEN_DELTA_LINE = b'{"type":"event","event":{"event":"TokenDelta",'
-
-
-def event_line(event: ev.Event) -> bytes:
-    """The event's line, `{"type":"event","event":event.to_dict()}` as protocol.encode writes it.
-
-    A TokenDelta (nine events in ten under load) is encoded straight from its dataclass by msgspec, no dict
-    built: with it the run's side of the socket took 5.1 us of CPU an event, 14.1 with to_dict and json.dumps
-    for every event (benchmarks/event_channel.py, medians of 5 rounds). Its fields are strings, ints and the monotonic `t`, which both encoders
-    write alike; the other kinds keep json.dumps, whose NaN (a server's metric) stays NaN.
-    """
-    if event.kind == "TokenDelta":
-        return _TOKEN_DELTA_LINE + _encode_fields(event)[1:] + b"}\n"
-    return encode({"type": "event", "event": event.to_dict()})
+Dispatch = Callable[[Command], Any]
 
 
 def peer_uid(sock: socket.socket) -> int | None:
@@ -88,8 +79,8 @@ class _Client:
 class ControlServer:
     """`await start()`, subscribe it to the engine (`engine.subscribe(server)`), `await close()` at the end.
 
-    `dispatch(name, args)` carries out a command and returns a JSON-able value, or raises ValueError (or any
-    exception) whose text goes back as the reply's error. `in_flight()` gives each running attempt's answer so
+    `dispatch(command)` carries out a command (`Engine.handle`) and returns a JSON-able value, or raises
+    ValueError (or any exception) whose text goes back as the reply's error. `in_flight()` gives each running attempt's answer so
     far as events (`Engine.in_flight`): what a client attaching mid-answer gets after the journal.
     """
 
@@ -118,7 +109,7 @@ class ControlServer:
                 path.unlink()  # a dead run's socket (this run holds the run directory's lock)
         old = os.umask(0o177)
         try:
-            self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=LINE_LIMIT)
+            self._server = await asyncio.start_unix_server(self._serve, path=str(path), limit=COMMAND_LINE_LIMIT)
         finally:
             os.umask(old)
         os.chmod(path, 0o600)
@@ -136,7 +127,7 @@ class ControlServer:
         clients, self._clients = self._clients, []
         for client in clients:
             with contextlib.suppress(OSError, RuntimeError):
-                client.writer.write(encode({"type": "bye", "reason": reason}))
+                client.writer.write(encode(Bye(reason)))
         for client in clients:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.writer.drain(), CLOSE_WAIT_S)
@@ -195,7 +186,7 @@ class ControlServer:
             self._clients.remove(client)
         if reason:
             with contextlib.suppress(OSError, RuntimeError):
-                client.writer.write(encode({"type": "bye", "reason": reason}))
+                client.writer.write(encode(Bye(reason)))
         client.writer.close()
 
     async def _send_past(self, client: _Client, end: int, snapshot: list[bytes]) -> None:
@@ -217,7 +208,7 @@ class ControlServer:
                     data = rest + chunk
                     cut = data.rfind(b"\n") + 1 if end > 0 else len(data)
                     data, rest = data[:cut], data[cut:]
-                    writer.write(b"".join([_EVENT_PREFIX + raw + b"}\n" for raw in map(bytes.strip, data.split(b"\n"))
+                    writer.write(b"".join([EVENT_PREFIX + raw + b"}\n" for raw in map(bytes.strip, data.split(b"\n"))
                                            if raw.startswith(b"{") and raw.endswith(b"}")]))
                     await writer.drain()
         writer.write(b"".join(snapshot))
@@ -231,22 +222,21 @@ class ControlServer:
         try:
             uid = peer_uid(writer.get_extra_info("socket"))
             if uid is not None and uid != os.getuid():
-                writer.write(encode({"type": "bye", "reason": f"refused: uid {uid} is not the run's owner"}))
+                writer.write(encode(Bye(f"refused: uid {uid} is not the run's owner")))
                 return
             try:
-                hello = decode(await asyncio.wait_for(reader.readline(), HELLO_WAIT_S))
-            except (ProtocolError, TimeoutError, ValueError) as exc:
-                writer.write(encode({"type": "bye", "reason": f"expected a hello: {exc or 'none came'}"}))
+                hello = read_client(await asyncio.wait_for(reader.readline(), HELLO_WAIT_S))
+            except (WireError, TimeoutError, ValueError) as exc:
+                writer.write(encode(Bye(f"expected a hello: {exc or 'none came'}")))
                 return
-            if hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL:
-                writer.write(encode({"type": "bye", "reason": f"this run speaks protocol {PROTOCOL}, "
-                                                              f"not {hello.get('protocol')!r}"}))
+            if not isinstance(hello, Hello) or hello.protocol != PROTOCOL:
+                said = f"protocol {hello.protocol}" if isinstance(hello, Hello) else "a command before its hello"
+                writer.write(encode(Bye(f"this run speaks protocol {PROTOCOL}, not {said}")))
                 return
-            writer.write(encode({"type": "hello", "protocol": PROTOCOL, "run_id": self.run_id,
-                                 "run_dir": str(self.run_dir), "pid": os.getpid(), "config": self.config_path,
-                                 "started_at": self.started_at}))
+            writer.write(encode(Welcome(PROTOCOL, self.run_id, str(self.run_dir), os.getpid(), self.config_path,
+                                        self.started_at)))
             client = _Client(writer)
-            if hello.get("replay", True):
+            if hello.replay:
                 # In one step of the loop, no emit in between: the journal as it stands (it is flushed at every
                 # event), each running agent's answer so far, and the client taken in, so that every event
                 # after these goes to its `pending`: nothing is missed or doubled.
@@ -261,11 +251,14 @@ class ControlServer:
                 if client not in self._clients:
                     return
                 client.replaying, client.held, client.counted = False, 0, 0
-            client.pending.insert(0, encode({"type": "live"}))
+            client.pending.insert(0, encode(Live()))
             self._flush()
             await self._commands(reader, client)
         except (OSError, asyncio.IncompleteReadError, ConnectionError):
             pass
+        except (ValueError, asyncio.LimitOverrunError):  # a line over COMMAND_LINE_LIMIT
+            with contextlib.suppress(OSError, RuntimeError):
+                writer.write(encode(Bye(f"a line over {COMMAND_LINE_LIMIT // 1024} KiB: not a command of this run")))
         finally:
             if client is not None:
                 with contextlib.suppress(ValueError):
@@ -282,22 +275,19 @@ class ControlServer:
             if not line:
                 return
             try:
-                message = decode(line)
-            except ProtocolError as exc:
-                client.pending.append(encode({"type": "reply", "id": None, "ok": False, "error": str(exc)}))
+                message = read_client(line)
+            except WireError as exc:
+                client.pending.append(encode(Reply(getattr(exc, "ident", None), False, error=str(exc))))
                 self._flush()
                 continue
-            if message["type"] != "command":
+            if isinstance(message, Hello):
                 continue
-            ident, name, args = message.get("id"), message.get("name"), message.get("args") or {}
             try:
-                if not isinstance(name, str) or not isinstance(args, dict):
-                    raise ValueError("a command needs a name and an object of arguments")
-                reply = {"type": "reply", "id": ident, "ok": True, "value": self.dispatch(name, args)}
+                reply = Reply(message.id, True, self.dispatch(message.command))
             except Exception as exc:  # noqa: BLE001 - any command's failure is the client's answer, not ours
-                reply = {"type": "reply", "id": ident, "ok": False, "error": str(exc) or type(exc).__name__}
+                reply = Reply(message.id, False, error=str(exc) or type(exc).__name__)
             try:
                 client.pending.append(encode(reply))
-            except (TypeError, ValueError):
-                client.pending.append(encode({"type": "reply", "id": ident, "ok": True, "value": None}))
+            except (TypeError, ValueError, msgspec.MsgspecError):  # a value with no JSON form: the command was done
+                client.pending.append(encode(Reply(message.id, True)))
             self._flush()

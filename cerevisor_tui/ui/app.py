@@ -1,5 +1,5 @@
 """The Textual app: a client of one run. It holds the run's mirror (`ui/mirror.py`, built from its events)
-and its control (`ui/control.py`, the operator's commands by name), plus themes and keymap; the screens
+and its control (`ui/control.py`, the operator's commands, contract/commands.py), plus themes and keymap; the screens
 read the mirror and act through the control, never on an engine. In-process, the console command also
 hands it the run to await (a worker in the app's own event loop). When the last run of the same config
 did not complete, it offers to resume it, and then follows that run in the first one's place.
@@ -24,6 +24,7 @@ from textual.notifications import SeverityLevel
 from textual.worker import Worker, WorkerState
 
 from cerevisor_tui.config.models import Config
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.colours import resolve_colour
 from cerevisor_tui.ui.control import RunControl
 from cerevisor_tui.ui.inbox import AttentionItem, terminal_alert
@@ -313,7 +314,7 @@ class CerevisorApp(App[int]):
         """Stop the current run cleanly (its journal gets its end), then follow `handle`'s run in its place."""
         worker = self._engine_worker
         if worker is not None and not worker.is_finished:
-            self.control.stop(reason)
+            self.control.send(cmd.Stop(reason=reason))
             try:
                 await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
             except TimeoutError:
@@ -357,7 +358,7 @@ class CerevisorApp(App[int]):
         if self.attached:
             worker.cancel()
             return
-        self.control.stop("console closed")
+        self.control.send(cmd.Stop(reason="console closed"))
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
 
@@ -391,7 +392,7 @@ class CerevisorApp(App[int]):
         if choice == "detach":
             self._begin_shutdown(0, "console detached")
         elif choice == "stop":
-            self.control.stop("stopped from an attached console")
+            self.control.send(cmd.Stop(reason="stopped from an attached console"))
             self._begin_shutdown(None, "console quit", stop=False)
 
     def _begin_shutdown(self, exit_code: int | None = None, reason: str = "console quit", *, stop: bool = True) -> None:
@@ -412,7 +413,7 @@ class CerevisorApp(App[int]):
             worker.cancel()  # detach: close the connection, the run goes on
         elif worker is not None and not worker.is_finished:
             if stop:
-                self.control.stop(reason)
+                self.control.send(cmd.Stop(reason=reason))
             try:
                 await asyncio.wait_for(worker.wait(), STOP_WAIT_S if exit_code is None else SIGNAL_STOP_WAIT_S)
             except TimeoutError:

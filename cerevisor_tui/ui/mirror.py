@@ -12,13 +12,15 @@ deadline is compared with the console's own clock as it is.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from cerevisor_tui.engine import events as ev
+import msgspec
+
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract.deadlines import Window, stream_window
 from cerevisor_tui.ui.inbox import Inbox
 from cerevisor_tui.ui.model import ALERT, META, TOOL, Notice, UiModel
 
@@ -30,7 +32,7 @@ TOOL_ARGUMENTS_SHOWN = 500
 
 @dataclass(eq=False, slots=True)
 class AttemptView:
-    """The running attempt of an agent, and its stall clock: the same rules as the engine's watchdog."""
+    """The running attempt of an agent, and its stall clock, by the watchdog's own rules (contract/deadlines.py)."""
 
     number: int
     turn: int
@@ -45,31 +47,30 @@ class AttemptView:
     extra_base: float = math.nan  # the base the extensions were given at: life since starts a fresh window
 
     @property
+    def window(self) -> Window:
+        """The stall window in force: "first_byte" until the first sign of life, then "idle"."""
+        return stream_window(sent_at=self.sent_at, last_alive=self.last_alive, first_token_at=self.first_token_at,
+                             by_bytes=self.by_bytes, first_byte_s=self.first_byte_s, idle_s=self.idle_s)
+
+    @property
     def phase(self) -> str:
-        """"first_byte" until the first sign of life, then "idle"."""
-        if self.first_token_at is None and not (self.by_bytes and self.last_alive > self.sent_at):
-            return "first_byte"
-        return "idle"
+        return self.window.phase
 
     @property
     def base(self) -> float:
         """Where the deadline's window starts: the request's sending, or the last sign of life."""
-        return self.sent_at if self.phase == "first_byte" else self.last_alive
-
-    @property
-    def window_s(self) -> float:
-        return self.first_byte_s if self.phase == "first_byte" else self.idle_s
+        return self.window.base
 
     @property
     def deadline_at(self) -> float:
         """The absolute (monotonic) time the deadline in force fires, extensions included."""
-        base = self.base
-        return base + self.window_s + (self.extra_s if self.extra_base == base else 0.0)
+        _, base, window_s = self.window
+        return base + window_s + (self.extra_s if self.extra_base == base else 0.0)
 
     def deadline_is(self, deadline_at: float) -> None:
         """The engine said where the deadline is (a warning, an extension): take its word for this window."""
-        base = self.base
-        self.extra_s, self.extra_base = deadline_at - base - self.window_s, base
+        _, base, window_s = self.window
+        self.extra_s, self.extra_base = deadline_at - base - window_s, base
 
 
 @dataclass(eq=False, slots=True)
@@ -199,10 +200,6 @@ class RunMirror(UiModel):
                     if att is not None:
                         att.tokens += event.tokens  # type: ignore[attr-defined]
                         att.last_alive = event.t
-                    if a.status != "streaming":
-                        if a.status == "stalling":
-                            self.inbox.clear(a.name, "stall")
-                        a.status = "streaming"
             UiModel.__call__(self, event)
             return
         UiModel.__call__(self, event)  # its handlers, then this class's (HANDLERS)
@@ -211,8 +208,9 @@ class RunMirror(UiModel):
         """Feed events in their JSON form (events.jsonl lines, parsed); returns how many were not events."""
         skipped = 0
         for record in records:
-            event = ev.from_dict(record)
-            if event is None:
+            try:
+                event = ev.event_of(record)
+            except ev.EventError:
                 skipped += 1
             else:
                 self(event)
@@ -296,15 +294,21 @@ class RunMirror(UiModel):
             self.plan_version += 1
         return found
 
+    def _see_AgentStatus(self, e: ev.AgentStatus) -> None:
+        a = self._agent(e.agent)
+        if a.status == "stalling" and e.status != "stalling":
+            self.inbox.clear(e.agent, "stall")  # life again, or an end that says more
+        a.status = e.status
+
     def _see_AgentQueued(self, e: ev.AgentQueued) -> None:
         a = self._agent(e.agent)
-        a.status, a.error, a.turn, a.attempt = "queued", "", 0, None  # (again, when the operator reruns it)
+        a.error, a.turn, a.attempt = "", 0, None  # (again, when the operator reruns it)
         self.inbox.clear(e.agent)
         self._operator_kills.discard(e.agent)
 
     def _see_AgentStarted(self, e: ev.AgentStarted) -> None:
         a = self._agent(e.agent)
-        a.endpoint, a.turn, a.turns, a.status = e.endpoint, e.turn, e.turns, "prefill"
+        a.endpoint, a.turn, a.turns = e.endpoint, e.turn, e.turns
         a.attempts += 1
         a.tool = a.approval = None
         self.inbox.clear(e.agent, "killed", "failed", "stall", "approval")
@@ -315,12 +319,10 @@ class RunMirror(UiModel):
                                 ep.by_bytes if ep is not None else False)
 
     def _see_EndpointWaiting(self, e: ev.EndpointWaiting) -> None:
-        self._agent(e.agent).status = "waiting"
         self.inbox.open(e.agent, "endpoint", f"{e.endpoint}: {e.reason}", e.t)
 
     def _see_FirstToken(self, e: ev.FirstToken) -> None:
         a = self._agent(e.agent)
-        a.status = "streaming"
         self.inbox.clear(e.agent, "endpoint", "stall")
         if a.ttft_s is None:
             a.ttft_s = e.ttft_s
@@ -347,7 +349,6 @@ class RunMirror(UiModel):
 
     def _see_StallWarning(self, e: ev.StallWarning) -> None:
         a = self._agent(e.agent)
-        a.status = "stalling"
         a.stall_warnings += 1
         if a.attempt is not None:
             a.attempt.deadline_is(e.deadline_at)
@@ -362,15 +363,13 @@ class RunMirror(UiModel):
         a = self._agent(e.agent)
         if e.deadline == "tool":  # the operator moved a running tool call's deadline, not the model's
             if a.tool is not None:
-                a.tool = dataclasses.replace(a.tool, deadline=e.deadline_at)
+                a.tool = msgspec.structs.replace(a.tool, deadline=e.deadline_at)
             self.inbox.clear(e.agent, "stall")
             return
         att = a.attempt
         if att is not None:
             att.deadline_is(e.deadline_at)
         self.inbox.clear(e.agent, "stall")
-        if e.by_operator and a.status == "stalling":
-            a.status = "streaming" if att is not None and att.first_token_at is not None else "prefill"
 
     def _see_AgentKilled(self, e: ev.AgentKilled) -> None:
         a = self._agent(e.agent)
@@ -383,11 +382,11 @@ class RunMirror(UiModel):
 
     def _see_AgentRetrying(self, e: ev.AgentRetrying) -> None:
         a = self._agent(e.agent)
-        a.status, a.attempt = "retrying", None
+        a.attempt = None
         self.inbox.clear(e.agent, "stall", "approval")
 
     def _see_AgentFinished(self, e: ev.AgentFinished) -> None:
-        a = self._agent(e.agent)
+        a = self._agent(e.agent)  # its status came as AgentStatus; an older journal says it here alone
         a.status, a.error, a.attempt, a.finished_at = e.status, e.error, None, e.t
         a.tool = a.approval = None
         if e.status in ("killed", "failed") and not (e.status == "killed" and e.agent in self._operator_kills):
@@ -398,7 +397,7 @@ class RunMirror(UiModel):
     # ---- tool calls and approvals -------------------------------------------------------------------------
     def _see_ToolCallStarted(self, e: ev.ToolCallStarted) -> None:
         a = self._agent(e.agent)
-        a.status, a.tool, a.approval = "tool", e, None
+        a.tool, a.approval = e, None
         self.inbox.clear(e.agent, "approval", "stall", "endpoint")
         arguments = e.arguments if len(e.arguments) <= TOOL_ARGUMENTS_SHOWN else e.arguments[:TOOL_ARGUMENTS_SHOWN] + "…"
         self.stream(e.agent).append(TOOL, f"\n⚙ {e.server}.{e.tool} {arguments}\n")
@@ -416,8 +415,6 @@ class RunMirror(UiModel):
         a = self._agent(e.agent)
         if a.tool is not None and a.tool.call_id == e.call_id:
             a.tool = None
-            if a.status == "tool":
-                a.status = "prefill"  # the model is given the result next
         self.inbox.clear(e.agent, "stall")
         result = f": {e.result}" if e.result else ""
         self.stream(e.agent).append(META if e.outcome == "ok" else ALERT,
@@ -425,7 +422,7 @@ class RunMirror(UiModel):
 
     def _see_ApprovalRequested(self, e: ev.ApprovalRequested) -> None:
         a = self._agent(e.agent)
-        a.status, a.approval = "approval", e
+        a.approval = e
         arguments = e.arguments if len(e.arguments) <= TOOL_ARGUMENTS_SHOWN else e.arguments[:TOOL_ARGUMENTS_SHOWN] + "…"
         self.inbox.open(e.agent, "approval", f"{e.server}.{e.tool} {arguments}", e.t)
         self.stream(e.agent).append(ALERT, f"\n? {e.server}.{e.tool} needs approval: {arguments}\n")
@@ -435,8 +432,6 @@ class RunMirror(UiModel):
         if a.approval is not None and a.approval.call_id == e.call_id:
             a.approval = None
             self.inbox.clear(e.agent, "approval")
-            if a.status == "approval":
-                a.status = "prefill"
         what = {"once": "approved once", "run": "approved for the run", "deny": "denied"}[e.decision]
         self.stream(e.agent).append(META if e.decision != "deny" else ALERT,
                                     f"  {e.server}.{e.tool} {what} by {e.by}\n")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 
 CONTENT, REASONING, TOOL, USER, META, ALERT = "content", "reasoning", "tool", "user", "meta", "alert"
 """Kinds of transcript text; the stream pane styles each (reasoning dimmed, alerts in the error colour)."""

@@ -12,7 +12,7 @@ import pytest
 
 from cerevisor_tui.commands.console import run_handle
 from cerevisor_tui.config import Config, validate
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
@@ -100,3 +100,18 @@ def _no_user_dirs(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
     monkeypatch.delenv("CEREVISOR_TUI_CONFIG", raising=False)
+
+
+STATUS_WITH = {"AgentQueued": "queued", "AgentStarted": "prefill", "EndpointWaiting": "waiting",
+               "FirstToken": "streaming", "StallWarning": "stalling", "AgentRetrying": "retrying",
+               "ToolCallStarted": "tool", "ToolCallFinished": "prefill", "ApprovalRequested": "approval"}
+"""The status the engine gives an agent as it emits each of these (a scene made by hand says it as the engine would)."""
+
+
+def emit_as_engine(engine: Engine, event: ev.Event) -> None:
+    """A hand-made event emitted with the status change the engine makes with it: the agent's status is set on the
+    engine's own record, which tells it (AgentStatus) before the event, as in a run."""
+    status = STATUS_WITH.get(event.kind)
+    if status is not None:
+        engine.agents[event.agent].status = status  # type: ignore[attr-defined]
+    engine.emit(event)

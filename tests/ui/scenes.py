@@ -8,13 +8,14 @@ word generator, so every picture is the same on every run.
 
 from __future__ import annotations
 
-import dataclasses
 import tomllib
+
+import msgspec
 
 from cerevisor_tui.commands.console import demo_text, run_handle
 from cerevisor_tui.config import validate
 from cerevisor_tui.config.models import Config
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.engine import Attempt, Engine
 from cerevisor_tui.sim.text import words
@@ -65,8 +66,8 @@ class Driver:
         e.started_at = T0
         e.wave = 0
         # without the mode's note: its notification would cover the load pane in the pictures
-        self.emit(dataclasses.replace(e.started_event(T0), note=""))
-        self.emit(dataclasses.replace(e.load_event("sim"), t=T0))
+        self.emit(msgspec.structs.replace(e.started_event(T0), note=""))
+        self.emit(msgspec.structs.replace(e.load_event("sim"), t=T0))
         self.emit(ev.WaveStarted(T0, 0, [a.name for a in e.waves[0]]))
         for a in e.waves[0]:
             e.agents[a.name].status = "queued"
@@ -79,7 +80,7 @@ class Driver:
         kv_tokens = values.get("kv_cache_tokens")
         if kv_tokens:  # as the engine does: the server's own capacity replaces the estimate
             e.load["sim"] = load.from_server(kv_tokens, e.endpoints["sim"].capacity.context_tokens, e.load["sim"])
-        self.emit(dataclasses.replace(e.load_event("sim"), t=t))  # the engine's judgement of the load, as it sends it
+        self.emit(msgspec.structs.replace(e.load_event("sim"), t=t))  # the engine's judgement of the load, as it sends it
 
     def auto_change(self, t: float, cap: int, reason: str) -> None:
         """What the engine does when sim's auto controller moves its cap: the scheduler's live cap, then the event."""

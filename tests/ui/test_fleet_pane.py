@@ -10,11 +10,12 @@ import pytest
 
 from cerevisor_tui.commands.console import demo_text, run_handle
 from cerevisor_tui.config import validate
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
 from cerevisor_tui.ui.widgets.load_pane import LoadPane, fleet_rows, gpu_lines
+from tests.ui.conftest import emit_as_engine
 from tests.ui.scenes import NOW, RUN_ID, T0
 
 GiB = 2**30
@@ -39,7 +40,7 @@ def fleet_app(endpoints: list[dict]) -> tuple[CerevisorApp, Engine]:
     engine.emit(ev.WaveStarted(T0, 0, [a.name for a in engine.waves[0]]))
     for agent in engine.waves[0]:
         st = engine.agents[agent.name]
-        engine.emit(ev.AgentStarted(T0 + 1, st.name, 1, 1, st.turns, st.endpoint, 600.0, 600.0))
+        emit_as_engine(engine, ev.AgentStarted(T0 + 1, st.name, 1, 1, st.turns, st.endpoint, 600.0, 600.0))
     return app, engine
 
 

@@ -10,11 +10,11 @@ import pytest
 
 from cerevisor_tui.commands.console import demo_text, run_handle
 from cerevisor_tui.config import validate
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
-from tests.ui.conftest import engine_of
+from tests.ui.conftest import emit_as_engine, engine_of
 from tests.ui.scenes import NOW, RUN_ID, T0
 
 ENDPOINTS = [
@@ -43,8 +43,8 @@ def three_endpoints(mode: str) -> CerevisorApp:
         engine.emit(ev.ServerSample(T0 + 1, name, True, "vllm", running=1.0, waiting=0.0))
     for agent in engine.waves[0]:
         st = engine.agents[agent.name]
-        engine.emit(ev.AgentStarted(T0 + 1, st.name, 1, 1, st.turns, st.endpoint, 600.0, 600.0))
-        engine.emit(ev.FirstToken(T0 + 2, st.name, 1, 1, 1.0))
+        emit_as_engine(engine, ev.AgentStarted(T0 + 1, st.name, 1, 1, st.turns, st.endpoint, 600.0, 600.0))
+        emit_as_engine(engine, ev.FirstToken(T0 + 2, st.name, 1, 1, 1.0))
     return app
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from cerevisor_tui.commands.console import run_handle
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.inbox import Inbox, terminal_alert
@@ -18,7 +18,7 @@ from cerevisor_tui.ui.screens.approval import ApprovalScreen
 from cerevisor_tui.ui.screens.inbox import InboxScreen
 from cerevisor_tui.ui.theme_files import load_themes
 from cerevisor_tui.ui.widgets.run_header import RunHeader
-from tests.ui.conftest import sim_config
+from tests.ui.conftest import emit_as_engine, sim_config
 
 T0 = 1000.0
 NOW = 1100.0
@@ -36,7 +36,7 @@ def run(tmp_path, *, notify: bool = True) -> tuple[CerevisorApp, Engine]:
     engine.emit(engine.started_event(T0))
     engine.emit(ev.WaveStarted(T0, 0, NAMES))
     for name in NAMES:
-        engine.emit(ev.AgentStarted(NOW - 20, name, 1, 1, 1, "sim", 100.0, 60.0))
+        emit_as_engine(engine, ev.AgentStarted(NOW - 20, name, 1, 1, 1, "sim", 100.0, 60.0))
     return app, engine
 
 
@@ -44,10 +44,10 @@ def trouble(engine: Engine) -> None:
     """Four agents in four kinds of trouble, a first and d last."""
     engine.emit(ev.AgentKilled(NOW - 9, "a", 1, "idle", "no output for 30 s after 3 tokens", 3))
     engine.emit(ev.AgentFinished(NOW - 9, "a", "killed", "no output for 30 s after 3 tokens"))
-    engine.emit(ev.StallWarning(NOW - 8, "b", 1, "first_byte", 0.5, 50.0, NOW + 42))
-    engine.emit(ev.StallWarning(NOW - 7, "b", 1, "first_byte", 0.9, 10.0, NOW + 3))
-    engine.emit(ev.EndpointWaiting(NOW - 6, "c", 1, "sim", "connection refused", 1.0))
-    engine.emit(ev.ApprovalRequested(NOW - 5, "d", "call-1", "files", "write_file", '{"path": "/tmp/x"}'))
+    emit_as_engine(engine, ev.StallWarning(NOW - 8, "b", 1, "first_byte", 0.5, 50.0, NOW + 42))
+    emit_as_engine(engine, ev.StallWarning(NOW - 7, "b", 1, "first_byte", 0.9, 10.0, NOW + 3))
+    emit_as_engine(engine, ev.EndpointWaiting(NOW - 6, "c", 1, "sim", "connection refused", 1.0))
+    emit_as_engine(engine, ev.ApprovalRequested(NOW - 5, "d", "call-1", "files", "write_file", '{"path": "/tmp/x"}'))
 
 
 def refresh(app: CerevisorApp) -> None:
@@ -62,7 +62,7 @@ def header(app: CerevisorApp) -> str:
 async def test_the_inbox_lists_what_needs_the_operator_newest_first_and_clears_it(tmp_path):
     app, engine = run(tmp_path)
     async with app.run_test(size=(120, 30)) as pilot:
-        engine.emit(ev.StallWarning(NOW - 10, "e", 1, "first_byte", 0.5, 50.0, NOW + 40))  # not past the last
+        emit_as_engine(engine, ev.StallWarning(NOW - 10, "e", 1, "first_byte", 0.5, 50.0, NOW + 40))  # not past the last
         trouble(engine)
         refresh(app)
         await pilot.pause()
@@ -86,7 +86,7 @@ async def test_the_inbox_lists_what_needs_the_operator_newest_first_and_clears_i
         # the run says it is over: an extension, a first token, the operator's answer (from another console)
         engine.emit(ev.StallExtended(NOW - 1, "b", 1, "first_byte", 300.0, "extended by operator", NOW + 300, 1,
                                      by_operator=True))
-        engine.emit(ev.FirstToken(NOW - 1, "c", 1, 1, 19.0))
+        emit_as_engine(engine, ev.FirstToken(NOW - 1, "c", 1, 1, 19.0))
         engine.emit(ev.ApprovalDecided(NOW - 1, "d", "call-1", "files", "write_file", "deny", "operator"))
         await pilot.pause(0.6)  # the inbox screen's refresh (0.5 s)
         assert [i.agent for i in inbox.newest_first()] == ["a"]
@@ -104,14 +104,14 @@ async def test_the_inbox_lists_what_needs_the_operator_newest_first_and_clears_i
 async def test_a_new_item_rings_once_per_agent_per_state_change(tmp_path):
     app, engine = run(tmp_path)
     async with app.run_test() as pilot:
-        engine.emit(ev.StallWarning(NOW - 8, "b", 1, "first_byte", 0.9, 10.0, NOW + 3))
+        emit_as_engine(engine, ev.StallWarning(NOW - 8, "b", 1, "first_byte", 0.9, 10.0, NOW + 3))
         refresh(app)
         await pilot.pause()
         assert len(app.rung) == 1
         assert app.rung[0].startswith("\x07\x1b]9;cerevisor: b stalling: no first token for 90%")
         assert "\x1b]777;notify;cerevisor: b stalling;no first token" in app.rung[0]
 
-        engine.emit(ev.StallWarning(NOW - 4, "b", 1, "first_byte", 0.95, 5.0, NOW + 3))  # the same state
+        emit_as_engine(engine, ev.StallWarning(NOW - 4, "b", 1, "first_byte", 0.95, 5.0, NOW + 3))  # the same state
         refresh(app)
         refresh(app)
         await pilot.pause()
@@ -124,8 +124,8 @@ async def test_a_new_item_rings_once_per_agent_per_state_change(tmp_path):
         assert len(app.rung) == 2 and "b killed" in app.rung[1]
 
         # opened and cleared between two refreshes: nothing to ring for
-        engine.emit(ev.StallWarning(NOW - 1, "c", 1, "first_byte", 0.9, 10.0, NOW + 9))
-        engine.emit(ev.FirstToken(NOW - 1, "c", 1, 1, 19.0))
+        emit_as_engine(engine, ev.StallWarning(NOW - 1, "c", 1, "first_byte", 0.9, 10.0, NOW + 9))
+        emit_as_engine(engine, ev.FirstToken(NOW - 1, "c", 1, 1, 19.0))
         # news from long ago (a journal replayed to an attaching console) is listed, not rung
         engine.emit(ev.AgentFinished(NOW - 600, "e", "failed", "HTTP 500"))
         refresh(app)
@@ -214,8 +214,8 @@ async def test_an_agent_the_operator_killed_is_no_news(tmp_path):
         await pilot.pause()
         assert "a" not in app.mirror.inbox.items and not app.rung
         # run again (r), then killed by its watchdog: that is news
-        engine.emit(ev.AgentQueued(NOW, "a", 0))
-        engine.emit(ev.AgentStarted(NOW, "a", 2, 1, 1, "sim", 100.0, 60.0))
+        emit_as_engine(engine, ev.AgentQueued(NOW, "a", 0))
+        emit_as_engine(engine, ev.AgentStarted(NOW, "a", 2, 1, 1, "sim", 100.0, 60.0))
         engine.emit(ev.AgentKilled(NOW, "a", 2, "first_byte", "no first token after 100 s", 0))
         engine.emit(ev.AgentFinished(NOW, "a", "killed", "no first token after 100 s"))
         refresh(app)

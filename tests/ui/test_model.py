@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.ui.format import CRITICAL, NORMAL, WARN, countdown, fmt_clock, fmt_count
 from cerevisor_tui.ui.mirror import AgentView, AttemptView
 from cerevisor_tui.ui.model import CONTENT, REASONING, USER, AgentStream, StreamCursor, UiModel

@@ -13,7 +13,7 @@ from textual.command import CommandPalette
 
 from cerevisor_tui.commands import console as console_command
 from cerevisor_tui.config import SimSettings
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.journal import Journal
 from cerevisor_tui.engine.report import Report
 from cerevisor_tui.sim import SimServer

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from cerevisor_tui.commands.console import run_handle
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
-from tests.ui.conftest import sim_config
+from tests.ui.conftest import emit_as_engine, sim_config
 
 T0 = 1000.0
 NOW = 1100.0
@@ -31,9 +31,9 @@ def crowd(tmp_path) -> tuple[CerevisorApp, Engine]:
     engine.emit(ev.WaveStarted(T0, 0, AGENTS))
     for i, name in enumerate(AGENTS):
         sent = T0 - 410.0 if name == URGENT else T0 + i * 0.1
-        engine.emit(ev.AgentStarted(sent, name, 1, 1, 1, "sim", 600.0, 60.0))
-    engine.emit(ev.StallWarning(T0 - 110, URGENT, 1, "first_byte", 0.5, 300.0, T0 + 190))
-    engine.emit(ev.StallWarning(T0 + 70, URGENT, 1, "first_byte", 0.8, 120.0, T0 + 190))
+        emit_as_engine(engine, ev.AgentStarted(sent, name, 1, 1, 1, "sim", 600.0, 60.0))
+    emit_as_engine(engine, ev.StallWarning(T0 - 110, URGENT, 1, "first_byte", 0.5, 300.0, T0 + 190))
+    emit_as_engine(engine, ev.StallWarning(T0 + 70, URGENT, 1, "first_byte", 0.8, 120.0, T0 + 190))
     return app, engine
 
 
@@ -74,8 +74,8 @@ async def test_the_cursor_stays_on_its_agent_as_the_rows_move(tmp_path):
         chosen = table.names[5]
         assert table.selected_agent == chosen == "a004"
         # a later agent's first token comes: its idle window (60 s) ends before every first-byte deadline
-        engine.emit(ev.FirstToken(NOW - 1, "a100", 1, 1, 5.0))
-        engine.emit(ev.FirstToken(NOW - 1, "a002", 1, 1, 5.0))
+        emit_as_engine(engine, ev.FirstToken(NOW - 1, "a100", 1, 1, 5.0))
+        emit_as_engine(engine, ev.FirstToken(NOW - 1, "a002", 1, 1, 5.0))
         app.screen.refresh_status()
         await pilot.pause()
         assert table.names[:2] == ["a002", "a100"]  # idle 0:59 each; the tie keeps wave order
@@ -87,7 +87,7 @@ async def test_the_cursor_stays_on_its_agent_as_the_rows_move(tmp_path):
 async def test_the_sort_key_cycles_status_and_rate_and_back_to_wave_order(tmp_path):
     app, engine = crowd(tmp_path)
     for name, tokens in (("a010", 5), ("a020", 50)):
-        engine.emit(ev.FirstToken(NOW - 5, name, 1, 1, 1.0))
+        emit_as_engine(engine, ev.FirstToken(NOW - 5, name, 1, 1, 1.0))
         for i in range(tokens):
             engine.emit(ev.TokenDelta(NOW - 5 + i * 4 / tokens, name, 1, "x "))
     async with app.run_test(size=(80, 24)) as pilot:

@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 from textual.command import CommandPalette
 
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.ui.keys import MAIN_BINDINGS, PALETTE_NAMES
 from cerevisor_tui.ui.screens.help import HelpScreen
 from cerevisor_tui.ui.screens.main import MainScreen

@@ -12,7 +12,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 
 DECISIONS = ("once", "run", "deny")
 

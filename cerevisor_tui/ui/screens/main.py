@@ -13,6 +13,7 @@ from textual.containers import Container, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.commands import ConsoleCommands
 from cerevisor_tui.ui.format import STATUS_LABELS, fmt_clock, tool_countdown
 from cerevisor_tui.ui.inbox import HINTS
@@ -213,7 +214,7 @@ class MainScreen(Screen):
     def action_toggle_mode(self) -> None:
         """The switch is immediate, never held by a dialog; the first landing on parallel/auto then offers a probe."""
         app = self.app
-        mode = app.control.cycle_mode() or app.mirror.mode
+        mode = app.control.send(cmd.CycleMode()) or app.mirror.mode
         self.refresh_status()
         if mode == "sequential":
             self.notify("Sequential: one agent at a time; running agents finish first.", timeout=3)
@@ -258,7 +259,7 @@ class MainScreen(Screen):
     def action_cap(self, delta: int) -> None:
         """The parallel cap, or in auto mode the ceiling its controllers stay under (the engine decides which)."""
         app = self.app
-        app.control.nudge_cap(delta)
+        app.control.send(cmd.NudgeCap(delta=delta))
         self.refresh_status()
         mirror = app.mirror
         if mirror.mode == "sequential":
@@ -274,10 +275,10 @@ class MainScreen(Screen):
     def action_pause(self) -> None:
         app = self.app
         if app.mirror.paused:
-            app.control.resume()
+            app.control.send(cmd.Resume())
             self.notify("Admissions resumed.", timeout=3)
         else:
-            app.control.pause()
+            app.control.send(cmd.Pause())
             self.notify("Paused: queued agents wait; running agents go on.", timeout=3)
         self.refresh_status()
 
@@ -306,7 +307,7 @@ class MainScreen(Screen):
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
         def answer(yes: bool | None) -> None:
-            if yes and self.app.control.kill(st.name) is False:
+            if yes and self.app.control.send(cmd.Kill(agent=st.name)) is False:
                 self.notify(f"{st.name} has already ended.", severity="warning")
 
         if st.status == "tool" and st.tool is not None:
@@ -321,7 +322,7 @@ class MainScreen(Screen):
         st = self._selected_state("extend")
         if st is None:
             return
-        if self.app.control.extend(st.name) is False:
+        if self.app.control.send(cmd.Extend(agent=st.name)) is False:
             self.notify(f"{st.name} has no running attempt to extend.", severity="warning")
             return
         self.refresh_status()
@@ -330,7 +331,7 @@ class MainScreen(Screen):
         st = self._selected_state("retry")
         if st is None:
             return
-        outcome = self.app.control.retry(st.name)
+        outcome = self.app.control.send(cmd.Retry(agent=st.name))
         if outcome:
             self.notify(f"{st.name}: {outcome}", timeout=4)
 
@@ -409,9 +410,9 @@ class MainScreen(Screen):
             control = self.app.control
             try:
                 if decision == "deny":
-                    control.deny(request.agent, request.call_id)
+                    control.send(cmd.Deny(agent=request.agent, call_id=request.call_id))
                 else:
-                    control.approve(request.agent, request.call_id, decision)
+                    control.send(cmd.Approve(agent=request.agent, call_id=request.call_id, scope=decision))
             except ValueError as exc:  # decided meanwhile (another console, the call's end): the run says so
                 self.notify(str(exc), severity="warning")
             self.refresh_status()

@@ -21,6 +21,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.format import fmt_rate, fmt_seconds
 from cerevisor_tui.ui.mirror import ProbeView
 
@@ -145,7 +146,7 @@ class ProbeScreen(ModalScreen[None]):
         self.state = RUNNING
         mirror = self.app.mirror
         self._before = mirror.probes.get(self.endpoint)
-        self.app.control.probe(self.endpoint, max_concurrency=probe_bound(self.app, self.endpoint))
+        self.app.control.send(cmd.Probe(endpoint=self.endpoint, max_concurrency=probe_bound(self.app, self.endpoint)))
         self._follow()
         self.set_interval(POLL_S, self._follow, name="probe-follow")
 
@@ -200,15 +201,15 @@ class ProbeScreen(ModalScreen[None]):
             return
         app = self.app
         mode, cap = str(r["recommended_mode"]), int(r["recommended_concurrency"])
-        app.control.set_concurrency(cap)
+        app.control.send(cmd.SetConcurrency(cap=cap))
         if app.mirror.mode != mode:
-            app.control.set_mode(mode)
+            app.control.send(cmd.SetMode(mode=mode))
         self.dismiss(None)
         app.notify(f"{self.endpoint}: {mode}, cap {cap} (from the probe)", timeout=4)
 
     def action_close(self) -> None:
         if self.state == RUNNING:
-            self.app.control.cancel_probe(self.endpoint)  # closes the probe's requests
+            self.app.control.send(cmd.CancelProbe(endpoint=self.endpoint))  # closes the probe's requests
             self.state = "closed"
             self.app.notify(f"Probe of {self.endpoint} cancelled.", timeout=3)
         self.dismiss(None)

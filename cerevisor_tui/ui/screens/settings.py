@@ -32,6 +32,7 @@ from cerevisor_tui.config.models import (
     resolve_stall,
 )
 from cerevisor_tui.config.save import ENDPOINT_KEYS, CommentsWouldBeLost, SaveError, save_settings
+from cerevisor_tui.contract import commands as cmd
 
 if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp
@@ -356,10 +357,10 @@ class SettingsScreen(Screen):
         control, mirror = self.app.control, self.app.mirror
         applied = []
         if new.run.mode != mirror.mode:
-            control.set_mode(new.run.mode)
+            control.send(cmd.SetMode(mode=new.run.mode))
             applied.append(f"mode {new.run.mode}")
         if new.run.max_concurrency != mirror.run_cap:
-            control.set_concurrency(new.run.max_concurrency)
+            control.send(cmd.SetConcurrency(cap=new.run.max_concurrency))
             applied.append(f"cap {new.run.max_concurrency}")
         changed = []
         for ep in new.endpoints:
@@ -367,7 +368,7 @@ class SettingsScreen(Screen):
             policy = resolve_stall(new.stall, ep).model_dump(mode="json")
             if running is None or _same_policy(running.stall, policy):
                 continue  # an endpoint the run does not have (added here: the next run has it), or unchanged
-            if control.set_stall(ep.name, policy) is not False:
+            if control.send(cmd.SetStall(endpoint=ep.name, policy=policy)) is not False:
                 changed.append(ep.name)
         if changed:
             applied.append(f"stall deadlines ({', '.join(changed)})")

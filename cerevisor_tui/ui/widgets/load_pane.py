@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Container, Vertical
 from textual.widgets import Static
 
-from cerevisor_tui.engine import events as ev
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate
 from cerevisor_tui.ui.mirror import ACTIVE, RunMirror
 from cerevisor_tui.ui.model import UiModel

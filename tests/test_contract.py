@@ -1,0 +1,127 @@
+"""The contract between a run and its consoles (cerevisor_tui/contract/): every event and command is one typed
+value that reads back as itself from its line, a record this version does not know is an error (never read in
+part), and the control socket's lines are the events' journal lines, wrapped."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cerevisor_tui.contract import commands as cmd
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract import wire
+
+SAMPLES = [
+    ev.TokenDelta(1234.5678, "agent-001", 2, " the quick brown fox", "", "", 8),
+    ev.TokenDelta(0.25, "ägent \"quoted\"", 1, "é \u2028 line\nnext\ttab 🦊", "thinking…", '{"a": 1}', 3),
+    ev.StallWarning(5.0, "a", 1, "idle", 0.5, 1.0, 9.5),
+    ev.RunStarted(1.0, "run-1", "parallel", 4, [["a", "b"]], [{"name": "box", "stall": {"warn_at": [0.5]}}]),
+    ev.AgentFinished(3.0, "a", "completed", output="done", inputs={"prompt": "x"}),
+    ev.ToolCallStarted(2.0, "a", 1, 1, "c1", "fs", "read", "{}", deadline=None, warn_at=(0.5, 0.8)),
+    ev.ServerSample(4.0, "box", True, "vllm", running=2.0, workers=[{"url": "http://w1", "healthy": True}]),
+]
+
+
+def test_every_event_kind_is_registered_once_under_its_class_name() -> None:
+    names = [cls.kind for cls in ev.EVENT_TYPES]
+    assert len(names) == len(set(names)) >= 37
+    assert all(cls.kind == cls.__name__ == cls.__struct_config__.tag for cls in ev.EVENT_TYPES)
+
+
+@pytest.mark.parametrize("event", SAMPLES, ids=lambda e: e.kind)
+def test_an_event_reads_back_from_its_line_and_its_socket_line(event: ev.Event) -> None:
+    line = ev.encode_event(event)
+    assert json.loads(line)["event"] == event.kind
+    assert ev.decode_event(line) == event
+    assert ev.event_of(json.loads(line)) == event
+    message = wire.read_server(wire.event_line(event))
+    assert isinstance(message, wire.EventMessage) and message.event == event
+    assert wire.event_line(event) == wire.encode(wire.EventMessage(event))  # a journal line, wrapped, is the same
+
+
+def test_a_record_this_version_does_not_know_is_an_error_never_read_in_part() -> None:
+    good = json.loads(ev.encode_event(SAMPLES[0]))
+    assert ev.event_of(good) == SAMPLES[0]
+    later = good | {"a_field_of_a_later_version": 1}
+    with pytest.raises(ev.EventError, match="unknown field `a_field_of_a_later_version`"):
+        ev.event_of(later)
+    with pytest.raises(ev.EventError, match="Invalid value 'SomethingNew'"):
+        ev.event_of({"event": "SomethingNew", "t": 1.0})
+    with pytest.raises(ev.EventError, match="Expected `int`, got `str`"):
+        ev.event_of(good | {"tokens": "2"})
+    with pytest.raises(ev.EventError, match="missing required field `agent`"):
+        ev.event_of({"event": "TokenDelta", "t": 1.5})
+    with pytest.raises(ev.EventError, match="Invalid enum value 'exploded'"):
+        ev.event_of({"event": "AgentFinished", "t": 1.0, "agent": "a", "status": "exploded"})
+    with pytest.raises(ev.EventError):
+        ev.decode_event(b'{"event":"TokenDelta",')
+    # over the socket the same line is not an event either: the client counts it and reads on
+    with pytest.raises(wire.WireError, match="unknown field"):
+        wire.read_server(wire.EVENT_PREFIX + json.dumps(later).encode() + b"}\n")
+
+
+def test_a_field_a_record_lacks_takes_its_default() -> None:
+    assert ev.event_of({"event": "TokenDelta", "t": 1.5, "agent": "a", "attempt": 1, "text": "x"}) == \
+        ev.TokenDelta(1.5, "a", 1, "x")
+
+
+def test_a_value_with_no_json_number_is_written_as_null_and_reads_back_as_not_reported() -> None:
+    sample = ev.ServerSample(1.0, "box", True, kv_cache_usage=float("nan"), waiting=float("inf"))
+    assert ev.decode_event(ev.encode_event(sample)) == ev.ServerSample(1.0, "box", True)
+
+
+def test_every_command_reads_back_from_its_line_under_its_snake_case_name() -> None:
+    samples = [cmd.SetMode(mode="auto"), cmd.CycleMode(), cmd.SetConcurrency(cap=8), cmd.NudgeCap(delta=-1),
+               cmd.Pause(), cmd.Resume(), cmd.Kill(agent="a"), cmd.Extend(agent="a", seconds=30.0),
+               cmd.Retry(agent="a"), cmd.Approve(agent="a", call_id="c", scope="run"), cmd.Deny(agent="a", call_id="c"),
+               cmd.SetStall(endpoint="box", policy={"idle_timeout_s": 5.0}), cmd.Stop(), cmd.Probe(endpoint="box"),
+               cmd.CancelProbe(endpoint="box")]
+    assert {type(c) for c in samples} == set(cmd.COMMAND_TYPES)
+    for command in samples:
+        message = wire.read_client(wire.command_line(7, command))
+        assert isinstance(message, wire.CommandMessage) and message.id == 7 and message.command == command
+        assert json.loads(wire.command_line(7, command))["command"]["name"] == command.name
+    assert cmd.Kill(agent="a").reason == "killed by operator" and cmd.Stop().reason == "run stopped"
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    ({"name": "set_stall", "endpoint": "box", "policy": {}, "extra": 1}, "unknown field `extra`"),
+    ({"name": "extend", "agent": "a", "seconds": float("nan")}, "at `seconds`"),
+    ({"name": "extend", "agent": "a", "seconds": 1e12}, "at `seconds`"),
+    ({"name": "set_concurrency", "cap": 10**4000}, "at `cap`"),
+    ({"name": "set_concurrency", "cap": 4097}, "at `cap`"),
+    ({"name": "kill", "agent": ""}, "at `agent`"),
+    ({"name": "kill", "agent": "a", "reason": "x" * 5000}, "at `reason`"),
+])
+def test_a_command_out_of_its_bounds_is_refused_in_one_line(data: dict, problem: str) -> None:
+    with pytest.raises(cmd.CommandError) as caught:
+        cmd.command_of(data)
+    assert problem in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_command_line_that_does_not_check_still_names_its_id() -> None:
+    with pytest.raises(wire.WireError) as caught:
+        wire.read_client(b'{"type":"command","id":12,"command":{"name":"explode"}}')
+    assert caught.value.ident == 12 and "Invalid value 'explode' - at `name`" in str(caught.value)
+    with pytest.raises(wire.WireError) as caught:
+        wire.read_client(b"[" * 100_000)
+    assert caught.value.ident is None
+
+
+@given(text=st.text(st.characters(exclude_categories=["Cs"])), reasoning=st.text(max_size=20),
+       tokens=st.integers(0, 10_000), t=st.floats(0, 1e7, allow_nan=False))
+def test_any_token_delta_round_trips(text: str, reasoning: str, tokens: int, t: float) -> None:
+    event = ev.TokenDelta(t, "agent", 1, text, reasoning, "", tokens)
+    assert ev.decode_event(ev.encode_event(event)) == event
+    assert wire.read_server(wire.event_line(event)).event == event  # type: ignore[union-attr]
+
+
+def test_the_wire_messages_are_tagged_by_type() -> None:
+    assert msgspec.json.decode(wire.encode(wire.Live())) == {"type": "live"}
+    assert msgspec.json.decode(wire.encode(wire.Bye("x"))) == {"type": "bye", "reason": "x"}
+    assert isinstance(wire.read_server(b'{"type":"hello","protocol":2,"run_id":"r","run_dir":"/d","pid":1}'),
+                      wire.Welcome)
