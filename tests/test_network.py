@@ -13,7 +13,6 @@ import pytest
 
 from cerevisor_tui.config import validate
 from cerevisor_tui.endpoints.client import build_client, list_models
-from cerevisor_tui.endpoints.network import AsyncioBackend
 from cerevisor_tui.engine.engine import Engine
 from tests.conftest import RawServer, chunk, http_head, read_request, sse_chunk
 
@@ -26,26 +25,6 @@ def one_agent(url: str, stream_process: bool, *, kind: str = "local", turns: int
         "endpoints": [{"name": "box", "base_url": url, "kind": kind, "model": "m"}],
         "agents": [{"name": "a", "prompt": "hi", "turns": [f"more {i}" for i in range(turns - 1)], "retries": 0}],
     }), stream_process=stream_process)
-
-
-def test_our_clients_read_through_the_asyncio_backend():
-    """If httpx or httpcore change how a client holds its pool, this says so (the clients would still work,
-    only slower)."""
-    client = build_client(8)
-    assert isinstance(client._transport._pool._network_backend, AsyncioBackend)
-
-
-def test_a_client_that_cannot_be_wired_keeps_its_backend_and_says_so(monkeypatch):
-    """A custom transport (or an httpx whose pool moved) stays as it is, and the one-line notice names why."""
-    import httpx
-
-    from cerevisor_tui.endpoints import network
-
-    monkeypatch.setattr(network, "wiring_problem", "")
-    client = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200)))
-    assert network.use_asyncio_backend(client) is False
-    assert network.wiring_problem.startswith(f"httpx {httpx.__version__}") and "default network backend" in network.wiring_problem
-    assert network.use_asyncio_backend(build_client(2)) is True  # the notice stays as the first one said it
 
 
 def self_signed(tmp_path: Path) -> tuple[Path, Path]:

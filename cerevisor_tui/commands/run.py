@@ -157,7 +157,6 @@ def main(args: Any) -> int:
 
     engine.subscribe(journal)
     engine.subscribe(Printer(jsonl=args.jsonl))
-    engine.subscribe(wiring_notice)
     received: list[int] = []
     forced: list[ForcedExit] = []
     detached = bool(getattr(args, "detached", False))
@@ -207,15 +206,6 @@ def main(args: Any) -> int:
     if received:
         return SIGNAL_EXIT.get(signal.Signals(received[0]), 130)
     return 1 if journal.error or not report_written else code
-
-
-def wiring_notice(event: Any) -> None:
-    """Once the run's clients are built: say, in one line, if they read streams the slower way."""
-    if event.kind == "RunStarted":
-        from cerevisor_tui.endpoints import network
-
-        if network.wiring_problem:
-            print(f"cerevisor-tui run: note: {network.wiring_problem}", file=sys.stderr)
 
 
 async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: str, *, required: bool) -> Any:

@@ -35,7 +35,7 @@ from cerevisor_tui.endpoints.errors import (
     ProtocolError,
     StreamBroken,
 )
-from cerevisor_tui.endpoints.network import use_asyncio_backend
+from cerevisor_tui.endpoints.transport import AsyncioTransport, proxy_mounts
 from cerevisor_tui.kinds import DELTA, FINISH, KEEPALIVE, TOOL_CALLS, USAGE
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line longer than this is a protocol error, not a memory leak
@@ -113,14 +113,15 @@ def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncCli
     would never fire on a wedged model behind keep-alives.
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    client = httpx.AsyncClient(
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 10))
+    return httpx.AsyncClient(
+        # reads without a loop trip when data is already there (endpoints/transport.py, endpoints/network.py)
+        transport=AsyncioTransport(limits),
+        mounts=proxy_mounts(limits),  # a client with its own transport reads no proxies from the environment
         timeout=httpx.Timeout(connect=None, read=None, write=None, pool=None),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 10)),
         headers=headers,
         follow_redirects=False,
     )
-    use_asyncio_backend(client)  # reads without a loop trip when data is already there (endpoints/network.py)
-    return client
 
 
 def is_refused(exc: BaseException) -> bool:

@@ -1,21 +1,11 @@
-"""An httpcore network backend on asyncio's own transports: what our httpx clients read streams through.
+"""An httpcore network backend on asyncio's own transports: the sockets our httpx clients read streams from.
 
-httpcore's default backend on asyncio is anyio's socket stream. Per read of a streamed response it enters a
-`fail_after` scope (even with no timeout), looks up the running async library, and stops and restarts the
-socket's reader (an epoll unregister and register). With hundreds of token streams that was about 40% of
-the CPU of reading them (py-spy, benchmarks/console_load.py). Here a protocol buffers what arrives and a
-read takes what is buffered without a trip through the event loop; the socket is paused only when a reader
-falls far behind. Everything above it (httpcore's HTTP/1.1, connection pool, httpx) is unchanged: this is
-httpcore's documented `AsyncNetworkBackend` extension point. Unix sockets and anything not on asyncio go
-to httpcore's own backend.
-
-What is documented and what is not: the backend interface (`httpcore.AsyncNetworkBackend`, `AsyncNetworkStream`)
-and `httpcore.AsyncConnectionPool(network_backend=...)` are httpcore's public API. How it is put under an
-httpx client is not: httpx builds its pool itself, so `use_asyncio_backend` sets the pool's private
-`_network_backend` on the client's private `_transport._pool`. It checks that both are where it expects;
-if a release moves them, the client keeps httpcore's default backend (correct, only slower at high token
-rates), and `wiring_problem` says so in one line, which the run prints and the console shows, once.
-"""
+Why: per read, httpcore's default backend (anyio's socket stream) enters a timeout scope and stops and
+restarts the socket's reader, a large share of what reading hundreds of token streams cost (README,
+Performance);
+here a read takes what has already arrived, without a trip through the event loop. endpoints/transport.py
+puts it under our clients. asyncio only, as we run (anyio on asyncio); Unix sockets go to httpcore's own
+backend."""
 
 from __future__ import annotations
 
@@ -207,25 +197,3 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
-
-
-wiring_problem = ""
-"""Set (one line) the first time `use_asyncio_backend` found a client it could not wire: shown to the operator."""
-
-
-def use_asyncio_backend(client: typing.Any) -> bool:
-    """Put `AsyncioBackend` under an httpx.AsyncClient's default transport; False (and nothing changed) if
-    that transport is not httpcore's connection pool as httpx builds it (another httpx, a custom transport),
-    and then `wiring_problem` says so. Proxies from the environment keep their own transports."""
-    global wiring_problem
-    pool = getattr(getattr(client, "_transport", None), "_pool", None)
-    if not isinstance(pool, httpcore.AsyncConnectionPool) or not hasattr(pool, "_network_backend"):
-        if not wiring_problem:
-            import httpx
-
-            wiring_problem = (f"httpx {httpx.__version__} / httpcore {httpcore.__version__}: a client's connection "
-                              "pool is not where cerevisor-tui expects it, so streams are read through httpcore's "
-                              "default network backend (correct, but more CPU per token; endpoints/network.py)")
-        return False
-    pool._network_backend = AsyncioBackend()
-    return True

@@ -1,0 +1,219 @@
+"""Our httpx clients (build_client) over real loopback sockets: bodies stream through our asyncio backend,
+errors are the httpx ones httpx's own transport raises, a body closed early closes its connection, the
+client's pool limits hold, and proxies from the environment are still used."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import anyio
+import httpx
+import pytest
+
+from cerevisor_tui.endpoints.client import build_client, is_refused, list_models
+from cerevisor_tui.endpoints.network import AsyncioStream
+from tests.conftest import RawServer, chunk, free_port, http_head, read_request
+
+WORDS = (b"alpha ", b"beta ", b"gamma")
+
+
+@asynccontextmanager
+async def serving(handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]) -> AsyncIterator[int]:
+    """A loopback server that hands each connection, unread, to `handler`; yields its port."""
+    async def guarded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(guarded, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+
+
+@pytest.mark.anyio
+async def test_a_body_streams_through_our_backend_as_it_arrives():
+    """Each word is sent only once the client has read the one before: nothing waits for the whole body."""
+    received = [asyncio.Event() for _ in WORDS]
+
+    async def one_word_at_a_time(reader, writer):
+        writer.write(http_head(200, "text/event-stream"))
+        for word, got in zip(WORDS, received, strict=True):
+            writer.write(chunk(word))
+            await writer.drain()
+            await got.wait()
+        writer.write(chunk(b""))
+        await writer.drain()
+
+    async with RawServer(one_word_at_a_time) as srv, build_client(4) as client:
+        with anyio.fail_after(10):
+            async with client.stream("POST", srv.base_url + "/chat/completions", json={}) as response:
+                assert isinstance(response.extensions["network_stream"], AsyncioStream)
+                parts = response.aiter_raw()
+                for word, got in zip(WORDS, received, strict=True):
+                    piece = b""
+                    while len(piece) < len(word):  # a word may come in more than one read
+                        piece += await parts.__anext__()
+                    assert piece == word
+                    got.set()
+                assert [part async for part in parts] == []  # only the body's end was left
+
+
+def clients() -> list[tuple[str, httpx.AsyncClient]]:
+    """Ours and httpx's own default transport, to hold side by side."""
+    return [("ours", build_client(2)), ("httpx", httpx.AsyncClient(timeout=None))]
+
+
+@pytest.mark.anyio
+async def test_a_refused_connection_is_httpx_connect_error():
+    url = f"http://127.0.0.1:{free_port()}/v1/models"
+    for name, client in clients():
+        async with client:
+            with pytest.raises(httpx.ConnectError) as caught:
+                await client.get(url)
+        assert is_refused(caught.value), name
+        assert isinstance(caught.value.__cause__, Exception), name  # chained to what httpcore said
+
+
+def drop(writer: asyncio.StreamWriter, how: str) -> None:
+    if how == "reset":  # linger 0: the close sends an RST, as a crashed server's kernel does
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+    else:
+        writer.close()
+
+
+async def raised_by_a_drop(client: httpx.AsyncClient, how: str) -> type[BaseException]:
+    """What reading a streamed answer raises when the server drops it in the middle of a chunk."""
+    first_read = asyncio.Event()
+
+    async def half_an_answer(reader, writer):
+        writer.write(http_head(200, "text/event-stream") + chunk(WORDS[0]) + b"40\r\nonly part of it")
+        await writer.drain()
+        await first_read.wait()
+        drop(writer, how)
+
+    async with RawServer(half_an_answer) as srv, client:
+        with anyio.fail_after(10), pytest.raises(httpx.TransportError) as caught:
+            async with client.stream("POST", srv.base_url + "/chat/completions", json={}) as response:
+                async for _ in response.aiter_raw():
+                    first_read.set()
+    return type(caught.value)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["closed", "reset"])
+async def test_a_server_that_drops_mid_stream_raises_what_httpx_raises(how):
+    """The stream code turns httpx.RemoteProtocolError and httpx.ReadError into StreamBroken: our transport
+    must raise, for each way of dropping, the same type as httpx's default one."""
+    raised = {name: await raised_by_a_drop(client, how) for name, client in clients()}
+    assert raised["ours"] is raised["httpx"], raised
+    assert issubclass(raised["ours"], (httpx.RemoteProtocolError, httpx.ReadError)), raised
+
+
+@pytest.mark.anyio
+async def test_closing_a_response_mid_stream_closes_its_connection():
+    """A kill leaves the body unread: the server must see the connection end, not keep generating."""
+    server_saw_eof = asyncio.Event()
+
+    async def endless(reader, writer):
+        writer.write(http_head(200, "text/event-stream") + chunk(WORDS[0]))
+        await writer.drain()
+        assert await reader.read() == b""  # no more requests on it: only the end of the connection
+        server_saw_eof.set()
+
+    async with RawServer(endless) as srv, build_client(4) as client:
+        with anyio.fail_after(10):
+            async with client.stream("POST", srv.base_url + "/chat/completions", json={}) as response:
+                parts = response.aiter_raw()  # held: the response's own close must end it, not the collector
+                assert await parts.__anext__() == WORDS[0]
+            await server_saw_eof.wait()
+    del parts
+
+
+@pytest.mark.anyio
+async def test_the_pool_holds_the_whole_concurrency_open_and_keeps_it_alive():
+    """More streams at once than httpx's default pool allows (100): every one is open at the same time, and
+    afterwards all stay alive in the pool (its keep-alive limit is the client's), so a second such round
+    opens no connection."""
+    concurrency = 120
+    connections = 0
+    arrived = 0
+    rounds = [asyncio.Event(), asyncio.Event()]  # set when all of that round's requests are in
+    body = b'{"data": [{"id": "m"}]}'
+
+    async def keep_alive(reader, writer):
+        nonlocal connections, arrived
+        connections += 1
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:  # the client closed it
+                return
+            arrived += 1
+            everyone = rounds[(arrived - 1) // concurrency]
+            if arrived % concurrency == 0:
+                everyone.set()
+            await everyone.wait()  # nobody is answered until the whole round is in flight
+            writer.write(http_head(200, "application/json", length=len(body)) + body)
+            await writer.drain()
+
+    async with serving(keep_alive) as port, build_client(concurrency) as client:
+        url = f"http://127.0.0.1:{port}/v1"
+        for _ in rounds:
+            with anyio.fail_after(20):
+                answers = await asyncio.gather(*(list_models(client, "box", url) for _ in range(concurrency)))
+            assert all(models == [{"id": "m"}] for models in answers)
+    assert connections == concurrency and arrived == 2 * concurrency
+
+
+@pytest.fixture
+def no_proxies(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for scheme in ("http", "https", "all", "no"):
+        for name in (f"{scheme}_proxy", f"{scheme.upper()}_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+@pytest.mark.anyio
+async def test_a_proxy_from_the_environment_is_used(no_proxies):
+    """As httpx does for a client without a transport of its own: HTTP_PROXY gets the request, absolute-form."""
+    request_lines: list[bytes] = []
+    body = b'{"data": [{"id": "via-proxy"}]}'
+
+    async def proxy(reader, writer):
+        request_lines.append((await read_request(reader)).split(b"\r\n", 1)[0])
+        writer.write(http_head(200, "application/json", length=len(body)) + body)
+        await writer.drain()
+
+    target = free_port()  # nothing listens there: only the proxy can answer
+    async with serving(proxy) as port:
+        no_proxies.setenv("HTTP_PROXY", f"127.0.0.1:{port}")
+        async with build_client(2) as client:
+            assert await list_models(client, "box", f"http://127.0.0.1:{target}/v1") == [{"id": "via-proxy"}]
+    assert request_lines == [f"GET http://127.0.0.1:{target}/v1/models HTTP/1.1".encode()]
+
+
+@pytest.mark.anyio
+async def test_a_no_proxy_host_goes_direct_through_our_backend(no_proxies):
+    no_proxies.setenv("HTTP_PROXY", f"http://127.0.0.1:{free_port()}")  # refused, were it used
+    no_proxies.setenv("NO_PROXY", "example.com, 127.0.0.1")
+    body = b'{"data": [{"id": "m"}]}'
+
+    async def direct(reader, writer):
+        await read_request(reader)
+        writer.write(http_head(200, "application/json", length=len(body)) + body)
+        await writer.drain()
+
+    async with serving(direct) as port, build_client(2) as client:
+        response = await client.get(f"http://127.0.0.1:{port}/v1/models")
+    assert response.json() == {"data": [{"id": "m"}]}
+    assert isinstance(response.extensions["network_stream"], AsyncioStream)
