@@ -1,5 +1,5 @@
 """One agent's conversation: its turns in order, each turn's attempts (retried with backoff), each attempt
-streamed under the stall watchdog, and what the engine keeps of the agent meanwhile (`AgentState`).
+streamed under the stall watchdog (what the engine keeps of the agent meanwhile is `state.AgentState`).
 
 `Conversations._stream` is the run's hot path, once per token.
 """
@@ -12,22 +12,21 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
-from cerevisor_tui.config.models import AgentConfig, EndpointConfig, ResolvedStall
+from cerevisor_tui.config.models import EndpointConfig, ResolvedStall
 from cerevisor_tui.config.secrets import Scrubber, StreamScrubber
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
 from cerevisor_tui.engine.connections import Connections
-from cerevisor_tui.engine.watchdog import Attempt, Watchdog
-from cerevisor_tui.kinds import DELTA, KEEPALIVE, TOOL_CALLS, FinalStatus, Status
+from cerevisor_tui.engine.state import AgentState, Attempt
+from cerevisor_tui.engine.toolcalls import ToolCalls
+from cerevisor_tui.engine.watchdog import Watchdog
+from cerevisor_tui.kinds import DELTA, KEEPALIVE, TOOL_CALLS, FinalStatus
 from cerevisor_tui.tools.manager import ToolSetupError
 from cerevisor_tui.tools.schemas import function_name
-
-if TYPE_CHECKING:
-    from cerevisor_tui.engine.toolcalls import ToolCalls
 
 Subscriber = Callable[[ev.Event], None]
 
@@ -46,72 +45,6 @@ def request_id(run_id: str, agent: str, turn: int, attempt: int) -> str:
 def header_value(name: str) -> str:
     """An agent's name as a header value, which must be ASCII: a non-ASCII name goes percent-encoded."""
     return name if name.isascii() else urllib.parse.quote(name, safe="")
-
-
-@dataclass(eq=False)
-class AgentState:
-    """What the engine knows of one agent now; read by the console, written only by the engine."""
-
-    config: AgentConfig
-    endpoint: str  # where it runs: for a pool's agent, the member it is placed on (the pool's first until then)
-    wave: int
-    pool: str = ""  # the pool its config names, if any
-    _status: Status = field(default="pending", repr=False)
-    on_status: Callable[[AgentState], None] | None = field(default=None, repr=False)  # told each change
-    turn: int = 0
-    attempts: int = 0  # requests sent, over all turns
-    turn_attempts: dict[int, int] = field(default_factory=dict)  # turn -> its attempts so far (1: no retry yet)
-    retries_used: int = 0
-    tokens: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    ttft_s: float | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    decode_s: float = 0.0
-    stall_warnings: int = 0
-    error: str = ""
-    output: str = ""
-    current: Attempt | None = None
-    scope: anyio.CancelScope | None = None
-    end_status: str = ""
-    end_reason: str = ""
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    turns_done: int = 0
-    last_prompt_tokens: int = 0  # what the server counted for the last completed turn
-    last_completion_tokens: int = 0
-    # meters (issue 12): prompt tokens the server served from its prefix cache, the conversation's length now,
-    # and what the agent cost on priced endpoints
-    cached_tokens: int = 0
-    context_tokens: int = 0
-    cost_usd: float = 0.0
-    # with tools: what it is offered (a Toolset), the step of the turn's tool loop, the last answer's tool calls
-    toolset: Any = None
-    step: int = 0
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def status(self) -> Status:
-        return self._status
-
-    @status.setter
-    def status(self, value: Status) -> None:
-        if value != self._status:
-            self._status = value
-            if self.on_status is not None:
-                self.on_status(self)
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-    @property
-    def turns(self) -> int:
-        return 1 + len(self.config.turns)
-
-    @property
-    def output_tokens_per_s(self) -> float | None:
-        return self.completion_tokens / self.decode_s if self.decode_s > 0 else None
 
 
 @dataclass(eq=False)

@@ -42,7 +42,6 @@ from cerevisor_tui.engine.conversation import (
     RETRY_AFTER_CAP_S,
     WAIT_BACKOFF_CAP_S,
     AgentEnded,
-    AgentState,
     Conversations,
     Subscriber,
     TurnFigures,
@@ -52,8 +51,9 @@ from cerevisor_tui.engine.monitor import ServerMonitor
 from cerevisor_tui.engine.placement import HOSTED_DOWN_S, MemberLoad, Placement
 from cerevisor_tui.engine.report import Report
 from cerevisor_tui.engine.scheduler import Scheduler
+from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls, ToolMemory
-from cerevisor_tui.engine.watchdog import Attempt, BusyCheck, Watchdog, fmt_s
+from cerevisor_tui.engine.watchdog import BusyCheck, Watchdog, fmt_s
 from cerevisor_tui.kinds import FINAL, MODES, FinalStatus, Mode
 from cerevisor_tui.tools.manager import McpServers
 

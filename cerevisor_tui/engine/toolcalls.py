@@ -16,7 +16,8 @@ import anyio
 
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.engine.watchdog import ToolCall, extend_tool, watch_tool
+from cerevisor_tui.engine.state import AgentState, ToolCall
+from cerevisor_tui.engine.watchdog import extend_tool, watch_tool
 from cerevisor_tui.tools.manager import McpServers, ToolCallError, Toolset
 from cerevisor_tui.tools.permissions import Approvals, rule_for
 from cerevisor_tui.tools.schemas import capped, parse_arguments, preview, result_text, shown_arguments
@@ -128,7 +129,7 @@ class ToolCalls:
         running[0].kill("killed", reason)
         return True
 
-    def extend(self, st: Any, seconds: float) -> bool:
+    def extend(self, st: AgentState, seconds: float) -> bool:
         """Move the agent's running tool call's deadline later; False: none runs."""
         running = self.running.get(st.name)
         if running is None:
@@ -137,7 +138,7 @@ class ToolCalls:
         return True
 
     # ---- one call -------------------------------------------------------------------------------------
-    async def run(self, st: Any, attempt: int, toolset: Toolset, call: dict[str, Any]) -> str:
+    async def run(self, st: AgentState, attempt: int, toolset: Toolset, call: dict[str, Any]) -> str:
         """Execute one of the model's calls for agent `st` (the AgentState); returns the tool message's content."""
         call_id = str(call.get("id") or "")
         fn = call.get("function") or {}
@@ -170,7 +171,7 @@ class ToolCalls:
             return text
         return await self._execute(st, attempt, call_id, server, tool, args, shown, cfg)
 
-    async def _permission(self, st: Any, call_id: str, server: str, tool: str, shown: str, cfg: Any) -> str:
+    async def _permission(self, st: AgentState, call_id: str, server: str, tool: str, shown: str, cfg: Any) -> str:
         """"" when the call may run; else why not, as the model is told."""
         rule = rule_for(cfg, tool)
         emit, name = self.emit, st.name
@@ -199,7 +200,7 @@ class ToolCalls:
             return f"denied by the operator: {tool} was not run"
         return ""
 
-    async def _execute(self, st: Any, attempt: int, call_id: str, server: str, tool: str, args: dict[str, Any],
+    async def _execute(self, st: AgentState, attempt: int, call_id: str, server: str, tool: str, args: dict[str, Any],
                        shown: str, cfg: Any) -> str:
         name = st.name
         now = time.monotonic()

@@ -6,22 +6,15 @@ It reads the endpoint's stall policy afresh at each look, so `Engine.set_stall` 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import anyio
 
 from cerevisor_tui.config.models import ResolvedStall
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.contract.deadlines import next_look, stream_window, warnings_due
-
-if TYPE_CHECKING:
-    from cerevisor_tui.endpoints.client import ChatStream
-    from cerevisor_tui.endpoints.worker import RemoteStream
-    from cerevisor_tui.engine.conversation import AgentState
+from cerevisor_tui.engine.state import AgentState, Attempt, ToolCall
 
 BusyCheck = Callable[[str, float], Awaitable[str | None]]  # (endpoint, since): a look older than `since` cannot say
 """Asked at a deadline with the endpoint's name: why the server is busy (loading, queueing), or None."""
@@ -33,57 +26,6 @@ def fmt_s(seconds: float) -> str:
     if seconds >= 10:
         return f"{seconds:.0f} s"
     return f"{seconds:.3g} s"
-
-
-@dataclass(eq=False)
-class Attempt:
-    """One streamed request of one turn, with its stall clock."""
-
-    number: int
-    turn: int
-    sent_at: float
-    last_alive: float = 0.0
-    first_token_at: float | None = None
-    tokens: int = 0
-    phase: str = "first_byte"
-    deadline_at: float = math.inf
-    base: float = 0.0
-    extra_s: float = 0.0
-    extensions: int = 0
-    warned: int = 0
-    kill_reason: str = ""
-    kill_deadline: str = ""
-    by_operator: bool = False
-    restart: bool = False
-    stream: ChatStream | RemoteStream | None = None
-    # its answer so far, as streamed (content, reasoning, tool calls): the turn's result, and what a console
-    # that attaches mid-answer is given (Engine.in_flight)
-    parts: list[str] = field(default_factory=list)
-    thinking: list[str] = field(default_factory=list)
-    tools: list[str] = field(default_factory=list)
-    calls: dict[int, list[str]] = field(default_factory=dict)  # tool calls by index: [id, name, arguments] so far
-    scope: anyio.CancelScope | None = None
-    nap: anyio.CancelScope | None = None  # the watchdog's sleep: cancelled to make it look again at once
-    # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
-    alive: anyio.Event = field(default_factory=anyio.Event)
-
-    def kill(self, deadline: str, reason: str, *, by_operator: bool = False, restart: bool = False) -> None:
-        if self.kill_reason:
-            return
-        self.kill_deadline, self.kill_reason = deadline, reason
-        self.by_operator, self.restart = by_operator, restart
-        if self.scope is not None:
-            self.scope.cancel()
-        # The cancellation reaches the reading task only when it next waits, and with data already buffered it
-        # may not wait for a while (vLLM then generated a killed answer to its end): drop the connection now.
-        abort = getattr(self.stream, "abort", None)
-        if abort is not None:
-            abort()
-
-    def look_again(self) -> None:
-        """Wake the watchdog now (a policy changed): it measures the deadline afresh."""
-        if self.nap is not None:
-            self.nap.cancel()
 
 
 class Watchdog:
@@ -183,35 +125,6 @@ class Watchdog:
                                    att.deadline_at, att.extensions, by_operator=True))
         if st.status == "stalling":
             st.status = "streaming" if att.first_token_at is not None else "prefill"
-
-
-@dataclass(eq=False)
-class ToolCall:
-    """One MCP tool call while it executes, with its own deadline (tool_timeout_s): time in a tool is not
-    model silence, so no stream deadline runs meanwhile."""
-
-    call_id: str
-    server: str
-    tool: str
-    started_at: float
-    deadline_at: float
-    warn_at: tuple[float, ...] = ()
-    warned: int = 0
-    outcome: str = ""  # "timeout" | "killed" once it was ended so
-    reason: str = ""
-    scope: anyio.CancelScope | None = None
-    nap: anyio.CancelScope | None = None
-
-    def kill(self, outcome: str, reason: str) -> None:
-        if self.outcome:
-            return
-        self.outcome, self.reason = outcome, reason
-        if self.scope is not None:
-            self.scope.cancel()
-
-    def look_again(self) -> None:
-        if self.nap is not None:
-            self.nap.cancel()
 
 
 async def watch_tool(st: AgentState, call: ToolCall, emit: Callable[[ev.Event], None]) -> None:

@@ -17,7 +17,8 @@ from cerevisor_tui.config import validate
 from cerevisor_tui.config.models import Config
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine import load
-from cerevisor_tui.engine.engine import Attempt, Engine
+from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.state import Attempt
 from cerevisor_tui.sim.text import words
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes

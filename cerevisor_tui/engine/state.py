@@ -1,0 +1,165 @@
+"""What the engine keeps of each agent, attempt and tool call while the run goes on: plain records, read by the
+engine's parts (conversation, watchdog, tool calls, the run loop), written by the engine alone. Kept apart from
+the behaviour so that those parts import the records, not each other."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from cerevisor_tui.config.models import AgentConfig
+from cerevisor_tui.kinds import Status
+
+if TYPE_CHECKING:
+    from cerevisor_tui.endpoints.client import ChatStream
+    from cerevisor_tui.endpoints.worker import RemoteStream
+
+
+@dataclass(eq=False)
+class AgentState:
+    """What the engine knows of one agent now; read by the console, written only by the engine."""
+
+    config: AgentConfig
+    endpoint: str  # where it runs: for a pool's agent, the member it is placed on (the pool's first until then)
+    wave: int
+    pool: str = ""  # the pool its config names, if any
+    _status: Status = field(default="pending", repr=False)
+    on_status: Callable[[AgentState], None] | None = field(default=None, repr=False)  # told each change
+    turn: int = 0
+    attempts: int = 0  # requests sent, over all turns
+    turn_attempts: dict[int, int] = field(default_factory=dict)  # turn -> its attempts so far (1: no retry yet)
+    retries_used: int = 0
+    tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    decode_s: float = 0.0
+    stall_warnings: int = 0
+    error: str = ""
+    output: str = ""
+    current: Attempt | None = None
+    scope: anyio.CancelScope | None = None
+    end_status: str = ""
+    end_reason: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turns_done: int = 0
+    last_prompt_tokens: int = 0  # what the server counted for the last completed turn
+    last_completion_tokens: int = 0
+    # meters (issue 12): prompt tokens the server served from its prefix cache, the conversation's length now,
+    # and what the agent cost on priced endpoints
+    cached_tokens: int = 0
+    context_tokens: int = 0
+    cost_usd: float = 0.0
+    # with tools: what it is offered (a Toolset), the step of the turn's tool loop, the last answer's tool calls
+    toolset: Any = None
+    step: int = 0
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def status(self) -> Status:
+        return self._status
+
+    @status.setter
+    def status(self, value: Status) -> None:
+        if value != self._status:
+            self._status = value
+            if self.on_status is not None:
+                self.on_status(self)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def turns(self) -> int:
+        return 1 + len(self.config.turns)
+
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        return self.completion_tokens / self.decode_s if self.decode_s > 0 else None
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One streamed request of one turn, with its stall clock."""
+
+    number: int
+    turn: int
+    sent_at: float
+    last_alive: float = 0.0
+    first_token_at: float | None = None
+    tokens: int = 0
+    phase: str = "first_byte"
+    deadline_at: float = math.inf
+    base: float = 0.0
+    extra_s: float = 0.0
+    extensions: int = 0
+    warned: int = 0
+    kill_reason: str = ""
+    kill_deadline: str = ""
+    by_operator: bool = False
+    restart: bool = False
+    stream: ChatStream | RemoteStream | None = None
+    # its answer so far, as streamed (content, reasoning, tool calls): the turn's result, and what a console
+    # that attaches mid-answer is given (Engine.in_flight)
+    parts: list[str] = field(default_factory=list)
+    thinking: list[str] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
+    calls: dict[int, list[str]] = field(default_factory=dict)  # tool calls by index: [id, name, arguments] so far
+    scope: anyio.CancelScope | None = None
+    nap: anyio.CancelScope | None = None  # the watchdog's sleep: cancelled to make it look again at once
+    # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
+    alive: anyio.Event = field(default_factory=anyio.Event)
+
+    def kill(self, deadline: str, reason: str, *, by_operator: bool = False, restart: bool = False) -> None:
+        if self.kill_reason:
+            return
+        self.kill_deadline, self.kill_reason = deadline, reason
+        self.by_operator, self.restart = by_operator, restart
+        if self.scope is not None:
+            self.scope.cancel()
+        # The cancellation reaches the reading task only when it next waits, and with data already buffered it
+        # may not wait for a while (vLLM then generated a killed answer to its end): drop the connection now.
+        abort = getattr(self.stream, "abort", None)
+        if abort is not None:
+            abort()
+
+    def look_again(self) -> None:
+        """Wake the watchdog now (a policy changed): it measures the deadline afresh."""
+        if self.nap is not None:
+            self.nap.cancel()
+
+
+@dataclass(eq=False)
+class ToolCall:
+    """One MCP tool call while it executes, with its own deadline (tool_timeout_s): time in a tool is not
+    model silence, so no stream deadline runs meanwhile."""
+
+    call_id: str
+    server: str
+    tool: str
+    started_at: float
+    deadline_at: float
+    warn_at: tuple[float, ...] = ()
+    warned: int = 0
+    outcome: str = ""  # "timeout" | "killed" once it was ended so
+    reason: str = ""
+    scope: anyio.CancelScope | None = None
+    nap: anyio.CancelScope | None = None
+
+    def kill(self, outcome: str, reason: str) -> None:
+        if self.outcome:
+            return
+        self.outcome, self.reason = outcome, reason
+        if self.scope is not None:
+            self.scope.cancel()
+
+    def look_again(self) -> None:
+        if self.nap is not None:
+            self.nap.cancel()
