@@ -437,8 +437,8 @@ def _client_c(base_url: str, streams: int, tokens: int, meter: Meter, run_dir: s
 
     from cerevisor_tui.config import validate
     from cerevisor_tui.engine.engine import Engine
-    from cerevisor_tui.engine.journal import Journal
-    from cerevisor_tui.engine.printer import Printer
+    from cerevisor_tui.engine.sinks.journal import Journal
+    from cerevisor_tui.engine.sinks.printer import Printer
 
     if client_py:
         _use_chat_stream_from(client_py)

@@ -239,7 +239,7 @@ class InProcessRun:
     def __init__(self, args: argparse.Namespace, server: FastServer, tmp: Path, stalls: StallLog) -> None:
         from cerevisor_tui.commands.console import run_handle
         from cerevisor_tui.engine.engine import Engine, wants_stream_process
-        from cerevisor_tui.engine.journal import Journal
+        from cerevisor_tui.engine.sinks.journal import Journal
 
         run_dir = tmp / "run"
         self.config = build_config(server.base_url, args.agents, args.stalls, run_tokens(args), args.idle_timeout_s,

@@ -48,7 +48,7 @@ def headless_imports() -> tuple[float, bool, int]:
     """Seconds to import what `run` uses, whether Textual came along, and how many modules were loaded."""
     code = ("import sys, time, json; t = time.perf_counter(); "
             "import cerevisor_tui.cli, cerevisor_tui.commands.run, cerevisor_tui.engine.engine, "
-            "cerevisor_tui.engine.journal, cerevisor_tui.engine.printer; "
+            "cerevisor_tui.engine.sinks.journal, cerevisor_tui.engine.sinks.printer; "
             "print(json.dumps([time.perf_counter() - t, 'textual' in sys.modules, len(sys.modules)]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     seconds, textual, modules = json.loads(out.stdout)

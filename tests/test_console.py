@@ -112,8 +112,8 @@ def test_cli_bad_config_prints_no_traceback(tmp_path):
 
 def test_each_console_run_records_its_config_and_the_last_partly_done_run_of_it_is_offered(tmp_path):
     from cerevisor_tui.contract import events as ev
-    from cerevisor_tui.engine.journal import Journal
-    from cerevisor_tui.engine.report import Report
+    from cerevisor_tui.engine.sinks.journal import Journal
+    from cerevisor_tui.engine.sinks.report import Report
 
     path = tmp_path / "team.toml"
     path.write_text(console.demo_text())

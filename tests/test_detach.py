@@ -103,7 +103,7 @@ def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path):
     info = ls(tmp_path)[run_id]
     assert info["state"] == "finished" and info["done"] == info["total"] == 3
     # a console opening it read-only sees the resumed run as it ended, not the crashed one's leftovers
-    from cerevisor_tui.engine.journal import read_records
+    from cerevisor_tui.engine.sinks.journal import read_records
     from cerevisor_tui.ui.mirror import RunMirror
 
     mirror = RunMirror()

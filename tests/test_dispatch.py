@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.engine.printer import Printer
-from cerevisor_tui.engine.report import Report
+from cerevisor_tui.engine.sinks.printer import Printer
+from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.ui.mirror import RunMirror
 from cerevisor_tui.ui.model import UiModel
 

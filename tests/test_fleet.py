@@ -12,8 +12,8 @@ import pytest
 
 from cerevisor_tui.config import ConfigError, SimSettings, validate
 from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.engine.journal import Journal
-from cerevisor_tui.engine.printer import Printer
+from cerevisor_tui.engine.sinks.journal import Journal
+from cerevisor_tui.engine.sinks.printer import Printer
 from cerevisor_tui.sim import SimServer
 from tests.conftest import free_port
 

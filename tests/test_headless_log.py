@@ -12,7 +12,7 @@ import pytest
 
 from cerevisor_tui.config import SimSettings
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.engine.printer import Printer
+from cerevisor_tui.engine.sinks.printer import Printer
 from cerevisor_tui.sim import start_in_thread
 from tests.conftest import RawServer, http_head
 from tests.test_reliability import start_run, workflow

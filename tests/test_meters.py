@@ -9,7 +9,7 @@ import pytest
 
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.engine.printer import Printer
+from cerevisor_tui.engine.sinks.printer import Printer
 from cerevisor_tui.sim import SimServer
 
 FAST = SimSettings(tokens_per_s=2000, ttft_s=0.0)
@@ -101,7 +101,7 @@ async def test_cost_per_agent_and_run_and_a_budget_that_pauses_admissions():
 async def test_a_resumed_run_counts_what_it_spent_before_toward_its_budget(tmp_path):
     """The budget is the run's, across --resume: the journal's last run_cost_usd is where the resumed run
     counts on from (it used to start again at 0 and spend the budget a second time)."""
-    from cerevisor_tui.engine.journal import Journal, read_journal
+    from cerevisor_tui.engine.sinks.journal import Journal, read_journal
 
     def config(budget: float):
         return validate({

@@ -295,7 +295,7 @@ if where == "shutdown":  # the run's endpoints never finish closing, even when c
             await anyio.sleep_forever()
     SimServer.__aexit__ = never
 else:  # the last report write never returns
-    from cerevisor_tui.engine.journal import Journal
+    from cerevisor_tui.engine.sinks.journal import Journal
     def never(self, **kwargs):
         marker.write_text("hanging")
         threading.Event().wait()
@@ -327,7 +327,7 @@ def test_a_second_signal_ends_a_stop_that_hangs(tmp_path, where):
 
 def test_the_console_holds_its_run_directory_as_a_headless_run_does(tmp_path):
     from cerevisor_tui.commands import console
-    from cerevisor_tui.engine.journal import JournalError
+    from cerevisor_tui.engine.sinks.journal import JournalError
 
     path = tmp_path / "team.toml"
     path.write_text(console.demo_text())

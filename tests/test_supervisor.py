@@ -22,7 +22,7 @@ from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.contract.wire import PROTOCOL, Hello, encode
 from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.engine.journal import Journal
+from cerevisor_tui.engine.sinks.journal import Journal
 from cerevisor_tui.sim import SimServer
 from cerevisor_tui.supervisor.client import AttachError, CommandFailed, ControlClient
 from cerevisor_tui.supervisor.protocol import socket_of

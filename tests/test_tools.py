@@ -14,7 +14,7 @@ import pytest
 
 from cerevisor_tui.config import validate
 from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.engine.journal import Journal
+from cerevisor_tui.engine.sinks.journal import Journal
 
 FAKE = str(Path(__file__).parent / "fixtures" / "mcp_fake.py")
 

@@ -32,7 +32,7 @@ from cerevisor_tui.config.paths import default_runs_dir, find_config, user_confi
 
 if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine
-    from cerevisor_tui.engine.journal import Journal
+    from cerevisor_tui.engine.sinks.journal import Journal
     from cerevisor_tui.ui.app import CerevisorApp, RunHandle
 
 DEMO = "built-in demo"
@@ -151,8 +151,8 @@ class ConsoleRuns:
         """An engine for the run, its journal open and subscribed; raises JournalError on an unusable directory.
         `config`: the settings in force now (the settings screen may have saved new ones since start-up)."""
         from cerevisor_tui.engine.engine import Engine, wants_stream_process
-        from cerevisor_tui.engine.journal import Journal, JournalError
-        from cerevisor_tui.engine.report import write_json_atomic
+        from cerevisor_tui.engine.sinks.journal import Journal, JournalError
+        from cerevisor_tui.engine.sinks.report import write_json_atomic
 
         config = config or self.config
         engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
@@ -197,7 +197,7 @@ class ConsoleRuns:
         it stands, the agents that had not finished marked cancelled (they will not), and the locks released.
         The journals are left as written: a resume reruns what has no end in them."""
         from cerevisor_tui.contract import events as ev
-        from cerevisor_tui.engine.report import STATUSES
+        from cerevisor_tui.engine.sinks.report import STATUSES
 
         if not self._closing.acquire(timeout=1.0):
             return  # the console's own close is under way and stuck: exit without
@@ -224,7 +224,7 @@ def main(args: Any) -> int:
         print(f"cerevisor-tui: {exc}", file=sys.stderr)
         return 2
 
-    from cerevisor_tui.engine.journal import JournalError
+    from cerevisor_tui.engine.sinks.journal import JournalError
     from cerevisor_tui.ui.keys import BINDING_IDS
     from cerevisor_tui.ui.theme_files import ThemeError, check_theme_name, load_themes
 

@@ -106,7 +106,7 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app
     if live:
         handle = attached_handle(run_dir, notify, starting)
     else:
-        from cerevisor_tui.engine.journal import JournalError, read_records
+        from cerevisor_tui.engine.sinks.journal import JournalError, read_records
 
         try:
             records, _ = read_records(run_dir)

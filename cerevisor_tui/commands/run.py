@@ -22,7 +22,7 @@ from cerevisor_tui.config.checks import preflight
 from cerevisor_tui.config.paths import default_runs_dir
 
 if TYPE_CHECKING:
-    from cerevisor_tui.engine.journal import JournalState
+    from cerevisor_tui.engine.sinks.journal import JournalState
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 FORCE_EXIT_S = 1.5
@@ -67,8 +67,8 @@ def find_run(run: str, runs_dir: Path) -> Path:
 
 def resume_state(run: str, runs_dir: Path) -> tuple[Path, JournalState]:
     """A run to resume: its directory and what its journal says (the answers of the agents it completed,
-    their events, what it spent; what cannot be read is skipped: engine/journal.py `read_journal`)."""
-    from cerevisor_tui.engine.journal import JournalError, read_journal
+    their events, what it spent; what cannot be read is skipped: engine/sinks/journal.py `read_journal`)."""
+    from cerevisor_tui.engine.sinks.journal import JournalError, read_journal
 
     path = find_run(run, runs_dir)
     try:
@@ -109,8 +109,8 @@ class ForcedExit:
 
 def main(args: Any) -> int:
     from cerevisor_tui.engine.engine import Engine, new_run_id, wants_stream_process
-    from cerevisor_tui.engine.journal import Journal, JournalError, RunLock, read_journal
-    from cerevisor_tui.engine.printer import Printer
+    from cerevisor_tui.engine.sinks.journal import Journal, JournalError, RunLock, read_journal
+    from cerevisor_tui.engine.sinks.printer import Printer
 
     # A file-size limit (ulimit -f) makes a write fail with EFBIG, which the journal reports, rather than
     # SIGXFSZ killing the process with nothing said.

@@ -49,8 +49,8 @@ from cerevisor_tui.engine.conversation import (
 )
 from cerevisor_tui.engine.monitor import ServerMonitor
 from cerevisor_tui.engine.placement import HOSTED_DOWN_S, MemberLoad, Placement
-from cerevisor_tui.engine.report import Report
 from cerevisor_tui.engine.scheduler import Scheduler
+from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls, ToolMemory
 from cerevisor_tui.engine.watchdog import BusyCheck, Watchdog, fmt_s
@@ -904,7 +904,7 @@ def _tool_memory(run_dir: str) -> ToolMemory | None:
     """What an earlier run in this run directory got from its tools (a resumed run); None: nothing."""
     if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
         return None
-    from cerevisor_tui.engine.journal import read_records
+    from cerevisor_tui.engine.sinks.journal import read_records
 
     try:
         records, _ = read_records(run_dir)

@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from cerevisor_tui.engine.journal import EVENTS_FILE
+from cerevisor_tui.engine.sinks.journal import EVENTS_FILE
 from cerevisor_tui.supervisor.protocol import read_supervisor, socket_of
 
 

@@ -33,7 +33,7 @@ from cerevisor_tui.contract.wire import (
     event_line,
     read_client,
 )
-from cerevisor_tui.engine.journal import EVENTS_FILE
+from cerevisor_tui.engine.sinks.journal import EVENTS_FILE
 from cerevisor_tui.supervisor.protocol import SUPERVISOR_FILE, socket_path_for
 
 HELLO_WAIT_S = 10.0

@@ -14,7 +14,7 @@ from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.control import LocalControl
 from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.engine.journal import Journal, read_records
+from cerevisor_tui.engine.sinks.journal import Journal, read_records
 from cerevisor_tui.ui.mirror import RunMirror
 from tests.ui.conftest import EventLog, kind, sim_config
 

@@ -14,8 +14,8 @@ from textual.command import CommandPalette
 from cerevisor_tui.commands import console as console_command
 from cerevisor_tui.config import SimSettings
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.engine.journal import Journal
-from cerevisor_tui.engine.report import Report
+from cerevisor_tui.engine.sinks.journal import Journal
+from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.sim import SimServer
 from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 from cerevisor_tui.ui.theme_files import load_themes

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.engine.report import Report, write_json_atomic
+from cerevisor_tui.engine.sinks.report import Report, write_json_atomic
 
 SKIPPED = frozenset({"TokenDelta", "KeepAlive"})
 EVENTS_FILE = "events.jsonl"
