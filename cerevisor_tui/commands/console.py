@@ -150,23 +150,18 @@ class ConsoleRuns:
              config: Config | None = None) -> Engine:
         """An engine for the run, its journal open and subscribed; raises JournalError on an unusable directory.
         `config`: the settings in force now (the settings screen may have saved new ones since start-up)."""
-        from cerevisor_tui.engine.engine import Engine, wants_stream_process
-        from cerevisor_tui.engine.sinks.journal import Journal, JournalError
+        from cerevisor_tui.engine.run_setup import open_run
+        from cerevisor_tui.engine.sinks.journal import JournalError
         from cerevisor_tui.engine.sinks.report import write_json_atomic
 
-        config = config or self.config
-        engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
-                        spent_usd=spent_usd, stream_process=wants_stream_process(config, console=True))
-        # one process per run directory (its lock); a write that fails mid-run stops the run, saying why
-        journal = Journal(run_dir, engine.report, on_error=lambda line: engine.stop(f"run stopped: {line}"))
-        journal.open(resume=completed is not None)
+        engine, journal = open_run(config or self.config, run_id, run_dir, console=True, resume=completed is not None,
+                                   completed=completed, history=history, spent_usd=spent_usd)
         try:
             write_json_atomic(run_dir / RUN_FILE, {"run_id": run_id, "config": self.config_key,
                                                    "started_at": datetime.now(UTC).isoformat()})
         except OSError as exc:
             journal.close()
             raise JournalError(f"run directory {run_dir} is not usable: {exc.strerror or exc}") from None
-        engine.subscribe(journal)
         self.journals.append(journal)
         return engine
 

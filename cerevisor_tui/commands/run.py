@@ -108,8 +108,9 @@ class ForcedExit:
 
 
 def main(args: Any) -> int:
-    from cerevisor_tui.engine.engine import Engine, new_run_id, wants_stream_process
-    from cerevisor_tui.engine.sinks.journal import Journal, JournalError, RunLock, read_journal
+    from cerevisor_tui.engine.engine import new_run_id
+    from cerevisor_tui.engine.run_setup import open_run
+    from cerevisor_tui.engine.sinks.journal import JournalError, RunLock, read_journal
     from cerevisor_tui.engine.sinks.printer import Printer
 
     # A file-size limit (ulimit -f) makes a write fail with EFBIG, which the journal reports, rather than
@@ -144,18 +145,14 @@ def main(args: Any) -> int:
         # --detach) waits for a console to answer; a run in the foreground has no one to ask and denies it
         ask = "approve" if getattr(args, "approve_all", False) else "operator" if getattr(args, "detached", False) \
             else "deny"
-        engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
-                        spent_usd=spent_usd, stream_process=wants_stream_process(config, console=False), ask=ask)
-        journal = Journal(run_dir, engine.report, extra_report=args.report,
-                          on_error=lambda line: engine.stop(f"run stopped: {line}"))
-        journal.open(resume=resuming, lock=lock)
+        engine, journal = open_run(config, run_id, run_dir, console=False, resume=resuming, completed=completed,
+                                   history=history, spent_usd=spent_usd, ask=ask, extra_report=args.report, lock=lock)
     except (ConfigError, JournalError) as exc:
         if lock is not None:
             lock.release()
         print(f"cerevisor-tui run: {exc}", file=sys.stderr)
         return 2
 
-    engine.subscribe(journal)
     engine.subscribe(Printer(jsonl=args.jsonl))
     received: list[int] = []
     forced: list[ForcedExit] = []
