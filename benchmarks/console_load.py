@@ -139,7 +139,7 @@ class PartTimer:
             from cerevisor_tui.supervisor import client
 
             # looked up at each call by the client's read loop: wrapping the module's name times it
-            self._wrap(client, "read_event", "socket: event line to event (1 call in 64 timed, x64)", every=64)
+            self._wrap(client, "read_server", "socket: line to typed message (1 call in 64 timed, x64)", every=64)
 
     def _wrap(self, cls: type, name: str, label: str, every: int = 1) -> None:
         """Time `cls.name`; with `every` > 1, only one call in `every`, counted `every` times: reading the
