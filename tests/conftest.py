@@ -1,11 +1,15 @@
-"""Shared test fixtures: the anyio backend, and a raw socket HTTP server for faults the simulator can't fake."""
+"""Shared test fixtures: the anyio backend, each test's own state and temp dirs, and a raw socket HTTP server for
+faults the simulator can't fake."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import ssl as ssl_module
-from collections.abc import Awaitable, Callable
+import tempfile
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -17,9 +21,27 @@ def anyio_backend() -> str:
 
 @pytest.fixture(autouse=True)
 def _no_user_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep every test (and the commands it starts) out of the real user state dir: saved probe
-    recommendations and run directories land in a temp dir. A test that sets its own wins."""
+    """Keep every test (and the commands it starts) out of the real user state and config dirs: saved probe
+    recommendations and run directories land in a temp dir, and no config or theme of the machine's user (or
+    of a console someone runs meanwhile) is read. A test that sets its own wins."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+    monkeypatch.delenv("CEREVISOR_TUI_CONFIG", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _own_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A temp dir of the test's own, for it and the commands it starts ($TMPDIR): what lands in the shared one
+    (a run's control socket, when its run dir is too long for a socket path, goes to
+    $TMPDIR/cerevisor-tui-<uid>/<run_id>.sock) must not meet another test's, on another xdist worker or in
+    another session on this machine. Short, under the system's temp dir, so that a socket path still fits."""
+    tmp_path_factory.getbasetemp()  # pytest's own base dir stays where it is, not in here
+    own = Path(tempfile.mkdtemp(prefix="ct-"))
+    own.chmod(0o755)  # others may enter, as they may enter /tmp (a test's socket refuses another uid there)
+    monkeypatch.setenv("TMPDIR", str(own))
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    yield own
+    shutil.rmtree(own, ignore_errors=True)
 
 
 @pytest.fixture(params=[False, True], ids=["in-process", "stream-process"])
