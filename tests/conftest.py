@@ -44,6 +44,16 @@ def _own_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
     shutil.rmtree(own, ignore_errors=True)
 
 
+@pytest.fixture
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries after a fiftieth of the engine's backoff (0.01 s, 0.02 s, 0.04 s ... instead of 0.5 s, 1 s, 2 s ...,
+    each times 0.5 to 1.5): for tests of whether, how often and why an agent is retried, not of how long it
+    waits in between."""
+    from cerevisor_tui.engine import conversation
+
+    monkeypatch.setattr(conversation, "BACKOFF_BASE_S", conversation.BACKOFF_BASE_S / 50)
+
+
 @pytest.fixture(params=[False, True], ids=["in-process", "stream-process"])
 def stream_process(request: pytest.FixtureRequest) -> bool:
     """Run the test both ways: the engine reading its streams itself, and through its stream worker process."""
