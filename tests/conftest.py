@@ -1,5 +1,5 @@
-"""Shared test fixtures: the anyio backend, each test's own state and temp dirs, and a raw socket HTTP server for
-faults the simulator can't fake."""
+"""Shared test fixtures: the anyio backend, each test's own state and temp dirs, waiting on a condition, and a
+raw socket HTTP server for faults the simulator can't fake."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ import shutil
 import socket
 import ssl as ssl_module
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -42,6 +46,51 @@ def _own_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Mo
     monkeypatch.setattr(tempfile, "tempdir", str(own))
     yield own
     shutil.rmtree(own, ignore_errors=True)
+
+
+def _attempts(condition: Callable[[], T], what: str | Callable[[], str], timeout: float) -> Generator[None, None, T]:
+    """Ask `condition` until it answers truthy (returned) or `timeout` seconds pass (AssertionError); yields
+    between tries. An AssertionError from `condition` counts as not yet; the last one is chained to the timeout."""
+    deadline = time.monotonic() + timeout
+    last: AssertionError | None = None
+    while True:
+        try:
+            answer = condition()
+        except AssertionError as exc:
+            answer, last = None, exc  # type: ignore[assignment]
+        if answer:
+            return answer
+        if time.monotonic() >= deadline:
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {said or 'the condition'}") from last
+        yield
+
+
+async def until(condition: Callable[[], T], what: str | Callable[[], str] = "", timeout: float = 60.0,
+                interval: float = 0.01) -> T:
+    """Wait, letting the event loop run, until `condition()` is truthy; return what it answered. The one way
+    tests wait for something: on a condition, never for a fixed time. `condition` may be a block of asserts
+    that returns True at its end (an AssertionError is "not yet", and the last one is shown if time runs out);
+    `what` (or a function that says it, asked at the timeout) names what was awaited."""
+    tries = _attempts(condition, what, timeout)
+    try:
+        while True:
+            next(tries)
+            await asyncio.sleep(interval)  # the one poll of async tests: the event loop runs meanwhile
+    except StopIteration as done:
+        return done.value
+
+
+def wait_until(condition: Callable[[], T], what: str | Callable[[], str] = "", timeout: float = 60.0,
+               interval: float = 0.05) -> T:
+    """`until` for tests without an event loop (a subprocess, a server in a thread): blocks between tries."""
+    tries = _attempts(condition, what, timeout)
+    try:
+        while True:
+            next(tries)
+            time.sleep(interval)  # the one poll of sync tests: what it waits for runs in another thread or process
+    except StopIteration as done:
+        return done.value
 
 
 @pytest.fixture

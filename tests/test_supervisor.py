@@ -25,6 +25,7 @@ from cerevisor_tui.sim import SimServer
 from cerevisor_tui.supervisor.client import AttachError, CommandFailed, ControlClient
 from cerevisor_tui.supervisor.protocol import PROTOCOL, encode, socket_of
 from cerevisor_tui.supervisor.server import ControlServer
+from tests.conftest import until
 
 pytestmark = pytest.mark.anyio
 
@@ -44,17 +45,6 @@ def dispatch_for(engine: Engine):
         return commands[name](**args)
 
     return dispatch
-
-
-async def until(condition, what: str, timeout: float = 60.0) -> None:
-    async def wait() -> None:
-        while not condition():
-            await asyncio.sleep(0.02)
-
-    try:
-        await asyncio.wait_for(wait(), timeout)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 def journal_events(run_dir: Path) -> list[dict[str, Any]]:
