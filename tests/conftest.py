@@ -1,13 +1,21 @@
-"""Shared test fixtures: the anyio backend, and a raw socket HTTP server for faults the simulator can't fake."""
+"""Shared test fixtures: the anyio backend, each test's own state and temp dirs, waiting on a condition, and a
+raw socket HTTP server for faults the simulator can't fake."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
 import ssl as ssl_module
-from collections.abc import Awaitable, Callable
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Generator, Iterator
+from pathlib import Path
+from typing import TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -17,9 +25,82 @@ def anyio_backend() -> str:
 
 @pytest.fixture(autouse=True)
 def _no_user_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keep every test (and the commands it starts) out of the real user state dir: saved probe
-    recommendations and run directories land in a temp dir. A test that sets its own wins."""
+    """Keep every test (and the commands it starts) out of the real user state and config dirs: saved probe
+    recommendations and run directories land in a temp dir, and no config or theme of the machine's user (or
+    of a console someone runs meanwhile) is read. A test that sets its own wins."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+    monkeypatch.delenv("CEREVISOR_TUI_CONFIG", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _own_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A temp dir of the test's own, for it and the commands it starts ($TMPDIR): what lands in the shared one
+    (a run's control socket, when its run dir is too long for a socket path, goes to
+    $TMPDIR/cerevisor-tui-<uid>/<run_id>.sock) must not meet another test's, on another xdist worker or in
+    another session on this machine. Short, under the system's temp dir, so that a socket path still fits."""
+    tmp_path_factory.getbasetemp()  # pytest's own base dir stays where it is, not in here
+    own = Path(tempfile.mkdtemp(prefix="ct-"))
+    own.chmod(0o755)  # others may enter, as they may enter /tmp (a test's socket refuses another uid there)
+    monkeypatch.setenv("TMPDIR", str(own))
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    yield own
+    shutil.rmtree(own, ignore_errors=True)
+
+
+def _attempts(condition: Callable[[], T], what: str | Callable[[], str], timeout: float) -> Generator[None, None, T]:
+    """Ask `condition` until it answers truthy (returned) or `timeout` seconds pass (AssertionError); yields
+    between tries. An AssertionError from `condition` counts as not yet; the last one is chained to the timeout."""
+    deadline = time.monotonic() + timeout
+    last: AssertionError | None = None
+    while True:
+        try:
+            answer = condition()
+        except AssertionError as exc:
+            answer, last = None, exc  # type: ignore[assignment]
+        if answer:
+            return answer
+        if time.monotonic() >= deadline:
+            said = what() if callable(what) else what
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {said or 'the condition'}") from last
+        yield
+
+
+async def until(condition: Callable[[], T], what: str | Callable[[], str] = "", timeout: float = 60.0,
+                interval: float = 0.01) -> T:
+    """Wait, letting the event loop run, until `condition()` is truthy; return what it answered. The one way
+    tests wait for something: on a condition, never for a fixed time. `condition` may be a block of asserts
+    that returns True at its end (an AssertionError is "not yet", and the last one is shown if time runs out);
+    `what` (or a function that says it, asked at the timeout) names what was awaited."""
+    tries = _attempts(condition, what, timeout)
+    try:
+        while True:
+            next(tries)
+            await asyncio.sleep(interval)  # the one poll of async tests: the event loop runs meanwhile
+    except StopIteration as done:
+        return done.value
+
+
+def wait_until(condition: Callable[[], T], what: str | Callable[[], str] = "", timeout: float = 60.0,
+               interval: float = 0.05) -> T:
+    """`until` for tests without an event loop (a subprocess, a server in a thread): blocks between tries."""
+    tries = _attempts(condition, what, timeout)
+    try:
+        while True:
+            next(tries)
+            time.sleep(interval)  # the one poll of sync tests: what it waits for runs in another thread or process
+    except StopIteration as done:
+        return done.value
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retries after a fiftieth of the engine's backoff (0.01 s, 0.02 s, 0.04 s ... instead of 0.5 s, 1 s, 2 s ...,
+    each times 0.5 to 1.5): for tests of whether, how often and why an agent is retried, not of how long it
+    waits in between."""
+    from cerevisor_tui.engine import conversation
+
+    monkeypatch.setattr(conversation, "BACKOFF_BASE_S", conversation.BACKOFF_BASE_S / 50)
 
 
 @pytest.fixture(params=[False, True], ids=["in-process", "stream-process"])

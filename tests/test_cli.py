@@ -6,13 +6,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config.example.toml"
@@ -32,14 +31,15 @@ def sim_process():
         proc = subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "sim", "--port", str(port), *flags],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         procs.append(proc)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    return f"http://127.0.0.1:{port}/v1"
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
             except httpx.HTTPError:
-                time.sleep(0.1)
-        raise AssertionError("sim did not start")
+                return False
+
+        wait_until(healthy, "the sim to start", timeout=15)
+        return f"http://127.0.0.1:{port}/v1"
 
     yield start
     for proc in procs:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from cerevisor_tui.supervisor.protocol import read_supervisor
+from tests.conftest import wait_until
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -38,16 +39,6 @@ def ls(tmp_path: Path) -> dict[str, dict]:
     return {r["run_id"]: r for r in json.loads(proc.stdout)}
 
 
-def wait_for(condition, what: str, timeout: float = 60.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def started(proc: subprocess.CompletedProcess) -> tuple[str, Path]:
     assert proc.returncode == 0, proc.stderr
     first = proc.stdout.splitlines()[0]
@@ -66,7 +57,7 @@ def test_a_detached_run_goes_on_alone_and_stop_ends_it_with_its_report(tmp_path:
     assert os.getsid(pid) == pid  # a session of its own: no terminal's SIGHUP reaches it
     assert ls(tmp_path)[run_id]["state"] == "live"
     os.kill(pid, signal.SIGHUP)  # what an SSH drop sends a process still tied to the terminal: ignored
-    events = wait_for(lambda: [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
+    events = wait_until(lambda: [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
                                if '"TokenDelta"' not in x and '"FirstToken"' in x], "tokens to flow")
     assert events and ls(tmp_path)[run_id]["state"] == "live"
     # a client that attaches now gets the past first: from RunStarted on
@@ -82,7 +73,7 @@ def test_a_detached_run_goes_on_alone_and_stop_ends_it_with_its_report(tmp_path:
     assert kinds[0] == "RunStarted" and kinds[-1] == "RunFinished"
     report = json.loads((run_dir / "report.json").read_text())
     assert report["run_id"] == run_id and report["totals"]["cancelled"] >= 1
-    wait_for(lambda: subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0,
+    wait_until(lambda: subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0,
              "the run's process to end")
     assert ls(tmp_path)[run_id]["state"] == "resumable"
     gone = cli("stop", run_id, "--runs-dir", str(tmp_path / "runs"))
@@ -94,10 +85,10 @@ def test_a_detached_run_goes_on_alone_and_stop_ends_it_with_its_report(tmp_path:
 def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path):
     wf = workflow(tmp_path, agents=3, tokens_per_s=40, max_tokens=40)
     run_id, run_dir = started(cli("run", str(wf), "--detach", "--mode", "sequential"))
-    wait_for(lambda: '"status": "completed"' in (run_dir / "events.jsonl").read_text()
+    wait_until(lambda: '"status": "completed"' in (run_dir / "events.jsonl").read_text()
              or '"status":"completed"' in (run_dir / "events.jsonl").read_text(), "a first agent to complete")
     os.kill(read_supervisor(run_dir)["pid"], signal.SIGKILL)
-    wait_for(lambda: ls(tmp_path)[run_id]["state"] == "crashed", "the run to show as crashed")
+    wait_until(lambda: ls(tmp_path)[run_id]["state"] == "crashed", "the run to show as crashed")
     resumed = cli("run", str(wf), "--resume", run_id, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     info = ls(tmp_path)[run_id]

@@ -10,13 +10,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import tomli_w
 
 from cerevisor_tui.contract.commands import Approve
+from tests.conftest import wait_until
 from tests.test_tools import kinds, run, workflow
 from tests.test_tools_permissions import waiter
 
@@ -106,10 +106,7 @@ def test_a_run_killed_with_sigkill_leaves_no_mcp_server_behind(tmp_path):
         assert alive(server_pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        deadline = time.monotonic() + 30
-        while alive(server_pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(server_pid), "the MCP server outlived its run"
+        wait_until(lambda: not alive(server_pid), "the MCP server to end with its run (it outlived it)", timeout=30)
     finally:
         proc.kill()
         proc.wait()

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -18,7 +17,7 @@ import pytest
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import start_in_thread
-from tests.conftest import RawServer, chunk, http_head, sse_chunk
+from tests.conftest import RawServer, chunk, http_head, sse_chunk, wait_until
 
 
 def workflow(path: Path, url: str, *, agents: int = 6, max_tokens: int = 30, extra_ep: str = "", deps: bool = True,
@@ -44,24 +43,16 @@ def _listening(port: int) -> bool:
         return False
 
 
-def wait_for(predicate, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting")
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("signum,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
 def test_a_signal_cancels_running_agents_closes_connections_and_writes_the_report(tmp_path, signum, code):
     with start_in_thread(SimSettings(tokens_per_s=20)) as sim:
         cfg = workflow(tmp_path / "w.toml", sim.base_url, max_tokens=200)
         proc = start_run(str(cfg), "--run-dir", str(tmp_path / "run"))
-        wait_for(lambda: sim.state.running == 2)
+        wait_until(lambda: sim.state.running == 2)
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=20)
         assert proc.returncode == code, err
-        wait_for(lambda: sim.state.running == 0, timeout=2)
+        wait_until(lambda: sim.state.running == 0, timeout=2)
         assert sim.state.aborted_total >= 2
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     statuses = {a["name"]: a["status"] for a in report["agents"]}
@@ -75,7 +66,7 @@ def test_sigkill_mid_run_then_resume_completes_without_asking_twice(tmp_path):
         run_dir = tmp_path / "run"
         proc = start_run(str(cfg), "--run-dir", str(run_dir))
         events = run_dir / "events.jsonl"
-        wait_for(lambda: events.exists() and events.read_text().count('"status":"completed"') >= 2)
+        wait_until(lambda: events.exists() and events.read_text().count('"status":"completed"') >= 2)
         proc.kill()
         proc.wait(10)
         lines = events.read_text().splitlines()
@@ -189,10 +180,10 @@ prompt = "p"
 max_tokens = 60
 ''')
             # a hosted endpoint fails at once on a refused port: the simulator process must be listening first
-            wait_for(lambda: _listening(port))
+            wait_until(lambda: _listening(port))
             proc = start_run(str(cfg), "--run-dir", str(tmp_path / "run"))
             events = tmp_path / "run" / "events.jsonl"
-            wait_for(lambda: events.exists() and '"event":"FirstToken","t"' in events.read_text()
+            wait_until(lambda: events.exists() and '"event":"FirstToken","t"' in events.read_text()
                      and any('"FirstToken"' in line and '"victim"' in line for line in events.read_text().splitlines()))
             server.kill()
             out, err = proc.communicate(timeout=60)

@@ -16,7 +16,8 @@ import pytest
 
 from cerevisor_tui.config import SimSettings
 from cerevisor_tui.sim import start_in_thread
-from tests.test_reliability import start_run, wait_for, workflow
+from tests.conftest import wait_until
+from tests.test_reliability import start_run, workflow
 
 FAST = SimSettings(tokens_per_s=400, ttft_s=0.01)
 
@@ -48,7 +49,7 @@ def test_a_run_directory_in_use_or_holding_a_run_is_refused_and_a_killed_run_res
         run_dir = tmp_path / "run"
         first = start_run(str(slow), "--run-dir", str(run_dir))
         try:
-            wait_for(lambda: sim.state.running == 2)
+            wait_until(lambda: sim.state.running == 2)
             for args in (("--resume", str(run_dir)), ("--run-dir", str(run_dir))):
                 second = start_run(str(slow), *args)
                 line = one_line(finish(second)[1])
@@ -274,7 +275,7 @@ def test_sigterm_on_a_long_chain_cancels_the_rest_in_one_step(tmp_path):
         cfg.write_text("\n".join(lines))
         run_dir = tmp_path / "run"
         proc = start_run(str(cfg), "--run-dir", str(run_dir))
-        wait_for(lambda: sim.state.running == 1)
+        wait_until(lambda: sim.state.running == 1)
         proc.send_signal(signal.SIGTERM)
         out, err = finish(proc, timeout=30)
         assert proc.returncode == 143, err
@@ -314,9 +315,9 @@ def test_a_second_signal_ends_a_stop_that_hangs(tmp_path, where):
     proc = subprocess.Popen([sys.executable, "-c", HANG, str(marker), where, "run", str(cfg), "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     events = run_dir / "events.jsonl"
-    wait_for(lambda: events.exists() and '"FirstToken"' in events.read_text())
+    wait_until(lambda: events.exists() and '"FirstToken"' in events.read_text())
     proc.send_signal(signal.SIGTERM)
-    wait_for(marker.exists)
+    wait_until(marker.exists)
     proc.send_signal(signal.SIGTERM)
     out, err = finish(proc, timeout=20)
     assert proc.returncode == 143, err

@@ -27,6 +27,7 @@ from cerevisor_tui.sim import SimServer
 from cerevisor_tui.supervisor.client import AttachError, CommandFailed, ControlClient
 from cerevisor_tui.supervisor.protocol import socket_of
 from cerevisor_tui.supervisor.server import ControlServer
+from tests.conftest import until
 
 pytestmark = pytest.mark.anyio
 
@@ -37,15 +38,6 @@ AS_NOBODY = ("import socket, sys, os; os.setgid(65534); os.setuid(65534); s = so
 """A client of uid 65534 (nobody): prints 'denied' when it cannot connect, else the server's first line."""
 
 
-async def until(condition, what: str, timeout: float = 60.0) -> None:
-    async def wait() -> None:
-        while not condition():
-            await asyncio.sleep(0.02)
-
-    try:
-        await asyncio.wait_for(wait(), timeout)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 def journal_events(run_dir: Path) -> list[dict[str, Any]]:

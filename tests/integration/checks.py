@@ -106,16 +106,6 @@ def timed_busy_check(engine: Engine, log: list[tuple[float, str | None]]):
     return timed
 
 
-async def until(check: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    """Poll `check` every 0.2 s until it holds or `timeout_s` passes; its last answer."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        await anyio.sleep(0.2)
-    return check()
-
-
 class RanToItsEnd:
     """For a kill test on vLLM: whether the request had already run to its end when the kill was given.
 

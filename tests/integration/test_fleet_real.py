@@ -19,8 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.conftest import until
 from tests.integration import servers
-from tests.integration.checks import RanToItsEnd, engine_for, run_engine, until
+from tests.integration.checks import RanToItsEnd, engine_for, run_engine
 from tests.integration.conftest import Pool
 from tests.integration.servers import MODEL, ServerProcess
 from tests.integration.usage_proxy import UsageProxy
@@ -165,9 +166,11 @@ async def test_a_kill_through_the_router_aborts_the_request_on_its_worker(router
     aborted = f"Request chatcmpl-{rid} aborted"
     if aborted not in replica.log_text():
         ran_out.skip_if_done_before_the_kill()
-    assert await until(lambda: aborted in replica.log_text(), 30), (
-        f"{replica.name} did not log the abort ({aborted!r}; {ran_out}):\n{replica.log_tail()}")
-    assert await until(lambda: all(r.metric("vllm:num_requests_running") == 0 for r in replicas), 30)
+    await until(lambda: aborted in replica.log_text(),
+                lambda: f"{replica.name} to log the abort ({aborted!r}; {ran_out}):\n{replica.log_tail()}",
+                timeout=30, interval=0.2)
+    await until(lambda: all(r.metric("vllm:num_requests_running") == 0 for r in replicas),
+                "the replicas to run nothing", timeout=30, interval=0.2)
     assert not re.search(rf"Request chatcmpl-{re.escape(rid)} aborted",
                          next(r for r in replicas if r is not replica).log_text())
 

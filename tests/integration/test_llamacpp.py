@@ -7,12 +7,12 @@ import subprocess
 
 import pytest
 
+from tests.conftest import until
 from tests.integration.checks import (
     engine_for,
     run_engine,
     run_workflow_through_proxy,
     timed_busy_check,
-    until,
 )
 from tests.integration.conftest import cerevisor
 from tests.integration.servers import MODEL, ServerProcess
@@ -65,8 +65,8 @@ async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: Se
                 ["curl", "-sN", "-o", "/dev/null", "-H", "content-type: application/json", "-d", body,
                  f"{llama.base_url}/chat/completions"]))
         # all four slots busy: the agents queue behind the blockers still deferred, for a round at least
-        busy = await until(lambda: llama.metric("llamacpp:requests_processing") >= 4, 60)
-        assert busy, f"the blockers never filled the slots: {llama.metrics()}"
+        await until(lambda: llama.metric("llamacpp:requests_processing") >= 4,
+                    lambda: f"the blockers to fill the slots: {llama.metrics()}", timeout=60, interval=0.2)
         checks: list[tuple[float, str | None]] = []  # (seconds, answer) of each busy check at a deadline
         engine.busy_check = timed_busy_check(engine, checks)
         code, seen = await run_engine(engine)

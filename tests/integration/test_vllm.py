@@ -18,6 +18,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.engine.engine import request_id
+from tests.conftest import until
 from tests.integration import servers
 from tests.integration.checks import (
     RanToItsEnd,
@@ -25,7 +26,6 @@ from tests.integration.checks import (
     run_engine,
     run_workflow_through_proxy,
     timed_busy_check,
-    until,
 )
 from tests.integration.conftest import PRESSURE_ARGS, Pool, cerevisor, jsonl, write_config
 from tests.integration.servers import MODEL, ServerProcess
@@ -234,13 +234,15 @@ async def test_a_kill_frees_the_server(vllm_server: ServerProcess, stream_proces
     assert code == 1, [e for e in seen if e.kind in ("AgentKilled", "AgentFinished")]
     killed = [e for e in seen if e.kind == "AgentKilled"]
     assert len(killed) == 1 and killed[0].deadline == "operator" and killed[0].reason == "killed by the test"
-    assert await until(lambda: vllm_server.metric("vllm:num_requests_running") == 0), "still running"
+    await until(lambda: vllm_server.metric("vllm:num_requests_running") == 0, "vLLM to run nothing (still running)",
+                timeout=15, interval=0.2)
     # our X-Request-Id is vLLM's request id: it names our request, not another test's late abort
     ours = f"Request chatcmpl-{request_id(engine.run_id, 'long', 1, 1)} aborted"
     if ours not in vllm_server.log_text():
         ran_out.skip_if_done_before_the_kill()
-    assert await until(lambda: ours in vllm_server.log_text()), (
-        f"vLLM did not log the abort ({ours!r}; {ran_out}):\n{vllm_server.log_tail()}")
+    await until(lambda: ours in vllm_server.log_text(),
+                lambda: f"vLLM to log the abort ({ours!r}; {ran_out}):\n{vllm_server.log_tail()}", timeout=15,
+                interval=0.2)
     generated = vllm_server.metric("vllm:generation_tokens_total")
     await anyio.sleep(1.0)
     assert vllm_server.metric("vllm:generation_tokens_total") == generated  # nothing is generating any more
@@ -302,7 +304,8 @@ async def test_a_frozen_server_trips_the_idle_deadline_and_the_run_goes_on_after
     assert any(e.kind == "TurnFinished" and e.agent == "long" and e.attempt == 2 for e in seen)
     # once thawed, vLLM noticed the closed stream and aborted it
     ours = f"Request chatcmpl-{request_id(engine.run_id, 'long', 1, 1)} aborted"
-    assert await until(lambda: ours in vllm_server.log_text()), f"{ours!r} not in:\n{vllm_server.log_tail()}"
+    await until(lambda: ours in vllm_server.log_text(), lambda: f"{ours!r} in:\n{vllm_server.log_tail()}", timeout=15,
+                interval=0.2)
 
 
 def test_estimate_gives_the_token_capacity_vllm_reports(vllm_server: ServerProcess):

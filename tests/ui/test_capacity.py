@@ -3,10 +3,8 @@ and zone, the cap warning, and the probe offered at the first switch to parallel
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import io
-from collections.abc import Callable
 
 import pytest
 from rich.console import Console
@@ -19,6 +17,7 @@ from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.screens.probe import ProbeScreen
 from cerevisor_tui.ui.widgets.load_pane import LoadPane
 from cerevisor_tui.ui.widgets.run_header import RunHeader
+from tests.conftest import until
 from tests.ui.conftest import FAST_SIM, EventLog, console, engine_of, kind, sim_config
 from tests.ui.scenes import build
 
@@ -67,12 +66,6 @@ def record_notices(app) -> list[str]:
 
 def cap_notices(seen: list[str]) -> list[str]:
     return [m for m in seen if "conversations of" in m]
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.05)
 
 
 @pytest.fixture

@@ -3,9 +3,7 @@ the last incomplete run of the same config, and resuming sends requests only for
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.sim import SimServer
 from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 from cerevisor_tui.ui.theme_files import load_themes
+from tests.conftest import until
 from tests.ui.conftest import FAST_SIM, EventLog, engine_of, kind
 
 OLD_RUN = "20250101-000000-0ld1"
@@ -76,12 +75,6 @@ def earlier_run(runs_dir: Path, config_file: Path) -> Path:
     (run_dir / console_command.RUN_FILE).write_text(json.dumps(
         {"run_id": OLD_RUN, "config": str(config_file.resolve()), "started_at": "2025-01-01T00:00:00+00:00"}))
     return run_dir
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.05)
 
 
 @pytest.mark.anyio

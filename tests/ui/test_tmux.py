@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from cerevisor_tui.supervisor.runs import run_info
+from tests.conftest import wait_until
 
 TMUX = shutil.which("tmux")
 SCRIPT = Path(sys.executable).with_name("cerevisor-tui")
@@ -54,14 +55,13 @@ class Terminal:
         self.tmux("send-keys", "-t", "t", *keys)
 
     def wait(self, predicate: Callable[[str], bool], timeout: float, what: str) -> str:
-        end = time.monotonic() + timeout
-        while True:
-            text = self.screen()
-            if predicate(text):
-                return text
-            if time.monotonic() > end:
-                raise AssertionError(f"no {what} within {timeout} s; the screen:\n{text}")
-            time.sleep(0.1)
+        shown = [""]
+
+        def screen_shows() -> str | None:
+            shown[0] = self.screen()
+            return shown[0] if predicate(shown[0]) else None
+
+        return wait_until(screen_shows, lambda: f"{what}; the screen:\n{shown[0]}", timeout=timeout, interval=0.1)
 
     def close(self) -> None:
         subprocess.run([TMUX, "-L", self.socket, "kill-server"], capture_output=True, timeout=10)
@@ -236,7 +236,5 @@ def test_tmux_kill_session_ends_the_console_within_5_s_and_its_run_goes_on(tmp_p
     assert report["finished_at"] and {a["status"] for a in report["agents"]} == {"cancelled"}
     if shell == "child":
         # the shell survives the hang-up and records the console's exit code: 129, as for SIGHUP
-        end = time.monotonic() + 5.0
-        while not rc_file.exists() and time.monotonic() < end:
-            time.sleep(0.05)
+        wait_until(rc_file.exists, "the shell to record the console's exit code", timeout=5.0)
         assert rc_file.read_text().strip() == "129"
