@@ -98,7 +98,7 @@ from typing import Any
 
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.engine import connections, conversation, monitor, watchdog
+from cerevisor_tui.engine import auto_feed, connections, conversation, monitor, pools, watchdog
 from cerevisor_tui.engine import engine as engine_module
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import ProfileError, SimServer, resolve
@@ -262,7 +262,7 @@ class _ServerClock:
 
 
 # the engine and its parts: each reads the clock through its own module's `time`
-_CLOCKED_MODULES = (engine_module, connections, conversation, monitor, watchdog)
+_CLOCKED_MODULES = (engine_module, auto_feed, pools, connections, conversation, monitor, watchdog)
 
 
 def server_clock_works() -> bool:

@@ -170,7 +170,7 @@ async def test_the_engine_probes_one_of_its_endpoints_for_the_console():
         results = []
 
         async def probe_when_open(event):
-            results.append(await engine.probe("e", max_concurrency=8))
+            results.append(await engine.probes.probe("e", max_concurrency=8))
             engine.stop("probe done")
 
         async with anyio.create_task_group() as tg:

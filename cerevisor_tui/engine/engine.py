@@ -11,15 +11,10 @@ needs of the engine's state: the endpoints' connections (engine/connections.py),
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import math
 import secrets
 import time
-from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from datetime import datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -27,15 +22,16 @@ import msgspec
 from pydantic import ValidationError
 
 from cerevisor_tui.config.graph import OUTPUT_REF, wave_levels
-from cerevisor_tui.config.models import AgentConfig, Config, EndpointConfig, ResolvedStall, resolve_stall
+from cerevisor_tui.config.models import Config, EndpointConfig, ResolvedStall, resolve_stall
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.endpoints.errors import EndpointError
 from cerevisor_tui.endpoints.metrics import ServerStatus
-from cerevisor_tui.engine import load
-from cerevisor_tui.engine.auto import AutoController, Change, Signals
+from cerevisor_tui.engine import load, resume
+from cerevisor_tui.engine.auto import AutoController, Change
+from cerevisor_tui.engine.auto_feed import AutoFeed
 from cerevisor_tui.engine.connections import Connections, api_key, wants_stream_process
+from cerevisor_tui.engine.console_probe import ConsoleProbes
 from cerevisor_tui.engine.conversation import (
     BACKOFF_BASE_S,
     BACKOFF_CAP_S,
@@ -48,11 +44,12 @@ from cerevisor_tui.engine.conversation import (
     request_id,
 )
 from cerevisor_tui.engine.monitor import ServerMonitor
-from cerevisor_tui.engine.placement import HOSTED_DOWN_S, MemberLoad, Placement
+from cerevisor_tui.engine.placement import Placement
+from cerevisor_tui.engine.pools import Pools
 from cerevisor_tui.engine.scheduler import Scheduler
 from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.engine.state import AgentState, Attempt
-from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls, ToolMemory
+from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls
 from cerevisor_tui.engine.watchdog import BusyCheck, Watchdog, fmt_s
 from cerevisor_tui.kinds import FINAL, MODES, FinalStatus, Mode
 from cerevisor_tui.tools.manager import McpServers
@@ -90,12 +87,13 @@ class Engine:
         self.endpoints = {ep.name: ep for ep in config.endpoints}
         # pools: each agent of one is placed on a member when admitted and stays there (engine/placement.py)
         self.placement = Placement(config.pools)
+        self.pools = Pools(self)
         self.policies: dict[str, ResolvedStall] = {
             ep.name: resolve_stall(config.stall, ep) for ep in config.endpoints
         }
         self.scheduler = Scheduler(
             config.run.mode, config.run.max_concurrency, {ep.name: ep.max_concurrency for ep in config.endpoints},
-            pools={p.name: list(p.endpoints) for p in config.pools}, place=self._place,
+            pools={p.name: list(p.endpoints) for p in config.pools}, place=self.pools.place,
         )
         # auto mode: a controller per endpoint (engine/auto.py) and what it is fed
         auto = config.run.auto
@@ -106,15 +104,16 @@ class Engine:
                                                 start_cap=start, start_why=why, kv_target=auto.kv_target)
             self.scheduler.auto_caps[ep.name] = self.auto[ep.name].cap
         self.auto_ceiling = max((c.max_cap for c in self.auto.values()), default=1)
-        self._agents_on: dict[str, list[AgentState]] = {ep.name: [] for ep in config.endpoints}
+        self.agents_on: dict[str, list[AgentState]] = {ep.name: [] for ep in config.endpoints}
         for st in self.agents.values():
             if not st.pool:  # a pool's agent joins its member's list once placed
-                self._agents_on.setdefault(st.endpoint, []).append(st)
+                self.agents_on.setdefault(st.endpoint, []).append(st)
         # what each endpoint's turns measured (rejections, TTFTs, tokens per character and per answer): auto's figures
         self.figures: dict[str, TurnFigures] = {ep.name: TurnFigures() for ep in config.endpoints}
         self._load_sent: dict[str, ev.LoadChanged] = {}  # the last LoadChanged of each endpoint
-        self._background: anyio.abc.TaskGroup | None = None  # the run's long-lived tasks (monitors, probes)
-        self._probes: dict[str, anyio.CancelScope] = {}  # endpoint -> its running probe
+        self.background: anyio.abc.TaskGroup | None = None  # the run's long-lived tasks (monitors, probes)
+        self.probes = ConsoleProbes(self)  # the console's probes of the run's endpoints
+        self.auto_feed = AutoFeed(self)
         self.wave = -1
         self.started_at = 0.0
         self.stopping = ""
@@ -123,10 +122,8 @@ class Engine:
         # what they would run with now (prompt, endpoint, ...) is not what they ran with: then they and every
         # agent downstream of them run again, each with its reason (an AgentRerun at the start of the run).
         self.completed_before = dict(completed or {})
-        self.recorded_inputs: dict[str, dict[str, str]] = {
-            e["agent"]: e["inputs"] for e in history or () if e.get("event") == "AgentFinished"
-            and isinstance(e.get("agent"), str) and isinstance(e.get("inputs"), dict)}
-        self.rerun = self._plan_resume()
+        self.recorded_inputs = resume.recorded_inputs(history or ())
+        self.rerun = resume.plan_resume(config, self.waves, self.completed_before, self.recorded_inputs)
         for name in self.rerun:
             del self.completed_before[name]
         # the reused agents' recorded events: their figures carry into the report
@@ -144,12 +141,12 @@ class Engine:
         used = {tool.split(".", 1)[0] for agent in config.agents for tool in agent.tools}
         self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir)
         self.tools = ToolCalls(self.tool_servers, emit=self.emit, scrub=self.scrub, ask=ask,
-                               memory=_tool_memory(run_dir) if used else None)
+                               memory=resume.tool_memory(run_dir) if used else None)
         # The run's parts, each handed what it needs of the engine's state (the same objects, not copies).
         self.connections = Connections(config, self.emit, stream_process=stream_process)
         self.base_urls = self.connections.base_urls  # the simulator's, once it is started
         self.models = self.connections.models  # configured, or resolved from /v1/models
-        self.monitor = ServerMonitor(config, self.connections, self.emit, self.projected_context)
+        self.monitor = ServerMonitor(config, self.connections, self.emit, self.auto_feed.projected_context)
         # KV load per endpoint: the configured estimate, replaced by the server's own capacity when it reports one
         self.load = self.monitor.load
         self.load_notes = self.monitor.load_notes
@@ -160,7 +157,7 @@ class Engine:
         self.conversations = Conversations(
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
-            scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.relocate,
+            scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
             tools=self.tools)
         self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
 
@@ -239,9 +236,9 @@ class Engine:
             case cmd.Stop(reason=reason):
                 return self.stop(reason)
             case cmd.Probe(endpoint=endpoint, max_concurrency=cap):
-                return self.start_probe(self._named_endpoint(endpoint), cap)
+                return self.probes.start(self._named_endpoint(endpoint), cap)
             case cmd.CancelProbe(endpoint=endpoint):
-                return self.cancel_probe(self._named_endpoint(endpoint))
+                return self.probes.cancel(self._named_endpoint(endpoint))
         raise ValueError(f"this run does not take {type(command).__name__}")
 
     def _tell_status(self, st: AgentState) -> None:
@@ -266,8 +263,8 @@ class Engine:
         self.emit(ev.ModeChanged(time.monotonic(), mode, self.scheduler.effective_cap, self._mode_note(mode)))
         if entering_auto and self.started_at:
             for name, ctl in self.auto.items():
-                self._apply_auto(name, ctl.resume())
-        self._refresh_load()
+                self.auto_feed.apply(name, ctl.resume())
+        self.refresh_load()
 
     def cycle_mode(self) -> Mode:
         mode = MODES[(MODES.index(self.scheduler.mode) + 1) % len(MODES)]
@@ -285,12 +282,12 @@ class Engine:
         for name, ctl in self.auto.items():
             change = ctl.set_ceiling(self.auto_ceiling)
             if change is not None:
-                self._apply_auto(name, change)
+                self.auto_feed.apply(name, change)
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused,
                                         reason=f"auto ceiling {self.auto_ceiling} (operator)",
                                         ceiling=self.auto_ceiling, total_cap=s.effective_cap))
-        self._refresh_load()
+        self.refresh_load()
 
     def nudge_cap(self, delta: int) -> int:
         """`+`/`-`: the parallel cap, or in auto mode the ceiling the controllers stay under; returns the new one."""
@@ -362,7 +359,7 @@ class Engine:
             return False
         self.policies[endpoint] = policy
         self.emit(ev.StallPolicyChanged(time.monotonic(), endpoint, policy.model_dump()))
-        for st in self._agents_on.get(endpoint, ()):
+        for st in self.agents_on.get(endpoint, ()):
             if st.current is not None:
                 st.current.look_again()  # the watchdog recomputes the deadline under the new policy now
         return True
@@ -410,16 +407,16 @@ class Engine:
             if self.stream_process_problem:
                 self.emit(ev.RunNotice(time.monotonic(), f"{self.stream_process_problem}. Reading the streams in "
                                        "this process instead.", "warning", "Stream worker"))
-            self._refresh_load()
+            self.refresh_load()
             if self._history:
                 self.report.replay(self._history)
             for name, why in self.rerun.items():
                 self.emit(ev.AgentRerun(time.monotonic(), name, why))
             if self.scheduler.mode == "auto":
                 for name, ctl in self.auto.items():
-                    self._apply_auto(name, Change(ctl.cap, ctl.start_reason))
+                    self.auto_feed.apply(name, Change(ctl.cap, ctl.start_reason))
             async with anyio.create_task_group() as background:
-                self._background = background
+                self.background = background
                 await self._start_background(background)
                 for wave, level in enumerate(self.waves):
                     if self.stopping:
@@ -427,7 +424,7 @@ class Engine:
                         break
                     await self._run_wave(wave, [self.agents[a.name] for a in level])
                 background.cancel_scope.cancel()
-            self._background = None
+            self.background = None
         code = 0 if all(st.status in ("completed",) for st in self.agents.values()) else 1
         if self.stopping:
             code = 1
@@ -462,8 +459,8 @@ class Engine:
         """Tasks that live as long as the run: each local endpoint's /health and /metrics, polled; the box's GPUs."""
         for ep in self.config.endpoints:
             if ep.kind != "hosted":
-                group.start_soon(self.monitor.run, ep.name, self._on_sample)
-            group.start_soon(self._auto_loop, ep.name)
+                group.start_soon(self.monitor.run, ep.name, self.pools.on_sample)
+            group.start_soon(self.auto_feed.run, ep.name)
         group.start_soon(self.monitor.run_gpus)
         if self.busy_check is None:
             self.busy_check = self.monitor.busy
@@ -471,26 +468,6 @@ class Engine:
     async def read_server(self, endpoint: str) -> ServerStatus:
         """One look at the endpoint's /health and /metrics (see ServerMonitor.read)."""
         return await self.monitor.read(endpoint)
-
-    async def probe(self, endpoint: str, *, on_progress: Callable[[str], None] | None = None,
-                    on_level: Callable[[Any], None] | None = None, max_concurrency: int | None = None) -> Any:
-        """Run `cerevisor-tui probe` against one of the run's endpoints (for the console); returns a ProbeResult.
-
-        Only while the run is open (its HTTP clients exist). Raises EndpointError when the endpoint is unusable.
-        """
-        from cerevisor_tui.endpoints.probe import ProbeSettings, probe_conversations
-
-        if endpoint not in self.connections.clients:
-            raise EndpointError(endpoint, "the run is not open: probe it with `cerevisor-tui probe URL`")
-        ep = self.endpoints[endpoint]
-        settings = ProbeSettings(max_concurrency=max_concurrency or max(2, ep.max_concurrency),
-                                 extra_body=ep.extra_body)
-        # shaped like this endpoint's agents (their prompts, turns, growing conversations); none: single requests
-        agents = [st.config for st in self._agents_on.get(endpoint, ())]
-        return await probe_conversations(
-            self.connections.clients[endpoint], self.base_urls[endpoint], agents, model=self.models.get(endpoint) or None,
-            settings=settings, on_progress=on_progress, on_level=on_level, endpoint=endpoint,
-            save=ep.kind != "simulated")  # the built-in simulator's port is new every run: nothing to remember
 
     def cap_warning(self) -> str | None:
         """Why the current cap is past what fits in an endpoint's KV memory, if it is."""
@@ -513,7 +490,7 @@ class Engine:
             dataclasses.asdict(est) if est else None, "" if est else self.load_notes.get(endpoint, ""),
             load.cap_warning(endpoint, cap, est))
 
-    def _refresh_load(self, endpoint: str | None = None) -> None:
+    def refresh_load(self, endpoint: str | None = None) -> None:
         """Send a LoadChanged for each endpoint (or `endpoint`) whose load, as shown, changed."""
         for name in (endpoint,) if endpoint is not None else self.endpoints:
             event = self.load_event(name)
@@ -521,145 +498,6 @@ class Engine:
             if sent is None or msgspec.structs.replace(sent, t=event.t) != event:
                 self._load_sent[name] = event
                 self.emit(event)
-
-    # ---- probing from the console -----------------------------------------------------------------
-    def start_probe(self, endpoint: str, max_concurrency: int | None = None) -> None:
-        """Sweep one of the run's endpoints in the run's own task group; it says everything through
-        ProbeStarted, ProbeProgress and ProbeFinished. New admissions wait while it measures (running
-        agents go on), so it measures the server rather than our own growing load."""
-        ep = self.endpoints[endpoint]
-        bound = max_concurrency or max(2, ep.max_concurrency)
-        agents = len(self._agents_on.get(endpoint, ()))
-        if endpoint in self._probes:
-            return  # one at a time per endpoint: the one running reports
-        self.emit(ev.ProbeStarted(time.monotonic(), endpoint, bound, agents))
-        if self._background is None or self.stopping or endpoint not in self.connections.clients:
-            self.emit(ev.ProbeFinished(time.monotonic(), endpoint, error=(
-                f"The run is not open: probe {endpoint} with `cerevisor-tui probe URL`.")))
-            return
-        scope = self._probes[endpoint] = anyio.CancelScope()
-        self._background.start_soon(self._probe_task, endpoint, bound, scope)
-
-    def cancel_probe(self, endpoint: str) -> bool:
-        """Cancel the endpoint's running probe (its requests are closed); returns whether one was running."""
-        scope = self._probes.get(endpoint)
-        if scope is None:
-            return False
-        scope.cancel()
-        return True
-
-    async def _probe_task(self, endpoint: str, bound: int, scope: anyio.CancelScope) -> None:
-        held = not self.scheduler.paused
-        if held:
-            self.pause()
-        result: Any = None
-        error = ""
-
-        def progress(line: str) -> None:
-            self.emit(ev.ProbeProgress(time.monotonic(), endpoint, line=line))
-
-        def level(found: Any) -> None:
-            self.emit(ev.ProbeProgress(time.monotonic(), endpoint, level=found.to_dict()))
-
-        try:
-            with scope:
-                result = await self.probe(endpoint, on_progress=progress, on_level=level, max_concurrency=bound)
-        except Exception as exc:  # noqa: BLE001 - a probe that fails says why; the run goes on
-            error = self._probe_failure(exc)
-        finally:
-            self._probes.pop(endpoint, None)
-            if held and self.scheduler.paused and not self.stopping:
-                self.resume()
-            now = time.monotonic()
-            if result is not None:
-                self.emit(ev.ProbeFinished(now, endpoint, result=result.to_dict()))
-            elif error:
-                self.emit(ev.ProbeFinished(now, endpoint, error=error))
-            elif scope.cancelled_caught:
-                self.emit(ev.ProbeFinished(now, endpoint, cancelled=True))
-            else:  # the run's own task group ended it
-                self.emit(ev.ProbeFinished(now, endpoint, error=self._probe_failure(None)))
-
-    def _probe_failure(self, error: BaseException | None) -> str:
-        """What went wrong, in the operator's words (the innermost error of a task group)."""
-        while isinstance(error, BaseExceptionGroup) and error.exceptions:
-            error = error.exceptions[0]
-        closed = isinstance(error, RuntimeError) and "closed" in str(error)  # httpx: the run closed its client
-        if error is None or closed or self.stopping:
-            return ("The run ended while probing, and its connections with it. "
-                    "Probe the server alone with `cerevisor-tui probe URL`.")
-        return str(error) or type(error).__name__
-
-    # ---- auto mode --------------------------------------------------------------------------------
-    async def _auto_loop(self, endpoint: str) -> None:
-        """Feed the endpoint's controller while the run goes on; it acts only in auto mode."""
-        ctl = self.auto[endpoint]
-        tick = min(1.0, max(0.02, self.config.run.metrics_interval_s / 2))
-        while True:
-            await anyio.sleep(tick)
-            if self.scheduler.mode == "auto" and not self.stopping:
-                change = ctl.update(self.auto_signals(endpoint))
-                if change is not None:
-                    self._apply_auto(endpoint, change)
-
-    def auto_signals(self, endpoint: str) -> Signals:
-        """What the controller of `endpoint` sees now: the engine's own figures and the server's last sample."""
-        states = self._agents_on.get(endpoint, [])
-        sample = self.last_sample.get(endpoint)
-        figures = self.figures[endpoint]
-        ttfts = sorted(figures.ttfts)
-        watched = self.endpoints[endpoint].kind != "hosted"
-        kv_tokens = sample.kv_cache_tokens if sample is not None else None
-        if not kv_tokens and self.load.get(endpoint) is not None:
-            kv_tokens = self.load[endpoint].kv_capacity_tokens
-        return Signals(
-            t=time.monotonic(), tokens=sum(st.tokens for st in states),
-            running=self.scheduler.running_by_endpoint.get(endpoint, 0), queued=self.scheduler.queued_for(endpoint),
-            cold=sum(1 for st in states if st.started_at is not None and st.ttft_s is None and st.status not in FINAL),
-            errors=figures.rejections, ttft_p50=ttfts[len(ttfts) // 2] if ttfts else None,
-            sample=self.monitor.samples[endpoint],
-            server_ok=(sample.healthy if sample is not None else False) if watched else None,
-            waiting=sample.waiting if sample else None, server_running=sample.running if sample else None,
-            kv_usage=sample.kv_cache_usage if sample else None, preemptions=sample.preemptions if sample else None,
-            prefix_hit_rate=sample.prefix_hit_rate if sample else None, kv_tokens=kv_tokens,
-            slots=sample.slots_total if sample else None, context_tokens=self.projected_context(endpoint),
-            turn_tokens=figures.answer_length(),
-        )
-
-    def projected_context(self, endpoint: str) -> float | None:
-        """The mean full length, in tokens, of the conversations of `endpoint`'s agents still to run or running
-        in the current wave: what each has sent so far by the server's own count, plus its turns to come (at
-        the measured tokens per character) and their answers (at the measured answer length)."""
-        figures = self.figures[endpoint]
-        per_char = figures.tokens_per_char()
-        measured = figures.answer_length()
-        total, count = 0.0, 0
-        for st in self._agents_on.get(endpoint, ()):
-            if st.status in FINAL or (st.wave != self.wave and st.status == "pending"):
-                continue
-            cfg = st.config
-            answer = measured if measured is not None else cfg.max_tokens
-            texts = [cfg.prompt, *cfg.turns]
-            if st.turns_done:
-                base = st.last_prompt_tokens + st.last_completion_tokens
-                rest = texts[st.turns_done:]
-            else:
-                base, rest = len(cfg.system) * per_char, texts
-            total += base + sum(map(len, rest)) * per_char + answer * len(rest)
-            count += 1
-        return total / count if count else None
-
-    def _apply_auto(self, endpoint: str, change: Change) -> None:
-        self.scheduler.set_endpoint_cap(endpoint, change.cap)
-        s = self.scheduler
-        self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, change.cap, s.paused,
-                                        endpoint=endpoint, reason=change.reason, ceiling=self.auto_ceiling,
-                                        total_cap=s.effective_cap))
-        self._refresh_load(endpoint)
-
-    async def _server_busy(self, endpoint: str, since: float = -math.inf) -> str | None:
-        """The run's own busy check (ServerMonitor.busy)."""
-        return await self.monitor.busy(endpoint, since)
 
     async def _run_wave(self, wave: int, states: list[AgentState]) -> None:
         self.wave = wave
@@ -711,19 +549,19 @@ class Engine:
                 try:
                     async with self.scheduler.slot(st.name, st.pool or st.endpoint) as where:
                         if st.pool:
-                            self._placed(st, where)
+                            self.pools.placed(st, where)
                         st.started_at = time.monotonic()
-                        self._refresh_load(st.endpoint)
+                        self.refresh_load(st.endpoint)
                         await self.conversations.run(st)
                 finally:
-                    self._refresh_load(st.endpoint)
+                    self.refresh_load(st.endpoint)
             except AgentEnded as end:
                 status, reason = end.status, end.reason
         st.scope = None
         if scope.cancelled_caught:
             status, reason = st.end_status or "cancelled", st.end_reason or "cancelled"
         if status == "completed":
-            self._finish(st, status, reason, st.output, self.agent_inputs(st.config))
+            self._finish(st, status, reason, st.output, resume.agent_inputs(self.config, st.config, self.render))
         else:
             self._finish(st, status, reason)
 
@@ -733,52 +571,6 @@ class Engine:
         st.current = None
         st.finished_at = time.monotonic()
         self.emit(ev.AgentFinished(time.monotonic(), st.name, status, reason, output, inputs or {}))
-
-    def agent_inputs(self, cfg: AgentConfig, outputs: Mapping[str, str] | None = None) -> dict[str, str]:
-        """What an agent runs with, as its AgentFinished records it: its texts as sent (its dependencies'
-        answers inserted; `outputs` gives them, else the agents' own) as digests, the rest as values.
-        A resumed run compares the keys both have, so a key added later does not rerun everything."""
-        if outputs is None:
-            render = self.render
-        else:
-            def render(text: str) -> str:
-                return OUTPUT_REF.sub(lambda m: outputs.get(m.group(1), ""), text)
-        ep = self.config.agent_endpoint(cfg)
-        return {
-            "system": _digest(cfg.system),
-            "prompt": _digest(render(cfg.prompt)),
-            "turns": _digest(json.dumps([render(text) for text in cfg.turns], ensure_ascii=False)),
-            "depends_on": ", ".join(sorted(cfg.depends_on)),
-            "endpoint": cfg.endpoint if self.config.agent_pool(cfg) else ep.name,  # a pool: any member will do
-            "model": ep.model,  # as configured: "" is the first /v1/models lists
-            "max_tokens": str(cfg.max_tokens),
-            "temperature": str(cfg.temperature),
-            "extra_body": json.dumps({**ep.extra_body, **cfg.extra_body}, sort_keys=True),
-        }
-
-    def _plan_resume(self) -> dict[str, str]:
-        """The completed agents a resumed run sends again, and why: what they would run with changed, or a
-        dependency of theirs runs (a changed answer upstream makes every answer downstream stale)."""
-        reused = self.completed_before
-        rerun: dict[str, str] = {}
-        for level in self.waves:
-            for cfg in level:
-                if cfg.name not in reused:
-                    continue
-                dep = next((d for d in cfg.depends_on if d not in reused or d in rerun), None)
-                if dep is not None:
-                    rerun[cfg.name] = (f"its dependency {dep} runs again" if dep in rerun
-                                       else f"its dependency {dep} had not completed")
-                    continue
-                before = self.recorded_inputs.get(cfg.name)
-                if not before:
-                    continue  # recorded before inputs were: reused as it is
-                now = self.agent_inputs(cfg, reused)
-                changes = [_input_change(key, str(before[key]), value) for key, value in now.items()
-                           if key in before and str(before[key]) != value]
-                if changes:
-                    rerun[cfg.name] = ", ".join(changes)
-        return rerun
 
     def _reset(self, st: AgentState) -> None:
         st.status, st.error, st.output, st.end_status, st.end_reason = "pending", "", "", "", ""
@@ -799,69 +591,6 @@ class Engine:
                                f"cerevisor-tui attach {self.run_id}) to go on past it, or stop the run "
                                f"(cerevisor-tui stop {self.run_id}).", "warning", "Budget reached"))
 
-    # ---- pools ------------------------------------------------------------------------------------
-    def member_loads(self, pool: str) -> list[MemberLoad]:
-        """What placement weighs of each member of `pool` now: our agents there, its cap, its last sample."""
-        loads = []
-        for name in self.placement.members(pool):
-            sample = self.last_sample.get(name)
-            loads.append(MemberLoad(name, self.scheduler.running_by_endpoint.get(name, 0),
-                                    self.scheduler.endpoint_cap(name), sample.waiting if sample else None,
-                                    sample.kv_cache_usage if sample else None))
-        return loads
-
-    def _place(self, agent: str, pool: str) -> str | None:
-        """The scheduler asks: the member of `pool` that `agent`, admitted now, goes to (None: none has room)."""
-        chosen = self.placement.choose(pool, self.member_loads(pool), time.monotonic())
-        return chosen.name if chosen is not None else None
-
-    def _placed(self, st: AgentState, member: str, moved_from: str = "", reason: str = "") -> None:
-        if st in self._agents_on.get(st.endpoint, ()):
-            self._agents_on[st.endpoint].remove(st)
-        st.endpoint = member
-        self._agents_on.setdefault(member, []).append(st)
-        self.emit(ev.AgentPlaced(time.monotonic(), st.name, member, st.pool, moved_from, reason))
-
-    def relocate(self, st: AgentState, refused: str = "") -> bool:
-        """Move a pool's agent off its member when that member is down: `refused` is why its connection was just
-        refused (the member is marked down by it), else the agent moves only if its member is already marked
-        down (a failed health check). Returns whether it moved; it stays where it is when no other member is up."""
-        member, now = st.endpoint, time.monotonic()
-        if not st.pool:
-            return False
-        if refused:
-            until = now + HOSTED_DOWN_S if self.endpoints[member].kind == "hosted" else math.inf
-            if self.placement.mark_down(member, f"refused a connection: {refused}", until=until):
-                self._tell_down(member)
-        elif not self.placement.is_down(member, now):
-            return False
-        target = self.placement.move_target(st.pool, self.member_loads(st.pool), member, now)
-        if target is None:
-            return False
-        self.scheduler.move(st.name, target.name)
-        why = self.placement.down.get(member, "down")
-        self._placed(st, target.name, member, f"moved from {member}, which {why}; its prefix cache there is lost "
-                                              f"and {target.name} computes the conversation afresh")
-        self._refresh_load(member)
-        self._refresh_load(target.name)
-        return True
-
-    def _on_sample(self, endpoint: str) -> None:
-        """After each server sample: a pool member's health decides whether placement counts it as down."""
-        sample = self.last_sample.get(endpoint)
-        if sample is not None and self.placement.pools_of(endpoint):
-            if sample.healthy:
-                if self.placement.mark_up(endpoint):
-                    self.emit(ev.RunNotice(time.monotonic(), f"{endpoint} is healthy again: pool agents may be "
-                                           "placed on it", "information", "Pool member up"))
-            elif self.placement.mark_down(endpoint, f"failed its health check ({sample.detail or 'unhealthy'})"):
-                self._tell_down(endpoint)
-        self._refresh_load(endpoint)
-
-    def _tell_down(self, member: str) -> None:
-        self.emit(ev.RunNotice(time.monotonic(), f"{member} {self.placement.down[member]}: no new agent goes "
-                               "there, and its agents move at their next attempt", "warning", "Pool member down"))
-
     # ---- endpoints ----------------------------------------------------------------------------
     def endpoint_summaries(self) -> list[dict[str, Any]]:
         """Endpoints as the report shows them: never the key, only the variable's name."""
@@ -878,7 +607,7 @@ class Engine:
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused,
                                         total_cap=s.effective_cap))
-        self._refresh_load()
+        self.refresh_load()
 
     @staticmethod
     def _mode_note(mode: Mode) -> str:
@@ -898,34 +627,6 @@ def _saved_probe_cap(ep: EndpointConfig) -> tuple[int, str]:
     if not saved or not saved.get("cap"):
         return 0, ""
     return int(saved["cap"]), f"the probe of {saved.get('saved_at', 'an earlier run')} recommended it"
-
-
-def _tool_memory(run_dir: str) -> ToolMemory | None:
-    """What an earlier run in this run directory got from its tools (a resumed run); None: nothing."""
-    if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
-        return None
-    from cerevisor_tui.engine.sinks.journal import read_records
-
-    try:
-        records, _ = read_records(run_dir)
-    except Exception:  # noqa: BLE001 - unreadable: the journal's own reader says so; calls simply run again
-        return None
-    return ToolMemory.from_records(records)
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-
-
-def _input_change(key: str, before: str, now: str) -> str:
-    """One changed input in the operator's words: texts by name, values from before to now."""
-    if key in ("system", "prompt", "turns"):
-        return f"{key} changed"
-    if key == "depends_on":
-        return f"depends_on [{before}] -> [{now}]"
-    if key == "model":
-        return f"model {before or '(the first listed)'} -> {now or '(the first listed)'}"
-    return f"{key} {before} -> {now}"
 
 
 def _checked_stall(policy: dict[str, Any]) -> ResolvedStall:

@@ -94,7 +94,7 @@ async def run_engine(engine: Engine, on_event: Callable[[Any], None] | None = No
 
 def timed_busy_check(engine: Engine, log: list[tuple[float, str | None]]):
     """The engine's own busy check, recording how long each call took and what it said (for failures)."""
-    busy_check = engine._server_busy
+    busy_check = engine.monitor.busy
 
     async def timed(endpoint: str, since: float) -> str | None:
         started, answer = time.monotonic(), None

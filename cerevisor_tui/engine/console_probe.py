@@ -1,0 +1,109 @@
+"""The console's probe of one of the run's endpoints: a sweep run in the run's own task group, on its open
+connections, told through ProbeStarted, ProbeProgress and ProbeFinished. New admissions wait while it
+measures (running agents go on), so it measures the server rather than the run's own growing load."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.endpoints.errors import EndpointError
+
+if TYPE_CHECKING:
+    from cerevisor_tui.engine.engine import Engine
+
+
+class ConsoleProbes:
+    """The run's probes, one at a time per endpoint."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.running: dict[str, anyio.CancelScope] = {}  # endpoint -> its running probe
+
+    async def probe(self, endpoint: str, *, on_progress: Callable[[str], None] | None = None,
+                    on_level: Callable[[Any], None] | None = None, max_concurrency: int | None = None) -> Any:
+        """`cerevisor-tui probe` against one of the run's endpoints, on the run's own client; returns a
+        ProbeResult. Only while the run is open. Raises EndpointError when the endpoint is unusable."""
+        from cerevisor_tui.endpoints.probe import ProbeSettings, probe_conversations
+
+        e = self.engine
+        if endpoint not in e.connections.clients:
+            raise EndpointError(endpoint, "the run is not open: probe it with `cerevisor-tui probe URL`")
+        ep = e.endpoints[endpoint]
+        settings = ProbeSettings(max_concurrency=max_concurrency or max(2, ep.max_concurrency),
+                                 extra_body=ep.extra_body)
+        # shaped like this endpoint's agents (their prompts, turns, growing conversations); none: single requests
+        agents = [st.config for st in e.agents_on.get(endpoint, ())]
+        return await probe_conversations(
+            e.connections.clients[endpoint], e.base_urls[endpoint], agents, model=e.models.get(endpoint) or None,
+            settings=settings, on_progress=on_progress, on_level=on_level, endpoint=endpoint,
+            save=ep.kind != "simulated")  # the built-in simulator's port is new every run: nothing to remember
+
+    def start(self, endpoint: str, max_concurrency: int | None = None) -> None:
+        """Sweep `endpoint` in the background; everything it finds is told through Probe* events."""
+        e = self.engine
+        bound = max_concurrency or max(2, e.endpoints[endpoint].max_concurrency)
+        if endpoint in self.running:
+            return  # one at a time per endpoint: the one running reports
+        e.emit(ev.ProbeStarted(time.monotonic(), endpoint, bound, len(e.agents_on.get(endpoint, ()))))
+        if e.background is None or e.stopping or endpoint not in e.connections.clients:
+            e.emit(ev.ProbeFinished(time.monotonic(), endpoint, error=(
+                f"The run is not open: probe {endpoint} with `cerevisor-tui probe URL`.")))
+            return
+        scope = self.running[endpoint] = anyio.CancelScope()
+        e.background.start_soon(self._task, endpoint, bound, scope)
+
+    def cancel(self, endpoint: str) -> bool:
+        """Cancel the endpoint's running probe (its requests are closed); returns whether one was running."""
+        scope = self.running.get(endpoint)
+        if scope is None:
+            return False
+        scope.cancel()
+        return True
+
+    async def _task(self, endpoint: str, bound: int, scope: anyio.CancelScope) -> None:
+        e = self.engine
+        held = not e.scheduler.paused
+        if held:
+            e.pause()
+        result: Any = None
+        error = ""
+
+        def progress(line: str) -> None:
+            e.emit(ev.ProbeProgress(time.monotonic(), endpoint, line=line))
+
+        def level(found: Any) -> None:
+            e.emit(ev.ProbeProgress(time.monotonic(), endpoint, level=found.to_dict()))
+
+        try:
+            with scope:
+                result = await self.probe(endpoint, on_progress=progress, on_level=level, max_concurrency=bound)
+        except Exception as exc:  # noqa: BLE001 - a probe that fails says why; the run goes on
+            error = self._failure(exc)
+        finally:
+            self.running.pop(endpoint, None)
+            if held and e.scheduler.paused and not e.stopping:
+                e.resume()
+            now = time.monotonic()
+            if result is not None:
+                e.emit(ev.ProbeFinished(now, endpoint, result=result.to_dict()))
+            elif error:
+                e.emit(ev.ProbeFinished(now, endpoint, error=error))
+            elif scope.cancelled_caught:
+                e.emit(ev.ProbeFinished(now, endpoint, cancelled=True))
+            else:  # the run's own task group ended it
+                e.emit(ev.ProbeFinished(now, endpoint, error=self._failure(None)))
+
+    def _failure(self, error: BaseException | None) -> str:
+        """What went wrong, in the operator's words (the innermost error of a task group)."""
+        while isinstance(error, BaseExceptionGroup) and error.exceptions:
+            error = error.exceptions[0]
+        closed = isinstance(error, RuntimeError) and "closed" in str(error)  # httpx: the run closed its client
+        if error is None or closed or self.engine.stopping:
+            return ("The run ended while probing, and its connections with it. "
+                    "Probe the server alone with `cerevisor-tui probe URL`.")
+        return str(error) or type(error).__name__

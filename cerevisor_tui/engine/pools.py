@@ -1,0 +1,89 @@
+"""Pools in a run: each pool agent placed on one member when admitted (by live load, engine/placement.py),
+moved only when its member is down (a refused connection, a failed health check), and every placement and
+move told as AgentPlaced, every member down or up again as a RunNotice."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.placement import HOSTED_DOWN_S, MemberLoad
+from cerevisor_tui.engine.state import AgentState
+
+if TYPE_CHECKING:
+    from cerevisor_tui.engine.engine import Engine
+
+
+class Pools:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.placement = engine.placement
+
+    def member_loads(self, pool: str) -> list[MemberLoad]:
+        """What placement weighs of each member of `pool` now: our agents there, its cap, its last sample."""
+        e = self.engine
+        loads = []
+        for name in self.placement.members(pool):
+            sample = e.last_sample.get(name)
+            loads.append(MemberLoad(name, e.scheduler.running_by_endpoint.get(name, 0),
+                                    e.scheduler.endpoint_cap(name), sample.waiting if sample else None,
+                                    sample.kv_cache_usage if sample else None))
+        return loads
+
+    def place(self, agent: str, pool: str) -> str | None:
+        """The scheduler asks: the member of `pool` that `agent`, admitted now, goes to (None: none has room)."""
+        chosen = self.placement.choose(pool, self.member_loads(pool), time.monotonic())
+        return chosen.name if chosen is not None else None
+
+    def placed(self, st: AgentState, member: str, moved_from: str = "", reason: str = "") -> None:
+        on = self.engine.agents_on
+        if st in on.get(st.endpoint, ()):
+            on[st.endpoint].remove(st)
+        st.endpoint = member
+        on.setdefault(member, []).append(st)
+        self.engine.emit(ev.AgentPlaced(time.monotonic(), st.name, member, st.pool, moved_from, reason))
+
+    def relocate(self, st: AgentState, refused: str = "") -> bool:
+        """Move a pool's agent off its member when that member is down: `refused` is why its connection was just
+        refused (the member is marked down by it), else the agent moves only if its member is already marked
+        down (a failed health check). Returns whether it moved; it stays where it is when no other member is up."""
+        e = self.engine
+        member, now = st.endpoint, time.monotonic()
+        if not st.pool:
+            return False
+        if refused:
+            until = now + HOSTED_DOWN_S if e.endpoints[member].kind == "hosted" else math.inf
+            if self.placement.mark_down(member, f"refused a connection: {refused}", until=until):
+                self._tell_down(member)
+        elif not self.placement.is_down(member, now):
+            return False
+        target = self.placement.move_target(st.pool, self.member_loads(st.pool), member, now)
+        if target is None:
+            return False
+        e.scheduler.move(st.name, target.name)
+        why = self.placement.down.get(member, "down")
+        self.placed(st, target.name, member, f"moved from {member}, which {why}; its prefix cache there is lost "
+                                             f"and {target.name} computes the conversation afresh")
+        e.refresh_load(member)
+        e.refresh_load(target.name)
+        return True
+
+    def on_sample(self, endpoint: str) -> None:
+        """After each server sample: a pool member's health decides whether placement counts it as down."""
+        e = self.engine
+        sample = e.last_sample.get(endpoint)
+        if sample is not None and self.placement.pools_of(endpoint):
+            if sample.healthy:
+                if self.placement.mark_up(endpoint):
+                    e.emit(ev.RunNotice(time.monotonic(), f"{endpoint} is healthy again: pool agents may be "
+                                        "placed on it", "information", "Pool member up"))
+            elif self.placement.mark_down(endpoint, f"failed its health check ({sample.detail or 'unhealthy'})"):
+                self._tell_down(endpoint)
+        e.refresh_load(endpoint)
+
+    def _tell_down(self, member: str) -> None:
+        self.engine.emit(ev.RunNotice(time.monotonic(), f"{member} {self.placement.down[member]}: no new agent "
+                                      "goes there, and its agents move at their next attempt", "warning",
+                                      "Pool member down"))

@@ -1,0 +1,101 @@
+"""Resume planning: what a resumed run reuses of an earlier run in the same directory, and what it sends again.
+
+An agent's AgentFinished records what it ran with (`agent_inputs`: its texts as digests, the rest as values).
+A resumed run reuses a completed agent's answer unless what it would run with now differs, or a dependency of
+its runs again (a changed answer upstream makes every answer downstream stale); each rerun says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from cerevisor_tui.config.graph import OUTPUT_REF
+from cerevisor_tui.config.models import AgentConfig, Config
+from cerevisor_tui.engine.toolcalls import ToolMemory
+
+
+def agent_inputs(config: Config, cfg: AgentConfig, render: Callable[[str], str]) -> dict[str, str]:
+    """What an agent runs with, as its AgentFinished records it: its texts as sent (`render` inserts its
+    dependencies' answers) as digests, the rest as values. A resumed run compares the keys both have, so a key
+    added later does not rerun everything."""
+    ep = config.agent_endpoint(cfg)
+    return {
+        "system": _digest(cfg.system),
+        "prompt": _digest(render(cfg.prompt)),
+        "turns": _digest(json.dumps([render(text) for text in cfg.turns], ensure_ascii=False)),
+        "depends_on": ", ".join(sorted(cfg.depends_on)),
+        "endpoint": cfg.endpoint if config.agent_pool(cfg) else ep.name,  # a pool: any member will do
+        "model": ep.model,  # as configured: "" is the first /v1/models lists
+        "max_tokens": str(cfg.max_tokens),
+        "temperature": str(cfg.temperature),
+        "extra_body": json.dumps({**ep.extra_body, **cfg.extra_body}, sort_keys=True),
+    }
+
+
+def rendered_with(outputs: Mapping[str, str]) -> Callable[[str], str]:
+    """{{ name.output }} filled in from `outputs` (the answers an earlier run gave)."""
+    return lambda text: OUTPUT_REF.sub(lambda m: outputs.get(m.group(1), ""), text)
+
+
+def recorded_inputs(history: Iterable[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """What each agent an earlier run completed ran with, from its recorded AgentFinished."""
+    return {e["agent"]: e["inputs"] for e in history if e.get("event") == "AgentFinished"
+            and isinstance(e.get("agent"), str) and isinstance(e.get("inputs"), dict)}
+
+
+def plan_resume(config: Config, waves: list[list[AgentConfig]], reused: Mapping[str, str],
+                recorded: Mapping[str, dict[str, str]]) -> dict[str, str]:
+    """The completed agents a resumed run sends again, each with why: what it would run with changed, or a
+    dependency of it runs (again, or for the first time)."""
+    rerun: dict[str, str] = {}
+    render = rendered_with(reused)
+    for level in waves:
+        for cfg in level:
+            if cfg.name not in reused:
+                continue
+            dep = next((d for d in cfg.depends_on if d not in reused or d in rerun), None)
+            if dep is not None:
+                rerun[cfg.name] = (f"its dependency {dep} runs again" if dep in rerun
+                                   else f"its dependency {dep} had not completed")
+                continue
+            before = recorded.get(cfg.name)
+            if not before:
+                continue  # recorded before inputs were: reused as it is
+            now = agent_inputs(config, cfg, render)
+            changes = [_input_change(key, str(before[key]), value) for key, value in now.items()
+                       if key in before and str(before[key]) != value]
+            if changes:
+                rerun[cfg.name] = ", ".join(changes)
+    return rerun
+
+
+def tool_memory(run_dir: str) -> ToolMemory | None:
+    """What an earlier run in this run directory got from its tools (a resumed run); None: nothing."""
+    if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
+        return None
+    from cerevisor_tui.engine.sinks.journal import read_records
+
+    try:
+        records, _ = read_records(run_dir)
+    except Exception:  # noqa: BLE001 - unreadable: the journal's own reader says so; calls simply run again
+        return None
+    return ToolMemory.from_records(records)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+def _input_change(key: str, before: str, now: str) -> str:
+    """One changed input in the operator's words: texts by name, values from before to now."""
+    if key in ("system", "prompt", "turns"):
+        return f"{key} changed"
+    if key == "depends_on":
+        return f"depends_on [{before}] -> [{now}]"
+    if key == "model":
+        return f"model {before or '(the first listed)'} -> {now or '(the first listed)'}"
+    return f"{key} {before} -> {now}"
