@@ -50,12 +50,11 @@ def make_events(n: int, agents: int, tokens_per_delta: int = 8, deltas_per_turn:
     from cerevisor_tui.contract import events as ev
 
     names = [f"agent-{i:03d}" for i in range(agents)]
-    stall = {"first_byte_timeout_s": 60.0, "idle_timeout_s": 30.0, "liveness": "tokens", "warn_at": [0.5, 0.8]}
+    stall = ev.StallPolicy(60.0, 30.0, (0.5, 0.8), "tokens", 300.0, 3, True)
     started = ev.RunStarted(0.0, "run-bench", "parallel", agents, [names],
-                            [{"name": "box", "kind": "local", "base_url": "http://127.0.0.1:8000/v1",
-                              "model": "bench-model", "max_concurrency": agents, "stall": stall}],
-                            agents={name: {"endpoint": "box", "wave": 0, "turns": 1000} for name in names},
-                            effective_cap=agents)
+                            [ev.EndpointSummary("box", "local", "http://127.0.0.1:8000/v1", "bench-model", agents,
+                                                stall=stall)],
+                            agents={name: ev.AgentPlan("box", 0, 1000) for name in names}, effective_cap=agents)
 
     def script(k: int, name: str) -> Any:
         turn = 0
@@ -86,8 +85,7 @@ def make_events(n: int, agents: int, tokens_per_delta: int = 8, deltas_per_turn:
                 out.append(ev.ServerSample(t, "box", True, "vllm", running=float(agents), waiting=0.0,
                                            kv_cache_usage=0.61, prefix_hit_rate=0.2, preemptions=0.0))
                 out.append(ev.LoadChanged(t, "box", agents, agents, "fits",
-                                          {"conversations_fit": 400, "kv_capacity_tokens": 1_000_000,
-                                           "context_tokens": 2500, "source": "server"}))
+                                          ev.LoadEstimate(400, 1_000_000, 2500, source="server")))
             if len(out) >= n:
                 break
     return started, out[:n]

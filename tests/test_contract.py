@@ -19,10 +19,14 @@ SAMPLES = [
     ev.TokenDelta(1234.5678, "agent-001", 2, " the quick brown fox", "", "", 8),
     ev.TokenDelta(0.25, "ägent \"quoted\"", 1, "é \u2028 line\nnext\ttab 🦊", "thinking…", '{"a": 1}', 3),
     ev.StallWarning(5.0, "a", 1, "idle", 0.5, 1.0, 9.5),
-    ev.RunStarted(1.0, "run-1", "parallel", 4, [["a", "b"]], [{"name": "box", "stall": {"warn_at": [0.5]}}]),
+    ev.RunStarted(1.0, "run-1", "parallel", 4, [["a", "b"]],
+                  [ev.EndpointSummary("box", "local", stall=ev.StallPolicy(60.0, 5.0, (0.5,), "tokens", 30.0, 1, True))],
+                  agents={"a": ev.AgentPlan("box", 0, 2), "b": ev.AgentPlan("pool", 0, pool="pool")}),
     ev.AgentFinished(3.0, "a", "completed", output="done", inputs={"prompt": "x"}),
     ev.ToolCallStarted(2.0, "a", 1, 1, "c1", "fs", "read", "{}", deadline=None, warn_at=(0.5, 0.8)),
-    ev.ServerSample(4.0, "box", True, "vllm", running=2.0, workers=[{"url": "http://w1", "healthy": True}]),
+    ev.ServerSample(4.0, "box", True, "vllm", running=2.0, workers=[ev.WorkerSample("http://w1", True)]),
+    ev.GpuSample(4.0, gpus=[ev.GpuReading(0, "H100", 0.5, 1, 2)]),
+    ev.LoadChanged(4.0, "box", 3, 4, "fits", ev.LoadEstimate(6, 24_000, 4_000)),
 ]
 
 

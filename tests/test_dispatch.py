@@ -46,7 +46,7 @@ def test_a_keepalive_reaches_the_mirror_as_life_on_a_bytes_endpoint_without_a_ne
     """UiModel takes a KeepAlive on its fast path (no version: nothing to redraw); the mirror's own handler
     must still run, or a liveness = "bytes" agent's countdown would not restart on a keep-alive."""
     mirror = RunMirror()
-    mirror(ev.StallPolicyChanged(0.0, "box", {"liveness": "bytes", "idle_timeout_s": 5.0}))
+    mirror(ev.StallPolicyChanged(0.0, "box", ev.StallPolicy(60.0, 5.0, (0.5,), "bytes", 30.0, 1, False)))
     mirror(ev.AgentStarted(1.0, "a", 1, 1, 1, "box", 60.0, 5.0))
     version = mirror.version
     mirror(ev.KeepAlive(4.0, "a", 1))

@@ -121,7 +121,7 @@ async def test_a_pool_spreads_its_agents_and_keeps_every_turn_on_one_member(poli
     assert per_member == [2, 2, 2, 2]
     started = {(e.agent, e.endpoint) for e in seen if e.kind == "AgentStarted"}
     assert started == set(placed.items())  # the console is told where each attempt runs
-    assert engine.started_event(0).agents["a0"]["endpoint"] == "fleet"
+    assert engine.started_event(0).agents["a0"].endpoint == "fleet"
 
 
 @pytest.mark.anyio

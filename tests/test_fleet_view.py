@@ -121,21 +121,21 @@ async def test_each_worker_behind_a_router_is_read_and_the_fleet_is_their_sum(mo
     finally:
         odd_server.close()
     samples = [e for e in seen if e.kind == "ServerSample"]
-    assert samples and all([w["url"] for w in s.workers] == urls for s in samples)  # in config order
-    assert all(s.workers[3]["detail"] == "health: connection refused" for s in samples)
+    assert samples and all([w.url for w in s.workers] == urls for s in samples)  # in config order
+    assert all(s.workers[3].detail == "health: connection refused" for s in samples)
     # (a read that timed out, on a box busy enough, makes a sample short of that worker: not these)
-    samples = [s for s in samples if all(w["healthy"] for w in s.workers[:3])]
+    samples = [s for s in samples if all(w.healthy for w in s.workers[:3])]
     assert samples
     for s in samples:  # the fleet's figures are its workers' together, from the same reads
-        assert s.running == sum(w["running"] or 0 for w in s.workers)
-        assert s.waiting == sum(w["waiting"] or 0 for w in s.workers)
-        assert s.kv_cache_tokens == s.workers[0]["kv_cache_tokens"] + s.workers[1]["kv_cache_tokens"]
+        assert s.running == sum(w.running or 0 for w in s.workers)
+        assert s.waiting == sum(w.waiting or 0 for w in s.workers)
+        assert s.kv_cache_tokens == s.workers[0].kv_cache_tokens + s.workers[1].kv_cache_tokens
         assert s.healthy and s.server_kind == "vllm"  # the router answers and workers are up
         assert s.detail == "1 of 4 workers down"
-        assert [w["healthy"] for w in s.workers] == [True, True, True, False]
-        assert s.workers[2]["detail"] == "metrics: HTTP 404" and s.workers[2]["running"] is None
+        assert [w.healthy for w in s.workers] == [True, True, True, False]
+        assert s.workers[2].detail == "metrics: HTTP 404" and s.workers[2].running is None
     # the router spread the 4 agents over both workers: each was seen busy
-    assert any(s.workers[0]["running"] for s in samples) and any(s.workers[1]["running"] for s in samples)
+    assert any(s.workers[0].running for s in samples) and any(s.workers[1].running for s in samples)
     # the router's /metrics was never asked; the key went to the endpoint, never to a worker
     assert not any(h.startswith(b"GET /metrics") for h in router.heads)
     assert any(b"Bearer sk-fleet-secret-1234" in h for h in router.heads if h.startswith(b"POST"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 import pynvml
 import pytest
 
@@ -100,14 +101,14 @@ async def test_each_gpu_is_read_with_the_metrics_and_told_as_an_event(monkeypatc
     assert len(samples) >= 2, "read more than once over the run"
     first = samples[0]
     assert first.error == ""
-    assert first.gpus[0] == {"index": 0, "name": "NVIDIA H100 80GB HBM3", "utilization": 0.1,
+    assert msgspec.to_builtins(first.gpus[0]) == {"index": 0, "name": "NVIDIA H100 80GB HBM3", "utilization": 0.1,
                              "memory_used_bytes": 71 * GiB, "memory_total_bytes": 80 * GiB, "power_w": 512.3,
                              "power_limit_w": 700.0, "temperature_c": 63}
     # what this GPU does not report is None; the rest of it is still read
-    assert first.gpus[1] == {"index": 1, "name": "NVIDIA L4", "utilization": 0.1, "memory_used_bytes": 2 * GiB,
+    assert msgspec.to_builtins(first.gpus[1]) == {"index": 1, "name": "NVIDIA L4", "utilization": 0.1, "memory_used_bytes": 2 * GiB,
                              "memory_total_bytes": 24 * GiB, "power_w": None, "power_limit_w": None,
                              "temperature_c": 41}
-    assert samples[1].gpus[0]["utilization"] == 0.2  # refreshed, not repeated
+    assert samples[1].gpus[0].utilization == 0.2  # refreshed, not repeated
     assert nvml.shutdowns == 1 and not nvml.open  # NVML closed with the run
 
 

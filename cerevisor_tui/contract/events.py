@@ -22,6 +22,98 @@ EVENT_TYPES: list[type[Event]] = []
 """Every event class, in the order they are defined (each registers itself)."""
 
 
+# ---- what events carry ----------------------------------------------------------------------------------
+class Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A typed part of an event: checked as the event is, a field this version does not know an error."""
+
+
+class StallPolicy(Payload):
+    """An endpoint's stall policy in force ([stall] with its overrides): what both deadlines and their
+    warnings run by (contract/deadlines.py)."""
+
+    first_byte_timeout_s: float
+    idle_timeout_s: float
+    warn_at: tuple[float, ...]
+    liveness: Literal["tokens", "bytes"]
+    extend_s: float
+    max_extensions: int
+    extend_when_server_busy: bool
+
+
+class EndpointSummary(Payload):
+    """An endpoint of the run as a console and the report show it: never its key, only the variable's name."""
+
+    name: str
+    kind: str = ""
+    base_url: str | None = ""
+    model: str = ""
+    max_concurrency: int = 0
+    api_key_env: str = ""
+    stall: StallPolicy | None = None  # None: not said (an older journal)
+    price_in_per_mtok: float = 0.0  # priced endpoints only: what a million tokens cost in and out
+    price_out_per_mtok: float = 0.0
+
+    @property
+    def priced(self) -> bool:
+        return bool(self.price_in_per_mtok or self.price_out_per_mtok)
+
+
+class AgentPlan(Payload, omit_defaults=True):
+    """What a console shows of an agent before it starts: where it runs, its wave, its turns."""
+
+    endpoint: str  # its endpoint, or its pool's name until it is placed
+    wave: int
+    turns: int = 1
+    pool: str = ""
+
+
+class LoadEstimate(Payload):
+    """How many conversations fit in an endpoint's KV memory: from config (the capacity model), or from the
+    server's own KV capacity once it reports one (engine/load.py)."""
+
+    conversations_fit: int
+    kv_capacity_tokens: int
+    context_tokens: int
+    cpu_conversations: int = 0  # what a CPU-offload tier holds beyond them
+    source: str = "estimate"  # "estimate" (from config) or "server" (the server's own capacity)
+    detail: str = ""
+
+    def zone(self, running: int) -> str:
+        """fits (all in GPU memory), cliff (evictions are recomputed or reloaded), overflow (CPU tier full too)."""
+        if running <= self.conversations_fit:
+            return "fits"
+        if self.cpu_conversations and running > self.conversations_fit + self.cpu_conversations:
+            return "overflow"
+        return "cliff"
+
+
+class WorkerSample(Payload):
+    """One worker behind a router (an endpoint's `metrics_urls`), as its own /health and /metrics said."""
+
+    url: str
+    healthy: bool | None
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None
+    prefix_hit_rate: float | None = None
+    prefix_queries: float | None = None  # prefix-cache lookups since its last sample, to weigh the rate by
+    kv_cache_tokens: float | None = None
+    detail: str = ""
+
+
+class GpuReading(Payload):
+    """One GPU of the run's box, through NVML (utilization 0..1); None where the GPU does not report a value."""
+
+    index: int
+    name: str
+    utilization: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    temperature_c: float | None = None
+
+
 class Event(msgspec.Struct, frozen=True, tag_field="event", tag=True, forbid_unknown_fields=True):
     kind: ClassVar[str] = "Event"  # the class's name, which is its tag: set for each subclass
     t: float
@@ -41,11 +133,10 @@ class RunStarted(Event):
     mode: Mode
     max_concurrency: int
     waves: list[list[str]]
-    endpoints: list[dict[str, Any]]
+    endpoints: list[EndpointSummary]
     run_dir: str = ""
     note: str = ""
-    # name -> {"endpoint", "wave", "turns"}: what a console shows of each agent before it starts
-    agents: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    agents: dict[str, AgentPlan] = msgspec.field(default_factory=dict)
     reused: list[str] = msgspec.field(default_factory=list)  # a resumed run's completed agents, not sent again
     auto_ceiling: int = 0  # auto mode's ceiling (what `+`/`-` move there); 0: not said (an older journal)
     paused: bool = False  # admissions held from the start (paused before the run began)
@@ -77,7 +168,7 @@ class StallPolicyChanged(Event):
     """An endpoint's stall policy changed live (the settings screen): new and running attempts use it now."""
 
     endpoint: str
-    policy: dict[str, Any]  # ResolvedStall.model_dump(), as RunStarted.endpoints[i]["stall"]
+    policy: StallPolicy
 
 
 class LoadChanged(Event):
@@ -88,8 +179,7 @@ class LoadChanged(Event):
     conversations: int  # in flight on it: ours holding a slot, or what the server carries when it reports more
     cap: int  # how many the cap lets run on it now
     zone: str = ""  # fits | cliff | overflow; "" without an estimate
-    # conversations_fit, kv_capacity_tokens, context_tokens, cpu_conversations, source, detail; None: no estimate
-    estimate: dict[str, Any] | None = None
+    estimate: LoadEstimate | None = None  # None: no estimate
     note: str = ""  # why there is no estimate
     warning: str = ""  # set when the cap is past the conversations that fit: the operator's notice
 
@@ -337,21 +427,16 @@ class ServerSample(Event):
     slots_total: int | None = None
     # prefix-cache lookups the hit rate stands for (tokens, since the last sample), to weigh it in a total
     prefix_queries: float | None = None
-    # an endpoint that is a router (metrics_urls): each worker as {"url", "healthy", "running", "waiting",
-    # "kv_cache_usage", "prefix_hit_rate", "prefix_queries", "kv_cache_tokens", "detail"}, in config order;
-    # the fields above are then the workers' together
-    workers: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    # an endpoint that is a router (metrics_urls): each worker, in config order; the fields above are then
+    # the workers' together
+    workers: list[WorkerSample] = msgspec.field(default_factory=list)
 
 
 class GpuSample(Event):
-    """The GPUs of the box the run is on, read through NVML with each round of server samples.
+    """The GPUs of the box the run is on, read through NVML with each round of server samples. No GPU readable
+    (no NVIDIA driver, no bindings): `gpus` empty and `error` says why, once."""
 
-    Each GPU as {"index", "name", "utilization", "memory_used_bytes", "memory_total_bytes", "power_w",
-    "power_limit_w", "temperature_c"} (utilization 0..1; a value the GPU does not report is None). No GPU
-    readable (no NVIDIA driver, no bindings): `gpus` empty and `error` says why, once.
-    """
-
-    gpus: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    gpus: list[GpuReading] = msgspec.field(default_factory=list)
     error: str = ""
 
 

@@ -10,7 +10,6 @@ needs of the engine's state: the endpoints' connections (engine/connections.py),
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
 from contextlib import AsyncExitStack
@@ -358,7 +357,7 @@ class Engine:
         if policy == self.policies[endpoint]:
             return False
         self.policies[endpoint] = policy
-        self.emit(ev.StallPolicyChanged(time.monotonic(), endpoint, policy.model_dump()))
+        self.emit(ev.StallPolicyChanged(time.monotonic(), endpoint, stall_policy(policy)))
         for st in self.agents_on.get(endpoint, ()):
             if st.current is not None:
                 st.current.look_again()  # the watchdog recomputes the deadline under the new policy now
@@ -448,8 +447,7 @@ class Engine:
             t, self.run_id, self.scheduler.mode, self.scheduler.max_concurrency,
             [[a.name for a in level] for level in self.waves], self.endpoint_summaries(), self.run_dir,
             self._mode_note(self.scheduler.mode),
-            agents={st.name: {"endpoint": st.pool or st.endpoint, "wave": st.wave, "turns": st.turns,
-                              **({"pool": st.pool} if st.pool else {})}
+            agents={st.name: ev.AgentPlan(st.pool or st.endpoint, st.wave, st.turns, st.pool)
                     for st in self.agents.values()},
             reused=list(self.completed_before), auto_ceiling=self.auto_ceiling, paused=self.scheduler.paused,
             effective_cap=self.scheduler.effective_cap,
@@ -487,7 +485,7 @@ class Engine:
         cap = self.scheduler.endpoint_cap(endpoint)
         return ev.LoadChanged(
             time.monotonic(), endpoint, conversations, cap, est.zone(conversations) if est else "",
-            dataclasses.asdict(est) if est else None, "" if est else self.load_notes.get(endpoint, ""),
+            est, "" if est else self.load_notes.get(endpoint, ""),
             load.cap_warning(endpoint, cap, est))
 
     def refresh_load(self, endpoint: str | None = None) -> None:
@@ -592,14 +590,13 @@ class Engine:
                                f"(cerevisor-tui stop {self.run_id}).", "warning", "Budget reached"))
 
     # ---- endpoints ----------------------------------------------------------------------------
-    def endpoint_summaries(self) -> list[dict[str, Any]]:
-        """Endpoints as the report shows them: never the key, only the variable's name."""
+    def endpoint_summaries(self) -> list[ev.EndpointSummary]:
+        """Endpoints as consoles and the report show them: never the key, only the variable's name."""
         return [
-            {"name": ep.name, "kind": ep.kind, "base_url": self.base_urls.get(ep.name, ep.base_url),
-             "model": self.models.get(ep.name, ep.model), "max_concurrency": ep.max_concurrency,
-             "api_key_env": ep.api_key_env, "stall": self.policies[ep.name].model_dump(),
-             **({"price_in_per_mtok": ep.price_in_per_mtok, "price_out_per_mtok": ep.price_out_per_mtok}
-                if ep.priced else {})}
+            ev.EndpointSummary(ep.name, ep.kind, self.base_urls.get(ep.name, ep.base_url),
+                               self.models.get(ep.name, ep.model), ep.max_concurrency, ep.api_key_env,
+                               stall_policy(self.policies[ep.name]), ep.price_in_per_mtok if ep.priced else 0.0,
+                               ep.price_out_per_mtok if ep.priced else 0.0)
             for ep in self.config.endpoints
         ]
 
@@ -637,3 +634,8 @@ def _checked_stall(policy: dict[str, Any]) -> ResolvedStall:
         first = exc.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "policy"
         raise ValueError(f"set_stall: {where}: {first['msg']}") from None
+
+
+def stall_policy(policy: ResolvedStall) -> ev.StallPolicy:
+    """An endpoint's stall policy as the events carry it."""
+    return msgspec.convert(policy.model_dump(), ev.StallPolicy)

@@ -49,7 +49,7 @@ class GpuReader:
             return "the NVIDIA driver sees no GPU"
         return ""
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self) -> list[ev.GpuReading]:
         """Each GPU's numbers now (GpuSample.gpus)."""
         nvml = self._nvml
         out = []
@@ -58,16 +58,15 @@ class GpuReader:
             memory = self._get(nvml.nvmlDeviceGetMemoryInfo, handle)
             power_mw = self._get(nvml.nvmlDeviceGetPowerUsage, handle)
             limit_mw = self._get(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
-            out.append({
-                "index": index,
-                "name": name,
-                "utilization": util.gpu / 100 if util is not None else None,
-                "memory_used_bytes": int(memory.used) if memory is not None else None,
-                "memory_total_bytes": int(memory.total) if memory is not None else None,
-                "power_w": power_mw / 1000 if power_mw is not None else None,
-                "power_limit_w": limit_mw / 1000 if limit_mw is not None else None,
-                "temperature_c": self._get(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
-            })
+            out.append(ev.GpuReading(
+                index, name,
+                utilization=util.gpu / 100 if util is not None else None,
+                memory_used_bytes=int(memory.used) if memory is not None else None,
+                memory_total_bytes=int(memory.total) if memory is not None else None,
+                power_w=power_mw / 1000 if power_mw is not None else None,
+                power_limit_w=limit_mw / 1000 if limit_mw is not None else None,
+                temperature_c=self._get(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
+            ))
         return out
 
     def _get(self, call: Any, *args: Any) -> Any:

@@ -4,7 +4,6 @@ server itself reports (vLLM's `cache_config_info` token capacity), and the zone 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from cerevisor_tui.capacity import (
@@ -16,26 +15,7 @@ from cerevisor_tui.capacity import (
     model_from_hf_config,
 )
 from cerevisor_tui.config.models import EndpointConfig
-
-
-@dataclass(frozen=True)
-class LoadEstimate:
-    """Conversations that fit in GPU KV memory, and what lies past them."""
-
-    conversations_fit: int
-    kv_capacity_tokens: int
-    context_tokens: int
-    cpu_conversations: int = 0
-    source: str = "estimate"  # "estimate" (from config) or "server" (the server's own capacity)
-    detail: str = ""
-
-    def zone(self, running: int) -> str:
-        """fits (all in GPU memory), cliff (evictions are recomputed or reloaded), overflow (CPU tier full too)."""
-        if running <= self.conversations_fit:
-            return "fits"
-        if self.cpu_conversations and running > self.conversations_fit + self.cpu_conversations:
-            return "overflow"
-        return "cliff"
+from cerevisor_tui.contract.events import LoadEstimate
 
 
 def from_config(ep: EndpointConfig) -> tuple[LoadEstimate | None, str]:

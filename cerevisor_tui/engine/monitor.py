@@ -5,7 +5,6 @@ the server's own capacity implies; and, at a stall deadline, whether the server 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 
 from cerevisor_tui.config.models import Config
 from cerevisor_tui.contract import events as ev
@@ -111,7 +111,7 @@ class ServerMonitor:
                 slots_busy=status.slots.processing if status.slots else None,
                 slots_total=status.slots.total if status.slots else None,
                 prefix_queries=fields["prefix_queries"],
-                workers=[{"url": w.base_url, **row} for w, row in zip(workers, rows, strict=True)],
+                workers=[ev.WorkerSample(w.base_url, **row) for w, row in zip(workers, rows, strict=True)],
             )
             self.samples[endpoint] += 1
             self.emit(sample)
@@ -142,7 +142,7 @@ class ServerMonitor:
                     or current.context_tokens != context):
                 self.load[endpoint] = load.from_server(server_kv_tokens, context, current)
         elif current is not None and current.context_tokens != context:
-            self.load[endpoint] = dataclasses.replace(
+            self.load[endpoint] = msgspec.structs.replace(
                 current, context_tokens=context, conversations_fit=current.kv_capacity_tokens // context)
 
     async def busy(self, endpoint: str, since: float = -math.inf) -> str | None:

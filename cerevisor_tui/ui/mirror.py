@@ -141,17 +141,17 @@ class EndpointView:
     base_url: str = ""
     model: str = ""
     max_concurrency: int = 0
-    stall: dict[str, Any] = field(default_factory=dict)
+    stall: ev.StallPolicy | None = None  # None: not told (an older journal)
     load: ev.LoadChanged | None = None
     priced: bool = False  # it has a price per million tokens: its agents' rows show their cost
 
     @property
     def warn_at(self) -> tuple[float, ...]:
-        return tuple(self.stall.get("warn_at") or ())
+        return self.stall.warn_at if self.stall is not None else ()
 
     @property
     def by_bytes(self) -> bool:
-        return self.stall.get("liveness") == "bytes"
+        return self.stall is not None and self.stall.liveness == "bytes"
 
 
 @dataclass(eq=False)
@@ -231,7 +231,7 @@ class RunMirror(UiModel):
 
     def fit_below_cap(self) -> int | None:
         """The fewest conversations that fit on an endpoint whose cap is past them (the header's marker)."""
-        fits = [int(ep.load.estimate["conversations_fit"]) for ep in self.endpoints.values()
+        fits = [ep.load.estimate.conversations_fit for ep in self.endpoints.values()
                 if ep.load is not None and ep.load.warning and ep.load.estimate]
         return min(fits) if fits else None
 
@@ -253,18 +253,16 @@ class RunMirror(UiModel):
             self.auto_ceiling = e.auto_ceiling
         self.endpoints = {}
         for summary in e.endpoints:
-            name = str(summary.get("name", ""))
-            self.endpoints[name] = EndpointView(
-                name, str(summary.get("kind", "")), str(summary.get("base_url") or ""), str(summary.get("model") or ""),
-                int(summary.get("max_concurrency") or 0), dict(summary.get("stall") or {}))
-            self.endpoints[name].priced = bool(summary.get("price_in_per_mtok") or summary.get("price_out_per_mtok"))
+            self.endpoints[summary.name] = EndpointView(
+                summary.name, summary.kind, summary.base_url or "", summary.model, summary.max_concurrency,
+                summary.stall, priced=summary.priced)
         reused = set(e.reused)
         self.agents = {}
         for wave, level in enumerate(e.waves):
             for name in level:
-                plan = e.agents.get(name, {})
-                self.agents[name] = AgentView(name, str(plan.get("endpoint", "")), int(plan.get("wave", wave)),
-                                              int(plan.get("turns") or 1), reused=name in reused)
+                plan = e.agents.get(name)
+                self.agents[name] = AgentView(name, plan.endpoint if plan else "", plan.wave if plan else wave,
+                                              plan.turns if plan else 1, reused=name in reused)
         self.plan_version += 1
 
     def _see_WaveStarted(self, e: ev.WaveStarted) -> None:
@@ -474,13 +472,12 @@ class RunMirror(UiModel):
 
     def _see_StallPolicyChanged(self, e: ev.StallPolicyChanged) -> None:
         ep = self._endpoint(e.endpoint)
-        ep.stall = dict(e.policy)
+        ep.stall = e.policy
         for a in self.agents.values():
             att = a.attempt
             if att is not None and a.endpoint == e.endpoint:
                 # the watchdog measures the running attempt against the new windows from now on
-                att.first_byte_s = float(ep.stall.get("first_byte_timeout_s", att.first_byte_s))
-                att.idle_s = float(ep.stall.get("idle_timeout_s", att.idle_s))
+                att.first_byte_s, att.idle_s = e.policy.first_byte_timeout_s, e.policy.idle_timeout_s
                 att.by_bytes = ep.by_bytes
 
     def _see_LoadChanged(self, e: ev.LoadChanged) -> None:

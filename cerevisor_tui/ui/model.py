@@ -290,9 +290,9 @@ class UiModel:
         self.run_id, self.run_dir = e.run_id, e.run_dir
         self.mode, self.run_cap, self.started_at = e.mode, e.max_concurrency, e.t
         for summary in e.endpoints:
-            track = self.track(str(summary.get("name", "")))
-            track.max_concurrency = int(summary.get("max_concurrency") or 0)
-            track.monitored = summary.get("kind") != "hosted"
+            track = self.track(summary.name)
+            track.max_concurrency = summary.max_concurrency
+            track.monitored = summary.kind != "hosted"
             track.mark_t = e.t
         if e.note:
             self.notices.append(Notice(e.note + _mode_hint(e.mode)))

@@ -130,11 +130,11 @@ async def test_every_turn_of_an_agent_reaches_one_worker_through_the_router(rout
     # the run read both replicas behind the router, as the load pane shows them (a read that timed out on a
     # busy box makes a sample without that worker's numbers: the figures are checked on the complete ones)
     samples = [e for e in seen if e.kind == "ServerSample"]
-    assert samples and all([w["url"] for w in s.workers] == [r.root_url for r in replicas] for s in samples)
-    complete = [s for s in samples if all(w["healthy"] and w["kv_cache_tokens"] for w in s.workers)]
+    assert samples and all([w.url for w in s.workers] == [r.root_url for r in replicas] for s in samples)
+    complete = [s for s in samples if all(w.healthy and w.kv_cache_tokens for w in s.workers)]
     assert complete, samples[-1]
-    assert all(s.healthy and s.kv_cache_tokens == sum(w["kv_cache_tokens"] for w in s.workers) for s in complete)
-    assert all(s.running == sum(w["running"] for w in s.workers) for s in complete)
+    assert all(s.healthy and s.kv_cache_tokens == sum(w.kv_cache_tokens for w in s.workers) for s in complete)
+    assert all(s.running == sum(w.running for w in s.workers) for s in complete)
     assert any(s.prefix_hit_rate for s in samples), "no sample saw the replicas' prefix hits"
 
 

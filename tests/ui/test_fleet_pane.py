@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tomllib
 
+import msgspec
 import pytest
 
 from cerevisor_tui.commands.console import demo_text, run_handle
@@ -45,9 +46,8 @@ def fleet_app(endpoints: list[dict]) -> tuple[CerevisorApp, Engine]:
 
 
 def worker(url: str, healthy: bool, running: float | None, waiting: float | None, kv: float | None,
-           prefix: float | None, queries: float | None, detail: str = "") -> dict:
-    return {"url": url, "healthy": healthy, "running": running, "waiting": waiting, "kv_cache_usage": kv,
-            "prefix_hit_rate": prefix, "prefix_queries": queries, "kv_cache_tokens": None, "detail": detail}
+           prefix: float | None, queries: float | None, detail: str = "") -> ev.WorkerSample:
+    return ev.WorkerSample(url, healthy, running, waiting, kv, prefix, queries, None, detail)
 
 
 def samples(engine: Engine) -> None:
@@ -115,10 +115,8 @@ async def test_one_endpoint_keeps_its_line_and_no_gpu_row_until_the_run_reads_th
 @pytest.mark.anyio
 async def test_gpu_rows_follow_each_sample_and_say_why_when_none_is_read():
     app, engine = fleet_app(ENDPOINTS)
-    gpus = [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "utilization": 0.87, "memory_used_bytes": 71 * GiB,
-             "memory_total_bytes": 80 * GiB, "power_w": 512.3, "power_limit_w": 700.0, "temperature_c": 63},
-            {"index": 1, "name": "NVIDIA H100 80GB HBM3", "utilization": 0.0, "memory_used_bytes": 1 * GiB,
-             "memory_total_bytes": 80 * GiB, "power_w": None, "power_limit_w": None, "temperature_c": None}]
+    gpus = [ev.GpuReading(0, "NVIDIA H100 80GB HBM3", 0.87, 71 * GiB, 80 * GiB, 512.3, 700.0, 63),
+            ev.GpuReading(1, "NVIDIA H100 80GB HBM3", 0.0, 1 * GiB, 80 * GiB)]
     async with app.run_test(size=(120, 40)) as pilot:
         pane = app.screen.query_one(LoadPane)
         engine.emit(ev.GpuSample(T0 + 2, gpus=gpus))
@@ -129,7 +127,7 @@ async def test_gpu_rows_follow_each_sample_and_say_why_when_none_is_read():
             "GPU 0 NVIDIA H100 80GB HBM3  util 87%  mem 71.0/80.0 GiB  power 512/700 W  63°C",
             "GPU 1 NVIDIA H100 80GB HBM3  util 0%  mem 1.0/80.0 GiB  power -  -",  # what NVML did not report
         ]
-        engine.emit(ev.GpuSample(T0 + 4, gpus=[{**gpus[0], "utilization": 0.12}]))  # refreshed with the metrics
+        engine.emit(ev.GpuSample(T0 + 4, gpus=[msgspec.structs.replace(gpus[0], utilization=0.12)]))  # refreshed with the metrics
         pane.sync(app.mirror, NOW)
         assert "util 12%" in pane_text(app, "#gpus")
     assert gpu_lines(ev.GpuSample(T0, error="no NVIDIA driver: Driver Not Loaded")) == (

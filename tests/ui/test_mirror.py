@@ -94,7 +94,8 @@ async def test_a_mirror_fed_a_runs_events_ends_with_the_engines_own_state_and_a_
     sim = live.endpoints["sim"]
     # the model the run resolved from /v1/models after it started, and the simulator's URL
     assert sim.model == engine.models["sim"] and sim.base_url == engine.base_urls["sim"] and sim.kind == "simulated"
-    assert sim.stall == engine.policies["sim"].model_dump() and sim.warn_at == engine.policies["sim"].warn_at
+    assert sim.stall == msgspec.convert(engine.policies["sim"].model_dump(), ev.StallPolicy)
+    assert sim.warn_at == engine.policies["sim"].warn_at
     now = engine.load_event("sim")  # the load as the engine judges it at the end, the last it sent
     assert sim.load is not None and msgspec.structs.replace(sim.load, t=now.t) == now and sim.load.cap == 1
     assert live.effective_cap == engine.scheduler.effective_cap and not live.paused
@@ -188,7 +189,7 @@ def test_a_command_is_checked_before_the_run_carries_it_out(tmp_path):
     engine.subscribe(seen.append)
     assert engine.handle(cmd.SetStall(endpoint="sim", policy=policy)) is True
     assert engine.policies["sim"].idle_timeout_s == 5.0
-    assert [(e.kind, e.endpoint, e.policy["idle_timeout_s"]) for e in seen if e.kind == "StallPolicyChanged"] == [
+    assert [(e.kind, e.endpoint, e.policy.idle_timeout_s) for e in seen if e.kind == "StallPolicyChanged"] == [
         ("StallPolicyChanged", "sim", 5.0)]
     assert engine.handle(cmd.SetStall(endpoint="sim", policy=policy)) is False  # the same: no event
 

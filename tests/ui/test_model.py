@@ -105,7 +105,7 @@ def test_a_row_says_when_keep_alives_arrive_without_tokens():
 # ---- auto mode: cap history and trends --------------------------------------------------------------
 def run_started(t: float = 100.0, mode: str = "auto", endpoints=(("box", "local", 64),)) -> ev.RunStarted:
     return ev.RunStarted(t, "r1", mode, 4, [["a", "b"]],
-                         [{"name": n, "kind": k, "max_concurrency": m} for n, k, m in endpoints])
+                         [ev.EndpointSummary(n, k, max_concurrency=m) for n, k, m in endpoints])
 
 
 def test_model_records_each_endpoints_cap_changes_and_their_reasons_newest_last():

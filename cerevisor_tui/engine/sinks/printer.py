@@ -40,7 +40,7 @@ class Printer:
 
     @staticmethod
     def _line_RunStarted(e: ev.RunStarted) -> str:
-        eps = ", ".join(f"{d['name']} ({d['kind']}, {d['base_url']})" for d in e.endpoints)
+        eps = ", ".join(f"{d.name} ({d.kind}, {d.base_url})" for d in e.endpoints)
         note = f" [{e.note}]" if e.note else ""
         where = f", run dir {e.run_dir}" if e.run_dir else ""
         return f"run {e.run_id}: {sum(map(len, e.waves))} agents in {len(e.waves)} waves, mode {e.mode}, cap {e.max_concurrency}, endpoints {eps}{where}{note}"

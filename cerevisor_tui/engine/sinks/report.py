@@ -6,6 +6,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
+
 from cerevisor_tui.config.paths import write_json_atomic  # noqa: F401 - the journal and the console write with it
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.kinds import FINAL_STATUSES
@@ -44,9 +46,10 @@ class Report:
             handler(event)
 
     def _on_RunStarted(self, event: ev.RunStarted) -> None:
-        self.run_id, self.mode, self.endpoints = event.run_id, event.mode, event.endpoints
+        self.run_id, self.mode = event.run_id, event.mode
+        self.endpoints = [_endpoint_entry(ep) for ep in event.endpoints]
         self.started_at, self._t0 = _now_iso(), event.t
-        self._endpoint_max = {ep["name"]: int(ep.get("max_concurrency") or 0) for ep in event.endpoints}
+        self._endpoint_max = {ep.name: ep.max_concurrency for ep in event.endpoints}
         self.caps = {name: [] for name in self._endpoint_max}
         if event.mode != "auto":  # auto's controllers say their start caps themselves
             cap = 1 if event.mode == "sequential" else event.max_concurrency
@@ -193,3 +196,11 @@ class Report:
             "totals": self.totals(),
             "caps": self.cap_summary(),
         }
+
+
+def _endpoint_entry(ep: ev.EndpointSummary) -> dict[str, Any]:
+    """An endpoint as report.json lists it: its prices only where it has them."""
+    entry = msgspec.to_builtins(ep)
+    if not ep.priced:
+        del entry["price_in_per_mtok"], entry["price_out_per_mtok"]
+    return entry

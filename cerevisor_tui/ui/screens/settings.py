@@ -11,6 +11,7 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ValidationError
 from rich.text import Text
 from textual import on
@@ -33,6 +34,7 @@ from cerevisor_tui.config.models import (
 )
 from cerevisor_tui.config.save import ENDPOINT_KEYS, CommentsWouldBeLost, SaveError, save_settings
 from cerevisor_tui.contract import commands as cmd
+from cerevisor_tui.contract.events import StallPolicy
 
 if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp
@@ -99,12 +101,13 @@ def shown(value: Any) -> str:
     return str(value)
 
 
-def _same_policy(running: dict[str, Any], policy: dict[str, Any]) -> bool:
-    """A stall policy as the run told it (JSON: lists for tuples) against one resolved here."""
+def _same_policy(running: StallPolicy | None, policy: dict[str, Any]) -> bool:
+    """A stall policy as the run told it against one resolved here (JSON: lists for tuples)."""
     def norm(value: Any) -> Any:
         return list(value) if isinstance(value, tuple | list) else value
 
-    return bool(running) and all(norm(running.get(k)) == norm(v) for k, v in policy.items())
+    told = msgspec.to_builtins(running) if running is not None else {}
+    return bool(told) and all(norm(told.get(k)) == norm(v) for k, v in policy.items())
 
 
 def _message(err: dict[str, Any]) -> str:

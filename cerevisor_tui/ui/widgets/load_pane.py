@@ -33,7 +33,7 @@ class KvRow:
     conversations: int  # in flight on the endpoint now
     cap: int  # how many the cap lets run on it now
     zone: str
-    estimate: dict[str, Any] | None
+    estimate: ev.LoadEstimate | None
     note: str  # why there is no estimate
     cap_past_fit: bool
     server_kv_tokens: int | None
@@ -102,10 +102,8 @@ def fleet_rows(mirror: RunMirror) -> tuple[FleetRow, ...]:
         rows.append(FleetRow(name, _health(s.healthy, s.detail), s.running, s.waiting, s.kv_cache_usage,
                              s.prefix_hit_rate, agents, s.detail))
         for w in s.workers:
-            detail = str(w.get("detail") or "")
-            rows.append(FleetRow(_worker_name(str(w.get("url", ""))), _health(w.get("healthy"), detail), w.get("running"),
-                                 w.get("waiting"), w.get("kv_cache_usage"), w.get("prefix_hit_rate"), None, detail,
-                                 worker=True))
+            rows.append(FleetRow(_worker_name(w.url), _health(w.healthy, w.detail), w.running, w.waiting,
+                                 w.kv_cache_usage, w.prefix_hit_rate, None, w.detail, worker=True))
     tops = [r for r in rows if not r.worker]
     weighed = [(s.prefix_hit_rate, s.prefix_queries) for s in samples.values()
                if s.endpoint in mirror.endpoints and s.prefix_hit_rate is not None and s.prefix_queries]
@@ -131,12 +129,12 @@ def gpu_lines(sample: ev.GpuSample | None) -> tuple[str, ...]:
         return (f"GPUs  not read: {sample.error or 'none found'}",)
     lines = []
     for g in sample.gpus:
-        used, total = g.get("memory_used_bytes"), g.get("memory_total_bytes")
+        used, total = g.memory_used_bytes, g.memory_total_bytes
         memory = "-" if used is None or total is None else f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB"
-        power, limit = g.get("power_w"), g.get("power_limit_w")
+        power, limit = g.power_w, g.power_limit_w
         watts = "-" if power is None else f"{power:.0f}" + (f"/{limit:.0f}" if limit else "") + " W"
-        temp = g.get("temperature_c")
-        lines.append(f"GPU {g.get('index', '?')} {g.get('name', '')}  util {fmt_percent(g.get('utilization'))}  "
+        temp = g.temperature_c
+        lines.append(f"GPU {g.index} {g.name}  util {fmt_percent(g.utilization)}  "
                      f"mem {memory}  power {watts}  " + ("-" if temp is None else f"{temp:.0f}°C"))
     return tuple(lines)
 
@@ -343,14 +341,13 @@ class LoadPane(Vertical):
                     text.append(f"  {row.note}", style=muted)
                 continue
             text.append(f"{row.zone.upper()} ", style=f"bold {colour(ZONE_ROLES.get(row.zone, 'warning'))}")
-            text.append(f"{row.conversations} of {est['conversations_fit']} conversations fit ({est['source']})")
+            text.append(f"{row.conversations} of {est.conversations_fit} conversations fit ({est.source})")
             if row.cap_past_fit:
                 text.append(f"  cap {row.cap} > fit", style=f"bold {colour('warning')}")
-            more = (f"  {fmt_count(est['kv_capacity_tokens'])} KV tokens, {fmt_count(est['context_tokens'])} "
-                    "per conversation")
-            if est.get("cpu_conversations"):
-                more += f", CPU tier {est['cpu_conversations']} more"
-            if est.get("source") == "estimate" and est.get("detail"):
-                more += f" · {est['detail']}"
+            more = f"  {fmt_count(est.kv_capacity_tokens)} KV tokens, {fmt_count(est.context_tokens)} per conversation"
+            if est.cpu_conversations:
+                more += f", CPU tier {est.cpu_conversations} more"
+            if est.source == "estimate" and est.detail:
+                more += f" · {est.detail}"
             text.append(more, style=muted)
         return text
