@@ -53,7 +53,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--in-process", action="store_true",
                         help="console: run the workflow inside the console's own process (it ends with the console) "
                              "instead of in a run process the console attaches to (which outlives the terminal)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
 
     run = sub.add_parser(
         "run",
