@@ -1,6 +1,6 @@
 """Command line: argument parsing and dispatch, nothing else.
 
-Each subcommand's work lives in `cerevisor_tui.commands.<name>`, imported only when that command runs,
+Each subcommand's work lives in `cerevisor_tui.commands.<name>`, imported only when that subcommand runs,
 so `--help` and the headless path stay fast (the headless path never imports Textual).
 """
 
@@ -53,7 +53,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--in-process", action="store_true",
                         help="console: run the workflow inside the console's own process (it ends with the console) "
                              "instead of in a run process the console attaches to (which outlives the terminal)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", parser_class=_Parser)
 
     run = sub.add_parser(
         "run",
@@ -225,7 +225,7 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # The simulator's flags are built from its pydantic settings model: importing pydantic would double the
-    # time `--help` takes, so they are only built when the command line may name the sim command.
+    # time `--help` takes, so they are only built when the command line may name the sim subcommand.
     args = build_parser(sim_options="sim" in argv).parse_args(argv)
     command = args.command or "console"
     module = importlib.import_module(f"cerevisor_tui.commands.{command}")

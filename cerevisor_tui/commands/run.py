@@ -281,7 +281,7 @@ def spawn_detached(config_file: str, run_dir: Path, *, run_id: str = "", resume:
 
 
 def how_to_reach(run_dir: Path, run_id: str) -> str:
-    """The commands that reach a detached run: by id in the default runs directory, else by its directory."""
+    """The command lines (attach, ls, stop) that reach a detached run: by id in the default runs directory, else by its directory."""
     from cerevisor_tui.config.paths import default_runs_dir
 
     name = run_id if run_dir.resolve().parent == default_runs_dir().resolve() else str(run_dir)

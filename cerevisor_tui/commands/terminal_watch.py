@@ -9,7 +9,8 @@ by /dev/null on descriptors 0-2, so nothing can block or fail writing to it agai
 there GRACE_S later, or FORCE_EXIT_S after a second signal, `force(code)` writes what it can (the report) on
 this thread and the process exits with `code`: 128 + the signal's number, 129 (as SIGHUP) for a lost terminal.
 
-Once runs are detached (the detach issue), a console's `stop` becomes a detach; this part stays as it is.
+A console attached to a run in its own process (commands/console_client.py) gives a `stop` that detaches
+(the run goes on) and a `force` with nothing to write; the watch is the same either way.
 """
 
 from __future__ import annotations

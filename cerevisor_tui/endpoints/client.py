@@ -7,10 +7,8 @@ line cannot exhaust memory. The framing rules are the SSE spec's: `data:` lines 
 line, `:` comments, an optional `event:` name.
 
 Each event's JSON is decoded by one reused `msgspec.json.Decoder` into a `_Chunk`, a Struct that holds only
-the fields we read; msgspec skips the rest (id, model, logprobs...) without building them. It replaced two
-parsers (a byte template of the previous chunk, and json's C scanner) at the same cost:
-`benchmarks/client_throughput.py --modes CR --baseline 4772e87` gave msgspec/template 1.02 and 0.99 tokens
-per client CPU-second at 64 and 256 streams (medians of 20 rounds; README, Performance).
+the fields we read; msgspec skips the rest (id, model, logprobs...) without building them. This runs once a
+token, so what it builds is what the client costs.
 """
 
 from __future__ import annotations
@@ -90,16 +88,15 @@ class _Chunk(msgspec.Struct, gc=False):
 
     Every field may be absent or null. A field of another type is refused by the decoder, and the chunk is
     then read by `_lenient_chunk`, which names what is wrong. gc=False: a chunk never takes part in a
-    reference cycle, and untracked chunks do not push the collector into running (a micro-benchmark of
-    one vLLM chunk: 0.64 us decoded and read, 0.71 us with gc on).
+    reference cycle, and untracked chunks do not push the collector into running.
     """
 
     choices: list[_Choice] | None = None
     usage: _Usage | None = None
     error: Any = msgspec.UNSET  # there at all, even null: the server says the stream failed
     # Not read: "object". vLLM's older mid-stream error is {"object": "error", "message": ...} without choices,
-    # and a chunk without choices that says "error" anywhere goes to _lenient_chunk, which looks. Decoding
-    # "chat.completion.chunk" into a string for every chunk cost 5% of the stream loop.
+    # and a chunk without choices that says "error" anywhere goes to _lenient_chunk, which looks; decoding
+    # "chat.completion.chunk" into a string for every chunk would cost the hot path for nothing.
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode

@@ -1,9 +1,8 @@
 """An httpcore network backend on asyncio's own transports: the sockets our httpx clients read streams from.
 
 Why: per read, httpcore's default backend (anyio's socket stream) enters a timeout scope and stops and
-restarts the socket's reader, a large share of what reading hundreds of token streams cost (README,
-Performance);
-here a read takes what has already arrived, without a trip through the event loop. endpoints/transport.py
+restarts the socket's reader, a large share of what reading hundreds of token streams costs; here a read
+takes what has already arrived, without a trip through the event loop. endpoints/transport.py
 puts it under our clients. asyncio only, as we run (anyio on asyncio); Unix sockets go to httpcore's own
 backend."""
 
@@ -127,8 +126,8 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
     async def aclose(self) -> None:
         # As anyio's socket stream (httpcore's default backend) closes: write_eof, close, then abort. With
-        # close() alone, a request killed while the simulator (uvicorn) was still before its first token kept
-        # running there, and its server could not shut down (tests/test_engine_details.py checks this).
+        # close() alone, a request killed while the simulator (uvicorn) is still before its first token keeps
+        # running there, and its server cannot shut down (tests/test_engine_details.py checks this).
         transport = self._transport
         if transport.is_closing():
             return

@@ -44,7 +44,7 @@ from cerevisor_tui.endpoints.knee import (
     judge_single_turn,
 )
 
-# Tests import these from here, where they lived before knee.py.
+# Re-exported from knee.py: tests import them from here.
 from cerevisor_tui.endpoints.knee import _knee as _knee
 from cerevisor_tui.endpoints.knee import _past_knee as _past_knee
 from cerevisor_tui.endpoints.knee import recommend_conversations as recommend_conversations

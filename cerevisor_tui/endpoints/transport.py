@@ -4,7 +4,7 @@ httpx has no setting for the network backend under the pool it builds; a transpo
 seam for one. `AsyncioTransport` is httpx's `AsyncHTTPTransport` (httpx/_transports/default.py) without the
 proxy branches: the request and the response mapped between httpx and httpcore as it maps them, and
 httpcore's exceptions raised as httpx's, which is what the stream code catches (httpx.ConnectError,
-ReadError, RemoteProtocolError...). A client with a transport of its own no longer reads proxies from
+ReadError, RemoteProtocolError...). A client given a transport of its own does not read proxies from
 the environment, so `proxy_mounts` reads them as httpx would and gives each one httpx's own transport.
 """
 

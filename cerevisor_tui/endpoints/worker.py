@@ -2,7 +2,7 @@
 
 At a full box's load (256 streams, 20,000+ tokens/s) reading the streams is most of a core: httpx hands
 over one HTTP chunk per loop iteration, and a console that shares that loop waits behind every socket
-that became readable, so a key press took hundreds of milliseconds. `StreamWorker` starts
+that became readable, so a key press waits hundreds of milliseconds. `StreamWorker` starts
 `python -m cerevisor_tui.endpoints.worker` and gives the engine `RemoteStream`s, which look like
 `ChatStream` (the same `events()` items, `last_byte_at`, `usage`, `finish_reason`, the same errors) but
 are read by the child with the same `ChatStream` code. The child sends what its streams yielded in one

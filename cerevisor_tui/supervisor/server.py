@@ -40,9 +40,8 @@ HELLO_WAIT_S = 10.0
 COMMAND_LINE_LIMIT = 1024 * 1024
 """The longest line a client may send (a hello, a command): what it reads is never a replayed answer."""
 FLUSH_EVERY_S = 0.02
-"""Events go to a client in one write at most this often (a reply at once, after the events before it): at a
-full box's 2,560 events a second this took the attached console from 1,057 wake-ups a second to 149, and its
-CPU from 36% to 27% of a core (benchmarks/console_load.py). Countdowns are absolute times, so nothing drawn
+"""Events go to a client in one write at most this often (a reply at once, after the events before it), so
+the attached console wakes once per write, not once per event. Countdowns are absolute times, so nothing drawn
 is late by it; the stream pane draws at 12 Hz anyway."""
 CLIENT_BUFFER_MAX = 32 * 1024 * 1024
 """Bytes a client may have waiting in its socket's buffer, or held for it while its replay is sent; past it the

@@ -1,6 +1,6 @@
 """The Textual app: a client of one run. It holds the run's mirror (`ui/mirror.py`, built from its events)
 and its control (`ui/control.py`, the operator's commands, contract/commands.py), plus themes and keymap; the screens
-read the mirror and act through the control, never on an engine. In-process, the console command also
+read the mirror and act through the control, never on an engine. In-process, commands/console.py also
 hands it the run to await (a worker in the app's own event loop). When the last run of the same config
 did not complete, it offers to resume it, and then follows that run in the first one's place.
 
@@ -58,7 +58,7 @@ class RunHandle:
 
 @dataclass(frozen=True)
 class ResumeOffer:
-    """An earlier run of this config that did not complete, and how to reopen it (the console command
+    """An earlier run of this config that did not complete, and how to reopen it (commands/console.py
     builds it: the run directory, its journal and the answers already given are its business)."""
 
     run_id: str
@@ -96,7 +96,7 @@ class CerevisorApp(App[int]):
         where the settings screen saves, `save_template` the TOML it starts from when that file does not
         exist yet (the demo); `run`: the in-process run, awaited in a worker (None: only show the mirror);
         `resume_offer`: the last run of this config did not complete (the palette offers to resume it);
-        `tune_gc`: set the process's garbage collector for a console (see `_tune_gc`; the command sets it,
+        `tune_gc`: set the process's garbage collector for a console (see `_tune_gc`; the console sets it,
         tests that start many apps in one process do not); `attached`: the run lives in a process of its own
         (`run` follows it over its control socket): leaving, a lost terminal or a signal detach from it, and
         `q` asks whether to detach or stop it."""
@@ -124,8 +124,8 @@ class CerevisorApp(App[int]):
         self.attached = attached
         self._gc_threshold: tuple[int, int, int] | None = None
         self.on_terminal_lost: Callable[[str], None] | None = None
-        """Told (from Textual's output thread) when a write to the terminal failed; the console command sets
-        its terminal watch here. Unset, the app stops itself (`stop_from_thread`)."""
+        """Told (from Textual's output thread) when a write to the terminal failed; the console (commands/console.py,
+        console_client.py) sets its terminal watch here. Unset, the app stops itself (`stop_from_thread`)."""
         self._console_loop: asyncio.AbstractEventLoop | None = None
         self._pending_stop: tuple[int, str] | None = None  # a stop asked for before the app was mounted
         self.rung: deque[str] = deque(maxlen=100)
@@ -180,9 +180,9 @@ class CerevisorApp(App[int]):
         Every line Textual redraws is a Strip whose caches hold the strip itself: a reference cycle, which
         only the collector frees. At the default threshold (700) a frame's strips are still on screen when
         the young generations are collected, so they age into the oldest one, and at a full box's load a
-        full collection then freed ~20,000 of them in one 100-250 ms pause, with key presses waiting
-        behind it. With 20,000 allocations between young collections a frame's strips are already garbage
-        when they are looked at, and `gc.freeze()` keeps the ~150,000 objects of start-up out of every scan.
+        full collection then frees them by the ten thousand in one pause, with key presses waiting behind
+        it. With 20,000 allocations between young collections a frame's strips are already garbage when
+        they are looked at, and `gc.freeze()` keeps the objects start-up built out of every scan.
         """
         import gc
 
@@ -254,7 +254,7 @@ class CerevisorApp(App[int]):
     # ---- the run ----------------------------------------------------------------------------------
     @property
     def model(self) -> RunMirror:
-        """The mirror, by its older name (transcripts, throughput and trends are its UiModel part)."""
+        """The mirror, as the UiModel it extends (its transcripts, throughput and trends)."""
         return self.mirror
 
     def _start_engine_worker(self) -> None:

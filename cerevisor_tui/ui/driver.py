@@ -1,9 +1,9 @@
 """Textual's terminal driver, for a terminal that can go away (an SSH drop, `tmux kill-session`).
 
-What kept the console alive forever without it: on a hang-up the kernel sends SIGHUP and SIGCONT; Textual's
-SIGCONT handler "resumes" application mode and starts a second output thread; that thread's first flush to
-the hung-up tty raises EIO and ends it; its queue (30 writes) fills; the next write blocks the event loop in
-`Queue.put` for good, and with it the loop's own signal handlers, SIGTERM's included.
+Why: with Textual's own driver a hang-up leaves the console alive forever. The kernel sends SIGHUP and
+SIGCONT; Textual's SIGCONT handler "resumes" application mode and starts a second output thread; that
+thread's first flush to the hung-up tty raises EIO and ends it; its queue (30 writes) fills; the next write
+blocks the event loop in `Queue.put` for good, and with it the loop's own signal handlers, SIGTERM's included.
 
 Here a failed write tells the app once (`CerevisorApp.terminal_lost`) and every later one is dropped, so the
 output thread never dies and the loop never blocks on it; and application mode is never resumed on a

@@ -1,10 +1,9 @@
 """The agents pane: one line per agent, drawn through Textual's line API from a cached strip per row; sorted
 (wave order, nearest deadline, status, tokens/s) and filtered (by name or status) at its status refresh.
 
-A `DataTable` of 256 busy rows cost about 130 ms of CPU a frame: every cell update invalidates its row
-caches, so each frame rendered every visible cell through Rich again. Here a row is turned into one
-`Strip` of plain segments only when what it shows changes, and only the lines of changed visible rows
-are refreshed; a frame of a full box costs a few milliseconds.
+Not a `DataTable`: there every cell update invalidates its row caches, so with hundreds of busy rows each
+frame renders every visible cell through Rich again. Here a row is turned into one `Strip` of plain
+segments only when what it shows changes, and only the lines of changed visible rows are refreshed.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 mode the badge carries the live cap (`AUTO 32`) and, where the line has room, auto's ceiling and its last
 reason (`a` lists them all).
 
-Two lines, each cut to the width, never wrapped: a first line that wrapped pushed the second (mode, cap,
-counters) out of the header. Where the endpoints do not fit, each loses its URL and model, then the line
+Two lines, each cut to the width, never wrapped: a first line that wrapped would push the second (mode,
+cap, counters) out of the header. Where the endpoints do not fit, each loses its URL and model, then the line
 shows only their health dots; the run clock and the run's state keep their place, and so do the counts of
 what needs the operator (inbox N, agents in amber and red), shown only when there are any."""
 

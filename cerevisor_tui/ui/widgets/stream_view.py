@@ -3,13 +3,13 @@
 A line-API widget: new text re-wraps only the last row it touches, so a flush costs what it adds, not
 what the transcript holds. Greedy wrapping places a row's break only where a word does not fit, and text
 added at the end only lengthens the last word, so every row before the last stays as it was: the last
-row's text and the new text are wrapped, and the rows before are kept. (Re-wrapping the agent's whole
-current paragraph on each flush was 18% of an attached console's CPU with answers that have no newline.)
-It follows the end only while the reader is at the bottom.
+row's text and the new text are wrapped, and the rows before are kept (an answer with no newline is one
+paragraph: re-wrapped whole, each flush would cost more than the last). It follows the end only while the
+reader is at the bottom.
 
 A whole transcript (switching agents, a new width) is wrapped from its end, a few screens' worth; the
-older lines are wrapped as the reader scrolls up to them. Wrapping all of a 200,000-character
-transcript took about 100 ms, in the frame that answers the key press that selected the agent.
+older lines are wrapped as the reader scrolls up to them: wrapping all of a long transcript at once would
+hold up the frame that answers the key press that selected the agent.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class StreamView(ScrollView, can_focus=True):
         overflow-y: auto;
         scrollbar-size-vertical: 1;
         /* Drawn only while the reader is scrolled up: following the end, the bar would move on every
-           flush, and a scrollbar is drawn whole for each line of it that changes (~10% of a core at
-           256 agents). The gutter stays, so showing it never re-wraps the text. */
+           flush, and a scrollbar is drawn whole for each line of it that changes. The gutter stays, so
+           showing it never re-wraps the text. */
         scrollbar-visibility: hidden;
         &.-reading {
             scrollbar-visibility: visible;
@@ -247,7 +247,8 @@ class StreamView(ScrollView, can_focus=True):
         self.refresh()
         if self.following and not self.is_vertical_scrollbar_grabbed:
             # At once: a line-API view's virtual size is set above, not laid out, so the end is usually known
-            # now (deferred until after the refresh, every flush drew the view twice, once not yet scrolled).
+            # now (deferred until after the refresh, every flush would draw the view twice, once not yet
+            # scrolled).
             # Not before the first layout: then after the refresh, when the view's height is known.
             self.scroll_end(animate=False, x_axis=False, immediate=True)
             if self.scroll_y < len(self._rows) - self.scrollable_content_region.height:

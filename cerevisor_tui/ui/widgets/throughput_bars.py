@@ -1,7 +1,7 @@
 """A one-line bar chart of recent values: the load pane's aggregate throughput over time.
 
-Textual's Sparkline looks the same but buckets with Fractions and blends a colour per cell: about 13 ms
-a redraw at 160 columns, twice a second, in the same loop as every key press. This one resamples
+Textual's Sparkline looks the same but buckets with Fractions and blends a colour per cell, twice a
+second, in the same loop as every key press. This one resamples
 with integers, has eight colour steps made once per theme, and draws one Strip of runs, cached until the
 values or the width change.
 """

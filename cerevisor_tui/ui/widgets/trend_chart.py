@@ -3,10 +3,8 @@
 The load pane draws an endpoint's cap, output tokens/s, queue and KV-cache use with it, so the
 operator sees auto mode at work (the cap stepping up while throughput grows, down when requests
 wait). It is a line-API widget like ThroughputBars: each row is one Strip of three segments, made
-when the rows or the width change (once per server sample) and cached in between. Measured with
-benchmarks/trend_redraw.py at 160 columns, 240 points a series: 1.3-1.5 ms a redraw (median), where a
-textual-plotext plot of the same four series took 31 ms at 12 rows and 25 ms at 5, in the event loop
-every key press waits on.
+when the rows or the width change (once per server sample) and cached in between: it is redrawn in the
+event loop every key press waits on, where a plot widget (textual-plotext) costs many times as much.
 """
 
 from __future__ import annotations
