@@ -87,6 +87,62 @@ class LoadEstimate(Payload):
         return "cliff"
 
 
+class ProbeLevelSummary(Payload):
+    """What one concurrency level of a probe measured (endpoints/knee.py's ProbeLevel, rounded)."""
+
+    concurrency: int
+    requests: int
+    failed: int
+    output_tokens: int
+    wall_s: float
+    output_tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    stream_tokens_per_s: float | None  # median decode rate of one stream
+    server_running_max: int | None = None
+    server_waiting_max: int | None = None
+    server_waiting_share: float | None = None  # share of samples with requests waiting
+    kv_cache_usage_max: float | None = None
+    complete: bool = True  # False: the time budget cut it short
+    first_error: str = ""
+    prefix_hit_rate: float | None = None  # None: the server does not report its prefix cache
+    preemptions: int | None = None
+    conversations: int | None = None  # conversation mode: conversations run (requests counts their turns)
+
+
+class ProbeBounds(Payload):
+    """What bounded a probe's sweep."""
+
+    max_concurrency: int
+    max_tokens: int
+    turn_max_tokens: int | None
+    max_requests: int
+    max_seconds: float
+    request_timeout_s: float
+
+
+class ProbeSummary(Payload):
+    """A whole probe (`probe --json` prints the same): the server, the levels measured, the recommendation."""
+
+    base_url: str
+    model: str
+    mode: str
+    agents: int
+    server_kind: str
+    max_model_len: int | None
+    kv_cache_tokens: int | None
+    health: str
+    levels: list[ProbeLevelSummary]
+    prefix_hits_reported: bool
+    recommended_concurrency: int
+    recommended_mode: str  # sequential | parallel
+    reason: str
+    stopped_because: str
+    total_requests: int
+    elapsed_s: float
+    bounds: ProbeBounds
+
+
 class WorkerSample(Payload):
     """One worker behind a router (an endpoint's `metrics_urls`), as its own /health and /metrics said."""
 
@@ -193,18 +249,18 @@ class ProbeStarted(Event):
 
 
 class ProbeProgress(Event):
-    """What the probe is doing (`line`), or a level it finished measuring (`level`, ProbeLevel.to_dict())."""
+    """What the probe is doing (`line`), or a level it finished measuring (`level`)."""
 
     endpoint: str
     line: str = ""
-    level: dict[str, Any] | None = None
+    level: ProbeLevelSummary | None = None
 
 
 class ProbeFinished(Event):
-    """The probe ended: `result` (ProbeResult.to_dict()), or why not (`error`), or cancelled by the operator."""
+    """The probe ended: its `result`, or why not (`error`), or cancelled by the operator."""
 
     endpoint: str
-    result: dict[str, Any] | None = None
+    result: ProbeSummary | None = None
     error: str = ""
     cancelled: bool = False
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError
@@ -77,11 +78,13 @@ class ConsoleProbes:
             e.emit(ev.ProbeProgress(time.monotonic(), endpoint, line=line))
 
         def level(found: Any) -> None:
-            e.emit(ev.ProbeProgress(time.monotonic(), endpoint, level=found.to_dict()))
+            e.emit(ev.ProbeProgress(time.monotonic(), endpoint, level=msgspec.convert(found.to_dict(),
+                                                                                      ev.ProbeLevelSummary)))
 
         try:
             with scope:
-                result = await self.probe(endpoint, on_progress=progress, on_level=level, max_concurrency=bound)
+                found = await self.probe(endpoint, on_progress=progress, on_level=level, max_concurrency=bound)
+                result = msgspec.convert(found.to_dict(), ev.ProbeSummary)
         except Exception as exc:  # noqa: BLE001 - a probe that fails says why; the run goes on
             error = self._failure(exc)
         finally:
@@ -90,7 +93,7 @@ class ConsoleProbes:
                 e.resume()
             now = time.monotonic()
             if result is not None:
-                e.emit(ev.ProbeFinished(now, endpoint, result=result.to_dict()))
+                e.emit(ev.ProbeFinished(now, endpoint, result=result))
             elif error:
                 e.emit(ev.ProbeFinished(now, endpoint, error=error))
             elif scope.cancelled_caught:

@@ -163,8 +163,8 @@ class ProbeView:
     agents: int = 0
     state: str = "running"  # running | done | failed | cancelled
     line: str = ""
-    levels: list[dict[str, Any]] = field(default_factory=list)
-    result: dict[str, Any] | None = None
+    levels: list[ev.ProbeLevelSummary] = field(default_factory=list)
+    result: ev.ProbeSummary | None = None
     error: str = ""
 
 
@@ -521,7 +521,7 @@ class RunMirror(UiModel):
             probe = self.probes[e.endpoint] = ProbeView(e.endpoint, 0)
         if e.result is not None:
             probe.state, probe.result = "done", e.result
-            probe.levels = list(e.result.get("levels") or probe.levels)
+            probe.levels = list(e.result.levels or probe.levels)
         elif e.cancelled:
             probe.state = "cancelled"
         else:

@@ -169,10 +169,10 @@ async def test_first_switch_to_parallel_offers_the_probe_which_measures_and_appl
         await pilot.press("enter")
         await until(lambda: offer.state != "running", timeout=20)
         assert offer.state == "done", offer.error
-        result = offer.result  # ProbeResult.to_dict(), as ProbeFinished carried it
-        levels = result["levels"]
-        assert [lv["concurrency"] for lv in levels] == [1, 2, 4][:len(levels)]
-        assert all(lv["requests"] >= 2 and lv["output_tokens"] > 0 for lv in levels)
+        result = offer.result  # as ProbeFinished carried it
+        levels = result.levels
+        assert [lv.concurrency for lv in levels] == [1, 2, 4][:len(levels)]
+        assert all(lv.requests >= 2 and lv.output_tokens > 0 for lv in levels)
         assert app.mirror.probes["sim"].state == "done" and app.mirror.probes["sim"].result is result
         assert [e.kind for e in log.seen if e.kind.startswith("Probe")][:1] == ["ProbeStarted"]
         assert log.of("ProbeFinished")[-1].result == result
@@ -184,9 +184,9 @@ async def test_first_switch_to_parallel_offers_the_probe_which_measures_and_appl
 
         await pilot.press("enter")  # "Apply <mode>, cap N" has the focus
         assert isinstance(app.screen, MainScreen)
-        assert engine_of(app).scheduler.max_concurrency == result["recommended_concurrency"]
-        assert engine_of(app).scheduler.mode == result["recommended_mode"]
-        assert log.of("ConcurrencyChanged")[-1].max_concurrency == result["recommended_concurrency"]
+        assert engine_of(app).scheduler.max_concurrency == result.recommended_concurrency
+        assert engine_of(app).scheduler.mode == result.recommended_mode
+        assert log.of("ConcurrencyChanged")[-1].max_concurrency == result.recommended_concurrency
 
 
 @pytest.mark.anyio

@@ -10,7 +10,7 @@ cancels it (`cancel_probe`): its requests are closed, and admissions resume.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 from rich.text import Text
@@ -22,6 +22,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
 from cerevisor_tui.contract import commands as cmd
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.ui.format import fmt_rate, fmt_seconds
 from cerevisor_tui.ui.mirror import ProbeView
 
@@ -54,8 +55,8 @@ class ProbeScreen(ModalScreen[None]):
         super().__init__()
         self.endpoint = endpoint
         self.state = OFFER if offer else RUNNING
-        self.levels: list[dict[str, Any]] = []
-        self.result: dict[str, Any] | None = None  # ProbeResult.to_dict()
+        self.levels: list[ev.ProbeLevelSummary] = []
+        self.result: ev.ProbeSummary | None = None
         self.progress = ""
         self.error = ""
         self._before: ProbeView | None = None  # the endpoint's last probe before this one was asked for
@@ -97,9 +98,10 @@ class ProbeScreen(ModalScreen[None]):
             title.update(f"Probing {endpoint} ...")
             body.update(self.progress or "starting")
         elif self.state == DONE:
-            r = self.result or {}
-            title.update(f"Probe of {endpoint}: {r.get('recommended_mode')}, cap {r.get('recommended_concurrency')}")
-            body.update(r.get("reason") or "")
+            r = self.result
+            if r is not None:
+                title.update(f"Probe of {endpoint}: {r.recommended_mode}, cap {r.recommended_concurrency}")
+                body.update(r.reason)
         else:
             title.update(f"Probe of {endpoint} failed")
             body.update(self.error)
@@ -111,8 +113,9 @@ class ProbeScreen(ModalScreen[None]):
         apply.display = self.state == DONE
         close.label = {OFFER: "Skip (esc)", RUNNING: "Cancel (esc)"}.get(self.state, "Close (esc)")
         if self.state == DONE:
-            r = self.result or {}
-            apply.label = f"Apply {r.get('recommended_mode')}, cap {r.get('recommended_concurrency')} (enter)"
+            r = self.result
+            if r is not None:
+                apply.label = f"Apply {r.recommended_mode}, cap {r.recommended_concurrency} (enter)"
             apply.focus()
         elif self.state == OFFER:
             start.focus()
@@ -124,20 +127,20 @@ class ProbeScreen(ModalScreen[None]):
             return Text("")
         muted = self.app.colour("text-muted")
         table = Table(box=None, padding=(0, 1), header_style=f"bold {muted}", pad_edge=False)
-        conversations = any(level.get("conversations") is not None for level in self.levels)
+        conversations = any(level.conversations is not None for level in self.levels)
         labels = ("conc", "tok/s", "TTFT p50", "TTFT p95", "queued", *(("prefix hits",) if conversations else ()), "")
         for label in labels:
             table.add_column(label, justify="left" if label == "" else "right", no_wrap=True)
-        best = self.result.get("recommended_concurrency") if self.result is not None else None
+        best = self.result.recommended_concurrency if self.result is not None else None
         for level in self.levels:
-            waiting = level.get("server_waiting_max")
+            waiting = level.server_waiting_max
             queued = "-" if waiting is None else str(waiting)
-            hits = level.get("prefix_hit_rate")
-            concurrency, failed = level.get("concurrency"), level.get("failed")
+            hits = level.prefix_hit_rate
+            concurrency, failed = level.concurrency, level.failed
             note = "◀ recommended" if concurrency == best else (f"{failed} failed" if failed else "")
             style = f"bold {self.app.colour('success')}" if concurrency == best else ""
-            table.add_row(str(concurrency), fmt_rate(level.get("output_tokens_per_s")),
-                          fmt_seconds(level.get("ttft_p50_s")), fmt_seconds(level.get("ttft_p95_s")), queued,
+            table.add_row(str(concurrency), fmt_rate(level.output_tokens_per_s),
+                          fmt_seconds(level.ttft_p50_s), fmt_seconds(level.ttft_p95_s), queued,
                           *((("-" if hits is None else f"{hits:.0%}"),) if conversations else ()), note, style=style)
         return table
 
@@ -200,7 +203,7 @@ class ProbeScreen(ModalScreen[None]):
         if r is None:
             return
         app = self.app
-        mode, cap = str(r["recommended_mode"]), int(r["recommended_concurrency"])
+        mode, cap = r.recommended_mode, r.recommended_concurrency
         app.control.send(cmd.SetConcurrency(cap=cap))
         if app.mirror.mode != mode:
             app.control.send(cmd.SetMode(mode=mode))
