@@ -129,3 +129,34 @@ def test_the_wire_messages_are_tagged_by_type() -> None:
     assert msgspec.json.decode(wire.encode(wire.Bye("x"))) == {"type": "bye", "reason": "x"}
     assert isinstance(wire.read_server(b'{"type":"hello","protocol":2,"run_id":"r","run_dir":"/d","pid":1}'),
                       wire.Welcome)
+
+
+@pytest.mark.anyio
+async def test_a_console_counts_an_event_its_version_does_not_know_and_never_hands_it_on(tmp_path) -> None:
+    """The console's side of the socket: an event line with a field this version does not know is not read in
+    part; the client counts it (`unreadable`) and reads on, the events around it arriving whole."""
+    import asyncio
+
+    from cerevisor_tui.supervisor.client import ControlClient
+
+    good = ev.AgentQueued(1.0, "a", 0)
+    later = json.loads(ev.encode_event(ev.AgentQueued(2.0, "b", 0))) | {"priority": 3}
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()  # the client's hello
+        writer.write(wire.encode(wire.Welcome(wire.PROTOCOL, "r1", str(tmp_path), 1)))
+        writer.write(wire.EVENT_PREFIX + json.dumps(later).encode() + b"}\n")
+        writer.write(wire.event_line(good))
+        writer.write(wire.encode(wire.Bye("the run ended")))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(serve, path=str(tmp_path / "control.sock"))
+    async with server:
+        client = await ControlClient.connect(tmp_path)
+        seen: list[ev.Event] = []
+        told: list[str] = []
+        assert await client.run(seen.append, on_unreadable=told.append) == "the run ended"
+        await client.close()
+    assert seen == [good] and client.unreadable == 1
+    assert len(told) == 1 and "unknown field `priority`" in told[0]

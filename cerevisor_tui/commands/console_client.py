@@ -69,7 +69,9 @@ def attached_handle(run_dir: Path, notify: Callable[[str, str], None], starting:
             return 1
         control.bind(client)
         try:
-            why = await client.run(mirror)
+            why = await client.run(mirror, on_unreadable=lambda problem: notify(
+                f"the run sent an event this console cannot read ({problem}); it is left out. Is this "
+                "console an older version than the run's?", "warning"))
         finally:
             control.bind(None, f"the connection to run {run_dir.name} has ended")
             await client.close()
@@ -107,14 +109,19 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app
         handle = attached_handle(run_dir, notify, starting)
     else:
         from cerevisor_tui.engine.sinks.journal import JournalError, read_records
+        from cerevisor_tui.ui.model import Notice
 
         try:
-            records, _ = read_records(run_dir)
+            records, unreadable = read_records(run_dir)
         except JournalError as exc:
             print(f"cerevisor-tui attach: {exc}", file=sys.stderr)
             return 1
         mirror = RunMirror()
-        mirror.feed_records(records)
+        unreadable += mirror.feed_records(records)
+        if unreadable:
+            lines = "line" if unreadable == 1 else "lines"
+            mirror.notices.append(Notice(f"{unreadable} {lines} of {run_dir / 'events.jsonl'} could not be read "
+                                         "(damaged, or from another version) and are left out", "warning", "Journal"))
         goes_on = "" if state == "finished" else f" (`cerevisor-tui run FILE --resume {run_dir.name}` goes on with it)"
         control = RemoteControl(lambda message: notify(message, "warning"),
                                 f"run {run_dir.name} is {state or 'not running'}: this console shows it read-only{goes_on}")

@@ -78,8 +78,10 @@ class ControlClient:
             raise AttachError(f"run {run_dir.name} refused: {why}")
         return cls(reader, writer, hello)
 
-    async def run(self, on_event: Callable[[ev.Event], None], on_live: Callable[[], None] | None = None) -> str:
-        """Read until the end; returns why it ended (the server's bye, or "connection lost")."""
+    async def run(self, on_event: Callable[[ev.Event], None], on_live: Callable[[], None] | None = None,
+                  on_unreadable: Callable[[str], None] | None = None) -> str:
+        """Read until the end; returns why it ended (the server's bye, or "connection lost"). A line this version
+        cannot read is counted, and the first one told to `on_unreadable` (why, in one line)."""
         try:
             while True:
                 line = await self.reader.readline()
@@ -87,8 +89,10 @@ class ControlClient:
                     return self.bye or "connection lost"
                 try:
                     message = read_server(line)
-                except WireError:
+                except WireError as exc:
                     self.unreadable += 1
+                    if self.unreadable == 1 and on_unreadable is not None:
+                        on_unreadable(str(exc))
                     continue
                 if isinstance(message, EventMessage):  # nearly every line
                     on_event(message.event)
