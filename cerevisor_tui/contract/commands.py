@@ -149,7 +149,7 @@ def command_of(data: Any) -> Command:
     try:
         return msgspec.convert(data, AnyCommand)
     except msgspec.ValidationError as exc:
-        raise CommandError(_plain(str(exc))) from None
+        raise CommandError(plain(str(exc))) from None
 
 
 def checked(command: Command) -> Command:
@@ -158,6 +158,6 @@ def checked(command: Command) -> Command:
     return command_of(msgspec.to_builtins(command))
 
 
-def _plain(problem: str) -> str:
+def plain(problem: str) -> str:
     """msgspec's wording made the client's: `$.command.mode` and `$.mode` read as `mode`."""
     return re.sub(r"`\$(?:\.command)?\.?([^`]*)`", lambda m: f"`{m.group(1) or 'command'}`", problem)

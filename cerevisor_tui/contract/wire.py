@@ -21,7 +21,7 @@ from typing import Any, Union
 
 import msgspec
 
-from cerevisor_tui.contract.commands import AnyCommand, Command, _plain
+from cerevisor_tui.contract.commands import AnyCommand, Command, plain
 from cerevisor_tui.contract.events import AnyEvent, Event
 
 PROTOCOL = 2
@@ -114,7 +114,7 @@ def read_server(line: bytes) -> Welcome | EventMessage | Live | Reply | Bye:
     try:
         return _server_decoder.decode(line)
     except msgspec.DecodeError as exc:
-        raise WireError(_plain(str(exc))) from None
+        raise WireError(plain(str(exc))) from None
 
 
 def read_client(line: bytes) -> Hello | CommandMessage:
@@ -123,7 +123,7 @@ def read_client(line: bytes) -> Hello | CommandMessage:
     try:
         return _client_decoder.decode(line)
     except msgspec.DecodeError as exc:
-        error = WireError(_plain(str(exc)))
+        error = WireError(plain(str(exc)))
         try:
             loose = _loose_decoder.decode(line)
         except msgspec.DecodeError:

@@ -5,26 +5,41 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cerevisor_tui.kinds import Status
 from cerevisor_tui.ui.mirror import FINAL, AgentView
 
-STATUS_LABELS = {
-    "pending": "pending",
-    "queued": "queued",
-    "waiting": "waiting",
-    "prefill": "prefill",
-    "streaming": "streaming",
-    "stalling": "stalling",
-    "retrying": "retrying",
-    "tool": "tool",
-    "approval": "needs approval",
-    "completed": "done",
-    "failed": "failed",
-    "killed": "killed",
-    "skipped": "skipped",
-    "cancelled": "cancelled",
+
+@dataclass(frozen=True, slots=True)
+class StatusLook:
+    """How the console shows one agent status."""
+
+    label: str  # what the agents pane and the stream's title say
+    rank: int  # the status sort: what needs the operator first, then what runs, then what waits, then what ended
+    role: str  # the theme colour of its cell (a stall countdown's level overrides it)
+
+
+STATUS_LOOK: dict[Status, StatusLook] = {
+    "approval": StatusLook("needs approval", 0, "warning"),
+    "stalling": StatusLook("stalling", 1, "stall-warn"),
+    "failed": StatusLook("failed", 2, "error"),
+    "killed": StatusLook("killed", 3, "error"),
+    "waiting": StatusLook("waiting", 4, "warning"),  # a local endpoint still loading
+    "retrying": StatusLook("retrying", 5, "warning"),
+    "tool": StatusLook("tool", 6, "accent"),  # a running call shows as `tool: NAME 3.2s` (`tool_status`)
+    "prefill": StatusLook("prefill", 7, "primary"),
+    "streaming": StatusLook("streaming", 8, "success"),
+    "queued": StatusLook("queued", 9, "text-muted"),
+    "pending": StatusLook("pending", 10, "text-muted"),
+    "completed": StatusLook("done", 11, "success"),
+    "skipped": StatusLook("skipped", 12, "text-muted"),
+    "cancelled": StatusLook("cancelled", 13, "text-muted"),
 }
-"""Engine status -> what the agents pane shows ("waiting" is a local endpoint still loading; a running tool
-call shows as `tool: NAME 3.2s`, see `tool_status`)."""
+"""Each status the engine tells (kinds.Status), once: its label, its place in the sort, its colour."""
+
+
+def status_label(status: str) -> str:
+    look = STATUS_LOOK.get(status)  # type: ignore[call-overload]
+    return look.label if look is not None else status
 
 NORMAL, WARN, CRITICAL = "", "warn", "critical"
 

@@ -197,3 +197,13 @@ def test_an_endpoint_without_server_samples_gets_trend_points_from_the_redraw_cl
     m.sample(103.0)
     (point,) = m.tracks["api"].trend.points
     assert (point.cap, point.tokens_per_s, point.waiting, point.kv_cache_usage) == (3.0, 10.0, None, None)
+
+
+def test_every_status_the_engine_tells_has_one_look_and_its_own_place_in_the_sort():
+    from cerevisor_tui.kinds import STATUSES
+    from cerevisor_tui.ui.format import STATUS_LOOK
+
+    assert set(STATUS_LOOK) == set(STATUSES)
+    ranks = [look.rank for look in STATUS_LOOK.values()]
+    assert sorted(ranks) == list(range(len(STATUSES)))
+    assert all(look.label and look.role for look in STATUS_LOOK.values())

@@ -15,7 +15,7 @@ from textual.widgets import Footer
 
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.commands import ConsoleCommands
-from cerevisor_tui.ui.format import STATUS_LABELS, fmt_clock, tool_countdown
+from cerevisor_tui.ui.format import fmt_clock, status_label, tool_countdown
 from cerevisor_tui.ui.inbox import HINTS
 from cerevisor_tui.ui.keys import MAIN_BINDINGS
 from cerevisor_tui.ui.mirror import FINAL, AgentView
@@ -187,7 +187,7 @@ class MainScreen(Screen):
         else:
             st = self.app.mirror.agents.get(name)
             title = f"2 stream · {name}"
-            subtitle = f"{STATUS_LABELS.get(st.status, st.status)} · turn {st.turn or '-'}/{st.turns}" if st else ""
+            subtitle = f"{status_label(st.status)} · turn {st.turn or '-'}/{st.turns}" if st else ""
             call = st.tool if st is not None and st.status == "tool" else None
             if call is not None:  # the call in flight: its name, how long it has run, its tool deadline
                 now = self.app.clock()
@@ -301,7 +301,7 @@ class MainScreen(Screen):
         if st is None:
             return
         if st.status in FINAL or st.status == "pending":
-            self.notify(f"{st.name} is {STATUS_LABELS.get(st.status, st.status)}: nothing to kill.",
+            self.notify(f"{st.name} is {status_label(st.status)}: nothing to kill.",
                         severity="warning")
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen

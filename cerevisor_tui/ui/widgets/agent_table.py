@@ -25,7 +25,7 @@ from textual.strip import Strip
 from cerevisor_tui.ui.format import (
     CRITICAL,
     NORMAL,
-    STATUS_LABELS,
+    STATUS_LOOK,
     WARN,
     Countdown,
     countdown,
@@ -34,6 +34,7 @@ from cerevisor_tui.ui.format import (
     fmt_rate,
     fmt_seconds,
     live_rate,
+    status_label,
     tool_countdown,
     tool_status,
 )
@@ -74,10 +75,6 @@ SORTS: tuple[tuple[str, str], ...] = (
 """What the sort key cycles through: (id, what the pane's subtitle calls it)."""
 SORT_LABELS = dict(SORTS)
 
-STATUS_ORDER = {status: i for i, status in enumerate((
-    "approval", "stalling", "failed", "killed", "waiting", "retrying", "tool", "prefill", "streaming", "queued",
-    "pending", "completed", "skipped", "cancelled"))}
-"""The status sort: what needs the operator first, then what runs, then what waits, then what has ended."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +122,8 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
     clock = agent_clock(st, warn_at, now)
     level = clock.level if clock else NORMAL
     status = st.status
-    role = {
-        "streaming": "success", "prefill": "primary", "waiting": "warning", "stalling": "stall-warn",
-        "tool": "accent", "approval": "warning",
-        "retrying": "warning", "completed": "success", "failed": "error", "killed": "error",
-        "skipped": "text-muted", "cancelled": "text-muted", "queued": "text-muted", "pending": "text-muted",
-    }.get(status, "foreground")
+    look = STATUS_LOOK.get(status)  # type: ignore[call-overload]
+    role = look.role if look is not None else "foreground"
     if level == CRITICAL:
         role = "stall-critical"
     elif level == WARN:
@@ -147,7 +140,7 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         note = f"{note} · {quiet}" if note else quiet
     turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
-    label = "tool" if call is not None else STATUS_LABELS.get(status, status)
+    label = "tool" if call is not None else status_label(status)
     return AgentRow(
         agent=st.name, wave=str(st.wave + 1), status=label, turn=turn,
         ttft=fmt_seconds(st.ttft_s), rate=fmt_rate(rate), tokens=fmt_count(st.tokens) if st.tokens else "-",
@@ -175,7 +168,8 @@ def sort_key(sort: str, st: AgentView, warn_at: tuple[float, ...], now: float, o
     if sort == "deadline":
         return (deadline_at(st), order)
     if sort == "status":
-        return (STATUS_ORDER.get(st.status, len(STATUS_ORDER)), order)
+        look = STATUS_LOOK.get(st.status)  # type: ignore[call-overload]
+        return (look.rank if look is not None else len(STATUS_LOOK), order)
     if sort == "rate":
         rate = live_rate(st, now) if st.status in ACTIVE or st.status == "completed" else st.output_tokens_per_s
         return (-rate if rate is not None else math.inf, order)
@@ -185,7 +179,7 @@ def sort_key(sort: str, st: AgentView, warn_at: tuple[float, ...], now: float, o
 def matches(text: str, st: AgentView) -> bool:
     """The filter: `text` (lower case) is part of the agent's name, or of its status as shown or as the engine
     names it ("fail", "stall", "approval")."""
-    return (text in st.name.lower() or text in STATUS_LABELS.get(st.status, st.status).lower()
+    return (text in st.name.lower() or text in status_label(st.status).lower()
             or text in st.status)
 
 
