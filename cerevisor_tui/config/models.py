@@ -555,17 +555,25 @@ class Config(_Section):
 
 
 class ResolvedStall(BaseModel):
-    """The stall policy in force for one endpoint: its overrides on top of `[stall]`."""
+    """The stall policy in force for one endpoint: its overrides on top of `[stall]`. Bounded as `[stall]` is,
+    since a console may send one whole (a NaN or negative deadline would disable the watchdog)."""
 
-    model_config = ConfigDict(frozen=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
-    first_byte_timeout_s: float
-    idle_timeout_s: float
+    first_byte_timeout_s: float = Field(gt=0)
+    idle_timeout_s: float = Field(gt=0)
     warn_at: tuple[float, ...]
     liveness: Liveness
-    extend_s: float
-    max_extensions: int
+    extend_s: float = Field(gt=0)
+    max_extensions: int = Field(ge=0)
     extend_when_server_busy: bool
+
+    @field_validator("warn_at")
+    @classmethod
+    def _fractions(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        if any(not 0 < f < 1 for f in value):
+            raise ValueError("each fraction must be between 0 and 1 (exclusive)")
+        return tuple(sorted(set(value)))
 
 
 def resolve_stall(stall: StallConfig, endpoint: EndpointConfig) -> ResolvedStall:

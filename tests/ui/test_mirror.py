@@ -175,6 +175,14 @@ def test_a_command_is_checked_before_the_run_carries_it_out(tmp_path):
         (cmd.Extend(agent="steady", seconds=float("nan")), "at `seconds`"),
         (cmd.Kill(agent="nobody"), "no agent named 'nobody'"),
         (cmd.SetStall(endpoint="sim", policy={"idle_timeout_s": 5}), "set_stall: first_byte_timeout_s"),
+        (cmd.SetStall(endpoint="sim", policy=engine.policies["sim"].model_dump() | {"idle_timeout_s": float("nan")}),
+         "set_stall: idle_timeout_s: Input should be a finite number"),
+        (cmd.SetStall(endpoint="sim", policy=engine.policies["sim"].model_dump() | {"extend_s": -5.0}),
+         "set_stall: extend_s: Input should be greater than 0"),
+        (cmd.SetStall(endpoint="sim", policy=engine.policies["sim"].model_dump() | {"warn_at": [1.5]}),
+         "set_stall: warn_at"),
+        (cmd.SetStall(endpoint="sim", policy=engine.policies["sim"].model_dump() | {"spin": True}),
+         "set_stall: spin: Extra inputs are not permitted"),
         (cmd.Probe(endpoint="elsewhere"), "no endpoint named 'elsewhere'"),
     ]
     for command, message in refused:
