@@ -35,8 +35,8 @@ async def _stop(run_dir: Any) -> tuple[int, str]:
     report = run_dir / "report.json"
     end = finished[0] if finished else None
     if end is not None:
-        done = end.totals.get("completed", "?") if isinstance(end.totals, dict) else "?"
-        return 0, f"run {run_dir.name} stopped (exit code {end.exit_code}; {done} agents completed); report: {report}"
+        return 0, (f"run {run_dir.name} stopped (exit code {end.exit_code}; {end.totals.completed} agents completed); "
+                   f"report: {report}")
     return 0, f"run {run_dir.name} ended; report: {report}"
 
 

@@ -143,6 +143,22 @@ class ProbeSummary(Payload):
     bounds: ProbeBounds
 
 
+class RunTotals(Payload, omit_defaults=True):
+    """A run's figures at its end, as report.json's `totals` has them."""
+
+    agents: int
+    completed: int
+    failed: int
+    killed: int
+    skipped: int
+    cancelled: int
+    output_tokens: int
+    wall_s: float
+    output_tokens_per_s: float | None
+    max_running: int
+    cost_usd: float = 0.0  # priced endpoints only
+
+
 class WorkerSample(Payload):
     """One worker behind a router (an endpoint's `metrics_urls`), as its own /health and /metrics said."""
 
@@ -557,7 +573,7 @@ class ToolCallWarning(Event):
 class RunFinished(Event):
     run_id: str
     exit_code: int
-    totals: dict[str, Any]
+    totals: RunTotals
     report_path: str = ""
 
 

@@ -68,7 +68,7 @@ def earlier_run(runs_dir: Path, config_file: Path) -> Path:
         ev.AgentStarted(2.1, "b", 1, 1, 1, "box", 1800.0, 600.0),
         ev.AgentFinished(3.0, "b", "failed", "HTTP 500 from box"),
         ev.WaveFinished(3.0, 1, {"b": "failed"}),
-        ev.RunFinished(3.0, OLD_RUN, 1, {}),
+        ev.RunFinished(3.0, OLD_RUN, 1, ev.RunTotals(2, 1, 1, 0, 0, 0, 40, 2.0, 20.0, 1)),
     ):
         journal(event)
     journal.close()

@@ -155,9 +155,9 @@ class Printer:
     @staticmethod
     def _line_RunFinished(e: ev.RunFinished) -> str:
         t = e.totals
-        return (f"run {e.run_id} finished: {t['completed']}/{t['agents']} completed, {t['failed']} failed, "
-                f"{t['killed']} killed, {t['skipped']} skipped, {t['output_tokens']} output tokens in "
-                f"{t['wall_s']:.1f} s" + (f"; report {e.report_path}" if e.report_path else ""))
+        return (f"run {e.run_id} finished: {t.completed}/{t.agents} completed, {t.failed} failed, "
+                f"{t.killed} killed, {t.skipped} skipped, {t.output_tokens} output tokens in "
+                f"{t.wall_s:.1f} s" + (f"; report {e.report_path}" if e.report_path else ""))
 
 
 _LINES = ev.handlers(Printer, "_line_")
