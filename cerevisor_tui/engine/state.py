@@ -51,7 +51,7 @@ class AgentState:
     turns_done: int = 0
     last_prompt_tokens: int = 0  # what the server counted for the last completed turn
     last_completion_tokens: int = 0
-    # meters (issue 12): prompt tokens the server served from its prefix cache, the conversation's length now,
+    # meters: prompt tokens the server served from its prefix cache, the conversation's length now,
     # and what the agent cost on priced endpoints
     cached_tokens: int = 0
     context_tokens: int = 0
