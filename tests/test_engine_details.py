@@ -11,6 +11,7 @@ import pytest
 
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.config.paths import CONFIG_ENV, find_config
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
 from tests.conftest import RawServer, chunk, http_head
@@ -171,7 +172,7 @@ async def test_the_engine_probes_one_of_its_endpoints_for_the_console():
 
         async def probe_when_open(event):
             results.append(await engine.probes.probe("e", max_concurrency=8))
-            engine.stop("probe done")
+            engine.handle(cmd.Stop(reason="probe done"))
 
         async with anyio.create_task_group() as tg:
             engine.subscribe(lambda e: tg.start_soon(probe_when_open, e) if e.kind == "RunStarted" else None)

@@ -11,6 +11,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.config import ConfigError, SimSettings, validate
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.sinks.journal import Journal
 from cerevisor_tui.engine.sinks.printer import Printer
@@ -169,12 +170,12 @@ async def test_a_member_failing_its_health_check_gets_no_new_agent():
         engine = Engine(validate(fleet({"cold": cold.base_url, "warm": warm.base_url}, 4, turns=1,
                                        run={"metrics_interval_s": 0.05})))
         seen: list = []
-        engine.pause()  # admissions wait until the cold member's /health has put it down
+        engine.handle(cmd.Pause())  # admissions wait until the cold member's /health has put it down
 
         def watch(event) -> None:
             seen.append(event)
             if event.kind == "RunNotice" and event.title == "Pool member down":
-                engine.resume()
+                engine.handle(cmd.Resume())
 
         engine.subscribe(watch)
         assert await engine.run() == 0
@@ -287,7 +288,7 @@ async def test_an_agent_whose_member_fails_its_health_check_moves_at_its_next_at
                 a.state.settings.cold_start_s = 600.0  # /health answers 503 "loading" from now on
                 a.state.started_at = time.monotonic()
             elif event.kind == "RunNotice" and event.title == "Pool member down":
-                assert engine.retry("a0") == "restarting"
+                assert engine.handle(cmd.Retry(agent="a0")) == "restarting"
 
         engine.subscribe(watch)
         with anyio.fail_after(60):

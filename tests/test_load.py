@@ -7,6 +7,7 @@ import json
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.load import LoadEstimate, from_config
 from cerevisor_tui.sim import SimServer
@@ -56,5 +57,5 @@ async def test_the_server_reported_capacity_replaces_the_estimate_and_the_cap_wa
     assert est is not None and est.source == "server" and est.kv_capacity_tokens == 4096 and est.conversations_fit == 4
     warning = engine.cap_warning()
     assert warning and "cap 8 on e" in warning and "4 conversations" in warning
-    engine.set_concurrency(4)
+    engine.handle(cmd.SetConcurrency(cap=4))
     assert engine.cap_warning() is None

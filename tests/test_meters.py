@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.sinks.printer import Printer
 from cerevisor_tui.sim import SimServer
@@ -84,7 +85,7 @@ async def test_cost_per_agent_and_run_and_a_budget_that_pauses_admissions():
             group.start_soon(engine.run)
             await first_done.wait()
             assert engine.agents["a1"].status == "queued" and engine.scheduler.paused
-            engine.stop("test over")
+            engine.handle(cmd.Stop(reason="test over"))
     m = meters(seen, "a0")
     assert m[0].cost_usd == m[0].prompt_tokens + 2 * 4
     assert m[-1].cost_usd == sum(x.prompt_tokens + 8 for x in m) == m[-1].run_cost_usd == engine.run_cost_usd
@@ -119,9 +120,9 @@ async def test_a_resumed_run_counts_what_it_spent_before_toward_its_budget(tmp_p
         def watch(event) -> None:
             seen.append(event)
             if event.kind == "AgentFinished" and event.agent == stop_after:
-                engine.stop("stopped by the test")
+                engine.handle(cmd.Stop(reason="stopped by the test"))
             elif event.kind == "RunNotice" and event.title == "Budget reached":
-                engine.stop("budget reached")
+                engine.handle(cmd.Stop(reason="budget reached"))
 
         engine.subscribe(watch)
         await engine.run()

@@ -15,6 +15,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import start_in_thread
 from tests.conftest import RawServer, chunk, http_head, sse_chunk, wait_until
@@ -213,7 +214,7 @@ async def test_operator_retry_restarts_a_running_attempt():
 
         def on_event(e):
             if e.kind == "FirstToken" and not restarted:
-                restarted.append(engine.retry("a"))
+                restarted.append(engine.handle(cmd.Retry(agent="a")))
         engine.subscribe(on_event)
         with anyio.fail_after(10):
             assert await engine.run() == 1

@@ -6,6 +6,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
 
@@ -59,7 +60,7 @@ async def test_switching_to_parallel_admits_the_waiting_agents_at_once():
         async def switch():
             while srv.state.running < 1:
                 await anyio.sleep(0.02)
-            engine.set_mode("parallel")
+            engine.handle(cmd.SetMode(mode="parallel"))
             await anyio.sleep(0.4)
             running_after_switch.append(srv.state.running)
 
@@ -79,7 +80,7 @@ async def test_switching_to_sequential_kills_nothing_and_admits_one_at_a_time():
 
         def on_event(e):
             if e.kind == "FirstToken" and not switched and srv.state.running == 3:
-                engine.set_mode("sequential")
+                engine.handle(cmd.SetMode(mode="sequential"))
                 switched.append(e.t)
             elif e.kind == "AgentStarted" and switched and e.turn == 1 and e.attempt == 1:
                 # the new agent holds the only slot: nobody else may be running
@@ -142,14 +143,14 @@ async def test_time_in_our_admission_queue_never_counts_against_a_deadline():
 async def test_pause_holds_admissions_and_resume_releases_them():
     async with SimServer(FAST) as srv:
         engine = make(srv.base_url, 3, mode="parallel", cap=3, max_tokens=5)
-        engine.pause()
+        engine.handle(cmd.Pause())
         seen = []
         engine.subscribe(seen.append)
 
         async def later():
             await anyio.sleep(0.5)
             assert srv.state.requests_total == 0
-            engine.resume()
+            engine.handle(cmd.Resume())
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(later)

@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
 from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk
@@ -190,7 +191,7 @@ async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry(st
         def on_event(e):
             if e.kind == "StallWarning" and e.fraction == 0.8 and not extended:
                 before = engine.agents["a1"].current.deadline_at
-                assert engine.extend("a1", 1.0)
+                assert engine.handle(cmd.Extend(agent="a1", seconds=1.0))
                 extended.append(engine.agents["a1"].current.deadline_at - before)
         engine.subscribe(on_event)
         assert await engine.run() == 1
@@ -204,7 +205,7 @@ async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry(st
     async with RawServer(keepalives_after_tokens(5.0)) as srv:
         engine = engine_for(srv.base_url, stream_process, retries=3)
         seen = recorder(engine)
-        engine.subscribe(lambda e: engine.kill("a1") if e.kind == "FirstToken" else None)
+        engine.subscribe(lambda e: engine.handle(cmd.Kill(agent="a1")) if e.kind == "FirstToken" else None)
         assert await engine.run() == 1
     assert engine.agents["a1"].status == "killed" and engine.agents["a1"].error == "killed by operator"
     assert not [e for e in seen if e.kind == "AgentRetrying"]

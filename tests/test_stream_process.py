@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.config import ConfigError, SimSettings, validate
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine, wants_stream_process
 from cerevisor_tui.sim import SimServer
 from tests.conftest import RawServer, chunk, http_head, sse_chunk
@@ -111,7 +112,7 @@ async def test_the_worker_ends_with_the_run_and_a_kill_reaches_the_server():
         def on_event(event) -> None:
             if event.kind == "FirstToken":
                 pids.append(engine.stream_worker.pid)
-                engine.kill(event.agent)
+                engine.handle(cmd.Kill(agent=event.agent))
 
         engine.subscribe(on_event)
         assert await engine.run() == 1

@@ -66,7 +66,7 @@ class Run:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        self.engine.stop("test over")
+        self.engine.handle(cmd.Stop(reason="test over"))
         await asyncio.wait_for(asyncio.shield(self.task), 30)
         await self.server.close("the run ended")
         self.journal.close()

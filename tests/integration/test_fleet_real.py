@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from cerevisor_tui.contract import commands as cmd
 from tests.conftest import until
 from tests.integration import servers
 from tests.integration.checks import RanToItsEnd, engine_for, run_engine
@@ -153,7 +154,7 @@ async def test_a_kill_through_the_router_aborts_the_request_on_its_worker(router
             ran_out.sent_at = event.t
         elif event.kind == "TokenDelta" and not ran_out.killed_at:
             ran_out.killed_at = time.monotonic()
-            engine.kill("long", "killed by the test")
+            engine.handle(cmd.Kill(agent="long", reason="killed by the test"))
 
     code, seen = await run_engine(engine, on_event)
     assert code == 1

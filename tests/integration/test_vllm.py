@@ -17,6 +17,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import request_id
 from tests.conftest import until
 from tests.integration import servers
@@ -228,7 +229,7 @@ async def test_a_kill_frees_the_server(vllm_server: ServerProcess, stream_proces
             tokens.append(event)
             if len(tokens) == 1:  # at once: vLLM may run well ahead of a busy client
                 ran_out.killed_at = time.monotonic()
-                engine.kill("long", "killed by the test")
+                engine.handle(cmd.Kill(agent="long", reason="killed by the test"))
 
     code, seen = await run_engine(engine, on_event)
     assert code == 1, [e for e in seen if e.kind in ("AgentKilled", "AgentFinished")]
