@@ -94,6 +94,18 @@ def kind(name: str, agent: str | None = None, **fields: Any) -> Callable[[ev.Eve
     return match
 
 
+def palette_offers(app: CerevisorApp, name: str) -> bool:
+    """The command palette (the screen on top) has searched what was typed, and lists the command called `name`
+    first and highlighted: enter now runs it."""
+    from textual.command import CommandList
+
+    commands = app.screen.query_one(CommandList)
+    if not commands.has_class("--visible") or not commands.option_count or commands.highlighted != 0:
+        return False
+    top = commands.get_option_at_index(0)
+    return getattr(getattr(top, "hit", None), "text", None) == name
+
+
 @pytest.fixture(autouse=True)
 def _no_user_dirs(tmp_path, monkeypatch):
     """Keep tests away from the real user config, state and themes."""
