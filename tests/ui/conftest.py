@@ -68,7 +68,7 @@ class EventLog:
             if not future.done() and predicate(event):
                 future.set_result(event)
 
-    async def wait(self, predicate: Callable[[ev.Event], bool], timeout: float = 10.0) -> ev.Event:
+    async def wait(self, predicate: Callable[[ev.Event], bool], timeout: float = 60.0) -> ev.Event:
         for event in self.seen:
             if predicate(event):
                 return event

@@ -137,7 +137,7 @@ async def test_an_ask_call_approved_once_runs_and_the_next_call_asks_again(tmp_p
     async with app.run_test(size=(120, 30)) as pilot:
         await answer(pilot, log, "o", 1)
         await answer(pilot, log, "o", 2)
-        await log.wait(kind("AgentFinished", "a"), timeout=20)
+        await log.wait(kind("AgentFinished", "a"))
     decided = log.of("ApprovalDecided")
     assert [(e.decision, e.by) for e in decided] == [("once", "operator"), ("once", "operator")]
     assert [e.outcome for e in log.of("ToolCallFinished")] == ["ok", "ok"]
@@ -154,7 +154,7 @@ async def test_an_ask_call_approved_for_the_run_is_not_asked_about_again(tmp_pat
     log = EventLog(engine_of(app))
     async with app.run_test(size=(120, 30)) as pilot:
         await answer(pilot, log, "a", 1)
-        await log.wait(kind("AgentFinished", "a"), timeout=20)
+        await log.wait(kind("AgentFinished", "a"))
     assert [(e.decision, e.by) for e in log.of("ApprovalDecided")] == [("run", "operator")]
     assert len(log.of("ApprovalRequested")) == 1
     assert [e.outcome for e in log.of("ToolCallFinished")] == ["ok", "ok"]
@@ -167,7 +167,7 @@ async def test_an_ask_call_denied_is_not_run_and_the_model_is_told(tmp_path):
     log = EventLog(engine_of(app))
     async with app.run_test(size=(120, 30)) as pilot:
         await answer(pilot, log, "d", 1)
-        await log.wait(kind("AgentFinished", "a"), timeout=20)
+        await log.wait(kind("AgentFinished", "a"))
         await until(lambda: "fake.echo denied by operator" in app.mirror.stream("a").text())
     assert [(e.decision, e.by) for e in log.of("ApprovalDecided")] == [("deny", "operator")]
     finished = log.of("ToolCallFinished")
@@ -184,7 +184,7 @@ async def test_e_and_k_act_on_the_running_tool_call(tmp_path):
                  server={"allow": ["hang"], "tool_timeout_s": 30.0})
     log = EventLog(engine_of(app))
     async with app.run_test(size=(120, 30)) as pilot:
-        started = await log.wait(kind("ToolCallStarted", "a"), timeout=20)
+        started = await log.wait(kind("ToolCallStarted", "a"))
         await until(lambda: app.mirror.agents["a"].status == "tool")
         await pilot.press("e")
         extended = await log.wait(kind("StallExtended", "a", deadline="tool"))
@@ -203,7 +203,7 @@ async def test_e_and_k_act_on_the_running_tool_call(tmp_path):
         await pilot.press("y")  # the kill's confirmation
         finished = await log.wait(kind("ToolCallFinished", "a"))
         assert finished.outcome == "killed"
-        await log.wait(kind("AgentFinished", "a"), timeout=20)
+        await log.wait(kind("AgentFinished", "a"))
     assert log.of("AgentFinished")[0].status == "completed"  # the model was told and answered
     assert "↳ killed in" in app.mirror.stream("a").text()
 

@@ -165,7 +165,7 @@ async def test_first_switch_to_parallel_offers_the_probe_which_measures_and_appl
         assert "concurrency 1, 2, 4, ... up to 4" in str(offer.query_one("#probe-body").render())
 
         await pilot.press("enter")
-        await until(lambda: offer.state != "running", timeout=20)
+        await until(lambda: offer.state != "running")
         assert offer.state == "done", offer.error
         result = offer.result  # ProbeResult.to_dict(), as ProbeFinished carried it
         levels = result["levels"]
