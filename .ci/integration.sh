@@ -65,8 +65,11 @@ echo "ci/integration: servers ready after $((SECONDS - started)) s; running the 
 rm -rf "$logs/servers"
 # Real servers on a shared 2-core machine have timing noise a simulator does not: a failed test gets one
 # rerun (printed as such); a second failure fails CI.
+# -n 0: in one process, not on pyproject's xdist workers: the real servers are started once per session and
+# shared by its tests (tests/integration/conftest.py), and two cores are theirs while the tests run.
 export CEREVISOR_INTEGRATION_LOGS=$logs/servers
-if ! .venv/bin/pytest -m integration tests/integration -q -o cache_dir="$logs/pytest-cache"; then
+if ! .venv/bin/pytest -m integration tests/integration -q -n 0 -o cache_dir="$logs/pytest-cache"; then
   echo "ci/integration: rerunning the failed integration tests once" >&2
-  .venv/bin/pytest -m integration tests/integration -q -o cache_dir="$logs/pytest-cache" --last-failed --last-failed-no-failures none
+  .venv/bin/pytest -m integration tests/integration -q -n 0 -o cache_dir="$logs/pytest-cache" --last-failed \
+    --last-failed-no-failures none
 fi

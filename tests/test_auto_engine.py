@@ -31,8 +31,8 @@ def config(url: str, mode: str, n: int, **run) -> dict:
             "agents": agents(n)}
 
 
-async def run_on_small_kv(mode: str, n: int, on_event=None) -> tuple[Engine, list, dict]:
-    async with SimServer(SimSettings(**SMALL_KV)) as srv:
+async def run_on_small_kv(mode: str, n: int, on_event=None, **sim) -> tuple[Engine, list, dict]:
+    async with SimServer(SimSettings(**{**SMALL_KV, **sim})) as srv:
         engine = Engine(validate(config(srv.base_url, mode, n)))
         seen: list = []
         engine.subscribe(seen.append)
@@ -47,12 +47,16 @@ async def run_on_small_kv(mode: str, n: int, on_event=None) -> tuple[Engine, lis
 
 @pytest.mark.anyio
 async def test_auto_grows_from_one_to_what_fits_and_keeps_the_prefixes_that_parallel_loses():
-    engine, seen, server = await run_on_small_kv("auto", 40)
+    # At half SMALL_KV's speed, 9 agents stream 4,500 tokens/s through this process, not 9,000: a machine
+    # whose other test processes take its cores for a moment still keeps pace, so the throughput auto
+    # measures at each cap is the simulated server's. (At 9,000, one of four xdist workers on two cores
+    # twice went from 8 back to 4, which only the rule "throughput at 8 below 90% of that at 4" does.)
+    engine, seen, server = await run_on_small_kv("auto", 40, speed=10)
     assert server["code"] == 0
     changes = [e for e in seen if e.kind == "ConcurrencyChanged" and e.endpoint == "e"]
     assert changes[0].effective_cap == 1 and "slow start" in changes[0].reason
     # x4 while within what fits (about 9), then x2, then the fit itself
-    assert [c.effective_cap for c in changes[1:4]] == [4, 8, 9]
+    assert [c.effective_cap for c in changes[1:4]] == [4, 8, 9], "; ".join(c.reason for c in changes)
     assert all(c.reason.startswith("auto: ") for c in changes)
     fit = [c for c in changes if "fit" in c.reason]
     assert fit, "the KV fit never showed in a reason: " + "; ".join(c.reason for c in changes)

@@ -59,7 +59,7 @@ def check_report(report: dict) -> None:
 
 
 def test_example_workflow_against_sim_exits_0_with_a_valid_report(sim_process, tmp_path):
-    url = sim_process("--speed", "4")
+    url = sim_process("--speed", "16")
     out = tmp_path / "out.json"
     proc = cli("run", str(EXAMPLE), "--endpoint", url, "--report", str(out), "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr + proc.stdout

@@ -3,6 +3,7 @@ and the config lookup order."""
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -162,7 +163,11 @@ def test_config_lookup_order(tmp_path, monkeypatch):
 
 
 @pytest.mark.anyio
-async def test_the_engine_probes_one_of_its_endpoints_for_the_console():
+async def test_the_engine_probes_one_of_its_endpoints_for_the_console(monkeypatch):
+    import cerevisor_tui.endpoints.probe as probe
+
+    # levels of 0.5 s, not the command's 2 s: enough here (64-token answers at 1,600 tokens/s) to find the knee
+    monkeypatch.setattr(probe, "ProbeSettings", functools.partial(probe.ProbeSettings, level_s=0.5))
     async with SimServer(SimSettings(max_num_seqs=2, tokens_per_s=400, ttft_s=0.01, speed=4)) as srv, \
             SimServer(SimSettings(tokens_per_s=5)) as busy:
         engine = Engine(validate({"endpoints": [{"name": "e", "base_url": srv.base_url, "max_concurrency": 8},

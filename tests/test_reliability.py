@@ -62,7 +62,8 @@ def test_a_signal_cancels_running_agents_closes_connections_and_writes_the_repor
 
 
 def test_sigkill_mid_run_then_resume_completes_without_asking_twice(tmp_path):
-    with start_in_thread(SimSettings(tokens_per_s=80)) as sim:
+    # an agent's two turns take about 0.35 s: after two complete, four (three of them in a chain) are left
+    with start_in_thread(SimSettings(tokens_per_s=160, ttft_s=0.05)) as sim:
         cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=6, max_tokens=20)
         run_dir = tmp_path / "run"
         proc = start_run(str(cfg), "--run-dir", str(run_dir))
@@ -106,7 +107,7 @@ def test_an_unusable_run_directory_is_an_error_before_any_request(tmp_path):
 def test_a_canary_key_reaches_the_server_and_nowhere_else(tmp_path, stream_process):
     """Read by the stream worker process too: it takes the key from the environment it inherits."""
     canary = "sk-canary-" + os.urandom(8).hex()
-    with start_in_thread(SimSettings(tokens_per_s=200)) as sim:
+    with start_in_thread(SimSettings(tokens_per_s=2000, ttft_s=0.02)) as sim:
         cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=2, extra_ep='api_key_env = "CEREVISOR_CANARY"\n',
                        extra_run=f'stream_process = "{"on" if stream_process else "off"}"\n')
         proc = start_run(str(cfg), "--run-dir", str(tmp_path / "run"), "--report", str(tmp_path / "r.json"),

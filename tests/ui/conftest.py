@@ -68,7 +68,7 @@ class EventLog:
             if not future.done() and predicate(event):
                 future.set_result(event)
 
-    async def wait(self, predicate: Callable[[ev.Event], bool], timeout: float = 10.0) -> ev.Event:
+    async def wait(self, predicate: Callable[[ev.Event], bool], timeout: float = 60.0) -> ev.Event:
         for event in self.seen:
             if predicate(event):
                 return event
@@ -92,6 +92,18 @@ def kind(name: str, agent: str | None = None, **fields: Any) -> Callable[[ev.Eve
         return all(getattr(e, k) == v for k, v in fields.items())
 
     return match
+
+
+def palette_offers(app: CerevisorApp, name: str) -> bool:
+    """The command palette (the screen on top) has searched what was typed, and lists the command called `name`
+    first and highlighted: enter now runs it."""
+    from textual.command import CommandList
+
+    commands = app.screen.query_one(CommandList)
+    if not commands.has_class("--visible") or not commands.option_count or commands.highlighted != 0:
+        return False
+    top = commands.get_option_at_index(0)
+    return getattr(getattr(top, "hit", None), "text", None) == name
 
 
 @pytest.fixture(autouse=True)

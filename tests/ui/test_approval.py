@@ -15,6 +15,7 @@ from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.screens.approval import ApprovalScreen
 from cerevisor_tui.ui.theme_files import load_themes
+from tests.conftest import until
 from tests.ui.conftest import FAST_SIM, EventLog, console, emit_as_engine, engine_of, kind, sim_config
 
 T0 = 1000.0
@@ -37,13 +38,13 @@ def shown(tmp_path) -> tuple[CerevisorApp, Engine]:
 @pytest.mark.anyio
 async def test_a_tool_call_in_flight_shows_its_name_time_and_deadline_then_its_result_on_a_line(tmp_path):
     app, engine = shown(tmp_path)
-    async with app.run_test(size=(120, 30)) as pilot:
+    async with app.run_test(size=(120, 30)):
         emit_as_engine(engine, ev.ToolCallStarted(NOW - 3.2, "a", 1, 1, "call-1", "time", "get_current_time",
                                        '{"timezone": "UTC"}', deadline=NOW + 26.8, warn_at=(0.5, 0.8)))
         app.screen.refresh_status()
         app.screen.flush_streams()
-        await pilot.pause()
         table = app.screen.table
+        await until(lambda: table.row_texts("a")[2].startswith("tool"))
         cells = table.row_texts("a")
         assert cells[2] == "tool: get_curr… 3.2s"  # the status column widened to 20; the note names it whole
         assert cells[-2] == "tool 0:27"
@@ -55,8 +56,7 @@ async def test_a_tool_call_in_flight_shows_its_name_time_and_deadline_then_its_r
         emit_as_engine(engine, ev.ToolCallFinished(NOW - 0.5, "a", "call-1", "time", "get_current_time", "ok",
                                         '{"timezone": "UTC", "datetime": "2026-12-01T06:00:00+00:00"}', 2.7))
         app.screen.refresh_status()
-        await pilot.pause()
-        assert table.row_texts("a")[2] == "prefill"
+        await until(lambda: table.row_texts("a")[2] == "prefill")
         assert app.mirror.stream("a").text().endswith(
             '  ↳ ok in 2.7 s: {"timezone": "UTC", "datetime": "2026-12-01T06:00:00+00:00"}\n')
 
@@ -64,7 +64,7 @@ async def test_a_tool_call_in_flight_shows_its_name_time_and_deadline_then_its_r
 @pytest.mark.anyio
 async def test_a_tool_call_past_its_last_warning_is_red_and_in_the_inbox(tmp_path):
     app, engine = shown(tmp_path)
-    async with app.run_test(size=(120, 30)) as pilot:
+    async with app.run_test(size=(120, 30)):
         emit_as_engine(engine, ev.ToolCallStarted(NOW - 9.5, "a", 1, 1, "call-1", "slow", "sleep", "{}", deadline=NOW + 0.5,
                                        warn_at=(0.5, 0.9)))
         engine.emit(ev.ToolCallWarning(NOW - 4.5, "a", "call-1", 0.5, 5.0))
@@ -72,9 +72,13 @@ async def test_a_tool_call_past_its_last_warning_is_red_and_in_the_inbox(tmp_pat
         assert "a" not in app.mirror.inbox.items
         engine.emit(ev.ToolCallWarning(NOW - 0.5, "a", "call-1", 0.9, 1.0))
         app.screen.refresh_status()
-        await pilot.pause()
-        row = app.screen.table.row("a")
-        assert row is not None and row.level == "critical" and row.stall == "tool 0:01"
+
+        def critical() -> bool:
+            row = app.screen.table.row("a")
+            assert row is not None and row.level == "critical" and row.stall == "tool 0:01"
+            return True
+
+        await until(critical)
         assert app.mirror.inbox.items["a"].kind == "stall"
         assert app.screen.table.red == 1
         emit_as_engine(engine, ev.ToolCallFinished(NOW, "a", "call-1", "slow", "sleep", "timeout", "no answer in 10 s", 10.0))
@@ -105,12 +109,11 @@ async def answer(pilot, log: EventLog, key: str, number: int) -> None:
     await log.wait(lambda e: e.kind == "ApprovalRequested" and len(log.of("ApprovalRequested")) >= number)
     requested = log.of("ApprovalRequested")[number - 1]
     app = pilot.app
-    await pilot.pause()
-    assert app.mirror.agents["a"].status == "approval"
+    await until(lambda: app.mirror.agents["a"].status == "approval")
     assert app.mirror.inbox.items["a"].kind == "approval"
     await pilot.press("y")
-    await pilot.pause()
-    assert isinstance(app.screen, ApprovalScreen) and app.screen.request.call_id == requested.call_id
+    await until(lambda: isinstance(app.screen, ApprovalScreen))
+    assert app.screen.request.call_id == requested.call_id
     await pilot.press(key)
     await log.wait(kind("ApprovalDecided", "a", call_id=requested.call_id))
 
@@ -122,7 +125,7 @@ async def test_an_ask_call_approved_once_runs_and_the_next_call_asks_again(tmp_p
     async with app.run_test(size=(120, 30)) as pilot:
         await answer(pilot, log, "o", 1)
         await answer(pilot, log, "o", 2)
-        await log.wait(kind("AgentFinished", "a"), timeout=20)
+        await log.wait(kind("AgentFinished", "a"))
     decided = log.of("ApprovalDecided")
     assert [(e.decision, e.by) for e in decided] == [("once", "operator"), ("once", "operator")]
     assert [e.outcome for e in log.of("ToolCallFinished")] == ["ok", "ok"]
@@ -139,7 +142,7 @@ async def test_an_ask_call_approved_for_the_run_is_not_asked_about_again(tmp_pat
     log = EventLog(engine_of(app))
     async with app.run_test(size=(120, 30)) as pilot:
         await answer(pilot, log, "a", 1)
-        await log.wait(kind("AgentFinished", "a"), timeout=20)
+        await log.wait(kind("AgentFinished", "a"))
     assert [(e.decision, e.by) for e in log.of("ApprovalDecided")] == [("run", "operator")]
     assert len(log.of("ApprovalRequested")) == 1
     assert [e.outcome for e in log.of("ToolCallFinished")] == ["ok", "ok"]
@@ -152,8 +155,8 @@ async def test_an_ask_call_denied_is_not_run_and_the_model_is_told(tmp_path):
     log = EventLog(engine_of(app))
     async with app.run_test(size=(120, 30)) as pilot:
         await answer(pilot, log, "d", 1)
-        await log.wait(kind("AgentFinished", "a"), timeout=20)
-        await pilot.pause()
+        await log.wait(kind("AgentFinished", "a"))
+        await until(lambda: "fake.echo denied by operator" in app.mirror.stream("a").text())
     assert [(e.decision, e.by) for e in log.of("ApprovalDecided")] == [("deny", "operator")]
     finished = log.of("ToolCallFinished")
     assert [e.outcome for e in finished] == ["denied"] and "denied by the operator" in finished[0].result
@@ -169,23 +172,26 @@ async def test_e_and_k_act_on_the_running_tool_call(tmp_path):
                  server={"allow": ["hang"], "tool_timeout_s": 30.0})
     log = EventLog(engine_of(app))
     async with app.run_test(size=(120, 30)) as pilot:
-        started = await log.wait(kind("ToolCallStarted", "a"), timeout=20)
-        await pilot.pause()
-        assert app.mirror.agents["a"].status == "tool"
+        started = await log.wait(kind("ToolCallStarted", "a"))
+        await until(lambda: app.mirror.agents["a"].status == "tool")
         await pilot.press("e")
         extended = await log.wait(kind("StallExtended", "a", deadline="tool"))
         assert extended.deadline_at == pytest.approx(started.deadline + 100.0)
         app.screen.refresh_status()
-        await pilot.pause()
-        call = app.mirror.agents["a"].tool
-        assert call is not None and call.deadline == extended.deadline_at  # the countdown counts to the new one
-        assert app.screen.table.row_texts("a")[-2].startswith("tool 2:")
+
+        def counts_to_the_new_deadline() -> bool:
+            call = app.mirror.agents["a"].tool
+            assert call is not None and call.deadline == extended.deadline_at  # the countdown counts to the new one
+            assert app.screen.table.row_texts("a")[-2].startswith("tool 2:")
+            return True
+
+        await until(counts_to_the_new_deadline)
         await pilot.press("k")
         await pilot.pause()
         await pilot.press("y")  # the kill's confirmation
         finished = await log.wait(kind("ToolCallFinished", "a"))
         assert finished.outcome == "killed"
-        await log.wait(kind("AgentFinished", "a"), timeout=20)
+        await log.wait(kind("AgentFinished", "a"))
     assert log.of("AgentFinished")[0].status == "completed"  # the model was told and answered
     assert "↳ killed in" in app.mirror.stream("a").text()
 

@@ -43,7 +43,7 @@ def attach(tmp_path: Path, run_dir: Path) -> Terminal:
 
 
 def test_an_ssh_drop_is_a_detach_and_a_new_console_shows_the_whole_run(tmp_path: Path):
-    run_dir = detached_run(tmp_path)
+    run_dir = detached_run(tmp_path, tokens_per_s=40.0)  # two waves of 5 s: still streaming when the second attaches
     first = attach(tmp_path, run_dir)
     second = None
     try:

@@ -10,6 +10,7 @@ from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.widgets.load_pane import trend_rows
 from cerevisor_tui.ui.widgets.run_header import RunHeader
 from cerevisor_tui.ui.widgets.trend_chart import TrendChart, TrendRow, bar_text, levels
+from tests.conftest import until
 from tests.ui.conftest import EventLog, console, engine_of, kind, sim_config
 from tests.ui.scenes import AUTO_CHANGES, build
 
@@ -116,9 +117,9 @@ async def test_narrow_auto_load_pane_shows_the_trend_in_place_of_the_throughput_
             await pilot.press("3")  # maximized: both
             assert chart.display and app.screen.query_one("#throughput-row").display
         wide = build(scene)
-        async with wide.run_test(size=(160, 48)) as pilot:
-            await pilot.pause()
-            assert wide.screen.query_one(TrendChart).display  # the wide layout has room for it in every mode
+        async with wide.run_test(size=(160, 48)):
+            # the wide layout has room for it in every mode
+            await until(lambda wide=wide: wide.screen.query_one(TrendChart).display)
 
 
 # ---- the chart ----------------------------------------------------------------------------------------
@@ -149,11 +150,10 @@ async def test_trend_chart_sizes_its_columns_and_redraws_only_when_its_rows_chan
             yield TrendChart()
 
     app = Chart()
-    async with app.run_test(size=(30, 6)) as pilot:
+    async with app.run_test(size=(30, 6)):
         chart = app.query_one(TrendChart)
         chart.rows = [TrendRow("cap", (1.0, 2.0, 4.0), "4", ""), TrendRow("KV", (0.5, None, 1.0), "100%", "", top=1.0)]
-        await pilot.pause()
-        assert chart.size.height == 2  # one row a series
+        await until(lambda: chart.size.height == 2)  # one row a series
         cap, kv = (chart.render_line(y).text for y in range(2))
         assert len(cap) == len(kv) == 24
         # label column 4 (the widest label and a space), value column 5, the chart the 15 cells between

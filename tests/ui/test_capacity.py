@@ -18,7 +18,7 @@ from cerevisor_tui.ui.screens.probe import ProbeScreen
 from cerevisor_tui.ui.widgets.load_pane import LoadPane
 from cerevisor_tui.ui.widgets.run_header import RunHeader
 from tests.conftest import until
-from tests.ui.conftest import FAST_SIM, EventLog, console, engine_of, kind, sim_config
+from tests.ui.conftest import FAST_SIM, EventLog, console, engine_of, kind, palette_offers, sim_config
 from tests.ui.scenes import build
 
 SLOW = {"tokens_per_s": 8.0}
@@ -103,8 +103,7 @@ async def test_load_pane_zone_follows_the_running_count_and_the_cap_warning_mark
         await pilot.press("plus")  # a console key skips the offer and does its job
         assert isinstance(app.screen, MainScreen)
         assert engine_of(app).scheduler.max_concurrency == 3
-        await pilot.pause()
-        assert cap_notices(notices) == [engine_of(app).cap_warning()]
+        await until(lambda: cap_notices(notices) == [engine_of(app).cap_warning()])
         assert "cap 3 > fit 2" in header(app)
         await until(lambda: engine_of(app).scheduler.running_by_endpoint["sim"] == 3)
         main_screen(app).refresh_status()
@@ -117,9 +116,8 @@ async def test_load_pane_zone_follows_the_running_count_and_the_cap_warning_mark
         await pilot.press("m", "m")  # auto (same cap, same warning), then sequential (no warning)
         assert "> fit" not in header(app)
         await pilot.press("m")  # parallel again, past the fit: noticed again; the probe is not offered twice
-        await pilot.pause()
+        await until(lambda: len(cap_notices(notices)) == 3)
         assert isinstance(app.screen, MainScreen)
-        assert len(cap_notices(notices)) == 3
         assert "cap 3 > fit 2" in header(app)
 
 
@@ -167,7 +165,7 @@ async def test_first_switch_to_parallel_offers_the_probe_which_measures_and_appl
         assert "concurrency 1, 2, 4, ... up to 4" in str(offer.query_one("#probe-body").render())
 
         await pilot.press("enter")
-        await until(lambda: offer.state != "running", timeout=20)
+        await until(lambda: offer.state != "running")
         assert offer.state == "done", offer.error
         result = offer.result  # as ProbeFinished carried it
         levels = result.levels
@@ -203,7 +201,7 @@ async def test_palette_probe_runs_at_once_and_esc_cancels_it_closing_its_request
             await pilot.press("ctrl+p")
             assert isinstance(app.screen, CommandPalette)
             await pilot.press(*"probe")
-            await pilot.pause(0.3)
+            await until(lambda: palette_offers(app, "Probe endpoint sim"))
             await pilot.press("enter")
             await until(lambda: isinstance(app.screen, ProbeScreen))
             assert app.screen.state == "running"
@@ -213,7 +211,6 @@ async def test_palette_probe_runs_at_once_and_esc_cancels_it_closing_its_request
             await until(lambda: srv.state.aborted_total >= 1)  # its request was closed, not left running
             await until(lambda: srv.state.running == 1)  # only the agent's request is left
             assert not engine_of(app).scheduler.paused
-            await pilot.pause()
-            assert "Probe of sim cancelled." in notices
+            await until(lambda: "Probe of sim cancelled." in notices)
             await until(lambda: app.mirror.probes["sim"].state == "cancelled")  # a cancelled probe leaves no result
             assert app.mirror.probes["sim"].result is None and log.of("ProbeFinished")[-1].cancelled

@@ -16,6 +16,7 @@ from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
 from cerevisor_tui.ui.widgets.load_pane import LoadPane, fleet_rows, gpu_lines
+from tests.conftest import until
 from tests.ui.conftest import emit_as_engine
 from tests.ui.scenes import NOW, RUN_ID, T0
 
@@ -117,12 +118,11 @@ async def test_gpu_rows_follow_each_sample_and_say_why_when_none_is_read():
     app, engine = fleet_app(ENDPOINTS)
     gpus = [ev.GpuReading(0, "NVIDIA H100 80GB HBM3", 0.87, 71 * GiB, 80 * GiB, 512.3, 700.0, 63),
             ev.GpuReading(1, "NVIDIA H100 80GB HBM3", 0.0, 1 * GiB, 80 * GiB)]
-    async with app.run_test(size=(120, 40)) as pilot:
+    async with app.run_test(size=(120, 40)):
         pane = app.screen.query_one(LoadPane)
         engine.emit(ev.GpuSample(T0 + 2, gpus=gpus))
         pane.sync(app.mirror, NOW)
-        await pilot.pause()
-        assert pane.query_one("#gpus").display
+        await until(lambda: pane.query_one("#gpus").display)
         assert pane_text(app, "#gpus").splitlines() == [
             "GPU 0 NVIDIA H100 80GB HBM3  util 87%  mem 71.0/80.0 GiB  power 512/700 W  63°C",
             "GPU 1 NVIDIA H100 80GB HBM3  util 0%  mem 1.0/80.0 GiB  power -  -",  # what NVML did not report

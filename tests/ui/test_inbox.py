@@ -18,6 +18,7 @@ from cerevisor_tui.ui.screens.approval import ApprovalScreen
 from cerevisor_tui.ui.screens.inbox import InboxScreen
 from cerevisor_tui.ui.theme_files import load_themes
 from cerevisor_tui.ui.widgets.run_header import RunHeader
+from tests.conftest import until
 from tests.ui.conftest import emit_as_engine, sim_config
 
 T0 = 1000.0
@@ -65,10 +66,9 @@ async def test_the_inbox_lists_what_needs_the_operator_newest_first_and_clears_i
         emit_as_engine(engine, ev.StallWarning(NOW - 10, "e", 1, "first_byte", 0.5, 50.0, NOW + 40))  # not past the last
         trouble(engine)
         refresh(app)
-        await pilot.pause()
         inbox = app.mirror.inbox
-        assert [(i.agent, i.kind) for i in inbox.newest_first()] == [
-            ("d", "approval"), ("c", "endpoint"), ("b", "stall"), ("a", "killed")]
+        await until(lambda: [(i.agent, i.kind) for i in inbox.newest_first()] == [
+            ("d", "approval"), ("c", "endpoint"), ("b", "stall"), ("a", "killed")])
         assert "inbox 4" in header(app)
         assert len(app.rung) == 1  # four at once ring once, naming them
         assert app.rung[0].startswith("\x07\x1b]9;cerevisor: 4 agents need you: a killed, b stalling, c endpoint "
@@ -76,9 +76,8 @@ async def test_the_inbox_lists_what_needs_the_operator_newest_first_and_clears_i
         assert app.screen.table.row_texts("d")[2] == "needs approval"
 
         await pilot.press("i")
-        await pilot.pause()
+        await until(lambda: isinstance(app.screen, InboxScreen))
         screen = app.screen
-        assert isinstance(screen, InboxScreen)
         lines = [str(screen.query_one("#inbox-list").get_option_at_index(i).prompt) for i in range(4)]
         assert lines[0].split()[2:5] == ["d", "needs", "approval"] and "files.write_file" in lines[0]
         assert [line.split()[2] for line in lines] == ["d", "c", "b", "a"]
@@ -88,40 +87,35 @@ async def test_the_inbox_lists_what_needs_the_operator_newest_first_and_clears_i
                                      by_operator=True))
         emit_as_engine(engine, ev.FirstToken(NOW - 1, "c", 1, 1, 19.0))
         engine.emit(ev.ApprovalDecided(NOW - 1, "d", "call-1", "files", "write_file", "deny", "operator"))
-        await pilot.pause(0.6)  # the inbox screen's refresh (0.5 s)
+        await until(lambda: screen.query_one("#inbox-list").option_count == 1)  # the inbox screen's refresh (0.5 s)
         assert [i.agent for i in inbox.newest_first()] == ["a"]
-        assert screen.query_one("#inbox-list").option_count == 1
         await pilot.press("d")  # the operator dismisses the killed agent's item
-        await pilot.pause()
-        assert len(inbox) == 0
+        await until(lambda: len(inbox) == 0)
         await pilot.press("escape")
         refresh(app)
-        await pilot.pause()
-        assert "inbox" not in header(app)
+        await until(lambda: "inbox" not in header(app))
 
 
 @pytest.mark.anyio
 async def test_a_new_item_rings_once_per_agent_per_state_change(tmp_path):
     app, engine = run(tmp_path)
-    async with app.run_test() as pilot:
+    async with app.run_test():
         emit_as_engine(engine, ev.StallWarning(NOW - 8, "b", 1, "first_byte", 0.9, 10.0, NOW + 3))
         refresh(app)
-        await pilot.pause()
-        assert len(app.rung) == 1
+        await until(lambda: len(app.rung) == 1)
         assert app.rung[0].startswith("\x07\x1b]9;cerevisor: b stalling: no first token for 90%")
         assert "\x1b]777;notify;cerevisor: b stalling;no first token" in app.rung[0]
 
         emit_as_engine(engine, ev.StallWarning(NOW - 4, "b", 1, "first_byte", 0.95, 5.0, NOW + 3))  # the same state
         refresh(app)
-        refresh(app)
-        await pilot.pause()
+        refresh(app)  # a refresh rings then and there, if at all: nothing to wait for
         assert len(app.rung) == 1
 
         engine.emit(ev.AgentKilled(NOW - 1, "b", 1, "first_byte", "no first token after 100 s", 0))
         engine.emit(ev.AgentFinished(NOW - 1, "b", "killed", "no first token after 100 s"))
         refresh(app)
-        await pilot.pause()
-        assert len(app.rung) == 2 and "b killed" in app.rung[1]
+        await until(lambda: len(app.rung) == 2)
+        assert "b killed" in app.rung[1]
 
         # opened and cleared between two refreshes: nothing to ring for
         emit_as_engine(engine, ev.StallWarning(NOW - 1, "c", 1, "first_byte", 0.9, 10.0, NOW + 9))
@@ -129,18 +123,18 @@ async def test_a_new_item_rings_once_per_agent_per_state_change(tmp_path):
         # news from long ago (a journal replayed to an attaching console) is listed, not rung
         engine.emit(ev.AgentFinished(NOW - 600, "e", "failed", "HTTP 500"))
         refresh(app)
-        await pilot.pause()
-        assert len(app.rung) == 2 and "e" in app.mirror.inbox.items
+        await until(lambda: "e" in app.mirror.inbox.items)
+        assert len(app.rung) == 2
 
 
 @pytest.mark.anyio
 async def test_notify_false_keeps_the_terminal_quiet(tmp_path):
     app, engine = run(tmp_path, notify=False)
-    async with app.run_test() as pilot:
+    async with app.run_test():
         trouble(engine)
         refresh(app)
-        await pilot.pause()
-        assert len(app.mirror.inbox) == 4 and not app.rung
+        await until(lambda: len(app.mirror.inbox) == 4)
+        assert not app.rung
 
 
 @pytest.mark.anyio
@@ -153,8 +147,8 @@ async def test_n_goes_to_the_newest_item_then_the_next_and_opens_an_approval(tmp
         await pilot.press("slash", "k", "i", "l", "l", "enter")  # a filter that hides d
         assert app.screen.table.names == ["a"]
         await pilot.press("n")
-        await pilot.pause()
-        assert isinstance(app.screen, ApprovalScreen) and app.screen.request.call_id == "call-1"
+        await until(lambda: isinstance(app.screen, ApprovalScreen))
+        assert app.screen.request.call_id == "call-1"
         assert app.screen.query_one("#approval-arguments").query_one("Static").render().plain == (
             '{\n  "path": "/tmp/x"\n}')
         await pilot.press("escape")  # later: it stays in the inbox
@@ -196,22 +190,20 @@ async def test_enter_in_the_inbox_goes_to_the_agent_and_acts(tmp_path):
         trouble(engine)
         refresh(app)
         await pilot.press("i", "down", "enter")  # the second newest: c, its endpoint down
-        await pilot.pause()
-        assert not isinstance(app.screen, InboxScreen)
+        await until(lambda: not isinstance(app.screen, InboxScreen))
         assert app.screen.table.selected_agent == "c"
         await pilot.press("i", "enter")  # the newest: d's tool call, whose prompt opens
-        await pilot.pause()
-        assert isinstance(app.screen, ApprovalScreen) and app.screen.request.agent == "d"
+        await until(lambda: isinstance(app.screen, ApprovalScreen))
+        assert app.screen.request.agent == "d"
 
 
 @pytest.mark.anyio
 async def test_an_agent_the_operator_killed_is_no_news(tmp_path):
     app, engine = run(tmp_path)
-    async with app.run_test() as pilot:
+    async with app.run_test():
         engine.emit(ev.AgentKilled(NOW - 1, "a", 1, "operator", "killed by operator", 3))
         engine.emit(ev.AgentFinished(NOW - 1, "a", "killed", "killed by operator"))
-        refresh(app)
-        await pilot.pause()
+        refresh(app)  # a refresh rings then and there, if at all: nothing to wait for
         assert "a" not in app.mirror.inbox.items and not app.rung
         # run again (r), then killed by its watchdog: that is news
         emit_as_engine(engine, ev.AgentQueued(NOW, "a", 0))
@@ -219,5 +211,5 @@ async def test_an_agent_the_operator_killed_is_no_news(tmp_path):
         engine.emit(ev.AgentKilled(NOW, "a", 2, "first_byte", "no first token after 100 s", 0))
         engine.emit(ev.AgentFinished(NOW, "a", "killed", "no first token after 100 s"))
         refresh(app)
-        await pilot.pause()
-        assert app.mirror.inbox.items["a"].kind == "killed" and len(app.rung) == 1
+        await until(lambda: len(app.rung) == 1)
+        assert app.mirror.inbox.items["a"].kind == "killed"

@@ -10,6 +10,7 @@ import pytest
 from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.widgets.run_header import RunHeader
+from tests.conftest import until
 from tests.ui.conftest import EventLog, console, engine_of, kind, sim_config
 
 SLOW = {"tokens_per_s": 8.0}  # a 400-token answer streams for ~50 s: long enough to act on
@@ -29,8 +30,7 @@ async def select(pilot, agent: str) -> None:
     if agent not in table.names:  # its row comes at the next status refresh (4 Hz), late on a busy box: now
         pilot.app.screen.refresh_status()
     table.move_cursor(table.names.index(agent))
-    await pilot.pause()
-    assert table.selected_agent == agent
+    await until(lambda: table.selected_agent == agent)
 
 
 def slow_agent(tmp_path, stream_process: bool = False):
@@ -159,7 +159,7 @@ async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_with_the_
         assert isinstance(app.screen, MainScreen) and app.is_running
         await pilot.press("q", "y")
         finished = await log.wait(kind("RunFinished"))
-        await pilot.pause()
+        await until(lambda: app.return_code is not None)  # the console left with the run
     assert finished.exit_code == 1
     assert engine_of(app).agents["a"].status == "cancelled"
     assert app.return_code == 1  # the run's code: its agent did not complete (cancelled by the quit)

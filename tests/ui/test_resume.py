@@ -18,7 +18,7 @@ from cerevisor_tui.sim import SimServer
 from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 from cerevisor_tui.ui.theme_files import load_themes
 from tests.conftest import until
-from tests.ui.conftest import FAST_SIM, EventLog, engine_of, kind
+from tests.ui.conftest import FAST_SIM, EventLog, engine_of, kind, palette_offers
 
 OLD_RUN = "20250101-000000-0ld1"
 
@@ -102,7 +102,7 @@ async def test_console_offers_the_incomplete_last_run_and_resuming_sends_only_th
                 await pilot.press("ctrl+p")
                 assert isinstance(app.screen, CommandPalette)
                 await pilot.press(*"resume last")
-                await pilot.pause(0.3)
+                await until(lambda: palette_offers(app, "Resume last run"))
                 await pilot.press("enter")
                 await until(lambda: isinstance(app.screen, ConfirmScreen))  # this run is still going: ask
                 await pilot.press("y")

@@ -11,6 +11,7 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
+from tests.conftest import until
 from tests.ui.conftest import emit_as_engine, sim_config
 
 T0 = 1000.0
@@ -49,14 +50,12 @@ def on_screen(app: CerevisorApp, agent: str) -> bool:
 async def test_nearest_deadline_sort_puts_the_agent_nearest_its_deadline_on_screen_at_80x24(tmp_path):
     app, _ = crowd(tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause()
         table = app.screen.table
-        assert table.names.index(URGENT) == 200 and not on_screen(app, URGENT)
+        await until(lambda: table.names.index(URGENT) == 200)
+        assert not on_screen(app, URGENT)
         await pilot.press("o")
-        await pilot.pause()
-        assert table.sort == "deadline"
-        assert table.names[0] == URGENT and table.selected_agent == URGENT
-        assert on_screen(app, URGENT)
+        await until(lambda: table.sort == "deadline" and table.names[0] == URGENT and on_screen(app, URGENT))
+        assert table.selected_agent == URGENT
         assert table.row_texts(URGENT)[-2].startswith("first 1:30")  # 90 s left, amber
         assert table.amber == 1 and "by nearest deadline" in str(app.screen.query_one("#agents-pane").border_subtitle)
         # the next agents are the ones sent first, in order
@@ -77,8 +76,7 @@ async def test_the_cursor_stays_on_its_agent_as_the_rows_move(tmp_path):
         emit_as_engine(engine, ev.FirstToken(NOW - 1, "a100", 1, 1, 5.0))
         emit_as_engine(engine, ev.FirstToken(NOW - 1, "a002", 1, 1, 5.0))
         app.screen.refresh_status()
-        await pilot.pause()
-        assert table.names[:2] == ["a002", "a100"]  # idle 0:59 each; the tie keeps wave order
+        await until(lambda: table.names[:2] == ["a002", "a100"])  # idle 0:59 each; the tie keeps wave order
         assert table.selected_agent == chosen and table.cursor_row == table.names.index(chosen) == 6
         assert app.screen.stream_pane.agent == chosen  # the stream shown did not change either
 
@@ -93,16 +91,15 @@ async def test_the_sort_key_cycles_status_and_rate_and_back_to_wave_order(tmp_pa
     async with app.run_test(size=(80, 24)) as pilot:
         table = app.screen.table
         await pilot.press("o", "o")
-        await pilot.pause()
-        assert table.sort == "status"
+        await until(lambda: table.sort == "status")
         assert table.names[0] == URGENT  # stalling comes first
         assert table.names[-2:] == ["a010", "a020"]  # streaming after prefill
         await pilot.press("o")
-        await pilot.pause()
-        assert table.sort == "rate" and table.names[:2] == ["a020", "a010"]
+        await until(lambda: table.sort == "rate")
+        assert table.names[:2] == ["a020", "a010"]
         await pilot.press("o")
-        await pilot.pause()
-        assert table.sort == "wave" and table.names == AGENTS
+        await until(lambda: table.sort == "wave")
+        assert table.names == AGENTS
 
 
 @pytest.mark.anyio
@@ -111,15 +108,13 @@ async def test_slash_filters_by_name_or_status_and_esc_clears(tmp_path):
     async with app.run_test(size=(80, 24)) as pilot:
         table = app.screen.table
         await pilot.press("slash", "a", "2", "0")
-        await pilot.pause()
-        assert table.names == [f"a20{i}" for i in range(10)]
+        await until(lambda: table.names == [f"a20{i}" for i in range(10)])
         await pilot.press("backspace", "backspace", "backspace", "s", "t", "a", "l", "l", "enter")
-        await pilot.pause()
-        assert table.names == [URGENT] and table.selected_agent == URGENT
-        assert table.has_focus and table.filter == "stall"
+        await until(lambda: table.names == [URGENT] and table.has_focus)
+        assert table.selected_agent == URGENT and table.filter == "stall"
         subtitle = str(app.screen.query_one("#agents-pane").border_subtitle)
         assert "/stall: 1 of 256" in subtitle
         await pilot.press("slash", "escape")
-        await pilot.pause()
-        assert table.names == AGENTS and table.filter == "" and table.has_focus
+        await until(lambda: table.names == AGENTS and table.has_focus)
+        assert table.filter == ""
         assert table.selected_agent == URGENT  # the cursor kept its agent while the rows came back

@@ -13,7 +13,8 @@ from cerevisor_tui.ui.keys import MAIN_BINDINGS, PALETTE_NAMES
 from cerevisor_tui.ui.screens.help import HelpScreen
 from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.widgets.stream_view import StreamView
-from tests.ui.conftest import console, engine_of, sim_config
+from tests.conftest import until
+from tests.ui.conftest import console, engine_of, palette_offers, sim_config
 from tests.ui.scenes import NOW, build
 
 
@@ -49,10 +50,9 @@ async def test_selecting_an_agent_shows_its_whole_transcript_so_far():
 @pytest.mark.anyio
 async def test_stream_follows_only_while_the_reader_is_at_the_bottom():
     app = build("mid_run")
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=(80, 24)):
         screen, view = app.screen, app.screen.stream_pane.view
-        await pilot.pause()
-        assert view.following and view.scroll_y == view.max_scroll_y > 0
+        await until(lambda: view.following and view.scroll_y == view.max_scroll_y > 0)
         assert view.styles.scrollbar_visibility == "hidden"  # following: no scrollbar to redraw per flush
 
         def more(n: int) -> None:
@@ -60,23 +60,24 @@ async def test_stream_follows_only_while_the_reader_is_at_the_bottom():
                 engine_of(app).emit(ev.TokenDelta(NOW, "researcher", 2, f"word{i} " * 8))
 
         more(5)
+        height = view.max_scroll_y
         screen.flush_streams()
-        await pilot.pause()
-        assert view.scroll_y == view.max_scroll_y  # followed the new text
+        await until(lambda: view.max_scroll_y > height)  # the new text is laid out
+        await until(lambda: view.scroll_y == view.max_scroll_y)  # followed the new text
 
         view.scroll_to(y=0, animate=False, immediate=True)
-        await pilot.pause()
-        assert not view.following
+        await until(lambda: not view.following)
         more(5)
+        height = view.max_scroll_y
         screen.flush_streams()
-        await pilot.pause()
+        await until(lambda: view.max_scroll_y > height)
         assert view.scroll_y == 0  # the reader stays where they are
         assert "scrolled up" in screen.stream_pane.border_subtitle
         assert view.styles.scrollbar_visibility == "visible"  # reading back: where am I
 
         view.scroll_end(animate=False, immediate=True)
-        await pilot.pause()
-        assert view.following and view.styles.scrollbar_visibility == "hidden"
+        await until(lambda: view.following)
+        assert view.styles.scrollbar_visibility == "hidden"
 
 
 @pytest.mark.anyio
@@ -133,10 +134,9 @@ async def test_command_palette_offers_every_action_by_name_and_runs_it(tmp_path)
         assert isinstance(app.screen, CommandPalette)
         assert set(PALETTE_NAMES) == {b.id for b in MAIN_BINDINGS}
         await pilot.press(*"raise")
-        await pilot.pause(0.3)
+        await until(lambda: palette_offers(app, PALETTE_NAMES["cap_up"]))
         await pilot.press("enter")
-        await pilot.pause()
-        assert isinstance(app.screen, MainScreen)
+        await until(lambda: isinstance(app.screen, MainScreen))
         assert engine_of(app).scheduler.max_concurrency == 3
 
 
@@ -144,13 +144,12 @@ async def test_command_palette_offers_every_action_by_name_and_runs_it(tmp_path)
 async def test_theme_flag_picks_a_packaged_theme_and_stall_colours_come_from_it(tmp_path):
     app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi"}]), start_engine=False,
                   theme="cerevisor-contrast")
-    async with app.run_test() as pilot:
+    async with app.run_test():
         assert app.theme == "cerevisor-contrast"
         assert app.colour("stall-warn") == "#FFD700"
         assert app.colour("stall-critical") == "#FF3030"
         app.theme = "textual-dark"  # a theme without our variables: derived from its warning/error
-        await pilot.pause()
-        assert app.colour("stall-warn") != "#FFD700"
+        await until(lambda: app.colour("stall-warn") != "#FFD700")
         assert app.colour("stall-warn") == app.get_theme("textual-dark").warning.upper()
 
 
@@ -162,22 +161,19 @@ async def test_the_agents_cursor_moves_by_key_and_mouse_scrolls_into_view_and_sh
     async with app.run_test(size=(100, 30)) as pilot:
         screen, table = app.screen, app.screen.table
         pane = screen.query_one("#agents-pane")
-        await pilot.pause()
-        assert table.selected_agent == "agent-00" and pane.border_subtitle == "1 of 40"
+        await until(lambda: table.selected_agent == "agent-00" and pane.border_subtitle == "1 of 40")
         await pilot.press("down", "down")
         assert table.selected_agent == "agent-02" and screen.stream_pane.agent == "agent-02"
         assert pane.border_subtitle == "3 of 40"
         await pilot.press("end")
-        await pilot.pause()
-        assert table.selected_agent == "agent-39" and pane.border_subtitle == "40 of 40"
         rows_shown = table.size.height - 1  # under the header
-        assert table.scroll_offset.y == 40 - rows_shown  # the last row is the bottom line
+        await until(lambda: table.selected_agent == "agent-39" and pane.border_subtitle == "40 of 40"
+                    and table.scroll_offset.y == 40 - rows_shown)  # the last row is the bottom line
         assert table.render_line(table.size.height - 1).text.split()[0] == "agent-39"
         await pilot.press("pageup")
         assert table.cursor_row == 39 - (table.size.height - 2)
         await pilot.press("home")
-        await pilot.pause()
-        assert table.selected_agent == "agent-00" and table.scroll_offset.y == 0
+        await until(lambda: table.selected_agent == "agent-00" and table.scroll_offset.y == 0)
         assert table.render_line(0).text.split()[:2] == ["agent", "wave"]  # the header stays on top
         await pilot.click(table, offset=(2, 3))  # the third row under the header
         assert table.selected_agent == "agent-02"
@@ -230,8 +226,7 @@ async def test_throughput_bars_scale_to_their_height_and_resample_to_their_width
         assert [row[4] for row in rows] == [" ", " ", "▁"]
         assert rows[2][3] == "█" and rows[1][3] == "▄" and rows[0][3] == " "
         bars.values = [5.0] * 16  # all equal: a flat baseline, not a division by zero
-        await pilot.pause()
-        assert bars.render_line(2).text == "▁" * 8 and bars.render_line(0).text == " " * 8
+        await until(lambda: bars.render_line(2).text == "▁" * 8 and bars.render_line(0).text == " " * 8)
 
 
 @pytest.mark.anyio
@@ -271,8 +266,7 @@ async def test_a_long_transcript_is_wrapped_from_its_end_and_older_lines_as_the_
         assert numbers[0] == 3000 - wrapped  # the oldest line wrapped at first, still at the top after growing
         assert len(numbers) > 2 and numbers == sorted(numbers, reverse=True) and len(set(numbers)) == len(numbers)
         view.scroll_end(animate=False, immediate=True)
-        await pilot.pause()
-        assert shown()[-1] == "line 2999" and view.following
+        await until(lambda: shown()[-1] == "line 2999" and view.following)
 
 
 def test_the_shipped_themes_are_the_top_level_themes_folder():
