@@ -32,7 +32,8 @@ async def serving(handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter]
         finally:
             writer.close()
 
-    server = await asyncio.start_server(guarded, "127.0.0.1", 0)
+    # a backlog past the pool test's 120 connections at once: with the default 100, the rest wait out a SYN retry
+    server = await asyncio.start_server(guarded, "127.0.0.1", 0, backlog=1024)
     try:
         yield server.sockets[0].getsockname()[1]
     finally:

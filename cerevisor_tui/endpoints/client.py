@@ -110,7 +110,9 @@ def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncCli
     would never fire on a wedged model behind keep-alives.
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 10))
+    # an idle connection is kept a minute (httpx's default: 5 s), so an agent's next turn, after its tool calls or
+    # the other agents' answers, usually finds its connection still open
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 10), keepalive_expiry=60.0)
     return httpx.AsyncClient(
         # reads without a loop trip when data is already there (endpoints/transport.py, endpoints/network.py)
         transport=AsyncioTransport(limits),
