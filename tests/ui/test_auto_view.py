@@ -79,12 +79,12 @@ async def test_m_to_auto_shows_the_sum_of_live_caps_and_plus_minus_move_the_ceil
 async def test_header_keeps_mode_cap_and_counters_at_80_columns_and_adds_the_last_reason_where_it_fits():
     app = build("auto")
     async with app.run_test(size=(80, 24)) as pilot:
-        await pilot.pause()
+        await until(lambda: header_lines(app)[1].startswith(" AUTO 3  ceiling 64  wave 1/2  3 running 0 queued 0 done"))
         line = header_lines(app)[1]
         assert line.startswith(" AUTO 3  ceiling 64  wave 1/2  3 running 0 queued 0 done 0 failed ")
         assert line.rstrip().endswith("tok/s") and "->" not in line
         await pilot.resize_terminal(160, 48)
-        await pilot.pause()
+        await until(lambda: "sim: 4 -> 3" in header_lines(app)[1])  # the wider header has room for the reason
         line = header_lines(app)[1]
         assert line.startswith(" AUTO 3  ceiling 64  wave 1/2")
         assert line.rstrip().endswith("sim: 4 -> 3 (2 requests waiting in the server's queue, KV 97%)")
@@ -107,9 +107,9 @@ async def test_narrow_auto_load_pane_shows_the_trend_in_place_of_the_throughput_
     for scene, trend, throughput in (("auto", True, False), ("mid_run", False, True)):
         app = build(scene)
         async with app.run_test(size=(80, 24)) as pilot:
-            await pilot.pause()
             chart = app.screen.query_one(TrendChart)
-            assert chart.display is trend and app.screen.query_one("#throughput-row").display is throughput
+            await until(lambda app=app, chart=chart, trend=trend, throughput=throughput: chart.display is trend
+                        and app.screen.query_one("#throughput-row").display is throughput)
             if trend:
                 rows = [chart.render_line(y).text for y in range(4)]
                 assert [row.split()[0] for row in rows] == ["cap", "tok/s", "waiting", "KV"]

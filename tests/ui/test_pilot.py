@@ -91,10 +91,15 @@ async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path
         assert engine_of(app).agents["b"].status == "killed"
         assert engine_of(app).agents["a"].status == "streaming"  # only the selected one
         app.screen.refresh_status()
-        await pilot.pause()  # the notification is a message: let the app take it
-        cells = row(app, "b")
-        assert "killed" in cells and "killed by operator" in cells
-        assert any("b killed: killed by operator" in n.message for n in app._notifications)
+
+        def shown_killed() -> bool:
+            cells = row(app, "b")
+            assert "killed" in cells and "killed by operator" in cells
+            # the notification is a message: the app takes it in its own time
+            assert any("b killed: killed by operator" in n.message for n in app._notifications)
+            return True
+
+        await until(shown_killed)
 
         await pilot.press("r")  # and run it again: its wave is still going
         again = await log.wait(kind("AgentStarted", "b", turn=1, attempt=2))

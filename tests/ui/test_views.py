@@ -186,12 +186,12 @@ async def test_long_names_and_notes_are_cut_with_an_ellipsis_and_columns_stay_pu
     long_name = "an-agent-with-a-very-long-descriptive-name"
     config = sim_config(tmp_path, agents=[{"name": long_name, "prompt": "hi"}, {"name": "b", "prompt": "hi"}])
     app = console(config, start_engine=False)
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=(80, 24)):
         table = app.screen.table
         app.model.notes["b"] = "a note\nfar\tlonger than the narrow pane has room for, " * 3  # one line all the same
         app.screen.refresh_status()
-        await pilot.pause()
         width = table.size.width
+        await until(lambda: "a note " in table.render_line(2).text)
         lines = [table.render_line(y).text for y in range(3)]  # header, then the two rows
         assert all(len(line) == width for line in lines)
         # a narrow pane cuts long names to 16 cells before it gives up the note
@@ -215,10 +215,10 @@ async def test_throughput_bars_scale_to_their_height_and_resample_to_their_width
             yield ThroughputBars()
 
     app = Bars()
-    async with app.run_test(size=(20, 5)) as pilot:
+    async with app.run_test(size=(20, 5)):
         bars = app.query_one(ThroughputBars)
         bars.values = [0, 0, 10, 10, 20, 20, 40, 40, 0, 0, 0, 0, 5, 5, 80, 80]  # 16 values, 2 per column
-        await pilot.pause()
+        await until(lambda: bars.render_line(0).text.strip())  # drawn: the peak reaches the top row
         rows = [bars.render_line(y).text for y in range(3)]
         assert all(len(row) == 8 for row in rows)
         # the peak fills all 3 rows; the minimum is a baseline; 40 of 80 reaches halfway
@@ -241,20 +241,21 @@ async def test_a_long_transcript_is_wrapped_from_its_end_and_older_lines_as_the_
             yield StreamView()
 
     app = One()
-    async with app.run_test(size=(40, 12)) as pilot:
+    async with app.run_test(size=(40, 12)):
         view = app.query_one(StreamView)
         view.append([("content", "\n".join(f"line {i:04d}" for i in range(3000)))])
-        await pilot.pause()
         shown = lambda: [view.render_line(y).text.strip() for y in range(view.size.height)]  # noqa: E731
-        assert shown()[-1] == "line 2999" and view.following
+        await until(lambda: shown()[-1] == "line 2999" and view.following)
         wrapped = view.virtual_size.height
         assert wrapped < 3000  # only the end is wrapped so far (a line is a row at this width)
         assert view.text.count("\n") == 2999  # all of it is there
 
         top_seen = []
         for _ in range(40):  # each time the reader reaches the top, older lines appear above it
+            rows = view.virtual_size.height
             view.scroll_home(animate=False, immediate=True)
-            await pilot.pause()
+            # (not one pause: on a loaded machine the next scroll then came before the lines were added)
+            await until(lambda rows=rows: view.virtual_size.height > rows or shown()[0] == "line 0000")
             top_seen.append(shown()[0])
             if shown()[0] == "line 0000":
                 break
