@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
 
@@ -85,11 +86,11 @@ async def test_mode_switches_from_auto_and_back_are_live_and_kill_nothing():
         # at auto's first step up, the operator takes over in parallel; a turn later, back to auto
         if e.kind == "ConcurrencyChanged" and e.endpoint and e.effective_cap > 1 and not switched:
             switched.append("parallel")
-            engine.set_concurrency(3)
-            engine.set_mode("parallel")
+            engine.handle(cmd.SetConcurrency(cap=3))
+            engine.handle(cmd.SetMode(mode="parallel"))
         elif e.kind == "TurnFinished" and switched == ["parallel"] and engine.scheduler.running_by_endpoint["e"] == 3:
             switched.append("auto")
-            engine.set_mode("auto")
+            engine.handle(cmd.SetMode(mode="auto"))
 
     engine, seen, server = await run_on_small_kv("auto", 16, operator)
     assert switched == ["parallel", "auto"] and server["code"] == 0
