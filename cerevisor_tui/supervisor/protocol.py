@@ -22,7 +22,8 @@ from typing import Any
 SOCKET_NAME = "control.sock"
 SUPERVISOR_FILE = "supervisor.json"
 LINE_LIMIT = 64 * 1024 * 1024
-"""The longest line either side accepts (a replayed answer can be long)."""
+"""The longest line a client accepts from the run (a replayed answer can be long); the run reads its clients' lines
+under supervisor/server.py COMMAND_LINE_LIMIT."""
 SUN_PATH_MAX = 107  # bytes in sockaddr_un.sun_path, less the terminating NUL (Linux)
 
 
