@@ -81,15 +81,15 @@ async def test_a_slow_but_alive_stream_is_never_killed(stream_process):
     async def slow(reader, writer):
         writer.write(http_head(200, "text/event-stream"))
         for i in range(5):
-            await asyncio.sleep(0.75)  # half the idle (and first-byte) deadline
+            await asyncio.sleep(1.0)  # half the idle (and first-byte) deadline
             writer.write(chunk(sse_chunk(f"t{i} ")))
             await writer.drain()
         writer.write(chunk(DONE) + chunk(b""))
         await writer.drain()
 
-    # (1.5 s deadlines, not 1 s: on a loaded machine a token 0.2 s late read as a 0.8 warning; now 0.45 s)
+    # (2 s deadlines, not 1 s: on a loaded machine a token 0.2 s late read as a 0.8 warning; now 0.6 s)
     async with RawServer(slow) as srv:
-        engine = engine_for(srv.base_url, stream_process, first_byte_timeout_s=1.5, idle_timeout_s=1.5)
+        engine = engine_for(srv.base_url, stream_process, first_byte_timeout_s=2.0, idle_timeout_s=2.0)
         seen = recorder(engine)
         assert await engine.run() == 0
     assert not [e for e in seen if e.kind == "AgentKilled"]
