@@ -13,13 +13,15 @@ Mode = Literal["sequential", "parallel", "auto"]
 """How many agents run at once: one, up to the cap, or as many as each endpoint's server sustains."""
 MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 
-ActiveStatus = Literal["waiting", "prefill", "streaming", "stalling", "retrying", "tool", "approval"]
+ActiveStatus = Literal["waiting", "prefill", "streaming", "stalling", "retrying", "tool", "approval", "idle"]
 """The statuses of an agent holding a running slot ("waiting": a local endpoint still loading; "tool": one of
-its MCP tool calls is executing; "approval": a tool call waits for the operator, shown as "needs approval")."""
+its MCP tool calls is executing; "approval": a tool call waits for the operator, shown as "needs approval";
+"idle": a gateway session between its requests, its harness thinking or running tools, its slot kept)."""
 FinalStatus = Literal["completed", "failed", "killed", "skipped", "cancelled"]
 """The statuses an agent ends in (AgentFinished.status, the report's `status`)."""
-Status = Literal["pending", "queued", ActiveStatus, FinalStatus]
-"""An agent's status, as the engine keeps it and its events tell it."""
+Status = Literal["pending", "queued", ActiveStatus, "released", FinalStatus]
+"""An agent's status, as the engine keeps it and its events tell it ("released": a gateway session that gave
+its slot back after `release_after_s` without a request; its next request waits for one again)."""
 STATUSES: Final[tuple[Status, ...]] = get_args(Status)
 FINAL_STATUSES: Final[tuple[FinalStatus, ...]] = get_args(FinalStatus)  # in the report's order
 FINAL: Final[frozenset[str]] = frozenset(FINAL_STATUSES)

@@ -109,6 +109,14 @@ def check_references(config: Config, *, file: str | None = None) -> None:
             if not tool or not any(t in (server, choice) for t in agent.tools):
                 raise ConfigError(f"{choice!r} is not auto, required, none or a server.tool of this agent's tools",
                                   file=file, key=f"agents[{i}] ({agent.name}).tool_choice")
+    gateway = config.gateway
+    if gateway is not None:
+        if not config.endpoints:
+            raise ConfigError("a gateway needs an upstream: add an [[endpoints]] table", file=file, key="endpoints")
+        if gateway.upstream and gateway.upstream not in seen and gateway.upstream not in pools:
+            known = ", ".join(sorted(seen)) + (f"; pools: {', '.join(sorted(pools))}" if pools else "")
+            raise ConfigError(f"unknown endpoint or pool {gateway.upstream!r} (known: {known})", file=file,
+                              key="gateway.upstream")
     wave_levels(config.agents, file=file)
 
 

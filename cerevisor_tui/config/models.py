@@ -517,6 +517,74 @@ class AgentConfig(_Section):
         return value
 
 
+DEFAULT_GATEWAY_LISTEN = "127.0.0.1:8100"
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[::1]:8100` for IPv6) as (host, port); ValueError says what is wrong."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{listen!r} is not HOST:PORT (for example {DEFAULT_GATEWAY_LISTEN})")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{listen!r}: the port must be a number from 0 to 65535")
+    if _control_char(host) is not None or " " in host:
+        raise ValueError(f"{listen!r}: the host holds a space or a control character")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class GatewayConfig(_Section):
+    """The `[gateway]` table: the run also serves an OpenAI- and Anthropic-compatible front door, and every
+    session of a harness pointed at it is an agent of the run (gateway/)."""
+
+    listen: str = DEFAULT_GATEWAY_LISTEN
+    """HOST:PORT the gateway serves on; loopback by default. Any other address needs keys_env."""
+    upstream: str = ""
+    """The endpoint or pool requests go to; empty: the first endpoint (a request's model may pick another: the one that serves it)."""
+    keys_env: list[str] = []
+    """Names of environment variables, each holding one client key the gateway accepts (Authorization: Bearer or x-api-key); the variable's name labels the sessions that use it. Empty: no key asked (loopback only)."""
+    keepalive_s: float = Field(default=10.0, gt=0, le=300)
+    """A streamed request waiting for its slot or its first byte gets an SSE comment this often (the first after this long, so quick errors keep their HTTP status)."""
+    release_after_s: float = Field(default=60.0, ge=0, le=86400)
+    """A session gives its slot back after this long without a request; 0: every request is admitted on its own."""
+    max_body_mib: float = Field(default=32.0, gt=0, le=1024)
+    """Largest request body accepted, in MiB (a larger one gets 413)."""
+    model_map: dict[str, str] = {}
+    """Glob of a model name a harness asks for = the served model sent instead, e.g. "claude-*" = "qwen3-coder"; the first glob that matches wins."""
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        split_listen(value)
+        return value
+
+    @field_validator("keys_env")
+    @classmethod
+    def _keys_env(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"{name!r} is not an environment variable's name (the key itself never goes in a file)")
+        return value
+
+    @model_validator(mode="after")
+    def _exposed(self) -> GatewayConfig:
+        host, _ = split_listen(self.listen)
+        if not is_loopback(host) and not self.keys_env:
+            raise ValueError(f"listen {self.listen!r} is not loopback: set keys_env (client keys), or the gateway "
+                             "would let anyone who can reach the port use the model")
+        return self
+
+
 class Config(_Section):
     run: RunConfig = RunConfig()
     """Run settings."""
@@ -532,6 +600,8 @@ class Config(_Section):
     """MCP tool servers the agents may use."""
     agents: list[AgentConfig] = []
     """The workflow."""
+    gateway: GatewayConfig | None = None
+    """The run's gateway, if it serves one: harnesses' sessions become agents of the run."""
 
     def endpoint(self, name: str) -> EndpointConfig:
         for ep in self.endpoints:

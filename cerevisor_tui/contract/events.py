@@ -157,6 +157,7 @@ class RunTotals(Payload, omit_defaults=True):
     output_tokens_per_s: float | None
     max_running: int
     cost_usd: float = 0.0  # priced endpoints only
+    sessions: int = 0  # a gateway's sessions (not among `agents`)
 
 
 class WorkerSample(Payload):
@@ -296,6 +297,17 @@ class AgentQueued(Event):
     wave: int
 
 
+class SessionOpened(Event):
+    """A gateway session appeared (gateway/): from now on an agent of the run, its requests its attempts."""
+
+    agent: str
+    source: str  # what named it: "X-Session-ID", "metadata.user_id", "prompt_cache_key", "path", "key", ...
+    harness: str  # from its User-Agent: "claude-cli/2.0.1", "OpenAI/Python 1.99.0"; "" when it sends none
+    api: str  # its first request's API: "chat", "responses" or "messages"
+    endpoint: str  # the endpoint or pool that serves it
+    key: str = ""  # the name of the environment variable whose client key it sent (`[gateway] keys_env`)
+
+
 class AgentStatus(Event):
     """An agent's status changed, as the engine keeps it (kinds.py): what every console shows, inferring none.
     An agent's final status also comes with its AgentFinished."""
@@ -327,6 +339,11 @@ class AgentStarted(Event):
     idle_deadline_s: float
     request_id: str = ""  # the X-Request-Id the request carries: the server logs its abort under this id
     step: int = 0  # an agent with tools: the step of the turn's tool loop (1, 2, ...); 0: no tool loop
+    # a gateway session's request: how long it waited in the gateway for a slot (not model silence), and the
+    # model its harness asked for with the one sent upstream (`[gateway] model_map`, `--model`)
+    queued_s: float = 0.0
+    model_asked: str = ""
+    model_sent: str = ""
 
 
 class EndpointWaiting(Event):
@@ -409,6 +426,8 @@ class MessageRecorded(Event):
     # a "tool" message answers the call named by tool_call_id
     tool_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
     tool_call_id: str = ""
+    # a gateway session's message as its client sent it (its API's own shape), for its transcript; {}: none
+    raw: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class StallWarning(Event):

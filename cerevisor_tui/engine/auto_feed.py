@@ -68,7 +68,7 @@ class AutoFeed:
         measured = figures.answer_length()
         total, count = 0.0, 0
         for st in e.agents_on.get(endpoint, ()):
-            if st.status in FINAL or (st.wave != e.wave and st.status == "pending"):
+            if st.status in FINAL or st.status == "released" or (st.wave != e.wave and st.status == "pending"):
                 continue
             cfg = st.config
             answer = measured if measured is not None else cfg.max_tokens

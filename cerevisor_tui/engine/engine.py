@@ -46,6 +46,7 @@ from cerevisor_tui.engine.monitor import ServerMonitor
 from cerevisor_tui.engine.placement import Placement
 from cerevisor_tui.engine.pools import Pools
 from cerevisor_tui.engine.scheduler import Scheduler
+from cerevisor_tui.engine.sessions import Sessions
 from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls
@@ -112,6 +113,13 @@ class Engine:
         self._load_sent: dict[str, ev.LoadChanged] = {}  # the last LoadChanged of each endpoint
         self.background: anyio.abc.TaskGroup | None = None  # the run's long-lived tasks (monitors, probes)
         self.probes = ConsoleProbes(self)  # the console's probes of the run's endpoints
+        # external sessions, the gateway's (engine/sessions.py): a run that serves a gateway goes on after its
+        # waves, until it is stopped
+        self.sessions = Sessions(self)
+        self.hold_open = config.gateway is not None
+        if config.gateway is not None:
+            self.sessions.release_after_s = config.gateway.release_after_s
+        self._stop_asked: anyio.Event | None = None
         self.auto_feed = AutoFeed(self)
         self.wave = -1
         self.started_at = 0.0
@@ -190,6 +198,11 @@ class Engine:
         self.watchdog.busy_check = check
 
     # ---- events -------------------------------------------------------------------------------
+    @property
+    def subscribers(self) -> list[Subscriber]:
+        """The live list of subscribers: the hot paths hand token deltas to each directly (emit()'s frame skipped)."""
+        return self._subscribers
+
     def subscribe(self, subscriber: Subscriber) -> None:
         self._subscribers.append(subscriber)
 
@@ -310,6 +323,8 @@ class Engine:
         st = self.agents[name]
         if st.status in FINAL:
             return False
+        if name in self.sessions.by_name:
+            return self.sessions.kill(name, reason)
         if st.status == "tool" and self.tools.kill(name, reason):
             return True
         if st.current is not None and st.current.scope is not None:
@@ -324,6 +339,8 @@ class Engine:
     def extend(self, name: str, seconds: float | None = None) -> bool:
         """Move the running attempt's current deadline later by `seconds` (default [stall].extend_s)."""
         st = self.agents[name]
+        if name in self.sessions.by_name:
+            return self.sessions.extend(name, seconds)
         if st.status == "tool":
             return self.tools.extend(st, seconds if seconds is not None else self.policies[st.endpoint].extend_s)
         att = st.current
@@ -366,6 +383,8 @@ class Engine:
     def retry(self, name: str) -> str:
         """Restart a running agent's attempt now, or run a failed/killed agent of the current wave again."""
         st = self.agents[name]
+        if name in self.sessions.by_name:
+            return "a gateway session is retried by its harness, never by the gateway"
         if st.current is not None and st.status not in FINAL:
             st.current.kill("operator", "restarted by operator", by_operator=True, restart=True)
             return "restarting"
@@ -384,6 +403,9 @@ class Engine:
         self.stopping = reason
         self.scheduler.set_paused(True)
         self.emit(ev.RunStopping(time.monotonic(), reason))
+        self.sessions.stop(reason)
+        if self._stop_asked is not None:
+            self._stop_asked.set()
         for st in self.agents.values():
             if st.status not in FINAL and st.scope is not None:
                 st.end_status, st.end_reason = "cancelled", reason
@@ -395,6 +417,7 @@ class Engine:
     async def run(self) -> int:
         """Run every wave; returns the exit code (0 all completed, 1 some failed or were killed)."""
         self.started_at = time.monotonic()
+        self._stop_asked = anyio.Event()
         self.conversations.budget_usd = self.config.run.budget_usd
         self.conversations.on_budget = self._budget_reached
         async with AsyncExitStack() as stack:
@@ -422,10 +445,14 @@ class Engine:
                         self._cancel_rest(wave)
                         break
                     await self._run_wave(wave, [self.agents[a.name] for a in level])
+                if self.hold_open and not self.stopping:  # a gateway's run serves until it is stopped
+                    await self._stop_asked.wait()
                 background.cancel_scope.cancel()
             self.background = None
-        code = 0 if all(st.status in ("completed",) for st in self.agents.values()) else 1
-        if self.stopping:
+        self.sessions.finish()
+        workflow = [st for st in self.agents.values() if st.name not in self.sessions.by_name]
+        code = 0 if all(st.status == "completed" for st in workflow) else 1
+        if self.stopping and not (self.hold_open and not workflow):  # a gateway alone ends by being stopped
             code = 1
         end = time.monotonic()
         self.report.finish(end)
@@ -460,6 +487,7 @@ class Engine:
                 group.start_soon(self.monitor.run, ep.name, self.pools.on_sample)
             group.start_soon(self.auto_feed.run, ep.name)
         group.start_soon(self.monitor.run_gpus)
+        self.sessions.started(group)
         if self.busy_check is None:
             self.busy_check = self.monitor.busy
 

@@ -105,6 +105,7 @@ class Attempt:
     kill_deadline: str = ""
     by_operator: bool = False
     restart: bool = False
+    request_id: str = ""  # the X-Request-Id its request carries (a gateway session's; a workflow's is computed)
     stream: ChatStream | RemoteStream | None = None
     # its answer so far, as streamed (content, reasoning, tool calls): the turn's result, and what a console
     # that attaches mid-answer is given (Engine.in_flight)

@@ -28,11 +28,13 @@ STATUS_LOOK: dict[Status, StatusLook] = {
     "tool": StatusLook("tool", 6, "accent"),  # a running call shows as `tool: NAME 3.2s` (`tool_status`)
     "prefill": StatusLook("prefill", 7, "primary"),
     "streaming": StatusLook("streaming", 8, "success"),
-    "queued": StatusLook("queued", 9, "text-muted"),
-    "pending": StatusLook("pending", 10, "text-muted"),
-    "completed": StatusLook("done", 11, "success"),
-    "skipped": StatusLook("skipped", 12, "text-muted"),
-    "cancelled": StatusLook("cancelled", 13, "text-muted"),
+    "idle": StatusLook("idle", 9, "text-muted"),  # a gateway session between requests, holding its slot
+    "queued": StatusLook("queued", 10, "text-muted"),
+    "released": StatusLook("released", 11, "text-muted"),  # a gateway session without a slot
+    "pending": StatusLook("pending", 12, "text-muted"),
+    "completed": StatusLook("done", 13, "success"),
+    "skipped": StatusLook("skipped", 14, "text-muted"),
+    "cancelled": StatusLook("cancelled", 15, "text-muted"),
 }
 """Each status the engine tells (kinds.Status), once: its label, its place in the sort, its colour."""
 

@@ -222,6 +222,8 @@ class Journal:
                 if fh is None:
                     fh = self._transcripts[event.agent] = _append(path)
                 record = {"turn": event.turn, "attempt": event.attempt, "role": event.role, "content": event.content}
+                if event.raw:  # a gateway session's message, in its client's own format
+                    record = {"turn": event.turn, "attempt": event.attempt, **event.raw}
                 if event.reasoning:
                     record["reasoning"] = event.reasoning
                 if event.partial:

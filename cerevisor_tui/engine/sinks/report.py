@@ -30,6 +30,7 @@ class Report:
         self.finished_at: str | None = None
         self.endpoints: list[dict[str, Any]] = []
         self.agents: dict[str, dict[str, Any]] = {}
+        self.sessions: dict[str, dict[str, Any]] = {}  # a gateway's sessions (SessionOpened), apart from the workflow
         self._t0 = 0.0
         self._t_end: float | None = None
         self._running: set[str] = set()
@@ -63,6 +64,25 @@ class Report:
                     "_decode_s": 0.0, "_t_start": None,
                 }
 
+    def _on_SessionOpened(self, event: ev.SessionOpened) -> None:
+        self.sessions[event.agent] = {
+            "name": event.agent, "source": event.source, "harness": event.harness, "api": event.api,
+            "endpoint": event.endpoint, **({"key": event.key} if event.key else {}), "status": "active",
+            "attempts": 0, "turns": 0, "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None, "duration_s": 0.0,
+            "output_tokens_per_s": None, "stall_warnings": 0, "kills": [], "error": "", "_decode_s": 0.0,
+            "_t_start": None,
+        }
+
+    def _of(self, agent: str) -> dict[str, Any]:
+        """An agent's figures, or a gateway session's."""
+        found = self.agents.get(agent)
+        return found if found is not None else self.sessions[agent]
+
+    def _on_AgentKilled(self, event: ev.AgentKilled) -> None:
+        session = self.sessions.get(event.agent)
+        if session is not None:  # a session goes on after a killed request: each kill is kept with its reason
+            session["kills"].append({"request": event.attempt, "deadline": event.deadline, "reason": event.reason})
+
     def _on_ModeChanged(self, event: ev.ModeChanged) -> None:
         self.mode = event.mode
         if event.mode != "auto":
@@ -75,7 +95,7 @@ class Report:
             self._cap_all(event.t, event.max_concurrency, event.reason or f"cap {event.max_concurrency}")
 
     def _on_AgentStarted(self, event: ev.AgentStarted) -> None:
-        a = self.agents[event.agent]
+        a = self._of(event.agent)
         a["attempts"] += 1  # every request sent, over all turns: retries and restarts included
         if a["_t_start"] is None:
             a["_t_start"] = event.t
@@ -83,7 +103,7 @@ class Report:
         self.max_running = max(self.max_running, len(self._running))
 
     def _on_TurnFinished(self, event: ev.TurnFinished) -> None:
-        a = self.agents[event.agent]
+        a = self._of(event.agent)
         a["turns"] += 1
         a["prompt_tokens"] += event.prompt_tokens
         a["completion_tokens"] += event.completion_tokens
@@ -94,20 +114,20 @@ class Report:
             a["output_tokens_per_s"] = round(a["completion_tokens"] / a["_decode_s"], 2)
 
     def _on_StallWarning(self, event: ev.StallWarning) -> None:
-        self.agents[event.agent]["stall_warnings"] += 1
+        self._of(event.agent)["stall_warnings"] += 1
 
     def _on_ToolCallFinished(self, event: ev.ToolCallFinished) -> None:  # an agent with tools: its calls by outcome (ok, error, ...)
-        calls = self.agents[event.agent].setdefault("tool_calls", {})
+        calls = self._of(event.agent).setdefault("tool_calls", {})
         calls[event.outcome] = calls.get(event.outcome, 0) + 1
 
     def _on_AgentPlaced(self, event: ev.AgentPlaced) -> None:  # a pool's agent: where it ran (its last member)
-        a = self.agents[event.agent]
+        a = self._of(event.agent)
         a["pool"], a["endpoint"] = event.pool, event.endpoint
         if event.moved_from:
             a["moves"] = a.get("moves", 0) + 1
 
     def _on_AgentMeters(self, event: ev.AgentMeters) -> None:
-        a = self.agents[event.agent]
+        a = self._of(event.agent)
         if event.cached_tokens is not None:  # only where the server says (vLLM --enable-prompt-tokens-details)
             a["cached_tokens"] = a.get("cached_tokens", 0) + event.cached_tokens
         if event.cost_usd or "cost_usd" in a:  # priced endpoints only
@@ -115,10 +135,10 @@ class Report:
         self.cost_usd = event.run_cost_usd
 
     def _on_AgentRerun(self, event: ev.AgentRerun) -> None:
-        self.agents[event.agent]["rerun_reason"] = event.reason
+        self._of(event.agent)["rerun_reason"] = event.reason
 
     def _on_AgentFinished(self, event: ev.AgentFinished) -> None:
-        a = self.agents[event.agent]
+        a = self._of(event.agent)
         a["status"], a["error"] = event.status, event.error
         if a["_t_start"] is not None:
             a["duration_s"] = round(event.t - a["_t_start"], 3)
@@ -176,12 +196,13 @@ class Report:
         agents = self.agents.values()
         end = self._t_end if self._t_end is not None else time.monotonic()
         wall = max(0.0, end - self._t0) if self._t0 else 0.0
-        output = sum(a["completion_tokens"] for a in agents)
+        output = sum(a["completion_tokens"] for a in (*agents, *self.sessions.values()))
         counts = {s: sum(1 for a in agents if a["status"] == s) for s in STATUSES}
         return {
             "agents": len(self.agents), **counts, "output_tokens": output, "wall_s": round(wall, 3),
             "output_tokens_per_s": round(output / wall, 2) if wall > 0 else None, "max_running": self.max_running,
             **({"cost_usd": round(self.cost_usd, 6)} if self.cost_usd else {}),
+            **({"sessions": len(self.sessions)} if self.sessions else {}),
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,7 +216,17 @@ class Report:
             "agents": [{k: v for k, v in a.items() if not k.startswith("_")} for a in self.agents.values()],
             "totals": self.totals(),
             "caps": self.cap_summary(),
+            **({"sessions": [_session_entry(a) for a in self.sessions.values()]} if self.sessions else {}),
         }
+
+
+def _session_entry(a: dict[str, Any]) -> dict[str, Any]:
+    """A gateway session as report.json lists it: its requests (its attempts) and their figures."""
+    out = {k: v for k, v in a.items() if not k.startswith("_") and k != "attempts"}
+    out["requests"] = a["attempts"]
+    if out["status"] == "completed":  # a session has no answer to complete: it ended with the run
+        out["status"] = "ended"
+    return out
 
 
 def _endpoint_entry(ep: ev.EndpointSummary) -> dict[str, Any]:

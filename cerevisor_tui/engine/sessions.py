@@ -1,0 +1,238 @@
+"""External sessions (the gateway's harnesses) as agents of the run: each a row, its requests its attempts, under
+the run's mode, cap, Auto and watchdog.
+
+A session holds a running slot, as a workflow agent does, while it is active: the sessions holding slots are
+the KV-resident set. Its first request waits for a slot; while it holds one its requests go straight through;
+it gives the slot back after `release_after_s` without a request. A session may have several requests in
+flight at once (a harness's sub-agents, its small-model side requests): each is an attempt of its own, under
+its own deadlines.
+
+The HTTP side (what is asked, what is relayed) is the gateway's (gateway/); this module keeps the run's side:
+admission, the attempt records and their watchdog, and the events that tell them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from cerevisor_tui.config.models import AgentConfig
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.state import AgentState, Attempt
+from cerevisor_tui.kinds import FINAL
+
+if TYPE_CHECKING:
+    from cerevisor_tui.engine.engine import Engine
+
+
+class RunStopping(Exception):
+    """The run is stopping: a request not yet admitted is not sent; `str()` says why."""
+
+
+@dataclass(eq=False)
+class Session:
+    """One external session: the agent record the run keeps, and its slot and requests."""
+
+    st: AgentState
+    source: str
+    harness: str
+    api: str
+    key: str = ""
+    holding: bool = False  # it holds its slot now
+    changed: anyio.Event = field(default_factory=anyio.Event)  # set (and replaced) when `holding` changes
+    holder: anyio.CancelScope | None = None  # the task holding its slot, while it runs
+    placed: bool = False  # a pool's session: placed on a member, where it stays (affinity)
+    wake: anyio.Event = field(default_factory=anyio.Event)  # a request began or ended: the holder looks again
+    in_flight: dict[int, Attempt] = field(default_factory=dict)  # attempt number -> its record
+    queued: int = 0  # requests waiting for the slot
+    last_end: float = 0.0  # when its last request ended
+    requests: int = 0
+    kills: list[str] = field(default_factory=list)  # each killed request's reason
+    recorded: int = 0  # how many of its conversation's messages the transcript has
+
+    @property
+    def name(self) -> str:
+        return self.st.name
+
+    def poke(self) -> None:
+        self.wake.set()
+
+    def hold(self, holding: bool) -> None:
+        self.holding = holding
+        changed, self.changed = self.changed, anyio.Event()
+        changed.set()
+
+
+class Sessions:
+    """The run's external sessions (`engine.sessions`): opened by the gateway as they arrive."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.by_name: dict[str, Session] = {}
+        self.release_after_s = 60.0
+        self.group: anyio.abc.TaskGroup | None = None  # the run's background group, once the run has begun
+        self._ready: anyio.Event | None = None  # made in the run's loop: the run has begun, slots can be held
+
+    @property
+    def ready(self) -> anyio.Event:
+        if self._ready is None:
+            self._ready = anyio.Event()
+        return self._ready
+
+    def open(self, name: str, *, source: str, harness: str, api: str, endpoint: str, key: str = "") -> Session:
+        """The session named `name`, opened (and told as SessionOpened) the first time it is seen."""
+        found = self.by_name.get(name)
+        if found is not None:
+            return found
+        e = self.engine
+        pool = e.config.pool(endpoint)
+        where = pool.endpoints[0] if pool is not None else endpoint
+        st = AgentState(AgentConfig(name=name, endpoint=endpoint, prompt="", retries=0), where, 0,
+                        pool=pool.name if pool is not None else "", on_status=e._tell_status)
+        e.agents[name] = st
+        if not st.pool:
+            e.agents_on.setdefault(where, []).append(st)
+        session = self.by_name[name] = Session(st, source, harness, api, key)
+        e.emit(ev.SessionOpened(time.monotonic(), name, source, harness, api, endpoint, key))
+        return session
+
+    def started(self, group: anyio.abc.TaskGroup) -> None:
+        self.group = group
+        self.ready.set()
+
+    @asynccontextmanager
+    async def request(self, session: Session, *, model_asked: str = "", model_sent: str = "") -> AsyncIterator[Attempt]:
+        """One request of `session`: waits for the session's slot (queued), then yields its attempt, watched
+        by the run's watchdog from now on (the first-byte deadline runs from here: time queued is not
+        silence). The attempt's `scope` is the caller's to set: a deadline or the operator cancels it."""
+        e = self.engine
+        st = session.st
+        queued_at = time.monotonic()
+        session.queued += 1
+        session.poke()
+        try:
+            await self.ready.wait()
+            if not session.holding:
+                if not session.in_flight:
+                    st.status = "queued"
+                e.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
+            while not session.holding:
+                if e.stopping or e.ended:
+                    raise RunStopping(e.stopping or "the run has ended")
+                if session.holder is None:
+                    assert self.group is not None
+                    self.group.start_soon(self._hold, session)
+                await session.changed.wait()
+        finally:
+            session.queued -= 1
+            if not session.queued and not session.in_flight and not session.holding and session.holder is not None:
+                session.holder.cancel()  # its only request went away while queued: its place in the queue goes too
+        session.requests += 1
+        st.attempts += 1
+        st.turn += 1
+        number = st.attempts
+        policy = e.policies[st.endpoint]
+        now = time.monotonic()
+        att = Attempt(number, st.turn, sent_at=now, last_alive=now, deadline_at=now + policy.first_byte_timeout_s,
+                      request_id=f"{e.run_id}.{st.name}.r{number}")
+        session.in_flight[number] = att
+        st.current = att
+        if st.started_at is None:
+            st.started_at = now
+        st.status = "prefill"
+        e.emit(ev.AgentStarted(now, st.name, number, st.turn, 0, st.endpoint, policy.first_byte_timeout_s,
+                               policy.idle_timeout_s, request_id=att.request_id, queued_s=now - queued_at,
+                               model_asked=model_asked, model_sent=model_sent))
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(e.watchdog.watch, st, att, policy)
+                try:
+                    yield att
+                finally:
+                    group.cancel_scope.cancel()
+        finally:
+            del session.in_flight[number]
+            session.last_end = time.monotonic()
+            session.poke()
+            if att.kill_reason:
+                session.kills.append(att.kill_reason)
+                e.emit(ev.AgentKilled(time.monotonic(), st.name, number, att.kill_deadline, att.kill_reason,
+                                      att.tokens))
+            rest = list(session.in_flight.values())
+            st.current = rest[-1] if rest else None
+            if st.status not in FINAL:
+                if st.current is None:
+                    st.status = "idle" if session.holding else "released"
+                else:
+                    st.status = "streaming" if st.current.first_token_at is not None else "prefill"
+
+    async def _hold(self, session: Session) -> None:
+        """Hold `session`'s slot while it has requests, and `release_after_s` past its last one."""
+        e = self.engine
+        st = session.st
+        with anyio.CancelScope() as scope:
+            session.holder = scope
+            try:
+                # a pool's session is placed once, and comes back to that member (its prefix cache) each time
+                async with e.scheduler.slot(st.name, st.endpoint if session.placed or not st.pool else st.pool) \
+                        as where:
+                    if st.pool and not session.placed:
+                        session.placed = True
+                        e.pools.placed(st, where)
+                    session.hold(True)
+                    e.refresh_load(st.endpoint)
+                    while True:
+                        session.wake = anyio.Event()
+                        if session.in_flight or session.queued:
+                            await session.wake.wait()
+                            continue
+                        left = session.last_end + self.release_after_s - time.monotonic()
+                        if left <= 0:
+                            break
+                        with anyio.move_on_after(left):
+                            await session.wake.wait()
+            finally:
+                session.holder = None
+                session.hold(False)  # requests waiting for it start another holder
+                if st.status not in FINAL and not session.in_flight:
+                    st.status = "released"
+                e.refresh_load(st.endpoint)
+
+    def kill(self, name: str, reason: str) -> bool:
+        """The operator's kill of a session: each of its requests in flight is ended (the harness decides
+        what follows); False when it has none."""
+        session = self.by_name[name]
+        for att in list(session.in_flight.values()):
+            att.kill("operator", reason, by_operator=True)
+        return bool(session.in_flight)
+
+    def extend(self, name: str, seconds: float | None) -> bool:
+        session = self.by_name[name]
+        for att in list(session.in_flight.values()):
+            self.engine.watchdog.extend(session.st, att, seconds)
+        return bool(session.in_flight)
+
+    def stop(self, reason: str) -> None:
+        """The run stops: each request in flight is ended with `reason`, and no slot is held any more."""
+        for session in self.by_name.values():
+            for att in list(session.in_flight.values()):
+                att.kill("operator", reason, by_operator=True)
+            if session.holder is not None:
+                session.holder.cancel()
+            session.hold(False)  # requests waiting for a slot look again, and see the run stopping
+
+    def finish(self) -> None:
+        """The run ended: every session ends (completed: a session has no answer to fail)."""
+        for session in self.by_name.values():
+            st = session.st
+            if st.status not in FINAL:
+                self.engine._finish(st, "completed", "")
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [{"name": s.name, "source": s.source, "harness": s.harness, "api": s.api, "requests": s.requests,
+                 "kills": list(s.kills)} for s in self.by_name.values()]

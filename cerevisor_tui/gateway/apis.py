@@ -1,0 +1,329 @@
+"""What the gateway knows of the three APIs it passes through: OpenAI's chat completions and responses, and
+Anthropic's messages. Nothing is translated between them: this module reads a copy of what goes by (the
+request's conversation, each streamed frame's signs of life, tokens and usage) and writes the few things the
+gateway says itself, each in the API's own shape (an error body, a mid-stream error event).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+Api = Literal["chat", "responses", "messages"]
+PATHS: dict[str, Api] = {"/chat/completions": "chat", "/responses": "responses", "/messages": "messages"}
+"""The governed paths, under /v1, and the API each speaks."""
+
+KEEPALIVE = b": keep-alive\n\n"
+"""An SSE comment: every SSE client skips it (the openai and anthropic SDKs included), and it keeps the
+connection, and the harness's own read timer, alive while a request waits."""
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_api_key", 404: "model_not_found",
+                 413: "invalid_request_error", 429: "rate_limit_exceeded", 503: "service_unavailable",
+                 504: "timeout"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+_json = msgspec.json.Encoder()
+
+
+def error_body(api: Api | None, status: int, message: str) -> bytes:
+    """An error the gateway answers itself, as the API's own error body (what the client's SDK parses)."""
+    if api == "messages":
+        return _json.encode({"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
+                                                        "message": message}})
+    return _json.encode({"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"),
+                                   "param": None, "code": _OPENAI_TYPES.get(status, "server_error")}})
+
+
+def error_frame(api: Api, status: int, message: str) -> bytes:
+    """An error after the response's headers went out (keep-alives, or part of the answer): the API's own
+    error event, which its SDKs raise as an error."""
+    if api == "messages":
+        return b"event: error\ndata: " + error_body(api, status, message) + b"\n\n"
+    if api == "responses":
+        return b"event: error\ndata: " + _json.encode(
+            {"type": "error", "code": _OPENAI_TYPES.get(status, "server_error"), "message": message, "param": None,
+             "sequence_number": 0}) + b"\n\n"
+    return b"data: " + error_body(api, status, message) + b"\n\n"
+
+
+# ---- the request: its conversation -------------------------------------------------------------------------
+def text_of(content: Any) -> str:
+    """A message's content as text: a string, or the text of its blocks (text, input_text, output_text)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content
+                       if isinstance(part, dict) and isinstance(part.get("text", ""), str))
+    return ""
+
+
+def conversation(api: Api, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    """The request's system prompt and its messages (as the client sent them), whatever the API."""
+    if api == "messages":
+        system = body.get("system")
+        messages = body.get("messages")
+        return text_of(system), messages if isinstance(messages, list) else []
+    if api == "responses":
+        items = body.get("input")
+        if isinstance(items, str):
+            items = [{"role": "user", "content": items}]
+        items = [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []
+        system = body.get("instructions")
+        return system if isinstance(system, str) else "", items
+    messages = body.get("messages")
+    messages = [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    system = "".join(text_of(m.get("content")) for m in messages if m.get("role") in ("system", "developer"))
+    return system, [m for m in messages if m.get("role") not in ("system", "developer")]
+
+
+def fingerprint(model: str, system: str, messages: list[dict[str, Any]]) -> str:
+    """What every turn of one conversation shares: its model, system prompt and first user message."""
+    first = next((text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")
+    return hashlib.sha256(f"{model}\0{system}\0{first}".encode()).hexdigest()[:10]
+
+
+def role_of(message: dict[str, Any]) -> str:
+    role = message.get("role")
+    if isinstance(role, str):
+        return role
+    kind = message.get("type")  # responses' items without a role: function_call, function_call_output, ...
+    return kind if isinstance(kind, str) else "item"
+
+
+# ---- what comes back: a decoded copy ---------------------------------------------------------------------
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    # chat's names, responses' names, messages' names: whichever the frame has
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    prompt_tokens_details: _Details | None = None
+    input_tokens_details: _Details | None = None
+    cache_read_input_tokens: int | None = None
+
+
+class _ToolFunction(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCall(msgspec.Struct):
+    function: _ToolFunction | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[_ToolCall] | None = None
+    # messages' content_block_delta
+    type: str = ""
+    text: str | None = None
+    thinking: str | None = None
+    partial_json: str | None = None
+    stop_reason: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    delta: _Delta | None = None
+    message: _Delta | None = None
+    finish_reason: str | None = None
+
+
+class _Message(msgspec.Struct):
+    usage: _Usage | None = None
+    stop_reason: str | None = None
+
+
+class _Response(msgspec.Struct):
+    usage: _Usage | None = None
+    status: str | None = None
+    output: list[Any] = []
+    error: Any = None
+
+
+class _Frame(msgspec.Struct):
+    """The fields of a chunk or event that the gateway reads, for every API at once (the rest is skipped)."""
+
+    type: str = ""
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: Any = None
+    delta: _Delta | str | None = None  # a _Delta in chat/messages, a string in responses' *.delta events
+    message: _Message | None = None  # messages' message_start
+    response: _Response | None = None  # responses' response.completed / response.failed
+
+
+_frame = msgspec.json.Decoder(_Frame)
+
+
+@dataclass
+class Reading:
+    """What the gateway reads of one request's answer as it goes by."""
+
+    api: Api
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
+    chunks: int = 0  # frames that carried content, reasoning or a tool call: one token each as servers stream
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None
+    finish: str = ""
+    error: str = ""  # an error the upstream said in its stream
+    unreadable: int = 0  # frames that were not JSON of the API's shape
+
+    def usage(self, usage: _Usage | None) -> None:
+        if usage is None:
+            return
+        self.prompt_tokens = usage.prompt_tokens or usage.input_tokens or self.prompt_tokens
+        self.completion_tokens = usage.completion_tokens or usage.output_tokens or self.completion_tokens
+        details = usage.prompt_tokens_details or usage.input_tokens_details
+        cached = details.cached_tokens if details is not None else usage.cache_read_input_tokens
+        if cached is not None:
+            self.cached_tokens = cached
+        if self.api == "messages" and usage.cache_read_input_tokens:  # Anthropic counts cached tokens apart
+            self.prompt_tokens = usage.input_tokens + usage.cache_read_input_tokens
+
+    def frames(self, data: bytes) -> tuple[str, str, str, int]:
+        """Read the complete SSE frames in `data`; returns what they added (content, reasoning, tool-call text,
+        chunks that carried any)."""
+        text, reasoning, tools, chunks = [], [], [], 0
+        for line in data.splitlines():
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if not payload or payload == b"[DONE]":
+                continue
+            try:
+                frame = _frame.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.unreadable += 1
+                continue
+            t, r, k = self._frame(frame)
+            if t or r or k:
+                chunks += 1
+                if t:
+                    text.append(t)
+                if r:
+                    reasoning.append(r)
+                if k:
+                    tools.append(k)
+        got = "".join(text), "".join(reasoning), "".join(tools)
+        if got[0]:
+            self.text.append(got[0])
+        if got[1]:
+            self.reasoning.append(got[1])
+        if got[2]:
+            self.tools.append(got[2])
+        self.chunks += chunks
+        return (*got, chunks)
+
+    def _frame(self, f: _Frame) -> tuple[str, str, str]:
+        if f.error is not None:
+            self.error = _error_text(f.error)
+        if self.api == "chat":
+            self.usage(f.usage)
+            if not f.choices:
+                return "", "", ""
+            choice = f.choices[0]
+            if choice.finish_reason:
+                self.finish = choice.finish_reason
+            d = choice.delta
+            if d is None:
+                return "", "", ""
+            tool = "".join((c.function.name or "") + (c.function.arguments or "")
+                           for c in d.tool_calls or () if c.function is not None)
+            return d.content or "", d.reasoning_content or d.reasoning or "", tool
+        if self.api == "messages":
+            if f.type == "message_start" and f.message is not None:
+                self.usage(f.message.usage)
+            elif f.type == "message_delta":
+                self.usage(f.usage)
+                if isinstance(f.delta, _Delta) and f.delta.stop_reason:
+                    self.finish = f.delta.stop_reason
+            elif f.type == "content_block_delta" and isinstance(f.delta, _Delta):
+                d = f.delta
+                return d.text or "", d.thinking or "", d.partial_json or ""
+            return "", "", ""
+        # responses: typed events
+        kind = f.type
+        if kind.endswith(".delta") and isinstance(f.delta, str):
+            if kind == "response.output_text.delta":
+                return f.delta, "", ""
+            if kind.startswith("response.reasoning"):
+                return "", f.delta, ""
+            if kind.startswith("response.function_call_arguments") or kind.startswith("response.custom_tool_call"):
+                return "", "", f.delta
+            return "", "", ""
+        if f.response is not None and kind in ("response.completed", "response.incomplete", "response.failed"):
+            self.usage(f.response.usage)
+            self.finish = f.response.status or kind.rpartition(".")[2]
+            if f.response.error:
+                self.error = _error_text(f.response.error)
+        return "", "", ""
+
+    def whole(self, data: bytes) -> None:
+        """Read a response that was not streamed: its text and usage."""
+        try:
+            body = msgspec.json.decode(data)
+        except msgspec.DecodeError:
+            self.unreadable += 1
+            return
+        if not isinstance(body, dict):
+            return
+        try:
+            self.usage(msgspec.convert(body.get("usage"), _Usage | None))
+        except msgspec.ValidationError:
+            pass
+        if self.api == "chat":
+            choices = body.get("choices") or [{}]
+            message = choices[0].get("message") or {} if isinstance(choices[0], dict) else {}
+            self.text.append(text_of(message.get("content")))
+            self.reasoning.append(str(message.get("reasoning_content") or message.get("reasoning") or ""))
+            self.finish = str(choices[0].get("finish_reason") or "") if isinstance(choices[0], dict) else ""
+        elif self.api == "messages":
+            for block in body.get("content") or ():
+                if isinstance(block, dict):
+                    if block.get("type") == "text":
+                        self.text.append(str(block.get("text", "")))
+                    elif block.get("type") == "thinking":
+                        self.reasoning.append(str(block.get("thinking", "")))
+                    elif block.get("type") == "tool_use":
+                        self.tools.append(f"{block.get('name', '')}{_json.encode(block.get('input', {})).decode()}")
+            self.finish = str(body.get("stop_reason") or "")
+        else:
+            for item in body.get("output") or ():
+                if not isinstance(item, dict):
+                    continue
+                if item.get("type") == "message":
+                    self.text.append(text_of(item.get("content")))
+                elif item.get("type") == "reasoning":
+                    self.reasoning.append(text_of(item.get("summary")) or text_of(item.get("content")))
+                elif item.get("type") == "function_call":
+                    self.tools.append(f"{item.get('name', '')}{item.get('arguments', '')}")
+            self.finish = str(body.get("status") or "")
+        self.chunks = self.completion_tokens or sum(map(len, self.text)) // 4
+
+    @property
+    def answer(self) -> str:
+        return "".join(self.text)
+
+
+def _error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        inner = error.get("error") if isinstance(error.get("error"), dict) else error
+        return str(inner.get("message") or inner.get("type") or error)[:500]
+    return str(error)[:500]
+
+
+def set_model(body: dict[str, Any], model: str) -> dict[str, Any]:
+    """The request as sent upstream: its `model` replaced (model_map, --model); nothing else changes."""
+    return {**body, "model": model} if body.get("model") != model else body
