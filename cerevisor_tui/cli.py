@@ -19,6 +19,8 @@ examples:
   cerevisor-tui --config team.toml            console on your endpoints and agents
   cerevisor-tui run workflow.toml --report out.json
   cerevisor-tui run workflow.toml --detach     a run that outlives the terminal; then: attach, ls, stop
+  cerevisor-tui gateway --upstream http://127.0.0.1:8000/v1 --model qwen3-coder
+                                              govern Claude Code, Codex, aider, ... pointed at :8100
   cerevisor-tui sim --port 8000               a simulated vLLM-like server on loopback
   cerevisor-tui probe http://127.0.0.1:8000/v1
   cerevisor-tui estimate --model llama-3.1-8b --gpu h100 --context 32768
@@ -83,6 +85,46 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
                      "foreground denies them and tells the model; a --detach run waits for a console to answer)")
     run.add_argument("--detached", action="store_true", help=argparse.SUPPRESS)  # the process --detach starts
     run.add_argument("--run-id", help=argparse.SUPPRESS)  # the id --detach printed
+
+    gateway = sub.add_parser(
+        "gateway",
+        help="govern the harnesses you did not write (Claude Code, Codex CLI, aider, ...): each session a row",
+        description="Serve an OpenAI- and Anthropic-compatible front door (POST /v1/chat/completions, /v1/responses, "
+        "/v1/messages; GET /v1/models) in front of your model server. Every session of a harness pointed at it is "
+        "an agent of the run: a row in the console with its live stream, admitted by the mode, the cap and Auto, "
+        "each request under the two-deadline stall watchdog, transcripts and a report as for any run. Requests are "
+        "passed through, never translated between APIs, and never retried by the gateway (the harness decides).\n\n"
+        "Like the console, it starts the run in a process of its own and attaches; an SSH drop is a detach, the "
+        "harnesses' connections stay up (`attach`, `ls`, `stop` reach it). --headless serves in the foreground "
+        "without a console (for systemd): a line per event, ended by SIGTERM or `stop`, its report written.",
+        epilog="examples:\n"
+        "  cerevisor-tui gateway --upstream http://127.0.0.1:8000/v1            the whole set-up\n"
+        "  cerevisor-tui gateway --upstream http://127.0.0.1:8000/v1 --model qwen3-coder   every request to one model\n"
+        "  cerevisor-tui gateway --config box.toml --headless --report gw.json   [gateway] and [[endpoints]] from a file\n\n"
+        "then, e.g.:\n"
+        "  ANTHROPIC_BASE_URL=http://127.0.0.1:8100 claude          Claude Code\n"
+        "  OPENAI_BASE_URL=http://127.0.0.1:8100/v1 python agent.py   anything on the openai SDK\n"
+        "  http://127.0.0.1:8100/a/NAME/v1                            a base URL whose path names the session\n\n"
+        "Without --upstream or endpoints in the config it serves the built-in simulator (model sim-model).\n"
+        "A non-loopback --listen needs [gateway] keys_env (client keys); see README \"Governing agents you did "
+        "not write\".",
+        formatter_class=_formatter,
+    )
+    gateway.add_argument("--config", dest="gateway_config", metavar="FILE",
+                         help="config file with [gateway] and [[endpoints]] (default: none; --upstream is enough)")
+    gateway.add_argument("--listen", metavar="HOST:PORT", help="where to serve (default [gateway] listen, 127.0.0.1:8100)")
+    gateway.add_argument("--upstream", metavar="URL",
+                         help="the model server's OpenAI base URL (…/v1), or the name of an endpoint or pool of the config")
+    gateway.add_argument("--model", metavar="ID",
+                         help="send every request to model ID, whatever the harness asks for (else [gateway] model_map)")
+    gateway.add_argument("--mode", choices=MODES, help="sequential (one session at a time), parallel (up to "
+                         "--concurrency sessions), auto (each endpoint's cap follows what its server sustains)")
+    gateway.add_argument("--concurrency", type=int, metavar="N", help="most sessions holding a slot at once (parallel)")
+    gateway.add_argument("--run-dir", metavar="DIR", help="directory for events.jsonl, transcripts/ and report.json")
+    gateway.add_argument("--report", metavar="PATH", help="also write the JSON report here")
+    gateway.add_argument("--headless", action="store_true",
+                         help="serve in the foreground without a console; a line per event; SIGTERM or `stop` ends it")
+    gateway.add_argument("--jsonl", action="store_true", help="with --headless: print each event as one JSON object")
 
     attach = sub.add_parser(
         "attach",

@@ -119,8 +119,8 @@ def main(args: Any) -> int:
     lock: RunLock | None = None
     try:
         config = apply_overrides(load_config(args.file), args, file=args.file)
-        if not config.agents:
-            raise ConfigError("no [[agents]] to run", file=args.file, key="agents")
+        if not config.agents and config.gateway is None:
+            raise ConfigError("no [[agents]] to run (nor a [gateway] to serve)", file=args.file, key="agents")
         preflight(config, file=args.file)
         runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
         completed: dict[str, str] = {}
@@ -180,14 +180,29 @@ def main(args: Any) -> int:
         server = await serve_control(engine, run_dir, run_id, args.file, required=detached)
         if server is None and detached:
             return 1
+        gateway = None
+        if config.gateway is not None:
+            from cerevisor_tui.gateway import GatewayError, serve_gateway
+
+            try:
+                gateway = await serve_gateway(engine, config.gateway)
+            except GatewayError as exc:
+                print(f"cerevisor-tui run: {exc}", file=sys.stderr)
+                if server is not None:
+                    await server.close(f"the run could not start: {exc}")
+                return 2
         async with anyio.create_task_group() as group:
             group.start_soon(watch_signals, group.cancel_scope)
+            if gateway is not None:
+                group.start_soon(announce_gateway, engine, gateway)
             try:
                 code = await engine.run()
             finally:
                 group.cancel_scope.cancel()
-                if server is not None:
-                    with anyio.CancelScope(shield=True):
+                with anyio.CancelScope(shield=True):
+                    if gateway is not None:
+                        await gateway.close()
+                    if server is not None:
                         await server.close(f"the run ended (exit code {code})")
         return code
 
@@ -200,9 +215,23 @@ def main(args: Any) -> int:
         journal.close()
     if journal.error or not report_written:
         print(f"cerevisor-tui run: {write_problem(journal, report_written, run_dir)}", file=sys.stderr)
-    if received:
+    if received and not (config.gateway is not None and not config.agents):  # a gateway alone ends by a signal
         return SIGNAL_EXIT.get(signal.Signals(received[0]), 130)
     return 1 if journal.error or not report_written else code
+
+
+async def announce_gateway(engine: Any, gateway: Any) -> None:
+    """Once the run has begun: where its gateway serves, and which models it routes, said as a RunNotice."""
+    from cerevisor_tui.contract import events as ev
+
+    await engine.sessions.ready.wait()
+    await gateway.gateway.resolve_models()
+    served = ", ".join(sorted(gateway.gateway.served_models())) or "not known yet (the upstream is not answering)"
+    mapped = "; ".join(f"{glob} -> {model}" for glob, model in engine.config.gateway.model_map.items())
+    engine.emit(ev.RunNotice(time.monotonic(), f"Gateway serving on {gateway.url} (models: {served}"
+                             + (f"; mapped: {mapped}" if mapped else "") + "). Point a harness's base URL at it; "
+                             f"a path label names its session: {gateway.url.removesuffix('/v1')}/a/NAME/v1",
+                             "info", "Gateway"))
 
 
 async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: str, *, required: bool) -> Any:

@@ -231,7 +231,7 @@ class Sessions:
         for session in self.by_name.values():
             st = session.st
             if st.status not in FINAL:
-                self.engine._finish(st, "completed", "")
+                self.engine._finish(st, "completed", "session ended with the run")
 
     def summaries(self) -> list[dict[str, Any]]:
         return [{"name": s.name, "source": s.source, "harness": s.harness, "api": s.api, "requests": s.requests,

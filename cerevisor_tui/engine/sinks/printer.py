@@ -57,7 +57,17 @@ class Printer:
         return f"wave {e.wave} finished: " + ", ".join(f"{n} {status}" for status, n in counts.most_common())
 
     @staticmethod
+    def _line_SessionOpened(e: ev.SessionOpened) -> str:
+        by = f" ({e.harness})" if e.harness else ""
+        return f"{e.agent}: session opened{by}, named by {e.source}, {e.api} API, on {e.endpoint}"
+
+    @staticmethod
     def _line_AgentStarted(e: ev.AgentStarted) -> str:
+        if not e.turns:  # a gateway session's request: its model, and its time queued in the gateway
+            model = f"{e.model_asked} as {e.model_sent}" if e.model_sent != e.model_asked else e.model_sent
+            queued = f", queued {fmt_s(e.queued_s)}" if e.queued_s >= 0.05 else ""
+            return (f"{e.agent}: request {e.attempt} ({model}) sent to {e.endpoint}{queued} "
+                    f"(first-byte deadline {fmt_s(e.first_byte_deadline_s)}, idle {fmt_s(e.idle_deadline_s)})")
         again = f", attempt {e.attempt}" if e.attempt > 1 else ""  # attempts count within a turn: 2 is a retry
         if e.step:  # a tool loop's steps are attempts of the turn too: its step says more than its attempt
             again = f", step {e.step}"
@@ -111,6 +121,9 @@ class Printer:
 
     @staticmethod
     def _line_TurnFinished(e: ev.TurnFinished) -> str:
+        if not e.turns:
+            return (f"{e.agent}: request {e.attempt} done, {e.completion_tokens} tokens "
+                    f"({e.finish_reason or 'no finish reason'}) in {e.duration_s:.2f} s")
         return (f"{e.agent}: turn {e.turn}/{e.turns} done, {e.completion_tokens} tokens "
                 f"({e.finish_reason or 'no finish reason'}) in {e.duration_s:.2f} s")
 
@@ -155,6 +168,10 @@ class Printer:
     @staticmethod
     def _line_RunFinished(e: ev.RunFinished) -> str:
         t = e.totals
+        if t.sessions and not t.agents:
+            return (f"run {e.run_id} finished: {t.sessions} gateway session{'s' * (t.sessions != 1)}, "
+                    f"{t.output_tokens} output tokens in {t.wall_s:.1f} s"
+                    + (f"; report {e.report_path}" if e.report_path else ""))
         return (f"run {e.run_id} finished: {t.completed}/{t.agents} completed, {t.failed} failed, "
                 f"{t.killed} killed, {t.skipped} skipped, {t.output_tokens} output tokens in "
                 f"{t.wall_s:.1f} s" + (f"; report {e.report_path}" if e.report_path else ""))

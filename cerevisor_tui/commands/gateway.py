@@ -1,0 +1,140 @@
+"""`cerevisor-tui gateway`: serve the OpenAI- and Anthropic-compatible front door that governs harnesses the
+console did not write. Like the console, it starts its run detached (an SSH drop never drops a harness's
+connection) and attaches to it; `--headless` serves in the foreground for a service manager.
+
+The run it starts is an ordinary run whose config has a `[gateway]` table: this command writes that config
+(the user's file with the command line's overrides, or one made from `--upstream URL` alone) into the run's
+directory as `gateway.toml`, and `run` serves it (commands/run.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from cerevisor_tui.config import ConfigError, validate
+
+GATEWAY_FILE = "gateway.toml"
+SIMULATED = {"name": "sim", "kind": "simulated", "model": "sim-model"}
+
+
+def gateway_data(args: Any) -> dict[str, Any]:
+    """The run's config as data: the config file (if any), the [gateway] table, the command line on top."""
+    data: dict[str, Any] = {}
+    config_file = args.gateway_config or getattr(args, "config", None)
+    if config_file:
+        path = Path(config_file)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError("file not found", file=str(path)) from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read: {getattr(exc, 'strerror', None) or exc}", file=str(path)) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"invalid TOML: {exc}", file=str(path)) from None
+    gateway = dict(data.get("gateway") or {})
+    endpoints = list(data.get("endpoints") or [])
+    if args.upstream:
+        if "://" in args.upstream:
+            problem = _url_problem(args.upstream)
+            if problem:
+                raise ConfigError(problem, key="--upstream")
+            host = urlsplit(args.upstream).hostname or ""
+            local = host in ("localhost", "::1") or host.startswith("127.")
+            name = _free_name("upstream", endpoints)
+            endpoints.append({"name": name, "base_url": args.upstream.rstrip("/"),
+                              "kind": "local" if local else "hosted"})
+            gateway["upstream"] = name
+        else:
+            gateway["upstream"] = args.upstream  # an endpoint or pool of the config, checked with it
+    if not endpoints:  # nothing to govern: the built-in simulator, as the console does
+        endpoints = [dict(SIMULATED)]
+    if args.model:
+        gateway["model_map"] = {"*": args.model}  # every request goes to ID
+    if args.listen:
+        gateway["listen"] = args.listen
+    data["endpoints"] = endpoints
+    data["gateway"] = gateway
+    run = dict(data.get("run") or {})
+    if args.mode:
+        run["mode"] = args.mode
+    if args.concurrency is not None:
+        run["max_concurrency"] = args.concurrency
+    if args.run_dir:
+        run.pop("run_dir", None)
+    data["run"] = run
+    return data
+
+
+def _url_problem(url: str) -> str | None:
+    from cerevisor_tui.config.models import url_problem
+
+    problem = url_problem(url)
+    if problem:
+        return problem
+    if not urlsplit(url).path.rstrip("/").endswith("/v1"):
+        return f"{url!r} should be the server's OpenAI base URL, ending in /v1 (e.g. http://127.0.0.1:8000/v1)"
+    return None
+
+
+def _free_name(base: str, endpoints: list[dict[str, Any]]) -> str:
+    names = {ep.get("name") for ep in endpoints}
+    name, n = base, 1
+    while name in names:
+        n += 1
+        name = f"{base}{n}"
+    return name
+
+
+def main(args: Any) -> int:
+    import tomli_w
+
+    from cerevisor_tui.commands import run as run_command
+    from cerevisor_tui.config.paths import default_runs_dir
+    from cerevisor_tui.engine.engine import new_run_id
+
+    shown = args.gateway_config or getattr(args, "config", None) or "the command line"
+    try:
+        data = gateway_data(args)
+        config = validate(data, file=f"{shown} (with the gateway's options)")
+    except ConfigError as exc:
+        print(f"cerevisor-tui gateway: {exc}", file=sys.stderr)
+        return 2
+    runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
+    run_id = new_run_id()
+    run_dir = Path(args.run_dir) if args.run_dir else runs_dir / run_id
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_file = run_dir / GATEWAY_FILE
+        config_file.write_text(tomli_w.dumps(config.model_dump(exclude_defaults=True, exclude_none=True)),
+                               encoding="utf-8")
+    except OSError as exc:
+        print(f"cerevisor-tui gateway: run directory {run_dir} is not usable: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    run_args = Namespace(file=str(config_file), mode=None, concurrency=None, endpoint=None, model=None,
+                         report=args.report, jsonl=args.jsonl, run_dir=str(run_dir), resume=None, detach=False,
+                         approve_all=False, detached=False, run_id=run_id)
+    listen = config.gateway.listen if config.gateway else ""
+    if args.headless:
+        return run_command.main(run_args)
+    from cerevisor_tui.commands.console_client import open_console
+    from cerevisor_tui.commands.run import DetachError, how_to_reach, start_detached
+
+    flags = ["--report", str(Path(args.report).resolve())] if args.report else []
+    try:
+        starting = start_detached(str(config_file), run_dir, run_id=run_id, flags=flags)
+    except DetachError as exc:
+        print(f"cerevisor-tui gateway: {exc}", file=sys.stderr)
+        return 1
+    print(f"gateway run {run_id} serving on {listen}; it goes on without this terminal", file=sys.stderr)
+    code = open_console(run_dir, live=True, args=args, starting=starting)
+    from cerevisor_tui.supervisor.runs import run_info
+
+    info = run_info(run_dir)
+    if info is not None and info.state == "live":
+        print(f"gateway run {run_id} goes on without this console; {how_to_reach(run_dir, run_id)}", file=sys.stderr)
+    return code
