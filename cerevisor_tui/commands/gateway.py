@@ -50,7 +50,12 @@ def gateway_data(args: Any) -> dict[str, Any]:
                               "kind": "local" if local else "hosted"})
             gateway["upstream"] = name
         else:
-            gateway["upstream"] = args.upstream  # an endpoint or pool of the config, checked with it
+            known = [ep.get("name") for ep in endpoints] + [p.get("name") for p in data.get("pools") or ()]
+            if args.upstream not in known:
+                names = ", ".join(str(n) for n in known if n) or "none: give a URL"
+                raise ConfigError(f"{args.upstream!r} is neither a URL (http://HOST:PORT/v1) nor an endpoint or pool "
+                                  f"of the config (known: {names})", key="--upstream")
+            gateway["upstream"] = args.upstream
     if not endpoints:  # nothing to govern: the built-in simulator, as the console does
         endpoints = [dict(SIMULATED)]
     if args.model:
@@ -121,15 +126,22 @@ def main(args: Any) -> int:
     listen = config.gateway.listen if config.gateway else ""
     if args.headless:
         return run_command.main(run_args)
-    from cerevisor_tui.commands.console_client import open_console
-    from cerevisor_tui.commands.run import DetachError, how_to_reach, start_detached
+    from cerevisor_tui.commands.run import DetachError, how_to_reach, spawn_detached, start_detached
 
     flags = ["--report", str(Path(args.report).resolve())] if args.report else []
     try:
+        if args.detach:  # started, answering, and left to run: its log says the rest
+            pid = spawn_detached(str(config_file), run_dir, run_id=run_id, flags=flags)
+            print(f"gateway run {run_id} serving on {listen} (process {pid}, run dir {run_dir}); it goes on "
+                  "without this terminal")
+            print(f"  {how_to_reach(run_dir, run_id)}")
+            return 0
         starting = start_detached(str(config_file), run_dir, run_id=run_id, flags=flags)
     except DetachError as exc:
         print(f"cerevisor-tui gateway: {exc}", file=sys.stderr)
         return 1
+    from cerevisor_tui.commands.console_client import open_console
+
     print(f"gateway run {run_id} serving on {listen}; it goes on without this terminal", file=sys.stderr)
     code = open_console(run_dir, live=True, args=args, starting=starting)
     from cerevisor_tui.supervisor.runs import run_info

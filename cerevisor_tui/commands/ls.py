@@ -41,5 +41,8 @@ def main(args: Any) -> int:
     width = max(len(r.run_id) for r in runs)
     print(f"{'RUN':<{width}}  {'STATE':<9}  {'AGENTS':>9}  STARTED")
     for r in runs:
-        print(f"{r.run_id:<{width}}  {r.state:<9}  {f'{r.done}/{r.total}':>9}  {age(r.started)}")
+        agents = f"{r.done}/{r.total}" if r.total or not r.sessions else ""
+        if r.sessions:  # a gateway's run: its sessions after its agents
+            agents += f"{' + ' if agents else ''}{r.sessions} session{'s' * (r.sessions != 1)}"
+        print(f"{r.run_id:<{width}}  {r.state:<9}  {agents:>9}  {age(r.started)}")
     return 0

@@ -38,7 +38,7 @@ def harness(user_agent: str) -> str:
     lower = ua.lower()
     for prefix, name in _HARNESSES:
         if lower.startswith(prefix):
-            version = re.match(r"[^/ ]+(?:/[^/ ]+)?/v?([0-9][0-9A-Za-z.+-]*)", ua)
+            version = re.search(r"[/ ]v?([0-9]+(?:\.[0-9A-Za-z+-]+)*)", ua)
             return f"{name} {version.group(1)}" if version else name
     return _UNSAFE.sub("-", ua.split()[0])[:MAX_NAME]
 

@@ -28,6 +28,7 @@ class RunInfo:
     started: float  # wall-clock seconds
     pid: int | None = None
     exit_code: int | None = None
+    sessions: int = 0  # a gateway's sessions (not among the agents)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -64,11 +65,12 @@ def run_info(run_dir: Path) -> RunInfo | None:
         fh = open(path, "rb")
     except OSError:
         return None
-    run_id, agents, status, finished = run_dir.name, 0, {}, None
+    run_id, agents, status, finished, sessions = run_dir.name, 0, {}, None, set()
     with fh:
         for raw in fh:
             # only the lines that matter here are parsed: a long run's journal is mostly other events
-            if b'"RunStarted"' not in raw and b'"AgentFinished"' not in raw and b'"RunFinished"' not in raw:
+            if (b'"RunStarted"' not in raw and b'"AgentFinished"' not in raw and b'"RunFinished"' not in raw
+                    and b'"SessionOpened"' not in raw):
                 continue
             try:
                 data = json.loads(raw)
@@ -82,11 +84,13 @@ def run_info(run_dir: Path) -> RunInfo | None:
                 waves = data.get("waves") if isinstance(data.get("waves"), list) else []
                 agents = sum(len(w) for w in waves if isinstance(w, list))
                 finished = None
+            elif kind == "SessionOpened" and isinstance(data.get("agent"), str):
+                sessions.add(data["agent"])
             elif kind == "AgentFinished" and isinstance(data.get("agent"), str):
                 status[data["agent"]] = data.get("status")
             elif kind == "RunFinished":
                 finished = data.get("exit_code") if isinstance(data.get("exit_code"), int) else 1
-    done = sum(1 for s in status.values() if s == "completed")
+    done = sum(1 for name, s in status.items() if s == "completed" and name not in sessions)
     supervisor = read_supervisor(run_dir)
     if answers(socket_of(run_dir)):
         state = "live"
@@ -95,7 +99,8 @@ def run_info(run_dir: Path) -> RunInfo | None:
     else:
         state = "finished" if done >= agents else "resumable"
     pid = supervisor.get("pid") if state == "live" and isinstance(supervisor.get("pid"), int) else None
-    return RunInfo(run_id, run_dir, state, done, agents, _started(run_dir, run_id, supervisor), pid, finished)
+    return RunInfo(run_id, run_dir, state, done, agents, _started(run_dir, run_id, supervisor), pid, finished,
+                   len(sessions))
 
 
 def list_runs(runs_dir: Path) -> list[RunInfo]:
