@@ -1,9 +1,10 @@
-"""The simulator's HTTP face: a starlette app speaking the parts of vLLM's API the console uses.
+"""The simulator's HTTP face: a starlette app speaking the parts of vLLM's API the console and gateway use.
 
-`/health`, `/v1/models`, `/v1/chat/completions` (streamed as SSE, or not; chat.py) and `/metrics` with vLLM's
-metric names. A request takes one path here: the body read into a Prompt, an engine sequence
-(`scheduler.BatchEngine`: KV cache, prefix reuse, batch, queue), its tokens streamed with the configured
-faults, the counters kept; the API (sim/api.py) only reads its body and frames its answers and errors.
+`/health`, `/v1/models`, `/metrics` with vLLM's metric names, and three ways to ask for an answer, each
+streamed as SSE or not: `/v1/chat/completions` (chat.py) and OpenAI's `/v1/responses` (responses.py).
+Both take one path here: the body read into a Prompt, an
+engine sequence (`scheduler.BatchEngine`: KV cache, prefix reuse, batch, queue), its tokens streamed with
+the configured faults, the counters kept; an API only reads its body and frames its answers and errors.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from cerevisor_tui.sim.chat import ChatApi
 from cerevisor_tui.sim.chat import error_body as chat_error
 from cerevisor_tui.sim.kv import KvCache
 from cerevisor_tui.sim.profiles import SimServerSpec, resolve
+from cerevisor_tui.sim.responses import ResponsesApi
 from cerevisor_tui.sim.scheduler import DONE, BatchEngine, Sequence
 
 OWNER = "cerevisor-sim"
@@ -408,7 +410,7 @@ def create_app(settings: SimSettings, *, model: str = "sim-model") -> Starlette:
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
-        *(server.route(api) for api in (ChatApi(),)),
+        *(server.route(api) for api in (ChatApi(), ResponsesApi())),
         Route("/metrics", metrics, methods=["GET"]),
     ])
     app.state.sim = state
