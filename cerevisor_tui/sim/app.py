@@ -1,8 +1,8 @@
 """The simulator's HTTP face: a starlette app speaking the parts of vLLM's API the console and gateway use.
 
 `/health`, `/v1/models`, `/metrics` with vLLM's metric names, and three ways to ask for an answer, each
-streamed as SSE or not: `/v1/chat/completions` (chat.py) and OpenAI's `/v1/responses` (responses.py).
-Both take one path here: the body read into a Prompt, an
+streamed as SSE or not: `/v1/chat/completions` (chat.py), OpenAI's `/v1/responses` (responses.py) and
+Anthropic's `/v1/messages` (messages.py). All three take one path here: the body read into a Prompt, an
 engine sequence (`scheduler.BatchEngine`: KV cache, prefix reuse, batch, queue), its tokens streamed with
 the configured faults, the counters kept; an API only reads its body and frames its answers and errors.
 """
@@ -35,6 +35,7 @@ from cerevisor_tui.sim.api import Api, ApiError, Finish, Frames, Reply, ToolCall
 from cerevisor_tui.sim.chat import ChatApi
 from cerevisor_tui.sim.chat import error_body as chat_error
 from cerevisor_tui.sim.kv import KvCache
+from cerevisor_tui.sim.messages import MessagesApi
 from cerevisor_tui.sim.profiles import SimServerSpec, resolve
 from cerevisor_tui.sim.responses import ResponsesApi
 from cerevisor_tui.sim.scheduler import DONE, BatchEngine, Sequence
@@ -410,7 +411,7 @@ def create_app(settings: SimSettings, *, model: str = "sim-model") -> Starlette:
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
-        *(server.route(api) for api in (ChatApi(), ResponsesApi())),
+        *(server.route(api) for api in (ChatApi(), ResponsesApi(), MessagesApi())),
         Route("/metrics", metrics, methods=["GET"]),
     ])
     app.state.sim = state
