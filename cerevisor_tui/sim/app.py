@@ -1,8 +1,10 @@
-"""The simulator's HTTP face: a starlette app speaking the parts of vLLM's OpenAI API the console uses.
+"""The simulator's HTTP face: a starlette app speaking the parts of vLLM's API the console and gateway use.
 
-`/health`, `/v1/models`, `/v1/chat/completions` (streamed as SSE, or not) and `/metrics` with vLLM's
-metric names. The work of generating tokens lives in `scheduler.BatchEngine`; this module turns requests
-into engine sequences, streams their tokens, injects the configured faults and keeps the counters.
+`/health`, `/v1/models`, `/metrics` with vLLM's metric names, and three ways to ask for an answer, each
+streamed as SSE or not: `/v1/chat/completions` (chat.py), OpenAI's `/v1/responses` (responses.py) and
+Anthropic's `/v1/messages` (messages.py). All three take one path here: the body read into a Prompt, an
+engine sequence (`scheduler.BatchEngine`: KV cache, prefix reuse, batch, queue), its tokens streamed with
+the configured faults, the counters kept; an API only reads its body and frames its answers and errors.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,14 +31,17 @@ from starlette.types import Receive, Scope, Send
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.sim import text as simtext
 from cerevisor_tui.sim import tools as simtools
+from cerevisor_tui.sim.api import Api, ApiError, Finish, Frames, Reply, ToolCall
+from cerevisor_tui.sim.chat import ChatApi
+from cerevisor_tui.sim.chat import error_body as chat_error
 from cerevisor_tui.sim.kv import KvCache
+from cerevisor_tui.sim.messages import MessagesApi
 from cerevisor_tui.sim.profiles import SimServerSpec, resolve
+from cerevisor_tui.sim.responses import ResponsesApi
 from cerevisor_tui.sim.scheduler import DONE, BatchEngine, Sequence
 
 OWNER = "cerevisor-sim"
 _DROP = object()  # yielded by a stream to cut the connection without finishing the response
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
 
 
 @dataclass
@@ -47,16 +53,16 @@ class SimState:
     spec: SimServerSpec
     engine: BatchEngine
     started_at: float = field(default_factory=time.monotonic)
-    requests_total: int = 0  # chat requests received
+    requests_total: int = 0  # requests received, in all three APIs
     completed_total: int = 0
     aborted_total: int = 0  # client went away before the end
     dropped_total: int = 0  # fault: connection cut by the server
     failed_total: int = 0  # fault: answered with fail_status
     rejected_total: int = 0  # 4xx: bad request, unknown model, too long
     requests: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
-    """The latest request bodies with their Authorization header (bounded log)."""
+    """The latest requests with their credential (Authorization, or x-api-key), in a bounded log."""
     requests_by_agent: Counter[str] = field(default_factory=Counter)
-    """Chat requests per agent, from the `X-Cerevisor-Agent` header or the body's `user` field."""
+    """Requests per agent, from the `X-Cerevisor-Agent` header or the body (`user`, messages' `metadata.user_id`)."""
 
     @property
     def kv(self) -> KvCache:
@@ -87,12 +93,6 @@ class SimState:
     @property
     def loading(self) -> bool:
         return self.cold_start_left_s > 0
-
-
-def _error(status: int, message: str, *, param: str | None = None, headers: dict[str, str] | None = None):
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "APIError"), "param": param,
-                      "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _SimCollector:
@@ -196,15 +196,21 @@ class _Stream(Response):
         await self.chunks.aclose()
 
 
-class _Chat:
-    """Handles one chat request against the shared state."""
-
-    _ids = itertools.count(1)
+class _Server:
+    """The one request path of every API: read the body into a Prompt, check it, run it as an engine Sequence,
+    then stream its tokens (with the faults) or wait for the whole answer, counting as it goes. An API only
+    reads the body and frames the answer (sim/api.py)."""
 
     def __init__(self, state: SimState) -> None:
         self.state = state
 
-    async def handle(self, request: Request) -> Response:
+    def route(self, api: Api) -> Route:
+        async def endpoint(request: Request) -> Response:
+            return await self.handle(request, api)
+
+        return Route(api.path, endpoint, methods=["POST"])
+
+    async def handle(self, request: Request, api: Api) -> Response:
         st, settings = self.state, self.state.settings
         try:
             body = json.loads(await request.body())
@@ -212,83 +218,87 @@ class _Chat:
                 raise ValueError("body must be a JSON object")
         except ValueError as exc:
             st.rejected_total += 1
-            return _error(400, f"Invalid JSON body: {exc}")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            return api.error(400, f"Invalid JSON body: {exc}")
+        try:
+            prompt = api.read(body)
+        except ApiError as exc:
             st.rejected_total += 1
-            return _error(400, "messages must be a non-empty list of objects", param="messages")
-        model = body.get("model") or st.model
+            return api.error(exc.status, exc.message, param=exc.param)
+        model = prompt.model or st.model
         if model != st.model:
             st.rejected_total += 1
-            return _error(404, f"The model `{model}` does not exist.", param="model")
+            return api.error(404, api.unknown_model(model), param="model")
         st.requests_total += 1
-        auth = request.headers.get("authorization")
-        agent = request.headers.get("x-cerevisor-agent") or body.get("user") or ""
-        st.requests.append({"model": model, "messages": messages, "max_tokens": body.get("max_tokens"),
-                            "stream": bool(body.get("stream")), "authorization": auth,
+        auth = request.headers.get("authorization") or request.headers.get("x-api-key")
+        agent = request.headers.get("x-cerevisor-agent") or prompt.agent
+        st.requests.append({"api": api.name, "model": model, "messages": prompt.messages,
+                            "max_tokens": prompt.max_tokens, "stream": prompt.stream, "authorization": auth,
                             "has_authorization": auth is not None, "agent": agent,
-                            "request_id": request.headers.get("x-request-id"),
-                            "body": {k: v for k, v in body.items() if k != "messages"},
+                            "request_id": request.headers.get("x-request-id"), "body": prompt.body,
                             # what routers read (X-Session-ID and the like); never the key
-                            "headers": {k: v for k, v in request.headers.items() if k != "authorization"}})
+                            "headers": {k: v for k, v in request.headers.items()
+                                        if k not in ("authorization", "x-api-key")}})
         if agent:
             st.requests_by_agent[agent] += 1
         if st.requests_total <= settings.fail_first:
             st.failed_total += 1
             status = settings.fail_status
             headers = {"Retry-After": "1"} if status == 429 else None
-            return _error(status, f"Simulated failure {st.requests_total} of {settings.fail_first}",
-                          headers=headers)
+            return api.error(status, f"Simulated failure {st.requests_total} of {settings.fail_first}",
+                             headers=headers)
         left = st.cold_start_left_s
         if left > 0:
             await asyncio.sleep(left)
-        rendered = simtext.render_prompt(messages)
+        rendered = simtext.render_prompt(prompt.messages)
         prompt_tokens = simtext.count_tokens(rendered)
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        max_tokens = prompt.max_tokens
         explicit = max_tokens is not None
         if not explicit:
             max_tokens = min(settings.max_tokens_default, max(1, st.spec.max_model_len - prompt_tokens))
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             st.rejected_total += 1
-            return _error(400, f"max_tokens must be at least 1, got {max_tokens!r}", param="max_tokens")
+            return api.error(400, f"max_tokens must be at least 1, got {max_tokens!r}", param="max_tokens")
         limit = st.spec.max_model_len
         if prompt_tokens + max_tokens > limit:
             st.rejected_total += 1
-            return _error(
+            return api.error(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
                 "completion). Please reduce the length of the messages or completion.",
                 param="max_tokens",
             )
-        stream = bool(body.get("stream"))
-        call = simtools.choose_call(body, messages, settings, rendered)
+        if prompt.max_tokens_is_cap:  # the answer's own length, unless max_tokens cuts it
+            explicit = max_tokens < settings.max_tokens_default
+            max_tokens = min(max_tokens, settings.max_tokens_default)
+        chosen = simtools.choose_call(prompt.tools, prompt.messages, settings, rendered)
+        call = ToolCall(*chosen) if chosen is not None else None
         if call is not None:  # the answer is a tool call: its arguments stream as its tokens
-            words = iter(simtools.pieces(call[2]))
-            max_tokens = len(simtools.pieces(call[2]))
+            words = iter(simtools.pieces(call.arguments))
+            max_tokens = len(simtools.pieces(call.arguments))
         seq = Sequence(
             prompt_tokens=prompt_tokens,
             hashes=simtext.block_hashes(rendered, st.spec.block_size),
             max_tokens=max_tokens,
-            notify_each_token=stream,
+            notify_each_token=prompt.stream,
         )
         st.engine.submit(seq)
         if call is None:
             words = simtext.words(simtext.text_seed(settings.seed, rendered))
-        finish = "tool_calls" if call is not None else "length" if explicit else "stop"
-        request_id = f"chatcmpl-sim-{next(self._ids)}"
-        if stream:
-            opts = body.get("stream_options") or {}
-            return _Stream(self._events(seq, words, request_id, model, finish, bool(opts.get("include_usage")), call),
-                           lambda: self._abort(seq))
-        return await self._whole(request, seq, words, request_id, model, finish, call)
+        finish: Finish = "tool_calls" if call is not None else "length" if explicit else "stop"
+        reply = Reply(id=api.new_id(), model=model, created=int(time.time()), seq=seq, finish=finish, call=call,
+                      prompt=prompt)
+        if prompt.stream:
+            return _Stream(self._events(reply, words, api.frames(reply)), lambda: self._abort(seq))
+        return await self._whole(request, reply, words, api)
 
     def _abort(self, seq: Sequence) -> None:
         if self.state.engine.abort(seq):
             self.state.aborted_total += 1
 
-    async def _whole(self, request: Request, seq: Sequence, words, request_id: str, model: str,
-                     finish: str, call: tuple[str, str, str] | None = None) -> Response:
+    async def _whole(self, request: Request, reply: Reply, words: Iterator[str], api: Api) -> Response:
+        seq = reply.seq
+
         async def watch() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
@@ -304,61 +314,30 @@ class _Chat:
         if seq.aborted or seq.closed:
             return Response(status_code=499)
         self.state.completed_total += 1
-        content = "".join(itertools.islice(words, seq.generated))
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if call is not None:
-            message = {"role": "assistant", "content": None, "tool_calls": [
-                {"id": call[0], "type": "function", "function": {"name": call[1], "arguments": call[2]}}]}
-        return JSONResponse({
-            "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": None, "finish_reason": finish, "stop_reason": None}],
-            "usage": {"prompt_tokens": seq.prompt_tokens, "completion_tokens": seq.generated,
-                      "total_tokens": seq.prompt_tokens + seq.generated,
-                      "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}},
-        })
+        return JSONResponse(api.whole(reply, "".join(itertools.islice(words, seq.generated))))
 
-    async def _events(self, seq: Sequence, words, request_id: str, model: str, finish: str, usage: bool,
-                      call: tuple[str, str, str] | None = None):
-        st, settings = self.state, self.state.settings
-        created = int(time.time())
-        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model}
-        # Content chunks are the hot path: a prebuilt prefix and suffix around the JSON of each word.
-        head = "data: " + json.dumps(base, separators=(",", ":"))[:-1] + ',"choices":[{"index":0,'
-        word_tail = '},"logprobs":null,"finish_reason":null}]}\n\n'
-
-        def event(obj: dict) -> str:
-            return "data: " + json.dumps({**base, **obj}, separators=(",", ":")) + "\n\n"
-
+    async def _events(self, reply: Reply, words: Iterator[str], frames: Frames) -> AsyncIterator[bytes | object]:
+        st, settings, seq = self.state, self.state.settings, reply.seq
         keepalive = settings.keepalive_s / settings.speed if settings.keepalive_s > 0 else None
         drop_at, bad_at = settings.drop_after_tokens, settings.malformed_after_tokens
         sent = 0
         try:
             while True:
-                if seq.closed:
-                    yield _DROP
+                if seq.closed:  # the server is shutting down
+                    failure = frames.failure("The server is shutting down.")
+                    yield _DROP if failure is None else failure.encode()
                     return
                 ready = seq.generated
                 if ready > sent:
                     out: list[str] = []
-                    if sent == 0 and call is None:
-                        out.append(head + '"delta":{"role":"assistant","content":""},"logprobs":null,'
-                                   '"finish_reason":null}]}\n\n')
-                    elif sent == 0:  # OpenAI's form: the call's id and name first, then its arguments in pieces
-                        first = {"role": "assistant", "content": None, "tool_calls": [
-                            {"index": 0, "id": call[0], "type": "function",
-                             "function": {"name": call[1], "arguments": ""}}]}
-                        out.append(head + '"delta":' + json.dumps(first) + word_tail[1:])
+                    if sent == 0:
+                        out.append(frames.opening())
                     while sent < ready:
                         if sent == drop_at:
                             break
                         if sent == bad_at:
-                            out.append('data: {"id": broken\n\n')
-                        if call is None:
-                            out.append(head + '"delta":{"content":' + json.dumps(next(words)) + word_tail)
-                        else:
-                            piece = {"tool_calls": [{"index": 0, "function": {"arguments": next(words)}}]}
-                            out.append(head + '"delta":' + json.dumps(piece) + word_tail[1:])
+                            out.append(frames.malformed())
+                        out.append(frames.piece(next(words)))
                         sent += 1
                     if out:
                         yield "".join(out).encode()
@@ -370,17 +349,8 @@ class _Chat:
                 if seq.phase == DONE and sent >= seq.generated:
                     if seq.aborted:
                         return
-                    choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-                    tail = [event({"choices": [choice]})]
-                    if usage:
-                        tail.append(event({"choices": [], "usage": {
-                            "prompt_tokens": seq.prompt_tokens, "completion_tokens": sent,
-                            "total_tokens": seq.prompt_tokens + sent,
-                            # as vLLM with --enable-prompt-tokens-details: the prompt's prefix-cache hits
-                            "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}}))
-                    tail.append("data: [DONE]\n\n")
                     st.completed_total += 1
-                    yield "".join(tail).encode()
+                    yield frames.closing().encode()
                     return
                 seq.changed.clear()
                 if seq.generated > sent or seq.phase == DONE or seq.closed:
@@ -423,9 +393,11 @@ def create_app(settings: SimSettings, *, model: str = "sim-model") -> Starlette:
     registry.register(_SimCollector(state))
     _install_log_filter()
 
+    server = _Server(state)
+
     async def health(request: Request) -> Response:
         if state.loading:
-            return _error(503, "Loading model")
+            return JSONResponse(chat_error(503, "Loading model"), status_code=503)
         return Response(status_code=200)
 
     async def models(request: Request) -> Response:
@@ -439,7 +411,7 @@ def create_app(settings: SimSettings, *, model: str = "sim-model") -> Starlette:
     app = Starlette(routes=[
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/chat/completions", _Chat(state).handle, methods=["POST"]),
+        *(server.route(api) for api in (ChatApi(), ResponsesApi(), MessagesApi())),
         Route("/metrics", metrics, methods=["GET"]),
     ])
     app.state.sim = state
