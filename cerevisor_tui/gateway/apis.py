@@ -157,7 +157,7 @@ class _Frame(msgspec.Struct):
     usage: _Usage | None = None
     error: Any = None
     delta: _Delta | str | None = None  # a _Delta in chat/messages, a string in responses' *.delta events
-    message: _Message | None = None  # messages' message_start
+    message: _Message | str | None = None  # messages' message_start; responses' flat error event's text
     response: _Response | None = None  # responses' response.completed / response.failed
 
 
@@ -229,6 +229,8 @@ class Reading:
     def _frame(self, f: _Frame) -> tuple[str, str, str]:
         if f.error is not None:
             self.error = _error_text(f.error)
+        elif f.type == "error" and isinstance(f.message, str):  # responses' flat error event
+            self.error = f.message[:500]
         if self.api == "chat":
             self.usage(f.usage)
             if not f.choices:
@@ -243,7 +245,7 @@ class Reading:
                            for c in d.tool_calls or () if c.function is not None)
             return d.content or "", d.reasoning_content or d.reasoning or "", tool
         if self.api == "messages":
-            if f.type == "message_start" and f.message is not None:
+            if f.type == "message_start" and isinstance(f.message, _Message):
                 self.usage(f.message.usage)
             elif f.type == "message_delta":
                 self.usage(f.usage)
