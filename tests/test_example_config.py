@@ -15,6 +15,7 @@ from cerevisor_tui.config.models import (
     AutoConfig,
     CapacitySettings,
     EndpointConfig,
+    GatewayConfig,
     RunConfig,
     SimSettings,
     StallConfig,
@@ -76,6 +77,9 @@ def test_example_config_documents_every_key_with_its_default():
         "[endpoints.capacity]": undocumented(CapacitySettings, endpoint["capacity"], texts["endpoints.capacity"],
                                              defaults=False),
         "[[agents]]": undocumented(AgentConfig, agent_keys, texts["agents"], defaults=False),
+        # commented out: a [gateway] table would make the example serve one
+        "[gateway]": undocumented(GatewayConfig, {}, text[text.index("# [gateway]"):text.index("# ---- Agents")],
+                                  defaults=False),
     }
     assert {table: keys for table, keys in problems.items() if keys} == {}
 
@@ -88,3 +92,13 @@ def test_example_run_auto_keys_say_what_they_do():
         assert info.description
         first_clause = re.split(r"[;:(]", info.description)[0].strip()
         assert first_clause in flat, (key, first_clause)
+
+
+def test_example_gateway_block_shows_each_default():
+    """Each commented [gateway] line says the key's default value."""
+    text = EXAMPLE.read_text(encoding="utf-8")
+    block = text[text.index("# [gateway]"):text.index("# ---- Agents")]
+    for key, info in GatewayConfig.model_fields.items():
+        line = re.search(rf"^#\s*{key}\s*=\s*(.+?)\s+#", block, re.MULTILINE)
+        assert line, key
+        assert tomllib.loads(f"v = {line.group(1)}")["v"] == info.default, key
