@@ -91,6 +91,7 @@ class Gateway:
             return
         if scope["type"] != "http":
             return
+        await self.engine.sessions.ready.wait()  # the run's connections are open (a request may come before)
         path = scope["path"]
         label = ""
         if path.startswith("/a/"):  # a path label: /a/NAME/v1/...

