@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -14,6 +19,7 @@ from cerevisor_tui.config import validate
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.gateway import GatewayServer, serve_gateway
+from tests.conftest import wait_until
 
 FAST_SIM = {"speed": 50.0, "seed": 3}
 
@@ -71,3 +77,36 @@ async def served(config=None, *, model: str = "", **kwargs: Any) -> AsyncIterato
         finally:
             engine.stop("test over")
             await out.server.close()
+
+
+class Headless:
+    """`gateway --headless` in the foreground, its stdout read line by line as it comes."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "gateway", "--headless", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def url(self) -> str:
+        def served() -> str | None:
+            for line in self.lines:
+                found = re.search(r"Gateway serving on (http://\S+/v1)", line)
+                if found:
+                    return found.group(1)
+            assert self.proc.poll() is None, self.proc.stderr.read() if self.proc.stderr else ""
+            return None
+
+        return wait_until(served, "the gateway to say where it serves", timeout=60)
+
+    def end(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        _, err = self.proc.communicate(timeout=60)
+        self._reader.join(10)
+        return self.proc.returncode, err

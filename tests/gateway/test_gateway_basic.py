@@ -21,7 +21,7 @@ async def test_chat_streamed_passes_through_and_is_a_session():
             assert r.status_code == 200
             assert r.headers["x-accel-buffering"] == "no"
             raw = b"".join([chunk async for chunk in r.aiter_raw()])
-        frames = [f for f in raw.split(b"\n\n") if f]
+        frames = [f for f in raw.split(b"\n\n") if f and not f.startswith(b":")]  # (keep-alive comments)
         assert frames[-1] == b"data: [DONE]"
         words = [json.loads(f[6:])["choices"][0]["delta"].get("content") for f in frames[:-1]
                  if json.loads(f[6:])["choices"]]

@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
@@ -17,44 +15,12 @@ import httpx
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.sim import start_in_thread
 from tests.conftest import free_port, wait_until
+from tests.gateway.conftest import Headless
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cerevisor_tui", *args], capture_output=True, text=True,
                           timeout=timeout)
-
-
-class Headless:
-    """`gateway --headless` in the foreground, its stdout read line by line as it comes."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "gateway", "--headless", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    def url(self) -> str:
-        def served() -> str | None:
-            for line in self.lines:
-                found = re.search(r"Gateway serving on (http://\S+/v1)", line)
-                if found:
-                    return found.group(1)
-            assert self.proc.poll() is None, self.proc.stderr.read() if self.proc.stderr else ""
-            return None
-
-        return wait_until(served, "the gateway to say where it serves", timeout=60)
-
-    def end(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
-        self.proc.send_signal(sig)
-        _, err = self.proc.communicate(timeout=60)
-        self._reader.join(10)
-        return self.proc.returncode, err
 
 
 def test_headless_serves_records_the_session_and_ends_on_sigterm_with_its_report(tmp_path: Path):
