@@ -79,6 +79,18 @@ def conversation(api: Api, body: dict[str, Any]) -> tuple[str, list[dict[str, An
     return system, [m for m in messages if m.get("role") not in ("system", "developer")]
 
 
+def history(api: Api, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The conversation as the client sent it, system prompt first, for its transcript: chat's messages as they
+    are; Anthropic's `system` and Responses' `instructions` (fields, not messages there) as a first message."""
+    if api == "chat":
+        messages = body.get("messages")
+        return [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
+    system, messages = conversation(api, body)
+    field = "instructions" if api == "responses" else "system"
+    raw = body.get(field)
+    return ([{"role": "system", "content": raw}] if raw else []) + messages
+
+
 def fingerprint(model: str, system: str, messages: list[dict[str, Any]]) -> str:
     """What every turn of one conversation shares: its model, system prompt and first user message."""
     first = next((text_of(m.get("content")) for m in messages if m.get("role") == "user"), "")

@@ -541,9 +541,9 @@ class Exchange:
         them; the whole history is never written again."""
         e = self.gw.engine
         st = session.st
-        _, messages = apis.conversation(self.api, self.body)
+        messages = apis.history(self.api, self.body)
         if self.api == "responses" and self.body.get("previous_response_id"):
-            new = messages  # the server keeps the history: every item sent is new
+            new = apis.conversation(self.api, self.body)[1]  # the server keeps the history: every item is new
         elif len(messages) >= session.recorded:
             new = messages[session.recorded:]
         else:  # the harness rewrote its history (a compaction): its last message is what is new

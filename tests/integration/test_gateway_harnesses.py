@@ -1,0 +1,149 @@
+"""Harnesses no one here wrote, through `cerevisor-tui gateway --headless` (the product as an operator runs it) in
+front of llama-server serving SmolLM2: litellm's completion(), mini-swe-agent on a multi-turn task, Claude Code
+(`claude -p`) and Codex CLI (`codex exec`). Each session must show up in the run's journal as a row with its
+harness and API, and each harness must end by itself with the model's answer.
+
+The Python harnesses live in a venv of their own ($PEERS_DIR/harness: mini-swe-agent, which brings litellm) and
+the node ones under $PEERS_DIR/npm (`@anthropic-ai/claude-code`, `@openai/codex`), both made by
+.ci/integration.sh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.conftest import Headless
+from tests.integration import servers
+from tests.integration.servers import PEERS_DIR, ServerProcess
+
+pytestmark = pytest.mark.integration
+HARNESS_PYTHON = PEERS_DIR / "harness" / "bin" / "python"
+NODE_BIN = PEERS_DIR / "npm" / "node_modules" / ".bin"
+
+
+def need(path: Path, what: str) -> None:
+    if not path.exists():
+        pytest.fail(f"{what} is not installed ({path} is missing): run .ci/integration.sh", pytrace=False)
+
+
+class Gateway:
+    def __init__(self, headless: Headless, run_dir: Path) -> None:
+        self.headless, self.run_dir = headless, run_dir
+        self.url = headless.url()
+
+    def events(self, kind: str) -> list[dict]:
+        lines = (self.run_dir / "events.jsonl").read_text().splitlines()
+        return [e for e in map(json.loads, lines) if e.get("event") == kind]
+
+    def session(self, name: str) -> dict:
+        found = [e for e in self.events("SessionOpened") if e["agent"] == name]
+        assert found, [e["agent"] for e in self.events("SessionOpened")]
+        return found[0]
+
+
+@pytest.fixture(scope="module")
+def gateway(smol_llama: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    run_dir = tmp_path_factory.mktemp("gw") / "run"
+    headless = Headless("--upstream", smol_llama.base_url, "--model", servers.SMOLLM2, "--listen", "127.0.0.1:0",
+                        "--run-dir", str(run_dir))
+    try:
+        yield Gateway(headless, run_dir)
+    finally:
+        code, err = headless.end()
+        assert code == 0, err
+
+
+def harness_python(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    need(HARNESS_PYTHON, "the Python harnesses' venv (mini-swe-agent, litellm)")
+    env = {**os.environ, "MSWEA_COST_TRACKING": "ignore_errors", "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+           "MSWEA_SILENT_STARTUP": "1"}
+    return subprocess.run([str(HARNESS_PYTHON), "-c", textwrap.dedent(script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_litellm_completion_through_the_gateway(gateway: Gateway):
+    proc = harness_python("""
+        import sys, litellm
+        r = litellm.completion(model="openai/whatever", api_base=sys.argv[1], api_key="unused",
+                               messages=[{"role": "user", "content": "Name three colours."}], max_tokens=40,
+                               extra_headers={"X-Session-ID": "litellm-1"})
+        print(r.choices[0].message.content)
+        """, gateway.url)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip()
+    assert gateway.session("litellm-1")["api"] == "chat"
+    done = [e for e in gateway.events("TurnFinished") if e["agent"] == "litellm-1"]
+    assert len(done) == 1 and done[0]["completion_tokens"] > 0
+
+
+@pytest.mark.timeout(600)  # a few turns of a growing conversation, prefilled at ~150 tokens/s on these cores
+def test_mini_swe_agent_runs_a_multi_turn_task_through_the_gateway(gateway: Gateway, tmp_path: Path):
+    proc = harness_python("""
+        import sys, yaml
+        from pathlib import Path
+        import minisweagent
+        from minisweagent.agents.default import DefaultAgent
+        from minisweagent.environments.local import LocalEnvironment
+        from minisweagent.models.litellm_textbased_model import LitellmTextbasedModel
+        config = yaml.safe_load((Path(minisweagent.__file__).parent / "config" / "mini_textbased.yaml").read_text())
+        model = LitellmTextbasedModel(model_name="openai/smollm2", cost_tracking="ignore_errors",
+                                      model_kwargs={"api_base": sys.argv[1], "api_key": "unused", "max_tokens": 120,
+                                                    "extra_headers": {"X-Session-ID": "mini-1"}})
+        agent_config = {**config["agent"], "step_limit": 3, "cost_limit": 0}
+        agent = DefaultAgent(model, LocalEnvironment(cwd=sys.argv[2]), **agent_config)
+        result = agent.run("Create a file named hello.txt that contains the word hello, then submit.")
+        print("EXIT", result.get("exit_status"), "CALLS", agent.n_calls)
+        """, gateway.url, str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    exit_line = next(line for line in proc.stdout.splitlines() if line.startswith("EXIT"))
+    calls = int(exit_line.split()[-1])
+    assert calls >= 2, proc.stdout[-2000:]  # more than one turn: the conversation grew through the gateway
+    session = gateway.session("mini-1")
+    assert session["harness"].startswith("openai-python") or session["harness"].startswith("litellm")
+    done = [e for e in gateway.events("TurnFinished") if e["agent"] == "mini-1"]
+    assert len(done) == calls
+    transcript = [json.loads(x) for x in (gateway.run_dir / "transcripts" / "mini-1.jsonl").read_text().splitlines()]
+    # each request's new messages only: the system prompt and the task once, however many turns
+    assert sum(1 for m in transcript if m.get("role") == "system") == 1
+
+
+def node_harness(name: str, args: list[str], env: dict[str, str], cwd: Path, timeout: float = 600):
+    binary = NODE_BIN / name
+    need(binary, f"{name} (npm)")
+    return subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "HOME": str(cwd), **env}, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.timeout(600)
+def test_claude_code_through_the_gateway(gateway: Gateway, tmp_path: Path):
+    root = gateway.url.removesuffix("/v1")
+    proc = node_harness("claude", ["-p", "Name three colours.", "--bare", "--tools", "", "--system-prompt",
+                                   "You are a terse assistant.", "--model", "claude-sonnet-4-5"],
+                        {"ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": "unused-client-key",
+                         "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                         "DISABLE_AUTOUPDATER": "1"}, tmp_path)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.stdout.strip()
+    opened = [e for e in gateway.events("SessionOpened") if e["harness"].startswith("claude-code")]
+    assert opened and opened[0]["api"] == "messages", [e["harness"] for e in gateway.events("SessionOpened")]
+    started = [e for e in gateway.events("AgentStarted") if e["agent"] == opened[0]["agent"]]
+    assert started and {e["model_sent"] for e in started} == {servers.SMOLLM2}
+
+
+@pytest.mark.timeout(600)
+def test_codex_cli_through_the_gateway(gateway: Gateway, tmp_path: Path):
+    (tmp_path / ".codex").mkdir()
+    provider = f'{{name="cerevisor gateway", base_url="{gateway.url}", wire_api="responses", env_key="GW_KEY"}}'
+    proc = node_harness("codex", ["exec", "--skip-git-repo-check", "-c", 'model_provider="cerevisor"',
+                                  "-c", f"model_providers.cerevisor={provider}", "-c", 'model="gpt-5-codex"',
+                                  "Name three colours."],
+                        {"GW_KEY": "unused-client-key", "CODEX_HOME": str(tmp_path / ".codex")}, tmp_path)
+    opened = [e for e in gateway.events("SessionOpened") if e["harness"].startswith("codex")]
+    assert opened and opened[0]["api"] == "responses", (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
