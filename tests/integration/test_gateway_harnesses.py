@@ -22,7 +22,7 @@ from tests.gateway.conftest import Headless
 from tests.integration import servers
 from tests.integration.servers import PEERS_DIR, ServerProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 HARNESS_PYTHON = PEERS_DIR / "harness" / "bin" / "python"
 NODE_BIN = PEERS_DIR / "npm" / "node_modules" / ".bin"
 
@@ -82,7 +82,7 @@ def test_litellm_completion_through_the_gateway(gateway: Gateway):
     assert len(done) == 1 and done[0]["completion_tokens"] > 0
 
 
-@pytest.mark.timeout(600)  # a few turns of a growing conversation, prefilled at ~150 tokens/s on these cores
+
 def test_mini_swe_agent_runs_a_multi_turn_task_through_the_gateway(gateway: Gateway, tmp_path: Path):
     proc = harness_python("""
         import sys, yaml
@@ -120,7 +120,6 @@ def node_harness(name: str, args: list[str], env: dict[str, str], cwd: Path, tim
                           env={**os.environ, "HOME": str(cwd), **env}, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.timeout(600)
 def test_claude_code_through_the_gateway(gateway: Gateway, tmp_path: Path):
     root = gateway.url.removesuffix("/v1")
     proc = node_harness("claude", ["-p", "Name three colours.", "--bare", "--tools", "", "--system-prompt",
@@ -136,7 +135,6 @@ def test_claude_code_through_the_gateway(gateway: Gateway, tmp_path: Path):
     assert started and {e["model_sent"] for e in started} == {servers.SMOLLM2}
 
 
-@pytest.mark.timeout(600)
 def test_codex_cli_through_the_gateway(gateway: Gateway, tmp_path: Path):
     (tmp_path / ".codex").mkdir()
     provider = f'{{name="cerevisor gateway", base_url="{gateway.url}", wire_api="responses", env_key="GW_KEY"}}'

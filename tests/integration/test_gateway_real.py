@@ -18,7 +18,7 @@ from tests.gateway.conftest import gateway_config, served
 from tests.integration import servers
 from tests.integration.servers import ServerProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.anyio]
+pytestmark = [pytest.mark.integration, pytest.mark.anyio, pytest.mark.timeout(900)]
 
 
 def box(server: ServerProcess) -> list[dict]:
