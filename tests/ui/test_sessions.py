@@ -18,6 +18,7 @@ from cerevisor_tui.ui.mirror import RunMirror
 from cerevisor_tui.ui.model import raw_shape
 from cerevisor_tui.ui.screens.confirm import ConfirmScreen, DetachScreen
 from cerevisor_tui.ui.widgets.agent_table import agent_row
+from cerevisor_tui.ui.widgets.run_header import session_counts
 from tests.conftest import until
 from tests.ui.conftest import engine_of
 from tests.ui.scenes import GATEWAY_NOTICE, GATEWAY_URL, NOW, T0, build_gateway
@@ -108,6 +109,7 @@ def test_a_killed_request_says_why_and_the_session_goes_on():
     m(ev.AgentStatus(T0 + 30, "s1", "completed"))
     m(ev.AgentFinished(T0 + 30, "s1", "completed", "session ended with the run"))
     assert agent_row(m.agents["s1"], (), "", T0 + 31).status == "ended"
+    assert session_counts([a.status for a in m.sessions]) == (("sessions", 1), ("ended", 1))
     assert m.streams["s1"].text().endswith("■ session ended with the run\n")
 
 

@@ -20,7 +20,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from cerevisor_tui.ui.format import fmt_clock, fmt_rate
-from cerevisor_tui.ui.mirror import ACTIVE, RunMirror
+from cerevisor_tui.ui.mirror import ACTIVE, FINAL, RunMirror
 
 MODE_ROLES = {"sequential": "secondary", "parallel": "primary", "auto": "accent"}
 
@@ -69,9 +69,9 @@ def reason_text(endpoint: str, reason: str) -> str:
 
 
 SESSION_STATES = (("busy", ACTIVE - {"idle"}), ("idle", {"idle"}), ("queued", {"queued"}),
-                  ("released", {"released"}))
+                  ("released", {"released"}), ("ended", FINAL))
 """How the header counts a gateway's sessions: a request in flight, holding a slot between requests, a request
-waiting for a slot, the slot given back."""
+waiting for a slot, the slot given back, ended (with the run)."""
 
 
 def session_counts(statuses: list[str]) -> tuple[tuple[str, int], ...]:
