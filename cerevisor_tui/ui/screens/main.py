@@ -390,6 +390,9 @@ class MainScreen(Screen):
         st = self._selected_state("extend")
         if st is None:
             return
+        if st.session is not None and st.attempt is None:  # (an attached console gets no False back)
+            self.notify(f"{st.name} has no request in flight to extend.", severity="warning")
+            return
         if self._send(cmd.Extend(agent=st.name)) is False:
             what = "request in flight" if st.session is not None else "running attempt"
             self.notify(f"{st.name} has no {what} to extend.", severity="warning")
