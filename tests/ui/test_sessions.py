@@ -270,7 +270,7 @@ async def test_keys_on_a_session_kill_its_request_extend_it_and_r_says_the_harne
         app.control = Refusing()
         await pilot.press("r")
         await until(lambda: any("refused: Retry" in m for m in notified(app)))
-        await pilot.press("e")
+        await pilot.press("home", "e")  # claude-main: its request in flight
         await until(lambda: any("refused: Extend" in m for m in notified(app)))
 
 
