@@ -348,6 +348,13 @@ class CerevisorApp(App[int]):
             return False
         return any(a.status not in FINAL for a in self.mirror.agents.values())
 
+    @property
+    def _gateway_serving(self) -> bool:
+        """The run serves a gateway and goes on (a gateway waits for sessions until it is stopped)."""
+        worker = self._engine_worker
+        return (self.mirror.serves_gateway and self.mirror.finished is None and worker is not None
+                and not worker.is_finished)
+
     async def on_unmount(self) -> None:
         """However the app ends, let the engine finish closing its streams (and the simulator) first; an
         attached console only closes its connection (the run goes on)."""
@@ -370,11 +377,14 @@ class CerevisorApp(App[int]):
     def request_quit(self) -> None:
         if self._shutting_down:
             return
-        if self.attached and self.run_active:
+        if self.attached and (self.run_active or self._gateway_serving):
             from cerevisor_tui.ui.screens.confirm import DetachScreen
 
-            running = sum(1 for a in self.mirror.agents.values() if a.status not in FINAL)
-            self.push_screen(DetachScreen(running), self._leave)
+            mirror = self.mirror
+            running = sum(1 for a in mirror.workflow_agents if a.status not in FINAL)
+            sessions = sum(1 for a in mirror.sessions if a.status not in FINAL)
+            self.push_screen(DetachScreen(running, gateway=mirror.gateway_url or mirror.serves_gateway,
+                                          sessions=sessions), self._leave)
             return
         if not self.run_active:
             self._begin_shutdown()

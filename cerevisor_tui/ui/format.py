@@ -43,6 +43,12 @@ def status_label(status: str) -> str:
     look = STATUS_LOOK.get(status)  # type: ignore[call-overload]
     return look.label if look is not None else status
 
+
+def session_status(status: str) -> str:
+    """A gateway session's status as the console says it: "ended" (with the run) where an agent is "done"."""
+    return "ended" if status == "completed" else status_label(status)
+
+
 NORMAL, WARN, CRITICAL = "", "warn", "critical"
 
 

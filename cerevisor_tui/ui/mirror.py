@@ -13,6 +13,7 @@ deadline is compared with the console's own clock as it is.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -105,6 +106,36 @@ class AgentView:
     max_model_len: int = 0
     cost_usd: float = 0.0
     meter_warning: str = ""  # its context is nearly full, or its next turn will not fit
+    # a gateway session (SessionOpened): its requests are its attempts, its `turn` the request's number
+    session: ev.SessionOpened | None = None
+    in_flight: dict[int, AttemptView] = field(default_factory=dict)  # a session's requests in flight, by attempt
+    queued_at: float | None = None  # a session's next request waits in the gateway for a slot since (AgentQueued)
+    queued_s: float | None = None  # how long its current (or last) request waited in the gateway: not model silence
+    model_asked: str = ""  # the model its harness asked for in its current (or last) request, and the one sent
+    model_sent: str = ""
+    killed_request: tuple[int, str] | None = None  # its last request killed (number, reason), until the next starts
+
+    @property
+    def model_mapping(self) -> str:
+        """`claude-sonnet-4 → qwen3-coder` when a session's request went upstream under another model, else ""."""
+        if self.model_asked and self.model_sent and self.model_asked != self.model_sent:
+            return f"{self.model_asked} → {self.model_sent}"
+        return ""
+
+    def attempt_of(self, number: int) -> AttemptView | None:
+        """The running attempt an event names: a session may have several requests in flight at once."""
+        att = self.attempt
+        if att is None or att.number == number or not self.in_flight:
+            return att
+        return self.in_flight.get(number)
+
+    def end_attempt(self, number: int) -> None:
+        """An attempt ended: the running one is a session's newest request still in flight, or none."""
+        if self.in_flight:
+            self.in_flight.pop(number, None)
+            self.attempt = next(reversed(self.in_flight.values()), None)
+        else:
+            self.attempt = None
 
     @property
     def context_fill(self) -> float | None:
@@ -112,10 +143,10 @@ class AgentView:
 
     def meter_note(self, priced: bool = False) -> str:
         """Where a pool's agent runs and its meters, in one line; "" for an agent of a lone endpoint that is not
-        priced and has nothing to flag (its line stays as it always was)."""
+        priced and has nothing to flag (its line stays as it always was). A session's meters always show."""
         if self.meter_warning:
             return self.meter_warning
-        if not (self.pool or priced):
+        if not (self.pool or priced or self.session is not None):
             return ""
         parts = [f"on {self.endpoint}" + (f" (moved from {self.moved_from}: prefix lost)" if self.moved_from else "")
                  if self.pool else ""]
@@ -154,6 +185,10 @@ class EndpointView:
         return self.stall is not None and self.stall.liveness == "bytes"
 
 
+GATEWAY_URL = re.compile(r"https?://[^\s()]+")
+"""The first URL in the gateway's RunNotice: where it serves (the header shows it)."""
+
+
 @dataclass(eq=False)
 class ProbeView:
     """The last probe of one endpoint: running, done (with its result), failed or cancelled."""
@@ -188,6 +223,9 @@ class RunMirror(UiModel):
     _operator_kills: set[str] = field(default_factory=set)  # killed by an operator: no news to the inbox
     samples: dict[str, ev.ServerSample] = field(default_factory=dict)  # each endpoint's last, workers and all
     gpus: ev.GpuSample | None = None  # the run's box's GPUs, as last read; None: none read yet
+    gateway: str = ""  # the run serves a gateway: its RunNotice's text (where it serves, what it routes)
+    gateway_url: str = ""  # the first URL of that text ("" until it comes, or where it names none)
+    serves_gateway: bool = False  # the gateway's notice or a session has come
 
     def __call__(self, event: ev.Event) -> None:
         kind = event.kind
@@ -197,6 +235,8 @@ class RunMirror(UiModel):
                 if a is not None:
                     a.tokens += event.tokens  # type: ignore[attr-defined]
                     att = a.attempt
+                    if att is not None and a.in_flight and att.number != event.attempt:  # type: ignore[attr-defined]
+                        att = a.in_flight.get(event.attempt)  # type: ignore[attr-defined]
                     if att is not None:
                         att.tokens += event.tokens  # type: ignore[attr-defined]
                         att.last_alive = event.t
@@ -235,6 +275,16 @@ class RunMirror(UiModel):
                 if ep.load is not None and ep.load.warning and ep.load.estimate]
         return min(fits) if fits else None
 
+    @property
+    def sessions(self) -> list[AgentView]:
+        """The gateway's sessions, in the order they came."""
+        return [a for a in self.agents.values() if a.session is not None]
+
+    @property
+    def workflow_agents(self) -> list[AgentView]:
+        """The run's own agents (its workflow's), without the gateway's sessions."""
+        return [a for a in self.agents.values() if a.session is None]
+
     def endpoint_of(self, agent: str | None) -> str | None:
         a = self.agents.get(agent) if agent is not None else None
         return a.endpoint if a is not None else None
@@ -257,12 +307,15 @@ class RunMirror(UiModel):
                 summary.name, summary.kind, summary.base_url or "", summary.model, summary.max_concurrency,
                 summary.stall, priced=summary.priced)
         reused = set(e.reused)
+        # a session the gateway opened before the run said who runs goes on; one of an earlier run has ended
+        sessions = {name: a for name, a in self.agents.items() if a.session is not None and a.status not in FINAL}
         self.agents = {}
         for wave, level in enumerate(e.waves):
             for name in level:
                 plan = e.agents.get(name)
                 self.agents[name] = AgentView(name, plan.endpoint if plan else "", plan.wave if plan else wave,
                                               plan.turns if plan else 1, reused=name in reused)
+        self.agents.update(sessions)
         self.plan_version += 1
 
     def _see_WaveStarted(self, e: ev.WaveStarted) -> None:
@@ -273,6 +326,10 @@ class RunMirror(UiModel):
 
     def _see_RunNotice(self, e: ev.RunNotice) -> None:
         self.notices.append(Notice(e.message, e.severity, e.title))
+        if e.title == "Gateway":
+            self.serves_gateway, self.gateway = True, e.message
+            url = GATEWAY_URL.search(e.message)
+            self.gateway_url = url.group(0).rstrip(".,;:") if url else ""
 
     def _see_ModeChanged(self, e: ev.ModeChanged) -> None:
         self.effective_cap = e.effective_cap
@@ -292,6 +349,13 @@ class RunMirror(UiModel):
             self.plan_version += 1
         return found
 
+    def _see_SessionOpened(self, e: ev.SessionOpened) -> None:
+        a = self._agent(e.agent)
+        if a.session is None:
+            self.plan_version += 1  # a new row (under the workflow's agents)
+        a.session, a.endpoint, a.turns = e, e.endpoint, 0
+        self.serves_gateway = True
+
     def _see_AgentStatus(self, e: ev.AgentStatus) -> None:
         a = self._agent(e.agent)
         if a.status == "stalling" and e.status != "stalling":
@@ -300,6 +364,9 @@ class RunMirror(UiModel):
 
     def _see_AgentQueued(self, e: ev.AgentQueued) -> None:
         a = self._agent(e.agent)
+        if a.session is not None:  # its next request waits for a slot; its requests so far stay counted
+            a.queued_at = e.t
+            return
         a.error, a.turn, a.attempt = "", 0, None  # (again, when the operator reruns it)
         self.inbox.clear(e.agent)
         self._operator_kills.discard(e.agent)
@@ -315,6 +382,10 @@ class RunMirror(UiModel):
         ep = self.endpoints.get(e.endpoint)
         a.attempt = AttemptView(e.attempt, e.turn, e.t, e.first_byte_deadline_s, e.idle_deadline_s, e.t,
                                 ep.by_bytes if ep is not None else False)
+        if a.session is not None:
+            a.in_flight[e.attempt] = a.attempt
+            a.queued_at, a.queued_s, a.killed_request = None, e.queued_s, None
+            a.model_asked, a.model_sent = e.model_asked, e.model_sent
 
     def _see_EndpointWaiting(self, e: ev.EndpointWaiting) -> None:
         self.inbox.open(e.agent, "endpoint", f"{e.endpoint}: {e.reason}", e.t)
@@ -324,12 +395,12 @@ class RunMirror(UiModel):
         self.inbox.clear(e.agent, "endpoint", "stall")
         if a.ttft_s is None:
             a.ttft_s = e.ttft_s
-        att = a.attempt
+        att = a.attempt_of(e.attempt)
         if att is not None:
             att.first_token_at = att.last_alive = e.t
 
     def _see_KeepAlive(self, e: ev.KeepAlive) -> None:
-        att = self._agent(e.agent).attempt
+        att = self._agent(e.agent).attempt_of(e.attempt)
         if att is not None and att.by_bytes:
             att.last_alive = e.t
 
@@ -341,15 +412,17 @@ class RunMirror(UiModel):
             a.decode_s += max(0.0, e.duration_s - e.ttft_s)
             if a.ttft_s is None:
                 a.ttft_s = e.ttft_s
-        if a.attempt is None or not a.attempt.tokens:  # its tokens never came as deltas (a journal): the count
+        att = a.attempt_of(e.attempt)
+        if att is None or not att.tokens:  # its tokens never came as deltas (a journal): the count
             a.tokens += e.completion_tokens
-        a.attempt = None
+        a.end_attempt(e.attempt)
 
     def _see_StallWarning(self, e: ev.StallWarning) -> None:
         a = self._agent(e.agent)
         a.stall_warnings += 1
-        if a.attempt is not None:
-            a.attempt.deadline_is(e.deadline_at)
+        att = a.attempt_of(e.attempt)
+        if att is not None:
+            att.deadline_is(e.deadline_at)
         ep = self.endpoints.get(a.endpoint)
         warn_at = ep.warn_at if ep is not None else ()
         if not warn_at or e.fraction >= warn_at[-1]:  # past its last warning: killed next, unless someone acts
@@ -364,16 +437,19 @@ class RunMirror(UiModel):
                 a.tool = msgspec.structs.replace(a.tool, deadline=e.deadline_at)
             self.inbox.clear(e.agent, "stall")
             return
-        att = a.attempt
+        att = a.attempt_of(e.attempt)
         if att is not None:
             att.deadline_is(e.deadline_at)
         self.inbox.clear(e.agent, "stall")
 
     def _see_AgentKilled(self, e: ev.AgentKilled) -> None:
         a = self._agent(e.agent)
-        if a.attempt is None or not a.attempt.tokens:
+        att = a.attempt_of(e.attempt)
+        if att is None or not att.tokens:
             a.tokens += e.tokens
-        a.attempt = None
+        if a.session is not None:  # the request ends; the session goes on (its harness decides what follows)
+            a.killed_request = (att.turn if att is not None else a.turn, e.reason)
+        a.end_attempt(e.attempt)
         self.inbox.clear(e.agent, "stall", "endpoint", "approval")  # what follows (a retry, its end) says more
         if e.deadline == "operator":
             self._operator_kills.add(e.agent)
@@ -387,6 +463,7 @@ class RunMirror(UiModel):
         a = self._agent(e.agent)  # its status came as AgentStatus; an older journal says it here alone
         a.status, a.error, a.attempt, a.finished_at = e.status, e.error, None, e.t
         a.tool = a.approval = None
+        a.in_flight.clear()
         if e.status in ("killed", "failed") and not (e.status == "killed" and e.agent in self._operator_kills):
             self.inbox.open(e.agent, e.status, e.error or e.status, e.t)
         else:

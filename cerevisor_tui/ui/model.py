@@ -108,6 +108,12 @@ class AgentStream:
     def text(self) -> str:
         return "".join("".join(parts) for _, parts in self.pieces)
 
+    def lead(self) -> str:
+        """What goes before a new block so that one blank line sets it apart ("" at the start)."""
+        if not self.pieces:
+            return ""
+        return "\n" if self.pieces[-1][1][-1].endswith("\n") else "\n\n"
+
 
 @dataclass
 class Notice:
@@ -218,6 +224,25 @@ class EndpointTrack:
     mark_tokens: int = 0
 
 
+def raw_shape(raw: dict[str, Any]) -> str:
+    """What a client's message without text holds, in brackets: its blocks' types (`[tool_result]`) and the
+    tools it calls (`[tool call: read_file]`), as far as the message's own keys say; "" when they say nothing."""
+    parts: list[str] = []
+    content = raw.get("content", raw.get("output"))
+    if isinstance(content, list):
+        for block in content:
+            if isinstance(block, dict) and isinstance(block.get("type"), str) and block["type"] not in parts:
+                parts.append(block["type"])
+    for call in raw.get("tool_calls") or ():
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        parts.append(f"tool call: {name}" if isinstance(name, str) else "tool call")
+    if not parts and isinstance(raw.get("type"), str):  # a responses item: function_call, function_call_output
+        name = raw.get("name")
+        parts.append(raw["type"] + (f": {name}" if isinstance(name, str) else ""))
+    return " ".join(f"[{part}]" for part in parts)
+
+
 def _mode_hint(mode: str) -> str:
     """What the console adds to the engine's note on a mode: the key that shows auto at work."""
     return " (a: every cap change and its reason)" if mode == "auto" else ""
@@ -250,6 +275,11 @@ class UiModel:
     _buckets: deque[list[float]] = field(default_factory=deque)
     _last_turn: dict[str, int] = field(default_factory=dict)
     _answer_from: dict[str, int] = field(default_factory=dict)  # agent -> its stream's `written` at AgentStarted
+    session_names: set[str] = field(default_factory=set)  # the gateway's sessions (SessionOpened)
+    # a session's requests in flight: (agent, attempt) -> the request's number, and the attempt whose text its
+    # stream is writing (a harness may have several requests in flight: each one's text goes under its header)
+    _requests: dict[tuple[str, int], int] = field(default_factory=dict)
+    _writing: dict[str, int] = field(default_factory=dict)
     _last_sample_at: float = -math.inf
     _table: dict[str, Callable[[Any], Any]] | None = field(default=None, init=False, repr=False, compare=False)  # kind -> handler
     HANDLERS: ClassVar[tuple[str, ...]] = ("_on_",)  # the prefixes of the methods that take an event kind
@@ -264,6 +294,9 @@ class UiModel:
     def __call__(self, event: ev.Event) -> None:
         if isinstance(event, ev.TokenDelta):
             stream = self.stream(event.agent)
+            writing = self._writing.get(event.agent)
+            if writing is not None and writing != event.attempt:
+                self._switch_request(stream, event.agent, event.attempt)
             if event.reasoning:
                 stream.append(REASONING, event.reasoning)
             if event.text:
@@ -303,7 +336,27 @@ class UiModel:
             found = self.tracks[endpoint] = EndpointTrack()
         return found
 
+    def _switch_request(self, stream: AgentStream, agent: str, attempt: int) -> None:
+        """Another of a session's requests in flight streams now: its text goes on under its own header."""
+        self._writing[agent] = attempt
+        request = self._requests.get((agent, attempt))
+        if request is not None:
+            stream.append(META, f"\n▌ assistant · request {request} (continued)\n")
+
+    def _on_SessionOpened(self, e: ev.SessionOpened) -> None:
+        self.session_names.add(e.agent)
+        stream = self.stream(e.agent)
+        harness = f" from {e.harness}" if e.harness else ""
+        stream.append(META, f"▌ gateway session{harness} · named by {e.source} · {e.api} API · on {e.endpoint}\n")
+
     def _on_MessageRecorded(self, e: ev.MessageRecorded) -> None:
+        if e.raw:  # a message a gateway session's client sent (new in this request): whatever its role
+            stream = self.stream(e.agent)
+            stream.append(USER, f"{stream.lead()}▌ {e.role} · request {e.turn}\n")
+            text = e.content or raw_shape(e.raw)
+            if text:
+                stream.append(USER if e.content else META, text + "\n")
+            return
         # Assistant text arrives token by token; an answer none of which streamed here (a console fed from the
         # journal, which keeps only whole answers) is written whole.
         if e.role == "assistant":
@@ -320,9 +373,16 @@ class UiModel:
 
     def _on_AgentStarted(self, e: ev.AgentStarted) -> None:
         stream = self.stream(e.agent)
-        label = f"▌ assistant · turn {e.turn}/{e.turns}"
+        if not e.turns:  # a gateway session's request: the time it waited here is not the model's
+            label = f"▌ assistant · request {e.turn} · queued {e.queued_s:.1f} s"
+            if e.model_asked and e.model_sent and e.model_asked != e.model_sent:
+                label += f" · {e.model_asked} → {e.model_sent}"
+            self._requests[(e.agent, e.attempt)] = e.turn
+            self._writing[e.agent] = e.attempt
+        else:
+            label = f"▌ assistant · turn {e.turn}/{e.turns}"
         # attempts count across turns; a second start of the same turn is a retry or restart
-        if self._last_turn.get(e.agent) == e.turn:
+        if e.turns and self._last_turn.get(e.agent) == e.turn:
             label += f" · attempt {e.attempt}"
         self._last_turn[e.agent] = e.turn
         self._agent_track[e.agent] = self.track(e.endpoint)
@@ -344,7 +404,19 @@ class UiModel:
         self.notes[e.agent] = f"deadline +{e.extend_s:g} s: {e.reason}"
         self.notices.append(Notice(f"{e.agent}: deadline extended by {e.extend_s:g} s ({e.reason})"))
 
+    def _on_TurnFinished(self, e: ev.TurnFinished) -> None:
+        self._requests.pop((e.agent, e.attempt), None)
+
     def _on_AgentKilled(self, e: ev.AgentKilled) -> None:
+        request = self._requests.pop((e.agent, e.attempt), None)
+        if request is not None or e.agent in self.session_names:  # a session's request: the session goes on
+            what = f"request {request}" if request is not None else "its request"
+            self.notes[e.agent] = f"{what} killed: {e.reason}"
+            self.stream(e.agent).append(ALERT, f"\n✖ {what} killed: {e.reason} (the session goes on; its "
+                                               "harness decides what follows)\n")
+            self.notices.append(Notice(f"{e.agent}: {what} killed: {e.reason}. The session goes on.", "error",
+                                       "Request killed"))
+            return
         self.notes[e.agent] = e.reason
         self.stream(e.agent).append(ALERT, f"\n✖ killed: {e.reason}\n")
         self.notices.append(Notice(f"{e.agent} killed: {e.reason}", "error", "Agent killed"))
@@ -354,6 +426,11 @@ class UiModel:
         self.stream(e.agent).append(ALERT, f"\n↻ retrying in {e.delay_s:.1f} s: {e.cause}\n")
 
     def _on_AgentFinished(self, e: ev.AgentFinished) -> None:
+        self._writing.pop(e.agent, None)
+        if e.agent in self.session_names:
+            self.notes.pop(e.agent, None)
+            self.stream(e.agent).append(META, f"\n■ {e.error or 'session ' + e.status}\n")
+            return
         if e.status == "completed":
             self.notes.pop(e.agent, None)
         elif e.error:

@@ -269,3 +269,123 @@ def select(agent: str):
 
     return run_before
 
+
+
+GATEWAY_URL = "http://127.0.0.1:8100/v1"
+GATEWAY_NOTICE = (f"Gateway serving on {GATEWAY_URL} (models: sim-model; mapped: claude-* -> sim-model). Point a "
+                  "harness's base URL at it; a path label names its session: http://127.0.0.1:8100/a/NAME/v1")
+"""The gateway's RunNotice, as `commands/run.py` words it."""
+
+
+def gateway_config() -> Config:
+    return validate({"stall": {"idle_timeout_s": 10.0},
+                     "endpoints": [{"name": "sim", "kind": "simulated", "model": "sim-model"}],
+                     "gateway": {"listen": "127.0.0.1:8100", "model_map": {"claude-*": "sim-model"}}},
+                    file="gateway scene")
+
+
+class GatewayDriver(Driver):
+    """Plays the engine's and the gateway's part for a gateway's sessions (engine/sessions.py's events)."""
+
+    def open(self, name: str, t: float, harness: str, *, source: str = "X-Session-ID", api: str = "chat") -> None:
+        """The engine opens the session (its record, so commands find it) and tells it: SessionOpened carries the
+        engine's clock, which nothing on screen shows."""
+        self.advance(t)
+        self.engine.sessions.open(name, source=source, harness=harness, api=api, endpoint="sim")
+
+    def ask(self, name: str, t: float, *messages: tuple[str, str]) -> None:
+        """The request's new messages, as its client sent them (before it is admitted)."""
+        st = self.engine.agents[name]
+        for role, content in messages:
+            self.emit(ev.MessageRecorded(t, name, st.attempts + 1, st.turn + 1, role, content,
+                                         raw={"role": role, "content": content}))
+
+    def queued(self, name: str, t: float) -> None:
+        st = self.engine.agents[name]
+        st.status = "queued"
+        self.emit(ev.AgentQueued(t, name, st.wave))
+
+    def send(self, name: str, t: float, *, queued_s: float = 0.0, asked: str = "claude-sonnet-4",
+             sent: str = "sim-model") -> Attempt:
+        """The request is admitted and sent upstream at `t` (its stall clock starts here), after `queued_s`."""
+        st = self.engine.agents[name]
+        policy = self.engine.policies[st.endpoint]
+        st.attempts += 1
+        st.turn += 1
+        att = Attempt(st.attempts, st.turn, sent_at=t, last_alive=t, base=t,
+                      deadline_at=t + policy.first_byte_timeout_s)
+        st.current, st.status = att, "prefill"
+        if st.started_at is None:
+            st.started_at = t
+        self.emit(ev.AgentStarted(t, name, att.number, att.turn, 0, st.endpoint, policy.first_byte_timeout_s,
+                                  policy.idle_timeout_s, request_id=f"{RUN_ID}.{name}.r{att.number}",
+                                  queued_s=queued_s, model_asked=asked, model_sent=sent))
+        return att
+
+    def answered(self, name: str, t: float, *, status: str = "idle") -> None:
+        """The request's answer went out whole; the session holds its slot (idle) or gave it back (released)."""
+        st = self.engine.agents[name]
+        att = st.current
+        assert att is not None and att.first_token_at is not None
+        st.completion_tokens += att.tokens
+        st.decode_s += t - att.first_token_at
+        self.emit(ev.MessageRecorded(t, name, att.number, att.turn, "assistant", "..."))
+        self.emit(ev.TurnFinished(t, name, att.number, att.turn, 0, 40, att.tokens, "stop",
+                                  att.first_token_at - att.sent_at, t - att.sent_at))
+        st.current = None
+        st.status = status
+
+    def request_killed(self, name: str, t: float, reason: str, deadline: str = "operator") -> None:
+        """A request killed (by the operator or a deadline): the session goes on, idle."""
+        st = self.engine.agents[name]
+        att = st.current
+        assert att is not None
+        self.emit(ev.AgentKilled(t, name, att.number, deadline, reason, att.tokens))
+        st.current = None
+        st.status = "idle"
+
+
+def build_gateway(*, sessions: bool = True) -> CerevisorApp:
+    """A gateway run twelve seconds in (no workflow of its own): with `sessions`, four of them, one streaming its
+    second request, one whose request was killed (it goes on, idle), one that gave its slot back, one waiting for a
+    slot; without, none has come yet."""
+    config = gateway_config()
+    engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
+    engine.models["sim"] = "sim-model"
+    handle = run_handle(engine)
+    app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW, themes=load_themes(None))
+    d = GatewayDriver(engine, app)
+    engine.started_at = T0
+    d.emit(msgspec.structs.replace(engine.started_event(T0), note=""))
+    d.emit(ev.RunNotice(T0 + 0.1, GATEWAY_NOTICE, "info", "Gateway"))
+    if sessions:
+        d.open("claude-main", T0 + 1, "claude-code 2.0.14")
+        d.ask("claude-main", T0 + 1, ("user", "Read README.md and list the commands."))
+        d.send("claude-main", T0 + 1)
+        d.tokens("claude-main", 30, T0 + 1.4, T0 + 3.0)
+        d.answered("claude-main", T0 + 3.0)
+
+        d.open("codex-7f3a", T0 + 2, "codex_exec 0.46.0", source="prompt_cache_key", api="responses")
+        d.ask("codex-7f3a", T0 + 2, ("user", "Fix the failing test in tests/test_cli.py."))
+        d.queued("codex-7f3a", T0 + 2)
+        d.send("codex-7f3a", T0 + 4.3, queued_s=2.3, asked="gpt-5-codex", sent="sim-model")
+        d.tokens("codex-7f3a", 8, T0 + 5.0, T0 + 6.0)
+        d.request_killed("codex-7f3a", T0 + 9.0, "killed by operator")
+
+        d.open("aider", T0 + 3, "aider 0.86.1", source="path")
+        d.ask("aider", T0 + 3, ("user", "Add type hints to utils.py"))
+        d.send("aider", T0 + 3, asked="sim-model")
+        d.tokens("aider", 20, T0 + 3.3, T0 + 4.0)
+        d.answered("aider", T0 + 4.0, status="released")
+
+        d.ask("claude-main", T0 + 6, ("tool", "README.md: run, attach, ls, stop, sim, probe, estimate, gateway"),
+              ("user", "Now sort them by how often they are used."))
+        d.send("claude-main", T0 + 6)
+        d.tokens("claude-main", 50, T0 + 6.5, NOW - 0.1)
+
+        d.open("ses-9c1e", T0 + 9.5, "openai-python 1.99.0", source="fingerprint")
+        d.ask("ses-9c1e", T0 + 9.5, ("user", "Summarise the diff."))
+        d.queued("ses-9c1e", T0 + 9.5)
+    handle.mirror.notices.clear()  # the pictures show the rows, not the toasts (tests read the notices)
+    d.advance(NOW)
+    return app

@@ -6,7 +6,7 @@ tests/ui/__snapshots__/ before committing them.
 
 from __future__ import annotations
 
-from tests.ui.scenes import build, select
+from tests.ui.scenes import build, build_gateway, select
 
 
 def test_main_screen_mid_run_80x24(snap_compare):
@@ -44,3 +44,15 @@ def test_auto_mode_80x24(snap_compare):
 def test_cap_history_screen(snap_compare):
     """`a`: every cap change with its run time, endpoint, cap and reason, newest first."""
     assert snap_compare(build("auto"), terminal_size=(100, 30), press=["a"])
+
+
+def test_gateway_sessions(snap_compare):
+    """A gateway's four sessions twelve seconds in: one streaming its second request (the model mapping in its
+    note), one idle after its request was killed, one that gave its slot back, one waiting for a slot; the header
+    says where the gateway serves and counts them."""
+    assert snap_compare(build_gateway(), terminal_size=(120, 30))
+
+
+def test_gateway_waiting_for_sessions_80x24(snap_compare):
+    """A gateway run before its first session: where to point a harness, in the agents pane and the stream."""
+    assert snap_compare(build_gateway(sessions=False), terminal_size=(80, 24))

@@ -50,11 +50,19 @@ class DetachScreen(ModalScreen[str | None]):
         Binding("escape", "choose(None)", "Stay", id="detach_stay", tooltip="Back to the run"),
     ]
 
-    def __init__(self, running: int) -> None:
+    def __init__(self, running: int, *, gateway: str | bool = "", sessions: int = 0) -> None:
+        """`gateway`: the run serves one (its URL, or True where it is not known), with `sessions` open."""
         super().__init__()
         self._title = "Leave the run"
-        self._question = (f"{running} agent(s) have not finished. Detach (the run goes on, `cerevisor-tui attach` "
-                          "comes back to it) or stop the run (for every console)?")
+        if gateway:
+            where = f" on {gateway}" if isinstance(gateway, str) else ""
+            agents = f" and {running} agent(s) not finished" if running else ""
+            self._question = (f"The gateway serves{where}: {sessions} session(s) open{agents}. Detach (it goes on "
+                              "serving, `cerevisor-tui attach` comes back to it) or stop the run (for every "
+                              "console; requests in flight get an error)?")
+        else:
+            self._question = (f"{running} agent(s) have not finished. Detach (the run goes on, `cerevisor-tui "
+                              "attach` comes back to it) or stop the run (for every console)?")
 
     def compose(self) -> ComposeResult:
         with Vertical(id="dialog"):

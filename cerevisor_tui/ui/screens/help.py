@@ -28,11 +28,17 @@ PANES = (
                  "countdown to its nearest stall deadline (first token, or idle once streaming; in a tool call, "
                  "its tool deadline). A running MCP call shows as tool: NAME 3.2s, a call waiting for you as "
                  "needs approval (y answers). o sorts (wave order, nearest deadline, status, tokens/s), / "
-                 "filters by name or status; the pane's corner says which."),
+                 "filters by name or status; the pane's corner says which. A gateway's sessions come after the "
+                 "workflow's agents, gw in their wave column: req N is the request they are on, idle between "
+                 "requests (holding a slot), released once it is given back; the note names the harness and the "
+                 "model mapping. k ends a session's request in flight; the session goes on, and its harness, not "
+                 "the gateway, decides whether to retry."),
     ("2 stream", "The selected agent's conversation: your prompts, its answer as it streams (reasoning "
                  "dimmed), each tool call with its arguments and its result on a line (the corner: the call in "
-                 "flight, its time and deadline). It follows new text while you are at the bottom; scroll up to "
-                 "read, End to follow."),
+                 "flight, its time and deadline). A session's: each request's new messages, then its answer; the "
+                 "corner says how long the request queued in the gateway (not model silence: its stall clock "
+                 "starts when it is sent). It follows new text while you are at the bottom; scroll up to read, "
+                 "End to follow."),
     ("3 load", "What the server reports in /metrics: requests running and waiting, KV-cache use, prefix "
                "hits (- until it reports them); the trend over the whole run of one endpoint (the selected "
                "agent's): its cap, output tokens/s, requests waiting and KV use, one bar a server sample (wide "

@@ -15,10 +15,10 @@ from textual.widgets import Footer
 
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.commands import ConsoleCommands
-from cerevisor_tui.ui.format import fmt_clock, status_label, tool_countdown
+from cerevisor_tui.ui.format import fmt_clock, session_status, status_label, tool_countdown
 from cerevisor_tui.ui.inbox import HINTS
 from cerevisor_tui.ui.keys import MAIN_BINDINGS
-from cerevisor_tui.ui.mirror import FINAL, AgentView
+from cerevisor_tui.ui.mirror import FINAL, AgentView, RunMirror
 from cerevisor_tui.ui.widgets.agent_filter import AgentFilter
 from cerevisor_tui.ui.widgets.agent_table import SORT_LABELS, SORTS, AgentTable
 from cerevisor_tui.ui.widgets.load_pane import LoadPane
@@ -36,6 +36,21 @@ an agent killed an hour ago is in the inbox, not news."""
 
 class AgentsPane(Vertical):
     ALLOW_MAXIMIZE = True
+
+
+def session_subtitle(st: AgentView, now: float) -> str:
+    """The stream pane's corner for a gateway session: its status and request, how long that request waited in
+    the gateway's queue (not model silence: its stall clock starts when it is sent), and the model mapping."""
+    parts = [session_status(st.status), f"request {st.turn}" if st.turn else "no request yet"]
+    if st.status == "queued" and st.queued_at is not None:
+        parts.append(f"next waiting for a slot {fmt_clock(now - st.queued_at)}")
+    elif st.queued_s is not None:
+        parts.append(f"queued {st.queued_s:.1f} s")
+    if st.model_mapping:
+        parts.append(st.model_mapping)
+    if len(st.in_flight) > 1:
+        parts.append(f"{len(st.in_flight)} requests in flight")
+    return " · ".join(parts)
 
 
 class MainScreen(Screen):
@@ -137,6 +152,7 @@ class MainScreen(Screen):
         if self.maximized is None or self.maximized is load:
             load.sync(mirror, now, endpoint=mirror.endpoint_of(self.selected))
         self._update_stream_title()
+        self._update_empty(mirror)
         for notice in mirror.take_notices():
             app.notify(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
                        timeout=8 if notice.severity == "error" else 4)
@@ -151,6 +167,18 @@ class MainScreen(Screen):
                        title="Needs approval", severity="warning", timeout=8)
         self._notify_cap_warning()
 
+    def _update_empty(self, mirror: RunMirror) -> None:
+        """A run of gateway sessions alone calls its pane "sessions"; with none yet, the stream pane says where the
+        gateway serves, in its own words."""
+        pane = self.query_one("#agents-pane")
+        title = "1 sessions" if mirror.serves_gateway and not mirror.workflow_agents else "1 agents"
+        if pane.border_title != title:
+            pane.border_title = title
+        waiting = mirror.serves_gateway and not mirror.agents
+        self.stream_pane.placeholder(
+            f"{mirror.gateway or 'The gateway has not said where it serves yet.'}\n\nEach session a harness opens "
+            "becomes a row here: its requests, their messages and streamed answers, its deadlines." if waiting else "")
+
     def _notify_cap_warning(self) -> None:
         """Once per change of the warning (a higher cap, parallel again, the server's own capacity arriving);
         lowering the cap while still past the fit adds no new notice. The header and load pane keep a marker."""
@@ -163,17 +191,25 @@ class MainScreen(Screen):
             self.app.notify(warning, title="Cap past the KV fit", severity="warning", timeout=8)
         self._cap_warning, self._cap_warned_at = warning, cap
 
-    def _show_plan(self) -> None:
-        """Build the agents pane from the mirror's agents, the cursor on the first, and show its stream."""
+    def _show_plan(self, *, keep: bool = True) -> None:
+        """Build the agents pane from the mirror's agents and show the selected one's stream: with `keep`, the
+        agent selected before stays selected (a gateway's new session adds a row under the operator's cursor),
+        else (another run) the cursor goes to the first."""
         mirror = self.app.mirror
+        before = self.selected if keep else None
         self.table.build(mirror)
+        if before is not None and before in mirror.agents:
+            self.table.show_agent(before, mirror, self.app.clock())
         self._update_agents_subtitle()
-        self.stream_pane.reset(self.selected, mirror)
+        if keep:
+            self.stream_pane.show(self.selected, mirror)
+        else:
+            self.stream_pane.reset(self.selected, mirror)
 
     def show_run(self) -> None:
         """Draw the app's run afresh (the console switched to a resumed run, with a new mirror)."""
         self.table.refresh_colours()
-        self._show_plan()
+        self._show_plan(keep=False)
         self.query_one(RunHeader).invalidate()
         self.query_one(LoadPane).invalidate()
         self._cap_warning, self._cap_warned_at = "", 0
@@ -189,7 +225,11 @@ class MainScreen(Screen):
             title = f"2 stream · {name}"
             subtitle = f"{status_label(st.status)} · turn {st.turn or '-'}/{st.turns}" if st else ""
             call = st.tool if st is not None and st.status == "tool" else None
-            if call is not None:  # the call in flight: its name, how long it has run, its tool deadline
+            if st is not None and st.session is not None:
+                if st.session.harness:
+                    title += f" · {st.session.harness}"
+                subtitle = session_subtitle(st, self.app.clock())
+            elif call is not None:  # the call in flight: its name, how long it has run, its tool deadline
                 now = self.app.clock()
                 subtitle = f"tool {call.server}.{call.tool} · {now - call.t:.1f}s"
                 clock = tool_countdown(call.deadline, call.warn_at, call.t, now)
@@ -296,9 +336,20 @@ class MainScreen(Screen):
             self.notify(f"No agent selected to {verb}.", severity="warning")
         return agent
 
+    def _send(self, command: cmd.Command) -> object:
+        """Send `command`; a refusal (the run's ValueError, in-process) is said as a warning, and None returned."""
+        try:
+            return self.app.control.send(command)
+        except ValueError as exc:
+            self.notify(str(exc), severity="warning")
+            return None
+
     def action_kill(self) -> None:
         st = self._selected_state("kill")
         if st is None:
+            return
+        if st.session is not None:
+            self._kill_request(st)
             return
         if st.status in FINAL or st.status == "pending":
             self.notify(f"{st.name} is {status_label(st.status)}: nothing to kill.",
@@ -318,12 +369,33 @@ class MainScreen(Screen):
             title, question = "Kill agent", f"Kill {st.name}? Its request is closed now and no retry follows."
         self.app.push_screen(ConfirmScreen(title, question, yes="Kill", no="Keep"), answer)
 
+    def _kill_request(self, st: AgentView) -> None:
+        """`k` on a gateway session ends its requests in flight; the session goes on (its harness decides)."""
+        if st.attempt is None:
+            waiting = " (its next request waits for a slot)" if st.status == "queued" else ""
+            self.notify(f"{st.name} has no request in flight{waiting}: nothing to kill.", severity="warning")
+            return
+        from cerevisor_tui.ui.screens.confirm import ConfirmScreen
+
+        def answer(yes: bool | None) -> None:
+            if yes and self._send(cmd.Kill(agent=st.name)) is False:
+                self.notify(f"{st.name}'s request has already ended.", severity="warning")
+
+        what = f"{len(st.in_flight)} requests in flight" if len(st.in_flight) > 1 else f"request {st.turn}"
+        question = (f"End {st.name}'s {what}? Its harness gets an error and decides what follows; the session "
+                    "goes on.")
+        self.app.push_screen(ConfirmScreen("Kill request", question, yes="Kill", no="Keep"), answer)
+
     def action_extend(self) -> None:
         st = self._selected_state("extend")
         if st is None:
             return
-        if self.app.control.send(cmd.Extend(agent=st.name)) is False:
-            self.notify(f"{st.name} has no running attempt to extend.", severity="warning")
+        if st.session is not None and st.attempt is None:  # (an attached console gets no False back)
+            self.notify(f"{st.name} has no request in flight to extend.", severity="warning")
+            return
+        if self._send(cmd.Extend(agent=st.name)) is False:
+            what = "request in flight" if st.session is not None else "running attempt"
+            self.notify(f"{st.name} has no {what} to extend.", severity="warning")
             return
         self.refresh_status()
 
@@ -331,9 +403,9 @@ class MainScreen(Screen):
         st = self._selected_state("retry")
         if st is None:
             return
-        outcome = self.app.control.send(cmd.Retry(agent=st.name))
+        outcome = self._send(cmd.Retry(agent=st.name))
         if outcome:
-            self.notify(f"{st.name}: {outcome}", timeout=4)
+            self.notify(f"{st.name}: {outcome}", timeout=6 if st.session is not None else 4)
 
     def action_cycle_sort(self) -> None:
         ids = [sort for sort, _ in SORTS]

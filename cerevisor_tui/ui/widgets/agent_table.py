@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from dataclasses import dataclass
 
 from rich.cells import cell_len, set_cell_size
@@ -34,6 +35,7 @@ from cerevisor_tui.ui.format import (
     fmt_rate,
     fmt_seconds,
     live_rate,
+    session_status,
     status_label,
     tool_countdown,
     tool_status,
@@ -58,6 +60,11 @@ STATUS_WIDTH, STATUS_WIDTH_MAX = 9, 20
 """The status column is 9 cells until a longer status shows (`needs approval`, `tool: NAME 3.2s`), then as
 wide as that, up to 20 where the pane has room, for the rest of the run: the columns never jump back and forth."""
 STATUS_WANTED = {"approval": len("needs approval"), "tool": STATUS_WIDTH_MAX}
+
+TURN_WIDTH_SESSIONS = 7
+"""The turn column once a gateway session shows: a session's cell says which request it is on (`req 12`)."""
+SESSION_WAVE = "gw"
+"""A gateway session's wave cell: it belongs to no wave, and its row comes after the workflow's agents."""
 
 STATUS_COLUMN = [key for key, _, _ in COLUMNS].index("status")
 RIGHT = frozenset({"wave", "turn", "ttft", "rate", "tokens", "stall"})
@@ -93,6 +100,7 @@ class AgentRow:
     status_role: str  # a theme colour name for the status cell
     level: str  # stall level of the row: NORMAL | WARN | CRITICAL
     tool: tuple[str, float] | None = None  # a running tool call (name, elapsed): its status fits the column
+    note_role: str = ""  # a theme colour name for the note cell ("": plain)
 
     def texts(self, status_cells: int = STATUS_WIDTH_MAX) -> list[str]:
         """The cells' text in column order; a running tool call's status fitted in `status_cells` (the column as
@@ -128,25 +136,73 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         role = "stall-critical"
     elif level == WARN:
         role = "stall-warn"
-    if status in ("failed", "killed", "skipped", "cancelled") and st.error:
-        note = st.error
-    elif call is not None:
-        note = f"{call.server}.{call.tool} {call.arguments}"
-    elif status == "approval" and st.approval is not None:
-        note = f"{st.approval.server}.{st.approval.tool} {st.approval.arguments} (y answers)"
-    elif st.attempt is not None and keepalive_at is not None and keepalive_at > st.attempt.last_alive + 1.0:
+    note_role = "error" if status in ("killed", "failed") else ""
+    quiet = ""
+    if st.attempt is not None and keepalive_at is not None and keepalive_at > st.attempt.last_alive + 1.0:
         # alive but silent: the server (or a proxy) keeps the stream open while no token comes
         quiet = f"keep-alives, no token for {fmt_clock(now - st.attempt.last_alive)}"
+    if st.session is not None:
+        note, note_role = session_note(st, note, now)
+    elif status in ("failed", "killed", "skipped", "cancelled") and st.error:
+        note, quiet = st.error, ""
+    elif call is not None:
+        note, quiet = f"{call.server}.{call.tool} {call.arguments}", ""
+    elif status == "approval" and st.approval is not None:
+        note, quiet = f"{st.approval.server}.{st.approval.tool} {st.approval.arguments} (y answers)", ""
+    if quiet:
         note = f"{note} · {quiet}" if note else quiet
-    turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
+    if st.turns:
+        turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
+    else:  # a gateway session: no number of turns, the request it is on
+        turn = f"req {st.turn}" if st.turn else "req -"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
-    label = "tool" if call is not None else status_label(status)
+    label = "tool" if call is not None else session_status(status) if st.session is not None else status_label(status)
     return AgentRow(
-        agent=st.name, wave=str(st.wave + 1), status=label, turn=turn,
+        agent=st.name, wave=SESSION_WAVE if st.session is not None else str(st.wave + 1), status=label, turn=turn,
         ttft=fmt_seconds(st.ttft_s), rate=fmt_rate(rate), tokens=fmt_count(st.tokens) if st.tokens else "-",
         stall=clock.label if clock else "", note=note, status_role=role, level=level,
-        tool=(call.tool, now - call.t) if call is not None else None,
+        tool=(call.tool, now - call.t) if call is not None else None, note_role=note_role,
     )
+
+
+def session_note(st: AgentView, note: str, now: float) -> tuple[str, str]:
+    """A session's note and its colour role: how long its next request has waited for a slot, then its last
+    request's kill (the session goes on) or what the run notes of it (a stall, keep-alives), else who it is: its
+    harness, the model mapping, its meters (`note`'s tail after the run's notes)."""
+    parts: list[str] = []
+    role = ""
+    if st.status == "queued" and st.queued_at is not None:
+        parts.append(f"waiting for a slot {fmt_clock(now - st.queued_at)}")
+    if st.killed_request is not None:
+        number, reason = st.killed_request
+        parts.append(f"request {number} killed: {reason}")
+        role = "error"
+    elif note:
+        parts.append(note)
+    if len(st.in_flight) > 1:
+        parts.append(f"{len(st.in_flight)} requests in flight")
+    return " · ".join(parts), role
+
+
+def session_identity(st: AgentView, note: str, meters: str) -> str:
+    """What a session's row notes while nothing else is noted: the run's note of it, else its harness and the
+    model mapping with its meters ("claude-code 2.0.14 · claude-sonnet-4 → qwen3-coder · cache 82% · ctx 9%")."""
+    if note:
+        return note
+    session = st.session
+    parts = [session.harness if session is not None and session.harness else "", st.model_mapping, meters]
+    return " · ".join(p for p in parts if p)
+
+
+def empty_hint(mirror: RunMirror) -> str:
+    """What the agents pane says while the run has no agent: a gateway waiting for its first session says where
+    harnesses point (the stream pane has the gateway's own words in full); a run with nothing at all says that."""
+    if mirror.serves_gateway:
+        where = f" at {mirror.gateway_url}" if mirror.gateway_url else ""
+        return f"Waiting for sessions: point a harness's base URL{where}"
+    if mirror.run_id and mirror.started_at is not None:
+        return "This run has no agents."
+    return ""
 
 
 def deadline_at(st: AgentView) -> float:
@@ -277,6 +333,9 @@ class AgentTable(ScrollView, can_focus=True):
         self._widths: list[int] = []
         self._name_width = 5
         self._status_width = STATUS_WIDTH  # grows (up to STATUS_WIDTH_MAX) to the longest status shown
+        self._turn_width = dict((key, width) for key, _, width in COLUMNS)["turn"]  # wider once a session shows
+        self.empty_hint = ""  # what the pane says while it has no rows (a gateway waiting for sessions)
+        self._hint_lines: list[str] = []  # that, wrapped to the pane
         self._status_cells = STATUS_WIDTH  # what the pane's width leaves it of that
         self._styles: dict[str, Style] = {}
 
@@ -311,11 +370,18 @@ class AgentTable(ScrollView, can_focus=True):
             note = mirror.notes.get(name, "")
             if not note and st.reused and st.status == "completed":
                 note = "answer reused from the earlier run"  # never sent again: its figures are in the report
-            note = note or mirror.meter_note(name)  # a pool's member and the meters, when there is something to show
+            if st.session is not None:
+                note = session_identity(st, note, mirror.meter_note(name))
+            else:  # a pool's member and the meters, when there is something to show
+                note = note or mirror.meter_note(name)
             ep = endpoints.get(st.endpoint)
             wanted = STATUS_WANTED.get(st.status, 0)
             if wanted > self._status_width:
                 self._status_width = wanted
+                self._layout()
+                self.refresh()
+            if st.session is not None and self._turn_width < TURN_WIDTH_SESSIONS:
+                self._turn_width = TURN_WIDTH_SESSIONS
                 self._layout()
                 self.refresh()
             row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name))
@@ -331,6 +397,11 @@ class AgentTable(ScrollView, can_focus=True):
             if index is not None and index in visible:
                 self.refresh_line(index + 1)
         self.amber, self.red = amber, red
+        hint = empty_hint(mirror) if not mirror.agents else ""
+        if hint != self.empty_hint:
+            self.empty_hint = hint
+            self._layout()
+            self.refresh()
         if self.sort != "wave" or self.filter or len(self.names) != len(self.all_names):
             self.arrange(mirror, now)
         return changed
@@ -468,20 +539,22 @@ class AgentTable(ScrollView, can_focus=True):
     def _layout(self) -> None:
         """Column widths for the pane's width: every column but the note as wide as it needs, the note the
         rest; a narrow pane cuts long names first (to NAME_MIN), then the note."""
-        others = sum(width or 0 for key, _, width in COLUMNS if key not in ("agent", "note", "status"))
+        others = sum(width or 0 for key, _, width in COLUMNS if key not in ("agent", "note", "status", "turn"))
+        others += self._turn_width
         others += len(COLUMNS)  # a space before each cell
         # a wide status gives way before the countdown does: the name keeps its minimum, the note goes first
         room = self.size.width - others - min(self._name_width, NAME_MIN)
         self._status_cells = max(STATUS_WIDTH, min(self._status_width, room))
         others += self._status_cells
         name = max(min(self._name_width, NAME_MIN), min(self._name_width, self.size.width - others - NOTE_WANTED))
-        widths = [name if key == "agent" else self._status_cells if key == "status" else (width or 0)
-                  for key, _, width in COLUMNS]
+        widths = [name if key == "agent" else self._status_cells if key == "status"
+                  else self._turn_width if key == "turn" else (width or 0) for key, _, width in COLUMNS]
         widths[-1] = max(0, self.size.width - others - name)
         if widths != self._widths:
             self._widths = widths
             self._strips = {}
-        self.virtual_size = Size(others + sum(widths), len(self.names) + 1)
+        self._hint_lines = textwrap.wrap(self.empty_hint, max(10, self.size.width - 2)) if self.empty_hint else []
+        self.virtual_size = Size(others + sum(widths), max(len(self.names), len(self._hint_lines)) + 1)
 
     def _style(self, role: str, bold: bool = False) -> Style:
         key = f"{role}/{bold}"
@@ -516,10 +589,17 @@ class AgentTable(ScrollView, can_focus=True):
             level_style = self._style(level, bold=True) if level else Style()
             styles = [level_style, Style(), status, Style(), Style(), Style(), Style(),
                       level_style if level else self._style("text-muted"),
-                      status if row.status in ("killed", "failed") else Style()]
+                      self._style(row.note_role) if row.note_role else Style()]
         strip = self._segments(texts, styles, base)
         self._strips[name] = (drawn_from, strip)
         return strip
+
+    def _hint_line(self, line: int, width: int) -> Strip:
+        """Line `line` of the empty pane's hint, wrapped to the pane."""
+        if not 0 <= line < len(self._hint_lines):
+            return Strip.blank(width, self.rich_style)
+        style = self.rich_style + self._style("text-muted")
+        return Strip([Segment(" " + self._hint_lines[line], style)]).crop_extend(0, width, self.rich_style)
 
     def render_line(self, y: int) -> Strip:
         scroll_x, scroll_y = self.scroll_offset
@@ -530,6 +610,8 @@ class AgentTable(ScrollView, can_focus=True):
             return strip.crop_extend(scroll_x, scroll_x + width, header)
         index = scroll_y + y - 1
         if index >= len(self.names):
+            if not self.names and not self.filter:
+                return self._hint_line(index, width)
             return Strip.blank(width, self.rich_style)
         name = self.names[index]
         cursor = index == self.cursor_row

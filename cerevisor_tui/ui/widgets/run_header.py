@@ -5,7 +5,11 @@ reason (`a` lists them all).
 Two lines, each cut to the width, never wrapped: a first line that wrapped would push the second (mode,
 cap, counters) out of the header. Where the endpoints do not fit, each loses its URL and model, then the line
 shows only their health dots; the run clock and the run's state keep their place, and so do the counts of
-what needs the operator (inbox N, agents in amber and red), shown only when there are any."""
+what needs the operator (inbox N, agents in amber and red), shown only when there are any.
+
+A run that serves a gateway says where on the first line (`gateway http://127.0.0.1:8100/v1`, the URL the
+first to give way) and counts its sessions on the second (`3 sessions: 1 busy 1 idle 1 queued`),
+apart from the workflow's agents; a run of sessions alone shows no waves and no agent counters."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from cerevisor_tui.ui.format import fmt_clock, fmt_rate
-from cerevisor_tui.ui.mirror import ACTIVE, RunMirror
+from cerevisor_tui.ui.mirror import ACTIVE, FINAL, RunMirror
 
 MODE_ROLES = {"sequential": "secondary", "parallel": "primary", "auto": "accent"}
 
@@ -52,12 +56,32 @@ class HeaderState:
     inbox: int = 0  # agents that need the operator (the attention inbox, i)
     amber: int = 0  # agents whose countdown is amber, and red
     red: int = 0
+    gateway: bool = False  # the run serves a gateway
+    gateway_url: str = ""
+    sessions: tuple[tuple[str, int], ...] = ()  # ("sessions", N), then each state with any: ("busy", 1), ...
+    workflow: bool = True  # the run has agents of its own (or waves): its counters show
 
 
 def reason_text(endpoint: str, reason: str) -> str:
     """A cap change as the header shows it: `sim: 24 -> 32 (why)`."""
     text = reason.removeprefix("auto: ")
     return f"{endpoint}: {text}" if endpoint else text
+
+
+SESSION_STATES = (("busy", ACTIVE - {"idle"}), ("idle", {"idle"}), ("queued", {"queued"}),
+                  ("released", {"released"}), ("ended", FINAL))
+"""How the header counts a gateway's sessions: a request in flight, holding a slot between requests, a request
+waiting for a slot, the slot given back, ended (with the run)."""
+
+
+def session_counts(statuses: list[str]) -> tuple[tuple[str, int], ...]:
+    """("sessions", N) then each of SESSION_STATES that any session is in, with how many."""
+    counts = [("sessions", len(statuses))]
+    for label, states in SESSION_STATES:
+        n = sum(1 for s in statuses if s in states)
+        if n:
+            counts.append((label, n))
+    return tuple(counts)
 
 
 REASON_MIN_CELLS = 24
@@ -94,7 +118,9 @@ class RunHeader(Static):
              red: int = 0) -> bool:
         """Redraw if anything shown changed; returns whether it did. `amber`, `red`: agents whose countdown is
         that colour (the agents table counts them as it draws their rows)."""
-        counts = Counter(a.status for a in mirror.agents.values())
+        agents = mirror.workflow_agents
+        counts = Counter(a.status for a in agents)
+        sessions = [a.status for a in mirror.sessions]
         started = mirror.started_at
         elapsed = (now - started) if started is not None else 0.0
         if mirror.finished is not None and started is not None:
@@ -117,6 +143,9 @@ class RunHeader(Static):
             ceiling=mirror.auto_ceiling if auto else None,
             last_reason=reason_text(last.endpoint, last.reason) if last is not None else "",
             width=self.content_size.width, inbox=len(mirror.inbox), amber=amber, red=red,
+            gateway=mirror.serves_gateway, gateway_url=mirror.gateway_url,
+            sessions=session_counts(sessions) if mirror.serves_gateway else (),
+            workflow=bool(agents or mirror.waves) or not mirror.serves_gateway,
         )
         if state == self._shown:
             return False
@@ -172,12 +201,20 @@ class RunHeader(Static):
             tail.append("  FINISHED", style=f"bold {self._c('warning') if bad else self._c('success')}")
         elif s.stopping:
             tail.append("  STOPPING", style=f"bold {self._c('warning')}")
-        room = s.width - line1.cell_len - tail.cell_len
+        gateway = Text()
+        if s.gateway:
+            gateway.append("  gateway", style="bold")
+            if s.gateway_url:
+                gateway.append(f" {s.gateway_url}", style=self._c("text-muted"))
+        room = s.width - line1.cell_len - tail.cell_len - gateway.cell_len
         for detail in ("full", "names", "dots"):
             endpoints = self._endpoints(s, detail)
             if not s.width or endpoints.cell_len <= room:
                 break
+        if s.width and s.gateway_url and endpoints.cell_len > room:  # its URL gives way after the endpoints'
+            gateway = Text("  gateway", style="bold")
         line1.append_text(endpoints)
+        line1.append_text(gateway)
         line1.append_text(tail)
 
         line2 = Text(no_wrap=True, overflow="ellipsis")
@@ -190,16 +227,30 @@ class RunHeader(Static):
         if s.paused and not s.stopping:
             line2.append(" ")
             line2.append(" PAUSED ", style=f"bold {bg} on {self._c('stall-warn')}")
-        line2.append(f"  wave {s.wave + 1}/{s.waves}" if s.wave >= 0 else f"  wave -/{s.waves}")
-        line2.append("  ")
-        line2.append(f"{s.running} running", style=f"bold {self._c('success')}" if s.running else "")
-        line2.append(f" {s.queued} queued {s.done} done ")
-        line2.append(f"{s.failed} failed" + (f" {s.killed} killed" if s.killed else ""),
-                     style=f"bold {self._c('error')}" if bad else "")
+        if s.workflow:
+            line2.append(f"  wave {s.wave + 1}/{s.waves}" if s.wave >= 0 else f"  wave -/{s.waves}")
+            line2.append("  ")
+            line2.append(f"{s.running} running", style=f"bold {self._c('success')}" if s.running else "")
+            line2.append(f" {s.queued} queued {s.done} done ")
+            line2.append(f"{s.failed} failed" + (f" {s.killed} killed" if s.killed else ""),
+                         style=f"bold {self._c('error')}" if bad else "")
+        if s.sessions:
+            self._sessions(line2, s)
         line2.append(f"  {fmt_rate(s.tokens_per_s)} tok/s", style="bold")
         if s.mode == "auto":
             self._auto_extras(line2, s, len(badge))
         return Text("\n", no_wrap=True, overflow="ellipsis").join([line1, line2])
+
+    def _sessions(self, line: Text, s: HeaderState) -> None:
+        """`3 sessions: 1 busy 1 idle 1 queued` (the first line names the gateway and where it serves)."""
+        (_, total), *states = s.sessions
+        line.append("  ")
+        line.append(f"{total} session" + ("s" if total != 1 else ""), style="bold" if total else "")
+        if states:
+            line.append(": ")
+            for i, (label, n) in enumerate(states):
+                style = f"bold {self._c('success')}" if label == "busy" else ""
+                line.append(("" if i == 0 else " ") + f"{n} {label}", style=style)
 
     def _auto_extras(self, line: Text, s: HeaderState, after: int) -> None:
         """Auto's ceiling after the badge, then its last reason at the end, each only where it fits: the mode,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Vertical
 
-from cerevisor_tui.ui.model import StreamCursor, UiModel
+from cerevisor_tui.ui.model import META, StreamCursor, UiModel
 from cerevisor_tui.ui.widgets.stream_view import StreamView
 
 
@@ -19,6 +19,7 @@ class StreamPane(Vertical):
         self.agent: str | None = None
         self._cursor = StreamCursor()
         self._version = -1
+        self._placeholder = ""  # what the view says while no agent is shown
 
     def compose(self) -> ComposeResult:
         yield StreamView(id="stream")
@@ -34,8 +35,18 @@ class StreamPane(Vertical):
         self.agent = agent
         self._cursor = StreamCursor()
         self._version = -1
+        self._placeholder = ""
         self.view.clear()
         self.flush(model)
+
+    def placeholder(self, text: str) -> None:
+        """While no agent is shown, say `text` (a gateway waiting for its first session: where it serves)."""
+        if self.agent is not None or text == self._placeholder:
+            return
+        self._placeholder = text
+        self.view.clear()
+        if text:
+            self.view.append([(META, text)])
 
     def reset(self, agent: str | None, model: UiModel) -> None:
         """Show `agent` from a new model (the console switched runs), even if it is the one shown."""
