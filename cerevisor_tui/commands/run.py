@@ -231,7 +231,7 @@ async def announce_gateway(engine: Any, gateway: Any) -> None:
     engine.emit(ev.RunNotice(time.monotonic(), f"Gateway serving on {gateway.url} (models: {served}"
                              + (f"; mapped: {mapped}" if mapped else "") + "). Point a harness's base URL at it; "
                              f"a path label names its session: {gateway.url.removesuffix('/v1')}/a/NAME/v1",
-                             "info", "Gateway"))
+                             "information", "Gateway"))
 
 
 async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: str, *, required: bool) -> Any:

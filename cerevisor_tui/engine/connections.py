@@ -49,7 +49,7 @@ class Connections:
             if ep.kind == "simulated" and not ep.base_url:
                 from cerevisor_tui.sim import SimServer
 
-                server = await stack.enter_async_context(SimServer(ep.sim, port=0))
+                server = await stack.enter_async_context(SimServer(ep.sim, port=0, model=ep.model or "sim-model"))
                 self.base_urls[ep.name] = server.base_url
             client = build_client(min(cap, ep.max_concurrency), key)
             self.clients[ep.name] = await stack.enter_async_context(client)

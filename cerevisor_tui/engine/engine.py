@@ -141,7 +141,8 @@ class Engine:
         # every form of the run's API keys, taken out of whatever text enters the run (config/secrets.py)
         # (and the variables the MCP servers are given: a server's own token must not reach the screen either)
         self.scrub = Scrubber.from_env([*(ep.api_key_env for ep in config.endpoints),
-                                        *(name for server in config.mcp_servers for name in server.env)])
+                                        *(name for server in config.mcp_servers for name in server.env),
+                                        *(config.gateway.keys_env if config.gateway is not None else ())])
         # MCP tool servers, those an agent lists: started when the run opens, ended with it (tools/manager.py).
         # `ask`: what a tool call its server's rules `ask` about gets: the operator's answer, or headless, deny
         # or approve. A resumed run takes its earlier calls' results and "for the run" approvals from the journal.
@@ -383,8 +384,8 @@ class Engine:
     def retry(self, name: str) -> str:
         """Restart a running agent's attempt now, or run a failed/killed agent of the current wave again."""
         st = self.agents[name]
-        if name in self.sessions.by_name:
-            return "a gateway session is retried by its harness, never by the gateway"
+        if name in self.sessions.by_name:  # refused, so an attached console says it as it says any refusal
+            raise ValueError(f"{name} is a gateway session: it is retried by its harness, never by the gateway")
         if st.current is not None and st.status not in FINAL:
             st.current.kill("operator", "restarted by operator", by_operator=True, restart=True)
             return "restarting"

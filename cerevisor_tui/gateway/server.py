@@ -26,6 +26,7 @@ import msgspec
 
 from cerevisor_tui.config.models import GatewayConfig
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.conversation import CONTEXT_WARN_FILL
 from cerevisor_tui.engine.sessions import RunStopping, Session
 from cerevisor_tui.gateway import apis
 from cerevisor_tui.gateway.apis import KEEPALIVE, Api, Reading
@@ -447,7 +448,7 @@ class Exchange:
             await self.start(response.status_code, response.headers.get("content-type", "application/json"),
                              {"x-request-id": att.request_id})
             await self.write(data, last=True)
-        self._finished(session, att)
+        await self._finished(session, att)
 
     async def _relay(self, session: Session, att: Attempt, response: httpx.Response) -> None:
         """The hot path: each read's complete frames go to the client as they came; a copy is read."""
@@ -493,7 +494,7 @@ class Exchange:
                     att.alive.set()
         async with self.lock:
             await self.write(pending, last=True)
-        self._finished(session, att)
+        await self._finished(session, att)
 
     def _alive(self, session: Session, att: Attempt, now: float) -> None:
         st = session.st
@@ -508,7 +509,7 @@ class Exchange:
         if st.status != "streaming":
             st.status = "streaming"
 
-    def _finished(self, session: Session, att: Attempt) -> None:
+    async def _finished(self, session: Session, att: Attempt) -> None:
         """The answer went out whole: the turn's figures, its message in the transcript, the session's meters."""
         e = self.gw.engine
         st = session.st
@@ -531,9 +532,12 @@ class Exchange:
         cost = ep.cost_usd(r.prompt_tokens, completion)
         st.cost_usd += cost
         e.conversations.run_cost_usd += cost
-        limit = e.connections.max_model_len.get(st.endpoint, 0)
-        e.emit(ev.AgentMeters(end, st.name, st.turn, r.prompt_tokens, r.cached_tokens, st.context_tokens, limit,
-                              round(st.cost_usd, 6), round(e.run_cost_usd, 6)))
+        limit = await e.connections.context_limit(ep)  # asked once per endpoint; 0 when the server does not say
+        fill = st.context_tokens / limit if limit else 0.0
+        warning = f"context {fill:.0%} full ({st.context_tokens:,} of {limit:,} tokens)" if fill >= CONTEXT_WARN_FILL \
+            else ""
+        e.emit(ev.AgentMeters(time.monotonic(), st.name, st.turn, r.prompt_tokens, r.cached_tokens, st.context_tokens,
+                              limit, round(st.cost_usd, 6), round(e.run_cost_usd, 6), warning))
 
     # ---- transcripts ---------------------------------------------------------------------------------------
     def _record_inputs(self, session: Session) -> None:

@@ -6,8 +6,9 @@ import httpx
 import pytest
 
 from cerevisor_tui.contract import events as ev
+from tests.conftest import until
 
-from .conftest import served
+from .conftest import gateway_config, served
 
 pytestmark = pytest.mark.anyio
 
@@ -30,3 +31,37 @@ async def test_chat_streamed_passes_through_and_is_a_session():
         assert [(o.agent, o.source) for o in opened] == [("alpha", "x-session-id")]
         turns = s.of(ev.TurnFinished, "alpha")
         assert turns and turns[0].completion_tokens == 6
+
+
+async def test_a_request_goes_to_the_endpoint_that_serves_its_model():
+    endpoints = [{"name": "small", "kind": "simulated", "model": "small-model", "sim": {"speed": 50.0}},
+                 {"name": "big", "kind": "simulated", "model": "big-model", "sim": {"speed": 50.0}}]
+    async with served(endpoints=endpoints) as s, httpx.AsyncClient(timeout=30) as client:
+        for model, session in (("big-model", "b"), ("small-model", "a")):
+            r = await client.post(s.url + "/chat/completions", headers={"X-Session-ID": session},
+                                  json={"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200 and r.json()["model"] == model
+        assert {o.agent: o.endpoint for o in s.of(ev.SessionOpened)} == {"b": "big", "a": "small"}
+        r = await client.post(s.url + "/chat/completions", json={"model": "gpt-4o", "messages": []})
+        assert r.status_code == 404
+        assert r.json()["error"]["message"].startswith("model 'gpt-4o' is not served here (served: big-model, "
+                                                       "small-model)")
+
+
+async def test_a_workflows_agents_and_the_sessions_share_one_cap():
+    # cap 1: the workflow's agent holds the only slot, so a session's first request waits for it to finish
+    config = gateway_config(
+        run={"mode": "parallel", "max_concurrency": 1},
+        endpoints=[{"name": "sim", "kind": "simulated", "model": "sim-model",
+                    "sim": {"tokens_per_s": 20.0, "ttft_s": 0.0}}],
+        agents=[{"name": "writer", "prompt": "write", "max_tokens": 20}])
+    async with served(config) as s, httpx.AsyncClient(timeout=60) as client:
+        await until(lambda: s.of(ev.FirstToken, "writer"), "the workflow's agent to stream")
+        r = await client.post(s.url + "/chat/completions", headers={"X-Session-ID": "outside"},
+                              json={"model": "sim-model", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 200
+        [done] = s.of(ev.AgentFinished, "writer")
+        [sent] = s.of(ev.AgentStarted, "outside")
+        assert done.status == "completed" and sent.t >= done.t  # admitted only once the agent gave its slot back
+        assert sent.queued_s > 0
+        assert s.engine.scheduler.max_running == 1
