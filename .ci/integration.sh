@@ -64,7 +64,7 @@ if ! { [ -x "$mcp_venv/bin/mcp-server-time" ] && [ -x "$mcp_venv/bin/mcp-server-
 fi
 command -v git >/dev/null || fail "git is needed (mcp-server-git's test makes a throwaway repository)"
 # Harnesses no one here wrote, for the gateway's tests (tests/integration/test_gateway_harnesses.py): mini-swe-agent
-# (with litellm) in a venv of their own, Claude Code and Codex CLI from npm. Installed once, then cached.
+# (with litellm) in a venv of their own, Claude Code, Codex CLI and opencode from npm. Installed once, then cached.
 harness_venv=$PEERS_DIR/harness
 if ! "$harness_venv/bin/python" -c "import minisweagent, litellm" >/dev/null 2>&1; then
   { python3 -m venv "$harness_venv" && "$harness_venv/bin/pip" install -q mini-swe-agent litellm; } \
@@ -73,9 +73,11 @@ if ! "$harness_venv/bin/python" -c "import minisweagent, litellm" >/dev/null 2>&
 fi
 command -v npm >/dev/null || fail "npm is needed (Claude Code and Codex CLI come from the npm registry)"
 npm_dir=$PEERS_DIR/npm
-if ! { [ -x "$npm_dir/node_modules/.bin/claude" ] && [ -x "$npm_dir/node_modules/.bin/codex" ]; }; then
-  { mkdir -p "$npm_dir" && cd "$npm_dir" && npm install --no-audit --no-fund @anthropic-ai/claude-code @openai/codex; } \
-    >"$logs/npm-setup.log" 2>&1 || setup_failed "Claude Code and Codex CLI (npm install)" "$logs/npm-setup.log"
+if ! { [ -x "$npm_dir/node_modules/.bin/claude" ] && [ -x "$npm_dir/node_modules/.bin/codex" ] \
+        && [ -x "$npm_dir/node_modules/.bin/opencode" ]; }; then
+  { mkdir -p "$npm_dir" && cd "$npm_dir" \
+      && npm install --no-audit --no-fund @anthropic-ai/claude-code @openai/codex opencode-ai; } \
+    >"$logs/npm-setup.log" 2>&1 || setup_failed "Claude Code, Codex CLI and opencode (npm install)" "$logs/npm-setup.log"
   cd "$root"
 fi
 echo "ci/integration: servers ready after $((SECONDS - started)) s; running the integration tests"

@@ -505,7 +505,7 @@ class Exchange:
             if st.ttft_s is None:
                 st.ttft_s = ttft
             att.alive.set()
-            self.gw.engine.emit(ev.FirstToken(now, st.name, att.number, st.turn, ttft))
+            self.gw.engine.emit(ev.FirstToken(now, st.name, att.number, att.turn, ttft))
         if st.status != "streaming":
             st.status = "streaming"
 

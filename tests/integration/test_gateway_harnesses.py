@@ -1,10 +1,10 @@
 """Harnesses no one here wrote, through `cerevisor-tui gateway --headless` (the product as an operator runs it) in
 front of llama-server serving SmolLM2: litellm's completion(), mini-swe-agent on a multi-turn task, Claude Code
-(`claude -p`) and Codex CLI (`codex exec`). Each session must show up in the run's journal as a row with its
+(`claude -p`), Codex CLI (`codex exec`) and opencode (`opencode run`). Each session must show up in the run's journal as a row with its
 harness and API, and each harness must end by itself with the model's answer.
 
 The Python harnesses live in a venv of their own ($PEERS_DIR/harness: mini-swe-agent, which brings litellm) and
-the node ones under $PEERS_DIR/npm (`@anthropic-ai/claude-code`, `@openai/codex`), both made by
+the node ones under $PEERS_DIR/npm (`@anthropic-ai/claude-code`, `@openai/codex`, `opencode-ai`), both made by
 .ci/integration.sh."""
 
 from __future__ import annotations
@@ -145,3 +145,17 @@ def test_codex_cli_through_the_gateway(gateway: Gateway, tmp_path: Path):
     opened = [e for e in gateway.events("SessionOpened") if e["harness"].startswith("codex")]
     assert opened and opened[0]["api"] == "responses", (proc.stdout[-2000:], proc.stderr[-2000:])
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+def test_opencode_through_the_gateway(gateway: Gateway, tmp_path: Path):
+    config = {"$schema": "https://opencode.ai/config.json", "model": "cerevisor/qwen3-coder",
+              "provider": {"cerevisor": {"npm": "@ai-sdk/openai-compatible", "name": "cerevisor gateway",
+                                         "options": {"baseURL": gateway.url}, "models": {"qwen3-coder": {}}}}}
+    (tmp_path / "opencode.json").write_text(json.dumps(config))
+    proc = node_harness("opencode", ["run", "Name three colours."], {}, tmp_path)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    opened = [e for e in gateway.events("SessionOpened") if e["harness"].startswith("opencode")]
+    assert opened and opened[0]["api"] == "chat" and opened[0]["source"] == "x-session-id", \
+        [e["harness"] for e in gateway.events("SessionOpened")]
+    done = [e for e in gateway.events("TurnFinished") if e["agent"] == opened[0]["agent"]]
+    assert done and all(e["completion_tokens"] > 0 for e in done)  # its title request and its answer, one row
