@@ -71,6 +71,11 @@ if ! "$harness_venv/bin/python" -c "import minisweagent, litellm" >/dev/null 2>&
     >"$logs/harness-setup.log" 2>&1 || setup_failed "the Python harnesses (pip install mini-swe-agent litellm)" \
     "$logs/harness-setup.log"
 fi
+aider_venv=$PEERS_DIR/aider  # aider pins its own litellm and openai: a venv apart
+if ! [ -x "$aider_venv/bin/aider" ]; then
+  { python3 -m venv "$aider_venv" && "$aider_venv/bin/pip" install -q aider-chat; } >"$logs/aider-setup.log" 2>&1 \
+    || setup_failed "aider (pip install aider-chat)" "$logs/aider-setup.log"
+fi
 command -v npm >/dev/null || fail "npm is needed (Claude Code and Codex CLI come from the npm registry)"
 npm_dir=$PEERS_DIR/npm
 if ! { [ -x "$npm_dir/node_modules/.bin/claude" ] && [ -x "$npm_dir/node_modules/.bin/codex" ] \

@@ -1,9 +1,10 @@
 """Harnesses no one here wrote, through `cerevisor-tui gateway --headless` (the product as an operator runs it) in
 front of llama-server serving SmolLM2: litellm's completion(), mini-swe-agent on a multi-turn task, Claude Code
-(`claude -p`), Codex CLI (`codex exec`) and opencode (`opencode run`). Each session must show up in the run's journal as a row with its
+(`claude -p`), Codex CLI (`codex exec`), opencode (`opencode run`) and aider (`aider --message`). Each session must show up in the run's journal as a row with its
 harness and API, and each harness must end by itself with the model's answer.
 
-The Python harnesses live in a venv of their own ($PEERS_DIR/harness: mini-swe-agent, which brings litellm) and
+The Python harnesses live in venvs of their own ($PEERS_DIR/harness: mini-swe-agent, which brings litellm;
+$PEERS_DIR/aider: aider-chat, which pins its own) and
 the node ones under $PEERS_DIR/npm (`@anthropic-ai/claude-code`, `@openai/codex`, `opencode-ai`), both made by
 .ci/integration.sh."""
 
@@ -24,6 +25,7 @@ from tests.integration.servers import PEERS_DIR, ServerProcess
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 HARNESS_PYTHON = PEERS_DIR / "harness" / "bin" / "python"
+AIDER = PEERS_DIR / "aider" / "bin" / "aider"
 NODE_BIN = PEERS_DIR / "npm" / "node_modules" / ".bin"
 
 
@@ -159,3 +161,19 @@ def test_opencode_through_the_gateway(gateway: Gateway, tmp_path: Path):
         [e["harness"] for e in gateway.events("SessionOpened")]
     done = [e for e in gateway.events("TurnFinished") if e["agent"] == opened[0]["agent"]]
     assert done and all(e["completion_tokens"] > 0 for e in done)  # its title request and its answer, one row
+
+
+def test_aider_one_shot_through_the_gateway(gateway: Gateway, tmp_path: Path):
+    need(AIDER, "aider (pip install aider-chat)")
+    (tmp_path / "calc.py").write_text("def add(a, b):\n    pass\n")
+    proc = subprocess.run([str(AIDER), "--openai-api-base", gateway.url.replace("/v1", "/a/aider-1/v1"),
+                           "--model", "openai/qwen3-coder", "--message", "Name three colours.", "--yes-always",
+                           "--no-git", "--no-check-update", "--no-show-model-warnings", "--no-analytics",
+                           "--map-tokens", "0"], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          stdin=subprocess.DEVNULL,
+                          env={**os.environ, "HOME": str(tmp_path), "OPENAI_API_KEY": "unused-client-key",
+                               "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert gateway.session("aider-1")["source"] == "path"  # the path label named its row
+    done = [e for e in gateway.events("TurnFinished") if e["agent"] == "aider-1"]
+    assert done and done[0]["completion_tokens"] > 0
