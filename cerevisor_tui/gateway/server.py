@@ -95,10 +95,11 @@ class Gateway:
         await self.engine.sessions.ready.wait()  # the run's connections are open (a request may come before)
         path = scope["path"]
         label = ""
-        if path.startswith("/a/"):  # a path label: /a/NAME/v1/...
-            label, _, rest = path[3:].partition("/")
-            label = urllib.parse.unquote(label)
-            path = "/" + rest
+        if path.startswith("/a/"):  # a path label: /a/NAME/v1/..., cut in the raw path (NAME may hold a %2F)
+            raw = scope.get("raw_path") or path.encode()
+            head, _, rest = raw[3:].partition(b"/")
+            label = urllib.parse.unquote(head.decode("latin-1"))
+            path = "/" + urllib.parse.unquote(rest.decode("latin-1"))
         if not path.startswith("/v1/"):
             await _answer(send, 404, apis.error_body(None, 404, f"no such path {path!r}: the gateway serves /v1/*"))
             return
