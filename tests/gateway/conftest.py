@@ -1,27 +1,39 @@
 """A run that serves a gateway, on loopback, in the test's own event loop: the engine over a simulated endpoint
-(or any URL), the gateway's real HTTP server in front of it, and httpx clients speaking to it."""
+(or any URL), the gateway's real HTTP server in front of it, and httpx clients speaking to it.
+
+`served(sim={...})` runs a simulator of the test's own (a SimServer, reached as `Served.sim`, its SimState) and
+points an endpoint of kind "local" at it, so a test can count what the server saw (requests, aborts). Without
+`sim`, the endpoint is the run's in-process simulator (kind "simulated"), which a test cannot reach.
+"""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 
 from cerevisor_tui.config import validate
+from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.sessions import Session
 from cerevisor_tui.gateway import GatewayServer, serve_gateway
+from cerevisor_tui.sim import SimServer
 from tests.conftest import wait_until
 
 FAST_SIM = {"speed": 50.0, "seed": 3}
+NO_EXTENSIONS = {"extend_when_server_busy": False}
 
 
 @dataclass
@@ -29,17 +41,41 @@ class Served:
     engine: Engine
     server: GatewayServer
     events: list[ev.Event] = field(default_factory=list)
+    sim_server: SimServer | None = None
+    exit_code: int | None = None
 
     @property
     def url(self) -> str:
         return self.server.url
 
+    @property
+    def root(self) -> str:
+        """The gateway's root (no /v1): for path labels, /a/NAME/v1."""
+        return self.server.url.removesuffix("/v1")
+
     def of(self, kind: type[ev.Event], agent: str | None = None) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind) and (agent is None or getattr(e, "agent", None) == agent)]
 
+    def statuses(self, agent: str) -> list[str]:
+        return [e.status for e in self.of(ev.AgentStatus, agent)]
+
+    def session(self, name: str) -> Session:
+        return self.engine.sessions.by_name[name]
+
+    def opened(self) -> list[tuple[str, str]]:
+        """Each session opened, as (name, what named it)."""
+        return [(o.agent, o.source) for o in self.of(ev.SessionOpened)]
+
     @property
     def sim(self) -> Any:
-        return None
+        """The test's own simulator's SimState (`served(sim=...)`)."""
+        assert self.sim_server is not None, "served(sim={...}) runs a simulator a test can reach"
+        return self.sim_server.state
+
+
+def sim_endpoint(base_url: str, *, name: str = "sim", kind: str = "local", **rest: Any) -> dict[str, Any]:
+    """An endpoint at `base_url` serving the simulator's model."""
+    return {"name": name, "kind": kind, "base_url": base_url, "model": "sim-model", **rest}
 
 
 def gateway_config(*, endpoints: list[dict[str, Any]] | None = None, gateway: dict[str, Any] | None = None,
@@ -57,26 +93,91 @@ def gateway_config(*, endpoints: list[dict[str, Any]] | None = None, gateway: di
 
 
 @asynccontextmanager
-async def served(config=None, *, model: str = "", **kwargs: Any) -> AsyncIterator[Served]:
-    """The run and its gateway, serving until the block ends (then the run is stopped, as `stop` does)."""
-    config = config or gateway_config(**kwargs)
-    engine = Engine(config)
-    out = Served(engine, None)  # type: ignore[arg-type]
-    engine.subscribe(out.events.append)
-    async with anyio.create_task_group() as group:
-        result: list[int] = []
+async def served(config=None, *, model: str = "", sim: dict[str, Any] | None = None, run_dir: Path | None = None,
+                 **kwargs: Any) -> AsyncIterator[Served]:
+    """The run and its gateway, serving until the block ends (then the run is stopped, as `stop` does, and its
+    exit code kept). `sim`: settings of a simulator of the test's own, the run's endpoint "sim" (kind local).
+    `run_dir`: the run keeps a run directory there (journal, transcripts, report.json), as `gateway` does."""
+    async with AsyncExitStack() as stack:
+        sim_server = None
+        if sim is not None:
+            sim_server = await stack.enter_async_context(SimServer(SimSettings(**{**FAST_SIM, **sim})))
+            kwargs.setdefault("endpoints", [sim_endpoint(sim_server.base_url)])
+        config = config or gateway_config(**kwargs)
+        journal = None
+        if run_dir is not None:
+            from cerevisor_tui.engine.run_setup import open_run
 
-        async def run() -> None:
-            result.append(await engine.run())
+            engine, journal = open_run(config, "gw-test", run_dir, console=False)
+            stack.callback(journal.close)
+        else:
+            engine = Engine(config)
+        out = Served(engine, None, sim_server=sim_server)  # type: ignore[arg-type]
+        engine.subscribe(out.events.append)
+        async with anyio.create_task_group() as group:
 
-        group.start_soon(run)
-        out.server = await serve_gateway(engine, config.gateway, model=model)
-        await engine.sessions.ready.wait()
-        try:
-            yield out
-        finally:
-            engine.stop("test over")
-            await out.server.close()
+            async def run() -> None:
+                out.exit_code = await engine.run()
+
+            group.start_soon(run)
+            out.server = await serve_gateway(engine, config.gateway, model=model)
+            await engine.sessions.ready.wait()
+            try:
+                yield out
+            finally:
+                engine.stop("test over")
+                await out.server.close()
+
+
+def chat(content: str = "hi", *, stream: bool = True, max_tokens: int = 6, system: str = "",
+         history: list[dict[str, Any]] | None = None, model: str = "sim-model", **extra: Any) -> dict[str, Any]:
+    """A chat completions request body."""
+    messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
+    messages.append({"role": "user", "content": content})
+    return {"model": model, "messages": messages, "stream": stream, "max_tokens": max_tokens, **extra}
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: httpx.Headers
+    raw: bytes
+
+    @property
+    def frames(self) -> list[bytes]:
+        return [f for f in self.raw.replace(b"\r\n", b"\n").split(b"\n\n") if f]
+
+    @property
+    def comments(self) -> list[bytes]:
+        return [f for f in self.frames if f.startswith(b":")]
+
+    @property
+    def data(self) -> list[Any]:
+        """Each data frame's JSON ([DONE] left out)."""
+        out = []
+        for frame in self.frames:
+            for line in frame.split(b"\n"):
+                if line.startswith(b"data:") and line[5:].strip() != b"[DONE]":
+                    out.append(json.loads(line[5:]))
+        return out
+
+    @property
+    def text(self) -> str:
+        """A streamed chat answer's content."""
+        return "".join((d["choices"][0]["delta"].get("content") or "") for d in self.data
+                       if isinstance(d, dict) and d.get("choices"))
+
+    def json(self) -> Any:
+        return json.loads(self.raw)
+
+
+async def post(client: httpx.AsyncClient, url: str, body: Any = None, *, headers: dict[str, str] | None = None,
+               content: bytes | None = None) -> Answer:
+    """POST `body` (or raw `content`) and read the whole answer, streamed or not."""
+    kwargs: dict[str, Any] = {"content": content} if content is not None else {"json": body}
+    async with client.stream("POST", url, headers=headers, **kwargs) as r:
+        raw = b"".join([piece async for piece in r.aiter_raw()])
+    return Answer(r.status_code, r.headers, raw)
 
 
 class Headless:

@@ -1,0 +1,147 @@
+"""Which session a request belongs to, through the gateway's HTTP path: each identity rule, their order, the
+harness from the User-Agent, and what SessionOpened says named the session."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.gateway.identity import harness, session_name
+
+from .conftest import chat, post, served
+
+pytestmark = pytest.mark.anyio
+
+
+async def _sessions_of(requests: list[tuple[str, dict, dict]], **kwargs) -> list[tuple[str, str]]:
+    """Send each (path under the gateway's root, body, headers) in turn; the sessions they opened."""
+    async with served(**kwargs) as s, httpx.AsyncClient(timeout=30) as client:
+        for path, body, headers in requests:
+            answer = await post(client, s.root + path, body, headers=headers)
+            assert answer.status == 200, answer.raw
+        return s.opened()
+
+
+@pytest.mark.parametrize("header", ["X-Session-ID", "x-session-affinity", "session_id"])
+async def test_a_session_header_names_the_session(header):
+    opened = await _sessions_of([("/v1/chat/completions", chat("one"), {header: "alpha"}),
+                                 ("/v1/chat/completions", chat("another conversation"), {header: "alpha"})])
+    assert opened == [("alpha", header.lower())]
+
+
+async def test_session_headers_are_believed_in_their_order():
+    body = chat(prompt_cache_key="cache-key", user="someone")
+    opened = await _sessions_of([
+        ("/a/label/v1/chat/completions", body, {"session_id": "third", "x-session-affinity": "second",
+                                                "X-Session-ID": "first"}),
+        ("/a/label/v1/chat/completions", body, {"session_id": "third", "x-session-affinity": "second"}),
+        ("/a/label/v1/chat/completions", body, {"session_id": "third"}),
+    ])
+    assert opened == [("first", "x-session-id"), ("second", "x-session-affinity"), ("third", "session_id")]
+
+
+async def test_openai_body_fields_prompt_cache_key_then_user_before_the_path_label():
+    opened = await _sessions_of([
+        ("/a/label/v1/chat/completions", chat(prompt_cache_key="pck-1", user="u-1"), {}),
+        ("/a/label/v1/chat/completions", chat(user="u-2"), {}),
+        ("/a/label/v1/chat/completions", chat(), {}),
+    ])
+    assert opened == [("pck-1", "prompt_cache_key"), ("u-2", "user"), ("label", "path")]
+
+
+async def test_a_path_label_names_the_session_and_the_request_still_goes_through():
+    async with served(sim={}) as s, httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.root + "/a/reviewer/v1/chat/completions", chat(max_tokens=4))
+        assert answer.status == 200
+        assert len([d for d in answer.data if d["choices"] and d["choices"][0]["delta"].get("content")]) == 4
+        assert s.opened() == [("reviewer", "path")]
+        assert s.sim.requests_total == 1  # the label is the gateway's: the server got /v1/chat/completions
+
+
+async def test_a_path_label_with_an_unsafe_name_is_made_a_plain_one():
+    opened = await _sessions_of([("/a/team%20one%2F..%2Fx/v1/chat/completions", chat(), {})])
+    [(name, source)] = opened
+    assert source == "path"
+    assert "/" not in name and " " not in name and not name.startswith(".")
+
+
+async def test_anthropic_metadata_user_id_names_the_session_claude_code_form_too(monkeypatch):
+    # the upstream does not speak /v1/messages: the session is named before anything goes upstream all the same
+    session = str(uuid.uuid4())
+    claude_code = f"user_{'ab' * 32}_account_{uuid.uuid4()}_session_{session}"
+    body = {"model": "sim-model", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    async with served() as s, httpx.AsyncClient(timeout=30) as client:
+        await post(client, s.url + "/messages", {**body, "metadata": {"user_id": claude_code}})
+        await post(client, s.url + "/messages", {**body, "metadata": {"user_id": "plain-user"}})
+        # prompt_cache_key and user are OpenAI's: in a messages request they name nothing
+        await post(client, s.url + "/messages", {**body, "user": "not-anthropic", "prompt_cache_key": "no"})
+        opened = s.opened()
+    assert opened[0] == (session, "metadata.user_id")
+    assert opened[1] == ("plain-user", "metadata.user_id")
+    assert opened[2][1] == "fingerprint"
+
+
+async def test_a_named_key_names_the_session(monkeypatch):
+    monkeypatch.setenv("GW_KEY_ALICE", "sk-alice-0123456789")
+    monkeypatch.setenv("GW_KEY_BOB", "sk-bob-9876543210")
+    async with served(gateway={"keys_env": ["GW_KEY_ALICE", "GW_KEY_BOB"]}) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        for key in ("sk-bob-9876543210", "sk-alice-0123456789"):
+            for text in ("one conversation", "another"):
+                answer = await post(client, s.url + "/chat/completions", chat(text),
+                                    headers={"Authorization": f"Bearer {key}"})
+                assert answer.status == 200
+        # a path label is believed before the key
+        await post(client, s.root + "/a/labelled/v1/chat/completions", chat(),
+                   headers={"Authorization": "Bearer sk-bob-9876543210"})
+        assert s.opened() == [("gw_key_bob", "key"), ("gw_key_alice", "key"), ("labelled", "path")]
+        assert [o.key for o in s.of(ev.SessionOpened)] == ["GW_KEY_BOB", "GW_KEY_ALICE", "GW_KEY_BOB"]
+
+
+async def test_fingerprint_puts_every_turn_of_a_conversation_in_one_row():
+    first = chat("write a parser", system="You are a coder.")
+    second = chat("now test it", system="You are a coder.",
+                  history=[{"role": "user", "content": "write a parser"}, {"role": "assistant", "content": "done"}])
+    other = chat("write a poem", system="You are a coder.")
+    other_system = chat("write a parser", system="You are a poet.")
+    other_model = chat("write a parser", system="You are a coder.", model="sim-model-2")
+    async with served(gateway={"model_map": {"sim-model-2": "sim-model"}}) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        for body in (first, second, other, other_system, other_model):
+            assert (await post(client, s.url + "/chat/completions", body)).status == 200
+        opened = s.opened()
+        assert [source for _, source in opened] == ["fingerprint"] * 4
+        assert len({name for name, _ in opened}) == 4
+        row = opened[0][0]
+        assert [t.agent for t in s.of(ev.TurnFinished)][:2] == [row, row]
+        assert s.session(row).requests == 2
+
+
+async def test_harness_is_named_from_the_user_agent():
+    async with served(run={"max_concurrency": 8}) as s, httpx.AsyncClient(timeout=30) as client:
+        for i, ua in enumerate(("claude-cli/2.0.14 (external, cli)", "codex_cli_rs/0.46.0 (Linux; x86_64)",
+                                "OpenAI/Python 1.99.0", "my agent/3")):
+            await post(client, s.url + "/chat/completions", chat(), headers={"User-Agent": ua,
+                                                                             "X-Session-ID": f"s{i}"})
+        await post(client, s.url + "/chat/completions", chat(), headers={"X-Session-ID": "s9"})
+        assert [o.harness for o in s.of(ev.SessionOpened)] == [
+            "claude-code 2.0.14", "codex 0.46.0", "openai-python 1.99.0", "my", f"httpx {httpx.__version__}"]
+
+
+def test_session_name_keeps_plain_ids_and_hashes_the_rest():
+    assert session_name("alpha") == "alpha"
+    assert session_name("  alpha ") == "alpha"
+    long_a, long_b = "x" * 60 + "a", "x" * 60 + "b"
+    assert session_name(long_a) != session_name(long_b)
+    assert len(session_name(long_a)) <= 40
+    assert session_name('{"session_id": "abc-123"}') == "abc-123"
+    assert session_name("../../etc/passwd") != "../../etc/passwd"
+    assert "/" not in session_name("../../etc/passwd")
+
+
+def test_harness_without_a_user_agent_is_empty():
+    assert harness("") == ""
+    assert harness("curl/8.5.0") == "curl 8.5.0"
