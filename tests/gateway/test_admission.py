@@ -1,0 +1,164 @@
+"""Admission of sessions under the run's mode, cap and pause: a session holds a slot while active and gives it
+back after release_after_s; a new session's first request waits for one; and the statuses that tell it."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+import pytest
+
+from cerevisor_tui.contract import commands as cmd
+from cerevisor_tui.contract import events as ev
+
+from ..conftest import until
+from .conftest import Answer, chat, post, served
+
+pytestmark = pytest.mark.anyio
+
+
+def _index(s, kind, agent, where=lambda e: True) -> int:
+    """Where in the run's events the first `kind` of `agent` that `where` accepts is."""
+    return next(i for i, e in enumerate(s.events) if isinstance(e, kind) and e.agent == agent and where(e))
+
+
+def _status_at(s, agent: str, status: str) -> int:
+    return _index(s, ev.AgentStatus, agent, lambda e: e.status == status)
+
+
+async def _request(client: httpx.AsyncClient, url: str, session: str, out: dict[str, Answer], *, key: str = "",
+                   **body) -> None:
+    out[key or session] = await post(client, url, chat(**body), headers={"X-Session-ID": session})
+
+
+async def test_sequential_a_second_session_waits_until_the_first_releases_its_slot():
+    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 1.0}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        await _request(client, s.url + "/chat/completions", "first", answers, stream=False)
+        assert answers["first"].status == 200
+        assert s.session("first").holding and s.session("first").st.status == "idle"
+        group.start_soon(_request, client, s.url + "/chat/completions", "second", answers)
+        await until(lambda: s.session("second").queued == 1 if "second" in s.engine.sessions.by_name else False,
+                    "the second session's request queued")
+        assert s.session("first").holding, "release_after_s has not passed: the first session keeps its slot"
+        assert not s.of(ev.AgentStarted, "second")
+        await until(lambda: "second" in answers, "the second session's answer", timeout=30)
+        assert answers["second"].status == 200 and answers["second"].text
+        # it was admitted only once the first had given its slot back
+        assert _status_at(s, "first", "released") < _index(s, ev.AgentStarted, "second")
+        [started] = s.of(ev.AgentStarted, "second")
+        assert started.queued_s > 0.1  # shown apart: time queued in the gateway is not model silence
+        assert s.engine.scheduler.max_running == 1
+
+
+async def test_a_session_holding_its_slot_goes_straight_through():
+    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 30}) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        for turn in range(3):
+            answer = await post(client, s.url + "/chat/completions", chat(f"turn {turn}"),
+                                headers={"X-Session-ID": "keeper"})
+            assert answer.status == 200
+        assert len(s.of(ev.AgentQueued, "keeper")) == 1  # its first request only
+        assert [e.queued_s < 0.5 for e in s.of(ev.AgentStarted, "keeper")] == [True] * 3
+        assert s.session("keeper").requests == 3 and s.session("keeper").holding
+
+
+async def test_parallel_cap_queues_the_session_past_it():
+    async with served(run={"mode": "parallel", "max_concurrency": 2}, gateway={"release_after_s": 1.0}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        for name in ("a", "b"):
+            await _request(client, s.url + "/chat/completions", name, answers)
+        assert s.engine.scheduler.running == 2
+        group.start_soon(_request, client, s.url + "/chat/completions", "c", answers)
+        await until(lambda: "c" in s.engine.sessions.by_name and s.session("c").queued == 1, "c queued")
+        assert s.session("c").st.status == "queued"
+        assert s.session("a").holding and s.session("b").holding
+        await until(lambda: "c" in answers, "c's answer", timeout=30)
+        assert answers["c"].status == 200
+        # c was admitted when a or b (the one that went first) gave its slot back
+        released = _status_at(s, "a", "released")
+        assert released < _index(s, ev.AgentStarted, "c")
+        assert s.engine.scheduler.max_running == 2
+
+
+async def test_parallel_cap_raised_live_admits_the_queued_session():
+    async with served(run={"mode": "parallel", "max_concurrency": 1}, gateway={"release_after_s": 30}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        await _request(client, s.url + "/chat/completions", "a", answers)
+        group.start_soon(_request, client, s.url + "/chat/completions", "b", answers)
+        await until(lambda: "b" in s.engine.sessions.by_name and s.session("b").queued == 1, "b queued")
+        s.engine.handle(cmd.SetConcurrency(cap=2))
+        await until(lambda: "b" in answers, "b's answer once the cap is 2", timeout=10)
+        assert answers["b"].status == 200 and s.session("a").holding
+
+
+async def test_release_after_zero_admits_each_request_on_its_own():
+    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 0}) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        for turn in range(2):
+            answer = await post(client, s.url + "/chat/completions", chat(f"turn {turn}"),
+                                headers={"X-Session-ID": "each"})
+            assert answer.status == 200
+            await until(lambda: not s.session("each").holding, "the slot given back after the request")
+        assert len(s.of(ev.AgentQueued, "each")) == 2  # every request waits for a slot of its own
+        assert s.statuses("each").count("released") == 2
+
+
+async def test_release_after_zero_lets_another_session_in_between_two_requests():
+    # sequential, per-request admission: while "a" streams, "b" queues; a's next request goes behind b's
+    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 0},
+                      sim={"tokens_per_s": 40, "speed": 1}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        group.start_soon(lambda: _request(client, s.url + "/chat/completions", "a", answers, max_tokens=60))
+        await until(lambda: s.of(ev.FirstToken, "a"), "a streaming")
+        group.start_soon(_request, client, s.url + "/chat/completions", "b", answers)
+        await until(lambda: "b" in s.engine.sessions.by_name and s.session("b").queued == 1, "b queued")
+        await until(lambda: "a" in answers, "a's first answer", timeout=30)
+        group.start_soon(lambda: _request(client, s.url + "/chat/completions", "a", answers, key="a2", content="again"))
+        await until(lambda: "a2" in answers and "b" in answers, "both answers", timeout=30)
+        b_started = _index(s, ev.AgentStarted, "b")
+        a_second = _index(s, ev.AgentStarted, "a", lambda e: e.attempt == 2)
+        assert b_started < a_second
+
+
+async def test_pause_holds_new_sessions_and_resume_admits_them():
+    async with served(gateway={"release_after_s": 30}) as s, httpx.AsyncClient(timeout=30) as client, \
+            anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        await _request(client, s.url + "/chat/completions", "holder", answers)
+        s.engine.handle(cmd.Pause())
+        group.start_soon(_request, client, s.url + "/chat/completions", "newcomer", answers)
+        await until(lambda: "newcomer" in s.engine.sessions.by_name and s.session("newcomer").queued == 1,
+                    "the newcomer queued")
+        # a session that holds its slot is not admitted again: its requests go on while paused
+        await _request(client, s.url + "/chat/completions", "holder", answers, key="holder2", content="more")
+        assert answers["holder2"].status == 200
+        assert "newcomer" not in answers and not s.of(ev.AgentStarted, "newcomer")
+        s.engine.handle(cmd.Resume())
+        await until(lambda: "newcomer" in answers, "the newcomer's answer after resume", timeout=10)
+        assert answers["newcomer"].status == 200
+
+
+async def test_auto_mode_admits_sessions():
+    async with served(run={"mode": "auto"}, gateway={"release_after_s": 0.2}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        for name in ("x", "y", "z"):
+            group.start_soon(_request, client, s.url + "/chat/completions", name, answers)
+        await until(lambda: len(answers) == 3, "every session's answer", timeout=30)
+        assert all(a.status == 200 and a.text for a in answers.values())
+
+
+async def test_statuses_of_a_session_queued_prefill_streaming_idle_released():
+    async with served(gateway={"release_after_s": 0.3}) as s, httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + "/chat/completions", chat(max_tokens=8), headers={"X-Session-ID": "one"})
+        assert answer.status == 200
+        await until(lambda: s.session("one").st.status == "released", "the slot given back")
+        assert s.statuses("one") == ["queued", "prefill", "streaming", "idle", "released"]
+        # its next request waits for a slot again, and tells it the same way
+        await post(client, s.url + "/chat/completions", chat("again"), headers={"X-Session-ID": "one"})
+        await until(lambda: s.statuses("one")[-1] == "released", "released again")
+        assert s.statuses("one")[5:] == ["queued", "prefill", "streaming", "idle", "released"]
