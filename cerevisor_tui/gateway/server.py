@@ -409,6 +409,13 @@ class Exchange:
                 await self._whole(session, att, response)
             else:
                 await self._relay(session, att, response)
+        except httpx.HTTPError as exc:
+            # the upstream broke off its answer (a dropped connection, a cut chunk): the client is told in its
+            # API's shape rather than left with a truncated body; a kill's own abort is told as the kill
+            if not att.kill_reason:
+                self._record_answer(session, att, partial=True)
+                await self.fail(502, f"cerevisor gateway: upstream {endpoint} broke off its answer after "
+                                     f"{att.tokens} tokens: {_problem(exc)}")
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
