@@ -1,0 +1,104 @@
+"""When the upstream is the problem: down (503 with Retry-After), still loading (the request waits, then is
+served), breaking off its answer (an error in the API's shape, never a truncated body), or sending a broken
+chunk (passed through as it came: the gateway never re-encodes)."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+import pytest
+
+from cerevisor_tui.config.models import SimSettings
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.sim import SimServer
+from cerevisor_tui.sim.server import bind_socket
+
+from ..conftest import free_port, until
+from .conftest import Answer, chat, post, served, sim_endpoint
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_an_upstream_that_is_down_is_a_503_with_retry_after(stream):
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    async with served(endpoints=[{"name": "far", "kind": "hosted", "base_url": closed, "model": "m"}]) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + "/chat/completions", chat(model="m", stream=stream),
+                            headers={"X-Session-ID": "d"})
+        assert answer.status == 503
+        assert int(answer.headers["retry-after"]) > 0
+        error = answer.json()["error"]
+        assert error["type"] == "service_unavailable" and "far is not answering" in error["message"]
+        session = s.session("d")
+        assert not session.in_flight and session.st.status == "idle"
+
+
+async def test_an_upstream_down_for_the_messages_api_is_its_own_error_shape():
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    async with served(endpoints=[{"name": "far", "kind": "hosted", "base_url": closed, "model": "m"}]) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + "/messages", {"model": "m", "max_tokens": 5,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status == 503 and answer.headers["retry-after"]
+        body = answer.json()
+        assert body["type"] == "error" and body["error"]["type"] == "overloaded_error"
+
+
+async def test_a_local_upstream_not_yet_listening_makes_the_request_wait_then_serves_it():
+    port = free_port()
+    endpoint = sim_endpoint(f"http://127.0.0.1:{port}/v1", first_byte_timeout_s=30)
+    async with served(endpoints=[endpoint]) as s, httpx.AsyncClient(timeout=60) as client, \
+            anyio.create_task_group() as group:
+        answers: list[Answer] = []
+
+        async def ask() -> None:
+            answers.append(await post(client, s.url + "/chat/completions", chat(max_tokens=4),
+                                      headers={"X-Session-ID": "early"}))
+
+        group.start_soon(ask)
+        await until(lambda: s.of(ev.EndpointWaiting, "early"), "the request waiting for its endpoint")
+        assert s.session("early").st.status == "waiting"
+        async with SimServer(SimSettings(speed=50), sock=bind_socket("127.0.0.1", port)) as sim:
+            await until(lambda: answers, "the answer once the server listens", timeout=30)
+            assert sim.state.requests_total == 1
+        [answer] = answers
+        assert answer.status == 200 and answer.frames[-1] == b"data: [DONE]"
+        assert not s.of(ev.AgentKilled)
+        assert s.session("early").st.status == "idle"
+
+
+async def test_a_local_upstream_that_never_comes_is_killed_at_its_first_byte_deadline():
+    port = free_port()
+    endpoint = sim_endpoint(f"http://127.0.0.1:{port}/v1", first_byte_timeout_s=1.0, extend_when_server_busy=False)
+    async with served(endpoints=[endpoint], gateway={"keepalive_s": 30}) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + "/chat/completions", chat(), headers={"X-Session-ID": "never"})
+        assert answer.status == 504 and "first_byte deadline" in answer.json()["error"]["message"]
+        assert s.of(ev.EndpointWaiting, "never")
+        assert not s.session("never").in_flight
+
+
+async def test_an_upstream_that_drops_mid_stream_is_an_error_event_and_the_session_goes_on():
+    async with served(sim={"drop_after_tokens": 3}) as s, httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + "/chat/completions", chat(max_tokens=20), headers={"X-Session-ID": "dr"})
+        assert answer.status == 200
+        assert answer.text  # the three tokens before the drop
+        error = answer.data[-1]["error"]
+        assert "broke off its answer after 3 tokens" in error["message"]
+        assert s.sim.dropped_total == 1
+        session = s.session("dr")
+        assert not session.in_flight and session.st.status == "idle"
+        again = await post(client, s.url + "/chat/completions", chat("again", max_tokens=2),
+                           headers={"X-Session-ID": "dr"})
+        assert again.status == 200 and again.frames[-1] == b"data: [DONE]"
+
+
+async def test_a_malformed_chunk_is_passed_through_as_it_came():
+    async with served(sim={"malformed_after_tokens": 2}) as s, httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + "/chat/completions", chat(max_tokens=5), headers={"X-Session-ID": "m"})
+        assert answer.status == 200
+        assert b'data: {"id": broken' in answer.frames
+        assert answer.frames[-1] == b"data: [DONE]"
+        [turn] = s.of(ev.TurnFinished, "m")
+        assert turn.completion_tokens == 5
