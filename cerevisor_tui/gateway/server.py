@@ -467,10 +467,10 @@ class Exchange:
         monotonic = time.monotonic
         upstream = att.stream
         pending = b""
-        async with self.lock:
-            if not self.started:
-                await self.start(response.status_code, response.headers.get("content-type", "text/event-stream"),
-                                 {"x-request-id": att.request_id})
+        # the headers go out with the first frame, not with the upstream's (which vLLM sends at once): until
+        # then a deadline, a kill or a drop is still an HTTP status, and keep-alives start the stream
+        head = (response.status_code, response.headers.get("content-type", "text/event-stream"),
+                {"x-request-id": att.request_id})
         async for chunk in response.aiter_raw():
             now = monotonic()
             upstream.last_byte_at = now
@@ -480,6 +480,8 @@ class Exchange:
                 continue
             frames, pending = pending[:end], pending[end:]
             async with self.lock:
+                if not self.started:
+                    await self.start(*head)
                 await self.write(frames)
             text, reasoning, tool, chunks = reading.frames(frames)
             if chunks:
@@ -501,6 +503,8 @@ class Exchange:
                     att.last_alive = now
                     att.alive.set()
         async with self.lock:
+            if not self.started:
+                await self.start(*head)
             await self.write(pending, last=True)
         await self._finished(session, att)
 
