@@ -53,7 +53,9 @@ class Session:
     last_end: float = 0.0  # when its last request ended
     requests: int = 0
     kills: list[str] = field(default_factory=list)  # each killed request's reason
-    recorded: int = 0  # how many of its conversation's messages the transcript has
+    # how many of each conversation's messages the transcript has, by the conversation's fingerprint: a harness
+    # may carry several in one session (Claude Code's side requests for a title or a summary)
+    recorded: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -189,6 +189,7 @@ class Reading:
     completion_tokens: int = 0
     cached_tokens: int | None = None
     finish: str = ""
+    items: int = 0  # responses: the answer's output items, each of which the client sends back in its next input
     error: str = ""  # an error the upstream said in its stream
     unreadable: int = 0  # frames that were not JSON of the API's shape
 
@@ -279,6 +280,7 @@ class Reading:
             return "", "", ""
         if f.response is not None and kind in ("response.completed", "response.incomplete", "response.failed"):
             self.usage(f.response.usage)
+            self.items = len(f.response.output)
             self.finish = f.response.status or kind.rpartition(".")[2]
             if f.response.error:
                 self.error = _error_text(f.response.error)
@@ -314,6 +316,7 @@ class Reading:
                         self.tools.append(f"{block.get('name', '')}{_json.encode(block.get('input', {})).decode()}")
             self.finish = str(body.get("stop_reason") or "")
         else:
+            self.items = len(body.get("output") or ())
             for item in body.get("output") or ():
                 if not isinstance(item, dict):
                     continue

@@ -251,6 +251,7 @@ class Exchange:
         self.reading = Reading(api)
         self.status = 0
         self.attempt: Attempt | None = None
+        self.conversation = ""  # the fingerprint of the conversation it continues (its transcript's count)
 
     # ---- writing to the client -----------------------------------------------------------------------------
     async def start(self, status: int, content_type: str, extra: dict[str, str] | None = None) -> None:
@@ -557,17 +558,22 @@ class Exchange:
         them; the whole history is never written again."""
         e = self.gw.engine
         st = session.st
+        system, conversation = apis.conversation(self.api, self.body)
         messages = apis.history(self.api, self.body)
+        # counted per conversation, so that a side request never makes the main one's history look new; its
+        # model left out, as a harness may switch models mid-conversation
+        self.conversation = apis.fingerprint("", system, conversation)
+        recorded = session.recorded.get(self.conversation, 0)
         if self.api == "responses" and self.body.get("previous_response_id"):
-            new = apis.conversation(self.api, self.body)[1]  # the server keeps the history: every item is new
-        elif len(messages) >= session.recorded:
-            new = messages[session.recorded:]
+            new = conversation  # the server keeps the history: every item is new
+        elif len(messages) >= recorded:
+            new = messages[recorded:]
         else:  # the harness rewrote its history (a compaction): its last message is what is new
             new = messages[-1:]
         for message in new:
             e.emit(ev.MessageRecorded(time.monotonic(), st.name, st.attempts + 1, st.turn + 1, apis.role_of(message),
                                       apis.text_of(message.get("content", message.get("output", ""))), raw=message))
-        session.recorded = len(messages)
+        session.recorded[self.conversation] = len(messages)
 
     def _record_answer(self, session: Session, att: Attempt, *, partial: bool = False) -> None:
         e = self.gw.engine
@@ -577,8 +583,8 @@ class Exchange:
             return
         e.emit(ev.MessageRecorded(time.monotonic(), st.name, att.number, att.turn, "assistant", r.answer,
                                   "".join(r.reasoning), partial=partial))
-        if not partial:
-            session.recorded += 1  # the client sends the answer back with its next request
+        if not partial:  # the client sends the answer back with its next request: one message, or its items
+            session.recorded[self.conversation] = session.recorded.get(self.conversation, 0) + (r.items or 1)
 
 
 class _Upstream:
