@@ -47,32 +47,41 @@ def messages_whole(words: tuple[str, ...] = WORDS, *, input_tokens: int = 11) ->
             "usage": {"input_tokens": input_tokens, "output_tokens": len(words)}}
 
 
-def _response(status: str, words: tuple[str, ...], input_tokens: int) -> dict[str, Any]:
+REASONING = {"type": "reasoning", "id": "rs_01", "summary": [{"type": "summary_text", "text": "Thinking it over."}],
+             "encrypted_content": "opaque"}
+"""A reasoning item, as Codex gets one before its answer and sends back in its next request's input."""
+
+
+def _response(status: str, words: tuple[str, ...], input_tokens: int, reasoning: bool = False) -> dict[str, Any]:
     done = status == "completed"
+    message = {"type": "message", "id": "msg_01", "status": status, "role": "assistant",
+               "content": [{"type": "output_text", "text": "".join(words), "annotations": []}]}
     return {"id": "resp_01", "object": "response", "created_at": 1, "status": status, "model": "up-model",
-            "output": [{"type": "message", "id": "msg_01", "status": status, "role": "assistant",
-                        "content": [{"type": "output_text", "text": "".join(words), "annotations": []}]}]
-            if done else [],
+            "output": ([REASONING] if reasoning else []) + [message] if done else [],
             "usage": {"input_tokens": input_tokens, "output_tokens": len(words), "total_tokens": input_tokens +
                       len(words), "input_tokens_details": {"cached_tokens": 3},
                       "output_tokens_details": {"reasoning_tokens": 0}} if done else None}
 
 
-def responses_frames(words: tuple[str, ...] = WORDS, *, input_tokens: int = 9) -> list[bytes]:
+def responses_frames(words: tuple[str, ...] = WORDS, *, input_tokens: int = 9, reasoning: bool = False) -> list[bytes]:
     """A streamed OpenAI Responses answer, event by event (response.created ... response.completed)."""
     n = iter(range(1000))
     frames = [_event("response.created", {"type": "response.created", "sequence_number": next(n),
                                           "response": _response("in_progress", words, input_tokens)})]
+    if reasoning:
+        frames.append(_event("response.reasoning_summary_text.delta", {
+            "type": "response.reasoning_summary_text.delta", "item_id": "rs_01", "output_index": 0,
+            "summary_index": 0, "delta": "Thinking it over.", "sequence_number": next(n)}))
     frames += [_event("response.output_text.delta", {"type": "response.output_text.delta", "item_id": "msg_01",
                                                      "output_index": 0, "content_index": 0, "delta": w,
                                                      "sequence_number": next(n)}) for w in words]
     frames.append(_event("response.completed", {"type": "response.completed", "sequence_number": next(n),
-                                                "response": _response("completed", words, input_tokens)}))
+                                                "response": _response("completed", words, input_tokens, reasoning)}))
     return frames
 
 
-def responses_whole(words: tuple[str, ...] = WORDS, *, input_tokens: int = 9) -> dict[str, Any]:
-    return _response("completed", words, input_tokens)
+def responses_whole(words: tuple[str, ...] = WORDS, *, input_tokens: int = 9, reasoning: bool = False) -> dict[str, Any]:
+    return _response("completed", words, input_tokens, reasoning)
 
 
 @dataclass
@@ -85,9 +94,11 @@ class Seen:
 @dataclass
 class FakeApi:
     """`async with FakeApi() as api:` serves on `api.base_url` (…/v1). `gap_s` between frames; `hold` keeps the
-    answer back (its head and all) until set; `seen` and `gone` (clients that went away before the end) count."""
+    answer back (its head and all) until set; `reasoning`: a responses answer has a reasoning item before its
+    message; `seen` and `gone` (clients that went away before the end) count."""
 
     gap_s: float = 0.0
+    reasoning: bool = False
     hold: asyncio.Event | None = None
     seen: list[Seen] = field(default_factory=list)
     gone: int = 0
@@ -133,14 +144,14 @@ class FakeApi:
             messages = path.endswith("/messages")
             if body.get("stream"):
                 writer.write(http_head(200, "text/event-stream", "connection: close\r\n"))
-                for frame in messages_frames() if messages else responses_frames():
+                for frame in messages_frames() if messages else responses_frames(reasoning=self.reasoning):
                     writer.write(chunk(frame))
                     await writer.drain()
                     if self.gap_s:
                         await asyncio.sleep(self.gap_s)
                 writer.write(chunk(b""))
             else:
-                data = json.dumps(messages_whole() if messages else responses_whole()).encode()
+                data = json.dumps(messages_whole() if messages else responses_whole(reasoning=self.reasoning)).encode()
                 writer.write(http_head(200, "application/json", "connection: close\r\n", length=len(data)) + data)
             await writer.drain()
             self.finished += 1

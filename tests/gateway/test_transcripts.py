@@ -1,0 +1,175 @@
+"""A gateway run's directory: each session's transcript holds each request's new messages only (never the
+history again) and the answers, in the client's own format; the report names the sessions; and no credential
+of either side reaches events.jsonl, the transcripts or report.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from .conftest import chat, post, served
+from .upstreams import REASONING, WORDS, FakeApi
+
+pytestmark = pytest.mark.anyio
+
+ANSWER = "".join(WORDS)
+
+
+def _transcript(run_dir: Path, session: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "transcripts" / f"{session}.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _said(records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Each record as (role or item type, its text)."""
+    out = []
+    for r in records:
+        content = r.get("content", r.get("output", ""))
+        if isinstance(content, list):
+            content = "".join(block.get("text", "") for block in content if isinstance(block, dict))
+        out.append((r.get("role") or r.get("type"), content))
+    return out
+
+
+async def test_chat_transcript_records_each_requests_new_messages_and_the_answers(tmp_path):
+    run_dir = tmp_path / "run"
+    async with served(sim={}, run_dir=run_dir) as s, httpx.AsyncClient(timeout=30) as client:
+        history: list[dict[str, Any]] = []
+        answers = []
+        for text, stream in (("first question", True), ("second question", False), ("third question", True)):
+            body = chat(text, system="You are terse.", history=history, stream=stream, max_tokens=5)
+            answer = await post(client, s.url + "/chat/completions", body, headers={"X-Session-ID": "conv"})
+            assert answer.status == 200
+            said = answer.text if stream else answer.json()["choices"][0]["message"]["content"]
+            answers.append(said)
+            history = body["messages"][1:] + [{"role": "assistant", "content": said}]
+    records = _transcript(run_dir, "conv")
+    assert _said(records) == [("user", "first question"), ("assistant", answers[0]),
+                              ("user", "second question"), ("assistant", answers[1]),
+                              ("user", "third question"), ("assistant", answers[2])]
+    assert [r["turn"] for r in records] == [1, 1, 2, 2, 3, 3]
+    assert records[0] == {"turn": 1, "attempt": 1, "role": "user", "content": "first question"}  # as sent
+
+
+async def test_a_side_request_of_the_same_session_does_not_make_the_history_recorded_again(tmp_path):
+    # Claude Code sends one session id on its main conversation and on its small side requests (a title, a
+    # summary): each conversation's new messages are recorded, never one's history because of the other
+    run_dir = tmp_path / "run"
+    async with served(sim={}, run_dir=run_dir) as s, httpx.AsyncClient(timeout=30) as client:
+        headers = {"X-Session-ID": "cc"}
+
+        async def ask(body: dict[str, Any]) -> str:
+            answer = await post(client, s.url + "/chat/completions", {**body, "stream": False}, headers=headers)
+            assert answer.status == 200
+            return answer.json()["choices"][0]["message"]["content"]
+
+        main: list[dict[str, Any]] = []
+        for text in ("fix the bug", "now add a test"):
+            body = chat(text, system="You are a coding agent.", history=main)
+            main = body["messages"][1:] + [{"role": "assistant", "content": await ask(body)}]
+        await ask(chat("Write a five-word title for: fix the bug", system="You write titles."))
+        body = chat("and run it", system="You are a coding agent.", history=main)
+        await ask(body)
+    users = [text for role, text in _said(_transcript(run_dir, "cc")) if role == "user"]
+    assert users == ["fix the bug", "now add a test", "Write a five-word title for: fix the bug", "and run it"]
+    assert len(_transcript(run_dir, "cc")) == 8
+
+
+async def test_messages_transcript_in_anthropics_format(tmp_path):
+    run_dir = tmp_path / "run"
+    async with FakeApi() as api, served(endpoints=[{"name": "up", "kind": "hosted", "base_url": api.base_url,
+                                                    "model": "up-model"}], run_dir=run_dir) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        first = {"role": "user", "content": [{"type": "text", "text": "hello"},
+                                             {"type": "text", "text": " there", "cache_control": {"type": "ephemeral"}}]}
+        body = {"model": "up-model", "max_tokens": 16, "system": [{"type": "text", "text": "Be brief."}],
+                "messages": [first], "stream": True, "metadata": {"user_id": "anthropic-user"}}
+        assert (await post(client, s.url + "/messages", body)).status == 200
+        answer = {"role": "assistant", "content": [{"type": "text", "text": ANSWER}]}
+        follow = {"role": "user", "content": "and then?"}
+        assert (await post(client, s.url + "/messages", {**body, "stream": False,
+                                                         "messages": [first, answer, follow]})).status == 200
+    records = _transcript(run_dir, "anthropic-user")
+    assert records[0] == {"turn": 1, "attempt": 1, **first}  # its content blocks, as the client sent them
+    assert _said(records) == [("user", "hello there"), ("assistant", ANSWER), ("user", "and then?"),
+                              ("assistant", ANSWER)]
+
+
+async def test_responses_transcript_records_new_input_items_only(tmp_path):
+    # Codex sends the whole input every time (store false), the answer's reasoning item among it
+    run_dir = tmp_path / "run"
+    async with FakeApi(reasoning=True) as api, served(endpoints=[{"name": "up", "kind": "hosted",
+                                                                   "base_url": api.base_url, "model": "up-model"}],
+                                                       run_dir=run_dir) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        first = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list the files"}]}
+        body = {"model": "up-model", "instructions": "You are Codex.", "input": [first], "stream": True,
+                "store": False, "prompt_cache_key": "codex-conv"}
+        assert (await post(client, s.url + "/responses", body)).status == 200
+        output = [REASONING, {"type": "message", "role": "assistant",
+                              "content": [{"type": "output_text", "text": ANSWER}]}]
+        follow = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "and the dirs"}]}
+        assert (await post(client, s.url + "/responses", {**body, "input": [first, *output, follow]})).status == 200
+        # with previous_response_id the server keeps the history: every item sent is new
+        again = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "thanks"}]}
+        assert (await post(client, s.url + "/responses", {**body, "stream": False, "input": [again],
+                                                          "previous_response_id": "resp_01"})).status == 200
+    said = _said(_transcript(run_dir, "codex-conv"))
+    assert [text for role, text in said if role == "user"] == ["list the files", "and the dirs", "thanks"]
+    assert [role for role, _ in said] == ["user", "assistant", "user", "assistant", "user", "assistant"]
+
+
+async def test_no_credential_reaches_the_run_directory(tmp_path, monkeypatch):
+    client_key, upstream_key = "sk-client-7c1e9b2a44", "sk-upstream-3d5f7a9b11"
+    monkeypatch.setenv("GW_TEAM", client_key)
+    monkeypatch.setenv("UP_KEY", upstream_key)
+    run_dir = tmp_path / "run"
+    async with FakeApi() as api:
+        endpoints = [{"name": "up", "kind": "hosted", "base_url": api.base_url, "model": "up-model",
+                      "api_key_env": "UP_KEY"}]
+        async with served(endpoints=endpoints, gateway={"keys_env": ["GW_TEAM"]}, run_dir=run_dir) as s, \
+                httpx.AsyncClient(timeout=30) as client:
+            body = {"model": "up-model", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+            for headers in ({"Authorization": f"Bearer {client_key}"}, {"x-api-key": client_key}):
+                for stream in (True, False):
+                    assert (await post(client, s.url + "/messages", {**body, "stream": stream},
+                                       headers=headers)).status == 200
+                    assert (await post(client, s.url + "/responses", {"model": "up-model", "input": "hi",
+                                                                      "stream": stream},
+                                       headers=headers)).status == 200
+            assert (await post(client, s.url + "/messages", body,
+                               headers={"x-api-key": "sk-wrong-guess-123"})).status == 401
+        assert api.seen and all(seen.headers["authorization"] == f"Bearer {upstream_key}" for seen in api.seen)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert [(e["name"], e["source"], e["key"], e["requests"]) for e in report["sessions"]] == \
+        [("gw_team", "key", "GW_TEAM", 8)]
+    files = [run_dir / "events.jsonl", run_dir / "report.json", *(run_dir / "transcripts").iterdir()]
+    assert len(files) == 3
+    for path in files:
+        text = path.read_text()
+        for secret in (client_key, upstream_key, "sk-wrong-guess-123"):
+            assert secret not in text, f"{secret} in {path.name}"
+
+
+async def test_the_report_names_each_session(tmp_path):
+    run_dir = tmp_path / "run"
+    async with served(sim={}, run_dir=run_dir, gateway={"release_after_s": 0.2}) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        for name in ("alpha", "beta", "alpha"):
+            await post(client, s.url + "/chat/completions", chat(max_tokens=4), headers={
+                "X-Session-ID": name, "User-Agent": "claude-cli/2.0.14 (external, cli)"})
+    assert s.exit_code == 0  # a gateway alone ends by being stopped: that is not a failure
+    report = json.loads((run_dir / "report.json").read_text())
+    by_name = {e["name"]: e for e in report["sessions"]}
+    assert set(by_name) == {"alpha", "beta"}
+    assert by_name["alpha"]["requests"] == 2 and by_name["beta"]["requests"] == 1
+    assert by_name["alpha"]["harness"] == "claude-code 2.0.14" and by_name["alpha"]["source"] == "x-session-id"
+    assert by_name["alpha"]["completion_tokens"] == 8 and by_name["alpha"]["kills"] == []
+    assert by_name["alpha"]["status"] == "ended"
+    assert report["totals"]["sessions"] == 2 and report["agents"] == []
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["agent"] for e in events if e["event"] == "SessionOpened"] == ["alpha", "beta"]
