@@ -129,7 +129,7 @@ async def test_operator_kill_before_the_first_byte_is_a_503():
                                       headers={"X-Session-ID": "victim"}))
 
         group.start_soon(ask)
-        await until(lambda: s.of(ev.AgentStarted, "victim"), "the request sent")
+        await until(lambda: s.sim.requests_total == 1, "the request at the server")
         s.engine.handle(cmd.Kill(agent="victim", reason="not now"))
         await until(lambda: answers, "the answer ended")
         assert answers[0].status == 503 and "not now" in answers[0].json()["error"]["message"]
