@@ -155,3 +155,27 @@ async def test_operator_extend_saves_a_request_from_its_first_byte_deadline():
         assert answers[0].status == 200
         assert not _killed(s, "patient") and s.sim.aborted_total == 0
         assert s.engine.handle(cmd.Extend(agent="patient")) is False  # nothing in flight now
+
+
+async def test_stop_ends_each_request_in_flight_and_in_the_queue_with_a_clear_error():
+    async with served(sim={"speed": 1.0, "tokens_per_s": 20}, run={"mode": "sequential"}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+
+        async def ask(session: str, stream: bool) -> None:
+            answers[session] = await post(client, s.url + "/chat/completions", chat(max_tokens=400, stream=stream),
+                                          headers={"X-Session-ID": session})
+
+        group.start_soon(ask, "running", True)
+        await until(lambda: s.of(ev.FirstToken, "running"), "the first session streaming")
+        group.start_soon(ask, "waiting", False)
+        await until(lambda: "waiting" in s.engine.sessions.by_name and s.session("waiting").queued == 1,
+                    "the second session queued")
+        s.engine.handle(cmd.Stop(reason="maintenance"))
+        await until(lambda: len(answers) == 2, "both answers ended")
+        assert "maintenance" in answers["running"].data[-1]["error"]["message"]
+        assert answers["waiting"].status == 503 and answers["waiting"].headers["retry-after"]
+        assert "the run is stopping (maintenance)" in answers["waiting"].json()["error"]["message"]
+        await until(lambda: s.sim.aborted_total == 1, "the running request aborted upstream")
+        assert s.sim.requests_total == 1  # the queued one was never sent
+    assert s.exit_code == 0
