@@ -31,7 +31,7 @@ async def _request(client: httpx.AsyncClient, url: str, session: str, out: dict[
 
 
 async def test_sequential_a_second_session_waits_until_the_first_releases_its_slot():
-    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 1.0}) as s, \
+    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 2.0}) as s, \
             httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
         answers: dict[str, Answer] = {}
         await _request(client, s.url + "/chat/completions", "first", answers, stream=False)
@@ -64,7 +64,7 @@ async def test_a_session_holding_its_slot_goes_straight_through():
 
 
 async def test_parallel_cap_queues_the_session_past_it():
-    async with served(run={"mode": "parallel", "max_concurrency": 2}, gateway={"release_after_s": 1.0}) as s, \
+    async with served(run={"mode": "parallel", "max_concurrency": 2}, gateway={"release_after_s": 2.0}) as s, \
             httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
         answers: dict[str, Answer] = {}
         for name in ("a", "b"):
@@ -112,7 +112,7 @@ async def test_release_after_zero_lets_another_session_in_between_two_requests()
                       sim={"tokens_per_s": 40, "speed": 1}) as s, \
             httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
         answers: dict[str, Answer] = {}
-        group.start_soon(lambda: _request(client, s.url + "/chat/completions", "a", answers, max_tokens=60))
+        group.start_soon(lambda: _request(client, s.url + "/chat/completions", "a", answers, max_tokens=100))
         await until(lambda: s.of(ev.FirstToken, "a"), "a streaming")
         group.start_soon(_request, client, s.url + "/chat/completions", "b", answers)
         await until(lambda: "b" in s.engine.sessions.by_name and s.session("b").queued == 1, "b queued")

@@ -119,7 +119,7 @@ async def test_gone_keeps_the_session_holding_its_slot_until_release_after_s():
         answers = []
 
         async def stay() -> None:
-            answers.append(await post(client, s.url + "/chat/completions", chat("stay", max_tokens=30),
+            answers.append(await post(client, s.url + "/chat/completions", chat("stay", max_tokens=60),
                                       headers={"X-Session-ID": "two"}))
 
         group.start_soon(stay)
