@@ -206,7 +206,8 @@ class Gateway:
     # ---- everything else under /v1 -------------------------------------------------------------------------
     async def _pass(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         """A /v1/* request the gateway does not govern (GET /v1/models among them): passed to the upstream
-        and back as it is, counted."""
+        and back as it is, as it comes (a streamed /v1/completions streams), counted; a client that goes away
+        ends it."""
         self.passed += 1
         e = self.engine
         endpoint = self._members(self.upstream)[0]
@@ -223,14 +224,34 @@ class Gateway:
         url = e.connections.base_urls[endpoint].rstrip("/") + path[3:]
         query = scope.get("query_string", b"").decode("latin-1")
         headers = _upstream_headers(scope["headers"])
+        client = e.connections.clients[endpoint]
+        request = client.build_request(scope["method"], url + (f"?{query}" if query else ""),
+                                       content=b"".join(chunks), headers=headers)
         try:
-            response = await e.connections.clients[endpoint].request(
-                scope["method"], url + (f"?{query}" if query else ""), content=b"".join(chunks), headers=headers)
+            response = await client.send(request, stream=True)
         except httpx.HTTPError as exc:
             raise Refusal(503, f"upstream {endpoint} is not answering: {_problem(exc)}",
                           {"retry-after": str(RETRY_AFTER_S)}) from None
-        await _answer(send, response.status_code, response.content,
-                      {"content-type": response.headers.get("content-type", "application/json")})
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def watch_client() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(watch_client)
+                content_type = response.headers.get("content-type", "application/json")
+                await send({"type": "http.response.start", "status": response.status_code,
+                            "headers": [(b"content-type", content_type.encode("latin-1"))]})
+                with contextlib.suppress(httpx.HTTPError):  # cut short upstream: the client sees it cut short
+                    async for chunk in response.aiter_raw():
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b""})
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await response.aclose()
 
 
 class Exchange:
