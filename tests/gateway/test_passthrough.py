@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import anyio
 import httpx
 import pytest
 
@@ -13,7 +14,7 @@ from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.sim import SimServer
 
-from ..conftest import RawServer, chunk, free_port, http_head, sse_chunk
+from ..conftest import RawServer, chunk, free_port, http_head, sse_chunk, until
 from .conftest import FAST_SIM, chat, post, served, sim_endpoint
 from .upstreams import WORDS, FakeApi, messages_frames, messages_whole, responses_frames, responses_whole
 
@@ -152,3 +153,49 @@ async def test_a_passed_through_request_to_an_upstream_that_is_down_is_a_503():
         r = await client.get(s.url + "/models")
         assert r.status_code == 503 and r.headers["retry-after"]
         assert "far is not answering" in r.json()["error"]["message"]
+
+
+async def test_a_passed_through_stream_streams():
+    # /v1/completions (legacy completions, as IDE plugins stream fill-in-the-middle): not governed, but not
+    # held back either: each frame reaches the client as it comes
+    more = asyncio.Event()
+
+    async def completions(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(http_head(200, "text/event-stream"))
+        writer.write(chunk(b'data: {"choices": [{"text": "def "}]}\n\n'))
+        await writer.drain()
+        await more.wait()
+        writer.write(chunk(b'data: {"choices": [{"text": "f():"}]}\n\n') + chunk(b"data: [DONE]\n\n") + chunk(b""))
+        await writer.drain()
+
+    async with RawServer(completions) as raw, served(endpoints=[
+            {"name": "raw", "kind": "hosted", "base_url": raw.base_url, "model": "m"}]) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        pieces: list[bytes] = []
+        body = {"model": "m", "prompt": "def", "stream": True}
+        with anyio.fail_after(10):  # held back, the first frame would never come: the upstream waits for it
+            async with client.stream("POST", s.url + "/completions", json=body) as r:
+                assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+                async for piece in r.aiter_raw():
+                    pieces.append(piece)
+                    more.set()  # the first frame came while the upstream held back the rest
+        assert b"".join(pieces).endswith(b"data: [DONE]\n\n")
+        assert s.server.gateway.passed == 1 and not s.of(ev.SessionOpened)
+
+
+async def test_a_client_gone_from_a_passed_through_stream_ends_it_upstream():
+    closed = asyncio.Event()
+
+    async def completions(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(http_head(200, "text/event-stream") + chunk(b'data: {"choices": [{"text": "x"}]}\n\n'))
+        await writer.drain()
+        if not await reader.read(1):  # end of file: the gateway closed the connection
+            closed.set()
+
+    async with RawServer(completions) as raw, served(endpoints=[
+            {"name": "raw", "kind": "hosted", "base_url": raw.base_url, "model": "m"}]) as s:
+        async with httpx.AsyncClient(timeout=30) as client, \
+                client.stream("POST", s.url + "/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
+            async for _ in r.aiter_raw():
+                break  # gone after the first frame
+        await until(closed.is_set, "the upstream connection closed")
