@@ -34,6 +34,10 @@ class RunStopping(Exception):
     """The run is stopping: a request not yet admitted is not sent; `str()` says why."""
 
 
+class Dropped(Exception):
+    """The operator's kill dropped a request from the queue: it is not sent; `str()` says why."""
+
+
 @dataclass(eq=False)
 class Session:
     """One external session: the agent record the run keeps, and its slot and requests."""
@@ -50,6 +54,7 @@ class Session:
     wake: anyio.Event = field(default_factory=anyio.Event)  # a request began or ended: the holder looks again
     in_flight: dict[int, Attempt] = field(default_factory=dict)  # attempt number -> its record
     queued: int = 0  # requests waiting for the slot
+    waiting: dict[anyio.CancelScope, str] = field(default_factory=dict)  # each one's wait, and why it was dropped
     last_end: float = 0.0  # when its last request ended
     requests: int = 0
     kills: list[str] = field(default_factory=list)  # each killed request's reason
@@ -117,20 +122,26 @@ class Sessions:
         queued_at = time.monotonic()
         session.queued += 1
         session.poke()
+        wait = anyio.CancelScope()  # the operator's kill cancels it: the request leaves the queue
+        session.waiting[wait] = ""
         try:
-            await self.ready.wait()
-            if not session.holding:
-                if not session.in_flight:
-                    st.status = "queued"
-                e.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
-            while not session.holding:
-                if e.stopping or e.ended:
-                    raise RunStopping(e.stopping or "the run has ended")
-                if session.holder is None:
-                    assert self.group is not None
-                    self.group.start_soon(self._hold, session)
-                await session.changed.wait()
+            with wait:
+                await self.ready.wait()
+                if not session.holding:
+                    if not session.in_flight:
+                        st.status = "queued"
+                    e.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
+                while not session.holding:
+                    if e.stopping or e.ended:
+                        raise RunStopping(e.stopping or "the run has ended")
+                    if session.holder is None:
+                        assert self.group is not None
+                        self.group.start_soon(self._hold, session)
+                    await session.changed.wait()
+            if wait.cancel_called:
+                raise Dropped(session.waiting[wait])
         finally:
+            del session.waiting[wait]
             session.queued -= 1
             if not session.queued and not session.in_flight and not session.holding and session.holder is not None:
                 session.holder.cancel()  # its only request went away while queued: its place in the queue goes too
@@ -206,12 +217,15 @@ class Sessions:
                 e.refresh_load(st.endpoint)
 
     def kill(self, name: str, reason: str) -> bool:
-        """The operator's kill of a session: each of its requests in flight is ended (the harness decides
-        what follows); False when it has none."""
+        """The operator's kill of a session: each of its requests in flight is ended, and each one queued is
+        dropped (the harness decides what follows); False when it has none."""
         session = self.by_name[name]
         for att in list(session.in_flight.values()):
             att.kill("operator", reason, by_operator=True)
-        return bool(session.in_flight)
+        for wait in session.waiting:  # and each request still waiting for the slot leaves the queue
+            session.waiting[wait] = reason
+            wait.cancel()
+        return bool(session.in_flight or session.waiting)
 
     def extend(self, name: str, seconds: float | None) -> bool:
         session = self.by_name[name]

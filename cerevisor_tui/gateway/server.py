@@ -27,7 +27,7 @@ import msgspec
 from cerevisor_tui.config.models import GatewayConfig
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.conversation import CONTEXT_WARN_FILL
-from cerevisor_tui.engine.sessions import RunStopping, Session
+from cerevisor_tui.engine.sessions import Dropped, RunStopping, Session
 from cerevisor_tui.gateway import apis
 from cerevisor_tui.gateway.apis import KEEPALIVE, Api, Reading
 from cerevisor_tui.gateway.identity import harness, identify
@@ -386,6 +386,8 @@ class Exchange:
         except RunStopping as exc:
             await self.fail(503, f"cerevisor gateway: the run is stopping ({exc}); nothing was sent upstream",
                             {"retry-after": str(RETRY_AFTER_S)})
+        except Dropped as exc:
+            await self.fail(503, f"cerevisor gateway: {exc} while queued; nothing was sent upstream")
         finally:
             if st.status == "waiting" and st.current is None:
                 st.status = "idle"
