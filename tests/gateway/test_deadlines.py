@@ -179,3 +179,26 @@ async def test_stop_ends_each_request_in_flight_and_in_the_queue_with_a_clear_er
         await until(lambda: s.sim.aborted_total == 1, "the running request aborted upstream")
         assert s.sim.requests_total == 1  # the queued one was never sent
     assert s.exit_code == 0
+
+
+async def test_operator_kill_of_a_queued_request_drops_it_from_the_queue():
+    async with served(sim={}, run={"mode": "sequential"}, gateway={"release_after_s": 60}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        assert (await post(client, s.url + "/chat/completions", chat(), headers={"X-Session-ID": "holder"})).status \
+            == 200
+        answers: list[Answer] = []
+
+        async def ask() -> None:
+            answers.append(await post(client, s.url + "/chat/completions", chat(stream=False),
+                                      headers={"X-Session-ID": "waiting"}))
+
+        group.start_soon(ask)
+        await until(lambda: "waiting" in s.engine.sessions.by_name and s.session("waiting").queued == 1, "queued")
+        assert s.engine.handle(cmd.Kill(agent="waiting", reason="not this one")) is True
+        await until(lambda: answers, "the dropped request's answer")
+        assert answers[0].status == 503 and "not this one" in answers[0].json()["error"]["message"]
+        session = s.session("waiting")
+        assert session.queued == 0 and not session.holding and session.holder is None
+        assert s.engine.scheduler.queued == 0 and s.sim.requests_total == 1
+        assert session.st.status not in ("queued", "prefill")
+        assert s.engine.handle(cmd.Kill(agent="waiting")) is False  # nothing left to kill
