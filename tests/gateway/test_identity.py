@@ -12,6 +12,7 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.gateway.identity import harness, session_name
 
 from .conftest import chat, post, served
+from .upstreams import FakeApi
 
 pytestmark = pytest.mark.anyio
 
@@ -68,14 +69,15 @@ async def test_a_path_label_with_an_unsafe_name_is_made_a_plain_one():
     assert "/" not in name and " " not in name and not name.startswith(".")
 
 
-async def test_anthropic_metadata_user_id_names_the_session_claude_code_form_too(monkeypatch):
-    # the upstream does not speak /v1/messages: the session is named before anything goes upstream all the same
+async def test_anthropic_metadata_user_id_names_the_session_claude_code_form_too():
     session = str(uuid.uuid4())
     claude_code = f"user_{'ab' * 32}_account_{uuid.uuid4()}_session_{session}"
-    body = {"model": "sim-model", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
-    async with served() as s, httpx.AsyncClient(timeout=30) as client:
-        await post(client, s.url + "/messages", {**body, "metadata": {"user_id": claude_code}})
-        await post(client, s.url + "/messages", {**body, "metadata": {"user_id": "plain-user"}})
+    body = {"model": "up-model", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    async with FakeApi() as api, served(endpoints=[{"name": "up", "kind": "hosted", "base_url": api.base_url,
+                                                    "model": "up-model"}]) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        for metadata in ({"user_id": claude_code}, {"user_id": "plain-user"}):
+            assert (await post(client, s.url + "/messages", {**body, "metadata": metadata})).status == 200
         # prompt_cache_key and user are OpenAI's: in a messages request they name nothing
         await post(client, s.url + "/messages", {**body, "user": "not-anthropic", "prompt_cache_key": "no"})
         opened = s.opened()
