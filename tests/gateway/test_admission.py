@@ -36,7 +36,8 @@ async def test_sequential_a_second_session_waits_until_the_first_releases_its_sl
         answers: dict[str, Answer] = {}
         await _request(client, s.url + "/chat/completions", "first", answers, stream=False)
         assert answers["first"].status == 200
-        assert s.session("first").holding and s.session("first").st.status == "idle"
+        await until(lambda: s.session("first").st.status == "idle", "the first request's end told")
+        assert s.session("first").holding
         group.start_soon(_request, client, s.url + "/chat/completions", "second", answers)
         await until(lambda: s.session("second").queued == 1 if "second" in s.engine.sessions.by_name else False,
                     "the second session's request queued")
@@ -69,6 +70,7 @@ async def test_parallel_cap_queues_the_session_past_it():
         answers: dict[str, Answer] = {}
         for name in ("a", "b"):
             await _request(client, s.url + "/chat/completions", name, answers)
+            await until(lambda name=name: not s.session(name).in_flight, f"{name}'s request ended")
         assert s.engine.scheduler.running == 2
         group.start_soon(_request, client, s.url + "/chat/completions", "c", answers)
         await until(lambda: "c" in s.engine.sessions.by_name and s.session("c").queued == 1, "c queued")

@@ -71,7 +71,7 @@ async def test_gone_before_the_first_byte_aborts_the_upstream_request(stream):
         assert not s.of(ev.FirstToken, "leaver")
         await until(lambda: _settled(s, "leaver"), "the leaver's request ended")
         await until(lambda: s.engine.scheduler.running == 0, "its slot given back")
-        [turn] = s.of(ev.TurnFinished, "leaver")
+        [turn] = await until(lambda: s.of(ev.TurnFinished, "leaver"), "the request's end told")
         assert turn.finish_reason == "client gone"
         assert s.sim.running == 0 and s.sim.waiting == 0  # nothing left computing on the server
         # the one slot (sequential) is free: another session is served
@@ -89,7 +89,7 @@ async def test_gone_mid_stream_aborts_the_upstream_request_and_keeps_the_partial
         await until(lambda: _settled(s, "leaver"), "the leaver's request ended")
         await until(lambda: s.engine.scheduler.running == 0, "its slot given back")
         assert s.sim.running == 0
-        [turn] = s.of(ev.TurnFinished, "leaver")
+        [turn] = await until(lambda: s.of(ev.TurnFinished, "leaver"), "the request's end told")
         assert turn.finish_reason == "client gone" and 3 <= turn.completion_tokens < 400
         [partial] = [m for m in s.of(ev.MessageRecorded, "leaver") if m.role == "assistant"]
         assert partial.partial and partial.content

@@ -118,8 +118,8 @@ async def test_fingerprint_puts_every_turn_of_a_conversation_in_one_row():
         assert [source for _, source in opened] == ["fingerprint"] * 4
         assert len({name for name, _ in opened}) == 4
         row = opened[0][0]
-        assert [t.agent for t in s.of(ev.TurnFinished)][:2] == [row, row]
         assert s.session(row).requests == 2
+        assert len(s.of(ev.SessionOpened)) == 4
 
 
 async def test_harness_is_named_from_the_user_agent():

@@ -39,13 +39,13 @@ async def test_chat_through_the_simulator(stream):
             assert answer.data[-1]["usage"]["completion_tokens"] == 7
         else:
             assert answer.json()["usage"]["completion_tokens"] == 7
-        [turn] = s.of(ev.TurnFinished, "c")
+        [turn] = await until(lambda: s.of(ev.TurnFinished, "c"), "the turn's end told")
         assert turn.completion_tokens == 7 and turn.prompt_tokens > 0 and turn.finish_reason == "length"
         [seen] = s.sim.requests
         assert seen["request_id"] == started.request_id  # the server logs an abort under this id
         assert seen["headers"]["x-session-id"] == "c"  # routers keep the session's turns on one worker
         assert seen["body"]["stream"] is stream
-        [meters] = s.of(ev.AgentMeters, "c")
+        [meters] = await until(lambda: s.of(ev.AgentMeters, "c"), "the session's meters")
         assert meters.prompt_tokens == turn.prompt_tokens
 
 
@@ -62,7 +62,8 @@ async def test_messages_and_responses_pass_through_byte_for_byte(path, frames, w
         assert streamed.raw == b"".join(frames)  # the upstream's SSE bytes, never re-encoded
         plain = await post(client, s.url + path, {**body, "stream": False}, headers={"X-Session-ID": "sse"})
         assert plain.status == 200 and plain.json() == whole
-        turns = s.of(ev.TurnFinished, "sse")
+        turns = await until(lambda: len(s.of(ev.TurnFinished, "sse")) == 2 and s.of(ev.TurnFinished, "sse"),
+                            "both turns' ends told")
         assert [t.completion_tokens for t in turns] == [len(WORDS)] * 2
         assert all(t.prompt_tokens in (9, 11) for t in turns)
         assert [seen.path for seen in api.seen] == ["/v1" + path] * 2
@@ -95,7 +96,7 @@ async def test_frames_reach_the_client_whole_however_the_upstream_cuts_them():
                 pieces.append(piece)
         assert b"".join(pieces) == b"".join(frames)
         assert all(piece.endswith(b"\n\n") for piece in pieces)
-        [turn] = s.of(ev.TurnFinished)
+        [turn] = await until(lambda: s.of(ev.TurnFinished), "the turn's end told")
         assert turn.completion_tokens == 3 and turn.finish_reason == "stop"
 
 

@@ -48,11 +48,11 @@ async def test_chat_transcript_records_each_requests_new_messages_and_the_answer
             answers.append(said)
             history = body["messages"][1:] + [{"role": "assistant", "content": said}]
     records = _transcript(run_dir, "conv")
-    assert _said(records) == [("user", "first question"), ("assistant", answers[0]),
+    assert _said(records) == [("system", "You are terse."), ("user", "first question"), ("assistant", answers[0]),
                               ("user", "second question"), ("assistant", answers[1]),
                               ("user", "third question"), ("assistant", answers[2])]
-    assert [r["turn"] for r in records] == [1, 1, 2, 2, 3, 3]
-    assert records[0] == {"turn": 1, "attempt": 1, "role": "user", "content": "first question"}  # as sent
+    assert [r["turn"] for r in records] == [1, 1, 1, 2, 2, 3, 3]
+    assert records[1] == {"turn": 1, "attempt": 1, "role": "user", "content": "first question"}  # as sent
 
 
 async def test_a_side_request_of_the_same_session_does_not_make_the_history_recorded_again(tmp_path):
@@ -74,9 +74,11 @@ async def test_a_side_request_of_the_same_session_does_not_make_the_history_reco
         await ask(chat("Write a five-word title for: fix the bug", system="You write titles."))
         body = chat("and run it", system="You are a coding agent.", history=main)
         await ask(body)
-    users = [text for role, text in _said(_transcript(run_dir, "cc")) if role == "user"]
-    assert users == ["fix the bug", "now add a test", "Write a five-word title for: fix the bug", "and run it"]
-    assert len(_transcript(run_dir, "cc")) == 8
+    said = _said(_transcript(run_dir, "cc"))
+    assert [text for role, text in said if role == "user"] == [
+        "fix the bug", "now add a test", "Write a five-word title for: fix the bug", "and run it"]
+    assert [text for role, text in said if role == "system"] == ["You are a coding agent.", "You write titles."]
+    assert len(said) == 10
 
 
 async def test_messages_transcript_in_anthropics_format(tmp_path):
@@ -94,9 +96,11 @@ async def test_messages_transcript_in_anthropics_format(tmp_path):
         assert (await post(client, s.url + "/messages", {**body, "stream": False,
                                                          "messages": [first, answer, follow]})).status == 200
     records = _transcript(run_dir, "anthropic-user")
-    assert records[0] == {"turn": 1, "attempt": 1, **first}  # its content blocks, as the client sent them
-    assert _said(records) == [("user", "hello there"), ("assistant", ANSWER), ("user", "and then?"),
-                              ("assistant", ANSWER)]
+    # Anthropic's system field first, as a message; then the messages with their content blocks, as sent
+    assert records[0] == {"turn": 1, "attempt": 1, "role": "system", "content": body["system"]}
+    assert records[1] == {"turn": 1, "attempt": 1, **first}
+    assert _said(records) == [("system", "Be brief."), ("user", "hello there"), ("assistant", ANSWER),
+                              ("user", "and then?"), ("assistant", ANSWER)]
 
 
 async def test_responses_transcript_records_new_input_items_only(tmp_path):
@@ -120,7 +124,8 @@ async def test_responses_transcript_records_new_input_items_only(tmp_path):
                                                           "previous_response_id": "resp_01"})).status == 200
     said = _said(_transcript(run_dir, "codex-conv"))
     assert [text for role, text in said if role == "user"] == ["list the files", "and the dirs", "thanks"]
-    assert [role for role, _ in said] == ["user", "assistant", "user", "assistant", "user", "assistant"]
+    assert [role for role, _ in said] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    assert said[0] == ("system", "You are Codex.")
 
 
 async def test_no_credential_reaches_the_run_directory(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ async def test_an_upstream_that_is_down_is_a_503_with_retry_after(stream):
         error = answer.json()["error"]
         assert error["type"] == "service_unavailable" and "far is not answering" in error["message"]
         session = s.session("d")
-        assert not session.in_flight and session.st.status == "idle"
+        await until(lambda: not session.in_flight and session.st.status == "idle", "the request's end told")
 
 
 async def test_an_upstream_down_for_the_messages_api_is_its_own_error_shape():
@@ -76,7 +76,7 @@ async def test_a_local_upstream_that_never_comes_is_killed_at_its_first_byte_dea
         answer = await post(client, s.url + "/chat/completions", chat(), headers={"X-Session-ID": "never"})
         assert answer.status == 504 and "first_byte deadline" in answer.json()["error"]["message"]
         assert s.of(ev.EndpointWaiting, "never")
-        assert not s.session("never").in_flight
+        await until(lambda: not s.session("never").in_flight, "the request's end told")
 
 
 async def test_an_upstream_that_drops_mid_stream_is_an_error_event_and_the_session_goes_on():
@@ -88,7 +88,7 @@ async def test_an_upstream_that_drops_mid_stream_is_an_error_event_and_the_sessi
         assert "broke off its answer after 3 tokens" in error["message"]
         assert s.sim.dropped_total == 1
         session = s.session("dr")
-        assert not session.in_flight and session.st.status == "idle"
+        await until(lambda: not session.in_flight and session.st.status == "idle", "the request's end told")
         again = await post(client, s.url + "/chat/completions", chat("again", max_tokens=2),
                            headers={"X-Session-ID": "dr"})
         assert again.status == 200 and again.frames[-1] == b"data: [DONE]"
@@ -100,5 +100,5 @@ async def test_a_malformed_chunk_is_passed_through_as_it_came():
         assert answer.status == 200
         assert b'data: {"id": broken' in answer.frames
         assert answer.frames[-1] == b"data: [DONE]"
-        [turn] = s.of(ev.TurnFinished, "m")
+        [turn] = await until(lambda: s.of(ev.TurnFinished, "m"), "the turn's end told")
         assert turn.completion_tokens == 5
