@@ -203,3 +203,25 @@ async def test_operator_kill_of_a_queued_request_drops_it_from_the_queue():
         assert s.engine.scheduler.queued == 0 and s.sim.requests_total == 1
         assert session.st.status not in ("queued", "prefill")
         assert s.engine.handle(cmd.Kill(agent="waiting")) is False  # nothing left to kill
+
+
+@pytest.mark.parametrize("path, body, frame", [
+    ("/messages", {"model": "sim-model", "max_tokens": 20, "messages": [{"role": "user", "content": "hi"}]},
+     b"event: error\ndata: "),
+    ("/responses", {"model": "sim-model", "max_output_tokens": 20, "input": "hi"}, b"event: error\ndata: "),
+], ids=["messages", "responses"])
+async def test_idle_deadline_of_messages_and_responses_is_their_own_error_event(path, body, frame):
+    async with served(sim={"stall_after_tokens": 3}, stall={"idle_timeout_s": 1.0, **NO_EXTENSIONS}) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + path, {**body, "stream": True}, headers={"X-Session-ID": "st"})
+        assert answer.status == 200
+        assert answer.frames[-1].startswith(frame)
+        error = answer.data[-1]
+        assert error["type"] == "error"
+        message = error["error"]["message"] if path == "/messages" else error["message"]
+        assert "idle deadline" in message and "after 3 tokens" in message
+        if path == "/messages":
+            assert error["error"]["type"] == "timeout_error"
+        await until(lambda: s.sim.aborted_total == 1, "the upstream request aborted")
+        [killed] = await until(lambda: s.of(ev.AgentKilled, "st"), "the kill told")
+        assert killed.deadline == "idle" and killed.tokens == 3

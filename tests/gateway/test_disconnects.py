@@ -131,3 +131,17 @@ async def test_gone_keeps_the_session_holding_its_slot_until_release_after_s():
         assert answers[0].status == 200 and answers[0].frames[-1] == b"data: [DONE]"
         await until(lambda: _settled(s, "two"), "both requests ended")
         assert s.session("two").holding and s.engine.scheduler.running == 1
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/messages", {"model": "sim-model", "max_tokens": 400, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/responses", {"model": "sim-model", "max_output_tokens": 400, "input": "hi"}),
+], ids=["messages", "responses"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_gone_from_messages_and_responses_aborts_them_too(path, body, stream):
+    async with served(sim=SLOW_DECODE, gateway={"release_after_s": 0}) as s, httpx.AsyncClient(timeout=30):
+        await _go_away(s.url + path, {**body, "stream": stream}, "leaver",
+                       lambda: s.sim.requests_total == 1 and s.sim.running == 1, "the answer being computed")
+        await until(lambda: s.sim.aborted_total == 1, "the upstream request aborted")
+        await until(lambda: _settled(s, "leaver"), "the leaver's request ended")
+        await until(lambda: s.engine.scheduler.running == 0, "its slot given back")
