@@ -47,6 +47,7 @@ _DROPPED = frozenset({b"host", b"content-length", b"authorization", b"x-api-key"
 ERROR_BODY_LIMIT = 1 << 20  # what is read of an upstream's error body
 WAIT_BACKOFF_S = (0.25, 5.0)  # a local endpoint still loading: reconnect after 0.25 s, doubling to 5 s
 RETRY_AFTER_S = 5  # told to a client when the upstream is down
+CONTEXT_LIMIT_WAIT_S = 2.0  # the longest a session's meters wait for the endpoint's /v1/models
 
 
 class GatewayError(Exception):
@@ -568,7 +569,11 @@ class Exchange:
         cost = ep.cost_usd(r.prompt_tokens, completion)
         st.cost_usd += cost
         e.conversations.run_cost_usd += cost
-        limit = await e.connections.context_limit(ep)  # asked once per endpoint; 0 when the server does not say
+        # asked once per endpoint, 0 when the server does not say; bounded, since the request counts as in flight,
+        # watched by its idle deadline, until this returns, and its answer has already gone out
+        limit = 0
+        with anyio.move_on_after(CONTEXT_LIMIT_WAIT_S):
+            limit = await e.connections.context_limit(ep)
         fill = st.context_tokens / limit if limit else 0.0
         warning = f"context {fill:.0%} full ({st.context_tokens:,} of {limit:,} tokens)" if fill >= CONTEXT_WARN_FILL \
             else ""
