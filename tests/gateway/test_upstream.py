@@ -14,7 +14,8 @@ from cerevisor_tui.sim import SimServer
 from cerevisor_tui.sim.server import bind_socket
 
 from ..conftest import free_port, until
-from .conftest import Answer, chat, post, served, sim_endpoint
+from .conftest import NO_EXTENSIONS, Answer, chat, post, served, sim_endpoint
+from .upstreams import FakeApi
 
 pytestmark = pytest.mark.anyio
 
@@ -102,3 +103,18 @@ async def test_a_malformed_chunk_is_passed_through_as_it_came():
         assert answer.frames[-1] == b"data: [DONE]"
         [turn] = await until(lambda: s.of(ev.TurnFinished, "m"), "the turn's end told")
         assert turn.completion_tokens == 5
+
+
+async def test_a_request_ends_with_its_last_byte_even_when_the_upstream_never_lists_its_models():
+    # the session's meters ask the endpoint its context length (GET /v1/models) once the answer has gone out;
+    # a server that never answers it must not keep the request in flight, watched, until its idle deadline
+    async with FakeApi(silent_gets=True) as api, served(
+            endpoints=[{"name": "up", "kind": "local", "base_url": api.base_url, "model": "up-model"}],
+            stall={"idle_timeout_s": 20, **NO_EXTENSIONS}) as s, httpx.AsyncClient(timeout=30) as client:
+        body = {"model": "up-model", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        answer = await post(client, s.url + "/messages", body, headers={"X-Session-ID": "m"})
+        assert answer.status == 200
+        await until(lambda: not s.session("m").in_flight, "the request's end told", timeout=10)
+        assert s.session("m").st.status == "idle" and not s.of(ev.AgentKilled)
+        [meters] = s.of(ev.AgentMeters, "m")
+        assert meters.max_model_len == 0  # not known: the server did not say

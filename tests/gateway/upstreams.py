@@ -99,6 +99,7 @@ class FakeApi:
 
     gap_s: float = 0.0
     reasoning: bool = False
+    silent_gets: bool = False  # GET /v1/models (and /health, /metrics) never answered, as on a wedged server
     hold: asyncio.Event | None = None
     seen: list[Seen] = field(default_factory=list)
     gone: int = 0
@@ -127,6 +128,9 @@ class FakeApi:
             headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
             length = int(headers.get("content-length", "0"))
             body = json.loads(await reader.readexactly(length)) if length else {}
+            if method != "POST" and self.silent_gets:
+                await reader.read(1)  # until the client gives up
+                return
             if method != "POST":
                 writer.write(http_head(404, "application/json", "connection: close\r\n", length=2) + b"{}")
                 await writer.drain()
