@@ -29,7 +29,11 @@ _json = msgspec.json.Encoder()
 
 
 def error_body(api: Api | None, status: int, message: str) -> bytes:
-    """An error the gateway answers itself, as the API's own error body (what the client's SDK parses)."""
+    """An error the gateway answers itself, as the API's own error body (what the client's SDK parses); `api`
+    None: a path the gateway does not serve, in OpenAI's shape, as OpenAI answers an unknown URL."""
+    if api is None:
+        return _json.encode({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": None}})
     if api == "messages":
         return _json.encode({"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"),
                                                         "message": message}})

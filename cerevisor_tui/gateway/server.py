@@ -375,6 +375,7 @@ class Exchange:
         try:
             async with e.sessions.request(session, model_asked=self.model_asked, model_sent=self.model_sent) as att:
                 self.attempt = att
+                self._tell_inputs(session, att)
                 with anyio.CancelScope() as att.scope:
                     await self._upstream(session, att, att.request_id)
                 if att.kill_reason:
@@ -390,6 +391,8 @@ class Exchange:
         except Dropped as exc:
             await self.fail(503, f"cerevisor gateway: {exc} while queued; nothing was sent upstream")
         finally:
+            if self.attempt is None:  # never sent: its messages are still new for its next try
+                self._tell_inputs(session, None)
             if st.status == "waiting" and st.current is None:
                 st.status = "idle"
 
@@ -583,9 +586,7 @@ class Exchange:
     # ---- transcripts ---------------------------------------------------------------------------------------
     def _record_inputs(self, session: Session) -> None:
         """The request's new messages (those the session's transcript does not have yet), as the client sent
-        them; the whole history is never written again."""
-        e = self.gw.engine
-        st = session.st
+        them; the whole history is never written again. Told once the request has its attempt (`_tell_inputs`)."""
         system, conversation = apis.conversation(self.api, self.body)
         messages = apis.history(self.api, self.body)
         # counted per conversation, so that a side request never makes the main one's history look new; its
@@ -598,10 +599,21 @@ class Exchange:
             new = messages[recorded:]
         else:  # the harness rewrote its history (a compaction): its last message is what is new
             new = messages[-1:]
-        for message in new:
-            e.emit(ev.MessageRecorded(time.monotonic(), st.name, st.attempts + 1, st.turn + 1, apis.role_of(message),
+        self.new_inputs = new
+        self.recorded_before = recorded
+        session.recorded[self.conversation] = len(messages)  # at once: a request beside it does not take them too
+
+    def _tell_inputs(self, session: Session, att: Attempt | None) -> None:
+        """The request's new messages into its transcript, numbered as its attempt once it has one; a request that
+        was never sent gives them back, so its next try records them."""
+        if att is None:
+            if session.recorded.get(self.conversation) == self.recorded_before + len(self.new_inputs):
+                session.recorded[self.conversation] = self.recorded_before
+            return
+        e = self.gw.engine
+        for message in self.new_inputs:
+            e.emit(ev.MessageRecorded(time.monotonic(), session.name, att.number, att.turn, apis.role_of(message),
                                       apis.text_of(message.get("content", message.get("output", ""))), raw=message))
-        session.recorded[self.conversation] = len(messages)
 
     def _record_answer(self, session: Session, att: Attempt, *, partial: bool = False) -> None:
         e = self.gw.engine

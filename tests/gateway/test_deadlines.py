@@ -155,7 +155,9 @@ async def test_operator_extend_saves_a_request_from_its_first_byte_deadline():
         await until(lambda: answers, "the answer", timeout=30)
         assert answers[0].status == 200
         assert not _killed(s, "patient") and s.sim.aborted_total == 0
-        assert s.engine.handle(cmd.Extend(agent="patient")) is False  # nothing in flight now
+        # the request ends a moment after its last byte (its meters): then there is nothing left to extend
+        await until(lambda: not s.engine.sessions.by_name["patient"].in_flight, "the request's end")
+        assert s.engine.handle(cmd.Extend(agent="patient")) is False
 
 
 async def test_stop_ends_each_request_in_flight_and_in_the_queue_with_a_clear_error():
