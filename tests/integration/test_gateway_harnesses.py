@@ -154,7 +154,9 @@ def test_opencode_through_the_gateway(gateway: Gateway, tmp_path: Path):
               "provider": {"cerevisor": {"npm": "@ai-sdk/openai-compatible", "name": "cerevisor gateway",
                                          "options": {"baseURL": gateway.url}, "models": {"qwen3-coder": {}}}}}
     (tmp_path / "opencode.json").write_text(json.dumps(config))
-    proc = node_harness("opencode", ["run", "Name three colours."], {}, tmp_path)
+    # named outright: run from pytest's temp dir, opencode read no opencode.json from its working directory
+    proc = node_harness("opencode", ["run", "Name three colours."],
+                        {"OPENCODE_CONFIG": str(tmp_path / "opencode.json")}, tmp_path)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     opened = [e for e in gateway.events("SessionOpened") if e["harness"].startswith("opencode")]
     assert opened and opened[0]["api"] == "chat" and opened[0]["source"] == "x-session-id", \
