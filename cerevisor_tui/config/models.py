@@ -276,7 +276,13 @@ class SimSettings(_Section):
     cpu_bandwidth_gib_s: float = Field(default=25.0, gt=0)
     """How fast blocks reload from the CPU tier (PCIe), in GiB/s; with a profile, its GPUs' host link unless set."""
     prefill_tokens_per_s: float = Field(default=0.0, ge=0)
-    """Prompt tokens the server computes per second, shared by the batch; 0: the profile's, else 20000."""
+    """Prompt tokens the server computes per second, shared by the batch (cached prefix tokens cost nothing, so a request's time to first token grows with its uncached ones); 0: the profile's, else 20000."""
+    progress_every_tokens: int = Field(default=256, ge=1)
+    """A streamed chat request that asks for "return_progress" gets llama-server's prompt_progress chunks: one as its prefill starts, one each time this many more prompt tokens are processed (llama's -b/-ub batch), one at the end."""
+    wedge_after_s: float = Field(default=-1.0, ge=-1)
+    """Fault: once the engine clock (seconds spent serving, idle gaps left out) reaches this, the engine stops for good: /health stays 200, no token, counter or KV use moves again, new requests hang; negative: off."""
+    preempt_loop_tokens: int = Field(default=-1, ge=-1)
+    """Fault: a prompt of at least this many tokens is preempted each time its prefill ends, waits as long as a prefill takes, and prefills again, never making a first token; -1: off."""
     batch_slowdown: float = Field(default=0.02, ge=0)
     """Each extra sequence in the batch slows every sequence's decode by this fraction."""
     max_num_batched_tokens: int = Field(default=8192, ge=1)

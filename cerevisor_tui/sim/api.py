@@ -102,12 +102,18 @@ class Frames(ABC):
     def failure(self, message: str) -> str | None:
         """The error event of an answer the server gave up mid-stream; None: cut the connection instead."""
 
+    def progress(self, total: int, cache: int, processed: int, time_ms: int) -> str:
+        """A prompt_progress event (only APIs with `Api.prompt_progress` are asked for one)."""
+        raise NotImplementedError
+
 
 class Api(ABC):
     """One HTTP API of the simulator: how it reads a request and writes its answers and errors."""
 
     name: ClassVar[str]
     path: ClassVar[str]
+    prompt_progress: ClassVar[bool] = False
+    """Whether a streamed request may ask for llama-server's prompt_progress (`"return_progress": true`)."""
 
     @abstractmethod
     def read(self, body: dict[str, Any]) -> Prompt:

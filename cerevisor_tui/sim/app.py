@@ -5,6 +5,11 @@ streamed as SSE or not: `/v1/chat/completions` (chat.py), OpenAI's `/v1/response
 Anthropic's `/v1/messages` (messages.py). All three take one path here: the body read into a Prompt, an
 engine sequence (`scheduler.BatchEngine`: KV cache, prefix reuse, batch, queue), its tokens streamed with
 the configured faults, the counters kept; an API only reads its body and frames its answers and errors.
+
+A streamed chat request with `"return_progress": true` also gets llama-server's `prompt_progress` chunks while
+its prompt prefills (`_Progress`); the responses and messages APIs ignore the field, as they have no such event
+here. Durations the server reports (`time_ms`, the latency histograms) are engine seconds over `speed`: what
+a client's clock sees.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 import anyio
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -38,7 +43,7 @@ from cerevisor_tui.sim.kv import KvCache
 from cerevisor_tui.sim.messages import MessagesApi
 from cerevisor_tui.sim.profiles import SimServerSpec, resolve
 from cerevisor_tui.sim.responses import ResponsesApi
-from cerevisor_tui.sim.scheduler import DONE, BatchEngine, Sequence
+from cerevisor_tui.sim.scheduler import DONE, BatchEngine, Histogram, Sequence
 
 OWNER = "cerevisor-sim"
 _DROP = object()  # yielded by a stream to cut the connection without finishing the response
@@ -94,6 +99,11 @@ class SimState:
     def loading(self) -> bool:
         return self.cold_start_left_s > 0
 
+    @property
+    def wedged(self) -> bool:
+        """The wedge_after_s fault has struck: the engine moves no more, /health still says 200."""
+        return self.engine.wedged
+
 
 class _SimCollector:
     """Reads SimState at scrape time into vLLM-named metrics."""
@@ -118,6 +128,14 @@ class _SimCollector:
 
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", st.running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", st.waiting)
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for scheduling capacity; "
+            "'deferred' = deferred by transient constraints (LoRA budget, KV transfer, blocked status). "
+            "Sum of all reasons equals vllm:num_requests_waiting.", labels=[*labels, "reason"])
+        by_reason.add_metric([*values, "capacity"], st.waiting)  # the simulator waits only for room
+        by_reason.add_metric([*values, "deferred"], 0.0)
+        yield by_reason
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv.usage)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       kv.queries_tokens)
@@ -134,6 +152,18 @@ class _SimCollector:
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.",
                       eng.generation_tokens_total)
         yield counter("vllm:request_success", "Count of successfully processed requests.", st.completed_total)
+
+        def histogram(name: str, doc: str, h: Histogram):
+            m = HistogramMetricFamily(name, doc, labels=labels)
+            m.add_metric(values, h.cumulative(), h.sum)
+            return m
+
+        yield histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                        eng.ttft_s)
+        yield histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                        eng.queue_time_s)
+        yield histogram("vllm:request_prefill_time_seconds",
+                        "Histogram of time spent in PREFILL phase for request.", eng.prefill_time_s)
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",
@@ -276,11 +306,13 @@ class _Server:
         if call is not None:  # the answer is a tool call: its arguments stream as its tokens
             words = iter(simtools.pieces(call.arguments))
             max_tokens = len(simtools.pieces(call.arguments))
+        wants_progress = api.prompt_progress and prompt.stream and prompt.body.get("return_progress") is True
         seq = Sequence(
             prompt_tokens=prompt_tokens,
             hashes=simtext.block_hashes(rendered, st.spec.block_size),
             max_tokens=max_tokens,
             notify_each_token=prompt.stream,
+            notify_progress=wants_progress,
         )
         st.engine.submit(seq)
         if call is None:
@@ -289,7 +321,9 @@ class _Server:
         reply = Reply(id=api.new_id(), model=model, created=int(time.time()), seq=seq, finish=finish, call=call,
                       prompt=prompt)
         if prompt.stream:
-            return _Stream(self._events(reply, words, api.frames(reply)), lambda: self._abort(seq))
+            frames = api.frames(reply)
+            progress = _Progress(st.engine, seq, frames, settings.progress_every_tokens) if wants_progress else None
+            return _Stream(self._events(reply, words, frames, progress), lambda: self._abort(seq))
         return await self._whole(request, reply, words, api)
 
     def _abort(self, seq: Sequence) -> None:
@@ -306,7 +340,7 @@ class _Server:
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            while seq.phase != DONE and not seq.closed:
+            while seq.phase != DONE and not seq.closed and not seq.aborted:
                 seq.changed.clear()
                 await seq.changed.wait()
         finally:
@@ -316,11 +350,13 @@ class _Server:
         self.state.completed_total += 1
         return JSONResponse(api.whole(reply, "".join(itertools.islice(words, seq.generated))))
 
-    async def _events(self, reply: Reply, words: Iterator[str], frames: Frames) -> AsyncIterator[bytes | object]:
+    async def _events(self, reply: Reply, words: Iterator[str], frames: Frames,
+                      progress: _Progress | None) -> AsyncIterator[bytes | object]:
         st, settings, seq = self.state, self.state.settings, reply.seq
         keepalive = settings.keepalive_s / settings.speed if settings.keepalive_s > 0 else None
         drop_at, bad_at = settings.drop_after_tokens, settings.malformed_after_tokens
         sent = 0
+        quiet_since = time.monotonic()  # the last thing sent, for the keep-alives
         try:
             while True:
                 if seq.closed:  # the server is shutting down
@@ -331,6 +367,9 @@ class _Server:
                 if ready > sent:
                     out: list[str] = []
                     if sent == 0:
+                        if progress is not None:
+                            out.append(progress.due())
+                            out.append(progress.final())
                         out.append(frames.opening())
                     while sent < ready:
                         if sent == drop_at:
@@ -341,11 +380,17 @@ class _Server:
                         sent += 1
                     if out:
                         yield "".join(out).encode()
+                        quiet_since = time.monotonic()
                     if sent == drop_at:
                         st.engine.abort(seq)
                         st.dropped_total += 1
                         yield _DROP
                         return
+                elif progress is not None and sent == 0:
+                    events = progress.due()
+                    if events:
+                        yield events.encode()
+                        quiet_since = time.monotonic()
                 if seq.phase == DONE and sent >= seq.generated:
                     if seq.aborted:
                         return
@@ -355,16 +400,83 @@ class _Server:
                 seq.changed.clear()
                 if seq.generated > sent or seq.phase == DONE or seq.closed:
                     continue
-                if keepalive is None:
+                waits = []
+                if progress is not None and sent == 0:
+                    if progress.pending():
+                        continue
+                    next_s = progress.next_in_s()
+                    if next_s is not None:
+                        waits.append(max(next_s, 0.001))
+                if keepalive is not None:
+                    waits.append(max(0.0, quiet_since + keepalive - time.monotonic()))
+                if not waits:
                     await seq.changed.wait()
-                else:
-                    try:
-                        await asyncio.wait_for(seq.changed.wait(), keepalive)
-                    except TimeoutError:
+                    continue
+                try:
+                    await asyncio.wait_for(seq.changed.wait(), min(waits))
+                except TimeoutError:
+                    if keepalive is not None and time.monotonic() >= quiet_since + keepalive:
                         yield b": keep-alive\n\n"
+                        quiet_since = time.monotonic()
         finally:
             if seq.phase != DONE:
                 self._abort(seq)
+
+
+class _Progress:
+    """llama-server's prompt_progress for one streamed request, as `--return-progress` clients see it.
+
+    As llama-server does (server-context.cpp, send_partial_response with is_progress): a first event when its
+    prompt starts processing (`processed` = the cached tokens), one after each batch of `every` tokens, and
+    one with `processed` = `total` just before the first token. A preempted request starts again from its
+    new admission's cache. The events fall at the times the engine's prefill rate puts them, however coarse
+    its steps (BatchEngine.prompt_progress)."""
+
+    def __init__(self, engine: BatchEngine, seq: Sequence, frames: Frames, every: int) -> None:
+        self.engine, self.seq, self.frames, self.every = engine, seq, frames, every
+        self.admission = 0  # the admission the events so far are about
+        self.last = -1  # `processed` of the latest event
+
+    def _event(self, processed: int) -> str:
+        seq = self.seq
+        elapsed_s = (self.engine.sim_time() - seq.admitted_at) / self.engine.p.speed
+        self.last = processed
+        return self.frames.progress(seq.prompt_tokens, seq.progress_base, processed, int(elapsed_s * 1000))
+
+    def pending(self) -> bool:
+        """An event is due now."""
+        processed = self.engine.prompt_progress(self.seq)
+        if processed is None:
+            return False
+        return self.seq.admissions != self.admission or processed >= self.last + self.every
+
+    def due(self) -> str:
+        """The events due now, in order ("" for none)."""
+        seq = self.seq
+        processed = self.engine.prompt_progress(seq)
+        if processed is None:
+            return ""
+        out = []
+        if seq.admissions != self.admission:
+            self.admission = seq.admissions
+            out.append(self._event(seq.progress_base))
+        while self.last + self.every <= processed:
+            out.append(self._event(self.last + self.every))
+        return "".join(out)
+
+    def final(self) -> str:
+        """The event of the whole prompt processed, if not sent yet (the first token is on its way)."""
+        seq, out = self.seq, ""
+        if seq.admissions != self.admission:  # its whole prefill fell between two looks
+            self.admission = seq.admissions
+            out = self._event(seq.progress_base)
+        if self.last < seq.prompt_tokens:
+            out += self._event(seq.prompt_tokens)
+        return out
+
+    def next_in_s(self) -> float | None:
+        """Real seconds until the next event, if the engine's step under way reaches it; None: wait for it."""
+        return self.engine.seconds_until_processed(self.seq, self.last + self.every)
 
 
 class _QuietIncomplete(logging.Filter):

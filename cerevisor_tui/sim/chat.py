@@ -23,6 +23,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 class ChatApi(Api):
     name = "chat"
     path = "/v1/chat/completions"
+    prompt_progress = True
     _ids = itertools.count(1)
 
     def read(self, body: dict[str, Any]) -> Prompt:
@@ -100,6 +101,13 @@ class _ChatFrames(Frames):
 
     def malformed(self) -> str:
         return 'data: {"id": broken\n\n'
+
+    def progress(self, total: int, cache: int, processed: int, time_ms: int) -> str:
+        # llama-server's form (server-task.cpp, to_json_oaicompat_chat): a chunk whose delta holds only the
+        # role, with `prompt_progress` beside `choices`; `processed` counts the cached tokens too.
+        choice = {"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}
+        return self._event({"choices": [choice], "prompt_progress": {
+            "total": total, "cache": cache, "processed": processed, "time_ms": time_ms}})
 
     def closing(self) -> str:
         choice = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": self.reply.finish, "stop_reason": None}

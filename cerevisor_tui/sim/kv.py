@@ -159,8 +159,9 @@ class KvCache:
         hold.private += missing
         return True
 
-    def release(self, hold: KvHold) -> None:
-        """Give back a sequence's blocks; its hashed ones stay cached, tail first in line for eviction."""
+    def release(self, hold: KvHold, *, keep_cached: bool = True) -> None:
+        """Give back a sequence's blocks; its hashed ones stay cached, tail first in line for eviction
+        (with `keep_cached` False those no one else holds are dropped from the prefix cache too)."""
         self.releases += 1
         self.used_blocks -= hold.private
         hold.private = 0
@@ -170,6 +171,7 @@ class KvCache:
                 self._refs[h] = n
             else:
                 del self._refs[h]
-                self._evictable[h] = None
+                if keep_cached:
+                    self._evictable[h] = None
                 self.used_blocks -= 1
         hold.hashed.clear()

@@ -100,6 +100,8 @@ def resolve(settings: SimSettings) -> SimServerSpec:
         prefill_tokens_per_s=prefill,
         reload_tokens_per_s=reload_rate,
         stall_after_tokens=settings.stall_after_tokens,
+        wedge_after_s=settings.wedge_after_s,
+        preempt_loop_tokens=settings.preempt_loop_tokens,
     )
     return SimServerSpec(
         params=params,

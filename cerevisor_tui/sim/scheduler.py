@@ -7,6 +7,11 @@ tokens / prefill_tokens_per_s, a reload from the CPU tier costs tokens / reload 
 sequence needs a block and none is free, the most recently admitted one is preempted (its blocks are
 freed; it waits at the head of the queue and recomputes later), as vLLM does.
 
+Two faults live here because they are the engine's: `wedge_after_s` stops the loop for good at the first step
+boundary past that engine time (nothing is computed, freed or counted again, new requests are taken in and
+never looked at), and `preempt_loop_tokens` preempts a long prompt each time its prefill completes, so that it
+waits, prefills again and never makes its first token.
+
 Time is cheap: the loop sleeps until each step's end in real time and runs several tiny steps per
 wake-up when `speed` makes them shorter than a millisecond. The engine clock (`now`) counts only time
 spent serving: it stands still while the server is idle, and when the host is too busy to keep pace
@@ -25,6 +30,41 @@ from cerevisor_tui.sim.kv import KvCache, KvHold
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 
+# vLLM's buckets (v1/metrics/loggers.py): request_latency_buckets, and those of time_to_first_token_seconds.
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+@dataclass
+class Histogram:
+    """A Prometheus histogram kept as counts per bucket (upper bounds `bounds`, then +Inf)."""
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    sum: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        i = 0
+        while i < len(self.bounds) and value > self.bounds[i]:
+            i += 1
+        self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(le, count of observations <= le) pairs ending in +Inf, as HistogramMetricFamily takes them."""
+        out, total = [], 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            total += n
+            out.append((bound, float(total)))
+        return out
+
 
 @dataclass
 class EngineParams:
@@ -39,6 +79,8 @@ class EngineParams:
     prefill_tokens_per_s: float = 20000.0
     reload_tokens_per_s: float = 1_000_000.0
     stall_after_tokens: int = -1
+    wedge_after_s: float = -1.0
+    preempt_loop_tokens: int = -1
 
 
 @dataclass(eq=False)
@@ -62,6 +104,15 @@ class Sequence:
     aborted: bool = False
     closed: bool = False  # the server is shutting down
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    notify_progress: bool = False  # wake `changed` as its prefill moves too (llama's return_progress)
+    arrived_at: float = 0.0  # engine times: submitted, first admitted (-1: not yet), latest admission
+    scheduled_at: float = -1.0
+    admitted_at: float = 0.0
+    admissions: int = 0
+    progress_base: int = 0  # prompt tokens the latest admission did not compute (cache hits, reloads)
+    prefill_computed: int = 0  # prompt tokens computed since the latest admission, in finished steps
+    step_chunk: int = 0  # prompt tokens it computes in the step under way
+    wait_until: float = 0.0  # engine time before which it may not be admitted again (preempt_loop)
 
     @property
     def finished(self) -> bool:
@@ -83,7 +134,19 @@ class BatchEngine:
         self.generation_tokens_total = 0
         self.computed_prompt_tokens_total = 0
         self.steps_total = 0
+        # Durations as a client's clock sees them (engine seconds / speed), in vLLM's histograms.
+        self.ttft_s = Histogram(TTFT_BUCKETS_S)
+        self.queue_time_s = Histogram(REQUEST_LATENCY_BUCKETS_S)
+        self.prefill_time_s = Histogram(REQUEST_LATENCY_BUCKETS_S)
+        self.wedged = False
+        self.step_start = 0.0  # engine times the step under way began and ends
+        self.step_end = 0.0
+        self._limbo: list[Sequence] = []  # taken in while wedged: never scheduled
+        self._chunked: list[Sequence] = []
+        self._loop_victims: list[Sequence] = []
         self._wake = asyncio.Event()
+        self._anchor_real = time.monotonic()
+        self._anchor_sim = 0.0
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -93,6 +156,10 @@ class BatchEngine:
             seq.closed = True
             seq.changed.set()
             return
+        if self.wedged:
+            self._limbo.append(seq)
+            return
+        seq.arrived_at = self.now
         self.waiting.append(seq)
         self._wake.set()
         if self._task is None or self._task.done():
@@ -101,6 +168,10 @@ class BatchEngine:
     def abort(self, seq: Sequence) -> bool:
         """Drop a request (client gone); True when it was still waiting or running."""
         if seq.phase == DONE:
+            return False
+        if self.wedged:  # the engine never hears of it: its blocks and the counters stay as they are
+            seq.aborted = True
+            seq.changed.set()
             return False
         if seq.phase == WAITING:
             try:
@@ -119,7 +190,7 @@ class BatchEngine:
     async def close(self) -> None:
         """Stop the loop and wake every open request so that its handler ends."""
         self._closed = True
-        for seq in [*self.waiting, *self.running]:
+        for seq in [*self.waiting, *self.running, *self._limbo]:
             seq.closed = True
             seq.changed.set()
         if self._task is not None:
@@ -138,6 +209,39 @@ class BatchEngine:
         self._anchor_real = time.monotonic()
         self._anchor_sim = self.now
 
+    def sim_time(self) -> float:
+        """The engine clock now, between steps too (it stands still while idle or wedged)."""
+        if self._task is None or self.wedged or not (self.waiting or self.running):
+            return self.now
+        return self._clock()
+
+    def prompt_progress(self, seq: Sequence) -> int | None:
+        """Prompt tokens of `seq` processed so far, cache included (llama's `processed`), while it prefills.
+
+        Within a step the tokens are spread over its time, so a reader sees the prefill move at the modelled
+        rate however coarse the steps; None once it has its first token, or while it is not admitted."""
+        if seq.phase != PREFILL or seq.generated:
+            return None
+        done = seq.progress_base + seq.prefill_computed
+        if seq.step_chunk:
+            span = self.step_end - self.step_start
+            frac = 1.0 if span <= 0 else (self.sim_time() - self.step_start) / span
+            done += int(seq.step_chunk * min(1.0, max(0.0, frac)))
+        return min(done, seq.prompt_tokens)
+
+    def seconds_until_processed(self, seq: Sequence, tokens: int) -> float | None:
+        """Real seconds until `seq` has `tokens` prompt tokens processed, if the step under way gets it there."""
+        if seq.phase != PREFILL or not seq.step_chunk:
+            return None
+        before = seq.progress_base + seq.prefill_computed
+        if tokens > before + seq.step_chunk:
+            return None
+        at = self.step_start + (tokens - before) / seq.step_chunk * (self.step_end - self.step_start)
+        return max(0.0, (at - self.sim_time()) / self.p.speed)
+
+    def _wedge_due(self) -> bool:
+        return self.p.wedge_after_s >= 0 and self.now >= self.p.wedge_after_s
+
     async def _loop(self) -> None:
         self._reanchor()
         while True:
@@ -147,12 +251,18 @@ class BatchEngine:
                 await self._wake.wait()
                 self._reanchor()
                 continue
+            if self._wedge_due():
+                # As an engine core that died behind a live HTTP server: nothing moves again.
+                self.wedged = True
+                await asyncio.Event().wait()
             self._wake.clear()
             self._admit()
             dt, produced = self._plan()
             if dt <= 0.0:
                 # Nothing can compute yet: sleep until the earliest TTFT ends or something arrives.
                 pending = [s.not_before for s in self.running if s.phase == PREFILL]
+                if self.waiting and self.waiting[0].wait_until > self.now:
+                    pending.append(self.waiting[0].wait_until)
                 if not pending:
                     await self._wake.wait()
                     self.now = max(self.now, self._clock())
@@ -168,7 +278,9 @@ class BatchEngine:
                 if self.now < until and not self._wake.is_set():
                     self.now = until
                 continue
+            self.step_start = self.now
             self.now += dt
+            self.step_end = self.now
             delay = (self.now - self._clock()) / self.p.speed
             if delay > 0.001:
                 await asyncio.sleep(delay)
@@ -184,6 +296,8 @@ class BatchEngine:
             seq = self.waiting[0]
             if seq.blocked_at == self.kv.releases:
                 break  # no block came back since it last did not fit
+            if seq.wait_until > self.now:
+                break  # preempt_loop: it waits for room, and holds the queue as vLLM's FCFS head does
             tokens = seq.prompt_tokens + seq.generated  # a preempted sequence recomputes its output too
             got = self.kv.try_admit(seq.hashes, tokens, seq.hold, count=not seq.admitted_once)
             if got is None:
@@ -193,14 +307,22 @@ class BatchEngine:
             seq.phase = PREFILL
             seq.prefill_left = max(1, got.compute_tokens)
             seq.reload_left = got.cpu_hit_tokens
+            seq.progress_base = tokens - seq.prefill_left
+            seq.prefill_computed = seq.step_chunk = 0
+            seq.admitted_at = self.now
+            seq.admissions += 1
             if not seq.admitted_once:
                 seq.cached_tokens = got.gpu_hit_tokens + got.cpu_hit_tokens
                 seq.not_before = self.now + p.ttft_s
                 self.prompt_tokens_total += seq.prompt_tokens
                 seq.admitted_once = True
+                seq.scheduled_at = self.now
+                self.queue_time_s.observe((self.now - seq.arrived_at) / p.speed)
             else:
                 seq.not_before = self.now
             self.running.append(seq)
+            if seq.notify_progress:
+                seq.changed.set()
         if len(self.running) > self.max_running_seen:
             self.max_running_seen = len(self.running)
 
@@ -214,13 +336,20 @@ class BatchEngine:
             if self.kv.grow(seq.hold, seq.prompt_tokens + seq.generated + 1):
                 return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, *, keep_cached: bool = True) -> None:
         self.running.remove(seq)
-        self.kv.release(seq.hold)
+        self.kv.release(seq.hold, keep_cached=keep_cached)
         seq.phase = WAITING
+        seq.step_chunk = 0
         seq.preemptions += 1
         self.preemptions_total += 1
         self.waiting.appendleft(seq)
+        if seq.notify_progress:
+            seq.changed.set()
+
+    def _loops(self, seq: Sequence) -> bool:
+        """The preempt_loop fault: this prompt is preempted instead of making its first token."""
+        return 0 <= self.p.preempt_loop_tokens <= seq.prompt_tokens and seq.generated == 0
 
     def _plan(self) -> tuple[float, list[Sequence]]:
         """Decide one step: which sequences make a token, and how long it takes (0: nothing to do)."""
@@ -251,11 +380,13 @@ class BatchEngine:
                 seq.reload_left = 0
             chunk = min(seq.prefill_left, budget)
             seq.prefill_left -= chunk
+            seq.step_chunk = chunk
+            self._chunked.append(seq)
             budget -= chunk
             prefill_tokens += chunk
             in_batch += 1
             if seq.prefill_left == 0:
-                produced.append(seq)
+                (self._loop_victims if self._loops(seq) else produced).append(seq)
         if in_batch == 0:
             return 0.0, produced
         self.computed_prompt_tokens_total += prefill_tokens
@@ -265,12 +396,28 @@ class BatchEngine:
 
     def _apply(self, produced: list[Sequence]) -> None:
         self.steps_total += 1
+        for seq in self._chunked:
+            seq.prefill_computed += seq.step_chunk
+            seq.step_chunk = 0
+            if seq.notify_progress and seq.phase == PREFILL:
+                seq.changed.set()
+        self._chunked.clear()
+        for seq in self._loop_victims:
+            if seq.phase == PREFILL:
+                # Its blocks go back uncached, as under the pressure that preempts it, so each round prefills
+                # again; it then waits as long as a prefill takes before it is admitted again.
+                self._preempt(seq, keep_cached=False)
+                seq.wait_until = self.now + seq.prompt_tokens / self.p.prefill_tokens_per_s
+        self._loop_victims.clear()
         for seq in produced:
             if seq.phase == DONE or seq.phase == WAITING:  # aborted or preempted meanwhile
                 continue
             seq.phase = DECODE
             seq.generated += 1
             self.generation_tokens_total += 1
+            if seq.generated == 1 and seq.scheduled_at >= 0:
+                self.ttft_s.observe((self.now - seq.arrived_at) / self.p.speed)
+                self.prefill_time_s.observe((self.now - seq.scheduled_at) / self.p.speed)
             if seq.generated >= seq.max_tokens:
                 seq.phase = DONE
                 self.running.remove(seq)
