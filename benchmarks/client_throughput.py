@@ -131,6 +131,7 @@ class _Connection(asyncio.Protocol):
     rate = 0.0  # tokens/s of each stream; 0: as fast as the socket takes them
     stall_base_s = 0.0  # agents named stall-N stop sending (and keep the connection) after base + N x step s
     stall_step_s = 0.0
+    first_at_once = False  # the first block goes out with the headers (a TTFT without the pacing's phase in it)
     sent = 0  # tokens written, all streams together
     streams = 0  # streams open now
 
@@ -217,15 +218,22 @@ class _Connection(asyncio.Protocol):
         per_write = p.per_write
         _Connection.streams += 1
         try:
-            t.write(p.head + p.first)
             full, rest = divmod(tokens, per_write)
             block = p.block
+            start = 0
+            if self.first_at_once and full:
+                t.write(p.head + p.first + block)
+                _Connection.sent += per_write
+                start = 1
+            else:
+                t.write(p.head + p.first)
             if self.rate:
                 loop = asyncio.get_running_loop()
                 interval = per_write / self.rate
-                next_at = loop.time() + random.random() * interval  # streams' writes spread over the interval
+                phase = random.random()
+                next_at = loop.time() + (start + phase) * interval  # streams' writes spread over the interval
                 stall_at = self._stall_block(agent)
-                for i in range(full):
+                for i in range(start, full):
                     if i == stall_at:
                         await self.closed  # a wedged model: the connection stays open, nothing more comes
                         return
@@ -239,8 +247,12 @@ class _Connection(asyncio.Protocol):
                     t.write(block)
                     _Connection.sent += per_write
                     next_at += interval
+                if start:  # the answer lasts tokens / rate, as at the pace, though its first block came at once
+                    delay = next_at - phase * interval - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
             else:
-                for i in range(full):
+                for i in range(start, full):
                     if not writable.is_set():
                         await writable.wait()
                     elif i % 64 == 63:
@@ -261,9 +273,10 @@ class _Connection(asyncio.Protocol):
 
 
 async def _serve(port: int, per_write: int, default_tokens: int, rate: float = 0.0, stall_base_s: float = 0.0,
-                 stall_step_s: float = 0.0) -> None:
+                 stall_step_s: float = 0.0, first_at_once: bool = False) -> None:
     _Connection.payloads = _Payloads(per_write)
     _Connection.default_tokens = default_tokens
+    _Connection.first_at_once = first_at_once
     _Connection.rate, _Connection.stall_base_s, _Connection.stall_step_s = rate, stall_base_s, stall_step_s
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_Connection, "127.0.0.1", port, backlog=4096)
@@ -285,13 +298,15 @@ class FastServer:
 
     `rate`: tokens per second of each stream (0: as fast as it can); agents named `stall-N` then stop
     after `stall_base_s + N * stall_step_s` seconds and keep their connection open, as a wedged model does.
+    `first_at_once`: the first block of tokens goes out with the response's headers, the pacing after it.
     """
 
     def __init__(self, per_write: int = 16, default_tokens: int = 1024, *, rate: float = 0.0,
-                 stall_base_s: float = 0.0, stall_step_s: float = 0.0) -> None:
+                 stall_base_s: float = 0.0, stall_step_s: float = 0.0, first_at_once: bool = False) -> None:
         self.per_write = per_write
         self.default_tokens = default_tokens
-        self.extra = ["--rate", str(rate), "--stall-base-s", str(stall_base_s), "--stall-step-s", str(stall_step_s)]
+        self.extra = ["--rate", str(rate), "--stall-base-s", str(stall_base_s), "--stall-step-s", str(stall_step_s),
+                      *(["--first-at-once"] if first_at_once else [])]
         self.proc: subprocess.Popen[str] | None = None
         self.port = 0
 
@@ -647,6 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--rate", type=float, default=0.0)
     serve.add_argument("--stall-base-s", type=float, default=0.0)
     serve.add_argument("--stall-step-s", type=float, default=0.0)
+    serve.add_argument("--first-at-once", action="store_true")
     client = sub.add_parser("client", help="(internal) run one client; prints one JSON line")
     client.add_argument("--mode", choices=list(MODES), required=True)
     client.add_argument("--base-url", required=True)
@@ -678,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "serve":
         asyncio.run(_serve(args.port, args.events_per_write, args.tokens, args.rate, args.stall_base_s,
-                           args.stall_step_s))
+                           args.stall_step_s, args.first_at_once))
         return 0
     if args.command == "client":
         print(json.dumps(client_main(args.mode, args.base_url, args.streams, args.tokens, args.window,
