@@ -65,3 +65,24 @@ async def test_a_workflows_agents_and_the_sessions_share_one_cap():
         assert done.status == "completed" and sent.t >= done.t  # admitted only once the agent gave its slot back
         assert sent.queued_s > 0
         assert s.engine.scheduler.max_running == 1
+
+
+async def test_a_pools_session_is_placed_once_and_stays_on_its_member():
+    # two members of one pool; release_after_s = 0 gives each request its own admission, and placement a chance
+    # to move it: a session must still come back to the member that holds its prefix
+    members = [{"name": name, "kind": "simulated", "model": "sim-model", "sim": {"speed": 50.0}}
+               for name in ("m1", "m2")]
+    config = gateway_config(endpoints=members, pools=[{"name": "fleet", "endpoints": ["m1", "m2"]}],
+                            gateway={"upstream": "fleet", "release_after_s": 0})
+    async with served(config) as s, httpx.AsyncClient(timeout=30) as client:
+        for turn in range(3):
+            for session in ("a", "b", "c", "d"):
+                r = await client.post(s.url + "/chat/completions", headers={"X-Session-ID": session},
+                                      json={"model": "sim-model", "max_tokens": 2,
+                                            "messages": [{"role": "user", "content": f"{session} {turn}"}]})
+                assert r.status_code == 200
+        placed = {p.agent: p.endpoint for p in s.of(ev.AgentPlaced)}
+        assert len(s.of(ev.AgentPlaced)) == 4 and set(placed) == {"a", "b", "c", "d"}  # once each, never moved
+        for session, member in placed.items():
+            assert {a.endpoint for a in s.of(ev.AgentStarted, session)} == {member}
+        assert {o.endpoint for o in s.of(ev.SessionOpened)} == {"fleet"}
