@@ -221,12 +221,15 @@ def main(args: Any) -> int:
 
 
 async def announce_gateway(engine: Any, gateway: Any) -> None:
-    """Once the run has begun: where its gateway serves, and which models it routes, said as a RunNotice."""
+    """Once the run has begun: where its gateway serves, and which models it routes (GatewayServing, for consoles;
+    and a RunNotice that says it to people)."""
     from cerevisor_tui.contract import events as ev
 
     await engine.sessions.ready.wait()
     await gateway.gateway.resolve_models()
-    served = ", ".join(sorted(gateway.gateway.served_models())) or "not known yet (the upstream is not answering)"
+    models = sorted(gateway.gateway.served_models())
+    engine.emit(ev.GatewayServing(time.monotonic(), gateway.url, models, dict(engine.config.gateway.model_map)))
+    served = ", ".join(models) or "not known yet (the upstream is not answering)"
     mapped = "; ".join(f"{glob} -> {model}" for glob, model in engine.config.gateway.model_map.items())
     engine.emit(ev.RunNotice(time.monotonic(), f"Gateway serving on {gateway.url} (models: {served}"
                              + (f"; mapped: {mapped}" if mapped else "") + "). Point a harness's base URL at it; "

@@ -297,6 +297,15 @@ class AgentQueued(Event):
     wave: int
 
 
+class GatewayServing(Event):
+    """The run serves a gateway (gateway/): where harnesses point their base URL, the models it routes, and its
+    model_map (glob -> served model)."""
+
+    url: str  # its base URL, …/v1
+    models: list[str] = msgspec.field(default_factory=list)  # the served models it knows of ([] not known yet)
+    mapped: dict[str, str] = msgspec.field(default_factory=dict)
+
+
 class SessionOpened(Event):
     """A gateway session appeared (gateway/): from now on an agent of the run, its requests its attempts."""
 

@@ -13,7 +13,6 @@ deadline is compared with the console's own clock as it is.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -185,7 +184,6 @@ class EndpointView:
         return self.stall is not None and self.stall.liveness == "bytes"
 
 
-GATEWAY_URL = re.compile(r"https?://[^\s()]+")
 """The first URL in the gateway's RunNotice: where it serves (the header shows it)."""
 
 
@@ -224,8 +222,8 @@ class RunMirror(UiModel):
     samples: dict[str, ev.ServerSample] = field(default_factory=dict)  # each endpoint's last, workers and all
     gpus: ev.GpuSample | None = None  # the run's box's GPUs, as last read; None: none read yet
     gateway: str = ""  # the run serves a gateway: its RunNotice's text (where it serves, what it routes)
-    gateway_url: str = ""  # the first URL of that text ("" until it comes, or where it names none)
-    serves_gateway: bool = False  # the gateway's notice or a session has come
+    gateway_url: str = ""  # where it serves (GatewayServing); "" until it is told
+    serves_gateway: bool = False  # GatewayServing, the gateway's notice or a session has come
 
     def __call__(self, event: ev.Event) -> None:
         kind = event.kind
@@ -328,8 +326,9 @@ class RunMirror(UiModel):
         self.notices.append(Notice(e.message, e.severity, e.title))
         if e.title == "Gateway":
             self.serves_gateway, self.gateway = True, e.message
-            url = GATEWAY_URL.search(e.message)
-            self.gateway_url = url.group(0).rstrip(".,;:") if url else ""
+
+    def _see_GatewayServing(self, e: ev.GatewayServing) -> None:
+        self.serves_gateway, self.gateway_url = True, e.url
 
     def _see_ModeChanged(self, e: ev.ModeChanged) -> None:
         self.effective_cap = e.effective_cap

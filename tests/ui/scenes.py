@@ -357,7 +357,8 @@ def build_gateway(*, sessions: bool = True) -> CerevisorApp:
     d = GatewayDriver(engine, app)
     engine.started_at = T0
     d.emit(msgspec.structs.replace(engine.started_event(T0), note=""))
-    d.emit(ev.RunNotice(T0 + 0.1, GATEWAY_NOTICE, "info", "Gateway"))
+    d.emit(ev.GatewayServing(T0 + 0.1, GATEWAY_URL, ["sim-model"], {"claude-*": "sim-model"}))
+    d.emit(ev.RunNotice(T0 + 0.1, GATEWAY_NOTICE, "information", "Gateway"))
     if sessions:
         d.open("claude-main", T0 + 1, "claude-code 2.0.14")
         d.ask("claude-main", T0 + 1, ("user", "Read README.md and list the commands."))

@@ -142,8 +142,10 @@ def test_a_session_opened_before_the_run_said_who_runs_stays_and_the_gateway_not
     m(opened("early"))
     m(ev.RunStarted(T0, "r", "parallel", 4, [["a0"]], [], agents={"a0": ev.AgentPlan("sim", 0)}))
     assert list(m.agents) == ["a0", "early"]  # the workflow's agents first, then the sessions
-    m(ev.RunNotice(T0, GATEWAY_NOTICE, "info", "Gateway"))
-    assert m.serves_gateway and m.gateway_url == GATEWAY_URL and m.gateway == GATEWAY_NOTICE
+    m(ev.RunNotice(T0, GATEWAY_NOTICE, "information", "Gateway"))
+    assert m.serves_gateway and m.gateway == GATEWAY_NOTICE and not m.gateway_url  # the URL comes typed, not parsed
+    m(ev.GatewayServing(T0, GATEWAY_URL, ["sim-model"], {"claude-*": "sim-model"}))
+    assert m.gateway_url == GATEWAY_URL
 
 
 # ---- on screen --------------------------------------------------------------------------------------------
