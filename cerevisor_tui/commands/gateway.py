@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cerevisor_tui.config import ConfigError, validate
+from cerevisor_tui.config.models import is_loopback
 
 GATEWAY_FILE = "gateway.toml"
 SIMULATED = {"name": "sim", "kind": "simulated", "model": "sim-model"}
@@ -43,8 +44,7 @@ def gateway_data(args: Any) -> dict[str, Any]:
             problem = _url_problem(args.upstream)
             if problem:
                 raise ConfigError(problem, key="--upstream")
-            host = urlsplit(args.upstream).hostname or ""
-            local = host in ("localhost", "::1") or host.startswith("127.")
+            local = is_loopback(urlsplit(args.upstream).hostname or "")
             name = _free_name("upstream", endpoints)
             endpoints.append({"name": name, "base_url": args.upstream.rstrip("/"),
                               "kind": "local" if local else "hosted"})

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import signal
 import sys
 from typing import Any
 
 from pydantic import ValidationError
 
-from cerevisor_tui.config.models import SimSettings
+from cerevisor_tui.config.models import SimSettings, is_loopback
 
 PROG = "cerevisor-tui sim"
 
@@ -26,15 +25,6 @@ def _validation_line(exc: ValidationError) -> str:
         flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
         parts.append(f"{flag}: {err['msg']}")
     return "; ".join(parts)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def main(args: Any) -> int:
@@ -78,7 +68,7 @@ def main(args: Any) -> int:
             f"speed x{settings.speed:g}); Ctrl-C stops it",
             file=sys.stderr, flush=True,
         )
-        if not _is_loopback(host):
+        if not is_loopback(host):
             where = "all interfaces" if host in ("0.0.0.0", "::", "") else f"{host}, not loopback"
             print(f"{PROG}: warning: listening on {where}: anyone on the network can use it",
                   file=sys.stderr, flush=True)

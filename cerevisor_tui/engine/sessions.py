@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -248,7 +248,3 @@ class Sessions:
             st = session.st
             if st.status not in FINAL:
                 self.engine._finish(st, "completed", "session ended with the run")
-
-    def summaries(self) -> list[dict[str, Any]]:
-        return [{"name": s.name, "source": s.source, "harness": s.harness, "api": s.api, "requests": s.requests,
-                 "kills": list(s.kills)} for s in self.by_name.values()]

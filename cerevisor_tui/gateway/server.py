@@ -494,6 +494,7 @@ class Exchange:
         subscribers = e.subscribers
         monotonic = time.monotonic
         upstream = att.stream
+        by_bytes = e.policies[st.endpoint].liveness == "bytes"
         pending = b""
         # the headers go out with the first frame, not with the upstream's (which vLLM sends at once): until
         # then a deadline, a kill or a drop is still an HTTP status, and keep-alives start the stream
@@ -525,9 +526,9 @@ class Exchange:
                 delta = ev.TokenDelta(now, st.name, att.number, text, reasoning, tool, chunks)
                 for subscriber in subscribers:
                     subscriber(delta)
-            elif att.first_token_at is None or e.policies[st.endpoint].liveness == "bytes":
+            elif att.first_token_at is None or by_bytes:
                 e.emit(ev.KeepAlive(now, st.name, att.number))
-                if e.policies[st.endpoint].liveness == "bytes":
+                if by_bytes:
                     att.last_alive = now
                     att.alive.set()
         async with self.lock:
