@@ -262,9 +262,25 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
 
     for name, field in SimSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        kind = type(field.default)
+        kind = _inline_table if isinstance(field.default, dict) else type(field.default)
         parser.add_argument(flag, dest=name, type=kind, default=None, metavar=name.split("_")[-1].upper(),
                             help=f"{field.description} (default {field.default!r})")
+
+
+def _inline_table(text: str) -> dict:
+    """A TOML inline table, as a config file would write it: `{ get_current_time = { timezone = "UTC" } }`."""
+    import tomllib
+
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a TOML inline table ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a TOML inline table: {text!r}")
+    return value
+
+
+_inline_table.__name__ = "inline table"  # argparse names the type in its error
 
 
 def main(argv: list[str] | None = None) -> int:
