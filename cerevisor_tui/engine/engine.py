@@ -147,7 +147,7 @@ class Engine:
         # `ask`: what a tool call its server's rules `ask` about gets: the operator's answer, or headless, deny
         # or approve. A resumed run takes its earlier calls' results and "for the run" approvals from the journal.
         used = {tool.split(".", 1)[0] for agent in config.agents for tool in agent.tools}
-        self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir)
+        self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir, scrub=self.scrub)
         records = resume.journal_records(run_dir)  # an earlier run's in this directory: [] for a new one
         self.tools = ToolCalls(self.tool_servers, emit=self.emit, scrub=self.scrub, ask=ask,
                                memory=resume.tool_memory(records) if used else None)
