@@ -150,3 +150,51 @@ async def test_a_start_timeout_is_told_at_the_deadline_not_once_the_server_is_wo
     )
     assert at_failure == [False]  # told before the wind-down sent SIGTERM
     assert term.read_text() == "SIGTERM\n"  # which it then did, before the run ended
+
+
+RAW = str(Path(__file__).parent / "fixtures" / "mcp_raw.py")
+
+
+@pytest.mark.anyio
+async def test_an_over_long_answer_whose_id_comes_last_and_an_over_long_notification(tmp_path):
+    """A hand-written server: an answer over the bound is told to its own call though its id is its last
+    member, and a notification over the bound is dropped (said in the server's log), the call's answer kept."""
+    data = workflow({}, server={"command": sys.executable, "args": [RAW]})
+    data["endpoints"] = [
+        {
+            "name": "last",
+            "kind": "simulated",
+            "sim": {"speed": 50, "tool_args": {"id_last": {"megabytes": 70}}},
+        },
+        {"name": "loud", "kind": "simulated", "sim": {"speed": 50, "tool_args": {"loud_then_fine": {}}}},
+    ]
+    data["agents"] = [
+        {
+            "name": "last",
+            "endpoint": "last",
+            "prompt": "go",
+            "tools": ["fake"],
+            "max_tokens": 8,
+            "retries": 0,
+        },
+        {
+            "name": "loud",
+            "endpoint": "loud",
+            "prompt": "go",
+            "tools": ["fake"],
+            "max_tokens": 8,
+            "retries": 0,
+            "depends_on": ["last"],
+        },
+    ]
+    engine, seen, code = await run(data, tmp_path)
+    assert code == 0, kinds(seen, "AgentFinished")
+    finished = {e.agent: e for e in kinds(seen, "ToolCallFinished")}
+    assert finished["last"].outcome == "error"
+    assert (
+        "the server's answer was 70,000,0" in finished["last"].result
+        and "over the 64 MiB" in finished["last"].result
+    )
+    assert finished["loud"].outcome == "ok" and finished["loud"].result == "fine"
+    log = (tmp_path / "mcp-fake.log").read_text()
+    assert "[cerevisor-tui: a message of 70,000,0" in log and "dropped, over the 64 MiB bound]" in log

@@ -72,8 +72,8 @@ class _Lines:
         self.buffer = bytearray()
         self.over: _Over | None = None
 
-    def feed(self, chunk: bytes) -> list[bytes | _Over]:
-        out: list[bytes | _Over] = []
+    def feed(self, chunk: bytes) -> list[bytearray | _Over]:
+        out: list[bytearray | _Over] = []
         start = 0
         while True:
             end = chunk.find(b"\n", start)
@@ -95,8 +95,8 @@ class _Lines:
                 out.append(self.over)
                 self.over = None
             else:
-                out.append(bytes(self.buffer))
-                self.buffer.clear()
+                out.append(self.buffer)  # handed over, not copied: a message may be tens of MB
+                self.buffer = bytearray()
             start = end + 1
 
 
@@ -244,6 +244,8 @@ class StdioServer:
         try:
             async for chunk in self.process.stdout:
                 for line in lines.feed(chunk):
+                    if not listening:
+                        continue
                     if isinstance(line, _Over):
                         messages: list[Any] = self._refusals(line)
                     elif not line.strip():
