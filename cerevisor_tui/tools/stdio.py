@@ -307,7 +307,7 @@ class StdioServer:
         ]
 
     async def _write_stdin(self, receive: Any, read_send: Any) -> None:
-        from mcp.types import JSONRPCRequest
+        from mcp.types import JSONRPCNotification, JSONRPCRequest
 
         assert self.process is not None and self.process.stdin is not None
         try:
@@ -316,6 +316,11 @@ class StdioServer:
                     message = session_message.message
                     if isinstance(message, JSONRPCRequest):
                         self.pending.add(message.id)
+                    elif (
+                        isinstance(message, JSONRPCNotification)
+                        and message.method == "notifications/cancelled"
+                    ):
+                        self.pending.discard((message.params or {}).get("requestId"))  # a call given up on
                     data = message.model_dump_json(by_alias=True, exclude_unset=True) + "\n"
                     await self.process.stdin.send(data.encode("utf-8"))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
