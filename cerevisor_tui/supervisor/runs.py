@@ -14,8 +14,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract.events import EventError, decode_event
 from cerevisor_tui.contract.wire import PROTOCOL, Hello, Welcome, WireError, encode, read_server
 from cerevisor_tui.engine.sinks.journal import EVENTS_FILE
 from cerevisor_tui.supervisor.protocol import (
@@ -110,7 +110,9 @@ def run_info(run_dir: Path) -> RunInfo | None:
         fh = open(path, "rb")
     except OSError:
         return None
-    run_id, agents, status, finished, sessions = run_dir.name, 0, {}, None, set()
+    run_id, agents, finished = run_dir.name, 0, None
+    status: dict[str, str] = {}
+    sessions: set[str] = set()
     with fh:
         for raw in fh:
             # only the lines that matter here are parsed: a long run's journal is mostly other events
@@ -118,23 +120,17 @@ def run_info(run_dir: Path) -> RunInfo | None:
                     and b'"SessionOpened"' not in raw):
                 continue
             try:
-                data = msgspec.json.decode(raw)
-            except msgspec.DecodeError:
+                event = decode_event(raw)  # checked as this version's event: a line that is not one is passed over
+            except (EventError, RecursionError):
                 continue
-            if not isinstance(data, dict):
-                continue
-            kind = data.get("event")
-            if kind == "RunStarted":
-                run_id = str(data.get("run_id") or run_id)
-                waves = data.get("waves") if isinstance(data.get("waves"), list) else []
-                agents = sum(len(w) for w in waves if isinstance(w, list))
-                finished = None
-            elif kind == "SessionOpened" and isinstance(data.get("agent"), str):
-                sessions.add(data["agent"])
-            elif kind == "AgentFinished" and isinstance(data.get("agent"), str):
-                status[data["agent"]] = data.get("status")
-            elif kind == "RunFinished":
-                finished = data.get("exit_code") if isinstance(data.get("exit_code"), int) else 1
+            if isinstance(event, ev.RunStarted):
+                run_id, agents, finished = event.run_id or run_id, sum(map(len, event.waves)), None
+            elif isinstance(event, ev.SessionOpened):
+                sessions.add(event.agent)
+            elif isinstance(event, ev.AgentFinished):
+                status[event.agent] = event.status
+            elif isinstance(event, ev.RunFinished):
+                finished = event.exit_code
     done = sum(1 for name, s in status.items() if s == "completed" and name not in sessions)
     try:
         supervisor = supervisor_file(run_dir)
