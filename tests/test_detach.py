@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -211,3 +212,30 @@ def test_attach_jsonl_of_a_run_not_live_prints_checked_events_and_counts_what_it
     lines = shown.stdout.splitlines()
     assert [json.loads(line)["event"] for line in lines] == [json.loads(line)["event"] for line in good]
     assert f"2 unreadable lines of {journal} skipped (first: line {len(good) + 1}: " in shown.stderr, shown.stderr
+
+
+IN_USE = re.compile(r"cerevisor-tui run: run directory (\S+) is in use by another run \(process (\d+)\): wait for it "
+                    r"to end or stop it; one process per run directory\n")
+
+
+def test_a_detach_that_loses_the_run_directory_says_so_as_the_foreground_does(tmp_path: Path):
+    """Two `run --detach` on one directory at once: one starts, the other is refused at once, in the foreground's
+    words and exit code (2), not with a line of the winner's run.log as its own error."""
+    wf = workflow(tmp_path, agents=2, tokens_per_s=10, max_tokens=400)
+    run_dir = tmp_path / "runs" / "shared"
+    both = [subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "run", str(wf), "--detach", "--run-dir",
+                              str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    ends = sorted(((p.wait(timeout=90), *p.communicate()) for p in both), key=lambda end: end[0])
+    (won, won_out, _), (lost, lost_out, lost_err) = ends
+    assert (won, lost) == (0, 2), ends
+    pid = read_supervisor(run_dir)["pid"]
+    assert IN_USE.fullmatch(lost_err) and lost_out == "", lost_err
+    foreground = cli("run", str(wf), "--run-dir", str(run_dir))
+    assert foreground.returncode == 2 and foreground.stderr == f"cerevisor-tui run: run directory {run_dir} is in use " \
+        f"by another run (process {pid}): wait for it to end or stop it; one process per run directory\n", foreground
+    again = cli("run", str(wf), "--detach", "--run-dir", str(run_dir))  # and so does a detach after it
+    assert (again.returncode, again.stderr) == (2, foreground.stderr), again
+    assert (run_dir / "lock").read_text() == f"{pid}\n"  # the run's own process holds the lock it was handed
+    stopped = cli("stop", str(run_dir))
+    assert stopped.returncode == 0, stopped
