@@ -265,6 +265,7 @@ async def test_a_command_line_that_does_not_check_is_refused_in_one_line_that_an
                 b'{"type":"command","id":5,"command":{"name":"pause","now":true}}': "unknown field `now`",
                 b'{"type":"command","id":6,"command":{"name":"pause"},"later":1}': "unknown field `later`",
                 b'{"type":"command","id":7,' + b'[' * 5000: "",
+                b'{"type":"command","id":8,"command":' + b'[' * 20000: "",  # deep inside a field: RecursionError
                 b'not json': "",
             }
             for line, problem in lines.items():
