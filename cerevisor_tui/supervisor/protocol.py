@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import stat
 import struct
@@ -102,7 +103,8 @@ def socket_path_for(run_dir: Path, run_id: str) -> Path:
     if len(os.fsencode(path)) <= SUN_PATH_MAX:
         return path
     where = hashlib.sha256(os.fsencode(run_dir.resolve())).hexdigest()[:12]
-    return private_socket_dir() / f"{run_id[:40]}-{where}.sock"
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", run_id[:40])  # a --run-id is the user's: no "/" into the path
+    return private_socket_dir() / f"{name}-{where}.sock"
 
 
 def read_supervisor(run_dir: Path) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from cerevisor_tui.supervisor.protocol import (
 )
 
 ANSWER_WAIT_S = 2.0
+"""How long `ls` waits for a run's socket to take its hello and answer it."""
 HELLO_LINE_MAX = 64 * 1024
 
 
