@@ -85,6 +85,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
                      "foreground denies them and tells the model; a --detach run waits for a console to answer)")
     run.add_argument("--detached", action="store_true", help=argparse.SUPPRESS)  # the process --detach starts
     run.add_argument("--run-id", help=argparse.SUPPRESS)  # the id --detach printed
+    run.add_argument("--lock-fd", type=int, help=argparse.SUPPRESS)  # the run directory's lock, --detach's
 
     gateway = sub.add_parser(
         "gateway",
