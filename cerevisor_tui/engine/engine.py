@@ -573,6 +573,9 @@ class Engine:
             return
         st.status = "queued"
         self.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
+        if self.stopping:  # stopped by that very event (a journal that could not write it): no scope to cancel yet
+            self._finish(st, "cancelled", self.stopping)
+            return
         status: FinalStatus = "completed"
         reason = ""
         with anyio.CancelScope() as scope:
