@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.sinks.report import Report, write_json_atomic
@@ -57,9 +57,47 @@ def _ends_mid_line(path: Path) -> bool:
         return False
 
 
-def _append(path: Path) -> IO[str]:
-    """Open a JSON-lines file to append to, on a line of its own even when its last line was cut short."""
-    fh = open(path, "a", encoding="utf-8")
+class _Lines:
+    """A JSON-lines file appended to a whole line at a time: a write that fails part-way (a full disk, a
+    file-size limit) is taken back, so the file never holds a cut line of ours. Nothing is buffered: a
+    line is in the file when `write` returns, and `flush` has nothing to do."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = os.lseek(self._fd, 0, os.SEEK_END)
+
+    def write(self, text: str) -> None:
+        encoded = text.encode("utf-8", "surrogatepass")
+        data = memoryview(encoded)
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise
+        self._size += len(encoded)
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def _append(path: Path) -> _Lines:
+    """Open a JSON-lines file to append to, on a line of its own even when its last line was cut short (by
+    a crash: a write that fails is taken back)."""
+    fh = _Lines(path)
     if _ends_mid_line(path):
         fh.write("\n")
     return fh
@@ -172,8 +210,8 @@ class Journal:
         self.on_error = on_error
         self.error = ""  # the first write error, in one line: from then on nothing more is written
         self.report_error = ""  # the last report write that failed ("" once one succeeds)
-        self._events: IO[str] | None = None
-        self._transcripts: dict[str, IO[str]] = {}
+        self._events: _Lines | None = None
+        self._transcripts: dict[str, _Lines] = {}
         self._ran: set[str] = set()  # agents queued in this run: their end is fsynced
         self._lock: RunLock | None = None
 
