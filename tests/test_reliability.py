@@ -124,6 +124,7 @@ def test_a_resumed_agent_goes_on_after_the_turns_it_had_answered_and_never_sends
     assert f"long: turns 1-{done} answered before, taken from the journal; it goes on at turn {done + 1}" in out
     report = json.loads((run_dir / "report.json").read_text())
     assert [a["status"] for a in report["agents"]] == ["completed"]
+    assert report["agents"][0]["turns"] == 4  # the turns taken from the journal count in its figures
 
 
 def test_recorded_turns_are_the_latest_unbroken_chain_of_answered_turns():

@@ -119,6 +119,7 @@ class Conversations:
         # a resumed run's agents that had not completed: the turns they had answered (engine/resume.py), taken
         # once, when the agent starts again; an operator's rerun later in the run starts from turn 1
         self.recorded_turns: dict[str, list[RecordedTurn]] = {}
+        self.replay: Callable[[list[dict[str, Any]]], None] | None = None  # their figures, into the report
         self._rng = random.Random()
 
     async def run(self, st: AgentState) -> None:
@@ -167,6 +168,8 @@ class Conversations:
             messages.append({"role": "user", "content": turn.user})
             messages.extend(dict(m) for m in turn.messages)
         st.turn = st.turns_done = done
+        if self.replay is not None:
+            self.replay([e for turn in recorded[:done] for e in turn.figures])
         which = "turn 1" if done == 1 else f"turns 1-{done}"
         goes_on = f"it goes on at turn {done + 1}" if done < len(user_turns) else "none is left to send"
         self.emit(ev.RunNotice(time.monotonic(), f"{st.name}: {which} answered before, taken from the journal; "

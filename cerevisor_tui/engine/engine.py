@@ -173,6 +173,7 @@ class Engine:
         self.conversations.recorded_turns = {
             name: turns for name, turns in resume.recorded_turns(records).items()
             if name not in self.completed_before and name not in self.rerun}
+        self.conversations.replay = self.report.replay
 
     @property
     def run_cost_usd(self) -> float:

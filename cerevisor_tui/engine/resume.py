@@ -90,6 +90,10 @@ class RecordedTurn:
     user: str
     messages: tuple[dict[str, Any], ...]
     answer: str
+    figures: tuple[dict[str, Any], ...] = ()  # its recorded events (attempts, meters): the report's figures
+
+
+_NOT_A_TURNS = {"AgentQueued", "AgentFinished", "AgentRerun", "AgentStatus"}  # an agent's events, not a turn's
 
 
 def recorded_turns(records: Iterable[dict[str, Any]]) -> dict[str, list[RecordedTurn]]:
@@ -98,8 +102,14 @@ def recorded_turns(records: Iterable[dict[str, Any]]) -> dict[str, list[Recorded
     again from an earlier turn: what it said after is not its conversation any more); a partial answer (its
     attempt died) is not an answer; a turn whose answer is not recorded ends what can be reused."""
     chains: dict[str, dict[int, dict[str, Any]]] = {}
+    current: dict[str, dict[str, Any]] = {}  # each agent's turn in progress in the journal
     for e in records:
-        if e.get("event") != "MessageRecorded" or e.get("partial") or e.get("raw"):  # raw: a gateway session's
+        if e.get("event") != "MessageRecorded":
+            agent = e.get("agent")
+            if isinstance(agent, str) and agent in current and e.get("event") not in _NOT_A_TURNS:
+                current[agent]["figures"].append(e)
+            continue
+        if e.get("partial") or e.get("raw"):  # raw: a gateway session's
             continue
         agent, turn, role, content = e.get("agent"), e.get("turn"), e.get("role"), e.get("content")
         if not isinstance(agent, str) or type(turn) is not int or not isinstance(content, str):
@@ -108,7 +118,7 @@ def recorded_turns(records: Iterable[dict[str, Any]]) -> dict[str, list[Recorded
         if role == "user":
             for later in [t for t in chain if t >= turn]:
                 del chain[later]
-            chain[turn] = {"user": content, "messages": [], "answer": None}
+            chain[turn] = current[agent] = {"user": content, "messages": [], "answer": None, "figures": []}
             continue
         entry = chain.get(turn)
         if entry is None or entry["answer"] is not None:
@@ -128,7 +138,8 @@ def recorded_turns(records: Iterable[dict[str, Any]]) -> dict[str, list[Recorded
             entry = chain[number]
             if number != len(turns) + 1 or entry["answer"] is None:
                 break
-            turns.append(RecordedTurn(entry["user"], tuple(entry["messages"]), entry["answer"]))
+            turns.append(RecordedTurn(entry["user"], tuple(entry["messages"]), entry["answer"],
+                                      tuple(entry["figures"])))
         if turns:
             out[agent] = turns
     return out
