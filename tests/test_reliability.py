@@ -133,20 +133,24 @@ def test_recorded_turns_are_the_latest_unbroken_chain_of_answered_turns():
     def msg(turn, role, content, **more):
         return {"event": "MessageRecorded", "agent": "a", "turn": turn, "role": role, "content": content, **more}
 
+    def done(turn):
+        return {"event": "TurnFinished", "agent": "a", "turn": turn, "attempt": 1}
+
     call = [{"id": "call_1", "type": "function", "function": {"name": "t", "arguments": "{}"}}]
     records = [
         msg(1, "user", "u1"), msg(1, "assistant", "old answer"), msg(2, "user", "u2"), msg(2, "assistant", "x2"),
         msg(1, "user", "u1"),  # run again from turn 1: turn 2's answer belongs to the conversation before
         msg(1, "assistant", "half", partial=True),  # its attempt died
-        msg(1, "assistant", "", tool_calls=call), msg(1, "tool", "result", tool_call_id="call_1"),
-        msg(1, "assistant", "new answer"),
-        msg(2, "user", "u2"),  # asked, never answered
+        msg(1, "assistant", "", tool_calls=call), done(1), msg(1, "tool", "result", tool_call_id="call_1"),
+        msg(1, "assistant", "new answer"), done(1),
+        msg(2, "user", "u2"), msg(2, "assistant", "cut"),  # answered, but killed before its TurnFinished
     ]
     [turn] = recorded_turns(records)["a"]
     assert (turn.user, turn.answer) == ("u1", "new answer")
     assert [m["role"] for m in turn.messages] == ["assistant", "tool", "assistant"]
     assert turn.messages[0] == {"role": "assistant", "content": None, "tool_calls": call}
-    assert recorded_turns([msg(2, "user", "u2"), msg(2, "assistant", "x")]) == {}  # turn 1 missing: nothing
+    assert [e["event"] for e in turn.figures] == ["TurnFinished", "TurnFinished"]
+    assert recorded_turns([msg(2, "user", "u2"), msg(2, "assistant", "x"), done(2)]) == {}  # no turn 1: nothing
 
 
 def test_an_unusable_run_directory_is_an_error_before_any_request(tmp_path):
