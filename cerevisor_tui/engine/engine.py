@@ -50,6 +50,7 @@ from cerevisor_tui.engine.sessions import Sessions
 from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls
+from cerevisor_tui.engine.warmup import warm_up
 from cerevisor_tui.engine.watchdog import BusyCheck, Watchdog, fmt_s
 from cerevisor_tui.kinds import FINAL, MODES, FinalStatus, Mode
 from cerevisor_tui.tools.manager import McpServers
@@ -168,6 +169,7 @@ class Engine:
             scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
             tools=self.tools)
         self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
+        self.conversations.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
 
     @property
     def run_cost_usd(self) -> float:
@@ -441,6 +443,7 @@ class Engine:
             async with anyio.create_task_group() as background:
                 self.background = background
                 await self._start_background(background)
+                await warm_up(self.config, self.connections, self.policies, self.emit, self._stop_asked, self.run_id)
                 for wave, level in enumerate(self.waves):
                     if self.stopping:
                         self._cancel_rest(wave)
