@@ -16,6 +16,7 @@ from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.mirror import RunMirror
 from cerevisor_tui.ui.theme_files import load_themes
 from cerevisor_tui.ui.widgets.load_pane import LoadPane, latency_lines
+from cerevisor_tui.ui.widgets.run_header import RunHeader
 from tests.conftest import until
 from tests.ui.scenes import NOW, RUN_ID, T0
 
@@ -64,12 +65,17 @@ async def test_the_panel_shows_warming_up_then_the_cold_start_and_each_servers_f
         await until(lambda: pane.query_one("#latency").display, "the panel shown")
         assert latency_text(app).splitlines() == ["vllm latency p50/p95  warming up",
                                                   "llama latency p50/p95  warming up"]
+        header = app.screen.query_one(RunHeader)
+        header.sync(app.mirror, NOW)
+        assert "warming up" in str(header.render()) and "wave -/" not in str(header.render())
 
         engine.emit(ev.EndpointWarmed(T0 + 3, "vllm", 2.31))
         engine.emit(ev.EndpointWarmed(T0 + 3, "llama", None, "HTTP 500"))
         engine.emit(VLLM_PANEL)
         engine.emit(LLAMA_PANEL)
         pane.sync(app.mirror, NOW)
+        header.sync(app.mirror, NOW)
+        assert "warming up" not in str(header.render()) and "wave -/" in str(header.render())
         assert latency_text(app).splitlines() == [
             "vllm latency p50/p95  TTFT 120/410 ms  ITL 21/35 ms  queue 0/12 ms  prefill 95/300 ms  cold start 2.31s",
             # llama.cpp tells no queue time: not shown; its ITL not seen yet: "-"
