@@ -106,6 +106,41 @@ def test_vllm_histograms_are_read_with_their_engines_summed_and_the_old_itl_name
     assert parse_latency("not { metrics", "vllm") == LatencyScrape("vllm")
 
 
+def library_reading(text: str, kind: str) -> LatencyScrape:
+    """The panel's figures read with prometheus-client's parser: what the hand-written reader must agree with."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cerevisor_tui.endpoints.latency import HISTOGRAMS, PROGRESS_COUNTERS, RUNNING_GAUGES
+
+    buckets: dict[str, dict[float, float]] = {}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                per = buckets.setdefault(sample.name[: -len("_bucket")], {})
+                per[float(sample.labels["le"])] = per.get(float(sample.labels["le"]), 0.0) + sample.value
+            else:
+                name = sample.name.removesuffix("_total")
+                values[name] = values.get(name, 0.0) + sample.value
+    histograms = {}
+    for figure, names in HISTOGRAMS[kind].items():
+        name = next((n for n in names if n in buckets), None)
+        if name is not None:
+            bounds = tuple(sorted(buckets[name]))
+            histograms[figure] = Buckets(bounds, tuple(buckets[name][b] for b in bounds))
+    return LatencyScrape(kind, histograms, values.get(PROGRESS_COUNTERS[kind]), values.get(RUNNING_GAUGES[kind]))
+
+
+def test_the_hand_reader_reads_what_prometheus_clients_parser_reads():
+    text = vllm_text([{"ttft": [1, 3, 4, 4], "itl": [5, 50, 70, 71], "queue": [2, 2, 3, 3]}, {"ttft": [0, 1, 1, 2]}],
+                     7.0, 1.0)
+    # a label value with a brace, a space and an escaped quote; a sample with a timestamp
+    text += ('vllm:request_prefill_time_seconds_bucket{model_name="a} \\"b",le="0.5"} 4 1700000000000\n'
+             'vllm:request_prefill_time_seconds_bucket{model_name="a} \\"b",le="+Inf"} 6 1700000000000\n')
+    assert parse_latency(text, "vllm") == library_reading(text, "vllm")
+    assert parse_latency(text, "vllm").histograms["prefill"].counts[-1] == 6.0
+
+
 def test_the_window_reaches_back_to_the_scrape_nearest_its_age():
     window = LatencyWindow(window_s=60.0)
     first = parse_latency(vllm_text([{"ttft": [2, 2, 2, 2]}], 0.0, 0.0), "vllm")
@@ -192,6 +227,7 @@ async def test_the_simulators_histograms_over_http_give_the_figures_worked_by_ha
         text_after = (await client.get(srv.root_url + "/metrics")).text
         assert after.metrics is not None and after.metrics.latency is not None
         figures = window.sample(10.0, after.metrics.latency)
+        assert parse_latency(text_after, "vllm") == library_reading(text_after, "vllm")
     for figure, name in (("ttft", "vllm:time_to_first_token_seconds"), ("queue", "vllm:request_queue_time_seconds"),
                          ("prefill", "vllm:request_prefill_time_seconds")):
         then, now = bucket_counts(text_before, name), bucket_counts(text_after, name)
