@@ -9,7 +9,7 @@ run failure: the agents' own watchdog then judges the endpoint.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import aclosing
 from urllib.parse import urlsplit
 
@@ -33,9 +33,9 @@ def is_local(ep: EndpointConfig) -> bool:
     return is_loopback(urlsplit(ep.base_url).hostname or "")
 
 
-def used_endpoints(config: Config) -> list[str]:
-    """The endpoints the run sends to, in config order: its agents' (a pool's: every member) and the gateway's
-    upstream."""
+def used_endpoints(config: Config, reused: Collection[str] = ()) -> list[str]:
+    """The endpoints the run sends to, in config order: its agents' (a pool's: every member), but for the agents
+    a resumed run reuses, and the gateway's upstream."""
     wanted: set[str] = set()
 
     def add(name: str) -> None:
@@ -43,25 +43,28 @@ def used_endpoints(config: Config) -> list[str]:
         wanted.update(pool.endpoints if pool is not None else (name,))
 
     for agent in config.agents:
-        add(agent.endpoint or config.endpoints[0].name)
+        if agent.name not in reused:
+            add(agent.endpoint or config.endpoints[0].name)
     if config.gateway is not None and config.endpoints:
         add(config.gateway.upstream or config.endpoints[0].name)
     return [ep.name for ep in config.endpoints if ep.name in wanted]
 
 
-def to_warm(config: Config) -> list[EndpointConfig]:
-    """The endpoints `[run] warmup` warms: none (off), every one the run uses (on), or its local ones (auto)."""
+def to_warm(config: Config, reused: Collection[str] = ()) -> list[EndpointConfig]:
+    """The endpoints `[run] warmup` warms: none (off), every one the run uses (on), or its local ones (auto);
+    `reused`: the agents a resumed run does not send again."""
     if config.run.warmup == "off":
         return []
-    eps = [config.endpoint(name) for name in used_endpoints(config)]
+    eps = [config.endpoint(name) for name in used_endpoints(config, reused)]
     return eps if config.run.warmup == "on" else [ep for ep in eps if is_local(ep)]
 
 
 async def warm_up(config: Config, connections: Connections, policies: Mapping[str, ResolvedStall],
-                  emit: Callable[[ev.Event], None], stop_asked: anyio.Event, run_id: str) -> None:
+                  emit: Callable[[ev.Event], None], stop_asked: anyio.Event, run_id: str,
+                  reused: Collection[str] = ()) -> None:
     """Warm each endpoint `to_warm` names, all at once; returns when every one has answered or failed, or at
     once when the run is stopped meanwhile."""
-    eps = to_warm(config)
+    eps = to_warm(config, reused)
     if not eps:
         return
     emit(ev.WarmupStarted(time.monotonic(), [ep.name for ep in eps]))
