@@ -258,8 +258,9 @@ class LlamaShaped:
     """A loopback server shaped as llama-server: /health, /slots, /metrics (its decode counter frozen with a
     request processing: a decode stall) and streamed chat answers whose last chunk carries `timings`."""
 
-    def __init__(self, timings: list[dict]) -> None:
+    def __init__(self, timings: list[dict], *, metrics: bool = True) -> None:
         self.timings = list(timings)
+        self.metrics = metrics  # llama-server serves /metrics only when started with --metrics
         self.chats = 0
         self.server: asyncio.base_events.Server | None = None
 
@@ -267,7 +268,10 @@ class LlamaShaped:
         try:
             request = await read_request(reader)
             path = request.split(b" ", 2)[1].decode()
-            if path == "/metrics":
+            if path == "/metrics" and not self.metrics:
+                body = b"metrics are disabled"
+                writer.write(http_head(501, "text/plain", length=len(body)) + body)
+            elif path == "/metrics":
                 body = LLAMA_METRICS.format(decodes=42, running=1).encode()
                 writer.write(http_head(200, "text/plain", length=len(body)) + body)
             elif path in ("/health", "/slots"):
@@ -299,10 +303,11 @@ class LlamaShaped:
 
 
 @pytest.mark.anyio
-async def test_a_llama_servers_timings_reach_the_runs_latency_panel_and_report(stream_process):
+@pytest.mark.parametrize("metrics", [True, False], ids=["with-metrics", "without-metrics"])
+async def test_a_llama_servers_timings_reach_the_runs_latency_panel_and_report(stream_process, metrics):
     timings = [{"prompt_n": 3, "prompt_ms": ms, "prompt_per_token_ms": 1.0, "predicted_n": 1,
                 "predicted_ms": per, "predicted_per_token_ms": per} for ms, per in [(100.0, 20.0), (300.0, 40.0)]]
-    async with LlamaShaped(timings) as url:
+    async with LlamaShaped(timings, metrics=metrics) as url:
         engine = Engine(validate({
             "run": {"metrics_interval_s": 0.05, "warmup": "off"},
             "endpoints": [{"name": "llama", "base_url": url, "kind": "local", "model": "m"}],
@@ -314,7 +319,7 @@ async def test_a_llama_servers_timings_reach_the_runs_latency_panel_and_report(s
 
         def complete() -> bool:
             got = [e for e in seen if e.kind == "LatencySample" and e.prefill is not None and e.prefill.count == 4]
-            if got and got[-1].decode_stall_s:
+            if got and (got[-1].decode_stall_s or not metrics):
                 engine.stop("seen")
                 return True
             return False
@@ -327,12 +332,14 @@ async def test_a_llama_servers_timings_reach_the_runs_latency_panel_and_report(s
     assert (panel.prefill.p50_s, panel.prefill.p95_s) == (pytest.approx(0.2), pytest.approx(0.3))
     assert panel.inter_token is not None and panel.inter_token.p50_s == pytest.approx(0.03)
     assert panel.ttft is not None and panel.ttft.count == 4
-    # llama's decode counter stands at 42 while it says a request runs: the decode-stall line
-    assert panel.decode_stall_s and panel.decode_stall_s > 0 and panel.running == 1.0
     endpoint = engine.report.to_dict()["endpoints"][0]
     assert endpoint["latency"]["source"] == "timings"
     assert endpoint["latency"]["prefill"] == {"p50_s": pytest.approx(0.2), "p95_s": pytest.approx(0.3), "count": 4.0}
-    assert endpoint["decode_stall_max_s"] > 0
+    if metrics:  # llama's decode counter stands at 42 while it says a request runs: the decode-stall line
+        assert panel.decode_stall_s and panel.decode_stall_s > 0 and panel.running == 1.0
+        assert endpoint["decode_stall_max_s"] > 0
+    else:  # without /metrics: its requests' timings alone, and nothing said of decoding
+        assert panel.decode_stall_s is None and "decode_stall_max_s" not in endpoint
 
 
 @pytest.mark.anyio

@@ -18,7 +18,7 @@ import msgspec
 from cerevisor_tui.config.models import Config
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import build_client
-from cerevisor_tui.endpoints.latency import LatencyFigures, LatencyWindow, Quantiles, Timings
+from cerevisor_tui.endpoints.latency import LatencyFigures, LatencyScrape, LatencyWindow, Quantiles, Timings
 from cerevisor_tui.endpoints.metrics import (
     MetricsSnapshot,
     ServerStatus,
@@ -63,10 +63,15 @@ class ServerMonitor:
         self.latency[endpoint].add_timings(time.monotonic(), timings)
 
     def _tell_latency(self, endpoint: str, metrics: MetricsSnapshot | None) -> None:
-        """The endpoint's latency panel after a sample, told when its figures changed."""
-        if metrics is None or metrics.latency is None:
-            return
-        figures = self.latency[endpoint].sample(time.monotonic(), metrics.latency)
+        """The endpoint's latency panel after a sample, told when its figures changed. A llama-server without
+        /metrics (it needs --metrics) still has its requests' timings."""
+        window = self.latency[endpoint]
+        scrape = metrics.latency if metrics is not None else None
+        if scrape is None:
+            if not window.timings:
+                return
+            scrape = LatencyScrape(metrics.kind if metrics is not None else "unknown")
+        figures = window.sample(time.monotonic(), scrape)
         event = latency_event(time.monotonic(), endpoint, figures)
         sent = self._latency_sent.get(endpoint)
         if sent is None or msgspec.structs.replace(sent, t=event.t, window_s=event.window_s) != event:
@@ -134,7 +139,8 @@ class ServerMonitor:
             )
             self.samples[endpoint] += 1
             self.emit(sample)
-            self._tell_latency(endpoint, m if not workers else None)  # a router's workers: not summed yet
+            if not workers:  # a router's workers' histograms: not summed yet
+                self._tell_latency(endpoint, m)
             if m is not None:
                 previous[""] = m
             for w in workers:
