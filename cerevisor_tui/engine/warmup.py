@@ -94,9 +94,10 @@ async def _warm(ep: EndpointConfig, connections: Connections, policy: ResolvedSt
     with anyio.move_on_after(policy.first_byte_timeout_s) as scope:
         while True:
             try:
-                body = {"model": await connections.model(ep), "messages": [{"role": "user", "content": PROMPT}],
+                body = {**ep.extra_body,  # the server's own parameters, as the agents' requests carry them
+                        "model": await connections.model(ep), "messages": [{"role": "user", "content": PROMPT}],
                         "stream": True, "stream_options": {"include_usage": True}, "max_tokens": MAX_TOKENS,
-                        "temperature": 0, **ep.extra_body}
+                        "temperature": 0}
                 headers = {"X-Cerevisor-Agent": "warmup", "X-Request-Id": f"{run_id}.warmup.{ep.name}"}
                 stream = connections.stream(ep.name, connections.chat_url(ep.name), body, headers)
                 async with aclosing(stream.events()) as items:
