@@ -38,3 +38,25 @@ async def test_llama_servers_warm_up_and_timings_fill_the_latency_panel(llama: S
     assert llama.metric("llamacpp:n_decode_total") > 0
     report = engine.report.to_dict()["endpoints"][0]
     assert report["cold_start_s"] == warmed[0].cold_start_s and report["latency"]["source"] == "timings"
+
+
+@pytest.mark.anyio
+async def test_vllms_histograms_fill_the_latency_panel(vllm_server: ServerProcess):
+    engine = engine_for({
+        "run": {"mode": "parallel", "max_concurrency": 4, "metrics_interval_s": 0.25, "warmup": "on"},
+        "endpoints": [{"name": "vllm", "base_url": vllm_server.base_url, "model": MODEL}],
+        "agents": [{"name": f"a{i}", "prompt": f"Count to {i + 3}.", "max_tokens": 16} for i in range(4)],
+    })
+    engine.hold_open = True
+
+    def on_event(e) -> None:
+        if e.kind == "LatencySample" and e.inter_token is not None and e.ttft is not None and e.ttft.count >= 5:
+            engine.stop("panel complete")  # the warm-up and the four agents
+
+    _, seen = await run_engine(engine, on_event)
+    assert [e for e in seen if e.kind == "EndpointWarmed"][0].cold_start_s is not None
+    panel = [e for e in seen if e.kind == "LatencySample" and e.ttft is not None][-1]
+    # vLLM's own histograms, its names as this vLLM exports them
+    assert panel.source == "histograms" and panel.ttft.count >= 5
+    assert panel.inter_token is not None and panel.queue is not None and panel.prefill is not None
+    assert 0 < panel.ttft.p50_s <= panel.ttft.p95_s
