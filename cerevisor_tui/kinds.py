@@ -40,3 +40,4 @@ END: Final = StreamItemKind(5)  # payload None: the stream ended cleanly
 ERROR: Final = StreamItemKind(6)  # payload (error class name, problem, status, retry_after_s, retryable)
 # after the worker's own, so their numbers stay: a chunk's tool_calls pieces, for the agent loop to put together
 TOOL_CALLS: Final = StreamItemKind(7)  # payload ((index, id, name, arguments), ...): each piece, None where absent
+TIMINGS: Final = StreamItemKind(8)  # payload (prompt_ms, predicted_per_token_ms): llama.cpp's `timings`, None where absent

@@ -34,6 +34,18 @@ def _no_user_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
 
 
 @pytest.fixture(autouse=True)
+def _no_auto_warmup(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`[run] warmup = "auto"` sends one more request to every loopback endpoint before wave 1, which the tests
+    written before it would count (a server's requests, its first-request faults): in a test's own engine auto
+    warms nothing, unless the test is marked `warmup_auto`. `warmup = "on"` warms as ever; commands a test starts
+    as processes warm as a user's do."""
+    if request.node.get_closest_marker("warmup_auto") is None:
+        from cerevisor_tui.engine import warmup
+
+        monkeypatch.setattr(warmup, "is_local", lambda ep: False)
+
+
+@pytest.fixture(autouse=True)
 def _own_tmpdir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A temp dir of the test's own, for it and the commands it starts ($TMPDIR): what lands in the shared one
     (a run's control socket, when its run dir is too long for a socket path, goes to

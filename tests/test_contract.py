@@ -28,6 +28,9 @@ SAMPLES = [
     ev.ServerSample(4.0, "box", True, "vllm", running=2.0, workers=[ev.WorkerSample("http://w1", True)]),
     ev.GpuSample(4.0, gpus=[ev.GpuReading(0, "H100", 0.5, 1, 2)]),
     ev.LoadChanged(4.0, "box", 3, 4, "fits", ev.LoadEstimate(6, 24_000, 4_000)),
+    ev.WarmupStarted(0.5, ["box"]),
+    ev.EndpointWarmed(0.9, "box", None, "HTTP 500"),
+    ev.LatencySample(4.0, "box", "histograms", 60.0, ttft=ev.Quantiles(0.12, 0.41, 30.0), decode_stall_s=4.0),
 ]
 
 

@@ -159,11 +159,11 @@ def test_resume_reruns_what_changed_and_everything_downstream_and_says_why(tmp_p
                          if n - before.get(a, 0)}
 
         out, sent = run(chain(tmp_path / "w.toml", sim.base_url), "--run-dir", str(run_dir))
-        assert sent == {"a0": 1, "a1": 1, "a2": 1, "b": 1}
+        assert sent == {"warmup": 1, "a0": 1, "a1": 1, "a2": 1, "b": 1}  # the warm-up first ([run] warmup)
 
         out, sent = run(chain(tmp_path / "w.toml", sim.base_url, a1="refine better: {{ a0.output }}"),
                         "--resume", str(run_dir))
-        assert sent == {"a1": 1, "a2": 1}
+        assert sent == {"warmup": 1, "a1": 1, "a2": 1}
         assert "a1: completed before, runs again: prompt changed" in out
         assert "a2: completed before, runs again: its dependency a1 runs again" in out
         report = {a["name"]: a for a in json.loads((run_dir / "report.json").read_text())["agents"]}
@@ -171,12 +171,12 @@ def test_resume_reruns_what_changed_and_everything_downstream_and_says_why(tmp_p
         assert {e["agent"] for e in journal(run_dir) if e["event"] == "AgentRerun"} == {"a1", "a2"}
 
         out, sent = run(tmp_path / "w.toml", "--resume", str(run_dir))  # the same config again: nothing to do
-        assert sent == {} and "runs again" not in out
+        assert sent == {} and "runs again" not in out  # no warm-up either: no agent is sent
 
         # a removed dependency (and the answer it inserted), and a changed setting
         out, sent = run(chain(tmp_path / "w.toml", sim.base_url, a1="refine better: {{ a0.output }}", a2="check",
                               a2_deps="[]", b_tokens=6), "--resume", str(run_dir))
-        assert sent == {"a2": 1, "b": 1}
+        assert sent == {"warmup": 1, "a2": 1, "b": 1}
         assert "a2: completed before, runs again: prompt changed, depends_on [a1] -> []" in out
         assert "b: completed before, runs again: max_tokens 5 -> 6" in out
     assert set(statuses(run_dir).values()) == {"completed"}
@@ -278,7 +278,7 @@ def test_sigterm_on_a_long_chain_cancels_the_rest_in_one_step(tmp_path):
         cfg.write_text("\n".join(lines))
         run_dir = tmp_path / "run"
         proc = start_run(str(cfg), "--run-dir", str(run_dir))
-        wait_until(lambda: sim.state.running == 1)
+        wait_until(lambda: sim.state.running == 1 and sim.state.requests_by_agent.get("a0"))  # after the warm-up
         proc.send_signal(signal.SIGTERM)
         out, err = finish(proc, timeout=30)
         assert proc.returncode == 143, err

@@ -183,6 +183,8 @@ class RunConfig(_Section):
     """Read the agents' streams in a second process: auto = in the console when the machine has 2+ CPUs."""
     auto: AutoConfig = AutoConfig()
     """Auto mode's controller."""
+    warmup: Literal["auto", "on", "off"] = "auto"
+    """Before wave 1, one short request to each endpoint the run uses; its time to first token is the endpoint's cold start, and the agents are sent after it: auto = on for local endpoints (kind local or simulated, or on this machine)."""
     budget_usd: float = Field(default=0.0, ge=0)
     """Most the run may spend on priced endpoints (price_in_per_mtok/price_out_per_mtok), in USD: once reached, no new agent is admitted (running ones finish); 0: no budget."""
 

@@ -174,6 +174,15 @@ class WorkerSample(Payload):
     detail: str = ""
 
 
+class Quantiles(Payload):
+    """One latency figure over a window: its median and 95th percentile in seconds, and how many observations
+    (requests, or tokens for inter-token latency) they stand for."""
+
+    p50_s: float
+    p95_s: float
+    count: float
+
+
 class GpuReading(Payload):
     """One GPU of the run's box, through NVML (utilization 0..1); None where the GPU does not report a value."""
 
@@ -538,6 +547,40 @@ class GpuSample(Event):
 
     gpus: list[GpuReading] = msgspec.field(default_factory=list)
     error: str = ""
+
+
+class WarmupStarted(Event):
+    """Before wave 1, one short request goes to each of these endpoints (`[run] warmup`): the run is `warming up`,
+    and no agent is sent before the warm-up ends."""
+
+    endpoints: list[str]
+
+
+class EndpointWarmed(Event):
+    """An endpoint's warm-up request ended: `cold_start_s` is its time to first token, the endpoint's cold start;
+    None when it failed, and `error` says why (the agents' own watchdog then judges the endpoint)."""
+
+    endpoint: str
+    cold_start_s: float | None = None
+    error: str = ""
+
+
+class LatencySample(Event):
+    """The latency panel of one endpoint, with each server sample: p50/p95 over the last `window_s` seconds of
+    time to first token, inter-token latency, queue and prefill time (None where the server does not tell or
+    nothing was observed). `source`: "histograms" (vLLM's and SGLang's /metrics) or "timings" (llama.cpp's
+    per-request timings of our own requests). `decode_stall_s`: seconds the server's generated tokens have been
+    flat while it says `running` requests run; None while they move."""
+
+    endpoint: str
+    source: str
+    window_s: float
+    ttft: Quantiles | None = None
+    inter_token: Quantiles | None = None
+    queue: Quantiles | None = None
+    prefill: Quantiles | None = None
+    decode_stall_s: float | None = None
+    running: float | None = None
 
 
 class ToolCallStarted(Event):

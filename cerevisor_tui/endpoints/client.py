@@ -34,7 +34,7 @@ from cerevisor_tui.endpoints.errors import (
     StreamBroken,
 )
 from cerevisor_tui.endpoints.transport import AsyncioTransport, proxy_mounts
-from cerevisor_tui.kinds import DELTA, FINISH, KEEPALIVE, TOOL_CALLS, USAGE
+from cerevisor_tui.kinds import DELTA, FINISH, KEEPALIVE, TIMINGS, TOOL_CALLS, USAGE
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line longer than this is a protocol error, not a memory leak
 MAX_ERROR_BODY_BYTES = 64 << 10
@@ -83,6 +83,13 @@ class _Usage(msgspec.Struct, gc=False):
     prompt_tokens_details: _PromptDetails | None = None  # vLLM with --enable-prompt-tokens-details, OpenAI
 
 
+class _Timings(msgspec.Struct, gc=False):
+    """llama.cpp's per-request `timings`, in its last chunk: the latency panel's figures for that server."""
+
+    prompt_ms: float | None = None
+    predicted_per_token_ms: float | None = None
+
+
 class _Chunk(msgspec.Struct, gc=False):
     """What we read of one `chat.completion.chunk` (or of a whole `chat.completion`); other fields are skipped.
 
@@ -93,6 +100,7 @@ class _Chunk(msgspec.Struct, gc=False):
 
     choices: list[_Choice] | None = None
     usage: _Usage | None = None
+    timings: _Timings | None = None  # llama.cpp
     error: Any = msgspec.UNSET  # there at all, even null: the server says the stream failed
     # Not read: "object". vLLM's older mid-stream error is {"object": "error", "message": ...} without choices,
     # and a chunk without choices that says "error" anywhere goes to _lenient_chunk, which looks; decoding
@@ -142,6 +150,7 @@ class ChatStream:
     finish_reason: str = ""
     usage: tuple[int, int] | None = None
     cached_tokens: int | None = None  # of the prompt, from the prefix cache, where the server says
+    timings: tuple[float | None, float | None] | None = None  # llama.cpp's (prompt_ms, predicted_per_token_ms)
     _done: bool = field(default=False, repr=False)
     _network: Any = field(default=None, repr=False)  # the connection, once the response has begun
 
@@ -361,6 +370,10 @@ class ChatStream:
                 out.append((USAGE, (*self.usage, self.cached_tokens)))
             else:
                 out.append((USAGE, self.usage))
+        timings = chunk.timings
+        if timings is not None and (timings.prompt_ms is not None or timings.predicted_per_token_ms is not None):
+            self.timings = (timings.prompt_ms, timings.predicted_per_token_ms)
+            out.append((TIMINGS, self.timings))
         if not out:
             out.append((KEEPALIVE, None))
         return out

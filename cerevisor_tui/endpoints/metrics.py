@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import anyio
@@ -21,6 +21,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from cerevisor_tui.endpoints.client import request_scrubber
+from cerevisor_tui.endpoints.latency import LatencyScrape, parse_latency
 
 ServerKind = Literal["vllm", "llamacpp", "sglang", "unknown"]
 
@@ -48,6 +49,7 @@ class MetricsSnapshot:
     block_size: int | None = None
     kv_cache_size_tokens: int | None = None
     models: tuple[str, ...] = ()
+    latency: LatencyScrape | None = None  # the latency panel's histograms and counters (endpoints/latency.py)
 
     def busy_reason(self) -> str | None:
         """'server busy: 3 requests waiting', or None when nothing waits in the server's queue."""
@@ -278,13 +280,10 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     if kind == "unknown":  # a server kind we know, exposing none of the families we read
         kind = next((k for k in ("vllm", "llamacpp", "sglang") if f"\n{k}:" in text or text.startswith(f"{k}:")
                      or f" {k}:" in text), "unknown")
-    if kind == "vllm":
-        return _vllm(samples)
-    if kind == "llamacpp":
-        return _llamacpp(samples)
-    if kind == "sglang":
-        return _sglang(samples)
-    return MetricsSnapshot(kind="unknown")
+    if kind == "unknown":
+        return MetricsSnapshot(kind="unknown")
+    snapshot = {"vllm": _vllm, "llamacpp": _llamacpp, "sglang": _sglang}[kind](samples)
+    return replace(snapshot, latency=parse_latency(text, kind))
 
 
 def prefix_counts(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> tuple[float, float] | None:

@@ -32,7 +32,7 @@ from typing import Any
 
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.endpoints import errors
-from cerevisor_tui.endpoints.client import DELTA, FINISH, USAGE, ChatStream, build_client
+from cerevisor_tui.endpoints.client import DELTA, FINISH, TIMINGS, USAGE, ChatStream, build_client
 from cerevisor_tui.kinds import BYTES, END, ERROR  # what only the worker's pipe carries
 
 _HEADER = struct.Struct(">I")
@@ -68,6 +68,7 @@ class RemoteStream:
         self.finish_reason = ""
         self.usage: tuple[int, int] | None = None
         self.cached_tokens: int | None = None
+        self.timings: tuple[float | None, float | None] | None = None
         self.items: collections.deque[tuple[int, Any]] = collections.deque()
         self.waiter: asyncio.Future[None] | None = None
         self.process: asyncio.subprocess.Process | None = None  # the worker process reading it
@@ -116,6 +117,8 @@ class RemoteStream:
                         self.cached_tokens = payload[2]
                 elif kind == FINISH:
                     self.finish_reason = payload
+                elif kind == TIMINGS:
+                    self.timings = tuple(payload)
                 yield (kind, payload)
         finally:
             worker.close_stream(sid, cancel=not ended)

@@ -20,6 +20,7 @@ from cerevisor_tui.config.models import EndpointConfig, ResolvedStall
 from cerevisor_tui.config.secrets import Scrubber, StreamScrubber
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
+from cerevisor_tui.endpoints.latency import Timings
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.resume import RecordedTurn
 from cerevisor_tui.engine.state import AgentState, Attempt
@@ -120,6 +121,8 @@ class Conversations:
         # once, when the agent starts again; an operator's rerun later in the run starts from turn 1
         self.recorded_turns: dict[str, list[RecordedTurn]] = {}
         self.replay: Callable[[list[dict[str, Any]]], None] | None = None  # their figures, into the report
+        # told each request's llama.cpp `timings` with its TTFT (the monitor's latency panel); None: not told
+        self.on_timings: Callable[[str, Timings], None] | None = None
         self._rng = random.Random()
 
     async def run(self, st: AgentState) -> None:
@@ -279,6 +282,9 @@ class Conversations:
         if att.first_token_at is not None:
             st.decode_s += end - att.first_token_at
         self._count_turn(st, messages, prompt_tokens, completion_tokens, ttft)
+        timings = getattr(stream, "timings", None)
+        if timings is not None and self.on_timings is not None:
+            self.on_timings(st.endpoint, Timings(ttft, *timings))
         st.calls = assembled_calls(att.calls, f"{request_id(self.run_id, st.name, st.turn, att.number)}.") \
             if att.calls else []
         self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking),

@@ -50,6 +50,7 @@ from cerevisor_tui.engine.sessions import Sessions
 from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls
+from cerevisor_tui.engine.warmup import warm_up
 from cerevisor_tui.engine.watchdog import BusyCheck, Watchdog, fmt_s
 from cerevisor_tui.kinds import FINAL, MODES, FinalStatus, Mode
 from cerevisor_tui.tools.manager import McpServers
@@ -174,6 +175,7 @@ class Engine:
             name: turns for name, turns in resume.recorded_turns(records).items()
             if name not in self.completed_before and name not in self.rerun}
         self.conversations.replay = self.report.replay
+        self.conversations.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
 
     @property
     def run_cost_usd(self) -> float:
@@ -447,6 +449,8 @@ class Engine:
             async with anyio.create_task_group() as background:
                 self.background = background
                 await self._start_background(background)
+                await warm_up(self.config, self.connections, self.policies, self.emit, self._stop_asked, self.run_id,
+                              reused=self.completed_before)
                 for wave, level in enumerate(self.waves):
                     if self.stopping:
                         self._cancel_rest(wave)

@@ -18,6 +18,7 @@ import msgspec
 from cerevisor_tui.config.models import Config
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import build_client
+from cerevisor_tui.endpoints.latency import LatencyFigures, LatencyScrape, LatencyWindow, Quantiles, Timings
 from cerevisor_tui.endpoints.metrics import (
     MetricsSnapshot,
     ServerStatus,
@@ -53,6 +54,29 @@ class ServerMonitor:
             self.load[ep.name], self.load_notes[ep.name] = load.from_config(ep)
         # a router's workers are read with a client of their own, without the endpoint's API key
         self._worker_clients: dict[str, httpx.AsyncClient] = {}
+        # the latency panel of each endpoint: its scrapes over the window, and llama.cpp's timings of our requests
+        self.latency: dict[str, LatencyWindow] = {ep.name: LatencyWindow() for ep in config.endpoints}
+        self._latency_sent: dict[str, ev.LatencySample] = {}
+
+    def add_timings(self, endpoint: str, timings: Timings) -> None:
+        """A request of ours on `endpoint` ended with llama.cpp's `timings`: the panel's figures for that server."""
+        self.latency[endpoint].add_timings(time.monotonic(), timings)
+
+    def _tell_latency(self, endpoint: str, metrics: MetricsSnapshot | None) -> None:
+        """The endpoint's latency panel after a sample, told when its figures changed. A llama-server without
+        /metrics (it needs --metrics) still has its requests' timings."""
+        window = self.latency[endpoint]
+        scrape = metrics.latency if metrics is not None else None
+        if scrape is None:
+            if not window.timings:
+                return
+            scrape = LatencyScrape(metrics.kind if metrics is not None else "unknown")
+        figures = window.sample(time.monotonic(), scrape)
+        event = latency_event(time.monotonic(), endpoint, figures)
+        sent = self._latency_sent.get(endpoint)
+        if sent is None or msgspec.structs.replace(sent, t=event.t, window_s=event.window_s) != event:
+            self._latency_sent[endpoint] = event
+            self.emit(event)
 
     async def read(self, endpoint: str) -> ServerStatus:
         """One look at the endpoint's /health and /metrics; a server that answers nonsense is 'unknown', never a crash.
@@ -115,6 +139,8 @@ class ServerMonitor:
             )
             self.samples[endpoint] += 1
             self.emit(sample)
+            if not workers:  # a router's workers' histograms: not summed yet
+                self._tell_latency(endpoint, m)
             if m is not None:
                 previous[""] = m
             for w in workers:
@@ -169,6 +195,16 @@ class ServerMonitor:
             return None
         status = await self.read(endpoint)
         return status.busy_reason
+
+
+def latency_event(t: float, endpoint: str, figures: LatencyFigures) -> ev.LatencySample:
+    """The latency panel's figures as the event carries them (milliseconds matter: rounded to 0.1 ms)."""
+
+    def q(x: Quantiles | None) -> ev.Quantiles | None:
+        return None if x is None else ev.Quantiles(round(x.p50, 4), round(x.p95, 4), x.count)
+
+    return ev.LatencySample(t, endpoint, figures.source, figures.window_s, q(figures.ttft), q(figures.inter_token),
+                            q(figures.queue), q(figures.prefill), figures.decode_stall_s, figures.running)
 
 
 def _num(value: float | int | None) -> float | None:

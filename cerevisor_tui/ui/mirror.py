@@ -174,6 +174,10 @@ class EndpointView:
     stall: ev.StallPolicy | None = None  # None: not told (an older journal)
     load: ev.LoadChanged | None = None
     priced: bool = False  # it has a price per million tokens: its agents' rows show their cost
+    warmup: str = ""  # "warming" (its warm-up request is out), "done", "failed"; "": not warmed
+    cold_start_s: float | None = None  # its warm-up's time to first token
+    warmup_error: str = ""
+    latency: ev.LatencySample | None = None  # its latency panel, as last told
 
     @property
     def warn_at(self) -> tuple[float, ...]:
@@ -555,6 +559,18 @@ class RunMirror(UiModel):
                 # the watchdog measures the running attempt against the new windows from now on
                 att.first_byte_s, att.idle_s = e.policy.first_byte_timeout_s, e.policy.idle_timeout_s
                 att.by_bytes = ep.by_bytes
+
+    def _see_WarmupStarted(self, e: ev.WarmupStarted) -> None:
+        for name in e.endpoints:
+            self._endpoint(name).warmup = "warming"
+
+    def _see_EndpointWarmed(self, e: ev.EndpointWarmed) -> None:
+        ep = self._endpoint(e.endpoint)
+        ep.warmup = "done" if e.cold_start_s is not None else "failed"
+        ep.cold_start_s, ep.warmup_error = e.cold_start_s, e.error
+
+    def _see_LatencySample(self, e: ev.LatencySample) -> None:
+        self._endpoint(e.endpoint).latency = e
 
     def _see_LoadChanged(self, e: ev.LoadChanged) -> None:
         self._endpoint(e.endpoint).load = e

@@ -22,6 +22,7 @@ CONFIG = """
 [run]
 mode = "sequential"
 run_dir = "{runs}"
+warmup = "off"  # the simulator's first request is the broken agent's
 
 [[endpoints]]
 name = "sim"

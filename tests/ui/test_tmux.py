@@ -115,6 +115,7 @@ def workflow(tmp_path: Path, *, sim: str, agents: str) -> Path:
 mode = "parallel"
 max_concurrency = 4
 run_dir = "{tmp_path / 'runs'}"
+warmup = "off"
 
 [[endpoints]]
 name = "sim"

@@ -108,6 +108,14 @@ class Printer:
         return f"{e.agent}: {e.server}.{e.tool} {what} ({e.by})"
 
     @staticmethod
+    def _line_WarmupStarted(e: ev.WarmupStarted) -> str:
+        return f"warming up: {', '.join(e.endpoints)} (one short request each, before wave 1)"
+
+    @staticmethod
+    def _line_EndpointWarmed(e: ev.EndpointWarmed) -> str:  # a failure is the RunNotice that follows it
+        return f"{e.endpoint}: warmed up, cold start {e.cold_start_s:.2f} s" if e.cold_start_s is not None else ""
+
+    @staticmethod
     def _line_RunNotice(e: ev.RunNotice) -> str:
         return f"{e.severity.upper()}: {e.message}"
 

@@ -83,6 +83,29 @@ class Report:
         if session is not None:  # a session goes on after a killed request: each kill is kept with its reason
             session["kills"].append({"request": event.attempt, "deadline": event.deadline, "reason": event.reason})
 
+    def _endpoint(self, name: str) -> dict[str, Any] | None:
+        return next((entry for entry in self.endpoints if entry.get("name") == name), None)
+
+    def _on_EndpointWarmed(self, event: ev.EndpointWarmed) -> None:  # its cold start: the warm-up's TTFT
+        entry = self._endpoint(event.endpoint)
+        if entry is not None:
+            entry["cold_start_s"] = event.cold_start_s
+            if event.error:
+                entry["warmup_error"] = event.error
+
+    def _on_LatencySample(self, event: ev.LatencySample) -> None:
+        """The endpoint's latency figures: its last window in which anything was observed."""
+        entry = self._endpoint(event.endpoint)
+        if entry is None:
+            return
+        figures = {name: msgspec.to_builtins(q) if q is not None else None for name, q in (
+            ("ttft", event.ttft), ("inter_token", event.inter_token), ("queue", event.queue),
+            ("prefill", event.prefill))}
+        if any(figures.values()) or "latency" not in entry:
+            entry["latency"] = {"source": event.source, "window_s": event.window_s, **figures}
+        if event.decode_stall_s:
+            entry["decode_stall_max_s"] = max(entry.get("decode_stall_max_s", 0.0), event.decode_stall_s)
+
     def _on_ModeChanged(self, event: ev.ModeChanged) -> None:
         self.mode = event.mode
         if event.mode != "auto":
@@ -185,7 +208,7 @@ class Report:
             except ev.EventError:
                 continue  # a record from another version of the schema, or damaged: skip it rather than fail the resume
             if isinstance(event, (ev.RunStarted, ev.RunFinished, ev.ModeChanged, ev.ConcurrencyChanged,
-                                  ev.AgentFinished, ev.AgentRerun)):
+                                  ev.AgentFinished, ev.AgentRerun, ev.EndpointWarmed, ev.LatencySample)):
                 continue  # the new run's own (it ends each agent itself); an agent's figures are what carries over
             try:
                 self(event)

@@ -14,7 +14,7 @@ from textual.containers import Container, Vertical
 from textual.widgets import Static
 
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate
+from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate, fmt_seconds
 from cerevisor_tui.ui.mirror import ACTIVE, RunMirror
 from cerevisor_tui.ui.model import UiModel
 from cerevisor_tui.ui.widgets.throughput_bars import ThroughputBars
@@ -139,6 +139,44 @@ def gpu_lines(sample: ev.GpuSample | None) -> tuple[str, ...]:
     return tuple(lines)
 
 
+def fmt_pair(q: ev.Quantiles | None) -> str:
+    """A figure's p50/p95: `120/410 ms`, `1.2/3.4 s`; `-` when nothing was observed."""
+    if q is None:
+        return "-"
+    if q.p95_s < 1:
+        return f"{q.p50_s * 1000:.0f}/{q.p95_s * 1000:.0f} ms"
+    return f"{q.p50_s:.1f}/{q.p95_s:.1f} s"
+
+
+def latency_lines(mirror: RunMirror) -> tuple[str, ...]:
+    """Each endpoint's latency panel, once it has one or is warmed up:
+    `sim latency p50/p95  TTFT 120/410 ms  ITL 21/35 ms  queue 0/12 ms  prefill 95/300 ms  cold start 2.31 s`;
+    a decode stall under it: `sim decode stalled 12 s: 3 running, no token generated`. llama.cpp tells no queue
+    time; SGLang only its TTFT (and ITL where it has it)."""
+    lines = []
+    for name, ep in mirror.endpoints.items():
+        lat = ep.latency
+        warm = {"warming": "warming up", "failed": "warm-up failed"}.get(ep.warmup, "")
+        if ep.cold_start_s is not None:
+            warm = f"cold start {fmt_seconds(ep.cold_start_s)}"
+        if lat is None and not warm:
+            continue
+        parts = [f"{name} latency p50/p95"]
+        if lat is not None:
+            parts.append(f"TTFT {fmt_pair(lat.ttft)}")
+            parts.append(f"ITL {fmt_pair(lat.inter_token)}")
+            if lat.source == "histograms":
+                parts.append(f"queue {fmt_pair(lat.queue)}")
+            parts.append(f"prefill {fmt_pair(lat.prefill)}")
+        if warm:
+            parts.append(warm)
+        lines.append("  ".join(parts))
+        if lat is not None and lat.decode_stall_s:
+            running = f"{lat.running:g} running" if lat.running else "requests running"
+            lines.append(f"{name} decode stalled {fmt_seconds(lat.decode_stall_s)}: {running}, no token generated")
+    return tuple(lines)
+
+
 def trend_rows(model: UiModel, endpoint: str, colour: Callable[[str], str]) -> tuple[TrendRow, ...]:
     """`endpoint`'s trend as the chart draws it: cap, output tokens/s, requests waiting, KV-cache use.
     `colour` turns a theme variable into a Rich colour."""
@@ -177,6 +215,8 @@ class LoadPane(Vertical):
         #throughput-label { height: 1; width: auto; color: $text-muted; padding-right: 2; }
         #throughput { height: 1; width: 1fr; }
         #kv-estimate { height: auto; color: $text-muted; text-wrap: nowrap; text-overflow: ellipsis; }
+        #latency { height: auto; text-wrap: nowrap; text-overflow: ellipsis; display: none; }
+        #latency.-shown { display: block; }
     }
     """
 
@@ -184,6 +224,7 @@ class LoadPane(Vertical):
         super().__init__(id=id)
         self._servers_shown: object = None
         self._gpus_shown: object = None
+        self._latency_shown: object = None
         self._samples_shown = -1
         self._label_shown = ""
         self._kv_shown: object = None
@@ -196,6 +237,7 @@ class LoadPane(Vertical):
             yield Static(id="throughput-label")
             yield ThroughputBars(id="throughput")
         yield Static(Text("KV estimate  -"), id="kv-estimate")
+        yield Static(id="latency")  # shown once an endpoint has a latency panel or a warm-up
         # last: a box of 8 GPUs is 8 lines, and the lines above keep their places in a pane of 6
         yield Static(id="gpus")
 
@@ -203,6 +245,7 @@ class LoadPane(Vertical):
         """Redraw everything at the next sync (the theme or the engine changed)."""
         self._servers_shown = None
         self._gpus_shown = None
+        self._latency_shown = None
         self._label_shown = ""
         self._kv_shown = None
         self._trend_shown = None
@@ -216,6 +259,7 @@ class LoadPane(Vertical):
         """`endpoint`: whose trend to draw (the selected agent's); None: the first endpoint's."""
         model = mirror
         self._sync_gpus(mirror)
+        self._sync_latency(mirror)
         fleet = fleet_rows(mirror)
         rows = fleet or self._server_lines(mirror)
         if rows != self._servers_shown:
@@ -273,6 +317,25 @@ class LoadPane(Vertical):
             if detail:
                 text.append(f"  {detail}", style=muted)
         return text
+
+    def _sync_latency(self, mirror: RunMirror) -> None:
+        lines = latency_lines(mirror)
+        if lines == self._latency_shown:
+            return
+        self._latency_shown = lines
+        pane = self.query_one("#latency", Static)
+        pane.set_class(bool(lines), "-shown")
+        colour = self.app.colour  # type: ignore[attr-defined]
+        muted = colour("text-muted")
+        text = Text(no_wrap=True, overflow="ellipsis")
+        for i, line in enumerate(lines):
+            if i:
+                text.append("\n")
+            name, _, rest = line.partition(" ")
+            text.append(f"{name} ", style="bold")
+            stalled = rest.startswith("decode stalled")
+            text.append(rest, style=f"bold {colour('warning')}" if stalled else muted)
+        pane.update(text)
 
     def _sync_gpus(self, mirror: RunMirror) -> None:
         lines = gpu_lines(mirror.gpus)

@@ -60,6 +60,7 @@ class HeaderState:
     gateway_url: str = ""
     sessions: tuple[tuple[str, int], ...] = ()  # ("sessions", N), then each state with any: ("busy", 1), ...
     workflow: bool = True  # the run has agents of its own (or waves): its counters show
+    warming: bool = False  # before wave 1: the warm-up's requests are out (`[run] warmup`)
 
 
 def reason_text(endpoint: str, reason: str) -> str:
@@ -146,6 +147,7 @@ class RunHeader(Static):
             gateway=mirror.serves_gateway, gateway_url=mirror.gateway_url,
             sessions=session_counts(sessions) if mirror.serves_gateway else (),
             workflow=bool(agents or mirror.waves) or not mirror.serves_gateway,
+            warming=any(ep.warmup == "warming" for ep in endpoints),
         )
         if state == self._shown:
             return False
@@ -228,7 +230,10 @@ class RunHeader(Static):
             line2.append(" ")
             line2.append(" PAUSED ", style=f"bold {bg} on {self._c('stall-warn')}")
         if s.workflow:
-            line2.append(f"  wave {s.wave + 1}/{s.waves}" if s.wave >= 0 else f"  wave -/{s.waves}")
+            if s.wave < 0 and s.warming:
+                line2.append("  warming up", style=f"bold {self._c('warning')}")
+            else:
+                line2.append(f"  wave {s.wave + 1}/{s.waves}" if s.wave >= 0 else f"  wave -/{s.waves}")
             line2.append("  ")
             line2.append(f"{s.running} running", style=f"bold {self._c('success')}" if s.running else "")
             line2.append(f" {s.queued} queued {s.done} done ")

@@ -1,0 +1,157 @@
+"""Warm-up before the first wave (`[run] warmup`), over real loopback HTTP: one short request to each endpoint
+the run uses goes before wave 1, its time to first token is the endpoint's cold start (the event, the report),
+the agents are sent only after it, a failure is a notice and not the run's, and `off` sends nothing."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.sinks.printer import Printer
+from cerevisor_tui.engine.warmup import to_warm, used_endpoints
+from cerevisor_tui.sim import SimServer
+from tests.conftest import RawServer
+
+pytestmark = pytest.mark.anyio
+
+
+def engine_on(url: str, warmup: str, *, agents: int = 2, kind: str = "local", stream_process: bool = False,
+              **stall) -> Engine:
+    return Engine(validate({
+        "run": {"warmup": warmup},
+        "stall": stall,
+        "endpoints": [{"name": "box", "base_url": url, "kind": kind, "model": "sim-model"}],
+        "agents": [{"name": f"a{i}", "prompt": "hello", "max_tokens": 4} for i in range(agents)],
+    }), stream_process=stream_process)
+
+
+def kinds(seen: list, *names: str) -> list:
+    return [e for e in seen if e.kind in names]
+
+
+async def test_the_warm_up_goes_before_wave_1_and_its_ttft_is_the_cold_start(stream_process):
+    # the simulator holds requests for its cold start (3 s from its start), as a server loading its weights does
+    async with SimServer(SimSettings(cold_start_s=3.0)) as srv:
+        engine = engine_on(srv.base_url, "on", stream_process=stream_process)
+        seen: list = []
+        engine.subscribe(seen.append)
+        cold_left: list[float] = []  # what was left of the server's cold start as the warm-up went out
+        engine.subscribe(lambda e: cold_left.append(srv.state.cold_start_left_s) if e.kind == "WarmupStarted" else None)
+        assert await engine.run() == 0
+        assert srv.state.requests_total == 3  # the warm-up, then the two agents
+    started, warmed = kinds(seen, "WarmupStarted")[0], kinds(seen, "EndpointWarmed")[0]
+    wave, first_sent = kinds(seen, "WaveStarted")[0], kinds(seen, "AgentStarted")[0]
+    assert started.endpoints == ["box"]
+    assert started.t <= warmed.t <= wave.t <= first_sent.t  # the agents' first-byte windows start after it
+    assert warmed.error == "" and warmed.cold_start_s is not None
+    assert warmed.cold_start_s >= cold_left[0] > 0  # it waited out what was left of the server's cold start
+    endpoint = engine.report.to_dict()["endpoints"][0]
+    assert endpoint["cold_start_s"] == warmed.cold_start_s and "warmup_error" not in endpoint
+
+
+async def test_warmup_off_sends_nothing_before_the_agents():
+    async with SimServer(SimSettings()) as srv:
+        engine = engine_on(srv.base_url, "off")
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+        assert srv.state.requests_total == 2
+    assert not kinds(seen, "WarmupStarted", "EndpointWarmed")
+    assert "cold_start_s" not in engine.report.to_dict()["endpoints"][0]
+
+
+@pytest.mark.warmup_auto
+async def test_auto_warms_a_loopback_endpoint_even_when_it_is_called_hosted():
+    async with SimServer(SimSettings()) as srv:
+        engine = engine_on(srv.base_url, "auto", kind="hosted")
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+        assert srv.state.requests_total == 3
+    assert kinds(seen, "EndpointWarmed")[0].cold_start_s is not None
+
+
+@pytest.mark.warmup_auto
+def test_auto_warms_local_endpoints_and_the_endpoints_the_run_uses_only():
+    config = validate({
+        "endpoints": [{"name": "api", "kind": "hosted", "base_url": "https://api.example.com/v1", "model": "m"},
+                      {"name": "box", "kind": "local", "base_url": "http://10.0.0.5:8000/v1", "model": "m"},
+                      {"name": "w1", "kind": "local", "base_url": "http://10.0.0.6:8000/v1", "model": "m"},
+                      {"name": "w2", "kind": "local", "base_url": "http://10.0.0.7:8000/v1", "model": "m"},
+                      {"name": "spare", "kind": "local", "base_url": "http://10.0.0.8:8000/v1", "model": "m"}],
+        "pools": [{"name": "pool", "endpoints": ["w1", "w2"]}],
+        "agents": [{"name": "a", "prompt": "p", "endpoint": "api"}, {"name": "b", "prompt": "p", "endpoint": "box"},
+                   {"name": "c", "prompt": "p", "endpoint": "pool"}],
+    })
+    assert used_endpoints(config) == ["api", "box", "w1", "w2"]  # not "spare": no agent uses it
+    assert [ep.name for ep in to_warm(config)] == ["box", "w1", "w2"]  # auto: not the hosted API
+    on = config.model_copy(update={"run": config.run.model_copy(update={"warmup": "on"})})
+    assert [ep.name for ep in to_warm(on)] == ["api", "box", "w1", "w2"]
+
+
+def test_the_warmup_key_is_checked_like_the_others():
+    from cerevisor_tui.config import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        validate({"run": {"warmup": "sometimes"}})
+    assert "run.warmup" in str(caught.value) and "auto" in str(caught.value)
+
+
+async def test_a_failed_warm_up_is_a_notice_and_the_run_goes_on(stream_process):
+    async with SimServer(SimSettings(fail_first=1, fail_status=500)) as srv:
+        engine = engine_on(srv.base_url, "on", stream_process=stream_process)
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0  # the agents were sent anyway, and completed
+    warmed = kinds(seen, "EndpointWarmed")[0]
+    assert warmed.cold_start_s is None and "500" in warmed.error
+    notice = [e for e in kinds(seen, "RunNotice") if e.title == "Warm-up"][0]
+    assert notice.severity == "warning" and "Warm-up of box failed" in notice.message
+    assert Printer.describe(notice).startswith("WARNING: Warm-up of box failed")
+    assert engine.report.to_dict()["endpoints"][0]["warmup_error"] == warmed.error
+
+
+async def test_a_warm_up_without_a_first_token_ends_at_the_first_byte_deadline():
+    async def silent(reader, writer):
+        await reader.read()  # never answers
+
+    async with RawServer(silent) as srv:
+        engine = engine_on(srv.base_url, "on", agents=1, first_byte_timeout_s=0.5, idle_timeout_s=0.5)
+        seen: list = []
+        engine.subscribe(seen.append)
+        with anyio.fail_after(30):
+            assert await engine.run() == 1  # its agent is killed at its own deadline
+        assert srv.requests == 1 + len(kinds(seen, "AgentStarted"))  # the warm-up was sent once, not retried
+    warmed = kinds(seen, "EndpointWarmed")[0]
+    assert warmed.cold_start_s is None and warmed.error == "no first token within 0.5 s"
+    killed = kinds(seen, "AgentKilled")
+    assert killed and all(k.deadline == "first_byte" for k in killed)
+    assert warmed.t <= kinds(seen, "AgentStarted")[0].t
+
+
+async def test_a_run_stopped_while_warming_sends_no_agent():
+    async def silent(reader, writer):
+        await reader.read()
+
+    async with RawServer(silent) as srv:
+        engine = engine_on(srv.base_url, "on", agents=2)
+        seen: list = []
+        engine.subscribe(seen.append)
+        engine.subscribe(lambda e: engine.stop("stopped while warming") if e.kind == "WarmupStarted" else None)
+        with anyio.fail_after(30):
+            assert await engine.run() == 1
+    assert not kinds(seen, "AgentStarted")
+    assert {e.status for e in kinds(seen, "AgentFinished")} == {"cancelled"}
+
+
+async def test_the_headless_printer_says_warming_up_and_the_cold_start():
+    async with SimServer(SimSettings()) as srv:
+        engine = engine_on(srv.base_url, "on", agents=1)
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+    lines = [Printer.describe(e) for e in kinds(seen, "WarmupStarted", "EndpointWarmed")]
+    assert lines[0] == "warming up: box (one short request each, before wave 1)"
+    assert lines[1].startswith("box: warmed up, cold start ") and lines[1].endswith(" s")
