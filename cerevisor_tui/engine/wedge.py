@@ -9,7 +9,7 @@ request was sent, so its thresholds are tested on explicit sequences:
   /health and /metrics, and nothing it reports moves). A working server moves something every engine step:
   vLLM and SGLang count prompt and generated tokens and allocate KV blocks with each prefill chunk; llama.cpp
   counts its decode calls (one per batch, prefill too). 45 s is many metrics intervals and longer than any
-  honest single step, and a thirtieth of the 30-minute first-byte window.
+  honest single step, and a fortieth of the 30-minute first-byte window.
 - `decode_stalled`: requests running, not one token generated server-wide, no prompt tokens counted or
   computed and KV use not climbing (no prefill under way) for the idle deadline: a hung kernel, even while other gauges move.
 - `preempt_loop`: while our request waits for its first token the server preempts again and again
