@@ -362,3 +362,30 @@ async def test_a_wedged_pool_member_is_marked_down_and_its_agents_move_to_one_th
     # box0 answers /health with 200 all along, yet it was never brought back up
     assert not [n for n in of(seen, ev.RunNotice) if n.title == "Pool member up"]
     assert json.dumps(engine.report.to_dict())  # the report stays writable
+
+
+@pytest.mark.anyio
+async def test_requests_running_and_nothing_generated_for_the_idle_deadline_is_caught_as_a_hung_kernel():
+    # the engine stops half a second into a 2 s prefill: a request stays running and nothing is generated;
+    # the frozen rule waits 30 s, the hung-kernel rule the 1 s idle deadline
+    settings = SimSettings(
+        wedge_after_s=0.5, tokens_per_s=50, ttft_s=0.0, prefill_tokens_per_s=2000, max_num_batched_tokens=256
+    )
+    async with SimServer(settings) as srv:
+        engine = engine_for(
+            srv.base_url,
+            agents=[{"name": "a", "prompt": prompt_of(4000), "retries": 0}],
+            wedge_timeout_s=30.0,
+            idle_timeout_s=1.0,
+        )
+        seen: list[ev.Event] = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 1
+    wedged = of(seen, ev.ServerWedged)
+    assert [(w.rule, w.agents) for w in wedged] == [("hung", ["a"])]
+    assert re.fullmatch(
+        r"server wedged: 1 request running, no token generated server-wide for [\d.]+ s "
+        r"\(a hung kernel\?\)",
+        wedged[0].reason,
+    ), wedged[0].reason
+    assert [(k.deadline, k.reason) for k in of(seen, ev.AgentKilled)] == [("wedge", wedged[0].reason)]
