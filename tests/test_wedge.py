@@ -389,3 +389,99 @@ async def test_requests_running_and_nothing_generated_for_the_idle_deadline_is_c
         wedged[0].reason,
     ), wedged[0].reason
     assert [(k.deadline, k.reason) for k in of(seen, ev.AgentKilled)] == [("wedge", wedged[0].reason)]
+
+
+class _StoppedServer:
+    """A vLLM-shaped server on a raw socket: /health 200 throughout; while `stopped`, its /metrics counters and
+    KV use stand still and a request gets its headers and nothing more; once started, the counters move at
+    every read and a request is answered."""
+
+    def __init__(self) -> None:
+        self.stopped = True
+        self.reads = 0
+        self.moving = 0
+
+    def metrics(self) -> bytes:
+        self.reads += 1
+        if not self.stopped:
+            self.moving += 1
+        return (
+            f'vllm:num_requests_running{{model_name="m"}} 1.0\nvllm:num_requests_waiting{{model_name="m"}} 0.0\n'
+            f'vllm:kv_cache_usage_perc{{model_name="m"}} 0.25\nvllm:num_preemptions_total{{model_name="m"}} 0.0\n'
+            f'vllm:generation_tokens_total{{model_name="m"}} {100 + self.moving}.0\n'
+            f'vllm:prompt_tokens_total{{model_name="m"}} 500.0\n'
+        ).encode()
+
+    async def serve(self, reader, writer) -> None:
+        import asyncio
+
+        from tests.conftest import chunk, http_head, read_request, sse_chunk
+
+        try:
+            request = await read_request(reader)
+            if request.startswith(b"GET /metrics"):
+                body = self.metrics()
+                writer.write(http_head(200, "text/plain", length=len(body)) + body)
+            elif request.startswith(b"GET"):
+                writer.write(http_head(200, "application/json", length=2) + b"{}")
+            else:
+                writer.write(http_head(200, "text/event-stream"))
+                await writer.drain()
+                if self.stopped:
+                    await reader.read()  # nothing, until the client gives up
+                    return
+                writer.write(
+                    chunk(sse_chunk("hello"))
+                    + chunk(sse_chunk(" again", finish="stop"))
+                    + chunk(b"data: [DONE]\n\n")
+                    + b"0\r\n\r\n"
+                )
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.anyio
+async def test_a_wedge_is_over_when_the_counters_move_again_and_the_retried_agent_completes():
+    import asyncio
+
+    server = _StoppedServer()
+    listener = await asyncio.start_server(server.serve, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    try:
+        engine = Engine(
+            validate(
+                {
+                    "run": {"metrics_interval_s": 0.2},
+                    "stall": {"first_byte_timeout_s": 600.0, "wedge_timeout_s": 1.0},
+                    "endpoints": [
+                        {
+                            "name": "box",
+                            "kind": "local",
+                            "base_url": f"http://127.0.0.1:{port}/v1",
+                            "model": "m",
+                        }
+                    ],
+                    "agents": [{"name": "a", "prompt": "p", "retries": 1}],
+                }
+            )
+        )
+        seen: list[ev.Event] = []
+        engine.subscribe(seen.append)
+
+        def start_on_the_kill(event: ev.Event) -> None:  # the engine core goes on, as after a SIGCONT
+            if isinstance(event, ev.AgentKilled):
+                server.stopped = False
+
+        engine.subscribe(start_on_the_kill)
+        assert await engine.run() == 0
+    finally:
+        listener.close()
+    wedged = of(seen, ev.ServerWedged)
+    assert [(w.rule, w.over) for w in wedged] == [("frozen", False), ("frozen", True)]
+    assert wedged[1].reason == "box moves again" and wedged[1].agents == []
+    statuses = [e.status for e in of(seen, ev.AgentStatus)]
+    assert "wedged" in statuses and statuses[-1] == "completed"
+    assert [k.deadline for k in of(seen, ev.AgentKilled)] == ["wedge"]
