@@ -11,7 +11,9 @@ request was sent, so its thresholds are tested on explicit sequences:
   counts its decode calls (one per batch, prefill too). 45 s is many metrics intervals and longer than any
   honest single step, and a fortieth of the 30-minute first-byte window.
 - `decode_stalled`: requests running, not one token generated server-wide, no prompt tokens counted or
-  computed and KV use not climbing (no prefill under way) for the idle deadline: a hung kernel, even while other gauges move.
+  computed and KV use not climbing (no prefill under way) for the idle deadline: a hung kernel, even while
+  other gauges move. It ends our requests still waiting for their first token (a streaming one's idle
+  deadline says the same of it).
 - `preempt_loop`: while our request waits for its first token the server preempts again and again
   (`vllm:num_preemptions_total` climbing, `[stall] preempt_limit` times) with requests waiting for KV room:
   the prompt does not fit beside the others, and would prefill, be preempted and prefill again forever.
@@ -213,15 +215,22 @@ class WedgeWatch:
         if not opened:
             return
         since = min(att.sent_at for _, att in opened)
-        rule: WedgeRule = "frozen"
         reason = engine_frozen(history, since, stall.wedge_timeout_s)
-        if reason is None and stall.wedge_timeout_s > 0:
-            rule, reason = "hung", decode_stalled(history, since, e.policies[endpoint].idle_timeout_s)
         if reason is not None:
-            self._wedge(endpoint, rule, reason, opened, reading)
+            self._wedge(endpoint, "frozen", reason, opened, reading)
             return
+        # The rules below are about requests still waiting for their first token: a streaming one has its idle
+        # deadline, which says the same of it as the hung-kernel rule, on its own clock.
         waiting = [(st, att) for st, att in opened if att.first_token_at is None]
-        if stall.preempt_limit and waiting:
+        if not waiting:
+            return
+        if stall.wedge_timeout_s > 0:
+            since = min(att.sent_at for _, att in waiting)
+            reason = decode_stalled(history, since, e.policies[endpoint].idle_timeout_s)
+            if reason is not None:
+                self._wedge(endpoint, "hung", reason, waiting, reading)
+                return
+        if stall.preempt_limit:
             # the longest prompt is the one that does not fit; a loop ended before counts no more
             st, att = max(waiting, key=lambda pair: self._prompt_tokens(pair[0]))
             after = max(att.sent_at, self._preempt_kill.get(endpoint, -math.inf))
