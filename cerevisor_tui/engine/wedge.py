@@ -240,12 +240,14 @@ class WedgeWatch:
                 self._wedge(endpoint, "preempt_loop", reason, [(st, att)], reading)
 
     def _open(self, endpoint: str) -> list[tuple[AgentState, Attempt]]:
-        """Our attempts open on `endpoint` now, not already being killed."""
-        return [
-            (st, att)
-            for st in self.engine.agents_on.get(endpoint, ())
-            if (att := st.current) is not None and not att.kill_reason
-        ]
+        """Our attempts open on `endpoint` now, not already being killed (a gateway session's every request)."""
+        sessions = self.engine.sessions.by_name
+        opened = []
+        for st in self.engine.agents_on.get(endpoint, ()):
+            session = sessions.get(st.name)
+            attempts = list(session.in_flight.values()) if session is not None else [st.current]
+            opened += [(st, att) for att in attempts if att is not None and not att.kill_reason]
+        return opened
 
     def _prompt_tokens(self, st: AgentState) -> int:
         """The agent's prompt as the server will count it: its conversation's characters at the endpoint's
@@ -265,7 +267,7 @@ class WedgeWatch:
         now = time.monotonic()
         if rule != "preempt_loop":
             self.wedged[endpoint] = (rule, reading.motion)
-        e.emit(ev.ServerWedged(now, endpoint, rule, reason, [st.name for st, _ in opened]))
+        e.emit(ev.ServerWedged(now, endpoint, rule, reason, list(dict.fromkeys(st.name for st, _ in opened))))
         for st, att in opened:
             st.status = "wedged"
             att.kill("wedge", reason)
