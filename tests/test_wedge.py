@@ -14,7 +14,7 @@ import pytest
 
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.endpoints.metrics import ServerStatus, parse_metrics
+from cerevisor_tui.endpoints.metrics import ServerStatus, combine, parse_metrics
 from cerevisor_tui.engine.auto import AutoController
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.sinks.printer import Printer
@@ -485,3 +485,29 @@ async def test_a_wedge_is_over_when_the_counters_move_again_and_the_retried_agen
     statuses = [e.status for e in of(seen, ev.AgentStatus)]
     assert "wedged" in statuses and statuses[-1] == "completed"
     assert [k.deadline for k in of(seen, ev.AgentKilled)] == ["wedge"]
+
+
+def test_prefill_chunks_are_read_where_the_server_counts_them_and_a_router_adds_its_workers_up():
+    sglang = parse_metrics(
+        'sglang:num_running_reqs{model_name="m"} 1\n'
+        'sglang:realtime_tokens_total{model_name="m",mode="prefill_compute"} 4096\n'
+        'sglang:realtime_tokens_total{model_name="m",mode="decode"} 77\n'
+        'sglang:generation_tokens_total{model_name="m"} 77\n'
+    )
+    assert (sglang.prefill_tokens, sglang.generated) == (4096.0, 77.0)
+    sim = parse_metrics(
+        'vllm:num_requests_running{model_name="m"} 1.0\n'
+        'cerevisor_sim:computed_prompt_tokens_total{model_name="m"} 512.0\n'
+    )
+    assert sim.prefill_tokens == 512.0 and sim.generated is None
+    both = combine(
+        [
+            parse_metrics((FIXTURES / "vllm-0.32-pressure.txt").read_text()),
+            parse_metrics((FIXTURES / "vllm-0.32-running.txt").read_text()),
+        ]
+    )
+    assert (both.generated, both.prompt_tokens, both.waiting_capacity) == (
+        14501.0 + 1998.0,
+        180.0 + 3371.0,
+        4,
+    )
