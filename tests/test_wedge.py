@@ -511,3 +511,19 @@ def test_prefill_chunks_are_read_where_the_server_counts_them_and_a_router_adds_
         180.0 + 3371.0,
         4,
     )
+
+
+def test_the_headless_log_says_a_wedge_and_its_end_in_a_line_each():
+    many = [f"a{i}" for i in range(12)]
+    assert (
+        Printer.describe(ev.ServerWedged(1.0, "box", "hung", "server wedged: x", many))
+        == "box: WEDGED (hung): server wedged: x; killed 12 agents"
+    )
+    assert (
+        Printer.describe(ev.ServerWedged(1.0, "box", "frozen", "server wedged: y", ["a", "b"]))
+        == "box: WEDGED (frozen): server wedged: y; killed a, b"
+    )
+    assert (
+        Printer.describe(ev.ServerWedged(2.0, "box", "frozen", "box moves again", over=True))
+        == "box: no longer wedged: box moves again"
+    )
