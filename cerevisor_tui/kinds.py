@@ -13,10 +13,12 @@ Mode = Literal["sequential", "parallel", "auto"]
 """How many agents run at once: one, up to the cap, or as many as each endpoint's server sustains."""
 MODES: Final[tuple[Mode, ...]] = get_args(Mode)
 
-ActiveStatus = Literal["waiting", "prefill", "streaming", "stalling", "retrying", "tool", "approval", "idle"]
+ActiveStatus = Literal["waiting", "prefill", "streaming", "stalling", "retrying", "tool", "approval", "idle",
+                       "wedged"]
 """The statuses of an agent holding a running slot ("waiting": a local endpoint still loading; "tool": one of
 its MCP tool calls is executing; "approval": a tool call waits for the operator, shown as "needs approval";
-"idle": a gateway session between its requests, its harness thinking or running tools, its slot kept)."""
+"idle": a gateway session between its requests, its harness thinking or running tools, its slot kept;
+"wedged": its attempt was killed, or waits, on a server that is wedged, engine/wedge.py)."""
 FinalStatus = Literal["completed", "failed", "killed", "skipped", "cancelled"]
 """The statuses an agent ends in (AgentFinished.status, the report's `status`)."""
 Status = Literal["pending", "queued", ActiveStatus, "released", FinalStatus]
@@ -26,6 +28,10 @@ STATUSES: Final[tuple[Status, ...]] = get_args(Status)
 FINAL_STATUSES: Final[tuple[FinalStatus, ...]] = get_args(FinalStatus)  # in the report's order
 FINAL: Final[frozenset[str]] = frozenset(FINAL_STATUSES)
 ACTIVE: Final[frozenset[str]] = frozenset(get_args(ActiveStatus))
+
+WedgeRule = Literal["frozen", "hung", "preempt_loop"]
+"""Which wedge a server is in (engine/wedge.py): nothing moves at all behind a /health of 200; requests run
+and nothing is generated server-wide (a hung kernel); a prompt preempted again and again before its first token."""
 
 # What a chat stream yields: (kind, payload). Plain ints at run time: they are compared once a token, and
 # the stream worker's pipe (`marshal`) carries them, which takes no IntEnum.

@@ -232,6 +232,10 @@ class StallConfig(StallPolicy):
     """Most automatic extensions per attempt when the server is busy."""
     extend_when_server_busy: bool | None = True
     """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting."""
+    wedge_timeout_s: float = Field(default=45.0, ge=0, le=86_400)
+    """A local server wedged behind a /health that says 200: no token counter and no KV use has moved on it for this long while our requests are open. Its requests are killed then, long before the first-byte deadline; 0: off."""
+    preempt_limit: int = Field(default=6, ge=0, le=10_000)
+    """A request preempted this many times before its first token (the server's preemption count while it waits, with requests waiting for KV room) is killed: its prompt does not fit beside the others; 0: off."""
 
 
 class UiConfig(_Section):

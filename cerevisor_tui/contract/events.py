@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal, Union
 import msgspec
 
 # An agent's statuses and the run's modes are defined in cerevisor_tui/kinds.py; the console reads them here.
-from cerevisor_tui.kinds import ACTIVE, FINAL, STATUSES, FinalStatus, Mode, Status  # noqa: F401
+from cerevisor_tui.kinds import ACTIVE, FINAL, STATUSES, FinalStatus, Mode, Status, WedgeRule  # noqa: F401
 
 EVENT_TYPES: list[type[Event]] = []
 """Every event class, in the order they are defined (each registers itself)."""
@@ -473,7 +473,7 @@ class StallExtended(Event):
 class AgentKilled(Event):
     agent: str
     attempt: int
-    deadline: str  # "first_byte" | "idle" | "operator"
+    deadline: str  # "first_byte" | "idle" | "operator" | "wedge" (its server is wedged: engine/wedge.py)
     reason: str
     tokens: int
 
@@ -539,6 +539,17 @@ class ServerSample(Event):
     # an endpoint that is a router (metrics_urls): each worker, in config order; the fields above are then
     # the workers' together
     workers: list[WorkerSample] = msgspec.field(default_factory=list)
+
+
+class ServerWedged(Event):
+    """An endpoint's server is wedged (engine/wedge.py): its requests of ours were killed, each with `reason`, and
+    a pool member is marked down; or, with `over`, it moves again (its counters or KV use changed)."""
+
+    endpoint: str
+    rule: WedgeRule
+    reason: str  # "server wedged: no progress on any request for 45 s"
+    agents: list[str] = msgspec.field(default_factory=list)  # whose attempts it killed
+    over: bool = False
 
 
 class GpuSample(Event):

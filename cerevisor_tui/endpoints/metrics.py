@@ -50,6 +50,15 @@ class MetricsSnapshot:
     kv_cache_size_tokens: int | None = None
     models: tuple[str, ...] = ()
     latency: LatencyScrape | None = None  # the latency panel's histograms and counters (endpoints/latency.py)
+    # the counters that move while the server works (engine/wedge.py): tokens generated and prompt tokens
+    # counted server-wide (llama.cpp counts its generated tokens only as a request ends, so its decode calls
+    # stand in), prompt tokens computed chunk by chunk during a prefill (SGLang's realtime_tokens_total
+    # {mode="prefill_compute"}, the simulator's computed_prompt_tokens; vLLM shows it as KV use climbing),
+    # and the requests waiting for KV room (vLLM's waiting_by_reason{capacity})
+    generated: float | None = None
+    prompt_tokens: float | None = None
+    prefill_tokens: float | None = None
+    waiting_capacity: int | None = None
 
     def busy_reason(self) -> str | None:
         """'server busy: 3 requests waiting', or None when nothing waits in the server's queue."""
@@ -126,6 +135,12 @@ class _Samples:
         name = self.first(names)
         return None if name is None else max(self.values[name])
 
+    def sum_where(self, name: str, key: str, value: str) -> float | None:
+        """The sum of `name`'s samples whose label `key` is `value`; None when it has none."""
+        found = [v for v, labels in zip(self.values.get(name, ()), self.labels.get(name, ()), strict=True)
+                 if labels.get(key) == value]
+        return sum(found) if found else None
+
 
 def _int(value: float | None) -> int | None:
     return None if value is None else int(round(value))
@@ -198,6 +213,10 @@ def _vllm(samples: _Samples) -> MetricsSnapshot:
         block_size=size,
         kv_cache_size_tokens=tokens,
         models=_models(samples),
+        generated=samples.sum("vllm:generation_tokens_total"),
+        prompt_tokens=samples.sum("vllm:prompt_tokens_total"),
+        waiting_capacity=_int(samples.sum_where("vllm:num_requests_waiting_by_reason", "reason", "capacity")),
+        prefill_tokens=samples.sum("cerevisor_sim:computed_prompt_tokens_total"),
     )
 
 
@@ -214,6 +233,8 @@ def _llamacpp(samples: _Samples) -> MetricsSnapshot:
         prefix_cache_queries=None if cached is None or computed is None else cached + computed,
         prefix_cache_hits=cached,
         models=_models(samples),
+        generated=samples.sum("llamacpp:n_decode_total"),
+        prompt_tokens=computed,
     )
 
 
@@ -227,6 +248,9 @@ def _sglang(samples: _Samples) -> MetricsSnapshot:
         preemptions=_int(samples.sum("sglang:total_retracted_reqs")),
         kv_cache_size_tokens=_int(samples.sum("sglang:max_total_num_tokens")),
         models=_models(samples),
+        generated=samples.sum("sglang:generation_tokens_total"),
+        prompt_tokens=samples.sum("sglang:prompt_tokens_total"),
+        prefill_tokens=samples.sum_where("sglang:realtime_tokens_total", "mode", "prefill_compute"),
     )
 
 
@@ -263,6 +287,10 @@ _WANTED = frozenset(_base_name(n) for n in (
     "llamacpp:kv_cache_usage_ratio", "llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total",
     "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
     "sglang:max_total_num_tokens", "sglang:total_retracted_reqs",
+    # what moves while the server works (engine/wedge.py)
+    "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:num_requests_waiting_by_reason",
+    "llamacpp:n_decode_total", "sglang:generation_tokens_total", "sglang:prompt_tokens_total",
+    "sglang:realtime_tokens_total", "cerevisor_sim:computed_prompt_tokens_total",
 ))
 
 
@@ -341,6 +369,8 @@ def combine(snapshots: Iterable[MetricsSnapshot]) -> MetricsSnapshot | None:
         prefix_cache_hits=total("prefix_cache_hits"), prefix_cache_hit_rate=most("prefix_cache_hit_rate"),
         preemptions=total("preemptions"), num_gpu_blocks=total("num_gpu_blocks"), block_size=most("block_size"),
         kv_cache_size_tokens=total("kv_cache_size_tokens"), models=tuple(models),
+        generated=total("generated"), prompt_tokens=total("prompt_tokens"), prefill_tokens=total("prefill_tokens"),
+        waiting_capacity=total("waiting_capacity"),
     )
 
 

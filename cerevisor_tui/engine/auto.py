@@ -168,6 +168,12 @@ class AutoController:
             return Change(self.cap, self.start_reason)
         return Change(self.cap, f"auto: back at {self.cap}, where it left off")
 
+    def preempt_loop(self, why: str) -> Change | None:
+        """A request of this endpoint was preempted again and again before its first token (engine/wedge.py):
+        its prompt does not fit beside the others, so half as many share the KV cache from now on."""
+        self.slow_start = False
+        return self._to(max(self.min_cap, min(self.cap - 1, self.cap // 2)), f"preemption loop: {why}")
+
     # ---- the loop -------------------------------------------------------------------------------
     def update(self, s: Signals) -> Change | None:
         new_sample = s.sample != self._last_sample

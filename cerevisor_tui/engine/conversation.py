@@ -129,6 +129,7 @@ class Conversations:
         """The agent's turns in order, each user message after the answer before; its last answer is its output."""
         cfg = st.config
         messages: list[dict[str, Any]] = []
+        st.messages = messages  # the conversation so far, as it grows (the wedge watch sizes its prompt by it)
         if cfg.tools and self.tools is not None:
             try:
                 st.toolset = await self.tools.toolset(cfg)  # its servers may still be starting
@@ -262,7 +263,9 @@ class Conversations:
                     self.emit(ev.AgentKilled(time.monotonic(), st.name, att.number, att.kill_deadline,
                                              att.kill_reason, att.tokens))
                 status = "cancelled" if self.stopping() else "killed"
-                reason = att.kill_reason if att.by_operator else f"{att.kill_deadline} deadline: {att.kill_reason}"
+                # a wedged server's kill names the wedge, not a deadline (engine/wedge.py)
+                reason = (att.kill_reason if att.by_operator or att.kill_deadline == "wedge"
+                          else f"{att.kill_deadline} deadline: {att.kill_reason}")
                 raise AttemptFailed(status, reason, retryable=not att.by_operator, restart=att.restart)
             if error is not None:
                 if isinstance(error, Relocated):  # the next attempt goes to another member at once

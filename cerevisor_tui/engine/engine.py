@@ -52,6 +52,7 @@ from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls
 from cerevisor_tui.engine.warmup import warm_up
 from cerevisor_tui.engine.watchdog import BusyCheck, Watchdog, fmt_s
+from cerevisor_tui.engine.wedge import WedgeWatch
 from cerevisor_tui.kinds import FINAL, MODES, FinalStatus, Mode
 from cerevisor_tui.tools.manager import McpServers
 
@@ -164,6 +165,7 @@ class Engine:
         self.server_status = self.monitor.status
         self.server_status_at = self.monitor.status_at
         self.watchdog = Watchdog(self.policies, self.emit)
+        self.wedges = WedgeWatch(self)  # wedged servers, judged after each sample (engine/wedge.py)
         self.conversations = Conversations(
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
@@ -495,12 +497,17 @@ class Engine:
         """Tasks that live as long as the run: each local endpoint's /health and /metrics, polled; the box's GPUs."""
         for ep in self.config.endpoints:
             if ep.kind != "hosted":
-                group.start_soon(self.monitor.run, ep.name, self.pools.on_sample)
+                group.start_soon(self.monitor.run, ep.name, self._on_sample)
             group.start_soon(self.auto_feed.run, ep.name)
         group.start_soon(self.monitor.run_gpus)
         self.sessions.started(group)
         if self.busy_check is None:
             self.busy_check = self.monitor.busy
+
+    def _on_sample(self, endpoint: str) -> None:
+        """After each server sample: the wedge rules first (a wedged pool member stays down), then the pools."""
+        self.wedges.on_sample(endpoint)
+        self.pools.on_sample(endpoint)
 
     async def read_server(self, endpoint: str) -> ServerStatus:
         """One look at the endpoint's /health and /metrics (see ServerMonitor.read)."""

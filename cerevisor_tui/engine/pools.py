@@ -56,7 +56,7 @@ class Pools:
         if refused:
             until = now + HOSTED_DOWN_S if e.endpoints[member].kind == "hosted" else math.inf
             if self.placement.mark_down(member, f"refused a connection: {refused}", until=until):
-                self._tell_down(member)
+                self.tell_down(member)
         elif not self.placement.is_down(member, now):
             return False
         target = self.placement.move_target(st.pool, self.member_loads(st.pool), member, now)
@@ -76,14 +76,15 @@ class Pools:
         sample = e.last_sample.get(endpoint)
         if sample is not None and self.placement.pools_of(endpoint):
             if sample.healthy:
-                if self.placement.mark_up(endpoint):
+                # a wedged server answers /health with 200: it stays down until it moves again (engine/wedge.py)
+                if not e.wedges.keeps_down(endpoint) and self.placement.mark_up(endpoint):
                     e.emit(ev.RunNotice(time.monotonic(), f"{endpoint} is healthy again: pool agents may be "
                                         "placed on it", "information", "Pool member up"))
             elif self.placement.mark_down(endpoint, f"failed its health check ({sample.detail or 'unhealthy'})"):
-                self._tell_down(endpoint)
+                self.tell_down(endpoint)
         e.refresh_load(endpoint)
 
-    def _tell_down(self, member: str) -> None:
+    def tell_down(self, member: str) -> None:
         self.engine.emit(ev.RunNotice(time.monotonic(), f"{member} {self.placement.down[member]}: no new agent "
                                       "goes there, and its agents move at their next attempt", "warning",
                                       "Pool member down"))

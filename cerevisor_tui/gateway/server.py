@@ -382,6 +382,8 @@ class Exchange:
                     self._record_answer(session, att, partial=True)
                     if att.by_operator:
                         await self.fail(503, f"cerevisor gateway: {att.kill_reason}")
+                    elif att.kill_deadline == "wedge":  # its server is wedged (engine/wedge.py): the reason says so
+                        await self.fail(504, f"cerevisor gateway: the request was ended: {att.kill_reason}")
                     else:
                         await self.fail(504, f"cerevisor gateway: the request was ended at its {att.kill_deadline} "
                                              f"deadline ({att.kill_reason})")

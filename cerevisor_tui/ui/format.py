@@ -21,20 +21,21 @@ class StatusLook:
 STATUS_LOOK: dict[Status, StatusLook] = {
     "approval": StatusLook("needs approval", 0, "warning"),
     "stalling": StatusLook("stalling", 1, "stall-warn"),
-    "failed": StatusLook("failed", 2, "error"),
-    "killed": StatusLook("killed", 3, "error"),
-    "waiting": StatusLook("waiting", 4, "warning"),  # a local endpoint still loading
-    "retrying": StatusLook("retrying", 5, "warning"),
-    "tool": StatusLook("tool", 6, "accent"),  # a running call shows as `tool: NAME 3.2s` (`tool_status`)
-    "prefill": StatusLook("prefill", 7, "primary"),
-    "streaming": StatusLook("streaming", 8, "success"),
-    "idle": StatusLook("idle", 9, "text-muted"),  # a gateway session between requests, holding its slot
-    "queued": StatusLook("queued", 10, "text-muted"),
-    "released": StatusLook("released", 11, "text-muted"),  # a gateway session without a slot
-    "pending": StatusLook("pending", 12, "text-muted"),
-    "completed": StatusLook("done", 13, "success"),
-    "skipped": StatusLook("skipped", 14, "text-muted"),
-    "cancelled": StatusLook("cancelled", 15, "text-muted"),
+    "wedged": StatusLook("wedged", 2, "error"),  # its server is wedged (engine/wedge.py)
+    "failed": StatusLook("failed", 3, "error"),
+    "killed": StatusLook("killed", 4, "error"),
+    "waiting": StatusLook("waiting", 5, "warning"),  # a local endpoint still loading
+    "retrying": StatusLook("retrying", 6, "warning"),
+    "tool": StatusLook("tool", 7, "accent"),  # a running call shows as `tool: NAME 3.2s` (`tool_status`)
+    "prefill": StatusLook("prefill", 8, "primary"),
+    "streaming": StatusLook("streaming", 9, "success"),
+    "idle": StatusLook("idle", 10, "text-muted"),  # a gateway session between requests, holding its slot
+    "queued": StatusLook("queued", 11, "text-muted"),
+    "released": StatusLook("released", 12, "text-muted"),  # a gateway session without a slot
+    "pending": StatusLook("pending", 13, "text-muted"),
+    "completed": StatusLook("done", 14, "success"),
+    "skipped": StatusLook("skipped", 15, "text-muted"),
+    "cancelled": StatusLook("cancelled", 16, "text-muted"),
 }
 """Each status the engine tells (kinds.Status), once: its label, its place in the sort, its colour."""
 

@@ -1,5 +1,5 @@
 """The attention inbox: every agent that needs the operator now (a tool call waiting for approval, killed,
-failed, its endpoint down, a stall past its last warning), one item per agent, newest first.
+failed, its endpoint down or wedged, a stall past its last warning), one item per agent, newest first.
 
 The mirror opens and clears items as the run's events tell it; the console reads `newest_first()` and
 takes `take_new()` to ring the terminal. An item rings once when it opens, and again only when the agent
@@ -11,21 +11,23 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-AttentionKind = Literal["approval", "killed", "failed", "endpoint", "stall"]
+AttentionKind = Literal["approval", "killed", "failed", "endpoint", "stall", "wedged"]
 
 KIND_LABELS: dict[str, str] = {
     "approval": "needs approval", "killed": "killed", "failed": "failed", "endpoint": "endpoint down",
-    "stall": "stalling",
+    "stall": "stalling", "wedged": "server wedged",
 }
 """How the inbox and the notifications name each kind."""
 
-RANK: dict[str, int] = {"endpoint": 0, "stall": 1, "approval": 2, "killed": 3, "failed": 3}
+RANK: dict[str, int] = {"endpoint": 0, "stall": 1, "wedged": 2, "approval": 2, "killed": 3, "failed": 3}
 """A newer item replaces an agent's open one of the same or a lower rank only: an approval waiting is not
-hidden by its endpoint's health, and the end of an agent replaces everything before it."""
+hidden by its endpoint's health, a wedged server not by its retried attempt's stall warnings, and the end of
+an agent replaces everything before it."""
 
 HINTS: dict[str, str] = {
     "approval": "y to answer", "killed": "r runs it again", "failed": "r runs it again",
     "endpoint": "k kills it, or wait for the endpoint", "stall": "e extends its deadline, k kills it",
+    "wedged": "restart its server; it is retried meanwhile, k kills it",
 }
 """What the operator can do about each kind, as the console says when it jumps to one."""
 

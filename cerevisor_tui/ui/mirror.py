@@ -395,7 +395,7 @@ class RunMirror(UiModel):
 
     def _see_FirstToken(self, e: ev.FirstToken) -> None:
         a = self._agent(e.agent)
-        self.inbox.clear(e.agent, "endpoint", "stall")
+        self.inbox.clear(e.agent, "endpoint", "stall", "wedged")
         if a.ttft_s is None:
             a.ttft_s = e.ttft_s
         att = a.attempt_of(e.attempt)
@@ -590,6 +590,16 @@ class RunMirror(UiModel):
     def _see_ServerSample(self, e: ev.ServerSample) -> None:
         self.samples[e.endpoint] = e
         self._endpoint_health(e)
+
+    def _see_ServerWedged(self, e: ev.ServerWedged) -> None:
+        """A wedged server puts the agents it killed in the inbox, with why; moving again takes them out."""
+        if not e.over:
+            for name in e.agents:
+                self.inbox.open(name, "wedged", f"{e.endpoint}: {e.reason}", e.t)
+        elif any(item.kind == "wedged" for item in self.inbox.items.values()):
+            for a in self.agents.values():
+                if a.endpoint == e.endpoint:
+                    self.inbox.clear(a.name, "wedged")
 
     def _see_GpuSample(self, e: ev.GpuSample) -> None:
         self.gpus = e

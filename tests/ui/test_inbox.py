@@ -213,3 +213,33 @@ async def test_an_agent_the_operator_killed_is_no_news(tmp_path):
         refresh(app)
         await until(lambda: len(app.rung) == 1)
         assert app.mirror.inbox.items["a"].kind == "killed"
+
+
+@pytest.mark.anyio
+async def test_a_wedged_server_puts_the_agents_it_killed_in_the_inbox_until_they_or_it_move_again(tmp_path):
+    app, engine = run(tmp_path)
+    async with app.run_test(size=(120, 30)):
+        inbox = app.mirror.inbox
+        reason = "server wedged: no progress on any request for 45 s"
+        engine.emit(ev.ServerWedged(NOW - 5, "sim", "frozen", reason, ["a", "b", "c"]))
+        for name in ("a", "b", "c"):
+            engine.emit(ev.AgentStatus(NOW - 5, name, "wedged"))
+            engine.emit(ev.AgentKilled(NOW - 5, name, 1, "wedge", reason, 0))  # a kill does not hide why
+            engine.emit(ev.AgentRetrying(NOW - 5, name, 2, reason, 1.0))
+        refresh(app)
+        assert [(i.agent, i.kind, i.text) for i in inbox.newest_first()] == [
+            (name, "wedged", f"sim: {reason}") for name in ("c", "b", "a")]
+        assert app.rung and "a server wedged" in app.rung[0]
+        engine.emit(ev.AgentStatus(NOW - 4, "a", "wedged"))  # its retry waits on the wedged server
+        refresh(app)
+        await until(lambda: app.screen.table.row_texts("a")[2] == "wedged")
+        # a stall warning of its retried attempt does not hide the wedge; its first token does
+        emit_as_engine(engine, ev.AgentStarted(NOW - 4, "a", 2, 1, 1, "sim", 100.0, 60.0))
+        emit_as_engine(engine, ev.StallWarning(NOW - 3, "a", 2, "first_byte", 0.9, 10.0, NOW + 5))
+        assert inbox.items["a"].kind == "wedged"
+        emit_as_engine(engine, ev.FirstToken(NOW - 2, "a", 2, 1, 2.0))
+        assert "a" not in inbox.items
+        # the server moves again: the rest are taken out; an agent's end says more than the wedge
+        engine.emit(ev.AgentFinished(NOW - 2, "c", "killed", reason))
+        engine.emit(ev.ServerWedged(NOW - 1, "sim", "frozen", "sim moves again", over=True))
+        assert [(i.agent, i.kind) for i in inbox.newest_first()] == [("c", "killed")]

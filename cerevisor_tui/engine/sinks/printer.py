@@ -146,7 +146,16 @@ class Printer:
 
     @staticmethod
     def _line_AgentKilled(e: ev.AgentKilled) -> str:
+        if e.deadline == "wedge":  # its reason names the wedge
+            return f"{e.agent}: KILLED: {e.reason}"
         return f"{e.agent}: KILLED ({e.deadline} deadline): {e.reason}"
+
+    @staticmethod
+    def _line_ServerWedged(e: ev.ServerWedged) -> str:
+        if e.over:
+            return f"{e.endpoint}: no longer wedged: {e.reason}"
+        killed = f"; killed {', '.join(e.agents)}" if len(e.agents) <= 10 else f"; killed {len(e.agents)} agents"
+        return f"{e.endpoint}: WEDGED ({e.rule}): {e.reason}{killed if e.agents else ''}"
 
     @staticmethod
     def _line_AgentRetrying(e: ev.AgentRetrying) -> str:

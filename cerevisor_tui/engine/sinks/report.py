@@ -82,6 +82,15 @@ class Report:
         session = self.sessions.get(event.agent)
         if session is not None:  # a session goes on after a killed request: each kill is kept with its reason
             session["kills"].append({"request": event.attempt, "deadline": event.deadline, "reason": event.reason})
+        elif event.agent in self.agents:  # an agent's kills, each with its reason (a retry may follow)
+            self.agents[event.agent].setdefault("kills", []).append(
+                {"attempt": event.attempt, "deadline": event.deadline, "reason": event.reason})
+
+    def _on_ServerWedged(self, event: ev.ServerWedged) -> None:  # an endpoint's wedges, with what they killed
+        entry = next((ep for ep in self.endpoints if ep.get("name") == event.endpoint), None)
+        if entry is not None and not event.over:
+            entry.setdefault("wedges", []).append({"t_s": round(event.t - self._t0, 3), "rule": event.rule,
+                                                   "reason": event.reason, "agents": list(event.agents)})
 
     def _endpoint(self, name: str) -> dict[str, Any] | None:
         return next((entry for entry in self.endpoints if entry.get("name") == name), None)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp
 
 KIND_ROLES = {"approval": "warning", "killed": "error", "failed": "error", "endpoint": "warning",
-              "stall": "stall-critical"}
+              "stall": "stall-critical", "wedged": "error"}
 
 
 class InboxScreen(ModalScreen[str | None]):

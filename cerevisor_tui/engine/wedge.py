@@ -1,0 +1,290 @@
+"""Wedged servers, named and caught early: three rules over an endpoint's recent /metrics reads, and the watch
+that applies them after each of the monitor's samples (kills, a ServerWedged, a pool member marked down).
+
+Each rule is a pure function of a sequence of `Progress` readings (oldest first) and the time our oldest open
+request was sent, so its thresholds are tested on explicit sequences:
+
+- `engine_frozen`: no token counter moved and KV use stood still for `[stall] wedge_timeout_s` while our
+  requests were open, behind a /health of 200 (vLLM's engine core dead or stopped: the API process answers
+  /health and /metrics, and nothing it reports moves). A working server moves something every engine step:
+  vLLM and SGLang count prompt and generated tokens and allocate KV blocks with each prefill chunk; llama.cpp
+  counts its decode calls (one per batch, prefill too). 45 s is many metrics intervals and longer than any
+  honest single step, and a fortieth of the 30-minute first-byte window.
+- `decode_stalled`: requests running, not one token generated server-wide, no prompt tokens counted or
+  computed and KV use not climbing (no prefill under way) for the idle deadline: a hung kernel, even while
+  other gauges move. It ends our requests still waiting for their first token (a streaming one's idle
+  deadline says the same of it).
+- `preempt_loop`: while our request waits for its first token the server preempts again and again
+  (`vllm:num_preemptions_total` climbing, `[stall] preempt_limit` times) with requests waiting for KV room:
+  the prompt does not fit beside the others, and would prefill, be preempted and prefill again forever.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.endpoints.metrics import ServerStatus
+from cerevisor_tui.engine.state import AgentState, Attempt
+from cerevisor_tui.engine.watchdog import fmt_s
+from cerevisor_tui.kinds import WedgeRule
+
+if TYPE_CHECKING:
+    from cerevisor_tui.engine.engine import Engine
+
+HISTORY = 2048  # readings kept per endpoint: over an hour at the default 2 s interval
+PREEMPT_DOWN_S = (
+    120.0  # a pool member in a preemption loop takes no new agent for this long (it is not frozen)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """What one /metrics read says of a server's forward motion; None where the server does not say."""
+
+    t: float  # when the answer came
+    healthy: bool
+    running: float | None = None
+    waiting_capacity: float | None = None  # requests waiting for KV room
+    kv_usage: float | None = None
+    generated: float | None = None  # tokens generated server-wide (llama.cpp: its decode calls)
+    prompt_tokens: float | None = None
+    preemptions: float | None = None
+    prefill_tokens: float | None = None  # prompt tokens computed chunk by chunk, where the server counts them
+
+    @property
+    def motion(self) -> tuple[float | None, ...]:
+        """What changes while the server works; equal readings mean nothing moved between them."""
+        return self.generated, self.prompt_tokens, self.preemptions, self.kv_usage, self.prefill_tokens
+
+    @property
+    def counted(self) -> bool:
+        return self.generated is not None or self.prompt_tokens is not None
+
+
+def progress_of(status: ServerStatus, t: float) -> Progress | None:
+    """The reading of one look at a server; None without metrics (nothing to judge by)."""
+    m = status.metrics
+    if m is None:
+        return None
+    waiting = m.waiting_capacity if m.waiting_capacity is not None else m.requests_waiting
+    return Progress(
+        t,
+        status.reachable and not status.loading and (status.health_status or 0) < 400,
+        _num(m.requests_running),
+        _num(waiting),
+        m.kv_cache_usage,
+        m.generated,
+        m.prompt_tokens,
+        _num(m.preemptions),
+        m.prefill_tokens,
+    )
+
+
+def _num(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def still_for(samples: Sequence[Progress], since: float) -> float | None:
+    """Seconds nothing moved (`Progress.motion`), up to the last reading and from `since` at the earliest; None
+    when the readings cannot say (none, or the last counts no tokens)."""
+    if not samples or not samples[-1].counted:
+        return None
+    last = samples[-1]
+    first = last
+    for s in reversed(samples):
+        if s.motion != last.motion:
+            break
+        first = s
+        if s.t <= since:
+            break
+    return max(0.0, last.t - max(first.t, since))
+
+
+def engine_frozen(samples: Sequence[Progress], since: float, threshold_s: float) -> str | None:
+    """The engine is dead behind a /health of 200: nothing moved for `threshold_s` since `since` (when our
+    oldest open request was sent). The kill reason, or None."""
+    if threshold_s <= 0 or not samples or not samples[-1].healthy:
+        return None
+    span = still_for(samples, since)
+    if span is None or span < threshold_s:
+        return None
+    return f"server wedged: no progress on any request for {fmt_s(span)}"
+
+
+def decode_stalled(samples: Sequence[Progress], since: float, idle_s: float) -> str | None:
+    """A hung kernel: requests running in every reading, and for `idle_s` since `since` no token generated
+    server-wide, no prompt token counted and KV use never climbing. The kill reason, or None."""
+    if idle_s <= 0 or not samples:
+        return None
+    last = samples[-1]
+    if not last.healthy or last.generated is None or not last.running:
+        return None
+    first = later = last
+    for s in reversed(samples):
+        if (
+            not s.running
+            or s.generated != last.generated
+            or s.prompt_tokens != last.prompt_tokens
+            or s.prefill_tokens != last.prefill_tokens
+            or (s.kv_usage is not None and later.kv_usage is not None and later.kv_usage > s.kv_usage)
+        ):
+            break
+        first = later = s
+        if s.t <= since:
+            break
+    span = last.t - max(first.t, since)
+    if span < idle_s:
+        return None
+    noun = "request" if last.running == 1 else "requests"
+    return (
+        f"server wedged: {last.running:.0f} {noun} running, no token generated server-wide for {fmt_s(span)} "
+        "(a hung kernel?)"
+    )
+
+
+def preemptions_since(samples: Sequence[Progress], since: float) -> float | None:
+    """How many times the server preempted since `since` (from the last reading before it, else the first),
+    if the readings say and some reading since then had requests waiting for KV room; None otherwise."""
+    if not samples or samples[-1].preemptions is None:
+        return None
+    base = next((s for s in reversed(samples) if s.t <= since), samples[0])
+    if base.preemptions is None or samples[-1].preemptions < base.preemptions:  # unknown, or it restarted
+        return None
+    if not any(s.waiting_capacity for s in samples if s.t >= base.t):
+        return None
+    return samples[-1].preemptions - base.preemptions
+
+
+def preempt_loop(samples: Sequence[Progress], since: float, limit: int, prompt_tokens: int) -> str | None:
+    """A request that waits for its first token since `since` was preempted `limit` times or more, with
+    requests waiting for KV room. The kill reason, or None."""
+    if limit <= 0 or not samples or not samples[-1].healthy:
+        return None
+    count = preemptions_since(samples, since)
+    if count is None or count < limit:
+        return None
+    size = f" ({prompt_tokens:,} tokens)" if prompt_tokens > 0 else ""
+    return f"KV cache too small for this prompt{size}: preempted {count:.0f} times"
+
+
+class WedgeWatch:
+    """The run's wedge rules, applied after each server sample; `wedged` holds the endpoints judged frozen or
+    hung until their counters move again."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.samples: dict[str, deque[Progress]] = {}
+        self.wedged: dict[str, tuple[WedgeRule, tuple[float | None, ...]]] = {}  # rule, motion at the wedge
+        self._preempt_kill: dict[str, float] = {}  # when a preemption loop was last ended there
+
+    def keeps_down(self, endpoint: str) -> bool:
+        """Whether a healthy /health does not bring the endpoint back for placement: it is wedged still, or its
+        preemption loop ended a moment ago."""
+        return (
+            endpoint in self.wedged
+            or time.monotonic() < self._preempt_kill.get(endpoint, -math.inf) + PREEMPT_DOWN_S
+        )
+
+    def on_sample(self, endpoint: str) -> None:
+        """After each of the monitor's samples of `endpoint`: judge it, and act."""
+        e = self.engine
+        status = e.monitor.status.get(endpoint)
+        if status is None:
+            return
+        reading = progress_of(status, e.monitor.status_at.get(endpoint, time.monotonic()))
+        if reading is None:
+            return
+        history = self.samples.setdefault(endpoint, deque(maxlen=HISTORY))
+        history.append(reading)
+        stall = e.config.stall
+        opened = self._open(endpoint)
+        if endpoint in self.wedged:
+            rule, motion = self.wedged[endpoint]
+            if reading.motion != motion:
+                self._over(endpoint, rule)
+            else:
+                for st, att in opened:  # what waits on it now waits on a wedged server
+                    if att.first_token_at is None:
+                        st.status = "wedged"
+        if not opened:
+            return
+        since = min(att.sent_at for _, att in opened)
+        reason = engine_frozen(history, since, stall.wedge_timeout_s)
+        if reason is not None:
+            self._wedge(endpoint, "frozen", reason, opened, reading)
+            return
+        # The rules below are about requests still waiting for their first token: a streaming one has its idle
+        # deadline, which says the same of it as the hung-kernel rule, on its own clock.
+        waiting = [(st, att) for st, att in opened if att.first_token_at is None]
+        if not waiting:
+            return
+        if stall.wedge_timeout_s > 0:
+            since = min(att.sent_at for _, att in waiting)
+            reason = decode_stalled(history, since, e.policies[endpoint].idle_timeout_s)
+            if reason is not None:
+                self._wedge(endpoint, "hung", reason, waiting, reading)
+                return
+        if stall.preempt_limit:
+            # the longest prompt is the one that does not fit; a loop ended before counts no more
+            st, att = max(waiting, key=lambda pair: self._prompt_tokens(pair[0]))
+            after = max(att.sent_at, self._preempt_kill.get(endpoint, -math.inf))
+            reason = preempt_loop(history, after, stall.preempt_limit, self._prompt_tokens(st))
+            if reason is not None:
+                self._preempt_kill[endpoint] = reading.t
+                self._wedge(endpoint, "preempt_loop", reason, [(st, att)], reading)
+
+    def _open(self, endpoint: str) -> list[tuple[AgentState, Attempt]]:
+        """Our attempts open on `endpoint` now, not already being killed (a gateway session's every request)."""
+        sessions = self.engine.sessions.by_name
+        opened = []
+        for st in self.engine.agents_on.get(endpoint, ()):
+            session = sessions.get(st.name)
+            attempts = list(session.in_flight.values()) if session is not None else [st.current]
+            opened += [(st, att) for att in attempts if att is not None and not att.kill_reason]
+        return opened
+
+    def _prompt_tokens(self, st: AgentState) -> int:
+        """The agent's prompt as the server will count it: its conversation's characters at the endpoint's
+        measured tokens per character."""
+        chars = sum(len(m.get("content") or "") for m in st.messages if isinstance(m.get("content"), str))
+        return round(chars * self.engine.figures[st.endpoint].tokens_per_char())
+
+    def _wedge(
+        self,
+        endpoint: str,
+        rule: WedgeRule,
+        reason: str,
+        opened: list[tuple[AgentState, Attempt]],
+        reading: Progress,
+    ) -> None:
+        e = self.engine
+        now = time.monotonic()
+        if rule != "preempt_loop":
+            self.wedged[endpoint] = (rule, reading.motion)
+        e.emit(ev.ServerWedged(now, endpoint, rule, reason, list(dict.fromkeys(st.name for st, _ in opened))))
+        for st, att in opened:
+            st.status = "wedged"
+            att.kill("wedge", reason)
+        if e.placement.pools_of(endpoint):
+            until = now + PREEMPT_DOWN_S if rule == "preempt_loop" else math.inf
+            if e.placement.mark_down(endpoint, f"is wedged ({reason})", until=until):
+                e.pools.tell_down(endpoint)
+        if rule == "preempt_loop" and e.scheduler.mode == "auto":
+            change = e.auto[endpoint].preempt_loop(reason)
+            if change is not None:
+                e.auto_feed.apply(endpoint, change)
+
+    def _over(self, endpoint: str, rule: WedgeRule) -> None:
+        e = self.engine
+        del self.wedged[endpoint]
+        e.emit(ev.ServerWedged(time.monotonic(), endpoint, rule, f"{endpoint} moves again", over=True))
+        for st, att in self._open(endpoint):
+            if st.status == "wedged":
+                st.status = "streaming" if att.first_token_at is not None else "prefill"
+        # a pool member marked down for it is up again at its next healthy sample (Pools.on_sample)
