@@ -1,7 +1,8 @@
 """Agents' MCP tool calls for one run: each call's permission (the server's rules, the operator's answer, or
 headless policy), its execution under its own deadline, and what the model is told; the operator's kill,
 extend, approve and deny act here. A resumed run reuses a call's result from the journal instead of running
-it again, and keeps the tools approved "for the run"."""
+it again, asks before running again a call the earlier run was cut off in, and keeps the tools approved "for
+the run"."""
 
 from __future__ import annotations
 
@@ -37,39 +38,89 @@ class _Pending:
 
 class ToolMemory:
     """What an earlier run of this run directory got from its tools, per agent: the results a resumed run
-    hands back instead of calling again, keyed by function name and arguments (in order, for repeats)."""
+    hands back instead of calling again, keyed by function name and arguments (in order, for repeats), and
+    the calls it started and never saw end (a crash mid-call), which may already have taken effect.
+
+    A call is paired with its result by position in the journal, never by its id: local tool-call parsers
+    number every call `call_1`, turn after turn."""
 
     def __init__(self) -> None:
+        # (agent, function, arguments) -> what each earlier call of it left, in order: its result, or
+        # INTERRUPTED (it started and has no end in the journal)
         self.results: dict[tuple[str, str, str], list[str]] = defaultdict(list)
         self.approved: set[tuple[str, str]] = set()
+        self.damaged: dict[str, str] = {}  # agent -> why some of its recorded calls cannot be known
 
     @classmethod
     def from_records(cls, records: Iterable[dict[str, Any]]) -> ToolMemory:
+        """From a journal's records in order (the journal's own reader has checked each is an event)."""
         memory = cls()
-        calls: dict[tuple[str, str], tuple[str, str]] = {}
-        answered: dict[tuple[str, str], str] = {}
-        good: set[tuple[str, str]] = set()
+        calls: dict[str, list[tuple[str, str] | None]] = {}  # agent -> the calls of its last answer, in order
+        done: dict[str, int] = {}  # agent -> how many of them have their tool message
+        state: dict[str, str] = {}  # agent -> what its current call has shown: "started", "ok", "error", ...
         for r in records:
             kind, agent = r.get("event"), r.get("agent")
-            if kind == "MessageRecorded" and isinstance(agent, str):
+            if not isinstance(agent, str):
+                continue
+            if kind == "MessageRecorded":
                 if r.get("role") == "assistant" and not r.get("partial"):
-                    for c in r.get("tool_calls") or ():
-                        fn = c.get("function") or {}
-                        calls[(agent, str(c.get("id")))] = (str(fn.get("name")), _canonical(fn.get("arguments")))
-                elif r.get("role") == "tool" and r.get("tool_call_id"):
-                    answered[(agent, str(r["tool_call_id"]))] = str(r.get("content", ""))
-            elif kind == "ToolCallFinished" and r.get("outcome") in ("ok", "error") and isinstance(agent, str):
-                good.add((agent, str(r.get("call_id"))))
+                    memory._interrupted(agent, calls, done, state)
+                    listed = r.get("tool_calls") or []
+                    calls[agent] = [_recorded_call(c) for c in (listed if isinstance(listed, list) else [None])]
+                    done[agent] = 0
+                    if None in calls[agent]:
+                        memory.damaged.setdefault(agent, "a tool call of its recorded in the journal is damaged")
+                elif r.get("role") == "tool" and agent in calls:
+                    position = done[agent]
+                    done[agent] = position + 1
+                    outcome = state.pop(agent, "")
+                    call = calls[agent][position] if position < len(calls[agent]) else None
+                    if call is not None and outcome in ("ok", "error"):
+                        memory.results[(agent, *call)].append(str(r.get("content", "")))
+                    elif call is not None and outcome == "started":
+                        memory.results[(agent, *call)].append(INTERRUPTED)
+            elif kind == "ToolCallStarted" and agent in calls:
+                state[agent] = "started"
+            elif kind == "ToolCallFinished" and agent in calls:
+                state[agent] = str(r.get("outcome"))
+            elif kind in ("AgentQueued", "AgentFinished"):
+                memory._interrupted(agent, calls, done, state)
+                calls.pop(agent, None)
             elif kind == "ApprovalDecided" and r.get("decision") == "run":
                 memory.approved.add((str(r.get("server")), str(r.get("tool"))))
-        for key, content in answered.items():
-            if key in good and key in calls:
-                memory.results[(key[0], *calls[key])].append(content)
+        for agent in list(calls):
+            memory._interrupted(agent, calls, done, state)
         return memory
 
+    def _interrupted(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
+                     state: dict[str, str]) -> None:
+        """The agent's answer is over (another one, its end, the journal's end): a call that started and has
+        no tool message was cut off mid-call."""
+        if state.pop(agent, "") == "started" and agent in calls and done[agent] < len(calls[agent]):
+            call = calls[agent][done[agent]]
+            if call is None:
+                self.damaged.setdefault(agent, "a tool call of its recorded in the journal is damaged")
+            else:
+                self.results[(agent, *call)].append(INTERRUPTED)
+            done[agent] += 1
+
     def take(self, agent: str, function: str, arguments: str) -> str | None:
+        """What the earlier run left of this call, the next of it in order: its result, INTERRUPTED, or None
+        (no earlier run of it)."""
         found = self.results.get((agent, function, _canonical(arguments)))
         return found.pop(0) if found else None
+
+
+INTERRUPTED = "\x00interrupted"
+"""ToolMemory.take's answer for a call an earlier run started and never finished (it may have taken effect)."""
+
+
+def _recorded_call(call: Any) -> tuple[str, str] | None:
+    """A recorded call's function name and arguments (canonical); None for an entry that is not a call."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        return None
+    return fn["name"], _canonical(fn.get("arguments"))
 
 
 def _canonical(arguments: Any) -> str:
@@ -153,13 +204,21 @@ class ToolCalls:
         server, tool = target
         cfg = self.servers.servers[server].config
         reused = self.memory.take(name, function, arguments)
-        if reused is not None:  # a resumed run: this call's result is in the journal already
+        if reused is not None and reused is not INTERRUPTED:  # a resumed run: its result is in the journal
             now = time.monotonic()
             emit(ev.ToolCallStarted(now, name, attempt, st.turn, call_id, server, tool, shown, None, ()))
             emit(ev.ToolCallFinished(now, name, call_id, server, tool, "ok",
                                      preview("(from the journal, not run again) " + reused), 0.0))
             return reused
-        denied = await self._permission(st, call_id, server, tool, shown, cfg)
+        # A call the earlier run started and never finished (or cannot tell, its record damaged) may already have
+        # taken effect: it runs again only with an approval, whatever the server's rules say.
+        uncertain = ("was started by the earlier run, which ended before it finished" if reused is INTERRUPTED
+                     else self.memory.damaged.get(name, ""))
+        if uncertain:
+            emit(ev.RunNotice(time.monotonic(), f"{name}: the tool call {server}.{tool}({shown}) {uncertain}: it "
+                              f"may already have taken effect, so it runs again only if approved", "warning",
+                              "Tool call may have run"))
+        denied = await self._permission(st, call_id, server, tool, shown, cfg, uncertain=bool(uncertain))
         if denied:
             emit(ev.ToolCallFinished(time.monotonic(), name, call_id, server, tool, "denied", denied, 0.0))
             return f"error: {denied}"
@@ -171,20 +230,26 @@ class ToolCalls:
             return text
         return await self._execute(st, attempt, call_id, server, tool, args, shown, cfg)
 
-    async def _permission(self, st: AgentState, call_id: str, server: str, tool: str, shown: str, cfg: Any) -> str:
-        """"" when the call may run; else why not, as the model is told."""
+    async def _permission(self, st: AgentState, call_id: str, server: str, tool: str, shown: str, cfg: Any, *,
+                          uncertain: bool = False) -> str:
+        """"" when the call may run; else why not, as the model is told. `uncertain`: the call may already have
+        taken effect (an earlier run was cut off in it): asked about as an `ask` rule would, unless denied."""
         rule = rule_for(cfg, tool)
         emit, name = self.emit, st.name
         if rule == "deny":
             emit(ev.ApprovalDecided(time.monotonic(), name, call_id, server, tool, "deny", "rule"))
             return f"denied: the rules of MCP server {server} deny {tool}"
-        if rule == "allow" or self.approvals.approved(server, tool):
+        if not uncertain and (rule == "allow" or self.approvals.approved(server, tool)):
             return ""
         if self.ask == "approve":
             emit(ev.ApprovalDecided(time.monotonic(), name, call_id, server, tool, "once", "headless"))
             return ""
         if self.ask == "deny":
             emit(ev.ApprovalDecided(time.monotonic(), name, call_id, server, tool, "deny", "headless"))
+            if uncertain:
+                return f"denied: this {tool} call may already have taken effect (an earlier run was cut off in " \
+                       "it), so it needs the operator's approval, and this headless run does not give it " \
+                       "(run --approve-all would)"
             return f"denied: {tool} needs the operator's approval, and this headless run does not give it " \
                    "(run --approve-all would)"
         pending = self.pending[(name, call_id)] = _Pending(server, tool)
