@@ -33,6 +33,10 @@ def agent_inputs(config: Config, cfg: AgentConfig, render: Callable[[str], str])
         "max_tokens": str(cfg.max_tokens),
         "temperature": str(cfg.temperature),
         "extra_body": json.dumps({**ep.extra_body, **cfg.extra_body}, sort_keys=True),
+        # what an agent with tools is offered and may do with them (without tools, neither matters)
+        "tools": ", ".join(cfg.tools),
+        "tool_choice": cfg.tool_choice if cfg.tools else "",
+        "max_steps": str(cfg.max_steps) if cfg.tools else "",
     }
 
 
@@ -73,17 +77,28 @@ def plan_resume(config: Config, waves: list[list[AgentConfig]], reused: Mapping[
     return rerun
 
 
+def request_prefix(run_id: str, run_dir: str) -> str:
+    """What a run's X-Request-Ids start with: its run id, and in a resumed run also the length its journal had
+    when it began. Every request is journalled (its AgentStarted) before it is sent, so the journal grows
+    between two resumes that send anything, and no resume sends an id an earlier run of the directory sent
+    (attempt numbers start again at 1 in each)."""
+    try:
+        size = (Path(run_dir) / "events.jsonl").stat().st_size if run_dir else 0
+    except OSError:
+        size = 0
+    return f"{run_id}.r{size}" if size else run_id
+
+
 def tool_memory(run_dir: str) -> ToolMemory | None:
     """What an earlier run in this run directory got from its tools (a resumed run); None: nothing."""
     if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
         return None
-    from cerevisor_tui.engine.sinks.journal import read_records
+    from cerevisor_tui.engine.sinks.journal import JournalError, iter_lines
 
-    try:
-        records, _ = read_records(run_dir)
-    except Exception:  # noqa: BLE001 - unreadable: the journal's own reader says so; calls simply run again
+    try:  # line by line: a journal may be far larger than what is kept of it
+        return ToolMemory.from_records(data for _, data, _ in iter_lines(run_dir) if data is not None)
+    except JournalError:  # unreadable: the journal's own reader says so; calls simply run again
         return None
-    return ToolMemory.from_records(records)
 
 
 def _digest(text: str) -> str:
@@ -94,8 +109,10 @@ def _input_change(key: str, before: str, now: str) -> str:
     """One changed input in the operator's words: texts by name, values from before to now."""
     if key in ("system", "prompt", "turns"):
         return f"{key} changed"
-    if key == "depends_on":
-        return f"depends_on [{before}] -> [{now}]"
+    if key in ("depends_on", "tools"):
+        return f"{key} [{before}] -> [{now}]"
+    if key in ("tool_choice", "max_steps"):
+        return f"{key} {before or '(none)'} -> {now or '(none)'}"
     if key == "model":
         return f"model {before or '(the first listed)'} -> {now or '(the first listed)'}"
     return f"{key} {before} -> {now}"
