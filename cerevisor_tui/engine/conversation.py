@@ -37,9 +37,10 @@ WAIT_BACKOFF_CAP_S = 5.0
 CONTEXT_WARN_FILL = 0.8  # an agent's context this full is flagged, before the turn that would not fit
 
 
-def request_id(run_id: str, agent: str, turn: int, attempt: int) -> str:
-    """The id an attempt's request carries to the server (X-Request-Id): the run, the agent, turn and attempt."""
-    return f"{run_id}.{agent}.t{turn}.a{attempt}"
+def request_id(prefix: str, agent: str, turn: int, attempt: int) -> str:
+    """The id an attempt's request carries to the server (X-Request-Id): the run (`Conversations.request_prefix`),
+    the agent, turn and attempt."""
+    return f"{prefix}.{agent}.t{turn}.a{attempt}"
 
 
 def header_value(name: str) -> str:
@@ -99,6 +100,9 @@ class Conversations:
                  render: Callable[[str], str], stopping: Callable[[], str],
                  relocate: Callable[[AgentState, str], bool] | None = None, tools: ToolCalls | None = None) -> None:
         self.run_id = run_id
+        # what each attempt's X-Request-Id starts with: the run id, and in a resumed run a mark of its own
+        # (engine/resume.py: request_prefix), so that no id an earlier run of the directory sent is sent again
+        self.request_prefix = run_id
         self.endpoints = endpoints
         self.policies = policies
         self.connections = connections
@@ -202,7 +206,7 @@ class Conversations:
         st.status = "prefill"
         self.emit(ev.AgentStarted(now, st.name, att.number, st.turn, st.turns, st.endpoint,
                                   policy.first_byte_timeout_s, policy.idle_timeout_s,
-                                  request_id=request_id(self.run_id, header_value(st.name), st.turn, number),
+                                  request_id=request_id(self.request_prefix, header_value(st.name), st.turn, number),
                                   step=st.step if st.toolset is not None else 0))
         parts, thinking = att.parts, att.thinking
         error: EndpointError | None = None
@@ -246,7 +250,7 @@ class Conversations:
         if att.first_token_at is not None:
             st.decode_s += end - att.first_token_at
         self._count_turn(st, messages, prompt_tokens, completion_tokens, ttft)
-        st.calls = assembled_calls(att.calls, f"{request_id(self.run_id, st.name, st.turn, att.number)}.") \
+        st.calls = assembled_calls(att.calls, f"{request_id(self.request_prefix, st.name, st.turn, att.number)}.") \
             if att.calls else []
         self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking),
                                      tool_calls=st.calls))
@@ -293,9 +297,9 @@ class Conversations:
                         body["tool_choice"] = choice
                 url = connections.chat_url(ep.name)
                 # X-Request-Id names the attempt in the server's own logs (vLLM takes it as its request id:
-                # "Aborted request(s) chatcmpl-<id>"); unique per run, agent, turn and attempt
+                # "Aborted request(s) chatcmpl-<id>"); unique per run (resumes included), agent, turn and attempt
                 headers = {"X-Cerevisor-Agent": agent_header,
-                           "X-Request-Id": request_id(self.run_id, agent_header, att.turn, number), **session}
+                           "X-Request-Id": request_id(self.request_prefix, agent_header, att.turn, number), **session}
                 stream = connections.stream(ep.name, url, body, headers)
                 att.stream = stream
                 async for kind, payload in stream.events():

@@ -168,6 +168,7 @@ class Engine:
             scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
             tools=self.tools)
         self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
+        self.conversations.request_prefix = resume.request_prefix(self.run_id, run_dir)
 
     @property
     def run_cost_usd(self) -> float:
