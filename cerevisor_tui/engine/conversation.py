@@ -98,7 +98,8 @@ class Conversations:
                  connections: Connections, watchdog: Watchdog, figures: Mapping[str, TurnFigures],
                  emit: Subscriber, subscribers: list[Subscriber], scrub: Scrubber,
                  render: Callable[[str], str], stopping: Callable[[], str],
-                 relocate: Callable[[AgentState, str], bool] | None = None, tools: ToolCalls | None = None) -> None:
+                 relocate: Callable[[AgentState, str], bool] | None = None, tools: ToolCalls | None = None,
+                 escape: Callable[[AgentState, str], bool] | None = None) -> None:
         self.run_id = run_id
         # what each attempt's X-Request-Id starts with: the run id, and in a resumed run a mark of its own
         # (engine/resume.py: request_prefix), so that no id an earlier run of the directory sent is sent again
@@ -119,6 +120,8 @@ class Conversations:
         self.tools = tools  # the run's MCP tool calls (engine/toolcalls.py); None: no [[mcp_servers]]
         # moves a pool's agent off a member that is down (Engine.relocate); None: no pools
         self.relocate = relocate
+        # moves a pool's agent off a member that failed its request (Pools.failed); None: no pools
+        self.escape = escape
         self._rng = random.Random()
 
     async def run(self, st: AgentState) -> None:
@@ -237,6 +240,11 @@ class Conversations:
                     raise AttemptFailed("failed", str(error), retryable=True, restart=True)
                 if error.status in (429, 503):
                     self.figures[st.endpoint].rejections += 1
+                # A pool's member that fails a request while others have room: the agent moves, and its next
+                # attempt is not a retry spent (the member is degraded, so it does not come back at once).
+                if error.retryable and st.pool and self.escape is not None and not self.stopping() \
+                        and self.escape(st, error.problem):
+                    raise AttemptFailed("failed", str(error), retryable=True, restart=True)
                 raise AttemptFailed("failed", str(error), retryable=error.retryable, retry_after_s=error.retry_after_s)
             raise AttemptFailed("cancelled", "cancelled", retryable=False)
         stream = att.stream

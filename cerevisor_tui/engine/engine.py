@@ -166,7 +166,7 @@ class Engine:
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
             scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
-            tools=self.tools)
+            tools=self.tools, escape=self.pools.failed)
         self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
         self.conversations.request_prefix = resume.request_prefix(self.run_id, run_dir)
 
