@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import anyio
 import tomli_w
 
 from tests.conftest import wait_until
@@ -175,6 +176,31 @@ def interrupted_run(tmp_path: Path, server: ScriptedServer, notes: Path) -> tupl
     return cfg, run_dir
 
 
+async def resumed_with_an_operator(cfg: Path, run_dir: Path) -> Any:
+    """Resume `run_dir` in this process with an operator to ask; returns the approval request it waits on,
+    which the operator denies."""
+    from cerevisor_tui.commands.run import resume_state
+    from cerevisor_tui.config import load_config
+    from cerevisor_tui.contract.commands import Deny
+    from cerevisor_tui.engine.run_setup import open_run
+    from tests.test_tools_permissions import waiter
+
+    _, state = resume_state(str(run_dir), run_dir.parent)
+    engine, journal = open_run(load_config(str(cfg)), state.run_id, run_dir, console=True, resume=True,
+                               completed=state.completed, history=state.history, ask="operator")
+    seen: list = []
+    engine.subscribe(seen.append)
+    async with anyio.create_task_group() as group:
+        group.start_soon(engine.run)
+        await waiter(engine, seen, lambda e: e.kind == "ApprovalRequested").wait()
+        asked = next(e for e in seen if e.kind == "ApprovalRequested")
+        engine.handle(Deny(agent=asked.agent, call_id=asked.call_id))
+    journal.close()
+    notices = [e.message for e in seen if e.kind == "RunNotice" and "may already have taken effect" in e.message]
+    assert len(notices) == 1
+    return asked
+
+
 def test_a_call_cut_off_by_a_crash_is_not_run_again_headless_without_approve_all(tmp_path):
     notes = tmp_path / "notes.txt"
 
@@ -185,8 +211,13 @@ def test_a_call_cut_off_by_a_crash_is_not_run_again_headless_without_approve_all
 
     with scripted(script) as server:
         cfg, run_dir = interrupted_run(tmp_path, server, notes)
-        copy = tmp_path / "copy"
+        copy, console = tmp_path / "copy", tmp_path / "console"
         shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("*.sock"))
+        shutil.copytree(run_dir, console, ignore=shutil.ignore_patterns("*.sock"))
+        # where an operator may answer (a console, a detached run), it waits for one, though the rules allow it
+        asked = anyio.run(resumed_with_an_operator, cfg, console)
+        assert (asked.server, asked.tool) == ("fake", "slow_note")
+        assert notes.read_text() == "once\n"
         # headless, no --approve-all: the call may already have taken effect, so it is denied, and said so
         proc = cerevisor(str(cfg), "--resume", str(run_dir), "--jsonl")
         out, err = proc.communicate(timeout=120)

@@ -69,7 +69,7 @@ class ToolMemory:
                     calls[agent] = [_recorded_call(c) for c in (listed if isinstance(listed, list) else [None])]
                     done[agent] = 0
                     if None in calls[agent]:
-                        memory.damaged.setdefault(agent, "a tool call of its recorded in the journal is damaged")
+                        memory.damaged.setdefault(agent, DAMAGED)
                 elif r.get("role") == "tool" and agent in calls:
                     position = done[agent]
                     done[agent] = position + 1
@@ -99,7 +99,7 @@ class ToolMemory:
         if state.pop(agent, "") == "started" and agent in calls and done[agent] < len(calls[agent]):
             call = calls[agent][done[agent]]
             if call is None:
-                self.damaged.setdefault(agent, "a tool call of its recorded in the journal is damaged")
+                self.damaged.setdefault(agent, DAMAGED)
             else:
                 self.results[(agent, *call)].append(INTERRUPTED)
             done[agent] += 1
@@ -112,6 +112,7 @@ class ToolMemory:
 
 
 INTERRUPTED = "\x00interrupted"
+DAMAGED = "cannot be paired with what the earlier run recorded (one of its tool calls is damaged in the journal)"
 """ToolMemory.take's answer for a call an earlier run started and never finished (it may have taken effect)."""
 
 
@@ -215,7 +216,8 @@ class ToolCalls:
         uncertain = ("was started by the earlier run, which ended before it finished" if reused is INTERRUPTED
                      else self.memory.damaged.get(name, ""))
         if uncertain:
-            emit(ev.RunNotice(time.monotonic(), f"{name}: the tool call {server}.{tool}({shown}) {uncertain}: it "
+            brief = shown if len(shown) <= 120 else shown[:119] + "…"
+            emit(ev.RunNotice(time.monotonic(), f"{name}: the tool call {server}.{tool}({brief}) {uncertain}: it "
                               f"may already have taken effect, so it runs again only if approved", "warning",
                               "Tool call may have run"))
         denied = await self._permission(st, call_id, server, tool, shown, cfg, uncertain=bool(uncertain))
