@@ -49,7 +49,7 @@ class ToolMemory:
         # INTERRUPTED (it started and has no end in the journal)
         self.results: dict[tuple[str, str, str], list[str]] = defaultdict(list)
         self.approved: set[tuple[str, str]] = set()
-        self.damaged: dict[str, str] = {}  # agent -> why some of its recorded calls cannot be known
+        self.damaged: dict[str, int] = {}  # agent -> its calls that ran and whose records cannot be read
 
     @classmethod
     def from_records(cls, records: Iterable[dict[str, Any]]) -> ToolMemory:
@@ -64,45 +64,57 @@ class ToolMemory:
                 continue
             if kind == "MessageRecorded":
                 if r.get("role") == "assistant" and not r.get("partial"):
-                    memory._interrupted(agent, calls, done, state)
-                    listed = r.get("tool_calls") or []
-                    calls[agent] = [_recorded_call(c) for c in (listed if isinstance(listed, list) else [None])]
+                    memory._answer_over(agent, calls, done, state)
+                    calls[agent] = [_recorded_call(c) for c in r.get("tool_calls") or ()]
                     done[agent] = 0
-                    if None in calls[agent]:
-                        memory.damaged.setdefault(agent, DAMAGED)
                 elif r.get("role") == "tool" and agent in calls:
-                    position = done[agent]
-                    done[agent] = position + 1
-                    outcome = state.pop(agent, "")
-                    call = calls[agent][position] if position < len(calls[agent]) else None
-                    if call is not None and outcome in ("ok", "error"):
-                        memory.results[(agent, *call)].append(str(r.get("content", "")))
-                    elif call is not None and outcome == "started":
-                        memory.results[(agent, *call)].append(INTERRUPTED)
+                    memory._call_over(agent, calls, done, state.pop(agent, ""), str(r.get("content", "")))
             elif kind == "ToolCallStarted" and agent in calls:
                 state[agent] = "started"
             elif kind == "ToolCallFinished" and agent in calls:
                 state[agent] = str(r.get("outcome"))
             elif kind in ("AgentQueued", "AgentFinished"):
-                memory._interrupted(agent, calls, done, state)
+                memory._answer_over(agent, calls, done, state)
                 calls.pop(agent, None)
             elif kind == "ApprovalDecided" and r.get("decision") == "run":
                 memory.approved.add((str(r.get("server")), str(r.get("tool"))))
         for agent in list(calls):
-            memory._interrupted(agent, calls, done, state)
+            memory._answer_over(agent, calls, done, state)
         return memory
 
-    def _interrupted(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
+    def _call_over(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
+                   outcome: str, content: str | None) -> None:
+        """The agent's next call (by position) has its tool message (`content`), or its answer is over without
+        one (None). A call that ran (or began to) and has no result to hand back may have taken effect."""
+        position = done[agent]
+        if position >= len(calls[agent]):
+            return
+        done[agent] = position + 1
+        call = calls[agent][position]
+        ran = outcome == "started" or (outcome in ("ok", "error") and content is None)
+        if call is None:
+            if ran or outcome in ("ok", "error"):
+                self.damaged[agent] = self.damaged.get(agent, 0) + 1
+        elif outcome in ("ok", "error") and content is not None:
+            self.results[(agent, *call)].append(content)
+        elif ran:
+            self.results[(agent, *call)].append(INTERRUPTED)
+
+    def _answer_over(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
                      state: dict[str, str]) -> None:
         """The agent's answer is over (another one, its end, the journal's end): a call that started and has
         no tool message was cut off mid-call."""
-        if state.pop(agent, "") == "started" and agent in calls and done[agent] < len(calls[agent]):
-            call = calls[agent][done[agent]]
-            if call is None:
-                self.damaged.setdefault(agent, DAMAGED)
-            else:
-                self.results[(agent, *call)].append(INTERRUPTED)
-            done[agent] += 1
+        outcome = state.pop(agent, "")
+        if outcome and agent in calls:
+            self._call_over(agent, calls, done, outcome, None)
+
+    def uncertain(self, agent: str) -> bool:
+        """Whether the agent's next call without a recorded result may be one whose record is damaged (it ran,
+        and what it was cannot be read): as many of its calls are asked about as it has damaged records."""
+        left = self.damaged.get(agent, 0)
+        if left:
+            self.damaged[agent] = left - 1
+        return bool(left)
 
     def take(self, agent: str, function: str, arguments: str) -> str | None:
         """What the earlier run left of this call, the next of it in order: its result, INTERRUPTED, or None
@@ -112,7 +124,6 @@ class ToolMemory:
 
 
 INTERRUPTED = "\x00interrupted"
-DAMAGED = "cannot be paired with what the earlier run recorded (one of its tool calls is damaged in the journal)"
 """ToolMemory.take's answer for a call an earlier run started and never finished (it may have taken effect)."""
 
 
@@ -214,7 +225,8 @@ class ToolCalls:
         # A call the earlier run started and never finished (or cannot tell, its record damaged) may already have
         # taken effect: it runs again only with an approval, whatever the server's rules say.
         uncertain = ("was started by the earlier run, which ended before it finished" if reused is INTERRUPTED
-                     else self.memory.damaged.get(name, ""))
+                     else "cannot be paired with what the earlier run recorded (a tool call it ran is damaged in "
+                          "the journal)" if reused is None and self.memory.uncertain(name) else "")
         if uncertain:
             brief = shown if len(shown) <= 120 else shown[:119] + "…"
             emit(ev.RunNotice(time.monotonic(), f"{name}: the tool call {server}.{tool}({brief}) {uncertain}: it "
