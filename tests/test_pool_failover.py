@@ -50,3 +50,20 @@ async def test_with_no_other_member_to_go_to_the_agent_retries_where_it_is(quick
     assert not [e for e in seen if e.kind == "AgentPlaced" and e.moved_from]
     assert [e.attempt for e in seen if e.kind == "AgentRetrying"] == [2]
     assert [e.title for e in seen if e.kind == "RunNotice"] == ["Pool member degraded"]
+
+
+def test_a_degraded_member_takes_new_agents_only_when_no_other_has_room_and_recovers_after_its_time():
+    from cerevisor_tui.config.models import PoolConfig
+    from cerevisor_tui.engine.placement import DEGRADED_S, MemberLoad, Placement
+
+    placement = Placement([PoolConfig(name="fleet", endpoints=["a", "b"])])
+    loads = [MemberLoad("a", 0, 2), MemberLoad("b", 1, 2)]
+    assert placement.choose("fleet", loads, 0.0).name == "a"  # emptier
+    assert placement.mark_degraded("a", "HTTP 500", 10.0) and not placement.mark_degraded("a", "HTTP 500", 11.0)
+    assert placement.choose("fleet", loads, 12.0).name == "b"
+    assert placement.escape_target("fleet", loads, "a", 12.0).name == "b"
+    full = [MemberLoad("a", 0, 2), MemberLoad("b", 2, 2)]
+    assert placement.choose("fleet", full, 12.0).name == "a"  # degraded, but the only one with room
+    assert placement.escape_target("fleet", full, "a", 12.0) is None  # nowhere with room: it stays
+    assert placement.choose("fleet", loads, 11.0 + DEGRADED_S).name == "a"  # its last failure is long past
+    assert "a" not in placement.degraded
