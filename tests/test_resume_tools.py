@@ -329,3 +329,38 @@ def test_a_resumed_run_never_sends_an_x_request_id_an_earlier_run_sent(tmp_path)
     assert len(set(server.request_ids)) == 3, server.request_ids  # the resume's t1.a1 is not the first run's
     # the held request and the resume's first one are the same turn and attempt, under different ids
     assert server.request_ids[0].endswith(".a0.t1.a1") and server.request_ids[1].endswith(".a0.t1.a1")
+
+
+def test_a_cut_off_call_run_to_its_end_by_a_resume_is_reused_by_the_next_resume(tmp_path):
+    notes, run_dir = tmp_path / "notes.txt", tmp_path / "run"
+    hold = threading.Event()
+    hold.set()
+
+    def script(body: dict[str, Any]) -> dict[str, Any] | str | None:
+        done = tool_results(body)
+        if not done:
+            return {"name": "fake__note", "arguments": {"path": str(notes), "text": "a"}}
+        if len(done) == 1:
+            return {"name": "fake__slow_note", "arguments": {"path": str(notes), "text": "b", "seconds": 8}}
+        return None if hold.is_set() else "done"
+
+    with scripted(script) as server:
+        cfg = config(tmp_path, server.base_url)
+        # killed while slow_note sleeps, its line written
+        killed_after(cerevisor(str(cfg), "--run-dir", str(run_dir)), run_dir,
+                     lambda rs: any(r["event"] == "ToolCallStarted" and r["tool"] == "slow_note" for r in rs)
+                     and notes.read_text().count("b") == 1)
+        # resumed with --approve-all: `a` is reused, `b` runs again to its end; killed waiting for the answer
+        killed_after(cerevisor(str(cfg), "--resume", str(run_dir), "--approve-all"), run_dir,
+                     lambda rs: sum(r["event"] == "ToolCallFinished" and r["tool"] == "slow_note"
+                                    and r["outcome"] == "ok" for r in rs) == 1)
+        assert notes.read_text() == "a\nb\nb\n"
+        hold.clear()
+        proc = cerevisor(str(cfg), "--resume", str(run_dir), "--jsonl")  # headless, no --approve-all
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert notes.read_text() == "a\nb\nb\n"  # the second resume ran neither call, nor asked about b
+    resumed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["tool"], r["outcome"]) for r in resumed if r["event"] == "ToolCallFinished"] == [
+        ("note", "ok"), ("slow_note", "ok")]
+    assert not [r for r in resumed if r["event"] in ("ApprovalDecided", "RunNotice") and "may already" in str(r)]

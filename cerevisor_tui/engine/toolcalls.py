@@ -58,32 +58,39 @@ class ToolMemory:
         calls: dict[str, list[tuple[str, str] | None]] = {}  # agent -> the calls of its last answer, in order
         done: dict[str, int] = {}  # agent -> how many of them have their tool message
         state: dict[str, str] = {}  # agent -> what its current call has shown: "started", "ok", "error", ...
+        # agent -> what each call (function, arguments) of its current run left, in order; a run is from its
+        # AgentQueued on, and a later run (a resume) walks the same calls again: see _fold
+        runs: dict[str, dict[tuple[str, str], list[str]]] = {}
         for r in records:
             kind, agent = r.get("event"), r.get("agent")
             if not isinstance(agent, str):
                 continue
             if kind == "MessageRecorded":
                 if r.get("role") == "assistant" and not r.get("partial"):
-                    memory._answer_over(agent, calls, done, state)
+                    memory._answer_over(agent, calls, done, state, runs)
                     calls[agent] = [_recorded_call(c) for c in r.get("tool_calls") or ()]
                     done[agent] = 0
                 elif r.get("role") == "tool" and agent in calls:
-                    memory._call_over(agent, calls, done, state.pop(agent, ""), str(r.get("content", "")))
+                    memory._call_over(agent, calls, done, state.pop(agent, ""), str(r.get("content", "")), runs)
             elif kind == "ToolCallStarted" and agent in calls:
                 state[agent] = "started"
             elif kind == "ToolCallFinished" and agent in calls:
                 state[agent] = str(r.get("outcome"))
             elif kind in ("AgentQueued", "AgentFinished"):
-                memory._answer_over(agent, calls, done, state)
+                memory._answer_over(agent, calls, done, state, runs)
                 calls.pop(agent, None)
+                if kind == "AgentQueued":
+                    memory._fold(agent, runs.pop(agent, {}))
             elif kind == "ApprovalDecided" and r.get("decision") == "run":
                 memory.approved.add((str(r.get("server")), str(r.get("tool"))))
         for agent in list(calls):
-            memory._answer_over(agent, calls, done, state)
+            memory._answer_over(agent, calls, done, state, runs)
+        for agent, run in runs.items():
+            memory._fold(agent, run)
         return memory
 
     def _call_over(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
-                   outcome: str, content: str | None) -> None:
+                   outcome: str, content: str | None, runs: dict[str, dict[tuple[str, str], list[str]]]) -> None:
         """The agent's next call (by position) has its tool message (`content`), or its answer is over without
         one (None). A call that ran (or began to) and has no result to hand back may have taken effect."""
         position = done[agent]
@@ -91,22 +98,37 @@ class ToolMemory:
             return
         done[agent] = position + 1
         call = calls[agent][position]
+        finished = outcome in ("ok", "error") and content is not None
         ran = outcome == "started" or (outcome in ("ok", "error") and content is None)
         if call is None:
-            if ran or outcome in ("ok", "error"):
+            if ran or finished:
                 self.damaged[agent] = self.damaged.get(agent, 0) + 1
-        elif outcome in ("ok", "error") and content is not None:
-            self.results[(agent, *call)].append(content)
-        elif ran:
-            self.results[(agent, *call)].append(INTERRUPTED)
+            return
+        left = runs.setdefault(agent, {}).setdefault(call, [])
+        left.append(content if finished and content is not None else INTERRUPTED if ran else NOT_RUN)
 
     def _answer_over(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
-                     state: dict[str, str]) -> None:
+                     state: dict[str, str], runs: dict[str, dict[tuple[str, str], list[str]]]) -> None:
         """The agent's answer is over (another one, its end, the journal's end): a call that started and has
         no tool message was cut off mid-call."""
         outcome = state.pop(agent, "")
         if outcome and agent in calls:
-            self._call_over(agent, calls, done, outcome, None)
+            self._call_over(agent, calls, done, outcome, None, runs)
+
+    def _fold(self, agent: str, run: dict[tuple[str, str], list[str]]) -> None:
+        """One run of the agent into what is known: its n-th call of a function and arguments replaces the
+        n-th known one when it ran (a result, or cut off); one it did not run (denied, timed out, killed)
+        leaves what an earlier run left. So a result reused by a resume is not counted twice, and a call cut
+        off once and then run to its end has that result."""
+        for (function, arguments), entries in run.items():
+            known = self.results[(agent, function, arguments)]
+            for n, entry in enumerate(entries):
+                if n >= len(known):
+                    known.append(entry)
+                elif entry is not NOT_RUN:
+                    known[n] = entry
+            while known and known[-1] is NOT_RUN:
+                known.pop()
 
     def uncertain(self, agent: str) -> bool:
         """Whether the agent's next call without a recorded result may be one whose record is damaged (it ran,
@@ -118,13 +140,18 @@ class ToolMemory:
 
     def take(self, agent: str, function: str, arguments: str) -> str | None:
         """What the earlier run left of this call, the next of it in order: its result, INTERRUPTED, or None
-        (no earlier run of it)."""
+        (no earlier run of it, or one that did not run it)."""
         found = self.results.get((agent, function, _canonical(arguments)))
-        return found.pop(0) if found else None
+        if not found:
+            return None
+        entry = found.pop(0)
+        return None if entry is NOT_RUN else entry
 
 
 INTERRUPTED = "\x00interrupted"
 """ToolMemory.take's answer for a call an earlier run started and never finished (it may have taken effect)."""
+NOT_RUN = "\x00not run"
+"""A call an earlier run did not run (denied, or timed out or killed: its result is not one to hand back)."""
 
 
 def _recorded_call(call: Any) -> tuple[str, str] | None:
