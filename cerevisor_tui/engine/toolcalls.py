@@ -46,7 +46,7 @@ class ToolMemory:
 
     def __init__(self) -> None:
         # (agent, function, arguments) -> what each earlier call of it left, in order: its result, or
-        # INTERRUPTED (it started and has no end in the journal)
+        # INTERRUPTED (it started and has no end in the journal), or NOT_RUN (denied, timed out, killed)
         self.results: dict[tuple[str, str, str], list[str]] = defaultdict(list)
         self.approved: set[tuple[str, str]] = set()
         self.damaged: dict[str, int] = {}  # agent -> its calls that ran and whose records cannot be read
