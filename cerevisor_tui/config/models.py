@@ -58,11 +58,19 @@ OWN_BODY_KEYS = frozenset({"model", "messages", "stream", "stream_options", "max
 """A chat request's fields the run sets itself: an `extra_body` may not (an agent's own keys set the rest)."""
 
 
+ONE_ANSWER_KEYS = frozenset({"n", "best_of"})
+"""Fields that ask a server for several answers per request: an agent's turn has one answer."""
+
+
 def _checked_extra_body(value: dict[str, Any]) -> dict[str, Any]:
     taken = sorted(OWN_BODY_KEYS & value.keys())
     if taken:
         raise ValueError(f"{', '.join(taken)}: set by the run itself (an agent's max_tokens, temperature or "
                          "tool_choice key sets what may be set)")
+    several = sorted(ONE_ANSWER_KEYS & value.keys())
+    if several:
+        raise ValueError(f"{', '.join(several)}: asks the server for several answers per request (their streams "
+                         "interleave), and an agent's turn takes one; remove it (run more agents instead)")
     for key, item in value.items():
         try:
             json.dumps(item, allow_nan=False)

@@ -68,6 +68,7 @@ class _Delta(msgspec.Struct, gc=False):
 
 
 class _Choice(msgspec.Struct, gc=False):
+    index: int | None = None  # 0 is the answer; a server asked for several (n, best_of) streams others beside it
     delta: _Delta | None = None
     message: _Delta | None = None
     finish_reason: str | None = None
@@ -254,7 +255,9 @@ class ChatStream:
                 choices = chunk.choices
                 if choices and chunk.usage is None:
                     choice = choices[0]
-                    delta = choice.delta
+                    if choice.index:
+                        choice = _answer_choice(choices)
+                    delta = choice.delta if choice is not None else None
                     if delta is not None and choice.finish_reason is None and not delta.tool_calls:
                         text = delta.content
                         reasoning = delta.reasoning_content or delta.reasoning
@@ -343,8 +346,8 @@ class ChatStream:
     def _items(self, chunk: _Chunk) -> list[tuple[int, Any]]:
         """What any chunk yields: its delta, its finish reason, its usage, or a keep-alive when it has none."""
         out: list[tuple[int, Any]] = []
-        if chunk.choices:
-            choice = chunk.choices[0]
+        choice = _answer_choice(chunk.choices) if chunk.choices else None
+        if choice is not None:
             delta = choice.delta
             if choice.message is not None and (delta is None or not _has_text(delta)):
                 delta = choice.message  # a whole chat.completion (a server that ignored stream: true)
@@ -394,6 +397,15 @@ class ChatStream:
         for item in self._items(self._read(raw, False)):
             yield item
         self._done = True
+
+
+def _answer_choice(choices: list[_Choice]) -> _Choice | None:
+    """The chunk's choice of index 0 (or of none given): the answer. Another choice's pieces are never joined
+    into it, whatever the request asked for."""
+    for choice in choices:
+        if not choice.index:
+            return choice
+    return None
 
 
 async def _lines(response: httpx.Response, stream: ChatStream, endpoint: str) -> AsyncIterator[list[bytes]]:

@@ -39,9 +39,10 @@ WAIT_BACKOFF_CAP_S = 5.0
 CONTEXT_WARN_FILL = 0.8  # an agent's context this full is flagged, before the turn that would not fit
 
 
-def request_id(run_id: str, agent: str, turn: int, attempt: int) -> str:
-    """The id an attempt's request carries to the server (X-Request-Id): the run, the agent, turn and attempt."""
-    return f"{run_id}.{agent}.t{turn}.a{attempt}"
+def request_id(prefix: str, agent: str, turn: int, attempt: int) -> str:
+    """The id an attempt's request carries to the server (X-Request-Id): the run (`Conversations.request_prefix`),
+    the agent, turn and attempt."""
+    return f"{prefix}.{agent}.t{turn}.a{attempt}"
 
 
 def header_value(name: str) -> str:
@@ -99,8 +100,12 @@ class Conversations:
                  connections: Connections, watchdog: Watchdog, figures: Mapping[str, TurnFigures],
                  emit: Subscriber, subscribers: list[Subscriber], scrub: Scrubber,
                  render: Callable[[str], str], stopping: Callable[[], str],
-                 relocate: Callable[[AgentState, str], bool] | None = None, tools: ToolCalls | None = None) -> None:
+                 relocate: Callable[[AgentState, str], bool] | None = None, tools: ToolCalls | None = None,
+                 escape: Callable[[AgentState, str], bool] | None = None) -> None:
         self.run_id = run_id
+        # what each attempt's X-Request-Id starts with: the run id, and in a resumed run a mark of its own
+        # (engine/resume.py: request_prefix), so that no id an earlier run of the directory sent is sent again
+        self.request_prefix = run_id
         self.endpoints = endpoints
         self.policies = policies
         self.connections = connections
@@ -123,6 +128,8 @@ class Conversations:
         self.replay: Callable[[list[dict[str, Any]]], None] | None = None  # their figures, into the report
         # told each request's llama.cpp `timings` with its TTFT (the monitor's latency panel); None: not told
         self.on_timings: Callable[[str, Timings], None] | None = None
+        # moves a pool's agent off a member that failed its request (Pools.failed); None: no pools
+        self.escape = escape
         self._rng = random.Random()
 
     async def run(self, st: AgentState) -> None:
@@ -239,7 +246,7 @@ class Conversations:
         st.status = "prefill"
         self.emit(ev.AgentStarted(now, st.name, att.number, st.turn, st.turns, st.endpoint,
                                   policy.first_byte_timeout_s, policy.idle_timeout_s,
-                                  request_id=request_id(self.run_id, header_value(st.name), st.turn, number),
+                                  request_id=request_id(self.request_prefix, header_value(st.name), st.turn, number),
                                   step=st.step if st.toolset is not None else 0))
         parts, thinking = att.parts, att.thinking
         error: EndpointError | None = None
@@ -272,6 +279,11 @@ class Conversations:
                     raise AttemptFailed("failed", str(error), retryable=True, restart=True)
                 if error.status in (429, 503):
                     self.figures[st.endpoint].rejections += 1
+                # A pool's member that fails a request while others have room: the agent moves, and its next
+                # attempt is not a retry spent (the member is degraded, so it does not come back at once).
+                if error.retryable and st.pool and self.escape is not None and not self.stopping() \
+                        and self.escape(st, error.problem):
+                    raise AttemptFailed("failed", str(error), retryable=True, restart=True)
                 raise AttemptFailed("failed", str(error), retryable=error.retryable, retry_after_s=error.retry_after_s)
             raise AttemptFailed("cancelled", "cancelled", retryable=False)
         stream = att.stream
@@ -288,7 +300,7 @@ class Conversations:
         timings = getattr(stream, "timings", None)
         if timings is not None and self.on_timings is not None:
             self.on_timings(st.endpoint, Timings(ttft, *timings))
-        st.calls = assembled_calls(att.calls, f"{request_id(self.run_id, st.name, st.turn, att.number)}.") \
+        st.calls = assembled_calls(att.calls, f"{request_id(self.request_prefix, st.name, st.turn, att.number)}.") \
             if att.calls else []
         self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking),
                                      tool_calls=st.calls))
@@ -335,9 +347,9 @@ class Conversations:
                         body["tool_choice"] = choice
                 url = connections.chat_url(ep.name)
                 # X-Request-Id names the attempt in the server's own logs (vLLM takes it as its request id:
-                # "Aborted request(s) chatcmpl-<id>"); unique per run, agent, turn and attempt
+                # "Aborted request(s) chatcmpl-<id>"); unique per run (resumes included), agent, turn and attempt
                 headers = {"X-Cerevisor-Agent": agent_header,
-                           "X-Request-Id": request_id(self.run_id, agent_header, att.turn, number), **session}
+                           "X-Request-Id": request_id(self.request_prefix, agent_header, att.turn, number), **session}
                 stream = connections.stream(ep.name, url, body, headers)
                 att.stream = stream
                 async for kind, payload in stream.events():

@@ -150,9 +150,8 @@ class Engine:
         # or approve. A resumed run takes its earlier calls' results and "for the run" approvals from the journal.
         used = {tool.split(".", 1)[0] for agent in config.agents for tool in agent.tools}
         self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir, scrub=self.scrub)
-        records = resume.journal_records(run_dir)  # an earlier run's in this directory: [] for a new one
         self.tools = ToolCalls(self.tool_servers, emit=self.emit, scrub=self.scrub, ask=ask,
-                               memory=resume.tool_memory(records) if used else None)
+                               memory=resume.tool_memory(run_dir) if used else None)
         # The run's parts, each handed what it needs of the engine's state (the same objects, not copies).
         self.connections = Connections(config, self.emit, stream_process=stream_process)
         self.base_urls = self.connections.base_urls  # the simulator's, once it is started
@@ -170,14 +169,14 @@ class Engine:
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
             scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
-            tools=self.tools)
+            tools=self.tools, escape=self.pools.failed)
         self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
         # an agent that had not completed goes on after the turns it had answered (one run again starts anew)
-        self.conversations.recorded_turns = {
-            name: turns for name, turns in resume.recorded_turns(records).items()
-            if name not in self.completed_before and name not in self.rerun}
+        self.conversations.recorded_turns = resume.recorded_turns(
+            resume.journal_records(run_dir), skip={*self.completed_before, *self.rerun})
         self.conversations.replay = self.report.replay
         self.conversations.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
+        self.conversations.request_prefix = resume.request_prefix(self.run_id, run_dir)
 
     @property
     def run_cost_usd(self) -> float:

@@ -1,6 +1,7 @@
 """Pools in a run: each pool agent placed on one member when admitted (by live load, engine/placement.py),
-moved only when its member is down (a refused connection, a failed health check), and every placement and
-move told as AgentPlaced, every member down or up again as a RunNotice."""
+moved only when its member is down (a refused connection, a failed health check) or fails its request (a
+retryable error: the member is degraded, and the agent goes to a member with room), and every placement and
+move told as AgentPlaced, every member down, degraded or up again as a RunNotice."""
 
 from __future__ import annotations
 
@@ -66,6 +67,29 @@ class Pools:
         why = self.placement.down.get(member, "down")
         self.placed(st, target.name, member, f"moved from {member}, which {why}; its prefix cache there is lost "
                                              f"and {target.name} computes the conversation afresh")
+        e.refresh_load(member)
+        e.refresh_load(target.name)
+        return True
+
+    def failed(self, st: AgentState, why: str) -> bool:
+        """A pool agent's request failed on its member with a retryable error (an HTTP 500 or 429, a broken
+        stream) although the member is up: the member is degraded for placement, and the agent moves to another
+        member with room. Returns whether it moved; it retries where it is when no other member has room."""
+        e = self.engine
+        member, now = st.endpoint, time.monotonic()
+        if not st.pool:
+            return False
+        why = why if len(why) <= 160 else why[:159] + "…"  # a server's whole error page is not a notice
+        if self.placement.mark_degraded(member, why, now):
+            e.emit(ev.RunNotice(now, f"{member} failed a request ({why}): it is degraded, new agents go to other "
+                                "members while they have room, and agents it fails move to them", "warning",
+                                "Pool member degraded"))
+        target = self.placement.escape_target(st.pool, self.member_loads(st.pool), member, now)
+        if target is None:
+            return False
+        e.scheduler.move(st.name, target.name)
+        self.placed(st, target.name, member, f"moved from {member}, which failed its request ({why}); its prefix "
+                                             f"cache there is lost and {target.name} computes the conversation afresh")
         e.refresh_load(member)
         e.refresh_load(target.name)
         return True

@@ -10,9 +10,10 @@ the first turn without an answer, so no answered turn is sent twice.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,10 @@ def agent_inputs(config: Config, cfg: AgentConfig, render: Callable[[str], str])
         "max_tokens": str(cfg.max_tokens),
         "temperature": str(cfg.temperature),
         "extra_body": json.dumps({**ep.extra_body, **cfg.extra_body}, sort_keys=True),
+        # what an agent with tools is offered and may do with them (without tools, neither matters)
+        "tools": ", ".join(cfg.tools),
+        "tool_choice": cfg.tool_choice if cfg.tools else "",
+        "max_steps": str(cfg.max_steps) if cfg.tools else "",
     }
 
 
@@ -77,9 +82,28 @@ def plan_resume(config: Config, waves: list[list[AgentConfig]], reused: Mapping[
     return rerun
 
 
-def tool_memory(records: list[dict[str, Any]]) -> ToolMemory | None:
+def request_prefix(run_id: str, run_dir: str) -> str:
+    """What a run's X-Request-Ids start with: its run id, and in a resumed run also the length its journal had
+    when it began. Every request is journalled (its AgentStarted) before it is sent, so the journal grows
+    between two resumes that send anything, and no resume sends an id an earlier run of the directory sent
+    (attempt numbers start again at 1 in each)."""
+    try:
+        size = (Path(run_dir) / "events.jsonl").stat().st_size if run_dir else 0
+    except OSError:
+        size = 0
+    return f"{run_id}.r{size}" if size else run_id
+
+
+def tool_memory(run_dir: str) -> ToolMemory | None:
     """What an earlier run in this run directory got from its tools (a resumed run); None: nothing."""
-    return ToolMemory.from_records(records) if records else None
+    if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
+        return None
+    from cerevisor_tui.engine.sinks.journal import JournalError, iter_lines
+
+    try:  # line by line: a journal may be far larger than what is kept of it
+        return ToolMemory.from_records(data for _, data, _ in iter_lines(run_dir) if data is not None)
+    except JournalError:  # unreadable: the journal's own reader says so; calls simply run again
+        return None
 
 
 @dataclass(frozen=True)
@@ -96,12 +120,12 @@ class RecordedTurn:
 _NOT_A_TURNS = {"AgentQueued", "AgentFinished", "AgentRerun", "AgentStatus"}  # an agent's events, not a turn's
 
 
-def recorded_turns(records: Iterable[dict[str, Any]]) -> dict[str, list[RecordedTurn]]:
+def recorded_turns(records: Iterable[dict[str, Any]], skip: Container[str] = ()) -> dict[str, list[RecordedTurn]]:
     """Each agent's answered turns, from turn 1 on with none missing, as the journal's MessageRecorded tell
     them. A turn's user message starts it again and drops every later turn recorded before (an agent run
     again from an earlier turn: what it said after is not its conversation any more); a partial answer (its
     attempt died) is not an answer; a turn whose answer, and the TurnFinished after it, are not recorded ends
-    what can be reused."""
+    what can be reused. The agents in `skip` (completed, or run again from the start) are not kept."""
     chains: dict[str, dict[int, dict[str, Any]]] = {}
     current: dict[str, dict[str, Any]] = {}  # each agent's turn in progress in the journal
     for e in records:
@@ -116,7 +140,7 @@ def recorded_turns(records: Iterable[dict[str, Any]]) -> dict[str, list[Recorded
         if e.get("partial") or e.get("raw"):  # raw: a gateway session's
             continue
         agent, turn, role, content = e.get("agent"), e.get("turn"), e.get("role"), e.get("content")
-        if not isinstance(agent, str) or type(turn) is not int or not isinstance(content, str):
+        if not isinstance(agent, str) or type(turn) is not int or not isinstance(content, str) or agent in skip:
             continue
         chain = chains.setdefault(agent, {})
         if role == "user":
@@ -149,17 +173,17 @@ def recorded_turns(records: Iterable[dict[str, Any]]) -> dict[str, list[Recorded
     return out
 
 
-def journal_records(run_dir: str) -> list[dict[str, Any]]:
-    """The records of an earlier run in this run directory (a resumed run); []: none, or none readable."""
+def journal_records(run_dir: str) -> Iterator[dict[str, Any]]:
+    """The records of an earlier run in this run directory (a resumed run), read line by line; none for a
+    new run, or when it cannot be read (the journal's own reader says so)."""
     if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
-        return []
-    from cerevisor_tui.engine.sinks.journal import read_records
+        return
+    from cerevisor_tui.engine.sinks.journal import JournalError, iter_lines
 
-    try:
-        records, _ = read_records(run_dir)
-    except Exception:  # noqa: BLE001 - unreadable: the journal's own reader says so; the agents simply run
-        return []
-    return records
+    with contextlib.suppress(JournalError):
+        for _, data, _ in iter_lines(run_dir):
+            if data is not None:
+                yield data
 
 
 def _digest(text: str) -> str:
@@ -170,8 +194,10 @@ def _input_change(key: str, before: str, now: str) -> str:
     """One changed input in the operator's words: texts by name, values from before to now."""
     if key in ("system", "prompt", "turns"):
         return f"{key} changed"
-    if key == "depends_on":
-        return f"depends_on [{before}] -> [{now}]"
+    if key in ("depends_on", "tools"):
+        return f"{key} [{before}] -> [{now}]"
+    if key in ("tool_choice", "max_steps"):
+        return f"{key} {before or '(none)'} -> {now or '(none)'}"
     if key == "model":
         return f"model {before or '(the first listed)'} -> {now or '(the first listed)'}"
     return f"{key} {before} -> {now}"

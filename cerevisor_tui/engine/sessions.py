@@ -152,7 +152,7 @@ class Sessions:
         policy = e.policies[st.endpoint]
         now = time.monotonic()
         att = Attempt(number, st.turn, sent_at=now, last_alive=now, deadline_at=now + policy.first_byte_timeout_s,
-                      request_id=f"{e.run_id}.{st.name}.r{number}")
+                      request_id=f"{e.conversations.request_prefix}.{st.name}.r{number}")
         session.in_flight[number] = att
         st.current = att
         if st.started_at is None:

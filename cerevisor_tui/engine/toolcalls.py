@@ -1,7 +1,8 @@
 """Agents' MCP tool calls for one run: each call's permission (the server's rules, the operator's answer, or
 headless policy), its execution under its own deadline, and what the model is told; the operator's kill,
 extend, approve and deny act here. A resumed run reuses a call's result from the journal instead of running
-it again, and keeps the tools approved "for the run"."""
+it again, asks before running again a call the earlier run was cut off in, and keeps the tools approved "for
+the run"."""
 
 from __future__ import annotations
 
@@ -37,39 +38,128 @@ class _Pending:
 
 class ToolMemory:
     """What an earlier run of this run directory got from its tools, per agent: the results a resumed run
-    hands back instead of calling again, keyed by function name and arguments (in order, for repeats)."""
+    hands back instead of calling again, keyed by function name and arguments (in order, for repeats), and
+    the calls it started and never saw end (a crash mid-call), which may already have taken effect.
+
+    A call is paired with its result by position in the journal, never by its id: local tool-call parsers
+    number every call `call_1`, turn after turn."""
 
     def __init__(self) -> None:
+        # (agent, function, arguments) -> what each earlier call of it left, in order: its result, or
+        # INTERRUPTED (it started and has no end in the journal), or NOT_RUN (denied, timed out, killed)
         self.results: dict[tuple[str, str, str], list[str]] = defaultdict(list)
         self.approved: set[tuple[str, str]] = set()
+        self.damaged: dict[str, int] = {}  # agent -> its calls that ran and whose records cannot be read
 
     @classmethod
     def from_records(cls, records: Iterable[dict[str, Any]]) -> ToolMemory:
+        """From a journal's records in order (the journal's own reader has checked each is an event)."""
         memory = cls()
-        calls: dict[tuple[str, str], tuple[str, str]] = {}
-        answered: dict[tuple[str, str], str] = {}
-        good: set[tuple[str, str]] = set()
+        calls: dict[str, list[tuple[str, str] | None]] = {}  # agent -> the calls of its last answer, in order
+        done: dict[str, int] = {}  # agent -> how many of them have their tool message
+        state: dict[str, str] = {}  # agent -> what its current call has shown: "started", "ok", "error", ...
+        # agent -> what each call (function, arguments) of its current run left, in order; a run is from its
+        # AgentQueued on, and a later run (a resume) walks the same calls again: see _fold
+        runs: dict[str, dict[tuple[str, str], list[str]]] = {}
         for r in records:
             kind, agent = r.get("event"), r.get("agent")
-            if kind == "MessageRecorded" and isinstance(agent, str):
+            if not isinstance(agent, str):
+                continue
+            if kind == "MessageRecorded":
                 if r.get("role") == "assistant" and not r.get("partial"):
-                    for c in r.get("tool_calls") or ():
-                        fn = c.get("function") or {}
-                        calls[(agent, str(c.get("id")))] = (str(fn.get("name")), _canonical(fn.get("arguments")))
-                elif r.get("role") == "tool" and r.get("tool_call_id"):
-                    answered[(agent, str(r["tool_call_id"]))] = str(r.get("content", ""))
-            elif kind == "ToolCallFinished" and r.get("outcome") in ("ok", "error") and isinstance(agent, str):
-                good.add((agent, str(r.get("call_id"))))
+                    memory._answer_over(agent, calls, done, state, runs)
+                    calls[agent] = [_recorded_call(c) for c in r.get("tool_calls") or ()]
+                    done[agent] = 0
+                elif r.get("role") == "tool" and agent in calls:
+                    memory._call_over(agent, calls, done, state.pop(agent, ""), str(r.get("content", "")), runs)
+            elif kind == "ToolCallStarted" and agent in calls:
+                state[agent] = "started"
+            elif kind == "ToolCallFinished" and agent in calls:
+                state[agent] = str(r.get("outcome"))
+            elif kind in ("AgentQueued", "AgentFinished"):
+                memory._answer_over(agent, calls, done, state, runs)
+                calls.pop(agent, None)
+                if kind == "AgentQueued":
+                    memory._fold(agent, runs.pop(agent, {}))
             elif kind == "ApprovalDecided" and r.get("decision") == "run":
                 memory.approved.add((str(r.get("server")), str(r.get("tool"))))
-        for key, content in answered.items():
-            if key in good and key in calls:
-                memory.results[(key[0], *calls[key])].append(content)
+        for agent in list(calls):
+            memory._answer_over(agent, calls, done, state, runs)
+        for agent, run in runs.items():
+            memory._fold(agent, run)
         return memory
 
+    def _call_over(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
+                   outcome: str, content: str | None, runs: dict[str, dict[tuple[str, str], list[str]]]) -> None:
+        """The agent's next call (by position) has its tool message (`content`), or its answer is over without
+        one (None). A call that ran (or began to) and has no result to hand back may have taken effect."""
+        position = done[agent]
+        if position >= len(calls[agent]):
+            return
+        done[agent] = position + 1
+        call = calls[agent][position]
+        finished = outcome in ("ok", "error") and content is not None
+        ran = outcome == "started" or (outcome in ("ok", "error") and content is None)
+        if call is None:
+            if ran or finished:
+                self.damaged[agent] = self.damaged.get(agent, 0) + 1
+            return
+        left = runs.setdefault(agent, {}).setdefault(call, [])
+        left.append(content if finished and content is not None else INTERRUPTED if ran else NOT_RUN)
+
+    def _answer_over(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
+                     state: dict[str, str], runs: dict[str, dict[tuple[str, str], list[str]]]) -> None:
+        """The agent's answer is over (another one, its end, the journal's end): a call that started and has
+        no tool message was cut off mid-call."""
+        outcome = state.pop(agent, "")
+        if outcome and agent in calls:
+            self._call_over(agent, calls, done, outcome, None, runs)
+
+    def _fold(self, agent: str, run: dict[tuple[str, str], list[str]]) -> None:
+        """One run of the agent into what is known: its n-th call of a function and arguments replaces the
+        n-th known one when it ran (a result, or cut off); one it did not run (denied, timed out, killed)
+        leaves what an earlier run left. So a result reused by a resume is not counted twice, and a call cut
+        off once and then run to its end has that result."""
+        for (function, arguments), entries in run.items():
+            known = self.results[(agent, function, arguments)]
+            for n, entry in enumerate(entries):
+                if n >= len(known):
+                    known.append(entry)
+                elif entry is not NOT_RUN:
+                    known[n] = entry
+            while known and known[-1] is NOT_RUN:
+                known.pop()
+
+    def uncertain(self, agent: str) -> bool:
+        """Whether the agent's next call without a recorded result may be one whose record is damaged (it ran,
+        and what it was cannot be read): as many of its calls are asked about as it has damaged records."""
+        left = self.damaged.get(agent, 0)
+        if left:
+            self.damaged[agent] = left - 1
+        return bool(left)
+
     def take(self, agent: str, function: str, arguments: str) -> str | None:
+        """What the earlier run left of this call, the next of it in order: its result, INTERRUPTED, or None
+        (no earlier run of it, or one that did not run it)."""
         found = self.results.get((agent, function, _canonical(arguments)))
-        return found.pop(0) if found else None
+        if not found:
+            return None
+        entry = found.pop(0)
+        return None if entry is NOT_RUN else entry
+
+
+INTERRUPTED = "\x00interrupted"
+"""ToolMemory.take's answer for a call an earlier run started and never finished (it may have taken effect)."""
+NOT_RUN = "\x00not run"
+"""A call an earlier run did not run (denied, or timed out or killed: its result is not one to hand back)."""
+
+
+def _recorded_call(call: Any) -> tuple[str, str] | None:
+    """A recorded call's function name and arguments (canonical); None for an entry that is not a call."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        return None
+    return fn["name"], _canonical(fn.get("arguments"))
 
 
 def _canonical(arguments: Any) -> str:
@@ -153,13 +243,23 @@ class ToolCalls:
         server, tool = target
         cfg = self.servers.servers[server].config
         reused = self.memory.take(name, function, arguments)
-        if reused is not None:  # a resumed run: this call's result is in the journal already
+        if reused is not None and reused is not INTERRUPTED:  # a resumed run: its result is in the journal
             now = time.monotonic()
             emit(ev.ToolCallStarted(now, name, attempt, st.turn, call_id, server, tool, shown, None, ()))
             emit(ev.ToolCallFinished(now, name, call_id, server, tool, "ok",
                                      preview("(from the journal, not run again) " + reused), 0.0))
             return reused
-        denied = await self._permission(st, call_id, server, tool, shown, cfg)
+        # A call the earlier run started and never finished (or cannot tell, its record damaged) may already have
+        # taken effect: it runs again only with an approval, whatever the server's rules say.
+        uncertain = ("was started by the earlier run, which ended before it finished" if reused is INTERRUPTED
+                     else "cannot be paired with what the earlier run recorded (a tool call it ran is damaged in "
+                          "the journal)" if reused is None and self.memory.uncertain(name) else "")
+        if uncertain:
+            brief = shown if len(shown) <= 120 else shown[:119] + "…"
+            emit(ev.RunNotice(time.monotonic(), f"{name}: the tool call {server}.{tool}({brief}) {uncertain}: it "
+                              f"may already have taken effect, so it runs again only if approved", "warning",
+                              "Tool call may have run"))
+        denied = await self._permission(st, call_id, server, tool, shown, cfg, uncertain=bool(uncertain))
         if denied:
             emit(ev.ToolCallFinished(time.monotonic(), name, call_id, server, tool, "denied", denied, 0.0))
             return f"error: {denied}"
@@ -171,20 +271,26 @@ class ToolCalls:
             return text
         return await self._execute(st, attempt, call_id, server, tool, args, shown, cfg)
 
-    async def _permission(self, st: AgentState, call_id: str, server: str, tool: str, shown: str, cfg: Any) -> str:
-        """"" when the call may run; else why not, as the model is told."""
+    async def _permission(self, st: AgentState, call_id: str, server: str, tool: str, shown: str, cfg: Any, *,
+                          uncertain: bool = False) -> str:
+        """"" when the call may run; else why not, as the model is told. `uncertain`: the call may already have
+        taken effect (an earlier run was cut off in it): asked about as an `ask` rule would, unless denied."""
         rule = rule_for(cfg, tool)
         emit, name = self.emit, st.name
         if rule == "deny":
             emit(ev.ApprovalDecided(time.monotonic(), name, call_id, server, tool, "deny", "rule"))
             return f"denied: the rules of MCP server {server} deny {tool}"
-        if rule == "allow" or self.approvals.approved(server, tool):
+        if not uncertain and (rule == "allow" or self.approvals.approved(server, tool)):
             return ""
         if self.ask == "approve":
             emit(ev.ApprovalDecided(time.monotonic(), name, call_id, server, tool, "once", "headless"))
             return ""
         if self.ask == "deny":
             emit(ev.ApprovalDecided(time.monotonic(), name, call_id, server, tool, "deny", "headless"))
+            if uncertain:
+                return f"denied: this {tool} call may already have taken effect (an earlier run was cut off in " \
+                       "it), so it needs the operator's approval, and this headless run does not give it " \
+                       "(run --approve-all would)"
             return f"denied: {tool} needs the operator's approval, and this headless run does not give it " \
                    "(run --approve-all would)"
         pending = self.pending[(name, call_id)] = _Pending(server, tool)

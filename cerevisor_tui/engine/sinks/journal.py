@@ -19,7 +19,7 @@ import fcntl
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -370,21 +370,36 @@ def _problem(raw: bytes, last: bool) -> tuple[dict[str, Any] | None, str]:
     return data, ""
 
 
+def iter_lines(run_dir: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
+    """Each non-blank line of a run directory's events.jsonl, in order, read one at a time (a journal may be
+    far larger than what a resume keeps of it): its number, and its event record or None and why it cannot be
+    one. Raises JournalError when the file itself cannot be read."""
+    path = Path(run_dir) / EVENTS_FILE
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed below, after the last line is handed out
+    except OSError as exc:
+        raise JournalError(f"cannot read {path}: {_why(exc)}") from None
+    with fh:
+        try:
+            lines = iter(fh)
+            raw = next(lines, None)
+            number = 1
+            while raw is not None:
+                following = next(lines, None)  # one line ahead: only the last line may be a cut one
+                if raw.strip():
+                    data, problem = _problem(raw, following is None)
+                    yield number, data, problem
+                raw, number = following, number + 1
+        except OSError as exc:
+            raise JournalError(f"cannot read {path}: {_why(exc)}") from None
+
+
 def read_records(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
     """Every readable event record of a run directory's events.jsonl, in order (what a console shown a run that
     is not running is fed: `ev.event_of` turns each into its event), and how many lines could not be read.
     Raises JournalError only when the file itself cannot be read."""
-    path = Path(run_dir) / EVENTS_FILE
-    try:
-        with open(path, "rb") as fh:
-            lines = fh.readlines()
-    except OSError as exc:
-        raise JournalError(f"cannot read {path}: {_why(exc)}") from None
     records, skipped = [], 0
-    for number, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        data, _ = _problem(raw, number == len(lines))
+    for _, data, _ in iter_lines(run_dir):
         if data is None:
             skipped += 1
         else:
@@ -392,46 +407,42 @@ def read_records(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]],
     return records, skipped
 
 
+REPLAYED = frozenset(cls.kind for cls in ev.EVENT_TYPES if hasattr(Report, f"_on_{cls.kind}"))
+"""The kinds of event the report counts: what a resumed run keeps of its completed agents' earlier events
+(their messages, the bulk of a journal, are in their transcripts and not needed again)."""
+
+
 def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
     """Read a run directory's events.jsonl back, skipping (and counting) what cannot be read.
     Raises JournalError only when the file itself cannot be read."""
     path = Path(run_dir)
     state = JournalState(run_id=path.name)
-    recorded: list[dict[str, Any]] = []
     finished: dict[str, dict[str, Any]] = {}
-    try:
-        with open(path / EVENTS_FILE, "rb") as fh:
-            lines = fh.readlines()
-    except OSError as exc:
-        raise JournalError(f"cannot read {path / EVENTS_FILE}: {_why(exc)}") from None
-    for number, raw in enumerate(lines, 1):
-        if not raw.strip():
-            continue
-        data, problem = _problem(raw, number == len(lines))
+    # The figures of completed agents carry over into the resumed run's report: the events the report counts
+    # since each one's last AgentQueued (an earlier failed run of the same agent does not count twice), then
+    # its last completed AgentFinished, which says what it ran with (the engine compares that with the config).
+    # Read line by line, keeping only those: a journal's bulk (its messages) is never held.
+    last_run: dict[str, list[dict[str, Any]]] = {}
+    for number, data, problem in iter_lines(path):
         if data is None:
             state.skipped += 1
             state.first_problem = state.first_problem or f"line {number}: {problem}"
             continue
-        recorded.append(data)
-        if data["event"] == "RunStarted" and isinstance(data.get("run_id"), str) and data["run_id"]:
+        kind, agent = data["event"], data.get("agent")
+        if kind == "RunStarted" and isinstance(data.get("run_id"), str) and data["run_id"]:
             state.run_id = data["run_id"]
-        elif data["event"] == "AgentFinished" and data["status"] == "completed":
+        elif kind == "AgentFinished" and data["status"] == "completed":
             state.completed[data["agent"]] = data.get("output", "")
             finished[data["agent"]] = data
-        elif data["event"] == "AgentMeters":
+        elif kind == "AgentMeters":
             spent = data.get("run_cost_usd")
             if isinstance(spent, int | float) and not isinstance(spent, bool) and math.isfinite(spent):
                 state.spent_usd = float(spent)
-    # The figures of completed agents carry over into the resumed run's report: the events since each
-    # one's last AgentQueued (an earlier failed run of the same agent does not count twice), then its last
-    # completed AgentFinished, which says what it ran with (the engine compares that with the config).
-    last_run: dict[str, list[dict[str, Any]]] = {}
-    for data in recorded:
-        agent = data.get("agent")
-        if agent in state.completed:
-            if data["event"] == "AgentQueued":
+        if isinstance(agent, str):
+            if kind == "AgentQueued":
                 last_run[agent] = []
-            elif data["event"] != "AgentFinished":
+            elif kind != "AgentFinished" and kind in REPLAYED:
                 last_run.setdefault(agent, []).append(data)
-    state.history = [e for events_ in last_run.values() for e in events_] + list(finished.values())
+    state.history = [e for agent, events_ in last_run.items() if agent in state.completed for e in events_]
+    state.history += finished.values()
     return state
