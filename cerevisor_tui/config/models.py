@@ -355,6 +355,8 @@ class EndpointConfig(StallPolicy):
     """Price of a million prompt tokens, in USD, for the cost meters and [run] budget_usd; 0: not priced."""
     price_out_per_mtok: float = Field(default=0.0, ge=0)
     """Price of a million completion tokens, in USD; 0: not priced."""
+    prompt_progress: Literal["auto", "on", "off"] = "auto"
+    """Ask each streamed request for the server's prefill progress ("return_progress", llama-server's prompt_progress), which the stall watchdog takes as a sign of life of a long prefill: auto asks a llama.cpp server (told by its /props or its metrics), on always (a proxy in front of one), off never."""
     extra_body: dict[str, Any] = {}
     """Fields added to every chat request's JSON body, for a server's own parameters: e.g. {chat_template_kwargs = {enable_thinking = false}} (Qwen3 on vLLM or SGLang), {top_k = 20}; an agent's extra_body adds to it."""
 

@@ -21,10 +21,11 @@ from cerevisor_tui.config.secrets import Scrubber, StreamScrubber
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
 from cerevisor_tui.engine.connections import Connections
+from cerevisor_tui.engine.prefill import Prefill
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.toolcalls import ToolCalls
 from cerevisor_tui.engine.watchdog import Watchdog
-from cerevisor_tui.kinds import DELTA, KEEPALIVE, TOOL_CALLS, FinalStatus
+from cerevisor_tui.kinds import DELTA, KEEPALIVE, PROGRESS, TOOL_CALLS, FinalStatus
 from cerevisor_tui.tools.manager import ToolSetupError
 from cerevisor_tui.tools.schemas import function_name
 
@@ -286,6 +287,8 @@ class Conversations:
                     "max_tokens": st.config.max_tokens,
                     "temperature": st.config.temperature,
                 }
+                if "return_progress" not in body and await connections.asks_progress(ep):
+                    body["return_progress"] = True  # llama-server's prompt_progress: the prefill's sign of life
                 if st.toolset is not None:
                     body["tools"] = st.toolset.tools
                     choice = tool_choice(st.config.tool_choice, st.step)
@@ -331,6 +334,16 @@ class Conversations:
                             att.last_alive = monotonic()
                             att.alive.set()
                         emit(ev.KeepAlive(monotonic(), name, number))
+                    elif kind == PROGRESS:
+                        now = monotonic()
+                        if by_bytes:
+                            att.last_alive = now
+                            att.alive.set()
+                        if att.first_token_at is None:
+                            if att.prefill is None:
+                                att.prefill = Prefill()
+                            if att.prefill.see(*payload, now):
+                                emit(att.prefill.event(now, name, number))
                     elif kind == TOOL_CALLS:
                         for index, call_id, fn_name, piece in payload:
                             parts_of = att.calls.setdefault(index, ["", "", ""])

@@ -93,6 +93,8 @@ class ServerMonitor:
         while True:
             status, workers = await self.look(endpoint)
             self.status[endpoint] = status
+            if status.kind != "unknown":  # what serves it: its requests ask for prefill progress on llama.cpp
+                self.connections.server_kinds[endpoint] = status.kind
             # when it answered: a swamped vLLM answers /metrics seconds after it was asked, with its state then
             self.status_at[endpoint] = time.monotonic()
             rows = [_sample_fields(w, previous.get(w.base_url)) for w in workers]

@@ -1,0 +1,144 @@
+"""Prefill progress as a sign of life: llama-server's prompt_progress (the simulator's, over loopback HTTP)
+extends the first-byte deadline as far as the prefill's projected end, and progress that stands still for the
+idle window is a kill that says so. The rule itself (contract/deadlines.py: prefill_look) on explicit numbers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.contract.deadlines import PREFILL_GRACE_S, PREFILL_SLACK, prefill_look
+from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.sim import SimServer
+
+PROMPT_TOKENS = 8000  # the simulator counts 4 characters a token
+EXTENDED = re.compile(r"^prefill \d+%, [\d,]+ tok/s, about [\d.]+ s left$")
+
+
+def prompt(tokens: int = PROMPT_TOKENS) -> str:
+    return " ".join(f"w{i:05d}" for i in range(tokens * 4 // 7))[: tokens * 4]
+
+
+def engine_for(url: str, stream_process: bool, *, progress: str = "on", first_byte_s: float = 0.5,
+               idle_s: float = 5.0) -> Engine:
+    return Engine(validate({
+        "run": {"mode": "parallel", "max_concurrency": 1, "metrics_interval_s": 0.2},
+        "stall": {"first_byte_timeout_s": first_byte_s, "idle_timeout_s": idle_s, "extend_s": 0.5,
+                  "max_extensions": 0},
+        "endpoints": [{"name": "box", "base_url": url, "prompt_progress": progress}],
+        "agents": [{"name": "a0", "prompt": prompt(), "max_tokens": 5, "retries": 0}],
+    }), stream_process=stream_process)
+
+
+def of(seen: list, kind: str) -> list:
+    return [e for e in seen if e.kind == kind]
+
+
+# ---- on the simulator ---------------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_prefill_progress_extends_past_the_first_byte_deadline_and_completes(stream_process):
+    # 8,000 tokens at 4,000 tok/s: two seconds of prefill against a half-second first-byte deadline
+    settings = SimSettings(tokens_per_s=200.0, ttft_s=0.0, prefill_tokens_per_s=4000.0, progress_every_tokens=256)
+    async with SimServer(settings) as srv:
+        engine = engine_for(srv.base_url, stream_process)
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+    assert not of(seen, "AgentKilled")
+    extended = of(seen, "StallExtended")
+    assert extended and all(EXTENDED.match(e.reason) for e in extended), [e.reason for e in extended]
+    assert all(e.deadline == "first_byte" and not e.by_operator for e in extended)
+    # each extension goes only as far as the projection: well short of the idle window, never the extend_s step
+    for e in extended:
+        assert e.deadline_at - e.t < 5.0
+    (first,) = of(seen, "FirstToken")
+    assert first.ttft_s > 0.5
+    progress = of(seen, "PrefillProgress")
+    assert progress and progress[-1].processed == progress[-1].total >= PROMPT_TOKENS * 0.9
+    assert [p.processed for p in progress] == sorted(p.processed for p in progress)
+    assert any(p.rate_tok_s and 2000 < p.rate_tok_s < 8000 for p in progress)
+    assert not of(seen, "StallWarning")  # the projection is the deadline: no warnings on the way to it
+
+
+@pytest.mark.anyio
+async def test_frozen_prefill_progress_is_killed_after_the_idle_window_saying_so(stream_process):
+    # The engine wedges one second into the two-second prefill: progress stops about half way.
+    settings = SimSettings(tokens_per_s=200.0, ttft_s=0.0, prefill_tokens_per_s=4000.0, progress_every_tokens=256,
+                           max_num_batched_tokens=512, wedge_after_s=1.0, keepalive_s=0.1)
+    async with SimServer(settings) as srv:
+        engine = engine_for(srv.base_url, stream_process, idle_s=1.5)
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 1
+    (killed,) = of(seen, "AgentKilled")
+    assert killed.deadline == "first_byte"
+    assert re.match(r"^no prefill progress for 1\.\d+ s \(prefill \d+% of [\d,]+ prompt tokens\)$", killed.reason), \
+        killed.reason
+    progress = of(seen, "PrefillProgress")
+    assert progress and progress[-1].processed < progress[-1].total
+    assert of(seen, "StallExtended")  # it was given the projection while progress moved
+    assert killed.t - progress[-1].t >= 1.5  # never before a whole idle window without progress
+
+
+@pytest.mark.anyio
+async def test_a_request_that_does_not_ask_for_progress_is_held_to_its_first_byte_deadline():
+    # "auto" against a server that is not llama.cpp (the simulator answers /props 404, its metrics are vLLM's):
+    # no return_progress, no prefill progress, the plain deadline
+    settings = SimSettings(tokens_per_s=200.0, ttft_s=0.0, prefill_tokens_per_s=4000.0)
+    async with SimServer(settings) as srv:
+        engine = engine_for(srv.base_url, False, progress="auto")
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 1
+    assert not of(seen, "PrefillProgress")
+    (killed,) = of(seen, "AgentKilled")
+    assert killed.reason.startswith("no first token after")
+
+
+# ---- the rule, on explicit numbers -------------------------------------------------------------------------
+
+def look(now: float, **kw):
+    args = {"total": 10_000, "processed": 6_300, "rate_tok_s": 1_230.0, "advanced_at": 100.0, "idle_s": 60.0}
+    return prefill_look(now=now, **{**args, **kw})
+
+
+def test_progress_just_inside_the_idle_window_extends_and_just_outside_kills():
+    inside = look(100.0 + 60.0 - 1e-6)
+    assert inside.action == "extend"
+    assert inside.deadline_at == pytest.approx(160.0)  # the projection has passed: up to the idle window, no more
+    outside = look(160.0)
+    assert outside.action == "kill"
+    assert outside.reason == "no prefill progress for 60 s (prefill 63% of 10,000 prompt tokens)"
+
+
+def test_the_extension_goes_as_far_as_the_projected_end_and_its_slack():
+    eta = 3_700 / 1_230.0
+    got = look(101.0)
+    assert got.action == "extend"
+    assert got.deadline_at == pytest.approx(100.0 + eta + max(PREFILL_GRACE_S, PREFILL_SLACK * eta))
+    assert got.reason == f"prefill 63%, 1,230 tok/s, about {eta - 1.0:.3g} s left"
+    # a long prefill: the slack is a share of what is left; an idle window shorter than that caps it
+    slow = look(101.0, rate_tok_s=37.0)  # 100 s left
+    assert slow.deadline_at == pytest.approx(160.0)
+    assert slow.reason == "prefill 63%, 37 tok/s, about 99 s left"
+    wide = look(101.0, rate_tok_s=37.0, idle_s=600.0)
+    assert wide.deadline_at == pytest.approx(100.0 + 100.0 * (1 + PREFILL_SLACK))
+
+
+def test_past_its_projection_or_without_a_rate_the_deadline_moves_in_steps_up_to_the_idle_window():
+    frozen = look(130.0)  # the projection (about 103 s) passed, progress still 30 s ago: a step of 6 s
+    assert (frozen.action, frozen.deadline_at) == ("extend", pytest.approx(136.0))
+    assert frozen.reason == "prefill 63%, no progress for 30 s (stuck after 60 s)"
+    near = look(157.0)
+    assert near.deadline_at == pytest.approx(160.0)  # never past the idle window from the last progress
+    no_rate = look(100.5, rate_tok_s=None)
+    assert no_rate.action == "extend" and no_rate.reason == "prefill 63%, no rate yet (stuck after 60 s)"
+
+
+def test_a_prefill_done_or_unknown_leaves_the_deadline_to_the_other_rules():
+    assert look(101.0, processed=10_000).action == "none"
+    assert look(101.0, total=0, processed=0).action == "none"
+    assert look(1000.0, estimated=True).action == "none"  # an estimate never kills
