@@ -25,9 +25,8 @@ class Prefill:
 
     def see(self, total: int, cache: int, processed: int, time_ms: int, now: float) -> bool:
         """Take one prompt_progress; whether the console should be told of it now."""
-        moved = processed > self.processed or total != self.total or not self.advanced_at
-        if processed < self.processed:  # prefilled again from its cache (preempted, re-admitted)
-            moved = True
+        # a `processed` lower than before moved too: prefilled again from its cache (preempted, re-admitted)
+        moved = processed != self.processed or total != self.total or not self.advanced_at
         self.total, self.cache, self.processed, self.time_ms = total, cache, processed, time_ms
         if moved:
             self.advanced_at = now

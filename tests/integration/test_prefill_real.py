@@ -11,9 +11,11 @@ import pytest
 
 from tests.conftest import until
 from tests.integration.checks import engine_for, run_engine
+from tests.integration import servers
+from tests.integration.conftest import LLAMA_ARGS, Pool
 from tests.integration.servers import SMOLLM2, ServerProcess
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 WORDS = ("harbour lantern copper meadow signal quartz orchard ember tundra violet canyon marble thistle "
          "beacon saffron glacier willow falcon cobalt prairie").split()
@@ -22,8 +24,17 @@ WORDS = ("harbour lantern copper meadow signal quartz orchard ember tundra viole
 def long_prompt() -> str:
     """About 5,000 SmolLM2 tokens, unlike any earlier prompt (llama-server's prompt cache has none of it)."""
     salt = uuid.uuid4().hex
-    words = [f"{WORDS[(i * 7) % len(WORDS)]}{i % 97}" for i in range(2400)]
+    words = [f"{WORDS[(i * 7) % len(WORDS)]}{i % 97}" for i in range(1700)]
     return f"{salt}\n" + " ".join(words) + "\nSay one word."
+
+
+@pytest.fixture(scope="module")
+def progress_llama(pool: Pool) -> ServerProcess:
+    """llama-server serving SmolLM2 in one slot, its batches 256 tokens (`-b`/`-ub`): a progress chunk every 256
+    prompt tokens, as smollm2.sh says (its default 2,048-token batches take minutes each on a loaded 2-core box)."""
+    return pool.get("smol-llama-progress",
+                    lambda port: servers.smollm2_llama(port, pool.log_dir, 1, [*LLAMA_ARGS, "-b", "256", "-ub", "256"]),
+                    servers.LLAMA_READY_S)
 
 
 def config(server: ServerProcess, idle_s: float) -> dict:
@@ -36,8 +47,9 @@ def config(server: ServerProcess, idle_s: float) -> dict:
 
 
 @pytest.mark.anyio
-async def test_a_long_prompt_outlives_its_first_byte_deadline_on_llamas_progress(smol_llama: ServerProcess):
-    code, seen = await run_engine(engine_for(config(smol_llama, 60.0)))
+async def test_a_long_prompt_outlives_its_first_byte_deadline_on_llamas_progress(progress_llama: ServerProcess):
+    # at SmolLM2's ~150 tok/s half a minute; on a loaded 2-core box several minutes
+    code, seen = await run_engine(engine_for(config(progress_llama, 60.0)), timeout_s=560)
     killed = [e.reason for e in seen if e.kind == "AgentKilled"]
     assert code == 0, killed
     progress = [e for e in seen if e.kind == "PrefillProgress"]
@@ -49,24 +61,24 @@ async def test_a_long_prompt_outlives_its_first_byte_deadline_on_llamas_progress
 
 
 @pytest.mark.anyio
-async def test_the_server_stopped_mid_prefill_is_killed_naming_no_progress(smol_llama: ServerProcess, thawed):
-    engine = engine_for(config(smol_llama, 6.0))
+async def test_the_server_stopped_mid_prefill_is_killed_naming_no_progress(progress_llama: ServerProcess, thawed):
+    engine = engine_for(config(progress_llama, 6.0))
 
     def on_event(e) -> None:
         # stopped once its prefill has measurably begun: progress with a rate
-        if e.kind == "PrefillProgress" and e.rate_tok_s and not smol_llama.frozen:
-            thawed.append(smol_llama)
-            smol_llama.freeze()
+        if e.kind == "PrefillProgress" and e.rate_tok_s and not progress_llama.frozen:
+            thawed.append(progress_llama)
+            progress_llama.freeze()
 
     try:
-        code, seen = await run_engine(engine, on_event)
+        code, seen = await run_engine(engine, on_event, timeout_s=560)
     finally:
-        if smol_llama.frozen:
-            smol_llama.thaw()
+        if progress_llama.frozen:
+            progress_llama.thaw()
     assert code == 1
     (killed,) = [e for e in seen if e.kind == "AgentKilled"]
     assert killed.deadline == "first_byte"
     assert re.fullmatch(r"no prefill progress for [\d.]+ s \(prefill \d+% of [\d,]+ prompt tokens\)", killed.reason), \
         killed.reason
-    await until(lambda: smol_llama.metric("llamacpp:requests_processing") == 0, "the killed request let go",
+    await until(lambda: progress_llama.metric("llamacpp:requests_processing") == 0, "the killed request let go",
                 timeout=60, interval=0.5)
