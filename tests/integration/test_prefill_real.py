@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 from tests.conftest import until
-from tests.integration.checks import engine_for, run_engine
 from tests.integration import servers
+from tests.integration.checks import engine_for, run_engine
 from tests.integration.conftest import LLAMA_ARGS, Pool
 from tests.integration.servers import SMOLLM2, ServerProcess
 
