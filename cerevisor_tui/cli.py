@@ -85,6 +85,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
                      "foreground denies them and tells the model; a --detach run waits for a console to answer)")
     run.add_argument("--detached", action="store_true", help=argparse.SUPPRESS)  # the process --detach starts
     run.add_argument("--run-id", help=argparse.SUPPRESS)  # the id --detach printed
+    run.add_argument("--lock-fd", type=int, help=argparse.SUPPRESS)  # the run directory's lock, --detach's
 
     gateway = sub.add_parser(
         "gateway",
@@ -262,9 +263,25 @@ def _add_sim_options(parser: argparse.ArgumentParser) -> None:
 
     for name, field in SimSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        kind = type(field.default)
+        kind = _inline_table if isinstance(field.default, dict) else type(field.default)
         parser.add_argument(flag, dest=name, type=kind, default=None, metavar=name.split("_")[-1].upper(),
                             help=f"{field.description} (default {field.default!r})")
+
+
+def _inline_table(text: str) -> dict:
+    """A TOML inline table, as a config file would write it: `{ get_current_time = { timezone = "UTC" } }`."""
+    import tomllib
+
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a TOML inline table ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a TOML inline table: {text!r}")
+    return value
+
+
+_inline_table.__name__ = "inline table"  # argparse names the type in its error
 
 
 def main(argv: list[str] | None = None) -> int:

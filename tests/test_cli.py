@@ -164,3 +164,15 @@ def test_help_teaches_with_examples():
     for args in ([], ["run"], ["sim"], ["probe"], ["estimate"]):
         proc = cli(*args, "--help")
         assert proc.returncode == 0 and "example" in proc.stdout
+
+
+def test_sim_tool_args_take_the_inline_table_its_help_shows_and_refuse_anything_else():
+    from cerevisor_tui.cli import build_parser
+
+    args = build_parser(sim_options=True).parse_args(
+        ["sim", "--tool-args", '{ get_current_time = { timezone = "UTC" } }'])
+    assert args.tool_args == {"get_current_time": {"timezone": "UTC"}}
+    bad = subprocess.run([sys.executable, "-m", "cerevisor_tui", "sim", "--tool-args", "[1, 2]"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert "--tool-args: not a TOML inline table" in bad.stderr and "Traceback" not in bad.stderr

@@ -5,6 +5,7 @@ part), and the control socket's lines are the events' journal lines, wrapped."""
 from __future__ import annotations
 
 import json
+import os
 
 import msgspec
 import pytest
@@ -144,7 +145,7 @@ async def test_a_console_counts_an_event_its_version_does_not_know_and_never_han
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readline()  # the client's hello
-        writer.write(wire.encode(wire.Welcome(wire.PROTOCOL, "r1", str(tmp_path), 1)))
+        writer.write(wire.encode(wire.Welcome(wire.PROTOCOL, "r1", str(tmp_path), os.getpid())))
         writer.write(wire.EVENT_PREFIX + json.dumps(later).encode() + b"}\n")
         writer.write(wire.event_line(good))
         writer.write(wire.encode(wire.Bye("the run ended")))
@@ -152,6 +153,8 @@ async def test_a_console_counts_an_event_its_version_does_not_know_and_never_han
         writer.close()
 
     server = await asyncio.start_unix_server(serve, path=str(tmp_path / "control.sock"))
+    # the client trusts only the process supervisor.json names (supervisor/protocol.py check_server)
+    (tmp_path / "supervisor.json").write_text(json.dumps({"pid": os.getpid(), "socket": str(tmp_path / "control.sock")}))
     async with server:
         client = await ControlClient.connect(tmp_path)
         seen: list[ev.Event] = []

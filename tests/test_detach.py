@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 from cerevisor_tui.supervisor.protocol import read_supervisor
@@ -87,12 +89,18 @@ def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path):
     run_id, run_dir = started(cli("run", str(wf), "--detach", "--mode", "sequential"))
     wait_until(lambda: '"status": "completed"' in (run_dir / "events.jsonl").read_text()
              or '"status":"completed"' in (run_dir / "events.jsonl").read_text(), "a first agent to complete")
-    os.kill(read_supervisor(run_dir)["pid"], signal.SIGKILL)
+    first = read_supervisor(run_dir)
+    os.kill(first["pid"], signal.SIGKILL)
     wait_until(lambda: ls(tmp_path)[run_id]["state"] == "crashed", "the run to show as crashed")
     resumed = cli("run", str(wf), "--resume", run_id, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     info = ls(tmp_path)[run_id]
     assert info["state"] == "finished" and info["done"] == info["total"] == 3
+    # ls shows when the run began, not when it was resumed
+    again = read_supervisor(run_dir)
+    assert again["started_at"] == first["started_at"] and again["resumed_at"] > first["started_at"], (first, again)
+    assert info["started"] == datetime.fromtimestamp(first["started_at"]).isoformat(timespec="seconds")
+    assert info["resumed"] == datetime.fromtimestamp(again["resumed_at"]).isoformat(timespec="seconds")
     # a console opening it read-only sees the resumed run as it ended, not the crashed one's leftovers
     from cerevisor_tui.engine.sinks.journal import read_records
     from cerevisor_tui.ui.mirror import RunMirror
@@ -113,3 +121,121 @@ def test_detach_says_what_is_wrong_before_it_starts_anything(tmp_path: Path):
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
     none = cli("attach", "--jsonl", "--runs-dir", str(tmp_path / "runs"))
     assert none.returncode == 1 and "no runs under" in none.stderr
+
+
+def listed(tmp_path: Path) -> dict[str, dict]:
+    """`ls --json`, by run directory (a copy of a run has the run's id)."""
+    proc = cli("ls", "--json", "--runs-dir", str(tmp_path / "runs"))
+    assert proc.returncode == 0, proc.stderr
+    return {Path(r["path"]).name: r for r in json.loads(proc.stdout)}
+
+
+def test_a_copy_of_a_live_run_directory_is_not_the_live_run(tmp_path: Path):
+    """A copy (a backup, `cp -r`) names the original's socket in its supervisor.json: it is not live, and `stop
+    COPY` does not stop the original."""
+    wf = workflow(tmp_path, agents=2, tokens_per_s=10, max_tokens=400)
+    run_id, run_dir = started(cli("run", str(wf), "--detach"))
+    copy = run_dir.parent / "copy"
+    subprocess.run(["cp", "-r", str(run_dir), str(copy)], check=True)
+    runs = listed(tmp_path)
+    assert runs[run_dir.name]["state"] == "live" and runs[run_dir.name]["problem"] == ""
+    assert runs["copy"]["state"] == "crashed" and runs["copy"]["pid"] is None, runs["copy"]
+    assert f"the socket of the run in {run_dir} (is this directory a copy of it?)" in runs["copy"]["problem"]
+    refused = cli("stop", str(copy))
+    assert refused.returncode == 1, refused
+    assert f"run {run_id} is crashed: nothing to stop; its socket is the socket of the run in {run_dir}" in \
+        refused.stderr
+    assert listed(tmp_path)[run_dir.name]["state"] == "live"
+    assert not any(json.loads(line).get("event") == "RunStopping"
+                   for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip())
+    stopped = cli("stop", str(run_dir))
+    assert stopped.returncode == 0 and f"run {run_id} stopped" in stopped.stdout, stopped
+
+
+def _journal(run_dir: Path, *, supervisor: str | None = None, run_started: str | None = None) -> None:
+    run_dir.mkdir(parents=True)
+    started = run_started or json.dumps({"event": "RunStarted", "t": 1.0, "run_id": run_dir.name,
+                                         "mode": "parallel", "max_concurrency": 1, "waves": [["a"]],
+                                         "endpoints": []})
+    (run_dir / "events.jsonl").write_text(started + "\n" + json.dumps(
+        {"event": "RunFinished", "t": 2.0, "run_id": run_dir.name, "exit_code": 1,
+         "totals": {"agents": 1, "completed": 0, "failed": 1, "killed": 0, "skipped": 0, "cancelled": 0,
+                    "output_tokens": 0, "wall_s": 1.0, "output_tokens_per_s": None, "max_running": 1}}) + "\n")
+    if supervisor is not None:
+        (run_dir / "supervisor.json").write_text(supervisor)
+
+
+def test_ls_lists_a_run_whose_supervisor_file_does_not_check_as_unreadable_and_the_others_too(tmp_path: Path):
+    runs = tmp_path / "runs"
+    good = {"pid": 4242, "socket": str(tmp_path / "gone.sock"), "run_id": "x", "started_at": 1.7e9}
+    _journal(runs / "fine", supervisor=json.dumps(good))
+    _journal(runs / "none")
+    hostile = {
+        "inf": '{"pid": 4242, "socket": "s", "started_at": 1e400}',
+        "nan": '{"pid": 4242, "socket": "s", "started_at": NaN}',
+        "negative": '{"pid": 4242, "socket": "s", "started_at": -1e300}',
+        "pid": '{"pid": "4242", "socket": "s"}',
+        "nul": '{"pid": 4242, "socket": "a\\u0000b"}',
+        "list": "[1, 2]",
+        "nested": "[" * 100_000,
+    }
+    for name, text in hostile.items():
+        _journal(runs / name, supervisor=text)
+    _journal(runs / "deep", run_started='{"event": "RunStarted", "waves": ' + "[" * 100_000)
+    found = listed(tmp_path)
+    assert set(found) == {"fine", "none", "deep", *hostile}
+    assert found["fine"]["state"] == found["none"]["state"] == "resumable"
+    assert found["fine"]["started"] == datetime.fromtimestamp(1.7e9).isoformat(timespec="seconds")
+    assert found["deep"]["total"] == 0  # its RunStarted does not read: no agents known
+    for name in hostile:
+        assert found[name]["state"] == "unreadable" and found[name]["problem"].startswith("supervisor.json: "), \
+            found[name]
+    assert "`started_at`" in found["inf"]["problem"] and "`pid`" in found["pid"]["problem"]
+    plain = cli("ls", "--runs-dir", str(runs))
+    assert plain.returncode == 0 and "Traceback" not in plain.stderr, plain
+    assert len(plain.stdout.splitlines()) == 1 + len(found)
+    assert f"cerevisor-tui ls: {runs / 'inf'}: supervisor.json: " in plain.stderr
+
+
+def test_attach_jsonl_of_a_run_not_live_prints_checked_events_and_counts_what_it_skips(tmp_path: Path):
+    wf = workflow(tmp_path, agents=2, tokens_per_s=400, max_tokens=10)
+    done = cli("run", str(wf), "--jsonl")
+    assert done.returncode == 0, done.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    journal = run_dir / "events.jsonl"
+    good = [line for line in journal.read_text().splitlines() if line.strip()]
+    with open(journal, "a") as fh:
+        fh.write('{"event": "AgentFinished", "t": "soon", "agent": "a0"}\n')  # a hand edit: a field of the wrong type
+        fh.write('{"event": "RunNotice", "t": 9.0, "mess')  # a cut last line
+    shown = cli("attach", str(run_dir), "--jsonl")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert [json.loads(line)["event"] for line in lines] == [json.loads(line)["event"] for line in good]
+    assert f"2 unreadable lines of {journal} skipped (first: line {len(good) + 1}: " in shown.stderr, shown.stderr
+
+
+IN_USE = re.compile(r"cerevisor-tui run: run directory (\S+) is in use by another run \(process (\d+)\): wait for it "
+                    r"to end or stop it; one process per run directory\n")
+
+
+def test_a_detach_that_loses_the_run_directory_says_so_as_the_foreground_does(tmp_path: Path):
+    """Two `run --detach` on one directory at once: one starts, the other is refused at once, in the foreground's
+    words and exit code (2), not with a line of the winner's run.log as its own error."""
+    wf = workflow(tmp_path, agents=2, tokens_per_s=10, max_tokens=400)
+    run_dir = tmp_path / "runs" / "shared"
+    both = [subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "run", str(wf), "--detach", "--run-dir",
+                              str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    ends = sorted(((p.wait(timeout=90), *p.communicate()) for p in both), key=lambda end: end[0])
+    (won, won_out, _), (lost, lost_out, lost_err) = ends
+    assert (won, lost) == (0, 2), ends
+    pid = read_supervisor(run_dir)["pid"]
+    assert IN_USE.fullmatch(lost_err) and lost_out == "", lost_err
+    foreground = cli("run", str(wf), "--run-dir", str(run_dir))
+    assert foreground.returncode == 2 and foreground.stderr == f"cerevisor-tui run: run directory {run_dir} is in use " \
+        f"by another run (process {pid}): wait for it to end or stop it; one process per run directory\n", foreground
+    again = cli("run", str(wf), "--detach", "--run-dir", str(run_dir))  # and so does a detach after it
+    assert (again.returncode, again.stderr) == (2, foreground.stderr), again
+    assert (run_dir / "lock").read_text() == f"{pid}\n"  # the run's own process holds the lock it was handed
+    stopped = cli("stop", str(run_dir))
+    assert stopped.returncode == 0, stopped

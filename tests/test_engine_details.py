@@ -216,3 +216,23 @@ async def test_extra_body_carries_a_servers_own_parameters_the_agents_over_its_e
     assert "ignore_eos" not in bodies["plain"] and bodies["plain"]["max_tokens"] == 4
     assert bodies["eos"]["top_k"] == 5 and bodies["eos"]["ignore_eos"] is True  # the agent's keys win
     assert bodies["eos"]["chat_template_kwargs"] == {"enable_thinking": False} and bodies["eos"]["stream"] is True
+
+
+@pytest.mark.anyio
+async def test_a_run_stopped_by_the_event_that_queues_an_agent_still_ends():
+    """The journal's on_error stops the run from inside `emit`: an agent stopped by its own AgentQueued (the
+    write that found the disk full) had no scope to cancel yet; it used to wait forever on a paused scheduler."""
+    async with SimServer(SimSettings(tokens_per_s=2000, ttft_s=0.0)) as srv:
+        engine = Engine(validate({"run": {"mode": "parallel", "max_concurrency": 2},
+                                  "endpoints": [{"name": "e", "base_url": srv.base_url}],
+                                  "agents": [{"name": f"a{i}", "prompt": "p", "max_tokens": 4} for i in range(3)]}))
+
+        def stop_on_queue(event) -> None:
+            if type(event).__name__ == "AgentQueued" and event.agent == "a1":
+                engine.stop("cannot write events.jsonl: No space left on device")
+
+        engine.subscribe(stop_on_queue)
+        with anyio.fail_after(60):  # a hang guard, not a timing bound: the run ends at once
+            assert await engine.run() == 1
+    assert {name: st.status for name, st in engine.agents.items()}["a1"] == "cancelled"
+    assert all(st.status in ("cancelled", "completed") for st in engine.agents.values())

@@ -92,6 +92,62 @@ def test_sigkill_mid_run_then_resume_completes_without_asking_twice(tmp_path):
     assert kinds.count("RunStarted") == 2
 
 
+def test_a_resumed_agent_goes_on_after_the_turns_it_had_answered_and_never_sends_one_again(tmp_path):
+    cfg = tmp_path / "w.toml"
+    cfg.write_text('[run]\nmode = "parallel"\n[[endpoints]]\nname = "box"\nbase_url = "{url}"\n'
+                   '[[agents]]\nname = "long"\nprompt = "first"\nturns = ["second", "third", "fourth"]\n'
+                   'max_tokens = 12\n')
+    with start_in_thread(SimSettings(tokens_per_s=40, ttft_s=0.05)) as sim:
+        cfg.write_text(cfg.read_text().replace("{url}", sim.base_url))
+        run_dir = tmp_path / "run"
+        proc = start_run(str(cfg), "--run-dir", str(run_dir))
+        events = run_dir / "events.jsonl"
+        wait_until(lambda: events.exists() and any('"TurnFinished"' in line and '"turn":2,' in line
+                                                   for line in events.read_text().splitlines()), timeout=60)
+        proc.kill()
+        proc.wait(10)
+        answered = {json.loads(line)["turn"]: json.loads(line)["content"] for line in events.read_text().splitlines()
+                    if '"MessageRecorded"' in line and '"role":"assistant"' in line and '"partial":true' not in line}
+        assert {1, 2} <= set(answered)
+        before = len(list(sim.state.requests))
+        proc = start_run(str(cfg), "--resume", str(run_dir))
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        resent = list(sim.state.requests)[before:]
+    turns_sent = [int(r["request_id"].split(".t")[-1].split(".")[0]) for r in resent]
+    done = max(answered)
+    assert turns_sent and min(turns_sent) == done + 1, turns_sent  # no answered turn is sent again
+    # the turns taken from the journal are the conversation the next turn is sent with, as they were answered
+    first = resent[0]["messages"]
+    assert [m["content"] for m in first if m["role"] == "assistant"] == [answered[t] for t in range(1, done + 1)]
+    assert [m["content"] for m in first if m["role"] == "user"][:done + 1] == ["first", "second", "third", "fourth"][:done + 1]
+    assert f"long: turns 1-{done} answered before, taken from the journal; it goes on at turn {done + 1}" in out
+    report = json.loads((run_dir / "report.json").read_text())
+    assert [a["status"] for a in report["agents"]] == ["completed"]
+
+
+def test_recorded_turns_are_the_latest_unbroken_chain_of_answered_turns():
+    from cerevisor_tui.engine.resume import recorded_turns
+
+    def msg(turn, role, content, **more):
+        return {"event": "MessageRecorded", "agent": "a", "turn": turn, "role": role, "content": content, **more}
+
+    call = [{"id": "call_1", "type": "function", "function": {"name": "t", "arguments": "{}"}}]
+    records = [
+        msg(1, "user", "u1"), msg(1, "assistant", "old answer"), msg(2, "user", "u2"), msg(2, "assistant", "x2"),
+        msg(1, "user", "u1"),  # run again from turn 1: turn 2's answer belongs to the conversation before
+        msg(1, "assistant", "half", partial=True),  # its attempt died
+        msg(1, "assistant", "", tool_calls=call), msg(1, "tool", "result", tool_call_id="call_1"),
+        msg(1, "assistant", "new answer"),
+        msg(2, "user", "u2"),  # asked, never answered
+    ]
+    [turn] = recorded_turns(records)["a"]
+    assert (turn.user, turn.answer) == ("u1", "new answer")
+    assert [m["role"] for m in turn.messages] == ["assistant", "tool", "assistant"]
+    assert turn.messages[0] == {"role": "assistant", "content": None, "tool_calls": call}
+    assert recorded_turns([msg(2, "user", "u2"), msg(2, "assistant", "x")]) == {}  # turn 1 missing: nothing
+
+
 def test_an_unusable_run_directory_is_an_error_before_any_request(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

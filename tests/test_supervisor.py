@@ -5,6 +5,7 @@ the socket refuses."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -264,6 +265,7 @@ async def test_a_command_line_that_does_not_check_is_refused_in_one_line_that_an
                 b'{"type":"command","id":5,"command":{"name":"pause","now":true}}': "unknown field `now`",
                 b'{"type":"command","id":6,"command":{"name":"pause"},"later":1}': "unknown field `later`",
                 b'{"type":"command","id":7,' + b'[' * 5000: "",
+                b'{"type":"command","id":8,"command":' + b'[' * 20000: "",  # deep inside a field: RecursionError
                 b'not json': "",
             }
             for line, problem in lines.items():
@@ -283,3 +285,74 @@ async def test_a_command_line_that_does_not_check_is_refused_in_one_line_that_an
             assert answer["reason"] == "a line over 1024 KiB: not a command of this run"
             writer.close()
             assert run.engine.scheduler.paused and not run.task.done()  # the run goes on
+
+
+def _socket_fds() -> int:
+    """Sockets this process holds open (the server's side of each connection among them)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+async def _say_hello(run_dir: Path) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, dict]:
+    reader, writer = await asyncio.open_unix_connection(str(socket_of(run_dir)))
+    writer.write(encode(Hello(PROTOCOL, replay=False)))
+    return reader, writer, json.loads(await reader.readline())
+
+
+async def test_a_client_dropped_for_not_reading_lets_go_of_its_connection(tmp_path: Path):
+    """`close()` waits for a flush that a client that reads nothing never allows: its socket and buffer stayed
+    until the run ended. It is aborted."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    server = ControlServer(run_dir, "r1", lambda command: None, buffer_max=64 * 1024)
+    await server.start()
+    try:
+        before = _socket_fds()
+        reader, writer, hello = await _say_hello(run_dir)
+        assert hello["type"] == "hello"
+        await until(lambda: server.clients == 1, "the client to be taken in")
+        assert _socket_fds() == before + 2  # its end and the server's
+        i = 0
+        while server.clients:  # it reads nothing more: dropped once its buffer is full
+            server(_message(i))
+            i += 1
+            await asyncio.sleep(0.001)
+        await until(lambda: _socket_fds() == before + 1, "the server's end of the connection to be closed")
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_the_clients_are_capped_in_number_and_in_bytes_held_for_them_together(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    server = ControlServer(run_dir, "r1", lambda command: None, clients_max=2, buffer_max=64 << 20,
+                           buffered_max=512 * 1024)
+    await server.start()
+    try:
+        one, two = await _say_hello(run_dir), await _say_hello(run_dir)
+        assert one[2]["type"] == two[2]["type"] == "hello"
+        reader, writer, third = await _say_hello(run_dir)
+        assert third == {"type": "bye", "reason": "refused: this run has 2 clients connected already, the most it "
+                                                  "takes; detach one and try again"}
+        with contextlib.suppress(ConnectionResetError):  # its hello unread: Linux may reset rather than end it
+            assert await reader.readline() == b""
+        writer.close()
+        await until(lambda: server.clients == 2, "both clients to be taken in")
+        sent = 0
+        while server.clients == 2:  # neither reads: together they pass the total long before either its own cap
+            server(_message(sent))
+            sent += len(event_line(_message(sent)))
+            await asyncio.sleep(0.001)
+        assert server.clients == 1 and sent < 16 << 20
+        for _, w, _ in (one, two):
+            w.close()
+        await until(lambda: server.clients == 0, "the other client to leave")
+        four = await _say_hello(run_dir)  # a place is free again
+        assert four[2]["type"] == "hello"
+        four[1].close()
+    finally:
+        await server.close()

@@ -28,16 +28,37 @@ async def _print_events(run_dir: Path) -> int:
     why = await client.run(show)
     out.flush()
     await client.close()
+    if client.unreadable:
+        print(f"cerevisor-tui attach: {client.unreadable} unreadable lines from the run skipped", file=sys.stderr)
     print(f"cerevisor-tui attach: {why}", file=sys.stderr)
     return 0 if client.bye.startswith("the run ended") else 1
 
 
 def print_journal(run_dir: Path) -> int:
-    with open(run_dir / "events.jsonl", "rb") as fh:
-        for raw in fh:
-            raw = raw.strip()
-            if raw:
-                sys.stdout.write(raw.decode("utf-8", "replace") + "\n")
+    """The events of a run that is not live, from its journal, each checked as this version's event (what a live
+    run sends): a line that is not one (a cut last line, a hand edit) is skipped, and counted on stderr."""
+    from cerevisor_tui.contract.events import EventError, decode_event, encode_event
+
+    path = run_dir / "events.jsonl"
+    skipped, first = 0, ""
+    try:
+        with open(path, "rb") as fh:
+            for number, raw in enumerate(fh, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    event = decode_event(raw)
+                except EventError as exc:
+                    skipped += 1
+                    first = first or f"line {number}: {exc}"
+                    continue
+                sys.stdout.write(encode_event(event).decode() + "\n")
+    except OSError as exc:
+        print(f"cerevisor-tui attach: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    if skipped:
+        print(f"cerevisor-tui attach: {skipped} unreadable line{'s' * (skipped != 1)} of {path} skipped "
+              f"(first: {first})", file=sys.stderr)
     return 0
 
 

@@ -39,10 +39,13 @@ def main(args: Any) -> int:
         print(f"no runs under {runs_dir}", file=sys.stderr)
         return 0
     width = max(len(r.run_id) for r in runs)
-    print(f"{'RUN':<{width}}  {'STATE':<9}  {'AGENTS':>9}  STARTED")
+    print(f"{'RUN':<{width}}  {'STATE':<10}  {'AGENTS':>9}  STARTED")
     for r in runs:
         agents = f"{r.done}/{r.total}" if r.total or not r.sessions else ""
         if r.sessions:  # a gateway's run: its sessions after its agents
             agents += f"{' + ' if agents else ''}{r.sessions} session{'s' * (r.sessions != 1)}"
-        print(f"{r.run_id:<{width}}  {r.state:<9}  {agents:>9}  {age(r.started)}")
+        print(f"{r.run_id:<{width}}  {r.state:<10}  {agents:>9}  {age(r.started)}")
+    for r in runs:
+        if r.state == "unreadable":
+            print(f"cerevisor-tui ls: {r.path}: {r.problem}", file=sys.stderr)
     return 0

@@ -20,7 +20,7 @@ import anyio
 
 from cerevisor_tui.config import AgentConfig, Config, ConfigError, EndpointConfig, SimSettings, load_config
 from cerevisor_tui.config.checks import check_key, is_loopback
-from cerevisor_tui.config.models import url_problem
+from cerevisor_tui.config.models import shown_url, url_problem
 from cerevisor_tui.config.paths import find_config
 
 PROG = "cerevisor-tui probe"
@@ -140,7 +140,7 @@ def _agents(n: int) -> str:
 def _normalize(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigError(f"URL must start with http:// or https:// and name a host (got {url!r})")
+        raise ConfigError(f"URL must start with http:// or https:// and name a host (got {shown_url(url)!r})")
     problem = url_problem(url)  # the rule a config's base_url follows: port 1-65535, no spaces, no credentials
     if problem:
         raise ConfigError(f"URL {problem}" + ("" if "@" in url else f" (got {url!r})"))

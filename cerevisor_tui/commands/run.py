@@ -53,6 +53,14 @@ def apply_overrides(config: Config, args: Any, *, file: str) -> Config:
         raise
 
 
+def handed_down(run_dir: Path, args: Any) -> Any:
+    """The run directory's lock that `run --detach` took and handed to this process (--lock-fd), else None."""
+    from cerevisor_tui.engine.sinks.journal import RunLock
+
+    fd = getattr(args, "lock_fd", None)
+    return RunLock.handed_down(run_dir, fd) if fd is not None else None
+
+
 def find_run(run: str, runs_dir: Path) -> Path:
     """The directory of the run `--resume RUN` names: a directory, or a run id under the runs directory."""
     from cerevisor_tui.supervisor.runs import find
@@ -129,7 +137,8 @@ def main(args: Any) -> int:
         resuming = args.resume is not None
         if resuming:
             run_dir = find_run(args.resume, runs_dir)
-            lock = RunLock(run_dir).acquire()  # before reading: another process may still be writing it
+            # before reading: another process may still be writing it
+            lock = handed_down(run_dir, args) or RunLock(run_dir).acquire()
             state = read_journal(run_dir)
             run_id, completed, history, spent_usd = state.run_id, state.completed, state.history, state.spent_usd
             if state.skipped:
@@ -137,10 +146,9 @@ def main(args: Any) -> int:
         else:
             run_id = getattr(args, "run_id", None) or new_run_id()
             run_dir = Path(args.run_dir) if args.run_dir else runs_dir / run_id
+            lock = handed_down(run_dir, args)
         if getattr(args, "detach", False):
-            if lock is not None:
-                lock.release()  # the detached process takes it
-            return detach(args, run_dir, run_id)
+            return detach(args, run_dir, run_id, lock or RunLock(run_dir).acquire())  # the run's process takes it
         # a tool call its server's rules `ask` about: --approve-all approves it; a detached run (a console's, or
         # --detach) waits for a console to answer; a run in the foreground has no one to ask and denies it
         ask = "approve" if getattr(args, "approve_all", False) else "operator" if getattr(args, "detached", False) \
@@ -258,27 +266,39 @@ DETACH_WAIT_S = 60.0
 
 
 class DetachError(Exception):
-    """A detached run could not be started: one line says why."""
+    """A detached run could not be started: one line says why; `code`, the exit code that says it (2: the run
+    refused to start, as it would have in the foreground)."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def start_detached(config_file: str, run_dir: Path, *, run_id: str = "", resume: bool = False,
-                   flags: list[str] | None = None) -> Any:
+                   flags: list[str] | None = None, lock: Any = None) -> Any:
     """Start `run CONFIG --detached` in a process of its own (own session, no terminal, SIGHUP ignored), its
-    output in RUN_DIR/run.log; returns the Popen at once (`served` says when its socket answers)."""
+    output in RUN_DIR/run.log; returns the Popen at once (`served` says when its socket answers). `lock`: the
+    run directory's RunLock, held: handed to the process (and released here), so that no other can come between."""
     import subprocess
 
     argv = [sys.executable, "-m", "cerevisor_tui", "run", str(Path(config_file).resolve()), "--detached"]
     argv += (["--resume", str(run_dir.resolve())] if resume else
              ["--run-dir", str(run_dir.resolve()), "--run-id", run_id])
     argv += flags or []
+    kept = (lock.fileno(),) if lock is not None else ()
+    argv += [f"--lock-fd={fd}" for fd in kept]
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        log = open(run_dir / "run.log", "ab")
-    except OSError as exc:
-        raise DetachError(f"run directory {run_dir} is not usable: {exc.strerror or exc}") from None
-    with log:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                close_fds=True)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log = open(run_dir / "run.log", "ab")
+        except OSError as exc:
+            raise DetachError(f"run directory {run_dir} is not usable: {exc.strerror or exc}") from None
+        with log:
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                    close_fds=True, pass_fds=kept)
+    finally:
+        if lock is not None:
+            lock.release()  # the process holds it now (or, when it could not start, nobody)
 
 
 def served(proc: Any, run_dir: Path) -> bool:
@@ -294,15 +314,17 @@ def served(proc: Any, run_dir: Path) -> bool:
         tail = ""
         with contextlib.suppress(OSError, IndexError):
             tail = (run_dir / "run.log").read_text(errors="replace").strip().splitlines()[-1]
+        if code == 2 and tail.startswith("cerevisor-tui run: "):  # it refused, as the run in the foreground would
+            raise DetachError(tail.removeprefix("cerevisor-tui run: "), code=2)
         raise DetachError(f"the run process ended at once (exit code {code}): {tail}")
     return False
 
 
 def spawn_detached(config_file: str, run_dir: Path, *, run_id: str = "", resume: bool = False,
-                   flags: list[str] | None = None) -> int:
+                   flags: list[str] | None = None, lock: Any = None) -> int:
     """`start_detached`, then wait until its control socket answers; returns its process id. Raises
     DetachError when it ends at once or does not answer in DETACH_WAIT_S."""
-    proc = start_detached(config_file, run_dir, run_id=run_id, resume=resume, flags=flags)
+    proc = start_detached(config_file, run_dir, run_id=run_id, resume=resume, flags=flags, lock=lock)
     deadline = time.monotonic() + DETACH_WAIT_S
     while time.monotonic() < deadline:
         if served(proc, run_dir):
@@ -321,9 +343,10 @@ def how_to_reach(run_dir: Path, run_id: str) -> str:
     return f"attach: cerevisor-tui attach {name}    list: cerevisor-tui ls{where}    stop: cerevisor-tui stop {name}"
 
 
-def detach(args: Any, run_dir: Path, run_id: str) -> int:
-    """`run --detach`: start the run in a process of its own, say where it is, return 0. The config was checked
-    here already: what is wrong with it is said before anything starts."""
+def detach(args: Any, run_dir: Path, run_id: str, lock: Any) -> int:
+    """`run --detach`: start the run in a process of its own, handing it the run directory's `lock` (held), say
+    where it is, return 0. The config was checked here already: what is wrong with it is said before anything
+    starts, and a directory in use is refused here, as in the foreground."""
     flags: list[str] = []
     for flag, value in (("--mode", args.mode), ("--concurrency", args.concurrency), ("--endpoint", args.endpoint),
                         ("--model", args.model), ("--report", args.report and str(Path(args.report).resolve()))):
@@ -334,10 +357,11 @@ def detach(args: Any, run_dir: Path, run_id: str) -> int:
     if getattr(args, "approve_all", False):
         flags.append("--approve-all")
     try:
-        pid = spawn_detached(args.file, run_dir, run_id=run_id, resume=args.resume is not None, flags=flags)
+        pid = spawn_detached(args.file, run_dir, run_id=run_id, resume=args.resume is not None, flags=flags,
+                             lock=lock)
     except DetachError as exc:
         print(f"cerevisor-tui run: {exc}", file=sys.stderr)
-        return 1
+        return exc.code
     print(f"run {run_id} started in {run_dir} (process {pid}); it goes on without this terminal")
     print(f"  {how_to_reach(run_dir, run_id)}")
     return 0

@@ -84,6 +84,19 @@ def _checked_url(value: str) -> str:
     return value
 
 
+def shown_url(url: str) -> str:
+    """`url` as a message may repeat it: a user:password@ in it becomes [redacted]@ (found by hand, as a URL
+    that fails to parse may hold one too)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    authority_end = min((i for i in (rest.find(c) for c in "/?#") if i >= 0), default=len(rest))
+    at = rest.rfind("@", 0, authority_end)
+    if at < 0:
+        return url
+    return f"{scheme}{sep}[redacted]@{rest[at + 1:]}"
+
+
 def url_problem(url: str) -> str | None:
     """Why `url` is not the base URL of a server (http[s]://host[:port][/path]), or None."""
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
@@ -342,7 +355,7 @@ class EndpointConfig(StallPolicy):
         for i, url in enumerate(value):
             problem = url_problem(url)
             if problem:
-                raise ValueError(f"[{i}] {url!r}: {problem}")
+                raise ValueError(f"[{i}] {shown_url(url)!r}: {problem}")
         if len(set(value)) < len(value):
             raise ValueError("a worker is listed twice")
         return value

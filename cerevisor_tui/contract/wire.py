@@ -93,6 +93,7 @@ _client_decoder = msgspec.json.Decoder(ClientMessage)
 _server_decoder = msgspec.json.Decoder(ServerMessage)
 _loose_decoder = msgspec.json.Decoder(_AnyCommandLine)
 EVENT_PREFIX = b'{"type":"event","event":'
+NESTED = "a value nested too deeply"
 
 
 def encode(message: Message) -> bytes:
@@ -115,6 +116,8 @@ def read_server(line: bytes) -> Welcome | EventMessage | Live | Reply | Bye:
         return _server_decoder.decode(line)
     except msgspec.DecodeError as exc:
         raise WireError(plain(str(exc))) from None
+    except RecursionError:
+        raise WireError(NESTED) from None
 
 
 def read_client(line: bytes) -> Hello | CommandMessage:
@@ -122,11 +125,13 @@ def read_client(line: bytes) -> Hello | CommandMessage:
     line is a command whose values do not check, so that the refusal answers it)."""
     try:
         return _client_decoder.decode(line)
-    except msgspec.DecodeError as exc:
-        error = WireError(plain(str(exc)))
+    except (msgspec.DecodeError, RecursionError) as exc:
+        # msgspec checks Python's recursion limit as it descends into a value: a deep one inside a field it decodes
+        # raises RecursionError, at a depth that depends on the caller's stack
+        error = WireError(NESTED if isinstance(exc, RecursionError) else plain(str(exc)))
         try:
             loose = _loose_decoder.decode(line)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             loose = None
         error.ident = loose.id if loose is not None and loose.type == "command" else None  # type: ignore[attr-defined]
         raise error from None

@@ -22,6 +22,7 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.prefill import Prefill
+from cerevisor_tui.engine.resume import RecordedTurn
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.toolcalls import ToolCalls
 from cerevisor_tui.engine.watchdog import Watchdog
@@ -116,6 +117,9 @@ class Conversations:
         self.tools = tools  # the run's MCP tool calls (engine/toolcalls.py); None: no [[mcp_servers]]
         # moves a pool's agent off a member that is down (Engine.relocate); None: no pools
         self.relocate = relocate
+        # a resumed run's agents that had not completed: the turns they had answered (engine/resume.py), taken
+        # once, when the agent starts again; an operator's rerun later in the run starts from turn 1
+        self.recorded_turns: dict[str, list[RecordedTurn]] = {}
         self._rng = random.Random()
 
     async def run(self, st: AgentState) -> None:
@@ -131,7 +135,12 @@ class Conversations:
             messages.append({"role": "system", "content": cfg.system})
         user_turns = [cfg.prompt, *cfg.turns]
         answer = ""
+        done = self._reuse_turns(st, messages, user_turns)
+        if done:
+            answer = messages[-1]["content"] or ""
         for turn, text in enumerate(user_turns):
+            if turn < done:
+                continue
             st.turn = turn + 1
             messages.append({"role": "user", "content": self.render(text)})
             self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(st.turn, 0) + 1, st.turn, "user",
@@ -143,6 +152,27 @@ class Conversations:
             messages.append({"role": "assistant", "content": answer})
         st.messages = messages
         st.output = answer
+
+    def _reuse_turns(self, st: AgentState, messages: list[dict[str, Any]], user_turns: list[str]) -> int:
+        """The turns an earlier run of this directory answered, put back into `messages` as they were, while
+        each user message is what the config says now; how many. The agent goes on after them."""
+        recorded = self.recorded_turns.pop(st.name, [])
+        done = 0
+        for text, turn in zip(user_turns, recorded, strict=False):
+            if turn.user != self.render(text):
+                break
+            done += 1
+        if not done:
+            return 0
+        for turn in recorded[:done]:
+            messages.append({"role": "user", "content": turn.user})
+            messages.extend(dict(m) for m in turn.messages)
+        st.turn = st.turns_done = done
+        which = "turn 1" if done == 1 else f"turns 1-{done}"
+        goes_on = f"it goes on at turn {done + 1}" if done < len(user_turns) else "none is left to send"
+        self.emit(ev.RunNotice(time.monotonic(), f"{st.name}: {which} answered before, taken from the journal; "
+                                                 f"{goes_on}"))
+        return done
 
     async def _tool_turn(self, st: AgentState, messages: list[dict[str, Any]]) -> str:
         """A turn of an agent with tools: each answer that calls tools has them run (through MCP) and their

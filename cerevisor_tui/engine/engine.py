@@ -147,9 +147,10 @@ class Engine:
         # `ask`: what a tool call its server's rules `ask` about gets: the operator's answer, or headless, deny
         # or approve. A resumed run takes its earlier calls' results and "for the run" approvals from the journal.
         used = {tool.split(".", 1)[0] for agent in config.agents for tool in agent.tools}
-        self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir)
+        self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir, scrub=self.scrub)
+        records = resume.journal_records(run_dir)  # an earlier run's in this directory: [] for a new one
         self.tools = ToolCalls(self.tool_servers, emit=self.emit, scrub=self.scrub, ask=ask,
-                               memory=resume.tool_memory(run_dir) if used else None)
+                               memory=resume.tool_memory(records) if used else None)
         # The run's parts, each handed what it needs of the engine's state (the same objects, not copies).
         self.connections = Connections(config, self.emit, stream_process=stream_process)
         self.base_urls = self.connections.base_urls  # the simulator's, once it is started
@@ -168,6 +169,10 @@ class Engine:
             scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
             tools=self.tools)
         self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
+        # an agent that had not completed goes on after the turns it had answered (one run again starts anew)
+        self.conversations.recorded_turns = {
+            name: turns for name, turns in resume.recorded_turns(records).items()
+            if name not in self.completed_before and name not in self.rerun}
 
     @property
     def run_cost_usd(self) -> float:
@@ -568,6 +573,9 @@ class Engine:
             return
         st.status = "queued"
         self.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
+        if self.stopping:  # stopped by that very event (a journal that could not write it): no scope to cancel yet
+            self._finish(st, "cancelled", self.stopping)
+            return
         status: FinalStatus = "completed"
         reason = ""
         with anyio.CancelScope() as scope:

@@ -3,6 +3,9 @@
 An agent's AgentFinished records what it ran with (`agent_inputs`: its texts as digests, the rest as values).
 A resumed run reuses a completed agent's answer unless what it would run with now differs, or a dependency of
 its runs again (a changed answer upstream makes every answer downstream stale); each rerun says why.
+
+An agent that had not completed keeps the turns it had answered (`recorded_turns`): a resumed run goes on at
+the first turn without an answer, so no answered turn is sent twice.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,17 +77,74 @@ def plan_resume(config: Config, waves: list[list[AgentConfig]], reused: Mapping[
     return rerun
 
 
-def tool_memory(run_dir: str) -> ToolMemory | None:
+def tool_memory(records: list[dict[str, Any]]) -> ToolMemory | None:
     """What an earlier run in this run directory got from its tools (a resumed run); None: nothing."""
+    return ToolMemory.from_records(records) if records else None
+
+
+@dataclass(frozen=True)
+class RecordedTurn:
+    """A turn an earlier run answered: its user message, then the conversation's messages after it (the tool
+    calls and their results of a turn with tools), its answer last."""
+
+    user: str
+    messages: tuple[dict[str, Any], ...]
+    answer: str
+
+
+def recorded_turns(records: Iterable[dict[str, Any]]) -> dict[str, list[RecordedTurn]]:
+    """Each agent's answered turns, from turn 1 on with none missing, as the journal's MessageRecorded tell
+    them. A turn's user message starts it again and drops every later turn recorded before (an agent run
+    again from an earlier turn: what it said after is not its conversation any more); a partial answer (its
+    attempt died) is not an answer; a turn whose answer is not recorded ends what can be reused."""
+    chains: dict[str, dict[int, dict[str, Any]]] = {}
+    for e in records:
+        if e.get("event") != "MessageRecorded" or e.get("partial") or e.get("raw"):  # raw: a gateway session's
+            continue
+        agent, turn, role, content = e.get("agent"), e.get("turn"), e.get("role"), e.get("content")
+        if not isinstance(agent, str) or type(turn) is not int or not isinstance(content, str):
+            continue
+        chain = chains.setdefault(agent, {})
+        if role == "user":
+            for later in [t for t in chain if t >= turn]:
+                del chain[later]
+            chain[turn] = {"user": content, "messages": [], "answer": None}
+            continue
+        entry = chain.get(turn)
+        if entry is None or entry["answer"] is not None:
+            continue
+        calls = e.get("tool_calls")
+        if role == "tool" and isinstance(e.get("tool_call_id"), str):
+            entry["messages"].append({"role": "tool", "tool_call_id": e["tool_call_id"], "content": content})
+        elif role == "assistant" and calls and isinstance(calls, list):
+            entry["messages"].append({"role": "assistant", "content": content or None, "tool_calls": calls})
+        elif role == "assistant":
+            entry["messages"].append({"role": "assistant", "content": content})
+            entry["answer"] = content
+    out: dict[str, list[RecordedTurn]] = {}
+    for agent, chain in chains.items():
+        turns: list[RecordedTurn] = []
+        for number in sorted(chain):
+            entry = chain[number]
+            if number != len(turns) + 1 or entry["answer"] is None:
+                break
+            turns.append(RecordedTurn(entry["user"], tuple(entry["messages"]), entry["answer"]))
+        if turns:
+            out[agent] = turns
+    return out
+
+
+def journal_records(run_dir: str) -> list[dict[str, Any]]:
+    """The records of an earlier run in this run directory (a resumed run); []: none, or none readable."""
     if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
-        return None
+        return []
     from cerevisor_tui.engine.sinks.journal import read_records
 
     try:
         records, _ = read_records(run_dir)
-    except Exception:  # noqa: BLE001 - unreadable: the journal's own reader says so; calls simply run again
-        return None
-    return ToolMemory.from_records(records)
+    except Exception:  # noqa: BLE001 - unreadable: the journal's own reader says so; the agents simply run
+        return []
+    return records
 
 
 def _digest(text: str) -> str:

@@ -229,9 +229,9 @@ class ToolCalls:
             outcome, text = "timeout", f"error: the tool call was cancelled: {tc.reason}"
         elif tc.outcome == "killed":
             outcome, text = "killed", f"error: the tool call was cancelled by the operator ({tc.reason})"
-        text = capped(text, cfg.max_result_chars)
-        if self.scrub:
+        if self.scrub:  # before the cut: a key the cut splits would keep its start
             text = self.scrub(text)
+        text = capped(text, cfg.max_result_chars)
         elapsed = time.monotonic() - now
         st.status = "prefill"  # the model is given the result next
         self.emit(ev.ToolCallFinished(time.monotonic(), name, call_id, server, tool, outcome,  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """A client of a run's control socket (contract/wire.py): the attached console, `stop`, the tests.
 
-`ControlClient.connect(run_dir)` says hello; `run(on_event)` reads until the server says bye or the
+`ControlClient.connect(run_dir)` says hello and trusts the answer only from the run itself (the same user, the
+process supervisor.json names, serving this directory: supervisor/protocol.py `check_server`); `run(on_event)` reads until the server says bye or the
 connection ends, handing each event to `on_event` and each reply to the command that waits for it.
 `send(command)` sends a command (contract/commands.py) and gives a future of its reply.
 """
@@ -29,7 +30,7 @@ from cerevisor_tui.contract.wire import (
     encode,
     read_server,
 )
-from cerevisor_tui.supervisor.protocol import LINE_LIMIT, socket_of
+from cerevisor_tui.supervisor.protocol import LINE_LIMIT, check_server, check_user, socket_of
 
 CONNECT_WAIT_S = 5.0
 
@@ -66,6 +67,10 @@ class ControlClient:
             raise AttachError(f"not allowed to open {path}: the run belongs to another user") from None
         except (OSError, TimeoutError) as exc:
             raise AttachError(f"cannot reach run {run_dir.name} at {path}: {exc or 'no answer'}") from None
+        problem = check_user(writer.get_extra_info("socket"))
+        if problem:  # another user's process: nothing is said to it, nothing taken from it as the run's
+            writer.close()
+            raise AttachError(f"run {run_dir.name} is not live, or not reachable safely: {problem}")
         try:
             writer.write(encode(Hello(PROTOCOL, replay)))
             hello = read_server(await asyncio.wait_for(reader.readline(), CONNECT_WAIT_S))
@@ -76,6 +81,10 @@ class ControlClient:
             writer.close()
             why = hello.reason if isinstance(hello, Bye) else f"a {type(hello).__name__} before its hello"
             raise AttachError(f"run {run_dir.name} refused: {why}")
+        problem = check_server(run_dir, writer.get_extra_info("socket"), hello)
+        if problem:  # another run's (a copy of its directory was asked for), or not a run's process
+            writer.close()
+            raise AttachError(f"run {run_dir.name} is not live, or not reachable safely: {problem}")
         return cls(reader, writer, hello)
 
     async def run(self, on_event: Callable[[ev.Event], None], on_live: Callable[[], None] | None = None,

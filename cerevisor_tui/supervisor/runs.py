@@ -1,12 +1,12 @@
 """The runs under a runs directory, as `ls`, `attach` and `stop` see them: live (its control socket
-answers), finished (every agent completed), resumable (it ended with agents not completed) or crashed (it
-ended without its RunFinished: killed, or the machine went down; `run --resume` goes on with it).
+answers, as this very run), finished (every agent completed), resumable (it ended with agents not completed),
+crashed (it ended without its RunFinished: killed, or the machine went down; `run --resume` goes on with it)
+or unreadable (its supervisor.json does not check: `problem` says why).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -14,27 +14,50 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract.events import EventError, decode_event
+from cerevisor_tui.contract.wire import PROTOCOL, Hello, Welcome, WireError, encode, read_server
 from cerevisor_tui.engine.sinks.journal import EVENTS_FILE
-from cerevisor_tui.supervisor.protocol import read_supervisor, socket_of
+from cerevisor_tui.supervisor.protocol import (
+    SOCKET_NAME,
+    SupervisorFile,
+    check_server,
+    check_user,
+    supervisor_file,
+)
+
+ANSWER_WAIT_S = 2.0
+"""How long `ls` waits for a run's socket to take its hello and answer it."""
+HELLO_LINE_MAX = 64 * 1024
 
 
 @dataclass
 class RunInfo:
     run_id: str
     path: Path
-    state: str  # live | finished | resumable | crashed
+    state: str  # live | finished | resumable | crashed | unreadable
     done: int  # agents completed
     total: int
-    started: float  # wall-clock seconds
+    started: float  # wall-clock seconds: the run's first start, also once it was resumed
     pid: int | None = None
     exit_code: int | None = None
     sessions: int = 0  # a gateway's sessions (not among the agents)
+    resumed: float = 0.0  # when it was last taken up again (0: never)
+    problem: str = ""  # why it is unreadable, or why its socket is not its own
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["path"] = str(self.path)
-        data["started"] = datetime.fromtimestamp(self.started).isoformat(timespec="seconds")
+        data["started"] = _iso(self.started)
+        data["resumed"] = _iso(self.resumed) if self.resumed else None
         return data
+
+
+def _iso(seconds: float) -> str:
+    try:
+        return datetime.fromtimestamp(seconds).isoformat(timespec="seconds")
+    except (ValueError, OverflowError, OSError):
+        return ""
 
 
 def answers(path: Path) -> bool:
@@ -48,9 +71,32 @@ def answers(path: Path) -> bool:
     return True
 
 
-def _started(run_dir: Path, run_id: str, supervisor: dict[str, Any]) -> float:
-    if isinstance(supervisor.get("started_at"), int | float):
-        return float(supervisor["started_at"])
+def identify(run_dir: Path, path: Path) -> str | None:
+    """Says hello on the socket at `path` and checks who answers (supervisor/protocol.py `check_server`): ""
+    when it is the run in `run_dir`, why not when it is not, None when nothing there answers."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(ANSWER_WAIT_S)
+        try:
+            sock.connect(str(path))
+        except (OSError, ValueError):
+            return None
+        problem = check_user(sock)
+        if problem:
+            return problem
+        try:
+            sock.sendall(encode(Hello(PROTOCOL, replay=False)))
+            with sock.makefile("rb") as fh:
+                hello = read_server(fh.readline(HELLO_LINE_MAX))
+        except (OSError, WireError) as exc:
+            return f"what answers at {path} is not a run of this version: {exc}"
+        if not isinstance(hello, Welcome):
+            return f"the run at {path} refused: {getattr(hello, 'reason', type(hello).__name__)}"
+        return check_server(run_dir, sock, hello)
+
+
+def _started(run_dir: Path, run_id: str, supervisor: SupervisorFile | None) -> float:
+    if supervisor is not None and supervisor.started_at > 0:
+        return supervisor.started_at
     with contextlib.suppress(ValueError):
         return datetime.strptime(run_id[:15], "%Y%m%d-%H%M%S").timestamp()
     with contextlib.suppress(OSError):
@@ -65,7 +111,9 @@ def run_info(run_dir: Path) -> RunInfo | None:
         fh = open(path, "rb")
     except OSError:
         return None
-    run_id, agents, status, finished, sessions = run_dir.name, 0, {}, None, set()
+    run_id, agents, finished = run_dir.name, 0, None
+    status: dict[str, str] = {}
+    sessions: set[str] = set()
     with fh:
         for raw in fh:
             # only the lines that matter here are parsed: a long run's journal is mostly other events
@@ -73,34 +121,33 @@ def run_info(run_dir: Path) -> RunInfo | None:
                     and b'"SessionOpened"' not in raw):
                 continue
             try:
-                data = json.loads(raw)
-            except ValueError:
+                event = decode_event(raw)  # checked as this version's event: a line that is not one is passed over
+            except (EventError, RecursionError):
                 continue
-            if not isinstance(data, dict):
-                continue
-            kind = data.get("event")
-            if kind == "RunStarted":
-                run_id = str(data.get("run_id") or run_id)
-                waves = data.get("waves") if isinstance(data.get("waves"), list) else []
-                agents = sum(len(w) for w in waves if isinstance(w, list))
-                finished = None
-            elif kind == "SessionOpened" and isinstance(data.get("agent"), str):
-                sessions.add(data["agent"])
-            elif kind == "AgentFinished" and isinstance(data.get("agent"), str):
-                status[data["agent"]] = data.get("status")
-            elif kind == "RunFinished":
-                finished = data.get("exit_code") if isinstance(data.get("exit_code"), int) else 1
+            if isinstance(event, ev.RunStarted):
+                run_id, agents, finished = event.run_id or run_id, sum(map(len, event.waves)), None
+            elif isinstance(event, ev.SessionOpened):
+                sessions.add(event.agent)
+            elif isinstance(event, ev.AgentFinished):
+                status[event.agent] = event.status
+            elif isinstance(event, ev.RunFinished):
+                finished = event.exit_code
     done = sum(1 for name, s in status.items() if s == "completed" and name not in sessions)
-    supervisor = read_supervisor(run_dir)
-    if answers(socket_of(run_dir)):
+    try:
+        supervisor = supervisor_file(run_dir)
+    except ValueError as exc:
+        return RunInfo(run_id, run_dir, "unreadable", done, agents, _started(run_dir, run_id, None), None, finished,
+                       len(sessions), problem=str(exc))
+    problem = identify(run_dir, Path(supervisor.socket) if supervisor else run_dir / SOCKET_NAME)
+    if problem == "":
         state = "live"
     elif finished is None:
         state = "crashed"
     else:
         state = "finished" if done >= agents else "resumable"
-    pid = supervisor.get("pid") if state == "live" and isinstance(supervisor.get("pid"), int) else None
+    pid = supervisor.pid if state == "live" and supervisor is not None else None
     return RunInfo(run_id, run_dir, state, done, agents, _started(run_dir, run_id, supervisor), pid, finished,
-                   len(sessions))
+                   len(sessions), supervisor.resumed_at if supervisor else 0.0, problem or "")
 
 
 def list_runs(runs_dir: Path) -> list[RunInfo]:
@@ -125,7 +172,8 @@ def find(run: str | None, runs_dir: Path, *, live: bool = False) -> Path:
             raise LookupError(f"no run {run!r}: neither a run directory nor a run id under {runs_dir}")
         info = run_info(path) if live else None
         if info is not None and info.state != "live":  # stop: there is nothing to stop
-            raise LookupError(f"run {info.run_id} is {info.state}: nothing to stop")
+            raise LookupError(f"run {info.run_id} is {info.state}: nothing to stop"
+                              + (f"; {info.problem}" if info.problem else ""))
         return path
     runs = list_runs(runs_dir)
     for info in runs:

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
-import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +32,12 @@ from cerevisor_tui.contract.wire import (
     read_client,
 )
 from cerevisor_tui.engine.sinks.journal import EVENTS_FILE
-from cerevisor_tui.supervisor.protocol import SUPERVISOR_FILE, socket_path_for
+from cerevisor_tui.supervisor.protocol import (
+    SUPERVISOR_FILE,
+    peer_credentials,
+    socket_path_for,
+    supervisor_file,
+)
 
 HELLO_WAIT_S = 10.0
 COMMAND_LINE_LIMIT = 1024 * 1024
@@ -50,18 +53,15 @@ REPLAY_CHUNK = 256 * 1024
 """The journal goes to an attaching client this many bytes at a time, each sent before the next is read: a
 long run's journal (12 bytes an output token: 90 MB after an hour at 2,000 tokens/s) is never read or
 buffered whole, and the run's loop goes on between chunks."""
+CLIENTS_MAX = 32
+"""Connections at once (consoles, `stop`, `ls`); one more is told so and closed."""
+BUFFERED_MAX = 128 * 1024 * 1024
+"""Bytes waiting for all clients together; past it the client furthest behind is dropped."""
 CLOSE_WAIT_S = 2.0
+"""A client being let go gets this long to take in what is pending and its bye; then its connection is aborted
+(one that reads nothing would otherwise hold its socket and buffer until the run ends)."""
 
 Dispatch = Callable[[Command], Any]
-
-
-def peer_uid(sock: socket.socket) -> int | None:
-    """The uid of the process at the other end of a Unix socket (SO_PEERCRED), None where not known."""
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (OSError, AttributeError):
-        return None
-    return struct.unpack("3i", creds)[1]
 
 
 class _Client:
@@ -75,6 +75,11 @@ class _Client:
         self.counted = 0
 
 
+def _behind(client: _Client) -> int:
+    """Bytes waiting for a client: in its socket's buffer, and held for it while its replay is sent."""
+    return client.writer.transport.get_write_buffer_size() + client.held
+
+
 class ControlServer:
     """`await start()`, subscribe it to the engine (`engine.subscribe(server)`), `await close()` at the end.
 
@@ -84,14 +89,18 @@ class ControlServer:
     """
 
     def __init__(self, run_dir: Path, run_id: str, dispatch: Dispatch, *, config_path: str = "",
-                 in_flight: Callable[[], list[ev.Event]] = list, buffer_max: int = CLIENT_BUFFER_MAX) -> None:
-        self.run_dir, self.run_id, self.dispatch = Path(run_dir), run_id, dispatch
-        self.buffer_max = buffer_max
+                 in_flight: Callable[[], list[ev.Event]] = list, buffer_max: int = CLIENT_BUFFER_MAX,
+                 buffered_max: int = BUFFERED_MAX, clients_max: int = CLIENTS_MAX) -> None:
+        # resolved: a client compares it with the directory it asked for (a copy of a run directory names our socket)
+        self.run_dir, self.run_id, self.dispatch = Path(run_dir).resolve(), run_id, dispatch
+        self.buffer_max, self.buffered_max, self.clients_max = buffer_max, buffered_max, clients_max
         self.config_path = config_path
         self.in_flight = in_flight
         self.events_path = self.run_dir / EVENTS_FILE
         self.path: Path | None = None
         self.started_at = time.time()
+        self.resumed_at = 0.0
+        self._connections = 0
         self._server: asyncio.AbstractServer | None = None
         self._clients: list[_Client] = []
         self._flush_pending = False
@@ -113,9 +122,15 @@ class ControlServer:
             os.umask(old)
         os.chmod(path, 0o600)
         self.path = path
+        try:
+            before = supervisor_file(self.run_dir)
+        except ValueError:
+            before = None
+        if before is not None and before.run_id == self.run_id and 0 < before.started_at < self.started_at:
+            self.started_at, self.resumed_at = before.started_at, self.started_at  # a resumed run: its first start
         write_json_atomic(self.run_dir / SUPERVISOR_FILE, {
             "pid": os.getpid(), "socket": str(path), "run_id": self.run_id, "protocol": PROTOCOL,
-            "config": self.config_path, "started_at": self.started_at})
+            "config": self.config_path, "started_at": self.started_at, "resumed_at": self.resumed_at})
         return path
 
     async def close(self, reason: str = "the run ended") -> None:
@@ -130,7 +145,7 @@ class ControlServer:
         for client in clients:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(client.writer.drain(), CLOSE_WAIT_S)
-            client.writer.close()
+            self._let_go(client.writer)
         # Each client's task ends by itself once its connection is closed. Only one that does not is cancelled:
         # Python 3.11's start_unix_server logs a cancelled client task as an error, with a traceback, in the
         # run's log, at the end of every run that had a console attached.
@@ -179,6 +194,12 @@ class ControlServer:
                 continue
             if client.writer.transport.get_write_buffer_size() > self.buffer_max:
                 self._drop(client, "this client fell too far behind the run's events; attach again")
+        total = sum(map(_behind, self._clients))
+        while total > self.buffered_max and self._clients:
+            furthest = max(self._clients, key=_behind)
+            total -= _behind(furthest)
+            self._drop(furthest, "the run's clients together fell too far behind its events, and this one furthest; "
+                                 "attach again")
 
     def _drop(self, client: _Client, reason: str) -> None:
         with contextlib.suppress(ValueError):
@@ -186,7 +207,15 @@ class ControlServer:
         if reason:
             with contextlib.suppress(OSError, RuntimeError):
                 client.writer.write(encode(Bye(reason)))
-        client.writer.close()
+        self._let_go(client.writer)
+
+    def _let_go(self, writer: asyncio.StreamWriter) -> None:
+        """Close a client's connection: what is pending for it gets CLOSE_WAIT_S to go, then the connection is
+        aborted (`close()` alone waits for a flush that a client that reads nothing never allows)."""
+        writer.close()
+        transport = writer.transport
+        if transport.get_write_buffer_size() and self._loop is not None:
+            self._loop.call_later(CLOSE_WAIT_S, transport.abort)
 
     async def _send_past(self, client: _Client, end: int, snapshot: list[bytes]) -> None:
         """The journal's first `end` bytes, a chunk at a time as the client takes them in, then `snapshot` (each
@@ -218,10 +247,15 @@ class ControlServer:
         if task is not None:
             self._tasks.add(task)
         client: _Client | None = None
+        self._connections += 1
         try:
-            uid = peer_uid(writer.get_extra_info("socket"))
-            if uid is not None and uid != os.getuid():
-                writer.write(encode(Bye(f"refused: uid {uid} is not the run's owner")))
+            creds = peer_credentials(writer.get_extra_info("socket"))
+            if creds is not None and creds[1] != os.getuid():
+                writer.write(encode(Bye(f"refused: uid {creds[1]} is not the run's owner")))
+                return
+            if self._connections > self.clients_max:
+                writer.write(encode(Bye(f"refused: this run has {self.clients_max} clients connected already, the "
+                                        "most it takes; detach one and try again")))
                 return
             try:
                 hello = read_client(await asyncio.wait_for(reader.readline(), HELLO_WAIT_S))
@@ -259,12 +293,11 @@ class ControlServer:
             with contextlib.suppress(OSError, RuntimeError):
                 writer.write(encode(Bye(f"a line over {COMMAND_LINE_LIMIT // 1024} KiB: not a command of this run")))
         finally:
+            self._connections -= 1
             if client is not None:
                 with contextlib.suppress(ValueError):
                     self._clients.remove(client)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(writer.drain(), CLOSE_WAIT_S)
-            writer.close()
+            self._let_go(writer)
             if task is not None:
                 self._tasks.discard(task)
 

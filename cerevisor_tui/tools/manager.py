@@ -1,10 +1,12 @@
 """The run's MCP tool servers, spoken to with the official `mcp` SDK (client side): each server an agent
 uses is started once when the run opens, shared by its agents, and ended with the run.
 
-A stdio server is its own process (the SDK starts it in a session of its own and, on the way out, closes
-its stdin, then terminates its process tree); it gets only the variables its config names, over the SDK's
-safe set (PATH, HOME, ...). Should the run die at once (SIGKILL), the server's stdin closes with it and it
-ends. A server that fails to start, or exits later, is a problem of its own agents: the run goes on.
+A stdio server is its own process (tools/stdio.py starts it in a session of its own and, on the way out,
+closes its stdin, then terminates its process tree; it reads each message under a bound, and puts the
+server's stderr through the run's scrubber into `mcp-<name>.log`); it gets only the variables its config
+names, over the SDK's safe set (PATH, HOME, ...). Should the run die at once (SIGKILL), the server's stdin
+closes with it and it ends. A server that fails to start, or exits later, is a problem of its own agents: the
+run goes on; what is said about it names its exit status and its log.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from collections.abc import Iterable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import anyio
 
 from cerevisor_tui.config.models import AgentConfig, McpServerConfig
+from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.tools.schemas import function_name, openai_tool
+from cerevisor_tui.tools.stdio import ServerLog, StdioServer, message_max_bytes
 
 
 class ToolSetupError(Exception):
@@ -40,6 +44,7 @@ class ToolServer:
     tools: dict[str, Any] = field(default_factory=dict)  # name -> mcp Tool
     problem: str = ""  # why it cannot be used now ("" while it can)
     ready: anyio.Event | None = None  # made when the run opens (in its event loop); set once started, or failed
+    process: StdioServer | None = None  # a stdio server's process, once started
 
     @property
     def name(self) -> str:
@@ -56,11 +61,14 @@ class Toolset:
 
 class McpServers:
     """The run's tool servers: `open` starts those that `used` names (in parallel), `toolset` gives an agent
-    its tools, `call` runs one. `log_dir`: where each stdio server's stderr goes (`mcp-<name>.log`)."""
+    its tools, `call` runs one. `log_dir`: where each stdio server's stderr goes (`mcp-<name>.log`), through
+    `scrub`."""
 
-    def __init__(self, configs: Iterable[McpServerConfig], used: set[str], log_dir: str = "") -> None:
+    def __init__(self, configs: Iterable[McpServerConfig], used: set[str], log_dir: str = "",
+                 scrub: Scrubber | None = None) -> None:
         self.servers = {c.name: ToolServer(c) for c in configs if c.name in used}
         self.log_dir = log_dir
+        self.scrub = scrub or Scrubber()
 
     def __bool__(self) -> bool:
         return bool(self.servers)
@@ -76,6 +84,21 @@ class McpServers:
         for server in self.servers.values():
             server.ready = anyio.Event()
             group.start_soon(self._serve, server)
+            group.start_soon(self._start_deadline, server)
+
+    async def _start_deadline(self, server: ToolServer) -> None:
+        """Tells a server's agents that it did not start, at its start_timeout_s: not once its process has been
+        wound down, which takes seconds more (the grace before its process group is terminated)."""
+        assert server.ready is not None
+        with anyio.move_on_after(server.config.start_timeout_s):
+            await server.ready.wait()
+            return
+        server.problem = server.problem or self._timeout_text(server.config)
+        server.ready.set()
+
+    @staticmethod
+    def _timeout_text(cfg: McpServerConfig) -> str:
+        return f"MCP server {cfg.name} did not start within {cfg.start_timeout_s:g} s (start_timeout_s)"
 
     async def _serve(self, server: ToolServer) -> None:
         cfg = server.config
@@ -87,10 +110,12 @@ class McpServers:
             # bounds the start and is lifted once the tools are listed
             with anyio.CancelScope(deadline=anyio.current_time() + cfg.start_timeout_s) as scope:
                 async with AsyncExitStack() as stack:
-                    read, write = await stack.enter_async_context(self._transport(cfg, stack))
+                    read, write = await stack.enter_async_context(self._transport(server))
                     session = await stack.enter_async_context(ClientSession(read, write))
                     await session.initialize()
                     listed = await session.list_tools()
+                    if server.ready is not None and server.ready.is_set():
+                        return  # too late: its agents were told it did not start (_start_deadline)
                     scope.deadline = math.inf
                     server.session = session
                     server.tools = {tool.name: tool for tool in listed.tools}
@@ -99,36 +124,33 @@ class McpServers:
                         server.ready.set()
                     await anyio.sleep_forever()
             if scope.cancelled_caught and not started:
-                server.problem = (f"MCP server {cfg.name} did not start within {cfg.start_timeout_s:g} s "
-                                  "(start_timeout_s)")
+                server.problem = server.problem or self._timeout_text(cfg)
         except Exception as exc:  # noqa: BLE001 - a server that fails is its agents' problem, never the run's
             what = "stopped" if started else "did not start"
-            server.problem = f"MCP server {cfg.name} {what}: {_reason(exc)}"
+            server.problem = server.problem or f"MCP server {cfg.name} {what}: {self._why(server, exc)}"
         finally:
             server.session = None
             if server.ready is not None:
                 server.ready.set()
 
-    def _transport(self, cfg: McpServerConfig, stack: AsyncExitStack) -> Any:
+    def _transport(self, server: ToolServer) -> Any:
+        cfg = server.config
         if cfg.url:
             from mcp.client.streamable_http import streamable_http_client
 
             return _pair(streamable_http_client(cfg.url))
-        from mcp.client.stdio import StdioServerParameters, stdio_client
-
         env = {name: os.environ[name] for name in cfg.env if name in os.environ}
-        params = StdioServerParameters(command=cfg.command, args=list(cfg.args), env=env, cwd=cfg.cwd or None)
-        return stdio_client(params, errlog=self._errlog(cfg, stack))
+        # the server's stderr: a log file in the run directory, never the run's own terminal
+        log = ServerLog(Path(self.log_dir) / f"mcp-{cfg.name}.log" if self.log_dir else None)
+        server.process = StdioServer(cfg.command, list(cfg.args), env, cfg.cwd or None, log=log, scrub=self.scrub,
+                                     max_message_bytes=message_max_bytes(cfg.max_result_chars))
+        return server.process.connect()
 
-    def _errlog(self, cfg: McpServerConfig, stack: AsyncExitStack) -> TextIO:
-        """The server's stderr: a log file in the run directory, never the run's own terminal."""
-        if self.log_dir:
-            try:
-                Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-                return stack.enter_context(open(Path(self.log_dir) / f"mcp-{cfg.name}.log", "a", encoding="utf-8"))
-            except OSError:
-                pass
-        return stack.enter_context(open(os.devnull, "w", encoding="utf-8"))
+    @staticmethod
+    def _why(server: ToolServer, exc: BaseException) -> str:
+        """Why a server's session ended or a call got no result: how its process ended, once it has."""
+        exited = server.process.exit_text() if server.process is not None else ""
+        return exited or _reason(exc)
 
     async def toolset(self, agent: AgentConfig) -> Toolset:
         """The tools `agent` lists, offered as OpenAI tools (a tool its server denies is not offered), once
@@ -166,7 +188,7 @@ class McpServers:
         try:
             result = await server.session.call_tool(tool, arguments)
         except Exception as exc:  # noqa: BLE001 - whatever the SDK raises is this call's error, told to the model
-            raise ToolCallError(f"MCP server {server_name}: {_reason(exc)}") from None
+            raise ToolCallError(f"MCP server {server_name}: {self._why(server, exc)}") from None
         return result, bool(getattr(result, "is_error", False))
 
 

@@ -107,6 +107,28 @@ class RunLock:
         self._fd = fd
         return self
 
+    @classmethod
+    def handed_down(cls, run_dir: str | os.PathLike[str], fd: int) -> RunLock:
+        """The lock a parent process took and handed to this one as `fd` (`run --detach`: no second process can
+        take the directory between the parent's check and the run's start). Raises JournalError."""
+        lock = cls(run_dir)
+        try:
+            if not os.path.samestat(os.fstat(fd), os.stat(lock.dir / LOCK_FILE)):
+                raise OSError(f"fd {fd} is not {lock.dir / LOCK_FILE}")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held already, through the parent's open file
+            os.set_inheritable(fd, False)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            raise JournalError(f"run directory {lock.dir}: the lock handed down is not usable: {_why(exc)}") from None
+        lock._fd = fd
+        return lock
+
+    def fileno(self) -> int:
+        if self._fd is None:
+            raise ValueError("the run directory's lock is not held")
+        return self._fd
+
     def release(self) -> None:
         # The file stays: unlinking a lock file lets two processes hold "the" lock on two different files.
         if self._fd is not None:
