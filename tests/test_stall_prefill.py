@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections import deque
 
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
-from cerevisor_tui.contract.deadlines import PREFILL_GRACE_S, PREFILL_SLACK, prefill_look
+from cerevisor_tui.contract.deadlines import PREFILL_GRACE_S, PREFILL_SLACK, estimate_look, prefill_look
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
 from tests.conftest import chunk, http_head, read_request, sse_chunk
@@ -238,3 +239,61 @@ async def test_a_server_whose_props_are_not_llamas_is_not_asked():
         assert await engine.run() == 0
     assert "return_progress" not in srv.bodies[0]
     assert not of(seen, "StallExtended")
+
+
+# ---- a server that tells no progress: the estimate -------------------------------------------------------
+
+def estimate(now: float, alive: bool = True):
+    # 9,000 tokens to prefill at 1,000 tok/s from 100: its projected end at 109, its slack to 111.25
+    return estimate_look(now=now, sent_at=100.0, total=10_000, cached=1_000, rate_tok_s=1_000.0, alive=alive)
+
+
+def test_an_estimated_prefill_is_extended_while_plausible_and_the_server_shows_life():
+    inside = estimate(111.25 - 1e-6)
+    assert (inside.action, inside.deadline_at) == ("extend", pytest.approx(111.25))
+    assert inside.reason == "prefill ~99% (est.), 1,000 tok/s measured, about 0 s left, KV use climbing"
+    early = estimate(104.0)
+    assert early.reason == "prefill ~50% (est.), 1,000 tok/s measured, about 5 s left, KV use climbing"
+    assert estimate(111.25).action == "none"  # past its plausible end: the other rules decide
+    assert estimate(104.0, alive=False).action == "none"  # no life (KV use flat): nothing to go by
+    assert estimate_look(now=104.0, sent_at=100.0, total=1_000, cached=1_000, rate_tok_s=1_000.0,
+                         alive=True).action == "none"  # all of it cached: its first token is due
+
+
+def test_kv_use_climbing_is_judged_against_the_sample_before_the_last_look():
+    from cerevisor_tui.engine.connections import Connections
+    from cerevisor_tui.engine.monitor import ServerMonitor
+
+    config = validate({"endpoints": [{"name": "box", "base_url": "http://127.0.0.1:9/v1"}],
+                       "agents": [{"name": "a", "prompt": "p"}]})
+    monitor = ServerMonitor(config, Connections(config, lambda e: None), lambda e: None, lambda endpoint: None)
+    assert not monitor.kv_climbed("box", 0.0)  # never sampled
+    for at, usage in ((1.0, 0.20), (2.0, 0.20), (3.0, 0.25)):
+        monitor.kv_seen.setdefault("box", deque()).append((at, usage))
+    assert monitor.kv_climbed("box", 2.0)  # 0.20 by then, 0.25 since
+    assert not monitor.kv_climbed("box", 3.0)  # nothing since
+    monitor.kv_seen["box"].append((4.0, 0.25))
+    assert not monitor.kv_climbed("box", 3.0)  # flat since the last look: a wedged engine's KV
+    assert monitor.kv_climbed("box", 0.5)  # no sample by then: against the first since
+
+
+@pytest.mark.anyio
+async def test_on_a_server_without_progress_the_measured_rate_gives_an_estimate():
+    # a0's completed request measures the endpoint's prefill rate; a1's longer prompt, sent after it, is estimated
+    settings = SimSettings(tokens_per_s=200.0, ttft_s=0.0, prefill_tokens_per_s=4000.0)
+    async with SimServer(settings) as srv:
+        engine = Engine(validate({
+            "run": {"mode": "sequential", "metrics_interval_s": 0.2},
+            "stall": {"first_byte_timeout_s": 30.0},
+            "endpoints": [{"name": "box", "base_url": srv.base_url}],
+            "agents": [{"name": "a0", "prompt": prompt(4000), "max_tokens": 2},
+                       {"name": "a1", "prompt": prompt(8000), "max_tokens": 2, "depends_on": ["a0"]}],
+        }))
+        seen: list = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+    assert not [e for e in of(seen, "PrefillProgress") if e.agent == "a0"]  # nothing measured yet
+    (est,) = [e for e in of(seen, "PrefillProgress") if e.agent == "a1"]
+    assert est.estimated and est.total == pytest.approx(8000, rel=0.05)
+    (a0,) = [e for e in of(seen, "TurnFinished") if e.agent == "a0"]
+    assert est.rate_tok_s == pytest.approx(a0.prompt_tokens / a0.ttft_s, rel=0.01)

@@ -94,6 +94,25 @@ def prefill_look(*, now: float, total: int, processed: int, rate_tok_s: float | 
     return PrefillLook("extend", deadline, f"prefill {percent}, {still} (stuck after {fmt_s(idle_s)})")
 
 
+def estimate_look(*, now: float, sent_at: float, total: int, cached: int, rate_tok_s: float,
+                  alive: bool) -> PrefillLook:
+    """At a first-byte deadline, for a server that tells no progress of its own (vLLM, SGLang): the prompt's
+    `total` tokens (estimated), `cached` of them expected from the prefix cache, at the endpoint's measured
+    prefill rate, from `sent_at`. While that estimate says the prompt is still plausibly prefilling (before its
+    projected end and its slack) and the server shows life since the last look (`alive`: its KV use climbing),
+    the deadline moves to the end of that window; otherwise this rule says nothing ("none")."""
+    if rate_tok_s <= 0 or total <= cached:
+        return PrefillLook("none", now, "")
+    eta_s = (total - cached) / rate_tok_s
+    end = sent_at + eta_s
+    limit = end + max(PREFILL_GRACE_S, PREFILL_SLACK * eta_s)
+    if not alive or now >= limit:
+        return PrefillLook("none", now, "")
+    share = min(0.99, (cached + rate_tok_s * (now - sent_at)) / total)
+    return PrefillLook("extend", limit, f"prefill ~{share:.0%} (est.), {rate_tok_s:,.0f} tok/s measured, "
+                                        f"about {fmt_s(max(0.0, end - now))} left, KV use climbing")
+
+
 def fmt_s(seconds: float) -> str:
     """Seconds as the operator reads them: 1800 s, 2.5 s, 0.25 s."""
     if seconds >= 10:

@@ -496,6 +496,8 @@ class Engine:
         self.sessions.started(group)
         if self.busy_check is None:
             self.busy_check = self.monitor.busy
+        if self.watchdog.server_life is None:  # an estimated prefill is extended while the KV use climbs
+            self.watchdog.server_life = self.monitor.kv_climbed
 
     async def read_server(self, endpoint: str) -> ServerStatus:
         """One look at the endpoint's /health and /metrics (see ServerMonitor.read)."""

@@ -1,5 +1,6 @@
 """A request's prefill as its server tells it (llama-server's prompt_progress): how far it is, how fast it goes,
-and when it last moved, for the stall watchdog (contract/deadlines.py: prefill_look) and the console."""
+and when it last moved, for the stall watchdog (contract/deadlines.py: prefill_look) and the console; and, for a
+server that tells nothing of it, an estimate from the endpoint's measured prefill rate (estimate_look)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,19 @@ class Prefill:
         return ev.PrefillProgress(now, agent, attempt, self.total, self.cache, self.processed,
                                   round(rate, 1) if rate is not None else None,
                                   round(eta, 1) if eta is not None else None)
+
+
+@dataclass(slots=True)
+class PrefillEstimate:
+    """A prompt's prefill as the endpoint's measured rate projects it: `total` prompt tokens (from its characters),
+    `cached` of them expected from the prefix cache (the conversation so far), from `sent_at`."""
+
+    total: int
+    cached: int
+    rate_tok_s: float
+    sent_at: float
+    looked_at: float = 0.0  # the watchdog's last look at the server's life for it
+
+    def event(self, now: float, agent: str, attempt: int) -> ev.PrefillProgress:
+        return ev.PrefillProgress(now, agent, attempt, self.total, self.cached, self.cached, round(self.rate_tok_s, 1),
+                                  round((self.total - self.cached) / self.rate_tok_s, 1), estimated=True)

@@ -15,6 +15,7 @@ from cerevisor_tui.config.models import ResolvedStall
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.contract.deadlines import (
     PrefillLook,
+    estimate_look,
     fmt_s,
     next_look,
     prefill_look,
@@ -36,6 +37,8 @@ class Watchdog:
         self.policies = policies  # the engine's own: `set_stall` replaces an endpoint's entry
         self.emit = emit
         self.busy_check: BusyCheck | None = None
+        # (endpoint, since): whether the server shows life since then (its KV use climbing); None: never asked
+        self.server_life: Callable[[str, float], bool] | None = None
 
     async def watch(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
         """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill.
@@ -79,6 +82,9 @@ class Watchdog:
                     return
                 if look.action == "extend":
                     continue
+            if now >= att.deadline_at and phase == "first_byte" and att.prefill is None and att.estimate is not None \
+                    and self.estimated(st, att, now):
+                continue
             if now >= att.deadline_at:
                 reason = await self.busy_reason(st, att, policy)
                 if reason:
@@ -138,6 +144,26 @@ class Watchdog:
             self.emit(ev.StallExtended(now, st.name, att.number, "first_byte", extend_s, look.reason,
                                        att.deadline_at, att.extensions))
         return look
+
+    def estimated(self, st: AgentState, att: Attempt, now: float) -> bool:
+        """At a first-byte deadline, a prefill the server tells nothing of: extended while the endpoint's measured
+        rate says the prompt is still plausibly prefilling and the server shows life (its KV use climbing)."""
+        e = att.estimate
+        assert e is not None
+        alive = self.server_life is not None and self.server_life(st.endpoint, e.looked_at)
+        e.looked_at = now
+        look = estimate_look(now=now, sent_at=e.sent_at, total=e.total, cached=e.cached, rate_tok_s=e.rate_tok_s,
+                             alive=alive)
+        if look.action != "extend":
+            return False
+        extend_s = look.deadline_at - att.deadline_at
+        att.extra_s += extend_s
+        att.deadline_at = look.deadline_at
+        # an estimate is not the server's word: the warnings still ahead of the new deadline re-arm
+        att.warned = warnings_due(self.policies[st.endpoint].warn_at, att.base, att.deadline_at - att.base, now)
+        self.emit(ev.StallExtended(now, st.name, att.number, "first_byte", extend_s, look.reason, att.deadline_at,
+                                   att.extensions))
+        return True
 
     async def busy_reason(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> str | None:
         """The seam for the server-busy extension: ask the endpoint whether it is loading or queueing."""

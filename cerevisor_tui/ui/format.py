@@ -128,7 +128,9 @@ def prefill_status(progress: ev.PrefillProgress, now: float) -> str:
     """An attempt's prefill as its status: `prefill 63% · 40 s` (the server's progress, the time left at its
     rate counting down), `prefill 63%` before a rate, `prefill ~40% (est.)` where the share is an estimate."""
     share = progress.processed / progress.total if progress.total > 0 else 0.0
-    if progress.estimated:
+    if progress.estimated:  # the share goes on at the measured rate, short of the whole prompt
+        if progress.rate_tok_s and progress.total > 0:
+            share = min(0.99, (progress.processed + progress.rate_tok_s * max(0.0, now - progress.t)) / progress.total)
         return f"prefill ~{share:.0%} (est.)"
     if progress.eta_s is None:
         return f"prefill {share:.0%}"

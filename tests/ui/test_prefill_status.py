@@ -50,8 +50,10 @@ def test_a_prefill_reads_as_its_progress_and_the_time_left_counts_down():
 
 def test_an_estimated_prefill_says_so():
     m = mirror_of(ev.AgentStarted(100.0, "a", 1, 1, 1, "box", 8.0, 600.0), ev.AgentStatus(100.0, "a", "prefill"),
-                  ev.PrefillProgress(104.0, "a", 1, 10_000, 0, 4_000, 1_000.0, 6.0, estimated=True))
-    assert agent_row(m.agents["a"], WARN_AT, "", 105.0).status == "prefill ~40% (est.)"
+                  ev.PrefillProgress(104.0, "a", 1, 10_000, 3_000, 3_000, 1_000.0, 7.0, estimated=True))
+    a = m.agents["a"]
+    assert agent_row(a, WARN_AT, "", 105.0).status == "prefill ~40% (est.)"  # at the measured rate since
+    assert agent_row(a, WARN_AT, "", 500.0).status == "prefill ~99% (est.)"  # never done by the estimate alone
 
 
 def test_queued_agents_read_as_their_place_in_the_queue():
