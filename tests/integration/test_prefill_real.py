@@ -82,3 +82,24 @@ async def test_the_server_stopped_mid_prefill_is_killed_naming_no_progress(progr
         killed.reason
     await until(lambda: progress_llama.metric("llamacpp:requests_processing") == 0, "the killed request let go",
                 timeout=60, interval=0.5)
+
+
+@pytest.mark.anyio
+async def test_vllm_shows_an_estimate_from_its_measured_prefill_rate(smol_vllm: ServerProcess):
+    """vLLM tells no progress of a prefill: the first agent's answer measures the rate, and the second's longer
+    prompt is shown as an estimate from it."""
+    salt = uuid.uuid4().hex
+    code, seen = await run_engine(engine_for({
+        "run": {"mode": "sequential", "metrics_interval_s": 0.5},
+        "stall": {"first_byte_timeout_s": 300.0},
+        "endpoints": [{"name": "vllm", "base_url": smol_vllm.base_url, "model": SMOLLM2}],
+        "agents": [{"name": "first", "prompt": f"{salt} " + " ".join(WORDS * 20), "max_tokens": 2},
+                   {"name": "second", "prompt": f"{salt}x " + " ".join(WORDS * 60), "max_tokens": 2,
+                    "depends_on": ["first"]}],
+    }), timeout_s=560)
+    assert code == 0
+    estimates = [e for e in seen if e.kind == "PrefillProgress" and e.agent == "second"]
+    assert len(estimates) == 1 and estimates[0].estimated, estimates
+    (first,) = [e for e in seen if e.kind == "TurnFinished" and e.agent == "first"]
+    assert estimates[0].rate_tok_s == pytest.approx(first.prompt_tokens / first.ttft_s, rel=0.05)
+    assert estimates[0].total > first.prompt_tokens
