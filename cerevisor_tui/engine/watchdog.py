@@ -83,7 +83,7 @@ class Watchdog:
                 if look.action == "extend":
                     continue
             if now >= att.deadline_at and phase == "first_byte" and att.prefill is None and att.estimate is not None \
-                    and self.estimated(st, att, now):
+                    and policy.extend_when_server_busy and self.estimated(st, att, now):
                 continue
             if now >= att.deadline_at:
                 reason = await self.busy_reason(st, att, policy)
@@ -147,7 +147,8 @@ class Watchdog:
 
     def estimated(self, st: AgentState, att: Attempt, now: float) -> bool:
         """At a first-byte deadline, a prefill the server tells nothing of: extended while the endpoint's measured
-        rate says the prompt is still plausibly prefilling and the server shows life (its KV use climbing)."""
+        rate says the prompt is still plausibly prefilling and the server shows life (its KV use climbing). Like
+        the busy check, only with `extend_when_server_busy`: an estimate is not the server's word."""
         e = att.estimate
         assert e is not None
         alive = self.server_life is not None and self.server_life(st.endpoint, e.looked_at)
