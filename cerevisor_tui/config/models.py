@@ -203,7 +203,7 @@ class StallPolicy(_Section):
     max_extensions: int | None = Field(default=None, ge=0)
     """Most automatic extensions per attempt when the server is busy (default 3)."""
     extend_when_server_busy: bool | None = None
-    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting (default true)."""
+    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting, or an estimated prefill (vLLM, SGLang) is still plausible with KV use climbing (default true)."""
 
     @field_validator("warn_at")
     @classmethod
@@ -229,7 +229,7 @@ class StallConfig(StallPolicy):
     max_extensions: int | None = Field(default=3, ge=0)
     """Most automatic extensions per attempt when the server is busy."""
     extend_when_server_busy: bool | None = True
-    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting."""
+    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting, or an estimated prefill (vLLM, SGLang) is still plausible with KV use climbing."""
 
 
 class UiConfig(_Section):
