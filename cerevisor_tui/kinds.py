@@ -47,3 +47,5 @@ ERROR: Final = StreamItemKind(6)  # payload (error class name, problem, status, 
 # after the worker's own, so their numbers stay: a chunk's tool_calls pieces, for the agent loop to put together
 TOOL_CALLS: Final = StreamItemKind(7)  # payload ((index, id, name, arguments), ...): each piece, None where absent
 TIMINGS: Final = StreamItemKind(8)  # payload (prompt_ms, predicted_per_token_ms): llama.cpp's `timings`, None where absent
+# llama-server's prompt_progress (asked with "return_progress"): a sign of life of the prefill, never a token
+PROGRESS: Final = StreamItemKind(9)  # payload (total, cache, processed, time_ms): prompt tokens, as the server counts

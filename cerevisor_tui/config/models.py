@@ -213,7 +213,7 @@ class StallPolicy(_Section):
     max_extensions: int | None = Field(default=None, ge=0)
     """Most automatic extensions per attempt when the server is busy (default 3)."""
     extend_when_server_busy: bool | None = None
-    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting (default true)."""
+    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting, or an estimated prefill (vLLM, SGLang) is still plausible with KV use climbing (default true)."""
 
     @field_validator("warn_at")
     @classmethod
@@ -239,7 +239,7 @@ class StallConfig(StallPolicy):
     max_extensions: int | None = Field(default=3, ge=0)
     """Most automatic extensions per attempt when the server is busy."""
     extend_when_server_busy: bool | None = True
-    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting."""
+    """At a deadline, extend instead of killing when /health says loading or /metrics shows requests waiting, or an estimated prefill (vLLM, SGLang) is still plausible with KV use climbing."""
     wedge_timeout_s: float = Field(default=45.0, ge=0, le=86_400)
     """A local server wedged behind a /health that says 200: no token counter and no KV use has moved on it for this long while our requests are open. Its requests are killed then, long before the first-byte deadline; 0: off."""
     preempt_limit: int = Field(default=6, ge=0, le=10_000)
@@ -382,6 +382,8 @@ class EndpointConfig(StallPolicy):
     """Price of a million prompt tokens, in USD, for the cost meters and [run] budget_usd; 0: not priced."""
     price_out_per_mtok: float = Field(default=0.0, ge=0)
     """Price of a million completion tokens, in USD; 0: not priced."""
+    prompt_progress: Literal["auto", "on", "off"] = "auto"
+    """Ask each streamed request for the server's prefill progress ("return_progress", llama-server's prompt_progress), which the stall watchdog takes as a sign of life of a long prefill: auto asks a llama.cpp server (told by its /props or its metrics), on always (a proxy in front of one), off never."""
     extra_body: dict[str, Any] = {}
     """Fields added to every chat request's JSON body, for a server's own parameters: e.g. {chat_template_kwargs = {enable_thinking = false}} (Qwen3 on vLLM or SGLang), {top_k = 20}; an agent's extra_body adds to it."""
 

@@ -470,6 +470,21 @@ class StallExtended(Event):
     by_operator: bool = False  # the operator's `e` (the agent is no longer stalling), not the busy server
 
 
+class PrefillProgress(Event):
+    """How far an attempt's prompt is prefilled, before its first token: as its server says (llama-server's
+    prompt_progress), or `estimated` from the endpoint's measured prefill rate (a server that says nothing).
+    Told at most about once a second per attempt; the stall watchdog extends the first-byte deadline by it."""
+
+    agent: str
+    attempt: int
+    total: int  # prompt tokens
+    cached: int  # of those, from the prefix cache
+    processed: int  # of those, done (the cached ones included)
+    rate_tok_s: float | None = None  # prompt tokens computed per second; None: not measured yet
+    eta_s: float | None = None  # seconds left at that rate, from `t`
+    estimated: bool = False
+
+
 class AgentKilled(Event):
     agent: str
     attempt: int

@@ -34,13 +34,13 @@ from cerevisor_tui.endpoints.errors import (
     StreamBroken,
 )
 from cerevisor_tui.endpoints.transport import AsyncioTransport, proxy_mounts
-from cerevisor_tui.kinds import DELTA, FINISH, KEEPALIVE, TIMINGS, TOOL_CALLS, USAGE
+from cerevisor_tui.kinds import DELTA, FINISH, KEEPALIVE, PROGRESS, TIMINGS, TOOL_CALLS, USAGE
 
 MAX_LINE_BYTES = 1 << 20  # one SSE line longer than this is a protocol error, not a memory leak
 MAX_ERROR_BODY_BYTES = 64 << 10
 
 # What the stream yields: (kind, payload), the kinds as cerevisor_tui/kinds.py defines them (KEEPALIVE, DELTA,
-# USAGE, FINISH); imported from here by the worker, the probe and the engine
+# USAGE, FINISH, PROGRESS); imported from here by the worker, the probe and the engine
 
 
 # The chunk's shape as the decoder reads it. Each level is a Struct of the fields we read; msgspec skips
@@ -91,6 +91,16 @@ class _Timings(msgspec.Struct, gc=False):
     predicted_per_token_ms: float | None = None
 
 
+class _PromptProgress(msgspec.Struct, gc=False):
+    """llama-server's `prompt_progress` (asked with `"return_progress": true`): prompt tokens in all, from its
+    cache, processed so far (the cached ones included), and the milliseconds its prefill has taken."""
+
+    total: int | float = 0
+    cache: int | float = 0
+    processed: int | float = 0
+    time_ms: int | float = 0
+
+
 class _Chunk(msgspec.Struct, gc=False):
     """What we read of one `chat.completion.chunk` (or of a whole `chat.completion`); other fields are skipped.
 
@@ -102,6 +112,7 @@ class _Chunk(msgspec.Struct, gc=False):
     choices: list[_Choice] | None = None
     usage: _Usage | None = None
     timings: _Timings | None = None  # llama.cpp
+    prompt_progress: _PromptProgress | None = None  # llama-server's, beside a role-only delta
     error: Any = msgspec.UNSET  # there at all, even null: the server says the stream failed
     # Not read: "object". vLLM's older mid-stream error is {"object": "error", "message": ...} without choices,
     # and a chunk without choices that says "error" anywhere goes to _lenient_chunk, which looks; decoding
@@ -377,6 +388,10 @@ class ChatStream:
         if timings is not None and (timings.prompt_ms is not None or timings.predicted_per_token_ms is not None):
             self.timings = (timings.prompt_ms, timings.predicted_per_token_ms)
             out.append((TIMINGS, self.timings))
+        progress = chunk.prompt_progress
+        if progress is not None:  # a sign of life of the prefill, not a token
+            out.append((PROGRESS, (int(progress.total), int(progress.cache), int(progress.processed),
+                                   int(progress.time_ms))))
         if not out:
             out.append((KEEPALIVE, None))
         return out

@@ -19,9 +19,12 @@ from cerevisor_tui.config.secrets import key_problem
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import ChatStream, build_client, list_models
 from cerevisor_tui.endpoints.errors import EndpointError, MissingApiKey
+from cerevisor_tui.endpoints.metrics import server_root
 
 if TYPE_CHECKING:
     from cerevisor_tui.endpoints.worker import RemoteStream, StreamWorker
+
+PROPS_TIMEOUT_S = 2.0  # a /props that takes longer says nothing: the request goes without asking for progress
 
 
 class Connections:
@@ -40,6 +43,9 @@ class Connections:
         self.max_model_len: dict[str, int] = {ep.name: ep.max_model_len for ep in config.endpoints if ep.max_model_len}
         self.worker: StreamWorker | None = None
         self._model_locks: dict[str, anyio.Lock] = {}
+        # what serves each endpoint (metrics.ServerKind), once its /props or the monitor's /metrics told
+        self.server_kinds: dict[str, str] = {}
+        self._kind_locks: dict[str, anyio.Lock] = {}
 
     async def open(self, stack: AsyncExitStack) -> None:
         """A client per endpoint (and its simulator, and the stream worker), closed when `stack` closes."""
@@ -92,6 +98,21 @@ class Connections:
                 self._take_max_model_len(ep.name, listed)
         return self.max_model_len[ep.name]
 
+    async def asks_progress(self, ep: EndpointConfig) -> bool:
+        """Whether the endpoint's requests ask for prefill progress (`prompt_progress`): always or never as
+        configured; "auto" on a llama.cpp server, told by its /props (asked until it answers) or its metrics."""
+        if ep.prompt_progress != "auto":
+            return ep.prompt_progress == "on"
+        if ep.kind == "hosted":
+            return False
+        if ep.name not in self.server_kinds:
+            async with self._kind_locks.setdefault(ep.name, anyio.Lock()):
+                if ep.name not in self.server_kinds:
+                    kind = await props_kind(self.clients[ep.name], self.base_urls[ep.name])
+                    if kind:
+                        self.server_kinds[ep.name] = kind
+        return self.server_kinds.get(ep.name) == "llamacpp"
+
     def _take_max_model_len(self, endpoint: str, listed: list[dict[str, Any]]) -> None:
         model = self.models.get(endpoint)
         card = next((m for m in listed if m.get("id") == model), listed[0] if listed else {})
@@ -109,6 +130,23 @@ class Connections:
         if self.worker is not None:
             return self.worker.stream(endpoint, url, body, headers)
         return ChatStream(self.clients[endpoint], endpoint, url, body, headers)
+
+
+async def props_kind(client: httpx.AsyncClient, base_url: str) -> str:
+    """"llamacpp" when the server's /props answers as llama-server's does (its slots and generation settings),
+    "unknown" when it answers otherwise; "" when it cannot say yet (not up, still loading: ask again later)."""
+    try:
+        response = await client.get(server_root(base_url) + "/props", timeout=httpx.Timeout(PROPS_TIMEOUT_S))
+    except httpx.HTTPError:
+        return ""
+    if response.status_code >= 500:
+        return ""
+    try:
+        props = response.json() if response.status_code == 200 else None
+    except ValueError:
+        props = None
+    llama = isinstance(props, dict) and ("default_generation_settings" in props or "total_slots" in props)
+    return "llamacpp" if llama else "unknown"
 
 
 def api_key(ep: EndpointConfig) -> str | None:

@@ -22,11 +22,12 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
 from cerevisor_tui.endpoints.latency import Timings
 from cerevisor_tui.engine.connections import Connections
+from cerevisor_tui.engine.prefill import Prefill, PrefillEstimate
 from cerevisor_tui.engine.resume import RecordedTurn
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.toolcalls import ToolCalls
 from cerevisor_tui.engine.watchdog import Watchdog
-from cerevisor_tui.kinds import DELTA, KEEPALIVE, TOOL_CALLS, FinalStatus
+from cerevisor_tui.kinds import DELTA, KEEPALIVE, PROGRESS, TOOL_CALLS, FinalStatus
 from cerevisor_tui.tools.manager import ToolSetupError
 from cerevisor_tui.tools.schemas import function_name
 
@@ -61,9 +62,15 @@ class TurnFigures:
     prompt_chars: float = 0.0
     answer_tokens: float = 0.0  # completion tokens over completed turns
     answers: int = 0
+    prefill_tokens: float = 0.0  # the measured prefill rate: prompt tokens not from the cache over their TTFTs
+    prefill_s: float = 0.0
 
     def tokens_per_char(self) -> float:
         return self.prompt_tokens / self.prompt_chars if self.prompt_chars else 0.25
+
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens a second the endpoint's completed requests were prefilled at (TTFT, queueing included)."""
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 and self.prefill_tokens > 0 else None
 
     def answer_length(self) -> float | None:
         return self.answer_tokens / self.answers if self.answers else None
@@ -297,6 +304,10 @@ class Conversations:
         if att.first_token_at is not None:
             st.decode_s += end - att.first_token_at
         self._count_turn(st, messages, prompt_tokens, completion_tokens, ttft)
+        if ttft and prompt_tokens:
+            figures = self.figures[st.endpoint]
+            figures.prefill_tokens += max(0, prompt_tokens - (getattr(stream, "cached_tokens", None) or 0))
+            figures.prefill_s += ttft
         timings = getattr(stream, "timings", None)
         if timings is not None and self.on_timings is not None:
             self.on_timings(st.endpoint, Timings(ttft, *timings))
@@ -340,6 +351,10 @@ class Conversations:
                     "max_tokens": st.config.max_tokens,
                     "temperature": st.config.temperature,
                 }
+                if "return_progress" not in body and await connections.asks_progress(ep):
+                    body["return_progress"] = True  # llama-server's prompt_progress: the prefill's sign of life
+                elif ep.kind != "hosted" and att.estimate is None:
+                    self._estimate(st, att, messages)
                 if st.toolset is not None:
                     body["tools"] = st.toolset.tools
                     choice = tool_choice(st.config.tool_choice, st.step)
@@ -385,6 +400,16 @@ class Conversations:
                             att.last_alive = monotonic()
                             att.alive.set()
                         emit(ev.KeepAlive(monotonic(), name, number))
+                    elif kind == PROGRESS:
+                        now = monotonic()
+                        if by_bytes:
+                            att.last_alive = now
+                            att.alive.set()
+                        if att.first_token_at is None:
+                            if att.prefill is None:
+                                att.prefill = Prefill()
+                            if att.prefill.see(*payload, now):
+                                emit(att.prefill.event(now, name, number))
                     elif kind == TOOL_CALLS:
                         for index, call_id, fn_name, piece in payload:
                             parts_of = att.calls.setdefault(index, ["", "", ""])
@@ -418,6 +443,21 @@ class Conversations:
                     for subscriber in subscribers:
                         subscriber(TokenDelta(monotonic(), name, number, *tail, 0))
 
+
+    def _estimate(self, st: AgentState, att: Attempt, messages: list[dict[str, Any]]) -> None:
+        """A server that tells no progress of its prefill: its expected time to first token from the endpoint's
+        measured prefill rate, the prompt's tokens from its characters, the conversation so far from the cache."""
+        figures = self.figures[st.endpoint]
+        rate = figures.prefill_rate()
+        if rate is None:
+            return
+        chars = sum(len(m.get("content") or "") for m in messages if isinstance(m.get("content"), str))
+        total = round(chars * figures.tokens_per_char())
+        cached = min(total, st.context_tokens)
+        if total <= cached:
+            return
+        att.estimate = PrefillEstimate(total, cached, rate, att.sent_at, att.sent_at)
+        self.emit(att.estimate.event(time.monotonic(), st.name, att.number))
 
     async def _meter(self, st: AgentState, prompt_tokens: int, completion_tokens: int, cached: int | None) -> None:
         """After a request: the agent's meters (AgentMeters), its context flagged when the next turn will not fit

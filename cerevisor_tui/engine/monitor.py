@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -31,6 +32,8 @@ from cerevisor_tui.engine import load
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.gpus import watch_gpus
 
+KV_SEEN = 64  # samples of KV use kept per endpoint (at the default interval, about a minute)
+
 
 class ServerMonitor:
     """What the run knows of its servers: their last status and sample, and each endpoint's KV load estimate
@@ -52,6 +55,8 @@ class ServerMonitor:
         self.load_notes: dict[str, str] = {}
         for ep in config.endpoints:
             self.load[ep.name], self.load_notes[ep.name] = load.from_config(ep)
+        # the KV use each recent sample saw, (when it answered, usage): whether it climbs (kv_climbed)
+        self.kv_seen: dict[str, deque[tuple[float, float]]] = {}
         # a router's workers are read with a client of their own, without the endpoint's API key
         self._worker_clients: dict[str, httpx.AsyncClient] = {}
         # the latency panel of each endpoint: its scrapes over the window, and llama.cpp's timings of our requests
@@ -117,8 +122,13 @@ class ServerMonitor:
         while True:
             status, workers = await self.look(endpoint)
             self.status[endpoint] = status
+            if status.kind != "unknown":  # what serves it: its requests ask for prefill progress on llama.cpp
+                self.connections.server_kinds[endpoint] = status.kind
             # when it answered: a swamped vLLM answers /metrics seconds after it was asked, with its state then
             self.status_at[endpoint] = time.monotonic()
+            if status.metrics is not None and status.metrics.kv_cache_usage is not None:
+                self.kv_seen.setdefault(endpoint, deque(maxlen=KV_SEEN)).append(
+                    (self.status_at[endpoint], status.metrics.kv_cache_usage))
             rows = [_sample_fields(w, previous.get(w.base_url)) for w in workers]
             fields = _sample_fields(status, previous.get(""))
             if workers:  # the fleet's prefix hits: the workers' own, since each one's last sample, together
@@ -170,6 +180,17 @@ class ServerMonitor:
         elif current is not None and current.context_tokens != context:
             self.load[endpoint] = msgspec.structs.replace(
                 current, context_tokens=context, conversations_fit=current.kv_capacity_tokens // context)
+
+    def kv_climbed(self, endpoint: str, since: float) -> bool:
+        """The server's KV use rose after `since`: its latest sample above the last one taken by then (or, with
+        none taken by then, above the first since), as while a prompt is prefilled in chunks."""
+        seen = self.kv_seen.get(endpoint)
+        if not seen or seen[-1][0] <= since:
+            return False
+        before = [usage for at, usage in seen if at <= since]
+        after = [usage for at, usage in seen if at > since]
+        reference = before[-1] if before else after[0]
+        return after[-1] > reference
 
     async def busy(self, endpoint: str, since: float = -math.inf) -> str | None:
         """Asked at a deadline: is the server loading its model, or are requests waiting in its queue?

@@ -17,6 +17,7 @@ from cerevisor_tui.kinds import Status
 if TYPE_CHECKING:
     from cerevisor_tui.endpoints.client import ChatStream
     from cerevisor_tui.endpoints.worker import RemoteStream
+    from cerevisor_tui.engine.prefill import Prefill, PrefillEstimate
 
 
 @dataclass(eq=False)
@@ -107,6 +108,8 @@ class Attempt:
     restart: bool = False
     request_id: str = ""  # the X-Request-Id its request carries (a gateway session's; a workflow's is computed)
     stream: ChatStream | RemoteStream | None = None
+    prefill: Prefill | None = None  # its prompt's prefill as the server tells it (prompt_progress), before a token
+    estimate: PrefillEstimate | None = None  # or, where the server tells nothing, as its measured rate projects it
     # its answer so far, as streamed (content, reasoning, tool calls): the turn's result, and what a console
     # that attaches mid-answer is given (Engine.in_flight)
     parts: list[str] = field(default_factory=list)

@@ -13,19 +13,20 @@ import anyio
 
 from cerevisor_tui.config.models import ResolvedStall
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.contract.deadlines import next_look, stream_window, warnings_due
+from cerevisor_tui.contract.deadlines import (
+    PrefillLook,
+    estimate_look,
+    fmt_s,
+    next_look,
+    prefill_look,
+    stream_window,
+    warnings_due,
+)
 from cerevisor_tui.engine.state import AgentState, Attempt, ToolCall
 
 BusyCheck = Callable[[str, float], Awaitable[str | None]]  # (endpoint, since): a look older than `since` cannot say
 """Asked at a deadline with the endpoint's name: why the server is busy (loading, queueing), or None."""
 BUSY_CHECK_TIMEOUT_S = 2.0  # a busy check that takes longer says nothing: the attempt is judged without it
-
-
-def fmt_s(seconds: float) -> str:
-    """Seconds as the operator reads them: 1800 s, 2.5 s, 0.25 s."""
-    if seconds >= 10:
-        return f"{seconds:.0f} s"
-    return f"{seconds:.3g} s"
 
 
 class Watchdog:
@@ -36,6 +37,8 @@ class Watchdog:
         self.policies = policies  # the engine's own: `set_stall` replaces an endpoint's entry
         self.emit = emit
         self.busy_check: BusyCheck | None = None
+        # (endpoint, since): whether the server shows life since then (its KV use climbing); None: never asked
+        self.server_life: Callable[[str, float], bool] | None = None
 
     async def watch(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
         """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill.
@@ -66,10 +69,22 @@ class Watchdog:
             while att.warned < len(fractions) and now >= base + fractions[att.warned] * total:
                 fraction = fractions[att.warned]
                 att.warned += 1
+                if phase == "first_byte" and self.prefilling(att, policy, now):
+                    continue  # its prefill moves: the deadline goes as far as that projects, warned of by none
                 st.stall_warnings += 1
                 st.status = "stalling"
                 self.emit(ev.StallWarning(now, st.name, att.number, phase, fraction, max(0.0, att.deadline_at - now),
                                           att.deadline_at))
+            if now >= att.deadline_at and phase == "first_byte" and att.prefill is not None:
+                look = self.prefill(st, att, policy, now)
+                if look.action == "kill":
+                    att.kill(phase, look.reason)
+                    return
+                if look.action == "extend":
+                    continue
+            if now >= att.deadline_at and phase == "first_byte" and att.prefill is None and att.estimate is not None \
+                    and policy.extend_when_server_busy and self.estimated(st, att, now):
+                continue
             if now >= att.deadline_at:
                 reason = await self.busy_reason(st, att, policy)
                 if reason:
@@ -103,6 +118,53 @@ class Watchdog:
                 else:
                     await anyio.sleep(delay)
             att.nap = None
+
+    @staticmethod
+    def prefilling(att: Attempt, policy: ResolvedStall, now: float) -> bool:
+        """The attempt's prefill is moving, by the server's word: its deadline would be extended at this moment."""
+        p = att.prefill
+        return p is not None and prefill_look(now=now, total=p.total, processed=p.processed, rate_tok_s=p.rate_tok_s,
+                                              advanced_at=p.advanced_at, idle_s=policy.idle_timeout_s).action == "extend"
+
+    def prefill(self, st: AgentState, att: Attempt, policy: ResolvedStall, now: float) -> PrefillLook:
+        """At a first-byte deadline, the prefill the server tells of (prompt_progress): extend the deadline as far
+        as its projected end (told as a StallExtended that says how far it is), or say it is stuck."""
+        p = att.prefill
+        assert p is not None
+        look = prefill_look(now=now, total=p.total, processed=p.processed, rate_tok_s=p.rate_tok_s,
+                            advanced_at=p.advanced_at, idle_s=policy.idle_timeout_s)
+        if look.action == "extend":
+            extend_s = look.deadline_at - att.deadline_at
+            att.extra_s += extend_s
+            att.deadline_at = look.deadline_at
+            # the projection is the deadline: no warnings on the way to it (a stuck prefill says so at its kill)
+            att.warned = len(policy.warn_at)
+            if st.status == "stalling":
+                st.status = "prefill"
+            self.emit(ev.StallExtended(now, st.name, att.number, "first_byte", extend_s, look.reason,
+                                       att.deadline_at, att.extensions))
+        return look
+
+    def estimated(self, st: AgentState, att: Attempt, now: float) -> bool:
+        """At a first-byte deadline, a prefill the server tells nothing of: extended while the endpoint's measured
+        rate says the prompt is still plausibly prefilling and the server shows life (its KV use climbing). Like
+        the busy check, only with `extend_when_server_busy`: an estimate is not the server's word."""
+        e = att.estimate
+        assert e is not None
+        alive = self.server_life is not None and self.server_life(st.endpoint, e.looked_at)
+        e.looked_at = now
+        look = estimate_look(now=now, sent_at=e.sent_at, total=e.total, cached=e.cached, rate_tok_s=e.rate_tok_s,
+                             alive=alive)
+        if look.action != "extend":
+            return False
+        extend_s = look.deadline_at - att.deadline_at
+        att.extra_s += extend_s
+        att.deadline_at = look.deadline_at
+        # an estimate is not the server's word: the warnings still ahead of the new deadline re-arm
+        att.warned = warnings_due(self.policies[st.endpoint].warn_at, att.base, att.deadline_at - att.base, now)
+        self.emit(ev.StallExtended(now, st.name, att.number, "first_byte", extend_s, look.reason, att.deadline_at,
+                                   att.extensions))
+        return True
 
     async def busy_reason(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> str | None:
         """The seam for the server-busy extension: ask the endpoint whether it is loading or queueing."""

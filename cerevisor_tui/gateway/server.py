@@ -27,6 +27,7 @@ import msgspec
 from cerevisor_tui.config.models import GatewayConfig
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.conversation import CONTEXT_WARN_FILL
+from cerevisor_tui.engine.prefill import Prefill
 from cerevisor_tui.engine.sessions import Dropped, RunStopping, Session
 from cerevisor_tui.gateway import apis
 from cerevisor_tui.gateway.apis import KEEPALIVE, Api, Reading
@@ -274,6 +275,8 @@ class Exchange:
         self.status = 0
         self.attempt: Attempt | None = None
         self.conversation = ""  # the fingerprint of the conversation it continues (its transcript's count)
+        self.hide_progress = False  # prompt_progress was asked for the watchdog, not by the client: not relayed
+        self.role_sent = False  # with hide_progress: the first progress frame went on, as a role-only chunk
 
     # ---- writing to the client -----------------------------------------------------------------------------
     async def start(self, status: int, content_type: str, extra: dict[str, str] | None = None) -> None:
@@ -413,6 +416,11 @@ class Exchange:
             headers["x-api-key"] = client.headers["authorization"].removeprefix("Bearer ")
         content = self.raw if self.model_sent == self.model_asked else \
             msgspec.json.encode(apis.set_model(self.body, self.model_sent))
+        if (self.api == "chat" and self.streamed and "return_progress" not in self.body
+                and await e.connections.asks_progress(ep)):
+            # llama-server's prompt_progress, for the watchdog; this client did not ask: it never sees them
+            content = msgspec.json.encode({**msgspec.json.decode(content), "return_progress": True})
+            self.hide_progress = True
         wait_s = WAIT_BACKOFF_S[0]
         while True:
             request = client.build_request("POST", url, content=content, headers=headers)
@@ -510,6 +518,8 @@ class Exchange:
             if end == 0:
                 continue
             frames, pending = pending[:end], pending[end:]
+            if b'"prompt_progress"' in frames and att.first_token_at is None:
+                frames = self._progress(st, att, frames, now)
             async with self.lock:
                 if not self.started:
                     await self.start(*head)
@@ -538,6 +548,29 @@ class Exchange:
                 await self.start(*head)
             await self.write(pending, last=True)
         await self._finished(session, att)
+
+    def _progress(self, st: Any, att: Attempt, frames: bytes, now: float) -> bytes:
+        """The prefill progress in these frames, taken for the watchdog (engine/prefill.py); the frames as the
+        client gets them: whole when it asked for prompt_progress, else without it (the first one stays, as the
+        role-only chunk it also is, with its prompt_progress taken out)."""
+        kept: list[bytes] = []
+        for frame in _split_frames(frames):
+            progress = _frame_progress(frame)
+            if progress is None:
+                kept.append(frame)
+                continue
+            obj, (total, cache, processed, time_ms) = progress
+            if att.prefill is None:
+                att.prefill = Prefill()
+            if att.prefill.see(total, cache, processed, time_ms, now):
+                self.gw.engine.emit(att.prefill.event(now, st.name, att.number))
+            if not self.hide_progress:
+                kept.append(frame)
+            elif not self.role_sent:
+                self.role_sent = True
+                del obj["prompt_progress"]
+                kept.append(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+        return b"".join(kept)
 
     def _alive(self, session: Session, att: Attempt, now: float) -> None:
         st = session.st
@@ -648,6 +681,25 @@ def _frames_end(data: bytes) -> int:
     end = data.rfind(b"\n\n")
     crlf = data.rfind(b"\r\n\r\n")
     return max(end + 2 if end >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def _split_frames(data: bytes) -> list[bytes]:
+    """Complete SSE frames, each with its blank line."""
+    data = data.replace(b"\r\n", b"\n")
+    return [part + b"\n\n" for part in data.split(b"\n\n") if part]
+
+
+def _frame_progress(frame: bytes) -> tuple[dict[str, Any], tuple[int, int, int, int]] | None:
+    """A frame that carries llama-server's prompt_progress: its JSON and (total, cache, processed, time_ms)."""
+    if b'"prompt_progress"' not in frame:
+        return None
+    data = b"\n".join(line[5:].lstrip(b" ") for line in frame.split(b"\n") if line.startswith(b"data:"))
+    try:
+        obj = msgspec.json.decode(data)
+        p = obj["prompt_progress"]
+        return obj, (int(p["total"]), int(p.get("cache", 0)), int(p["processed"]), int(p.get("time_ms", 0)))
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+        return None  # not the shape we know: relayed as it came
 
 
 def _upstream_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.kinds import Status
 from cerevisor_tui.ui.mirror import FINAL, AgentView
 
@@ -122,6 +123,20 @@ def _countdown(label: str, base: float, deadline: float, warn_at: tuple[float, .
     elif warn_at and fraction >= warn_at[0]:
         level = WARN
     return Countdown(f"{label} {fmt_clock(remaining)}", remaining, fraction, level)
+
+
+def prefill_status(progress: ev.PrefillProgress, now: float) -> str:
+    """An attempt's prefill as its status: `prefill 63% · 40 s` (the server's progress, the time left at its
+    rate counting down), `prefill 63%` before a rate, `prefill ~40% (est.)` where the share is an estimate."""
+    share = progress.processed / progress.total if progress.total > 0 else 0.0
+    if progress.estimated:  # the share goes on at the measured rate, short of the whole prompt
+        if progress.rate_tok_s and progress.total > 0:
+            share = min(0.99, (progress.processed + progress.rate_tok_s * max(0.0, now - progress.t)) / progress.total)
+        return f"prefill ~{share:.0%} (est.)"
+    if progress.eta_s is None:
+        return f"prefill {share:.0%}"
+    left = max(0.0, progress.eta_s - (now - progress.t))
+    return f"prefill {share:.0%} · {left:.0f} s" if left < 59.5 else f"prefill {share:.0%} · {fmt_clock(left)}"
 
 
 def tool_status(tool: str, elapsed_s: float, width: int = 20) -> str:

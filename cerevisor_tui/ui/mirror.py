@@ -45,6 +45,7 @@ class AttemptView:
     tokens: int = 0  # streamed in this attempt, as token deltas told it
     extra_s: float = 0.0  # extensions of the window in force since `extra_base`
     extra_base: float = math.nan  # the base the extensions were given at: life since starts a fresh window
+    prefill: ev.PrefillProgress | None = None  # how far its prompt is prefilled, before its first token
 
     @property
     def window(self) -> Window:
@@ -113,6 +114,7 @@ class AgentView:
     model_asked: str = ""  # the model its harness asked for in its current (or last) request, and the one sent
     model_sent: str = ""
     killed_request: tuple[int, str] | None = None  # its last request killed (number, reason), until the next starts
+    queued_since: float | None = None  # a workflow agent waiting for a running slot since (AgentQueued)
 
     @property
     def model_mapping(self) -> str:
@@ -371,6 +373,7 @@ class RunMirror(UiModel):
             a.queued_at = e.t
             return
         a.error, a.turn, a.attempt = "", 0, None  # (again, when the operator reruns it)
+        a.queued_since = e.t
         self.inbox.clear(e.agent)
         self._operator_kills.discard(e.agent)
 
@@ -389,6 +392,11 @@ class RunMirror(UiModel):
             a.in_flight[e.attempt] = a.attempt
             a.queued_at, a.queued_s, a.killed_request = None, e.queued_s, None
             a.model_asked, a.model_sent = e.model_asked, e.model_sent
+
+    def _see_PrefillProgress(self, e: ev.PrefillProgress) -> None:
+        att = self._agent(e.agent).attempt_of(e.attempt)
+        if att is not None and att.first_token_at is None:
+            att.prefill = e
 
     def _see_EndpointWaiting(self, e: ev.EndpointWaiting) -> None:
         self.inbox.open(e.agent, "endpoint", f"{e.endpoint}: {e.reason}", e.t)
@@ -539,6 +547,15 @@ class RunMirror(UiModel):
             return ""
         ep = self.endpoints.get(a.endpoint)
         return a.meter_note(priced=ep is not None and ep.priced)
+
+    def queue_positions(self) -> dict[str, int]:
+        """Each workflow agent waiting for a running slot: its place in our queue for its endpoint (1: next), in
+        the order they were queued (the scheduler's FIFO)."""
+        waiting: dict[str, list[tuple[float, str]]] = {}
+        for name, a in self.agents.items():
+            if a.status == "queued" and a.session is None and a.queued_since is not None:
+                waiting.setdefault(a.endpoint, []).append((a.queued_since, name))
+        return {name: i for queue in waiting.values() for i, (_, name) in enumerate(sorted(queue), 1)}
 
     # ---- endpoints --------------------------------------------------------------------------------------
     def _endpoint(self, name: str) -> EndpointView:

@@ -35,6 +35,7 @@ from cerevisor_tui.ui.format import (
     fmt_rate,
     fmt_seconds,
     live_rate,
+    prefill_status,
     session_status,
     status_label,
     tool_countdown,
@@ -123,9 +124,11 @@ def agent_clock(st: AgentView, warn_at: tuple[float, ...], now: float) -> Countd
 
 
 def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
-              keepalive_at: float | None = None) -> AgentRow:
+              keepalive_at: float | None = None, queue_position: int | None = None) -> AgentRow:
     """`keepalive_at`: when the agent's stream last carried a keep-alive (bytes without a token). A running tool
-    call's `tool: NAME 3.2s` is fitted to the status column when drawn (its name is cut, never its time)."""
+    call's `tool: NAME 3.2s` is fitted to the status column when drawn (its name is cut, never its time). An
+    attempt in its prefill reads as its progress (`prefill 63% · 40 s`); a queued agent as its place in our
+    queue for its endpoint (`queue_position`, `queued #3`)."""
     call = st.tool if st.status == "tool" else None
     clock = agent_clock(st, warn_at, now)
     level = clock.level if clock else NORMAL
@@ -157,6 +160,11 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         turn = f"req {st.turn}" if st.turn else "req -"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
     label = "tool" if call is not None else session_status(status) if st.session is not None else status_label(status)
+    att = st.attempt
+    if status in ("prefill", "stalling") and att is not None and att.prefill is not None and att.first_token_at is None:
+        label = prefill_status(att.prefill, now)
+    elif status == "queued" and queue_position is not None:
+        label = f"queued #{queue_position}"
     return AgentRow(
         agent=st.name, wave=SESSION_WAVE if st.session is not None else str(st.wave + 1), status=label, turn=turn,
         ttft=fmt_seconds(st.ttft_s), rate=fmt_rate(rate), tokens=fmt_count(st.tokens) if st.tokens else "-",
@@ -366,6 +374,7 @@ class AgentTable(ScrollView, can_focus=True):
         top = self.scroll_offset.y
         visible = range(top, top + max(0, self.size.height - 1))
         endpoints = mirror.endpoints
+        positions = mirror.queue_positions()
         for name, st in mirror.agents.items():
             note = mirror.notes.get(name, "")
             if not note and st.reused and st.status == "completed":
@@ -375,7 +384,9 @@ class AgentTable(ScrollView, can_focus=True):
             else:  # a pool's member and the meters, when there is something to show
                 note = note or mirror.meter_note(name)
             ep = endpoints.get(st.endpoint)
-            wanted = STATUS_WANTED.get(st.status, 0)
+            row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name),
+                            positions.get(name))
+            wanted = min(STATUS_WIDTH_MAX, max(STATUS_WANTED.get(st.status, 0), cell_len(row.status)))
             if wanted > self._status_width:
                 self._status_width = wanted
                 self._layout()
@@ -384,7 +395,6 @@ class AgentTable(ScrollView, can_focus=True):
                 self._turn_width = TURN_WIDTH_SESSIONS
                 self._layout()
                 self.refresh()
-            row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name))
             if row.level == WARN:
                 amber += 1
             elif row.level == CRITICAL:
