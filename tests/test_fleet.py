@@ -208,7 +208,9 @@ async def test_when_every_member_is_down_an_agent_waits_for_its_members_port_lik
             with anyio.fail_after(30):
                 while engine.agents["a0"].status != "completed":
                     await anyio.sleep(0.05)
-    assert [(e.endpoint, e.moved_from) for e in seen if e.kind == "AgentPlaced"] == [("a", ""), ("b", "a")]
+    # it moved to b if its first refusal came before the health checks marked b down too, else it waited on a
+    placed = [(e.endpoint, e.moved_from) for e in seen if e.kind == "AgentPlaced"]
+    assert placed in ([("a", "")], [("a", ""), ("b", "a")]), placed
 
 
 @pytest.mark.anyio
