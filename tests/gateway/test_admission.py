@@ -73,8 +73,8 @@ async def test_parallel_cap_queues_the_session_past_it():
             await until(lambda name=name: not s.session(name).in_flight, f"{name}'s request ended")
         assert s.engine.scheduler.running == 2
         group.start_soon(_request, client, s.url + "/chat/completions", "c", answers)
-        await until(lambda: "c" in s.engine.sessions.by_name and s.session("c").queued == 1, "c queued")
-        assert s.session("c").st.status == "queued"
+        await until(lambda: "c" in s.engine.sessions.by_name and s.session("c").queued == 1
+                    and s.session("c").st.status == "queued", "c queued")  # counted first, its status just after
         assert s.session("a").holding and s.session("b").holding
         await until(lambda: "c" in answers, "c's answer", timeout=30)
         assert answers["c"].status == 200
