@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import anyio
+import httpcore
 import httpx
 import pytest
 
@@ -424,3 +425,32 @@ async def test_a_cancelled_request_gives_its_place_back():
             await until(lambda: server.closed == 1, "the cancelled request's connection closed")
             answer = await client.get(url + "/v1/models")
     assert answer.status_code == 200 and server.opened == 2 and server.requests == 2
+
+
+@pytest.mark.anyio
+async def test_a_request_asks_a_few_idle_connections_not_all_of_them(monkeypatch):
+    """The pool's work per request does not grow with its connections: with 100 idle ones, a request checks
+    at most 3 for expiry (the oldest, the one it takes, and itself when it goes back). httpcore 1.0.9's pool
+    checks every one at each request's start and end, over 200 here, which made 256 streams O(n^2)."""
+    checks = 0
+    has_expired = httpcore.AsyncHTTPConnection.has_expired
+
+    def counted(self: httpcore.AsyncHTTPConnection) -> bool:
+        nonlocal checks
+        checks += 1
+        return has_expired(self)
+
+    monkeypatch.setattr(httpcore.AsyncHTTPConnection, "has_expired", counted)
+    server = KeepAlive()
+    async with serving(server) as port, pooled(max_keepalive=200) as client:
+        url = f"http://127.0.0.1:{port}"
+        with anyio.fail_after(30):
+            held = [asyncio.ensure_future(client.get(url + "/hold")) for _ in range(100)]
+            await until(lambda: server.held == 100, "100 held requests at the server")
+            server.release.set()
+            await asyncio.gather(*held)
+            checks = 0
+            for _ in range(10):
+                await client.get(url + "/v1/models")
+    assert server.opened == 100
+    assert checks <= 10 * 3, checks
