@@ -186,6 +186,7 @@ class _ResponseStream(httpx.AsyncByteStream):
         self._pool = pool
         self._connection = connection
         self._origin = origin
+        self._closed = False
 
     async def __aiter__(self) -> typing.AsyncIterator[bytes]:
         try:
@@ -197,6 +198,10 @@ class _ResponseStream(httpx.AsyncByteStream):
             raise
 
     async def aclose(self) -> None:
+        # once only: given back, the connection may already carry another request
+        if self._closed:
+            return
+        self._closed = True
         # closing a body that is not read to its end closes its connection (httpcore's HTTP/1.1 rule)
         try:
             aclose = getattr(self._stream, "aclose", None)
