@@ -17,6 +17,14 @@ own, measured in turn and interleaved over the rounds:
   relay    a bare relay written below: starlette + httpx, the body passed on and the answer's bytes back
            (about 40 lines), under uvicorn as the gateway is
 
+and, named in --paths only, to weigh connection pools side by side:
+
+  gateway-httpcore  the gateway on httpcore's AsyncConnectionPool (what it had before endpoints/transport.py's
+                    own pool), through httpcore_transport below
+  gateway-sharded   the same split into 32 pools, a request to the pool of its X-Session-ID
+  relay-ourpool     the bare relay with endpoints/transport.py's transport under its httpx client: a relay whose
+                    pool does not grow its cost with the streams, the fairer baseline at 256 of them
+
 For each path: the proxy's CPU seconds per million tokens (/proc utime+stime of its process tree, reaped
 children included, over the window), the share of the window it was runnable but waiting for a CPU (schedstat:
 how much the machine took from it), the TTFT it adds over direct's in the same round (p50 and p99, request
@@ -48,6 +56,7 @@ time is the clients', and the simulator's own clock stands still while it idles)
     python benchmarks/gateway.py --part cost --rate 325 --repeats 1   # the issue's figure: 256 x 325 tokens/s
     python benchmarks/gateway.py --part admission --resident 8 --oversubscribe 3
     python benchmarks/gateway.py --install-litellm                 # make the LiteLLM venv under the cache dir
+    python benchmarks/gateway.py --part cost --streams 256 --paths direct,gateway,gateway-httpcore,gateway-sharded,relay-ourpool
 
 Targets (issue 20): the gateway's CPU per token <= 1.5x the bare relay's, and ahead of LiteLLM on every figure;
 added TTFT p50 <= 2 ms; 256 streams x 325 tokens/s (83,200 offered) delivered at >= 95% through the gateway
