@@ -325,6 +325,19 @@ async def test_a_full_pool_past_its_pool_timeout_is_httpx_pool_timeout(name):
 
 
 @pytest.mark.anyio
+async def test_at_max_connections_an_idle_connection_to_another_origin_makes_room():
+    """As httpcore's pool does: with the one place taken by an idle connection to A, a request to B closes it
+    rather than waiting for a place that would never free."""
+    a, b = KeepAlive(), KeepAlive()
+    async with serving(a) as port_a, serving(b) as port_b, pooled(max_connections=1, pool_timeout=5) as client:
+        with anyio.fail_after(10):
+            assert (await client.get(f"http://127.0.0.1:{port_a}/v1/models")).status_code == 200
+            assert (await client.get(f"http://127.0.0.1:{port_b}/v1/models")).status_code == 200
+            await until(lambda: a.closed == 1, "A's idle connection closed")
+    assert a.opened == 1 and b.opened == 1
+
+
+@pytest.mark.anyio
 async def test_a_connection_the_server_closed_is_not_reused():
     server = KeepAlive()
     server.close_after_answer = True
