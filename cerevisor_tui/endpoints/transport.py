@@ -155,7 +155,6 @@ class _Pool:
             connection, origin = next(iter(self._idle_order.items()))
             if not connection.has_expired():
                 return
-            del self._idle_order[connection]
             await self._close(connection, origin)
 
     async def _close(self, connection: httpcore.AsyncHTTPConnection, origin: _Origin) -> None:
