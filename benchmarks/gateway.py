@@ -17,6 +17,14 @@ own, measured in turn and interleaved over the rounds:
   relay    a bare relay written below: starlette + httpx, the body passed on and the answer's bytes back
            (about 40 lines), under uvicorn as the gateway is
 
+and, named in --paths only, to weigh connection pools side by side:
+
+  gateway-httpcore  the gateway on httpcore's AsyncConnectionPool (what it had before endpoints/transport.py's
+                    own pool), through httpcore_transport below
+  gateway-sharded   the same split into 32 pools, a request to the pool of its X-Session-ID
+  relay-ourpool     the bare relay with endpoints/transport.py's transport under its httpx client: a relay whose
+                    pool does not grow its cost with the streams, the fairer baseline at 256 of them
+
 For each path: the proxy's CPU seconds per million tokens (/proc utime+stime of its process tree, reaped
 children included, over the window), the share of the window it was runnable but waiting for a CPU (schedstat:
 how much the machine took from it), the TTFT it adds over direct's in the same round (p50 and p99, request
@@ -48,6 +56,7 @@ time is the clients', and the simulator's own clock stands still while it idles)
     python benchmarks/gateway.py --part cost --rate 325 --repeats 1   # the issue's figure: 256 x 325 tokens/s
     python benchmarks/gateway.py --part admission --resident 8 --oversubscribe 3
     python benchmarks/gateway.py --install-litellm                 # make the LiteLLM venv under the cache dir
+    python benchmarks/gateway.py --part cost --streams 256 --paths direct,gateway,gateway-httpcore,gateway-sharded,relay-ourpool
 
 Targets (issue 20): the gateway's CPU per token <= 1.5x the bare relay's, and ahead of LiteLLM on every figure;
 added TTFT p50 <= 2 ms; 256 streams x 325 tokens/s (83,200 offered) delivered at >= 95% through the gateway
@@ -86,6 +95,10 @@ CLI = [sys.executable, "-m", "cerevisor_tui"]
 MASTER_KEY = "sk-bench-" + "5f0c9e2a" * 4  # LiteLLM refuses to start without one; loopback only
 PATHS = {"direct": "direct (no proxy)", "gateway": "cerevisor gateway + console", "litellm": "LiteLLM proxy",
          "relay": "bare relay (starlette + httpx)"}
+# the gateway on other connection pools, for --paths (not measured by default): httpcore's own, whole or split
+POOLS = {"gateway-httpcore": ("httpcore", 1), "gateway-sharded": ("httpcore", 32)}
+LABELS = {**PATHS, "gateway-httpcore": "gateway on httpcore's pool", "gateway-sharded": "gateway on 32 httpcore pools",
+          "relay-ourpool": "bare relay on our pool"}
 SIM_MODEL = "sim-model"
 
 
@@ -202,6 +215,70 @@ def wait_http(url: str, proc: Proc, *, timeout_s: float = 90.0, headers: dict[st
 
 
 # ---------------------------------------------------------------------------------------------------
+# The gateway on httpcore's connection pool (run as `gateway.py gateway-on --shards N -- CLI ARGS...`)
+# ---------------------------------------------------------------------------------------------------
+
+
+def httpcore_transport(limits: Any, shards: int) -> Any:
+    """Our transport's request and response mapping over `shards` httpcore AsyncConnectionPools on our backend,
+    in place of endpoints/transport.py's own pool: 1 is what the gateway had before it, 32 the split tried as a
+    way round that pool's O(connections) work per request. A request goes to the pool of its X-Session-ID."""
+    import zlib
+
+    import httpcore
+    import httpx
+
+    from cerevisor_tui.endpoints.network import AsyncioBackend
+    from cerevisor_tui.endpoints.transport import _as_httpx_exceptions
+
+    class _Body(httpx.AsyncByteStream):
+        def __init__(self, stream: Any) -> None:
+            self._stream = stream
+
+        async def __aiter__(self) -> Any:
+            with _as_httpx_exceptions():
+                async for part in self._stream:
+                    yield part
+
+        async def aclose(self) -> None:
+            await self._stream.aclose()
+
+    class HttpcoreTransport(httpx.AsyncBaseTransport):
+        def __init__(self) -> None:
+            per = None if limits.max_keepalive_connections is None else -(-limits.max_keepalive_connections // shards)
+            self._pools = [httpcore.AsyncConnectionPool(
+                ssl_context=httpx.create_ssl_context(trust_env=True), max_connections=limits.max_connections,
+                max_keepalive_connections=per, keepalive_expiry=limits.keepalive_expiry, http1=True, http2=False,
+                network_backend=AsyncioBackend()) for _ in range(shards)]
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            url = request.url
+            key = request.headers.get("x-session-id", "")
+            pool = self._pools[zlib.crc32(key.encode()) % shards]
+            core = httpcore.Request(method=request.method, url=httpcore.URL(
+                scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+                headers=request.headers.raw, content=request.stream, extensions=request.extensions)
+            with _as_httpx_exceptions():
+                response = await pool.handle_async_request(core)
+            return httpx.Response(status_code=response.status, headers=response.headers, stream=_Body(response.stream),
+                                  extensions=response.extensions)
+
+        async def aclose(self) -> None:
+            for pool in self._pools:
+                await pool.aclose()
+
+    return HttpcoreTransport()
+
+
+def gateway_on_main(shards: int, cli_args: list[str]) -> int:
+    import cerevisor_tui.endpoints.client as client_module
+    from cerevisor_tui.cli import main as cli_main
+
+    client_module.AsyncioTransport = lambda limits: httpcore_transport(limits, shards)  # what build_client makes
+    return cli_main(cli_args)
+
+
+# ---------------------------------------------------------------------------------------------------
 # The bare relay: the least a Python pass-through does (run as `gateway.py relay --upstream URL`)
 # ---------------------------------------------------------------------------------------------------
 
@@ -209,7 +286,7 @@ _HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding
         "accept-encoding"}
 
 
-def relay_app(upstream: str) -> Any:
+def relay_app(upstream: str, our_pool: bool = False) -> Any:
     import httpx
     from starlette.applications import Starlette
     from starlette.background import BackgroundTask
@@ -217,8 +294,13 @@ def relay_app(upstream: str) -> Any:
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
 
-    client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=None,
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    if our_pool:  # httpx's pool does O(connections) work per request: the relay on ours, as a second baseline
+        from cerevisor_tui.endpoints.transport import AsyncioTransport
+
+        client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=None, transport=AsyncioTransport(limits))
+    else:
+        client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=None, limits=limits)
 
     async def relay(request: Request) -> StreamingResponse:
         headers = {k: v for k, v in request.headers.items() if k not in _HOP}
@@ -232,7 +314,7 @@ def relay_app(upstream: str) -> Any:
     return Starlette(routes=[Route("/v1/{path:path}", relay, methods=["GET", "POST"])])
 
 
-def relay_main(upstream: str) -> int:
+def relay_main(upstream: str, our_pool: bool = False) -> int:
     import uvicorn
 
     from cerevisor_tui.sim.server import bind_socket
@@ -240,7 +322,7 @@ def relay_main(upstream: str) -> int:
     sock = bind_socket("127.0.0.1", 0)
     print(sock.getsockname()[1], flush=True)
     # as serve_gateway configures uvicorn for the gateway
-    config = uvicorn.Config(relay_app(upstream), log_level="warning", access_log=False, lifespan="off", ws="none",
+    config = uvicorn.Config(relay_app(upstream, our_pool), log_level="warning", access_log=False, lifespan="off", ws="none",
                             timeout_keep_alive=75)
     asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     return 0
@@ -635,13 +717,15 @@ class GatewayRun:
     """`cerevisor-tui gateway --headless` in a process of its own, and optionally `attach --jsonl` beside it."""
 
     def __init__(self, workdir: Path, name: str, upstream: str, model: str, *, concurrency: int,
-                 release_after_s: float = 60.0, console: bool = True) -> None:
+                 release_after_s: float = 60.0, console: bool = True, shards: int = 0) -> None:
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         config = self.dir / "gateway-bench.toml"
         config.write_text(gateway_toml(upstream, model, concurrency, release_after_s))
         run_dir = self.dir / "run"
-        self.proc = Proc(f"gateway ({name})", [*CLI, "gateway", "--config", str(config), "--headless", "--run-dir",
+        # shards: on that many httpcore pools instead of our own (gateway_on_main)
+        cli = [sys.executable, __file__, "gateway-on", "--shards", str(shards), "--"] if shards else CLI
+        self.proc = Proc(f"gateway ({name})", [*cli, "gateway", "--config", str(config), "--headless", "--run-dir",
                                                 str(run_dir)], self.dir / "gateway.log", cwd=self.dir)
         self.url = self._wait_url(self.proc.log)
         wait_http(self.url + "/models", self.proc)
@@ -694,8 +778,8 @@ def cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     levels = [int(x) for x in args.streams.split(",")]
     paths = [p for p in args.paths.split(",") if p]
     for p in paths:
-        if p not in PATHS:
-            raise SystemExit(f"--paths: unknown path {p!r} (known: {', '.join(PATHS)})")
+        if p not in LABELS:
+            raise SystemExit(f"--paths: unknown path {p!r} (known: {', '.join(LABELS)})")
     litellm = None
     if "litellm" in paths:
         litellm, why = find_litellm(args.litellm, args.install_litellm)
@@ -718,10 +802,20 @@ def cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                               workdir / "relay.log", stdout=subprocess.PIPE)
                 urls["relay"] = f"http://127.0.0.1:{relay.port()}/v1"
                 wait_http(urls["relay"] + "/models", relay)
+            if "relay-ourpool" in paths:
+                relay = procs["relay-ourpool"] = Proc("relay-ourpool", [sys.executable, __file__, "relay", "--upstream",
+                                                                        server.base_url, "--our-pool"],
+                                                      workdir / "relay-ourpool.log", stdout=subprocess.PIPE)
+                urls["relay-ourpool"] = f"http://127.0.0.1:{relay.port()}/v1"
+                wait_http(urls["relay-ourpool"] + "/models", relay)
             if "gateway" in paths:
                 gw = procs["gateway"] = GatewayRun(workdir, "cost", server.base_url, MODEL,
                                                    concurrency=max(levels) * 2, console=not args.no_console)
                 urls["gateway"] = gw.url
+            for path in (p for p in paths if p in POOLS):
+                gw = procs[path] = GatewayRun(workdir, path, server.base_url, MODEL, concurrency=max(levels) * 2,
+                                              console=not args.no_console, shards=POOLS[path][1])
+                urls[path] = gw.url
             if "litellm" in paths:
                 port = free_port()
                 config = workdir / "litellm.yaml"
@@ -740,8 +834,9 @@ def cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 out = dict(pids)
                 if path in procs:
                     proc = procs[path]
-                    out["proxy"] = proc.proc.pid if path == "gateway" else proc.pid
-                    if path == "gateway" and proc.console is not None:
+                    gateway = isinstance(proc, GatewayRun)
+                    out["proxy"] = proc.proc.pid if gateway else proc.pid
+                    if gateway and proc.console is not None:
                         out["console"] = proc.console.pid
                 return out
 
@@ -809,6 +904,9 @@ def cost_figures(by_path: dict[str, list[dict[str, Any]]], path: str) -> dict[st
                              if direct and path != "direct" else float("nan"))
     if relay and path != "relay":
         out["vs_relay"] = _median([per_mtok(r) / per_mtok(x) for r, x in zip(runs, relay, strict=True)])
+    ours = by_path.get("relay-ourpool")
+    out["vs_relay_ours"] = (_median([per_mtok(r) / per_mtok(x) for r, x in zip(runs, ours, strict=True)])
+                            if ours and path != "relay-ourpool" else float("nan"))
     return out
 
 
@@ -827,7 +925,7 @@ def print_cost(args: argparse.Namespace, data: dict[str, Any]) -> list[str]:
             vs = f"{f['vs_relay']:.2f}x" if proxied and path != "relay" and f["vs_relay"] == f["vs_relay"] else "-"
             cores = f"{f['cores']:.2f} ({f['waited']:.0%})" if proxied else "-"
             added = f"{_ms(f['added_p50'], f['p50_bound'])} / {_ms(f['added_p99'], f['p99_bound'])}" if proxied else "-"
-            lines.append(f"| {streams} | {PATHS[path]} | {cpu} | {vs} | {cores} | {_ms(f['p50'], f['p50_bound'])} / "
+            lines.append(f"| {streams} | {LABELS[path]} | {cpu} | {vs} | {cores} | {_ms(f['p50'], f['p50_bound'])} / "
                          f"{_ms(f['p99'], f['p99_bound'])} | {added} | {f['tps']:,.0f} ({f['tps'] / offered:.1%}) |")
         if "gateway" not in figures:
             continue
@@ -835,6 +933,9 @@ def print_cost(args: argparse.Namespace, data: dict[str, Any]) -> list[str]:
         if "relay" in figures:
             verdicts.append(f"{streams} streams: gateway CPU per token {g['vs_relay']:.2f}x the bare relay's "
                             "(target <= 1.5x): " + ("met" if g["vs_relay"] <= 1.5 else "MISSED"))
+        if "relay-ourpool" in figures:
+            verdicts.append(f"{streams} streams: gateway CPU per token {g['vs_relay_ours']:.2f}x the bare relay's on "
+                            "our pool")
         if "litellm" in figures:
             ll = figures["litellm"]
 
@@ -1052,6 +1153,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     relay = sub.add_parser("relay", help="(internal) the bare relay; prints its port")
     relay.add_argument("--upstream", required=True)
+    relay.add_argument("--our-pool", action="store_true")
+    gateway_on = sub.add_parser("gateway-on", help="(internal) cerevisor-tui on httpcore's pool, split --shards ways")
+    gateway_on.add_argument("--shards", type=int, required=True)
+    gateway_on.add_argument("cli_args", nargs=argparse.REMAINDER)
     sim = sub.add_parser("sim", help="(internal) the simulator; prints its port")
     sim.add_argument("--settings", required=True)
     client = sub.add_parser("client", help="(internal) the load client; prints one JSON line")
@@ -1079,7 +1184,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--warmup-s", type=float, default=3.0, help="seconds after the ramp before measuring (default 3)")
     g.add_argument("--ramp-s", type=float, default=1.0, help="the streams start spread over this (default 1 s)")
     g.add_argument("--repeats", type=int, default=2, help="interleaved rounds (default 2)")
-    g.add_argument("--paths", default=",".join(PATHS), help=f"paths measured (default {','.join(PATHS)})")
+    g.add_argument("--paths", default=",".join(PATHS),
+                   help=f"paths measured (default {','.join(PATHS)}; also {', '.join(p for p in LABELS if p not in PATHS)})")
     g.add_argument("--client", choices=("raw", "httpx"), default="raw",
                    help="the load client's HTTP: raw asyncio sockets (default) or an httpx client per stream")
     g.add_argument("--probes", type=int, default=0,
@@ -1109,7 +1215,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "relay":
-        return relay_main(args.upstream)
+        return relay_main(args.upstream, args.our_pool)
+    if args.command == "gateway-on":
+        return gateway_on_main(args.shards, args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args)
     if args.command == "sim":
         return sim_main(args.settings)
     if args.command == "client":

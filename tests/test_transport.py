@@ -1,6 +1,7 @@
 """Our httpx clients (build_client) over real loopback sockets: bodies stream through our asyncio backend,
 errors are the httpx ones httpx's own transport raises, a body closed early closes its connection, the
-client's pool limits hold, and proxies from the environment are still used."""
+client's pool limits hold (reuse, queueing, PoolTimeout, expiry, the keep-alive cap, drops, aborts), and
+proxies from the environment are still used."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import anyio
+import httpcore
 import httpx
 import pytest
 
 from cerevisor_tui.endpoints.client import build_client, is_refused, list_models
 from cerevisor_tui.endpoints.network import AsyncioStream
-from tests.conftest import RawServer, chunk, free_port, http_head, read_request
+from cerevisor_tui.endpoints.transport import AsyncioTransport
+from tests.conftest import RawServer, chunk, free_port, http_head, read_request, until
 
 WORDS = (b"alpha ", b"beta ", b"gamma")
 
@@ -218,3 +221,249 @@ async def test_a_no_proxy_host_goes_direct_through_our_backend(no_proxies):
         response = await client.get(f"http://127.0.0.1:{port}/v1/models")
     assert response.json() == {"data": [{"id": "m"}]}
     assert isinstance(response.extensions["network_stream"], AsyncioStream)
+
+
+# The pool under our transport (endpoints/transport.py, `_Pool`): what httpcore's pool does, held to httpx's limits.
+
+BODY = b'{"data": [{"id": "m"}]}'
+
+
+class KeepAlive:
+    """A loopback server that answers every request on a connection, keeping it open; a request to `/hold`
+    is answered only once `release` is set. Counts connections opened and seen closed by the client."""
+
+    def __init__(self) -> None:
+        self.opened = 0
+        self.closed = 0
+        self.open_now = 0
+        self.most_open = 0
+        self.requests = 0
+        self.held = 0
+        self.release = asyncio.Event()
+        self.close_after_answer = False  # the server ends each connection once it has answered
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.opened += 1
+        self.open_now += 1
+        self.most_open = max(self.most_open, self.open_now)
+        try:
+            while True:
+                try:
+                    request = await read_request(reader)
+                except asyncio.IncompleteReadError:  # the client closed it
+                    return
+                self.requests += 1
+                if request.startswith(b"GET /hold"):
+                    self.held += 1
+                    await self.release.wait()
+                writer.write(http_head(200, "application/json", length=len(BODY)) + BODY)
+                await writer.drain()
+                if self.close_after_answer:
+                    return
+        finally:
+            self.open_now -= 1
+            self.closed += 1
+
+
+def pooled(max_connections: int | None = None, max_keepalive: int | None = 10, keepalive_expiry: float = 60.0,
+           pool_timeout: float | None = None) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive,
+                          keepalive_expiry=keepalive_expiry)
+    return httpx.AsyncClient(transport=AsyncioTransport(limits), timeout=httpx.Timeout(None, pool=pool_timeout))
+
+
+@pytest.mark.anyio
+async def test_a_kept_alive_connection_is_reused():
+    server = KeepAlive()
+    async with serving(server) as port, pooled() as client:
+        with anyio.fail_after(10):
+            streams = []
+            for _ in range(3):
+                response = await client.get(f"http://127.0.0.1:{port}/v1/models")
+                assert response.json() == {"data": [{"id": "m"}]}
+                streams.append(response.extensions["network_stream"])
+    assert server.opened == 1 and server.requests == 3
+    assert len({id(stream) for stream in streams}) == 1
+
+
+@pytest.mark.anyio
+async def test_max_connections_queues_the_rest_until_one_is_free():
+    """Like httpx's own pool: past max_connections a request waits (no pool timeout) and goes out on a
+    connection another has finished with; no more than the cap are ever open."""
+    server = KeepAlive()
+    async with serving(server) as port, pooled(max_connections=2) as client:
+        url = f"http://127.0.0.1:{port}"
+        with anyio.fail_after(20):
+            held = [asyncio.ensure_future(client.get(url + "/hold")) for _ in range(2)]
+            await until(lambda: server.held == 2, "both held requests at the server")
+            queued = [asyncio.ensure_future(client.get(url + "/v1/models")) for _ in range(3)]
+            await until(lambda: all(not task.done() for task in queued) and server.requests == 2, "")
+            server.release.set()
+            answers = await asyncio.gather(*held, *queued)
+    assert all(answer.status_code == 200 for answer in answers)
+    assert server.requests == 5 and server.opened == 2 and server.most_open == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["ours", "httpx"])
+async def test_a_full_pool_past_its_pool_timeout_is_httpx_pool_timeout(name):
+    server = KeepAlive()
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    transport = AsyncioTransport(limits) if name == "ours" else httpx.AsyncHTTPTransport(limits=limits)
+    async with serving(server) as port, httpx.AsyncClient(transport=transport, timeout=None) as client:
+        url = f"http://127.0.0.1:{port}"
+        with anyio.fail_after(20):
+            held = asyncio.ensure_future(client.get(url + "/hold"))
+            await until(lambda: server.held == 1, "the held request at the server")
+            with pytest.raises(httpx.PoolTimeout):
+                await client.get(url + "/v1/models", timeout=httpx.Timeout(None, pool=0.05))
+            server.release.set()
+            assert (await held).status_code == 200
+            # the request that timed out took nothing with it: the one connection serves the next
+            assert (await client.get(url + "/v1/models")).status_code == 200
+    assert server.opened == 1
+
+
+@pytest.mark.anyio
+async def test_at_max_connections_an_idle_connection_to_another_origin_makes_room():
+    """As httpcore's pool does: with the one place taken by an idle connection to A, a request to B closes it
+    rather than waiting for a place that would never free."""
+    a, b = KeepAlive(), KeepAlive()
+    async with serving(a) as port_a, serving(b) as port_b, pooled(max_connections=1, pool_timeout=5) as client:
+        with anyio.fail_after(10):
+            assert (await client.get(f"http://127.0.0.1:{port_a}/v1/models")).status_code == 200
+            assert (await client.get(f"http://127.0.0.1:{port_b}/v1/models")).status_code == 200
+            await until(lambda: a.closed == 1, "A's idle connection closed")
+    assert a.opened == 1 and b.opened == 1
+
+
+@pytest.mark.anyio
+async def test_a_connection_the_server_closed_is_not_reused():
+    server = KeepAlive()
+    server.close_after_answer = True
+    async with serving(server) as port, pooled() as client:
+        url = f"http://127.0.0.1:{port}/v1/models"
+        with anyio.fail_after(10):
+            first = await client.get(url)
+            stream = first.extensions["network_stream"]
+            await until(lambda: stream.get_extra_info("is_readable"), "the server's close, seen by the client")
+            second = await client.get(url)
+    assert second.status_code == 200 and second.extensions["network_stream"] is not stream
+    assert server.opened == 2
+
+
+@pytest.mark.anyio
+async def test_an_expired_keep_alive_connection_is_closed_not_reused():
+    server = KeepAlive()
+    async with serving(server) as port, pooled(keepalive_expiry=0.0) as client:
+        url = f"http://127.0.0.1:{port}/v1/models"
+        with anyio.fail_after(10):
+            await client.get(url)
+            await until(lambda: server.closed == 1, "the expired connection closed")
+            await client.get(url)
+    assert server.opened == 2
+
+
+@pytest.mark.anyio
+async def test_idle_connections_past_max_keepalive_are_closed():
+    server = KeepAlive()
+    async with serving(server) as port, pooled(max_keepalive=1) as client:
+        url = f"http://127.0.0.1:{port}"
+        with anyio.fail_after(20):
+            held = [asyncio.ensure_future(client.get(url + "/hold")) for _ in range(3)]
+            await until(lambda: server.held == 3, "three held requests at the server")
+            server.release.set()
+            answers = await asyncio.gather(*held)
+            await until(lambda: server.closed == 2, "two of the three connections closed")
+            again = await client.get(url + "/v1/models")
+    assert server.opened == 3  # the one kept open was reused
+    assert again.extensions["network_stream"] in [answer.extensions["network_stream"] for answer in answers]
+
+
+@pytest.mark.anyio
+async def test_an_aborted_stream_drops_its_connection_and_frees_its_place():
+    """ChatStream.abort's way: the response's network_stream dropped from outside the task reading it. The
+    reader gets httpx's error, the server sees the connection end, and the pool's one place is free again."""
+    ended = asyncio.Event()
+    opened = 0
+    streaming: list[AsyncioStream] = []
+
+    async def endless_then_models(reader, writer):
+        nonlocal opened
+        opened += 1
+        request = await read_request(reader)
+        if request.startswith(b"GET"):
+            writer.write(http_head(200, "application/json", length=len(BODY)) + BODY)
+            await writer.drain()
+            return
+        writer.write(http_head(200, "text/event-stream") + chunk(WORDS[0]))
+        await writer.drain()
+        assert await reader.read() == b""
+        ended.set()
+
+    async def read_until_dropped(client: httpx.AsyncClient, url: str) -> None:
+        async with client.stream("POST", url, json={}) as response:
+            async for _ in response.aiter_raw():
+                streaming.append(response.extensions["network_stream"])
+
+    async with serving(endless_then_models) as port, pooled(max_connections=1, pool_timeout=5) as client:
+        url = f"http://127.0.0.1:{port}/v1"
+        with anyio.fail_after(10):
+            task = asyncio.ensure_future(read_until_dropped(client, url + "/chat/completions"))
+            await until(lambda: streaming, "the first part read")
+            streaming[0].abort()
+            with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
+                await task
+            await ended.wait()
+            assert (await client.get(url + "/models")).status_code == 200  # on a new connection, in the one place
+    assert opened == 2
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_request_gives_its_place_back():
+    """Cancelled while it waits for a place, or while it waits for its answer: either way the pool's one
+    place serves the next request."""
+    server = KeepAlive()
+    async with serving(server) as port, pooled(max_connections=1) as client:
+        url = f"http://127.0.0.1:{port}"
+        with anyio.fail_after(20):
+            held = asyncio.ensure_future(client.get(url + "/hold"))
+            await until(lambda: server.held == 1, "the held request at the server")
+            waiting = asyncio.ensure_future(client.get(url + "/v1/models"))
+            await until(lambda: not waiting.done() and server.requests == 1, "")
+            waiting.cancel()
+            held.cancel()  # its connection is mid-request: closed
+            await asyncio.gather(waiting, held, return_exceptions=True)
+            server.release.set()  # the server reads again, and finds the connection closed
+            await until(lambda: server.closed == 1, "the cancelled request's connection closed")
+            answer = await client.get(url + "/v1/models")
+    assert answer.status_code == 200 and server.opened == 2 and server.requests == 2
+
+
+@pytest.mark.anyio
+async def test_a_request_asks_a_few_idle_connections_not_all_of_them(monkeypatch):
+    """The pool's work per request does not grow with its connections: with 100 idle ones, a request checks
+    at most 3 for expiry (the oldest, the one it takes, and itself when it goes back). httpcore 1.0.9's pool
+    checks every one at each request's start and end, over 200 here, which made 256 streams O(n^2)."""
+    checks = 0
+    has_expired = httpcore.AsyncHTTPConnection.has_expired
+
+    def counted(self: httpcore.AsyncHTTPConnection) -> bool:
+        nonlocal checks
+        checks += 1
+        return has_expired(self)
+
+    monkeypatch.setattr(httpcore.AsyncHTTPConnection, "has_expired", counted)
+    server = KeepAlive()
+    async with serving(server) as port, pooled(max_keepalive=200) as client:
+        url = f"http://127.0.0.1:{port}"
+        with anyio.fail_after(30):
+            held = [asyncio.ensure_future(client.get(url + "/hold")) for _ in range(100)]
+            await until(lambda: server.held == 100, "100 held requests at the server")
+            server.release.set()
+            await asyncio.gather(*held)
+            checks = 0
+            for _ in range(10):
+                await client.get(url + "/v1/models")
+    assert server.opened == 100
+    assert checks <= 10 * 3, checks

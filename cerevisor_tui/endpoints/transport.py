@@ -1,15 +1,24 @@
-"""The httpx transport our clients send through: httpcore's connection pool on endpoints/network.py's backend.
+"""The httpx transport our clients send through: a connection pool of our own on endpoints/network.py's backend.
 
 httpx has no setting for the network backend under the pool it builds; a transport of our own is its public
-seam for one. `AsyncioTransport` is httpx's `AsyncHTTPTransport` (httpx/_transports/default.py) without the
-proxy branches: the request and the response mapped between httpx and httpcore as it maps them, and
-httpcore's exceptions raised as httpx's, which is what the stream code catches (httpx.ConnectError,
-ReadError, RemoteProtocolError...). A client given a transport of its own does not read proxies from
+seam for one. `AsyncioTransport` maps the request and the response between httpx and httpcore as httpx's
+`AsyncHTTPTransport` does (httpx/_transports/default.py), without the proxy branches, and raises httpcore's
+exceptions as httpx's, which is what the stream code catches (httpx.ConnectError, ReadError,
+RemoteProtocolError, PoolTimeout...). A client given a transport of its own does not read proxies from
 the environment, so `proxy_mounts` reads them as httpx would and gives each one httpx's own transport.
+
+Why not httpcore's `AsyncConnectionPool`: 1.0.9 walks all its connections and all its requests at every
+request's start and end (`_assign_requests_to_connections`), so with n streams open each costs O(n) and the
+gateway's 256 streams cost O(n^2); it collapsed there (README, Performance: the gateway). `_Pool` keeps, per
+origin, its idle connections most recent last and, over all origins, the order they went idle in: taking,
+returning, expiring and evicting one is O(1). Each connection is httpcore's own `AsyncHTTPConnection`
+(connect, TLS, HTTP/1.1 with h11), so the wire behaviour is httpcore's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import ipaddress
 import typing
@@ -52,54 +61,189 @@ def _as_httpx_exceptions() -> typing.Iterator[None]:
         raise
 
 
-class _ResponseStream(httpx.AsyncByteStream):
-    """A response body as httpcore streams it, its errors as httpx's."""
+_Origin = tuple[bytes, bytes, int]  # scheme, host, port
 
-    def __init__(self, stream: typing.AsyncIterable[bytes]) -> None:
-        self._stream = stream
 
-    async def __aiter__(self) -> typing.AsyncIterator[bytes]:
-        with _as_httpx_exceptions():
-            async for part in self._stream:
-                yield part
+class _Pool:
+    """HTTP/1.1 connections by origin, held to httpx's `limits`, with O(1) work per request.
+
+    `max_connections` caps the requests in flight (each holds a connection of its own); a request that finds
+    no idle connection to its origin opens one, first closing the longest-idle connection to another origin
+    when open connections would pass the cap, as httpcore's pool does. A request that waits for the cap
+    longer than its pool timeout gets PoolTimeout. At most `max_keepalive_connections` stay open idle (the
+    longest idle closed first), none past `keepalive_expiry`; an idle connection the server closed or wrote
+    to is not reused (httpcore's `has_expired`)."""
+
+    def __init__(self, limits: httpx.Limits) -> None:
+        self._ssl_context = httpx.create_ssl_context(trust_env=True)  # httpx's default: certifi, SSL_CERT_*
+        self._backend = AsyncioBackend()
+        self._keepalive_expiry = limits.keepalive_expiry
+        self._max_connections = limits.max_connections
+        self._max_keepalive = limits.max_keepalive_connections
+        if self._max_connections is not None and self._max_keepalive is not None:
+            self._max_keepalive = min(self._max_keepalive, self._max_connections)
+        self._slots = asyncio.Semaphore(self._max_connections) if self._max_connections is not None else None
+        self._idle: dict[_Origin, collections.OrderedDict[httpcore.AsyncHTTPConnection, None]] = {}
+        self._idle_order: collections.OrderedDict[httpcore.AsyncHTTPConnection, _Origin] = (
+            collections.OrderedDict()
+        )
+        self._active: set[httpcore.AsyncHTTPConnection] = set()
+
+    async def acquire(self, origin: _Origin, timeout: float | None) -> httpcore.AsyncHTTPConnection:
+        """A connection for one request to `origin`, held by it until `release`."""
+        if self._slots is not None:
+            if self._slots.locked() and timeout is not None:
+                try:
+                    await asyncio.wait_for(self._slots.acquire(), timeout)
+                except TimeoutError:
+                    raise httpcore.PoolTimeout(f"no connection free in {timeout} s") from None
+            else:
+                await self._slots.acquire()
+        try:
+            await self._close_expired()
+            connection = await self._idle_connection(origin)
+            if connection is None:
+                open_connections = len(self._active) + len(self._idle_order)
+                if self._max_connections is not None and open_connections >= self._max_connections:
+                    # at the cap, with no idle connection to this origin: one to another makes room
+                    await self._close(*self._idle_order.popitem(last=False))
+                connection = httpcore.AsyncHTTPConnection(
+                    origin=httpcore.Origin(*origin),
+                    ssl_context=self._ssl_context,
+                    keepalive_expiry=self._keepalive_expiry,
+                    http1=True,
+                    http2=False,
+                    network_backend=self._backend,
+                )
+        except BaseException:
+            if self._slots is not None:
+                self._slots.release()
+            raise
+        self._active.add(connection)
+        return connection
+
+    async def release(self, connection: httpcore.AsyncHTTPConnection, origin: _Origin) -> None:
+        """The request on `connection` is over: keep it for the next one if it can take one, else close it."""
+        if connection not in self._active:
+            return
+        self._active.discard(connection)
+        if self._slots is not None:
+            self._slots.release()
+        # a body not read to its end, an error, the server's close: not reusable
+        if not connection.is_idle() or connection.has_expired():
+            if not connection.is_closed():
+                await connection.aclose()
+            return
+        self._idle.setdefault(origin, collections.OrderedDict())[connection] = None
+        self._idle_order[connection] = origin
+        if self._max_keepalive is not None and len(self._idle_order) > self._max_keepalive:
+            await self._close(*self._idle_order.popitem(last=False))
+
+    async def _idle_connection(self, origin: _Origin) -> httpcore.AsyncHTTPConnection | None:
+        idle = self._idle.get(origin)
+        while idle:
+            connection, _ = idle.popitem(last=True)  # the most recent: the oldest are the ones left to expire
+            del self._idle_order[connection]
+            if not connection.has_expired():
+                return connection
+            await connection.aclose()
+        return None
+
+    async def _close_expired(self) -> None:
+        # idle connections expire in the order they went idle: the oldest one tells whether any has
+        while self._idle_order:
+            connection, origin = next(iter(self._idle_order.items()))
+            if not connection.has_expired():
+                return
+            await self._close(connection, origin)
+
+    async def _close(self, connection: httpcore.AsyncHTTPConnection, origin: _Origin) -> None:
+        self._idle_order.pop(connection, None)
+        self._idle[origin].pop(connection, None)
+        await connection.aclose()
 
     async def aclose(self) -> None:
+        connections = [*self._idle_order, *self._active]
+        self._idle.clear()
+        self._idle_order.clear()
+        self._active.clear()
+        for connection in connections:
+            await connection.aclose()
+
+
+class _ResponseStream(httpx.AsyncByteStream):
+    """A response body as httpcore streams it, its errors as httpx's; its close gives the connection back."""
+
+    def __init__(
+        self,
+        stream: typing.AsyncIterable[bytes],
+        pool: _Pool,
+        connection: httpcore.AsyncHTTPConnection,
+        origin: _Origin,
+    ) -> None:
+        self._stream = stream
+        self._pool = pool
+        self._connection = connection
+        self._origin = origin
+        self._closed = False
+
+    async def __aiter__(self) -> typing.AsyncIterator[bytes]:
+        try:
+            with _as_httpx_exceptions():
+                async for part in self._stream:
+                    yield part
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        # once only: given back, the connection may already carry another request
+        if self._closed:
+            return
+        self._closed = True
         # closing a body that is not read to its end closes its connection (httpcore's HTTP/1.1 rule)
-        aclose = getattr(self._stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        try:
+            aclose = getattr(self._stream, "aclose", None)
+            if aclose is not None:
+                with _as_httpx_exceptions():
+                    await aclose()
+        finally:
+            await self._pool.release(self._connection, self._origin)
 
 
 class AsyncioTransport(httpx.AsyncBaseTransport):
-    """httpcore's connection pool on `AsyncioBackend`, with httpx's TLS setup and `limits`, HTTP/1.1 only."""
+    """`_Pool` on `AsyncioBackend`, with httpx's TLS setup and `limits`, HTTP/1.1 only."""
 
     def __init__(self, limits: httpx.Limits) -> None:
-        self._pool = httpcore.AsyncConnectionPool(
-            # as an httpx client builds its default one: certifi's roots, or SSL_CERT_FILE / SSL_CERT_DIR
-            ssl_context=httpx.create_ssl_context(trust_env=True),
-            max_connections=limits.max_connections,
-            max_keepalive_connections=limits.max_keepalive_connections,
-            keepalive_expiry=limits.keepalive_expiry,
-            http1=True,
-            http2=False,
-            network_backend=AsyncioBackend(),
-        )
+        self._pool = _Pool(limits)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
+        scheme = url.raw_scheme
+        if scheme not in (b"http", b"https"):
+            raise httpx.UnsupportedProtocol(f"Request URL has an unsupported protocol '{url.scheme}://'.")
+        origin: _Origin = (scheme, url.raw_host, url.port or (443 if scheme == b"https" else 80))
         core_request = httpcore.Request(
             method=request.method,
-            url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path),
+            url=httpcore.URL(scheme=scheme, host=url.raw_host, port=url.port, target=url.raw_path),
             headers=request.headers.raw,
             content=typing.cast(typing.AsyncIterable[bytes], request.stream),
             extensions=request.extensions,
         )
+        timeout = request.extensions.get("timeout", {}).get("pool")
         with _as_httpx_exceptions():
-            response = await self._pool.handle_async_request(core_request)
+            connection = await self._pool.acquire(origin, timeout)
+            try:
+                response = await connection.handle_async_request(core_request)
+            except BaseException:
+                await self._pool.release(connection, origin)  # httpcore closed it: the request did not finish
+                raise
         return httpx.Response(
             status_code=response.status,
             headers=response.headers,
-            stream=_ResponseStream(typing.cast(typing.AsyncIterable[bytes], response.stream)),
+            stream=_ResponseStream(
+                typing.cast(typing.AsyncIterable[bytes], response.stream), self._pool, connection, origin
+            ),
             extensions=response.extensions,  # network_stream among them: ChatStream.abort drops it
         )
 

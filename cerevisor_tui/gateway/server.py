@@ -270,7 +270,8 @@ class Exchange:
         self.done = False  # its last byte went out
         self.gone = False  # the client went away
         self.last_write = time.monotonic()
-        self.lock = anyio.Lock()
+        # taken for every frame written: uncontended, it must not yield to the loop as anyio's default does
+        self.lock = anyio.Lock(fast_acquire=True)
         self.reading = Reading(api)
         self.status = 0
         self.attempt: Attempt | None = None
