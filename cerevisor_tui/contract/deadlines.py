@@ -95,11 +95,11 @@ def prefill_look(*, now: float, total: int, processed: int, rate_tok_s: float | 
 
 
 def estimate_look(*, now: float, sent_at: float, total: int, cached: int, rate_tok_s: float,
-                  alive: bool) -> PrefillLook:
+                  alive: bool | str) -> PrefillLook:
     """At a first-byte deadline, for a server that tells no progress of its own (vLLM, SGLang): the prompt's
     `total` tokens (estimated), `cached` of them expected from the prefix cache, at the endpoint's measured
     prefill rate, from `sent_at`. While that estimate says the prompt is still plausibly prefilling (before its
-    projected end and its slack) and the server shows life since the last look (`alive`: its KV use climbing),
+    projected end and its slack) and the server shows life since the last look (`alive`: what moved, e.g. "KV use climbing"; True says KV use),
     the deadline moves to the end of that window; otherwise this rule says nothing ("none")."""
     if rate_tok_s <= 0 or total <= cached:
         return PrefillLook("none", now, "")
@@ -110,7 +110,8 @@ def estimate_look(*, now: float, sent_at: float, total: int, cached: int, rate_t
         return PrefillLook("none", now, "")
     share = min(0.99, (cached + rate_tok_s * (now - sent_at)) / total)
     return PrefillLook("extend", limit, f"prefill ~{share:.0%} (est.), {rate_tok_s:,.0f} tok/s measured, "
-                                        f"about {fmt_s(max(0.0, end - now))} left, KV use climbing")
+                                        f"about {fmt_s(max(0.0, end - now))} left, "
+                                        f"{alive if isinstance(alive, str) else 'KV use climbing'}")
 
 
 def fmt_s(seconds: float) -> str:

@@ -502,8 +502,8 @@ class Engine:
         self.sessions.started(group)
         if self.busy_check is None:
             self.busy_check = self.monitor.busy
-        if self.watchdog.server_life is None:  # an estimated prefill is extended while the KV use climbs
-            self.watchdog.server_life = self.monitor.kv_climbed
+        if self.watchdog.server_life is None:  # an estimated prefill is extended while the server shows life
+            self.watchdog.server_life = self.monitor.shows_life
 
     def _on_sample(self, endpoint: str) -> None:
         """After each server sample: the wedge rules first (a wedged pool member stays down), then the pools."""

@@ -57,6 +57,8 @@ class ServerMonitor:
             self.load[ep.name], self.load_notes[ep.name] = load.from_config(ep)
         # the KV use each recent sample saw, (when it answered, usage): whether it climbs (kv_climbed)
         self.kv_seen: dict[str, deque[tuple[float, float]]] = {}
+        # its token counters at each recent sample, (when, generated, prefill tokens): whether they move (shows_life)
+        self.counters_seen: dict[str, deque[tuple[float, float | None, float | None]]] = {}
         # a router's workers are read with a client of their own, without the endpoint's API key
         self._worker_clients: dict[str, httpx.AsyncClient] = {}
         # the latency panel of each endpoint: its scrapes over the window, and llama.cpp's timings of our requests
@@ -126,9 +128,13 @@ class ServerMonitor:
                 self.connections.server_kinds[endpoint] = status.kind
             # when it answered: a swamped vLLM answers /metrics seconds after it was asked, with its state then
             self.status_at[endpoint] = time.monotonic()
-            if status.metrics is not None and status.metrics.kv_cache_usage is not None:
-                self.kv_seen.setdefault(endpoint, deque(maxlen=KV_SEEN)).append(
-                    (self.status_at[endpoint], status.metrics.kv_cache_usage))
+            if status.metrics is not None:
+                m = status.metrics
+                if m.kv_cache_usage is not None:
+                    self.kv_seen.setdefault(endpoint, deque(maxlen=KV_SEEN)).append(
+                        (self.status_at[endpoint], m.kv_cache_usage))
+                self.counters_seen.setdefault(endpoint, deque(maxlen=KV_SEEN)).append(
+                    (self.status_at[endpoint], m.generated, m.prefill_tokens))
             rows = [_sample_fields(w, previous.get(w.base_url)) for w in workers]
             fields = _sample_fields(status, previous.get(""))
             if workers:  # the fleet's prefix hits: the workers' own, since each one's last sample, together
@@ -181,6 +187,17 @@ class ServerMonitor:
             self.load[endpoint] = msgspec.structs.replace(
                 current, context_tokens=context, conversations_fit=current.kv_capacity_tokens // context)
 
+    def shows_life(self, endpoint: str, since: float) -> str:
+        """What the server did after `since`, in words ("" for nothing): its KV use climbed (a prompt prefilled in
+        chunks), its prefill counter moved (SGLang's prefill_compute tokens), or it generated tokens (other
+        requests decoding: its engine steps). An estimated prefill is extended while one of these holds."""
+        if self.kv_climbed(endpoint, since):
+            return "KV use climbing"
+        for index, words in ((2, "prefill tokens moving"), (1, "other requests decoding")):
+            if _moved([(row[0], row[index]) for row in self.counters_seen.get(endpoint, ())], since):
+                return words
+        return ""
+
     def kv_climbed(self, endpoint: str, since: float) -> bool:
         """The server's KV use rose after `since`: its latest sample above the last one taken by then (or, with
         none taken by then, above the first since), as while a prompt is prefilled in chunks."""
@@ -226,6 +243,16 @@ def latency_event(t: float, endpoint: str, figures: LatencyFigures) -> ev.Latenc
 
     return ev.LatencySample(t, endpoint, figures.source, figures.window_s, q(figures.ttft), q(figures.inter_token),
                             q(figures.queue), q(figures.prefill), figures.decode_stall_s, figures.running)
+
+
+def _moved(seen: list[tuple[float, float | None]], since: float) -> bool:
+    """A counter's latest sample after `since` is above the last one taken by then (or the first since)."""
+    seen = [(at, value) for at, value in seen if value is not None]
+    if not seen or seen[-1][0] <= since:
+        return False
+    before = [value for at, value in seen if at <= since]
+    after = [value for at, value in seen if at > since]
+    return after[-1] > (before[-1] if before else after[0])
 
 
 def _num(value: float | int | None) -> float | None:

@@ -37,8 +37,8 @@ class Watchdog:
         self.policies = policies  # the engine's own: `set_stall` replaces an endpoint's entry
         self.emit = emit
         self.busy_check: BusyCheck | None = None
-        # (endpoint, since): whether the server shows life since then (its KV use climbing); None: never asked
-        self.server_life: Callable[[str, float], bool] | None = None
+        # (endpoint, since): the server's sign of life since then, in words ("KV use climbing"; "": none); None: never asked
+        self.server_life: Callable[[str, float], str] | None = None
 
     async def watch(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
         """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill.
@@ -151,7 +151,7 @@ class Watchdog:
         the busy check, only with `extend_when_server_busy`: an estimate is not the server's word."""
         e = att.estimate
         assert e is not None
-        alive = self.server_life is not None and self.server_life(st.endpoint, e.looked_at)
+        alive = self.server_life(st.endpoint, e.looked_at) if self.server_life is not None else ""
         e.looked_at = now
         look = estimate_look(now=now, sent_at=e.sent_at, total=e.total, cached=e.cached, rate_tok_s=e.rate_tok_s,
                              alive=alive)
