@@ -25,7 +25,7 @@ STATUS_LOOK: dict[Status, StatusLook] = {
     "wedged": StatusLook("wedged", 2, "error"),  # its server is wedged (engine/wedge.py)
     "failed": StatusLook("failed", 3, "error"),
     "killed": StatusLook("killed", 4, "error"),
-    "waiting": StatusLook("waiting", 5, "warning"),  # a local endpoint still loading
+    "waiting": StatusLook("loading", 5, "warning"),  # its local endpoint still loading (its port refused)
     "retrying": StatusLook("retrying", 6, "warning"),
     "tool": StatusLook("tool", 7, "accent"),  # a running call shows as `tool: NAME 3.2s` (`tool_status`)
     "prefill": StatusLook("prefill", 8, "primary"),

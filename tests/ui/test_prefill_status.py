@@ -91,3 +91,13 @@ async def test_the_console_shows_the_prefill_of_a_long_prompt(tmp_path):
         assert app.screen.table.row_texts("a")[7].startswith("first ")
         finished = await log.wait(kind("AgentFinished", "a"))
     assert finished.status == "completed"
+
+
+def test_an_agent_whose_local_server_refuses_its_port_reads_loading_and_streams_after():
+    m = mirror_of(ev.AgentStarted(100.0, "a", 1, 1, 1, "box", 8.0, 600.0), ev.AgentStatus(100.0, "a", "prefill"),
+                  ev.EndpointWaiting(100.5, "a", 1, "box", "cannot connect: connection refused", 0.5),
+                  ev.AgentStatus(100.5, "a", "waiting"))
+    assert agent_row(m.agents["a"], WARN_AT, "", 101.0).status == "loading"
+    m(ev.FirstToken(130.0, "a", 1, 1, 30.0))
+    m(ev.AgentStatus(130.0, "a", "streaming"))
+    assert agent_row(m.agents["a"], WARN_AT, "", 130.0).status == "streaming"
