@@ -10,7 +10,9 @@ needs of the engine's state: the endpoints' connections (engine/connections.py),
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import sys
 import time
 from contextlib import AsyncExitStack
 from datetime import datetime
@@ -139,6 +141,7 @@ class Engine:
         self._history = [e for e in history or () if e.get("agent") not in self.rerun]
         self.report = Report()
         self._subscribers: list[Subscriber] = [self.report]
+        self.subscriber_failures: dict[int, int] = {}  # by id(subscriber): how often each has raised
         self._wave_group: anyio.abc.TaskGroup | None = None
         # every form of the run's API keys, taken out of whatever text enters the run (config/secrets.py)
         # (and the variables the MCP servers are given: a server's own token must not reach the screen either)
@@ -169,7 +172,7 @@ class Engine:
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
             scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
-            tools=self.tools, escape=self.pools.failed)
+            tools=self.tools, escape=self.pools.failed, subscriber_failed=self.subscriber_failed)
         self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
         # an agent that had not completed goes on after the turns it had answered (one run again starts anew)
         self.conversations.recorded_turns = resume.recorded_turns(
@@ -220,7 +223,31 @@ class Engine:
         if self.scrub:  # no key configured: nothing to look for
             event = self.scrub.record(event)
         for subscriber in self._subscribers:
-            subscriber(event)
+            try:
+                subscriber(event)
+            except Exception as exc:  # no subscriber's failure ends the run, nor keeps the others from hearing
+                self.subscriber_failed(subscriber, event, exc)
+
+    def subscriber_failed(self, subscriber: Subscriber, event: ev.Event, exc: Exception) -> None:
+        """A subscriber raised (in `emit`, or handed a token delta directly): said once, on stderr (a detached
+        run's run.log) and as a RunNotice, and counted. One whose output is gone (an OSError: a closed pipe or
+        terminal, a full disk) is dropped, as it would fail on every event; any other (a value it did not expect)
+        is kept for the events it can take."""
+        key = id(subscriber)
+        failures = self.subscriber_failures.get(key, 0) + 1
+        self.subscriber_failures[key] = failures
+        dropped = isinstance(exc, OSError)
+        if dropped:  # replaced in place: a loop over the live list (emit's, a hot path's) goes on unharmed
+            self._subscribers[:] = [_dropped if s is subscriber else s for s in self._subscribers]
+        if failures > 1:
+            return
+        name = getattr(subscriber, "__qualname__", None) or type(subscriber).__name__
+        what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        then = "it is dropped: nothing more goes to it" if dropped else "it keeps the events it can take"
+        line = self.scrub(f"{name} failed on {event.kind} ({what}); the run goes on, {then}")
+        with contextlib.suppress(OSError, ValueError):  # stderr may be gone with the terminal
+            print(f"cerevisor-tui run: {line}", file=sys.stderr, flush=True)
+        self.emit(ev.RunNotice(time.monotonic(), line, "warning", "A subscriber failed"))
 
     # ---- commands (live) ----------------------------------------------------------------------
     def handle(self, command: cmd.Command) -> Any:
@@ -660,6 +687,10 @@ class Engine:
     def _mode_note(mode: Mode) -> str:
         return "each endpoint's cap follows what its server sustains; +/- move the ceiling" if mode == "auto" else ""
 
+
+
+def _dropped(event: ev.Event) -> None:
+    """Stands where a subscriber was dropped (Engine.subscriber_failed): hears nothing."""
 
 
 def _saved_probe_cap(ep: EndpointConfig) -> tuple[int, str]:
