@@ -197,6 +197,8 @@ def main(args: Any) -> int:
         server = await serve_control(engine, run_dir, run_id, args.file, required=detached)
         if server is None and detached:
             return 1
+        if not detached:  # no one may press `p` past a spent budget but a console attached to the socket
+            engine.consoles_attached = (lambda: server.clients) if server is not None else (lambda: 0)
         gateway = None
         if config.gateway is not None:
             from cerevisor_tui.gateway import GatewayError, serve_gateway

@@ -14,6 +14,7 @@ import contextlib
 import secrets
 import sys
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -128,6 +129,12 @@ class Engine:
         self.wave = -1
         self.started_at = 0.0
         self.stopping = ""
+        self.stop_status: FinalStatus = "cancelled"  # what the agents a stop leaves unfinished end as
+        # How many consoles are attached, for a run in the foreground (`run`): once its budget is spent and what
+        # runs has finished, with none attached to resume it, it ends. None: the run's consoles are expected (a
+        # detached run, a console's own): a spent budget waits for one to resume or stop it.
+        self.consoles_attached: Callable[[], int] | None = None
+        self._budget_spent: float | None = None  # what was spent when the budget paused admissions; None: it has not
         self.ended = False  # the run has sent its RunFinished: nothing more happens, nothing more is told
         # Agents a resumed run already completed: their answers are reused, they are never sent again, unless
         # what they would run with now (prompt, endpoint, ...) is not what they ran with: then they and every
@@ -351,6 +358,7 @@ class Engine:
         self._emit_cap()
 
     def resume(self) -> None:
+        self._budget_spent = None  # resumed past its budget: the operator's call, the run goes on
         self.scheduler.set_paused(False)
         self._emit_cap()
 
@@ -433,11 +441,12 @@ class Engine:
             return "its wave has ended; use --resume to run it again"
         return f"nothing to retry ({st.status})"
 
-    def stop(self, reason: str = "run stopped") -> None:
-        """Stop the run: no more admissions; running and queued agents are cancelled, connections closed."""
+    def stop(self, reason: str = "run stopped", *, status: FinalStatus = "cancelled") -> None:
+        """Stop the run: no more admissions; running and queued agents end as `status` (cancelled), connections
+        closed."""
         if self.stopping or self.ended:
             return
-        self.stopping = reason
+        self.stopping, self.stop_status = reason, status
         self.scheduler.set_paused(True)
         self.emit(ev.RunStopping(time.monotonic(), reason))
         self.sessions.stop(reason)
@@ -445,7 +454,7 @@ class Engine:
             self._stop_asked.set()
         for st in self.agents.values():
             if st.status not in FINAL and st.scope is not None:
-                st.end_status, st.end_reason = "cancelled", reason
+                st.end_status, st.end_reason = status, reason
                 if st.current is not None:
                     st.current.kill("operator", reason, by_operator=True)
                 st.scope.cancel()
@@ -582,7 +591,7 @@ class Engine:
                                  self.recorded_inputs.get(st.name, {}))
                     continue
                 if self.stopping:
-                    self._finish(st, "cancelled", self.stopping)
+                    self._finish(st, self.stop_status, self.stopping)
                     continue
                 failed = [d for d in st.config.depends_on if self.agents[d].status != "completed"]
                 if failed:
@@ -605,11 +614,11 @@ class Engine:
                     self._finish(st, "completed", "", self.completed_before[st.name],
                                  self.recorded_inputs.get(st.name, {}))
                 else:
-                    self._finish(st, "cancelled", self.stopping)
+                    self._finish(st, self.stop_status, self.stopping)
 
     async def _run_agent(self, st: AgentState) -> None:
         if self.stopping:  # spawned in the same instant the run was stopped
-            self._finish(st, "cancelled", self.stopping)
+            self._finish(st, self.stop_status, self.stopping)
             return
         st.status = "queued"
         self.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
@@ -646,6 +655,7 @@ class Engine:
         st.current = None
         st.finished_at = time.monotonic()
         self.emit(ev.AgentFinished(time.monotonic(), st.name, status, reason, output, inputs or {}))
+        self._end_if_budget_spent()
 
     def _reset(self, st: AgentState) -> None:
         st.status, st.error, st.output, st.end_status, st.end_reason = "pending", "", "", "", ""
@@ -659,12 +669,25 @@ class Engine:
 
     def _budget_reached(self, spent_usd: float) -> None:
         """[run] budget_usd is spent: admissions pause (running agents finish, nothing is killed); the operator
-        may resume past it."""
+        may resume past it. A run in the foreground with no console attached ends once what runs has finished."""
         self.pause()
+        self._budget_spent = spent_usd
+        then = (" With no console attached by the time they have, the run ends there: the agents not admitted are "
+                "skipped." if self.consoles_attached is not None else "")
         self.emit(ev.RunNotice(time.monotonic(), f"Budget reached: ${spent_usd:.4f} of ${self.config.run.budget_usd:g} "
-                               "spent. No new agent is admitted; running agents finish. Resume (p, in a console: "
+                               f"spent. No new agent is admitted; running agents finish.{then} Resume (p, in a console: "
                                f"cerevisor-tui attach {self.run_id}) to go on past it, or stop the run "
                                f"(cerevisor-tui stop {self.run_id}).", "warning", "Budget reached"))
+        self._end_if_budget_spent()
+
+    def _end_if_budget_spent(self) -> None:
+        """A foreground run held by its spent budget, with nothing running and no console attached to resume it,
+        waits for no one: it ends, and the agents it never admitted are skipped, with the budget as the reason."""
+        if (self._budget_spent is None or self.consoles_attached is None or not self.scheduler.paused
+                or self.scheduler.running or self.stopping or self.ended or self.consoles_attached()):
+            return
+        self.stop(f"budget reached (${self._budget_spent:.4f} of ${self.config.run.budget_usd:.4f})",
+                  status="skipped")
 
     # ---- endpoints ----------------------------------------------------------------------------
     def endpoint_summaries(self) -> list[ev.EndpointSummary]:
