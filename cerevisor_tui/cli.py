@@ -26,8 +26,9 @@ examples:
   cerevisor-tui estimate --model llama-3.1-8b --gpu h100 --context 32768
 
 exit codes: 0 success; 1 the run ended with failed or killed agents (probe: endpoint unusable);
-2 usage or config error. Config lookup: --config, $CEREVISOR_TUI_CONFIG, ./cerevisor.toml, then the
-user config dir. See config.example.toml for every key."""
+2 usage or config error; 141 the output was closed before it was all written (ls | head).
+Config lookup: --config, $CEREVISOR_TUI_CONFIG, ./cerevisor.toml, then the user config dir.
+See config.example.toml for every key."""
 
 
 class _Parser(argparse.ArgumentParser):
