@@ -623,7 +623,7 @@ class Engine:
         st.status = "queued"
         self.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
         if self.stopping:  # stopped by that very event (a journal that could not write it): no scope to cancel yet
-            self._finish(st, "cancelled", self.stopping)
+            self._finish(st, self.stop_status, self.stopping)
             return
         status: FinalStatus = "completed"
         reason = ""
