@@ -94,7 +94,9 @@ def test_a_foreground_run_whose_budget_is_spent_ends_and_skips_what_it_never_adm
 
 
 @pytest.mark.anyio
-async def test_with_a_console_attached_a_spent_budget_waits_for_it_and_resuming_goes_on(tmp_path):
+@pytest.mark.parametrize("then", ["resume", "detach"])
+async def test_with_a_console_attached_a_spent_budget_waits_for_it_to_resume_or_leave(tmp_path, then):
+    """Resumed (`p`), the run goes on past its budget; left without a word, it has no one left to wait for."""
     run_dir = tmp_path / "runs" / "r1"
     # a0's answer takes seconds (10 tokens at 2 a second): the console is attached before it spends the budget
     run = subprocess.Popen([*CLI, "run", str(priced_workflow(tmp_path / "w.toml", tokens_per_s=2)),
@@ -111,15 +113,23 @@ async def test_with_a_console_attached_a_spent_budget_waits_for_it_and_resuming_
         # the run ends an agent's wait in the same step that finished a0 when it ends for its budget: it has not
         assert not [e for e in seen if isinstance(e, ev.AgentFinished) and e.agent != "a0"]
         assert run.poll() is None
-        await client.command(cmd.Resume())
+        if then == "resume":
+            await client.command(cmd.Resume())
+        else:
+            await client.close()
         out, err = await asyncio.to_thread(run.communicate, timeout=120)
         await asyncio.wait_for(reader, 30)
         await client.close()
     finally:
         if run.poll() is None:
             run.kill()
-    assert run.returncode == 0, err
-    assert final_line_adds_up(out).group(0).startswith("finished: 3/3 completed")
+    if then == "resume":
+        assert run.returncode == 0, err
+        assert final_line_adds_up(out).group(0).startswith("finished: 3/3 completed")
+    else:
+        assert run.returncode == 1, err
+        assert final_line_adds_up(out).group(0).startswith("finished: 1/3 completed, 0 failed, 0 killed, 2 skipped")
+        assert re.search(r"a1: SKIPPED: budget reached", out)
 
 
 def test_a_stopped_chain_counts_its_cancelled_agents_in_the_final_line(tmp_path):

@@ -655,7 +655,7 @@ class Engine:
         st.current = None
         st.finished_at = time.monotonic()
         self.emit(ev.AgentFinished(time.monotonic(), st.name, status, reason, output, inputs or {}))
-        self._end_if_budget_spent()
+        self.end_if_budget_spent()
 
     def _reset(self, st: AgentState) -> None:
         st.status, st.error, st.output, st.end_status, st.end_reason = "pending", "", "", "", ""
@@ -678,9 +678,9 @@ class Engine:
                                f"spent. No new agent is admitted; running agents finish.{then} Resume (p, in a console: "
                                f"cerevisor-tui attach {self.run_id}) to go on past it, or stop the run "
                                f"(cerevisor-tui stop {self.run_id}).", "warning", "Budget reached"))
-        self._end_if_budget_spent()
+        self.end_if_budget_spent()
 
-    def _end_if_budget_spent(self) -> None:
+    def end_if_budget_spent(self) -> None:
         """A foreground run held by its spent budget, with nothing running and no console attached to resume it,
         waits for no one: it ends, and the agents it never admitted are skipped, with the budget as the reason."""
         if (self._budget_spent is None or self.consoles_attached is None or not self.scheduler.paused
