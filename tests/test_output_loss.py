@@ -102,7 +102,7 @@ def test_a_foreground_run_whose_terminal_closes_stops_and_writes_its_report(tmp_
         os.execv(sys.executable, [*CLI, "run", str(cfg), "--run-dir", str(run_dir)])
     seen = b""
     try:
-        while seen.count(b"sent to box") < 2:  # both agents streaming
+        while seen.count(b"first token") < 2:  # both agents streaming
             seen += os.read(fd, 4096)
     finally:
         os.close(fd)  # the terminal goes away
@@ -134,8 +134,8 @@ def test_attach_jsonl_of_a_live_run_into_a_closed_pipe_ends_quietly_and_the_run_
     run = subprocess.Popen([*CLI, "run", str(cfg), "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: (run_dir / "supervisor.json").exists() and b"AgentStarted" in
-                   (run_dir / "events.jsonl").read_bytes(), "the run's first request")
+        wait_until(lambda: (run_dir / "supervisor.json").exists() and b"FirstToken" in
+                   (run_dir / "events.jsonl").read_bytes(), "the run's first token")
         w = closed_pipe()
         try:
             proc = subprocess.run([*CLI, "attach", str(run_dir), "--jsonl"], stdout=w, stderr=subprocess.PIPE,

@@ -142,8 +142,8 @@ def test_a_stopped_chain_counts_its_cancelled_agents_in_the_final_line(tmp_path)
     run = subprocess.Popen([*CLI, "run", str(cfg), "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: (run_dir / "events.jsonl").exists() and b'"AgentStarted"' in
-                   (run_dir / "events.jsonl").read_bytes(), "a0's first request")
+        wait_until(lambda: (run_dir / "events.jsonl").exists() and b'"FirstToken"' in
+                   (run_dir / "events.jsonl").read_bytes(), "a0's first token")
         run.send_signal(signal.SIGTERM)
         out, err = run.communicate(timeout=60)
     finally:
