@@ -26,8 +26,9 @@ examples:
   cerevisor-tui estimate --model llama-3.1-8b --gpu h100 --context 32768
 
 exit codes: 0 success; 1 the run ended with failed or killed agents (probe: endpoint unusable);
-2 usage or config error. Config lookup: --config, $CEREVISOR_TUI_CONFIG, ./cerevisor.toml, then the
-user config dir. See config.example.toml for every key."""
+2 usage or config error; 141 the output was closed before it was all written (ls | head).
+Config lookup: --config, $CEREVISOR_TUI_CONFIG, ./cerevisor.toml, then the user config dir.
+See config.example.toml for every key."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -284,17 +285,40 @@ def _inline_table(text: str) -> dict:
 _inline_table.__name__ = "inline table"  # argparse names the type in its error
 
 
+PIPE_CLOSED = 141
+"""The exit code of a command whose output was closed before it was all written (`ls | head -1`): as a Unix
+tool ended by SIGPIPE (128 + 13), quietly. A run goes on past its own output and exits with its own code."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # The simulator's flags are built from its pydantic settings model: importing pydantic would double the
-    # time `--help` takes, so they are only built when the command line may name the sim subcommand.
-    args = build_parser(sim_options="sim" in argv).parse_args(argv)
-    command = args.command or "console"
-    module = importlib.import_module(f"cerevisor_tui.commands.{command}")
     try:
-        return int(module.main(args) or 0)
+        # The simulator's flags are built from its pydantic settings model: importing pydantic would double the
+        # time `--help` takes, so they are only built when the command line may name the sim subcommand.
+        args = build_parser(sim_options="sim" in argv).parse_args(argv)
+        command = args.command or "console"
+        module = importlib.import_module(f"cerevisor_tui.commands.{command}")
+        code = int(module.main(args) or 0)
+        sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe is a traceback and exit 120
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # whoever read our output has gone (`| head`, a dead `tee`)
+        _silence_stdout()
+        return PIPE_CLOSED
+    return code
+
+
+def _silence_stdout() -> None:
+    """Point stdout's descriptor at /dev/null, so what is left in its buffer goes nowhere at exit instead of failing
+    again (Python's own advice for SIGPIPE: https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    import os
+
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -21,13 +21,20 @@ async def _print_events(run_dir: Path) -> int:
         print(f"cerevisor-tui attach: {exc}", file=sys.stderr)
         return 1
     out = sys.stdout
+    gone: list[OSError] = []
 
     def show(event: Any) -> None:
-        out.write(encode_event(event).decode() + "\n")
+        try:
+            out.write(encode_event(event).decode() + "\n")
+        except OSError as exc:  # our reader has gone (`| head`): the reading stops here (client.run ends on it)
+            gone.append(exc)
+            raise
 
     why = await client.run(show)
-    out.flush()
     await client.close()
+    if gone:
+        raise BrokenPipeError(*gone[0].args)  # ends the command quietly (cli.py), the run goes on
+    out.flush()
     if client.unreadable:
         print(f"cerevisor-tui attach: {client.unreadable} unreadable lines from the run skipped", file=sys.stderr)
     print(f"cerevisor-tui attach: {why}", file=sys.stderr)
@@ -53,6 +60,8 @@ def print_journal(run_dir: Path) -> int:
                     first = first or f"line {number}: {exc}"
                     continue
                 sys.stdout.write(encode_event(event).decode() + "\n")
+    except BrokenPipeError:
+        raise  # our reader has gone (`| head`), not the journal: ends the command quietly (cli.py)
     except OSError as exc:
         print(f"cerevisor-tui attach: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
         return 1

@@ -115,6 +115,12 @@ class ForcedExit:
         os._exit(self.code)
 
 
+def say(line: str) -> None:
+    """A line on stderr, if stderr is still there: a closed terminal or pipe never ends the run or loses its report."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
 def main(args: Any) -> int:
     from cerevisor_tui.engine.engine import new_run_id
     from cerevisor_tui.engine.run_setup import open_run
@@ -161,10 +167,13 @@ def main(args: Any) -> int:
         print(f"cerevisor-tui run: {exc}", file=sys.stderr)
         return 2
 
-    engine.subscribe(Printer(jsonl=args.jsonl))
+    detached = bool(getattr(args, "detached", False))
+    # A foreground run's lines go on in run.log if its output goes away (a closed terminal, `| head`); a
+    # detached run's output is run.log already, and --jsonl's is for a program, which has stopped reading.
+    printer = Printer(jsonl=args.jsonl, spill=None if detached or args.jsonl else run_dir / "run.log")
+    engine.subscribe(printer)
     received: list[int] = []
     forced: list[ForcedExit] = []
-    detached = bool(getattr(args, "detached", False))
     if detached:  # a detached run has no terminal to lose: only `stop`, SIGINT or SIGTERM end it
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
     stop_signals = (signal.SIGINT, signal.SIGTERM) if detached else (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -173,14 +182,14 @@ def main(args: Any) -> int:
         with anyio.open_signal_receiver(*stop_signals) as signals:
             async for signum in signals:
                 if received:
-                    print("cerevisor-tui run: second signal, stopping now", file=sys.stderr)
+                    say("cerevisor-tui run: second signal, stopping now")
                     forced[0].force()
                     scope.cancel()
                     return
                 received.append(signum)
                 forced.append(ForcedExit(SIGNAL_EXIT.get(signal.Signals(signum), 130)))
-                print(f"\ncerevisor-tui run: {signal.Signals(signum).name}: stopping; running agents are cancelled "
-                      "(again to force)", file=sys.stderr)
+                say(f"\ncerevisor-tui run: {signal.Signals(signum).name}: stopping; running agents are cancelled "
+                    "(again to force)")
                 engine.stop(f"run stopped by {signal.Signals(signum).name}")
 
     async def body() -> int:
@@ -188,6 +197,10 @@ def main(args: Any) -> int:
         server = await serve_control(engine, run_dir, run_id, args.file, required=detached)
         if server is None and detached:
             return 1
+        if not detached:  # no one may press `p` past a spent budget but a console attached to the socket
+            engine.consoles_attached = (lambda: server.clients) if server is not None else (lambda: 0)
+            if server is not None:  # one that leaves without resuming it leaves no one: the run may end then
+                server.on_client_gone = engine.end_if_budget_spent
         gateway = None
         if config.gateway is not None:
             from cerevisor_tui.gateway import GatewayError, serve_gateway
@@ -195,7 +208,7 @@ def main(args: Any) -> int:
             try:
                 gateway = await serve_gateway(engine, config.gateway)
             except GatewayError as exc:
-                print(f"cerevisor-tui run: {exc}", file=sys.stderr)
+                say(f"cerevisor-tui run: {exc}")
                 if server is not None:
                     await server.close(f"the run could not start: {exc}")
                 return 2
@@ -221,8 +234,9 @@ def main(args: Any) -> int:
             forced[0].install()
         report_written = journal.write_report()
         journal.close()
+        printer.flush()
     if journal.error or not report_written:
-        print(f"cerevisor-tui run: {write_problem(journal, report_written, run_dir)}", file=sys.stderr)
+        say(f"cerevisor-tui run: {write_problem(journal, report_written, run_dir)}")
     if received and not (config.gateway is not None and not config.agents):  # a gateway alone ends by a signal
         return SIGNAL_EXIT.get(signal.Signals(received[0]), 130)
     return 1 if journal.error or not report_written else code
@@ -256,7 +270,7 @@ async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: st
         await server.start()
     except OSError as exc:
         what = "cannot run detached" if required else "consoles cannot attach to this run"
-        print(f"cerevisor-tui run: {what}: no control socket ({exc.strerror or exc})", file=sys.stderr)
+        say(f"cerevisor-tui run: {what}: no control socket ({exc.strerror or exc})")
         return None
     engine.subscribe(server)
     return server

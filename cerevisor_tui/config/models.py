@@ -378,9 +378,11 @@ class EndpointConfig(StallPolicy):
     """Header that carries each agent's stable session id (<run id>/<agent>), so a router keeps its turns on one worker; empty: not sent."""
     max_model_len: int = Field(default=0, ge=0)
     """The model's context length in tokens, for the context-fill meter; 0: what /v1/models says (vLLM's max_model_len)."""
-    price_in_per_mtok: float = Field(default=0.0, ge=0)
+    # at most a thousand dollars a token: past that it is a typo, and a cost summed from it could pass what
+    # a float holds (an infinite cost is no number a journal or a report can keep)
+    price_in_per_mtok: float = Field(default=0.0, ge=0, le=1e9)
     """Price of a million prompt tokens, in USD, for the cost meters and [run] budget_usd; 0: not priced."""
-    price_out_per_mtok: float = Field(default=0.0, ge=0)
+    price_out_per_mtok: float = Field(default=0.0, ge=0, le=1e9)
     """Price of a million completion tokens, in USD; 0: not priced."""
     prompt_progress: Literal["auto", "on", "off"] = "auto"
     """Ask each streamed request for the server's prefill progress ("return_progress", llama-server's prompt_progress), which the stall watchdog takes as a sign of life of a long prefill: auto asks a llama.cpp server (told by its /props or its metrics), on always (a proxy in front of one), off never."""

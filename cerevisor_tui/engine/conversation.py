@@ -98,6 +98,10 @@ class AgentEnded(Exception):
         self.status, self.reason = status, reason
 
 
+def _raise(subscriber: Subscriber, event: ev.Event, exc: Exception) -> None:
+    raise exc
+
+
 class Conversations:
     """Runs agents' conversations for one run: `await run(st)` for each agent. It holds what they share and
     is handed each piece of the engine it needs; the ones that change live are the engine's own objects
@@ -108,7 +112,8 @@ class Conversations:
                  emit: Subscriber, subscribers: list[Subscriber], scrub: Scrubber,
                  render: Callable[[str], str], stopping: Callable[[], str],
                  relocate: Callable[[AgentState, str], bool] | None = None, tools: ToolCalls | None = None,
-                 escape: Callable[[AgentState, str], bool] | None = None) -> None:
+                 escape: Callable[[AgentState, str], bool] | None = None,
+                 subscriber_failed: Callable[[Subscriber, ev.Event, Exception], None] | None = None) -> None:
         self.run_id = run_id
         # what each attempt's X-Request-Id starts with: the run id, and in a resumed run a mark of its own
         # (engine/resume.py: request_prefix), so that no id an earlier run of the directory sent is sent again
@@ -120,6 +125,7 @@ class Conversations:
         self.figures = figures
         self.emit = emit  # the engine's: scrubs, then tells every subscriber
         self.subscribers = subscribers  # the engine's live list, which token deltas are handed to directly
+        self.subscriber_failed = subscriber_failed or _raise  # what a subscriber's failure on a delta comes to
         self.scrub = scrub
         self.render = render  # inserts dependencies' answers for {{ name.output }}
         self.stopping = stopping  # why the run is stopping; "" while it is not
@@ -394,7 +400,10 @@ class Conversations:
                             att.tools.append(tool)
                         delta = TokenDelta(now, name, number, content, reasoning, tool, chunks)
                         for subscriber in subscribers:
-                            subscriber(delta)
+                            try:
+                                subscriber(delta)
+                            except Exception as exc:  # as in emit(): no subscriber's failure ends the run
+                                self.subscriber_failed(subscriber, delta, exc)
                     elif kind == KEEPALIVE:
                         if by_bytes:
                             att.last_alive = monotonic()
@@ -440,8 +449,12 @@ class Conversations:
                         parts.append(tail[0])
                     if tail[1]:
                         thinking.append(tail[1])
+                    delta = TokenDelta(monotonic(), name, number, *tail, 0)
                     for subscriber in subscribers:
-                        subscriber(TokenDelta(monotonic(), name, number, *tail, 0))
+                        try:
+                            subscriber(delta)
+                        except Exception as exc:
+                            self.subscriber_failed(subscriber, delta, exc)
 
 
     def _estimate(self, st: AgentState, att: Attempt, messages: list[dict[str, Any]]) -> None:

@@ -10,8 +10,11 @@ needs of the engine's state: the endpoints' connections (engine/connections.py),
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import sys
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -126,6 +129,12 @@ class Engine:
         self.wave = -1
         self.started_at = 0.0
         self.stopping = ""
+        self.stop_status: FinalStatus = "cancelled"  # what the agents a stop leaves unfinished end as
+        # How many consoles are attached, for a run in the foreground (`run`): once its budget is spent and what
+        # runs has finished, with none attached to resume it, it ends. None: the run's consoles are expected (a
+        # detached run, a console's own): a spent budget waits for one to resume or stop it.
+        self.consoles_attached: Callable[[], int] | None = None
+        self._budget_spent: float | None = None  # what was spent when the budget paused admissions; None: it has not
         self.ended = False  # the run has sent its RunFinished: nothing more happens, nothing more is told
         # Agents a resumed run already completed: their answers are reused, they are never sent again, unless
         # what they would run with now (prompt, endpoint, ...) is not what they ran with: then they and every
@@ -139,6 +148,7 @@ class Engine:
         self._history = [e for e in history or () if e.get("agent") not in self.rerun]
         self.report = Report()
         self._subscribers: list[Subscriber] = [self.report]
+        self.subscriber_failures: dict[int, int] = {}  # by id(subscriber): how often each has raised
         self._wave_group: anyio.abc.TaskGroup | None = None
         # every form of the run's API keys, taken out of whatever text enters the run (config/secrets.py)
         # (and the variables the MCP servers are given: a server's own token must not reach the screen either)
@@ -169,7 +179,7 @@ class Engine:
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
             scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
-            tools=self.tools, escape=self.pools.failed)
+            tools=self.tools, escape=self.pools.failed, subscriber_failed=self.subscriber_failed)
         self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
         # an agent that had not completed goes on after the turns it had answered (one run again starts anew)
         self.conversations.recorded_turns = resume.recorded_turns(
@@ -220,7 +230,31 @@ class Engine:
         if self.scrub:  # no key configured: nothing to look for
             event = self.scrub.record(event)
         for subscriber in self._subscribers:
-            subscriber(event)
+            try:
+                subscriber(event)
+            except Exception as exc:  # no subscriber's failure ends the run, nor keeps the others from hearing
+                self.subscriber_failed(subscriber, event, exc)
+
+    def subscriber_failed(self, subscriber: Subscriber, event: ev.Event, exc: Exception) -> None:
+        """A subscriber raised (in `emit`, or handed a token delta directly): said once, on stderr (a detached
+        run's run.log) and as a RunNotice, and counted. One whose output is gone (an OSError: a closed pipe or
+        terminal, a full disk) is dropped, as it would fail on every event; any other (a value it did not expect)
+        is kept for the events it can take."""
+        key = id(subscriber)
+        failures = self.subscriber_failures.get(key, 0) + 1
+        self.subscriber_failures[key] = failures
+        dropped = isinstance(exc, OSError)
+        if dropped:  # replaced in place: a loop over the live list (emit's, a hot path's) goes on unharmed
+            self._subscribers[:] = [_dropped if s is subscriber else s for s in self._subscribers]
+        if failures > 1:
+            return
+        name = getattr(subscriber, "__qualname__", None) or type(subscriber).__name__
+        what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        then = "it is dropped: nothing more goes to it" if dropped else "it keeps the events it can take"
+        line = self.scrub(f"{name} failed on {event.kind} ({what}); the run goes on, {then}")
+        with contextlib.suppress(OSError, ValueError):  # stderr may be gone with the terminal
+            print(f"cerevisor-tui run: {line}", file=sys.stderr, flush=True)
+        self.emit(ev.RunNotice(time.monotonic(), line, "warning", "A subscriber failed"))
 
     # ---- commands (live) ----------------------------------------------------------------------
     def handle(self, command: cmd.Command) -> Any:
@@ -324,6 +358,7 @@ class Engine:
         self._emit_cap()
 
     def resume(self) -> None:
+        self._budget_spent = None  # resumed past its budget: the operator's call, the run goes on
         self.scheduler.set_paused(False)
         self._emit_cap()
 
@@ -406,11 +441,12 @@ class Engine:
             return "its wave has ended; use --resume to run it again"
         return f"nothing to retry ({st.status})"
 
-    def stop(self, reason: str = "run stopped") -> None:
-        """Stop the run: no more admissions; running and queued agents are cancelled, connections closed."""
+    def stop(self, reason: str = "run stopped", *, status: FinalStatus = "cancelled") -> None:
+        """Stop the run: no more admissions; running and queued agents end as `status` (cancelled), connections
+        closed."""
         if self.stopping or self.ended:
             return
-        self.stopping = reason
+        self.stopping, self.stop_status = reason, status
         self.scheduler.set_paused(True)
         self.emit(ev.RunStopping(time.monotonic(), reason))
         self.sessions.stop(reason)
@@ -418,7 +454,7 @@ class Engine:
             self._stop_asked.set()
         for st in self.agents.values():
             if st.status not in FINAL and st.scope is not None:
-                st.end_status, st.end_reason = "cancelled", reason
+                st.end_status, st.end_reason = status, reason
                 if st.current is not None:
                     st.current.kill("operator", reason, by_operator=True)
                 st.scope.cancel()
@@ -555,7 +591,7 @@ class Engine:
                                  self.recorded_inputs.get(st.name, {}))
                     continue
                 if self.stopping:
-                    self._finish(st, "cancelled", self.stopping)
+                    self._finish(st, self.stop_status, self.stopping)
                     continue
                 failed = [d for d in st.config.depends_on if self.agents[d].status != "completed"]
                 if failed:
@@ -578,16 +614,16 @@ class Engine:
                     self._finish(st, "completed", "", self.completed_before[st.name],
                                  self.recorded_inputs.get(st.name, {}))
                 else:
-                    self._finish(st, "cancelled", self.stopping)
+                    self._finish(st, self.stop_status, self.stopping)
 
     async def _run_agent(self, st: AgentState) -> None:
         if self.stopping:  # spawned in the same instant the run was stopped
-            self._finish(st, "cancelled", self.stopping)
+            self._finish(st, self.stop_status, self.stopping)
             return
         st.status = "queued"
         self.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
         if self.stopping:  # stopped by that very event (a journal that could not write it): no scope to cancel yet
-            self._finish(st, "cancelled", self.stopping)
+            self._finish(st, self.stop_status, self.stopping)
             return
         status: FinalStatus = "completed"
         reason = ""
@@ -619,6 +655,7 @@ class Engine:
         st.current = None
         st.finished_at = time.monotonic()
         self.emit(ev.AgentFinished(time.monotonic(), st.name, status, reason, output, inputs or {}))
+        self.end_if_budget_spent()
 
     def _reset(self, st: AgentState) -> None:
         st.status, st.error, st.output, st.end_status, st.end_reason = "pending", "", "", "", ""
@@ -632,12 +669,25 @@ class Engine:
 
     def _budget_reached(self, spent_usd: float) -> None:
         """[run] budget_usd is spent: admissions pause (running agents finish, nothing is killed); the operator
-        may resume past it."""
+        may resume past it. A run in the foreground with no console attached ends once what runs has finished."""
         self.pause()
+        self._budget_spent = spent_usd
+        then = (" With no console attached by the time they have, the run ends there: the agents not admitted are "
+                "skipped." if self.consoles_attached is not None else "")
         self.emit(ev.RunNotice(time.monotonic(), f"Budget reached: ${spent_usd:.4f} of ${self.config.run.budget_usd:g} "
-                               "spent. No new agent is admitted; running agents finish. Resume (p, in a console: "
+                               f"spent. No new agent is admitted; running agents finish.{then} Resume (p, in a console: "
                                f"cerevisor-tui attach {self.run_id}) to go on past it, or stop the run "
                                f"(cerevisor-tui stop {self.run_id}).", "warning", "Budget reached"))
+        self.end_if_budget_spent()
+
+    def end_if_budget_spent(self) -> None:
+        """A foreground run held by its spent budget, with nothing running and no console attached to resume it,
+        waits for no one: it ends, and the agents it never admitted are skipped, with the budget as the reason."""
+        if (self._budget_spent is None or self.consoles_attached is None or not self.scheduler.paused
+                or self.scheduler.running or self.stopping or self.ended or self.consoles_attached()):
+            return
+        self.stop(f"budget reached (${self._budget_spent:.4f} of ${self.config.run.budget_usd:.4f})",
+                  status="skipped")
 
     # ---- endpoints ----------------------------------------------------------------------------
     def endpoint_summaries(self) -> list[ev.EndpointSummary]:
@@ -660,6 +710,10 @@ class Engine:
     def _mode_note(mode: Mode) -> str:
         return "each endpoint's cap follows what its server sustains; +/- move the ceiling" if mode == "auto" else ""
 
+
+
+def _dropped(event: ev.Event) -> None:
+    """Stands where a subscriber was dropped (Engine.subscriber_failed): hears nothing."""
 
 
 def _saved_probe_cap(ep: EndpointConfig) -> tuple[int, str]:

@@ -538,7 +538,10 @@ class Exchange:
                     att.tools.append(tool)
                 delta = ev.TokenDelta(now, st.name, att.number, text, reasoning, tool, chunks)
                 for subscriber in subscribers:
-                    subscriber(delta)
+                    try:
+                        subscriber(delta)
+                    except Exception as exc:  # as in emit(): no subscriber's failure ends the run
+                        e.subscriber_failed(subscriber, delta, exc)
             elif att.first_token_at is None or by_bytes:
                 e.emit(ev.KeepAlive(now, st.name, att.number))
                 if by_bytes:

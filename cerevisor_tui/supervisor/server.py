@@ -103,6 +103,7 @@ class ControlServer:
         self._connections = 0
         self._server: asyncio.AbstractServer | None = None
         self._clients: list[_Client] = []
+        self.on_client_gone: Callable[[], None] | None = None  # told after a client has left (`clients` is one less)
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -297,6 +298,8 @@ class ControlServer:
             if client is not None:
                 with contextlib.suppress(ValueError):
                     self._clients.remove(client)
+                if self.on_client_gone is not None:
+                    self.on_client_gone()
             self._let_go(writer)
             if task is not None:
                 self._tasks.discard(task)

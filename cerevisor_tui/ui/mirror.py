@@ -230,23 +230,33 @@ class RunMirror(UiModel):
     gateway: str = ""  # the run serves a gateway: its RunNotice's text (where it serves, what it routes)
     gateway_url: str = ""  # where it serves (GatewayServing); "" until it is told
     serves_gateway: bool = False  # GatewayServing, the gateway's notice or a session has come
+    events_not_taken: int = 0  # events a handler failed on (RunMirror._not_taken): the first is shown as a notice
 
     def __call__(self, event: ev.Event) -> None:
-        kind = event.kind
-        if kind == "TokenDelta":
-            if event.tokens:  # type: ignore[attr-defined]
-                a = self.agents.get(event.agent)  # type: ignore[attr-defined]
-                if a is not None:
-                    a.tokens += event.tokens  # type: ignore[attr-defined]
-                    att = a.attempt
-                    if att is not None and a.in_flight and att.number != event.attempt:  # type: ignore[attr-defined]
-                        att = a.in_flight.get(event.attempt)  # type: ignore[attr-defined]
-                    if att is not None:
-                        att.tokens += event.tokens  # type: ignore[attr-defined]
-                        att.last_alive = event.t
-            UiModel.__call__(self, event)
-            return
-        UiModel.__call__(self, event)  # its handlers, then this class's (HANDLERS)
+        try:
+            if event.kind == "TokenDelta":
+                if event.tokens:  # type: ignore[attr-defined]
+                    a = self.agents.get(event.agent)  # type: ignore[attr-defined]
+                    if a is not None:
+                        a.tokens += event.tokens  # type: ignore[attr-defined]
+                        att = a.attempt
+                        if att is not None and a.in_flight and att.number != event.attempt:  # type: ignore[attr-defined]
+                            att = a.in_flight.get(event.attempt)  # type: ignore[attr-defined]
+                        if att is not None:
+                            att.tokens += event.tokens  # type: ignore[attr-defined]
+                            att.last_alive = event.t
+            UiModel.__call__(self, event)  # its handlers, then this class's (HANDLERS)
+        except Exception as exc:  # one event it cannot take never stops the console from following the run
+            self._not_taken(event, exc)
+
+    def _not_taken(self, event: ev.Event, exc: Exception) -> None:
+        """An event a handler failed on: counted, and the first said as a notice; the picture goes on without it."""
+        self.events_not_taken += 1
+        if self.events_not_taken == 1:
+            self.notices.append(Notice(
+                f"The console could not take a {event.kind} event ({type(exc).__name__}: {exc}); it goes on with "
+                "the run's other events, and what this one said may be missing from the screen. The run itself is "
+                "not affected; its journal and report are written by the run.", "warning", "Console"))
 
     def feed_records(self, records: Iterable[dict[str, Any]]) -> int:
         """Feed events in their JSON form (events.jsonl lines, parsed); returns how many were not events."""

@@ -1,9 +1,18 @@
-"""The headless printer: a readable line per event, or one JSON object per line with --jsonl."""
+"""The headless printer: a readable line per event, or one JSON object per line with --jsonl.
+
+Its output may go away under a running run (`| head` exits, a `tee` dies, the terminal closes): the run
+goes on. The printer then writes its lines on to its `spill` file (a foreground run's `run.log`), or to
+nothing, and the dead output's descriptor is pointed at /dev/null, so no later write or the interpreter's
+last flush fails on it again.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from collections import Counter
+from pathlib import Path
 from typing import TextIO
 
 from cerevisor_tui.contract import events as ev
@@ -14,23 +23,56 @@ _SILENT = frozenset({"TokenDelta", "KeepAlive"})
 
 
 class Printer:
-    def __init__(self, out: TextIO | None = None, *, jsonl: bool = False) -> None:
+    def __init__(self, out: TextIO | None = None, *, jsonl: bool = False, spill: Path | None = None) -> None:
         self.out = out or sys.stdout
         self.jsonl = jsonl
+        self.spill = spill  # where the lines go on when `out` is gone; None: nowhere
+        self.lost = ""  # why `out` was given up ("" while it is written)
         self.t0: float | None = None
 
     def __call__(self, event: ev.Event) -> None:
         if self.jsonl:
-            self.out.write(ev.encode_event(event).decode() + "\n")
-            return
-        if event.kind in _SILENT:
-            return
-        if self.t0 is None:
-            self.t0 = event.t
-        line = self.describe(event)
-        if line:
-            self.out.write(f"{event.t - self.t0:8.2f}s  {line}\n")
+            text = ev.encode_event(event).decode() + "\n"
+        else:
+            if event.kind in _SILENT:
+                return
+            if self.t0 is None:
+                self.t0 = event.t
+            line = self.describe(event)
+            if not line:
+                return
+            text = f"{event.t - self.t0:8.2f}s  {line}\n"
+        try:
+            self.out.write(text)
+            if not self.jsonl:  # (--jsonl's reader takes a buffer at a time)
+                self.out.flush()
+        except OSError as exc:  # EPIPE (a closed pipe), EIO (a closed terminal), ENOSPC ...
+            self._give_up(exc, text)
+
+    def flush(self) -> None:
+        """What --jsonl left in the buffer, written at the run's end (its output gone: given up, as in a write)."""
+        try:
             self.out.flush()
+        except OSError as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: OSError, text: str = "") -> None:
+        """`out` failed: silence its descriptor, then go on in `spill` (once, from `text`, the line that failed),
+        else write nothing more."""
+        dead, self.lost = self.out, exc.strerror or type(exc).__name__
+        silence(dead)
+        self.out = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - the printer's for the rest of the run
+        spill, self.spill = self.spill, None
+        if spill is None:
+            return
+        try:
+            out = open(spill, "a", encoding="utf-8")  # noqa: SIM115
+            out.write(f"cerevisor-tui run: its output was lost ({self.lost}); the run goes on, its lines follow here\n"
+                      + text)
+            out.flush()
+        except OSError:
+            return
+        self.out = out
 
     @staticmethod
     def describe(e: ev.Event) -> str:
@@ -189,9 +231,23 @@ class Printer:
             return (f"run {e.run_id} finished: {t.sessions} gateway session{'s' * (t.sessions != 1)}, "
                     f"{t.output_tokens} output tokens in {t.wall_s:.1f} s"
                     + (f"; report {e.report_path}" if e.report_path else ""))
+        # every agent in one count, so they add up to the total: a stopped run's cancelled ones too, and any that
+        # never reached an end (none, unless the run broke off)
+        unended = t.agents - t.completed - t.failed - t.killed - t.skipped - t.cancelled
         return (f"run {e.run_id} finished: {t.completed}/{t.agents} completed, {t.failed} failed, "
-                f"{t.killed} killed, {t.skipped} skipped, {t.output_tokens} output tokens in "
+                f"{t.killed} killed, {t.skipped} skipped, {t.cancelled} cancelled"
+                + (f", {unended} not started" if unended > 0 else "") + f", {t.output_tokens} output tokens in "
                 f"{t.wall_s:.1f} s" + (f"; report {e.report_path}" if e.report_path else ""))
 
 
 _LINES = ev.handlers(Printer, "_line_")
+
+
+def silence(out: TextIO) -> None:
+    """Point a dead output's descriptor at /dev/null: what is left in its buffer, and any later write or flush
+    (the interpreter's own at exit), then goes nowhere instead of failing again."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # (a StringIO has no descriptor)
+        fd = out.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)

@@ -238,6 +238,11 @@ class Report:
         }
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as report.json holds it: JSON's own values only. A figure that is not a finite number (a
+        cost past what a float holds) is null, never `Infinity` or `NaN`, which no strict JSON reader takes."""
+        return msgspec.json.decode(msgspec.json.encode(self._figures()))  # (msgspec writes a non-finite float as null)
+
+    def _figures(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
             "run_id": self.run_id,
