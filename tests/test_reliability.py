@@ -62,6 +62,23 @@ def test_a_signal_cancels_running_agents_closes_connections_and_writes_the_repor
     assert "stopping" in err and "Traceback" not in err
 
 
+def test_a_signal_just_after_the_first_request_to_the_built_in_simulator_ends_the_run(tmp_path):
+    """3.11's asyncio.wait_for lost the cancel that closed the in-process simulator when it came as an abort
+    woke its loop: the run cancelled its agents, then waited on the simulator for ever."""
+    cfg = tmp_path / "w.toml"
+    cfg.write_text('[[endpoints]]\nname = "sim"\nkind = "simulated"\n'
+                   'sim = { tokens_per_s = 0.5 }\n[[agents]]\nname = "a0"\nprompt = "p"\n'
+                   '[[agents]]\nname = "a1"\nprompt = "p"\ndepends_on = ["a0"]\n')
+    run_dir = tmp_path / "run"
+    proc = start_run(str(cfg), "--run-dir", str(run_dir))
+    events = run_dir / "events.jsonl"
+    wait_until(lambda: events.exists() and '"AgentStarted"' in events.read_text(), interval=0.005)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)  # a hang guard: it ends at once
+    assert proc.returncode == 143, err
+    assert "0/2 completed" in out and "2 cancelled" in out
+
+
 def test_sigkill_mid_run_then_resume_completes_without_asking_twice(tmp_path):
     # an agent's two turns take about 0.35 s: after two complete, four (three of them in a chain) are left
     with start_in_thread(SimSettings(tokens_per_s=160, ttft_s=0.05)) as sim:

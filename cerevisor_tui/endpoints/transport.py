@@ -93,8 +93,9 @@ class _Pool:
         """A connection for one request to `origin`, held by it until `release`."""
         if self._slots is not None:
             if self._slots.locked() and timeout is not None:
-                try:
-                    await asyncio.wait_for(self._slots.acquire(), timeout)
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for may lose a cancel that comes as it ends
+                    async with asyncio.timeout(timeout):
+                        await self._slots.acquire()
                 except TimeoutError:
                     raise httpcore.PoolTimeout(f"no connection free in {timeout} s") from None
             else:

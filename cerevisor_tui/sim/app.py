@@ -412,8 +412,9 @@ class _Server:
                 if not waits:
                     await seq.changed.wait()
                     continue
-                try:
-                    await asyncio.wait_for(seq.changed.wait(), min(waits))
+                try:  # asyncio.timeout, not wait_for: 3.11's wait_for may lose a cancel that comes as it ends
+                    async with asyncio.timeout(min(waits)):
+                        await seq.changed.wait()
                 except TimeoutError:
                     if keepalive is not None and time.monotonic() >= quiet_since + keepalive:
                         yield b": keep-alive\n\n"

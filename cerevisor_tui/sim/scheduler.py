@@ -193,6 +193,7 @@ class BatchEngine:
         for seq in [*self.waiting, *self.running, *self._limbo]:
             seq.closed = True
             seq.changed.set()
+        self._wake.set()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -244,7 +245,7 @@ class BatchEngine:
 
     async def _loop(self) -> None:
         self._reanchor()
-        while True:
+        while not self._closed:  # closed: it ends even if a cancel was lost on the way
             if not self.waiting and not self.running:
                 # Idle: the clock stands still, so engine time is time spent serving (see module doc).
                 self._wake.clear()
@@ -270,8 +271,11 @@ class BatchEngine:
                 until = min(pending)
                 delay = (until - self._clock()) / self.p.speed
                 if delay > 0:
+                    # asyncio.timeout, not wait_for: 3.11's wait_for loses a cancel that comes as the wait ends
+                    # (the wake of an abort and close()'s cancel at once), and the loop then never ended
                     try:
-                        await asyncio.wait_for(self._wake.wait(), delay)
+                        async with asyncio.timeout(delay):
+                            await self._wake.wait()
                     except TimeoutError:
                         pass
                 self.now = max(self.now, min(until, self._clock()))
