@@ -330,10 +330,16 @@ class Soak:
         return True
 
     async def end_round(self, rnd: Round) -> None:
+        if rnd.proc is not None and rnd.proc.poll() is not None and self.stopped_by_a_full_disk(rnd):
+            pass  # it ended as the disk filled (its last report not written): resumed, it writes it, then stops
         if rnd.proc is not None and rnd.proc.poll() is None:
-            stop = subprocess.run([sys.executable, "-m", "cerevisor_tui", "stop", str(rnd.run_dir)],
-                                  capture_output=True, text=True, env=rnd.env, timeout=120)
-            if stop.returncode != 0:
+            for _ in range(60):  # a run just resumed opens its control socket first
+                stop = subprocess.run([sys.executable, "-m", "cerevisor_tui", "stop", str(rnd.run_dir)],
+                                      capture_output=True, text=True, env=rnd.env, timeout=120)
+                if stop.returncode == 0 or rnd.proc.poll() is not None:
+                    break
+                await asyncio.sleep(0.5)
+            if stop.returncode != 0 and rnd.proc.poll() is None:
                 self.note_failure(rnd, f"`stop` exited {stop.returncode}: {stop.stderr.strip()[-300:]}")
             try:
                 rnd.proc.wait(60)

@@ -159,16 +159,16 @@ def test_recorded_turns_are_the_latest_unbroken_chain_of_answered_turns():
         msg(1, "user", "u1"), msg(1, "assistant", "old answer"), msg(2, "user", "u2"), msg(2, "assistant", "x2"),
         msg(1, "user", "u1"),  # run again from turn 1: turn 2's answer belongs to the conversation before
         msg(1, "assistant", "half", partial=True),  # its attempt died
-        msg(1, "assistant", "", tool_calls=call), done(1), msg(1, "tool", "result", tool_call_id="call_1"),
-        msg(1, "assistant", "new answer"), done(1),
-        msg(2, "user", "u2"), msg(2, "assistant", "cut"),  # answered, but killed before its TurnFinished
+        done(1), msg(1, "assistant", "", tool_calls=call), msg(1, "tool", "result", tool_call_id="call_1"),
+        done(1), msg(1, "assistant", "new answer"),
+        msg(2, "user", "u2"), done(2),  # its figures, but killed before its answer was recorded
     ]
     [turn] = recorded_turns(records)["a"]
     assert (turn.user, turn.answer) == ("u1", "new answer")
     assert [m["role"] for m in turn.messages] == ["assistant", "tool", "assistant"]
     assert turn.messages[0] == {"role": "assistant", "content": None, "tool_calls": call}
     assert [e["event"] for e in turn.figures] == ["TurnFinished", "TurnFinished"]
-    assert recorded_turns([msg(2, "user", "u2"), msg(2, "assistant", "x"), done(2)]) == {}  # no turn 1: nothing
+    assert recorded_turns([msg(2, "user", "u2"), done(2), msg(2, "assistant", "x")]) == {}  # no turn 1: nothing
 
 
 def test_an_unusable_run_directory_is_an_error_before_any_request(tmp_path):

@@ -319,10 +319,13 @@ class Conversations:
             self.on_timings(st.endpoint, Timings(ttft, *timings))
         st.calls = assembled_calls(att.calls, f"{request_id(self.request_prefix, st.name, st.turn, att.number)}.") \
             if att.calls else []
-        self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking),
-                                     tool_calls=st.calls))
+        # its figures, then its answer: a resumed run takes a turn whose answer is in the journal as answered
+        # (resume.recorded_turns), and a crash between the two then leaves an unanswered turn, never one
+        # answered without its figures
         self.emit(ev.TurnFinished(end, st.name, att.number, st.turn, st.turns, prompt_tokens, completion_tokens,
                                   stream.finish_reason if stream else "", ttft, end - att.sent_at))
+        self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer, "".join(thinking),
+                                     tool_calls=st.calls))
         await self._meter(st, prompt_tokens, completion_tokens, getattr(stream, "cached_tokens", None))
         return answer
 

@@ -124,18 +124,14 @@ def recorded_turns(records: Iterable[dict[str, Any]], skip: Container[str] = ())
     """Each agent's answered turns, from turn 1 on with none missing, as the journal's MessageRecorded tell
     them. A turn's user message starts it again and drops every later turn recorded before (an agent run
     again from an earlier turn: what it said after is not its conversation any more); a partial answer (its
-    attempt died) is not an answer; a turn whose answer, and the TurnFinished after it, are not recorded ends
-    what can be reused. The agents in `skip` (completed, or run again from the start) are not kept."""
+    attempt died) is not an answer; a turn whose answer is not recorded ends what can be reused. The agents in `skip` (completed, or run again from the start) are not kept."""
     chains: dict[str, dict[int, dict[str, Any]]] = {}
     current: dict[str, dict[str, Any]] = {}  # each agent's turn in progress in the journal
     for e in records:
         if e.get("event") != "MessageRecorded":
             agent = e.get("agent")
             if isinstance(agent, str) and agent in current and e.get("event") not in _NOT_A_TURNS:
-                entry = current[agent]
-                entry["figures"].append(e)
-                if e.get("event") == "TurnFinished" and entry.get("said") is not None:
-                    entry["answer"] = entry["said"]  # answered, and its figures recorded: a whole turn
+                current[agent]["figures"].append(e)
             continue
         if e.get("partial") or e.get("raw"):  # raw: a gateway session's
             continue
@@ -149,16 +145,16 @@ def recorded_turns(records: Iterable[dict[str, Any]], skip: Container[str] = ())
             chain[turn] = current[agent] = {"user": content, "messages": [], "answer": None, "figures": []}
             continue
         entry = chain.get(turn)
-        if entry is None or entry.get("said") is not None:
+        if entry is None or entry["answer"] is not None:
             continue
         calls = e.get("tool_calls")
         if role == "tool" and isinstance(e.get("tool_call_id"), str):
             entry["messages"].append({"role": "tool", "tool_call_id": e["tool_call_id"], "content": content})
         elif role == "assistant" and calls and isinstance(calls, list):
             entry["messages"].append({"role": "assistant", "content": content or None, "tool_calls": calls})
-        elif role == "assistant":  # its answer; the TurnFinished after it makes the turn whole
+        elif role == "assistant":  # its answer, recorded after its figures (its TurnFinished)
             entry["messages"].append({"role": "assistant", "content": content})
-            entry["said"] = content
+            entry["answer"] = content
     out: dict[str, list[RecordedTurn]] = {}
     for agent, chain in chains.items():
         turns: list[RecordedTurn] = []

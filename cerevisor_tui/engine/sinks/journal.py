@@ -309,7 +309,8 @@ class Journal:
             self._failed(path, exc)
             return
         if isinstance(event, ev.WaveFinished | ev.RunFinished):
-            self.write_report(stop_on_error=True)
+            # at a wave's end a report that cannot be written stops the run; at its end there is nothing to stop
+            self.write_report(stop_on_error=isinstance(event, ev.WaveFinished))
 
     def write_report(self, *, stop_on_error: bool = False) -> bool:
         """Rewrite report.json (and --report's copy) atomically; a reader never sees half a file. Returns
