@@ -112,31 +112,43 @@ def main(args: Any) -> int:
     runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
     run_id = new_run_id()
     run_dir = Path(args.run_dir) if args.run_dir else runs_dir / run_id
+    # the directory is ours before its gateway.toml is written: a run in it (live or ended) keeps its own
+    from cerevisor_tui.engine.sinks.journal import JournalError, RunLock, holds_run
+
+    lock = None
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(run_dir).acquire()
+        if holds_run(run_dir):
+            raise JournalError(f"run directory {run_dir} already holds a run: choose another directory (or "
+                               f"resume that run with `cerevisor-tui run {run_dir / GATEWAY_FILE} --resume {run_dir}`)")
         config_file = run_dir / GATEWAY_FILE
         config_file.write_text(tomli_w.dumps(config.model_dump(exclude_defaults=True, exclude_none=True)),
                                encoding="utf-8")
-    except OSError as exc:
-        print(f"cerevisor-tui gateway: run directory {run_dir} is not usable: {exc.strerror or exc}", file=sys.stderr)
+    except (OSError, JournalError) as exc:
+        if lock is not None:
+            lock.release()
+        why = exc if isinstance(exc, JournalError) else f"run directory {run_dir} is not usable: {exc.strerror or exc}"
+        print(f"cerevisor-tui gateway: {why}", file=sys.stderr)
         return 2
     run_args = Namespace(file=str(config_file), mode=None, concurrency=None, endpoint=None, model=None,
                          report=args.report, jsonl=args.jsonl, run_dir=str(run_dir), resume=None, detach=False,
                          approve_all=False, detached=False, run_id=run_id)
     listen = config.gateway.listen if config.gateway else ""
     if args.headless:
+        lock.release()  # the run takes it again at once
         return run_command.main(run_args)
     from cerevisor_tui.commands.run import DetachError, how_to_reach, spawn_detached, start_detached
 
     flags = ["--report", str(Path(args.report).resolve())] if args.report else []
     try:
         if args.detach:  # started, answering, and left to run: its log says the rest
-            pid = spawn_detached(str(config_file), run_dir, run_id=run_id, flags=flags)
+            pid = spawn_detached(str(config_file), run_dir, run_id=run_id, flags=flags, lock=lock)
             print(f"gateway run {run_id} serving on {listen} (process {pid}, run dir {run_dir}); it goes on "
                   "without this terminal")
             print(f"  {how_to_reach(run_dir, run_id)}")
             return 0
-        starting = start_detached(str(config_file), run_dir, run_id=run_id, flags=flags)
+        starting = start_detached(str(config_file), run_dir, run_id=run_id, flags=flags, lock=lock)
     except DetachError as exc:
         print(f"cerevisor-tui gateway: {exc}", file=sys.stderr)
         return 1

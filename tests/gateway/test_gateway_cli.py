@@ -107,6 +107,27 @@ def test_gateway_says_what_is_wrong_before_it_starts(tmp_path: Path):
     assert busy.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr
 
 
+def test_a_run_directory_that_holds_a_run_keeps_it(tmp_path: Path):
+    from cerevisor_tui.engine.sinks.journal import RunLock
+
+    held = tmp_path / "held"
+    lock = RunLock(held).acquire()  # a live run's
+    try:
+        for how in (("--headless",), ("--detach",)):
+            proc = cli("gateway", *how, "--listen", "127.0.0.1:0", "--run-dir", str(held))
+            assert proc.returncode == 2 and "is in use by another run" in proc.stderr, proc.stderr
+            assert not (held / "gateway.toml").exists() and "Traceback" not in proc.stderr
+    finally:
+        lock.release()
+    ended = tmp_path / "ended"
+    ended.mkdir()
+    (ended / "events.jsonl").write_text('{"event":"RunStarted"}\n')
+    (ended / "gateway.toml").write_text("# the ended run's own\n")
+    proc = cli("gateway", "--headless", "--listen", "127.0.0.1:0", "--run-dir", str(ended))
+    assert proc.returncode == 2 and f"run directory {ended} already holds a run" in proc.stderr, proc.stderr
+    assert (ended / "gateway.toml").read_text() == "# the ended run's own\n"  # not written over
+
+
 class socket_taken:
     def __enter__(self) -> int:
         import socket
