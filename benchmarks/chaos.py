@@ -118,6 +118,15 @@ class Proxy:
             self._open.discard(writer)
             self._open.discard(up_writer)
 
+    async def pause(self) -> None:
+        """Stop listening, as a dead server's port does: a client is refused, not accepted and dropped."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def resume(self) -> None:
+        self._server = await asyncio.start_server(self._client, "127.0.0.1", self.port)
+
     def cut(self) -> int:
         """Abort every open connection, both sides; how many client connections were open."""
         opened = list(self._open)
@@ -158,10 +167,12 @@ def ready_timeout_s(against: str) -> float:
 # a round: one run of a workflow, its faults and its checks
 
 
-def workflow(url: str, model: str, run_dir: Path, gateway_port: int, agents: int, tools: bool) -> dict[str, Any]:
+def workflow(url: str, model: str, run_dir: Path, gateway_port: int, agents: int, tools: bool,
+             first_byte_s: float) -> dict[str, Any]:
     config: dict[str, Any] = {
         "run": {"mode": "parallel", "max_concurrency": 4},
-        "stall": {"first_byte_timeout_s": 20, "idle_timeout_s": 10},
+        # a first-byte window that outlasts the server's restart: its agents wait for its port, as for a cold start
+        "stall": {"first_byte_timeout_s": first_byte_s, "idle_timeout_s": 10},
         "endpoints": [{"name": "box", "base_url": url, "model": model, "api_key_env": KEY_ENV}],
         "gateway": {"listen": f"127.0.0.1:{gateway_port}", "upstream": "box", "release_after_s": 0},
         "agents": [],
@@ -282,7 +293,7 @@ class Soak:
         assert self.proxy is not None
         gateway_port = free_port()
         config = workflow(f"http://127.0.0.1:{self.proxy.port}/v1", self.model(), fs / "run", gateway_port,
-                          self.args.agents, self.tools)
+                          self.args.agents, self.tools, 2 * ready_timeout_s(self.args.against))
         path = rdir / "chaos.toml"
         path.write_text(tomli_w.dumps(config))
         env = {**os.environ, KEY_ENV: self.canary}
@@ -362,7 +373,9 @@ class Soak:
             self.note_failure(rnd, f"{fault}: {outcome}")
 
     async def fault_server(self, rnd: Round) -> str:
-        assert self.server is not None
+        assert self.server is not None and self.proxy is not None
+        await self.proxy.pause()  # its port refuses while it is down, as the server's own would
+        self.proxy.cut()
         self.server.kill()
         with contextlib.suppress(Exception):
             self.server.proc.wait(10)  # type: ignore[union-attr]
@@ -371,6 +384,8 @@ class Soak:
             await asyncio.to_thread(self.start_server)
         except RuntimeError as exc:
             return f"FAILED: did not start again: {str(exc)[:200]}"
+        finally:
+            await self.proxy.resume()
         return "killed, restarted"
 
     async def fault_run(self, rnd: Round) -> str:
