@@ -72,9 +72,13 @@ def test_a_signal_just_after_the_first_request_to_the_built_in_simulator_ends_th
     run_dir = tmp_path / "run"
     proc = start_run(str(cfg), "--run-dir", str(run_dir))
     events = run_dir / "events.jsonl"
-    wait_until(lambda: events.exists() and '"AgentStarted"' in events.read_text(), interval=0.005)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)  # a hang guard: it ends at once
+    try:
+        wait_until(lambda: events.exists() and '"AgentStarted"' in events.read_text(), interval=0.005)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)  # a hang guard: it ends at once
+    finally:
+        proc.kill()  # one that hung goes, whatever this test says of it
+        proc.wait()
     assert proc.returncode == 143, err
     assert "0/2 completed" in out and "2 cancelled" in out
 
