@@ -135,6 +135,8 @@ def test_a_copy_of_a_live_run_directory_is_not_the_live_run(tmp_path: Path):
     COPY` does not stop the original."""
     wf = workflow(tmp_path, agents=2, tokens_per_s=10, max_tokens=400)
     run_id, run_dir = started(cli("run", str(wf), "--detach"))
+    # its socket answers before its journal says RunStarted: a copy names the run by its journal's run id
+    wait_until(lambda: '"RunStarted"' in (run_dir / "events.jsonl").read_text(), "the run's RunStarted")
     copy = run_dir.parent / "copy"
     subprocess.run(["cp", "-r", str(run_dir), str(copy)], check=True)
     runs = listed(tmp_path)
