@@ -177,7 +177,7 @@ def workflow(base_url: str, *, endpoint: str = "box") -> dict[str, Any]:
     for agent in agents:
         agent["retries"] = 0
     return {
-        "run": {"mode": "parallel", "max_concurrency": 3, "metrics_interval_s": 0.5},
+        "run": {"warmup": "off", "mode": "parallel", "max_concurrency": 3, "metrics_interval_s": 0.5},
         "stall": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 60.0},
         "endpoints": [{"name": endpoint, "base_url": base_url, "kind": "local", "model": servers.MODEL}],
         "agents": agents,

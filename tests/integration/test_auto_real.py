@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 def auto_config(base_url: str, name: str, agents: list[dict[str, Any]]) -> dict[str, Any]:
     return {
-        "run": {"mode": "auto", "metrics_interval_s": 0.25},
+        "run": {"warmup": "off", "mode": "auto", "metrics_interval_s": 0.25},
         "stall": {"first_byte_timeout_s": 300.0, "idle_timeout_s": 120.0},
         "endpoints": [{"name": name, "base_url": base_url, "model": MODEL, "max_concurrency": 16}],
         "agents": agents,

@@ -91,7 +91,7 @@ def _long_prompt(i: int) -> str:
 
 def fleet_config(base_url: str, replicas: tuple[ServerProcess, ...]) -> dict:
     return {
-        "run": {"mode": "parallel", "max_concurrency": AGENTS, "metrics_interval_s": 0.5},
+        "run": {"warmup": "off", "mode": "parallel", "max_concurrency": AGENTS, "metrics_interval_s": 0.5},
         "stall": {"first_byte_timeout_s": 300.0, "idle_timeout_s": 120.0},
         "endpoints": [{"name": "fleet", "base_url": base_url, "kind": "local", "model": MODEL,
                        "metrics_urls": [r.root_url for r in replicas]}],
@@ -178,7 +178,7 @@ async def test_a_kill_through_the_router_aborts_the_request_on_its_worker(router
 
 def pool_config(replicas: tuple[ServerProcess, ...], *, max_tokens: int, retries: int = 0) -> dict:
     return {
-        "run": {"mode": "parallel", "max_concurrency": AGENTS, "metrics_interval_s": 0.5},
+        "run": {"warmup": "off", "mode": "parallel", "max_concurrency": AGENTS, "metrics_interval_s": 0.5},
         "stall": {"first_byte_timeout_s": 300.0, "idle_timeout_s": 120.0},
         "endpoints": [{"name": r.name, "base_url": r.base_url, "kind": "local", "model": MODEL} for r in replicas],
         "pools": [{"name": "replicas", "endpoints": [r.name for r in replicas]}],

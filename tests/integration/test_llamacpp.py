@@ -48,7 +48,7 @@ async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: Se
     deferred and get no byte at all (not even headers) until a slot frees. llamacpp:requests_deferred
     makes the watchdog extend their 1 s first-byte deadline instead of killing them, and they complete."""
     engine = engine_for({
-        "run": {"mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.25},
+        "run": {"warmup": "off", "mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.25},
         "stall": {"first_byte_timeout_s": 1.0, "idle_timeout_s": 60.0, "extend_s": 60.0, "max_extensions": 5},
         "endpoints": [{"name": "llama", "base_url": llama.base_url, "model": MODEL}],
         "agents": [{"name": f"a{i}", "prompt": f"Tell story {i}.", "max_tokens": 32, "retries": 0} for i in range(2)],

@@ -39,7 +39,7 @@ def progress_llama(pool: Pool) -> ServerProcess:
 
 def config(server: ServerProcess, idle_s: float) -> dict:
     return {
-        "run": {"mode": "parallel", "max_concurrency": 1, "metrics_interval_s": 0.5},
+        "run": {"warmup": "off", "mode": "parallel", "max_concurrency": 1, "metrics_interval_s": 0.5},
         "stall": {"first_byte_timeout_s": 8.0, "idle_timeout_s": idle_s, "extend_when_server_busy": False},
         "endpoints": [{"name": "llama", "base_url": server.base_url, "model": SMOLLM2}],  # prompt_progress "auto"
         "agents": [{"name": "long", "prompt": long_prompt(), "max_tokens": 4, "retries": 0}],
@@ -90,7 +90,7 @@ async def test_vllm_shows_an_estimate_from_its_measured_prefill_rate(smol_vllm: 
     prompt is shown as an estimate from it."""
     salt = uuid.uuid4().hex
     code, seen = await run_engine(engine_for({
-        "run": {"mode": "sequential", "metrics_interval_s": 0.5},
+        "run": {"warmup": "off", "mode": "sequential", "metrics_interval_s": 0.5},
         "stall": {"first_byte_timeout_s": 300.0},
         "endpoints": [{"name": "vllm", "base_url": smol_vllm.base_url, "model": SMOLLM2}],
         "agents": [{"name": "first", "prompt": f"{salt} " + " ".join(WORDS * 20), "max_tokens": 2},

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _two_agents(url: str, kind: str, **stall: float) -> dict:
     return {
-        "run": {"mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.5},
+        "run": {"warmup": "off", "mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.5},
         "stall": stall,
         "endpoints": [{"name": "box", "base_url": url, "kind": kind, "model": MODEL}],
         "agents": [{"name": f"a{i}", "prompt": f"Say hello {i}.", "max_tokens": 16, "retries": 0} for i in range(2)],
@@ -115,7 +115,7 @@ async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vl
     out (so did the 5 ms poller this test once had), which is the opposite of what an operator's
     console should do to a swamped server."""
     engine = engine_for({
-        "run": {"mode": "parallel", "max_concurrency": 8, "metrics_interval_s": 0.5},
+        "run": {"warmup": "off", "mode": "parallel", "max_concurrency": 8, "metrics_interval_s": 0.5},
         # A 4 s first-byte deadline falls while four agents still wait (the first four take 10 s or more), after
         # the burst of the run's start. One long extension: no deadline falls due again during the run, so an
         # agent admitted a moment before its deadline cannot be caught between the queue and its first token.
@@ -256,7 +256,7 @@ async def test_a_frozen_server_trips_the_idle_deadline_and_the_run_goes_on_after
     """SIGSTOP mid-stream: warnings at 50/80/95 % of the 3 s idle deadline, a kill that names it, and after
     SIGCONT the retry completes and the next wave runs."""
     engine = engine_for({
-        "run": {"mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.5},
+        "run": {"warmup": "off", "mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.5},
         "stall": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 3.0, "warn_at": [0.5, 0.8, 0.95]},
         "endpoints": [{"name": "vllm", "base_url": vllm_server.base_url, "model": MODEL}],
         "agents": [

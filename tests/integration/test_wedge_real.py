@@ -61,7 +61,7 @@ def test_vllm_with_its_engine_core_stopped_is_caught_as_wedged_long_before_the_f
     config = write_config(
         tmp_path / "wedged.toml",
         {
-            "run": {"mode": "parallel", "max_concurrency": 1, "metrics_interval_s": 1.0},
+            "run": {"warmup": "off", "mode": "parallel", "max_concurrency": 1, "metrics_interval_s": 1.0},
             "stall": {"first_byte_timeout_s": first_byte_s, "warn_at": [0.5], "wedge_timeout_s": wedge_s},
             "endpoints": [
                 {"name": "box", "base_url": smol_vllm.base_url, "kind": "local", "model": servers.SMOLLM2}
