@@ -66,10 +66,6 @@ REQUEST_ID = re.compile(rb"\r\nx-request-id:[ \t]*([^\r\n]+)\r\n", re.I)
 TURN_OF = re.compile(r"\.(c\d+)\.t(\d+)\.")  # an agent's request id: <run>.<agent>.t<turn>.a<attempt>
 
 
-def free_port() -> int:
-    return servers.free_port()
-
-
 # ----------------------------------------------------------------------------------------------------------
 # the proxy: every request's id and arrival time, and a cut of every connection on demand
 
@@ -262,7 +258,7 @@ class Soak:
         self.canary = f"sk-chaos-{secrets.token_hex(16)}"
         self.faults: Counter[tuple[str, str]] = Counter()  # (fault, outcome)
         self.failures: list[str] = []
-        self.server_port = free_port()
+        self.server_port = servers.free_port()
         self.server: servers.ServerProcess | None = None
         self.proxy: Proxy | None = None
         self.round: Round | None = None
@@ -291,7 +287,7 @@ class Soak:
             mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(fs)],
                                      capture_output=True).returncode == 0
         assert self.proxy is not None
-        gateway_port = free_port()
+        gateway_port = servers.free_port()
         config = workflow(f"http://127.0.0.1:{self.proxy.port}/v1", self.model(), fs / "run", gateway_port,
                           self.args.agents, self.tools, 2 * ready_timeout_s(self.args.against))
         path = rdir / "chaos.toml"

@@ -98,12 +98,7 @@ def tool_memory(run_dir: str) -> ToolMemory | None:
     """What an earlier run in this run directory got from its tools (a resumed run); None: nothing."""
     if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
         return None
-    from cerevisor_tui.engine.sinks.journal import JournalError, iter_lines
-
-    try:  # line by line: a journal may be far larger than what is kept of it
-        return ToolMemory.from_records(data for _, data, _ in iter_lines(run_dir) if data is not None)
-    except JournalError:  # unreadable: the journal's own reader says so; calls simply run again
-        return None
+    return ToolMemory.from_records(journal_records(run_dir))  # line by line: a journal may be far larger than it
 
 
 @dataclass(frozen=True)
