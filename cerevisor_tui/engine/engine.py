@@ -30,6 +30,7 @@ from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.metrics import ServerStatus
 from cerevisor_tui.engine import load, resume
+from cerevisor_tui.engine.attempt import Attempts, Budget, TurnFigures
 from cerevisor_tui.engine.auto import AutoController, Change
 from cerevisor_tui.engine.auto_feed import AutoFeed
 from cerevisor_tui.engine.connections import Connections, api_key, wants_stream_process
@@ -42,7 +43,6 @@ from cerevisor_tui.engine.conversation import (
     AgentEnded,
     Conversations,
     Subscriber,
-    TurnFigures,
     request_id,
 )
 from cerevisor_tui.engine.monitor import ServerMonitor
@@ -52,6 +52,7 @@ from cerevisor_tui.engine.scheduler import Scheduler
 from cerevisor_tui.engine.sessions import Sessions
 from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.engine.state import AgentState, Attempt
+from cerevisor_tui.engine.status import move
 from cerevisor_tui.engine.toolcalls import AskPolicy, ToolCalls
 from cerevisor_tui.engine.warmup import warm_up
 from cerevisor_tui.engine.watchdog import BusyCheck, Watchdog, fmt_s
@@ -175,23 +176,29 @@ class Engine:
         self.server_status_at = self.monitor.status_at
         self.watchdog = Watchdog(self.policies, self.emit)
         self.wedges = WedgeWatch(self)  # wedged servers, judged after each sample (engine/wedge.py)
+        # the one owner of a running attempt, a workflow agent's or a gateway session's (engine/attempt.py); a
+        # resumed run's spending counts on from the journal's
+        self.budget = Budget(config.run.budget_usd, spent_usd, on_near=self._budget_near, on_reached=self._budget_reached)
+        self.attempts = Attempts(endpoints=self.endpoints, policies=self.policies, figures=self.figures,
+                                 emit=self.emit, subscribers=self._subscribers,
+                                 subscriber_failed=self.subscriber_failed, scrub=self.scrub, budget=self.budget,
+                                 context_limit=self.connections.context_limit)
+        self.attempts.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
         self.conversations = Conversations(
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
-            watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
-            scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
-            tools=self.tools, escape=self.pools.failed, subscriber_failed=self.subscriber_failed)
-        self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
+            watchdog=self.watchdog, figures=self.figures, attempts=self.attempts, emit=self.emit, scrub=self.scrub,
+            render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate, tools=self.tools,
+            escape=self.pools.failed)
         # an agent that had not completed goes on after the turns it had answered (one run again starts anew)
         self.conversations.recorded_turns = resume.recorded_turns(
             resume.journal_records(run_dir), skip={*self.completed_before, *self.rerun})
         self.conversations.replay = self.report.replay
-        self.conversations.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
         self.conversations.request_prefix = resume.request_prefix(self.run_id, run_dir)
 
     @property
     def run_cost_usd(self) -> float:
-        """What the run's requests cost so far on priced endpoints."""
-        return self.conversations.run_cost_usd
+        """What the run's requests cost so far on priced endpoints, agents' and sessions' alike."""
+        return self.budget.spent_usd
 
     @property
     def stream_process(self) -> bool:
@@ -464,8 +471,6 @@ class Engine:
         """Run every wave; returns the exit code (0 all completed, 1 some failed or were killed)."""
         self.started_at = time.monotonic()
         self._stop_asked = anyio.Event()
-        self.conversations.budget_usd = self.config.run.budget_usd
-        self.conversations.on_budget = self._budget_reached
         async with AsyncExitStack() as stack:
             await self.connections.open(stack)
             await self.tool_servers.open(stack)
@@ -620,7 +625,7 @@ class Engine:
         if self.stopping:  # spawned in the same instant the run was stopped
             self._finish(st, self.stop_status, self.stopping)
             return
-        st.status = "queued"
+        move(st, "queued")
         self.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
         if self.stopping:  # stopped by that very event (a journal that could not write it): no scope to cancel yet
             self._finish(st, self.stop_status, self.stopping)
@@ -651,14 +656,16 @@ class Engine:
 
     def _finish(self, st: AgentState, status: FinalStatus, reason: str, output: str = "",
                 inputs: dict[str, str] | None = None) -> None:
-        st.status, st.error, st.output = status, reason, output
+        move(st, status)
+        st.error, st.output = reason, output
         st.current = None
         st.finished_at = time.monotonic()
         self.emit(ev.AgentFinished(time.monotonic(), st.name, status, reason, output, inputs or {}))
         self.end_if_budget_spent()
 
     def _reset(self, st: AgentState) -> None:
-        st.status, st.error, st.output, st.end_status, st.end_reason = "pending", "", "", "", ""
+        move(st, "reset")
+        st.error, st.output, st.end_status, st.end_reason = "", "", "", ""
         st.retries_used = 0
         st.turn = 0
         st.messages = []
@@ -679,6 +686,20 @@ class Engine:
                                f"cerevisor-tui attach {self.run_id}) to go on past it, or stop the run "
                                f"(cerevisor-tui stop {self.run_id}).", "warning", "Budget reached"))
         self.end_if_budget_spent()
+
+    def _budget_near(self, spent_usd: float) -> None:
+        """80% of [run] budget_usd is spent: said once, before admissions pause at all of it."""
+        limit = self.config.run.budget_usd
+        self.emit(ev.RunNotice(time.monotonic(), f"Budget: ${spent_usd:.4f} of ${limit:g} spent ({spent_usd / limit:.0%}). "
+                               "At all of it no new agent or session request is admitted.", "warning", "Budget"))
+
+    def budget_refusal(self) -> str:
+        """Why a gateway session's request is refused for the run's budget ("" when it is not): held by the budget
+        and not resumed past it by the operator."""
+        if self._budget_spent is None or not self.scheduler.paused:
+            return ""
+        return (f"the run's budget is spent (${self.run_cost_usd:.4f} of ${self.config.run.budget_usd:g}, "
+                "[run] budget_usd); the operator may resume past it")
 
     def end_if_budget_spent(self) -> None:
         """A foreground run held by its spent budget, with nothing running and no console attached to resume it,

@@ -24,6 +24,7 @@ import anyio
 from cerevisor_tui.config.models import AgentConfig
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.state import AgentState, Attempt
+from cerevisor_tui.engine.status import move
 from cerevisor_tui.kinds import FINAL
 
 if TYPE_CHECKING:
@@ -36,6 +37,10 @@ class RunStopping(Exception):
 
 class Dropped(Exception):
     """The operator's kill dropped a request from the queue: it is not sent; `str()` says why."""
+
+
+class BudgetSpent(Exception):
+    """The run's budget is spent ([run] budget_usd): a session's request is not sent; `str()` says why."""
 
 
 @dataclass(eq=False)
@@ -58,6 +63,8 @@ class Session:
     last_end: float = 0.0  # when its last request ended
     requests: int = 0
     kills: list[str] = field(default_factory=list)  # each killed request's reason
+    last_kill: str = ""  # its last request's kill reason ("" : it was not killed), with the deadline
+    last_by_stop: bool = False  # that kill was the run's stop
     # how many of each conversation's messages the transcript has, by the conversation's fingerprint: a harness
     # may carry several in one session (Claude Code's side requests for a title or a summary)
     recorded: dict[str, int] = field(default_factory=dict)
@@ -127,9 +134,12 @@ class Sessions:
         try:
             with wait:
                 await self.ready.wait()
+                refusal = e.budget_refusal()
+                if refusal:
+                    raise BudgetSpent(refusal)
                 if not session.holding:
                     if not session.in_flight:
-                        st.status = "queued"
+                        move(st, "queued")
                     e.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
                 while not session.holding:
                     if e.stopping or e.ended:
@@ -150,17 +160,9 @@ class Sessions:
         st.turn += 1
         number = st.attempts
         policy = e.policies[st.endpoint]
-        now = time.monotonic()
-        att = Attempt(number, st.turn, sent_at=now, last_alive=now, deadline_at=now + policy.first_byte_timeout_s,
-                      request_id=f"{e.conversations.request_prefix}.{st.name}.r{number}")
+        att = e.attempts.begin(st, number, f"{e.conversations.request_prefix}.{st.name}.r{number}", turns=0,
+                               queued_s=time.monotonic() - queued_at, model_asked=model_asked, model_sent=model_sent)
         session.in_flight[number] = att
-        st.current = att
-        if st.started_at is None:
-            st.started_at = now
-        st.status = "prefill"
-        e.emit(ev.AgentStarted(now, st.name, number, st.turn, 0, st.endpoint, policy.first_byte_timeout_s,
-                               policy.idle_timeout_s, request_id=att.request_id, queued_s=now - queued_at,
-                               model_asked=model_asked, model_sent=model_sent))
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(e.watchdog.watch, st, att, policy)
@@ -169,20 +171,23 @@ class Sessions:
                 finally:
                     group.cancel_scope.cancel()
         finally:
+            if not att.answered:  # killed, broken off, its client gone: what it said is kept, a kill told
+                e.attempts.ended(st, att, "".join(att.parts), "".join(att.thinking))
             del session.in_flight[number]
             session.last_end = time.monotonic()
             session.poke()
+            session.last_kill = ""
             if att.kill_reason:
                 session.kills.append(att.kill_reason)
-                e.emit(ev.AgentKilled(time.monotonic(), st.name, number, att.kill_deadline, att.kill_reason,
-                                      att.tokens))
+                session.last_kill = (att.kill_reason if att.by_operator or att.kill_deadline == "wedge"
+                                     else f"{att.kill_deadline} deadline: {att.kill_reason}")
+                session.last_by_stop = bool(e.stopping)
             rest = list(session.in_flight.values())
             st.current = rest[-1] if rest else None
-            if st.status not in FINAL:
-                if st.current is None:
-                    st.status = "idle" if session.holding else "released"
-                else:
-                    st.status = "streaming" if st.current.first_token_at is not None else "prefill"
+            if st.current is None:
+                move(st, "idle" if session.holding else "released")
+            else:
+                move(st, "token" if st.current.first_token_at is not None else "sent")
 
     async def _hold(self, session: Session) -> None:
         """Hold `session`'s slot while it has requests, and `release_after_s` past its last one."""
@@ -212,8 +217,8 @@ class Sessions:
             finally:
                 session.holder = None
                 session.hold(False)  # requests waiting for it start another holder
-                if st.status not in FINAL and not session.in_flight:
-                    st.status = "released"
+                if not session.in_flight:
+                    move(st, "released")
                 e.refresh_load(st.endpoint)
 
     def kill(self, name: str, reason: str) -> bool:
@@ -243,8 +248,15 @@ class Sessions:
             session.hold(False)  # requests waiting for a slot look again, and see the run stopping
 
     def finish(self) -> None:
-        """The run ended: every session ends (completed: a session has no answer to fail)."""
+        """The run ended: every session ends as its last request did: killed (with the kill's reason), cancelled
+        by the run's stop, else completed (a session has no answer to fail); earlier kills stay in its `kills`."""
         for session in self.by_name.values():
             st = session.st
-            if st.status not in FINAL:
-                self.engine._finish(st, "completed", "session ended with the run")
+            if st.status in FINAL:
+                continue
+            if session.last_kill and not session.last_by_stop:
+                self.engine._finish(st, "killed", session.last_kill)
+            elif session.last_kill:
+                self.engine._finish(st, "cancelled", session.last_kill)
+            else:
+                self.engine._finish(st, "completed", "")

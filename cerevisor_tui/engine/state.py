@@ -15,6 +15,7 @@ from cerevisor_tui.config.models import AgentConfig
 from cerevisor_tui.kinds import Status
 
 if TYPE_CHECKING:
+    from cerevisor_tui.config.secrets import StreamScrubber
     from cerevisor_tui.endpoints.client import ChatStream
     from cerevisor_tui.endpoints.worker import RemoteStream
     from cerevisor_tui.engine.prefill import Prefill, PrefillEstimate
@@ -64,14 +65,8 @@ class AgentState:
 
     @property
     def status(self) -> Status:
+        """Read here; set only by engine/status.py `move`, through its transition table."""
         return self._status
-
-    @status.setter
-    def status(self, value: Status) -> None:
-        if value != self._status:
-            self._status = value
-            if self.on_status is not None:
-                self.on_status(self)
 
     @property
     def name(self) -> str:
@@ -106,6 +101,7 @@ class Attempt:
     kill_deadline: str = ""
     by_operator: bool = False
     restart: bool = False
+    answered: bool = False  # its whole answer came and was recorded (engine/attempt.py `finished`)
     request_id: str = ""  # the X-Request-Id its request carries (a gateway session's; a workflow's is computed)
     stream: ChatStream | RemoteStream | None = None
     prefill: Prefill | None = None  # its prompt's prefill as the server tells it (prompt_progress), before a token
@@ -118,6 +114,9 @@ class Attempt:
     calls: dict[int, list[str]] = field(default_factory=dict)  # tool calls by index: [id, name, arguments] so far
     scope: anyio.CancelScope | None = None
     nap: anyio.CancelScope | None = None  # the watchdog's sleep: cancelled to make it look again at once
+    # with a key configured, the scrubbers of its content, reasoning and tool text, each holding back a tail that
+    # could begin a key (engine/attempt.py)
+    held: tuple[StreamScrubber, StreamScrubber, StreamScrubber] | None = None
     # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
     alive: anyio.Event = field(default_factory=anyio.Event)
 

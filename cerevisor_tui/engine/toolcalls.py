@@ -18,6 +18,7 @@ import anyio
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.state import AgentState, ToolCall
+from cerevisor_tui.engine.status import move
 from cerevisor_tui.engine.watchdog import extend_tool, watch_tool
 from cerevisor_tui.tools.manager import McpServers, ToolCallError, Toolset
 from cerevisor_tui.tools.permissions import Approvals, rule_for
@@ -294,14 +295,13 @@ class ToolCalls:
             return f"denied: {tool} needs the operator's approval, and this headless run does not give it " \
                    "(run --approve-all would)"
         pending = self.pending[(name, call_id)] = _Pending(server, tool)
-        before = st.status
-        st.status = "approval"
+        move(st, "approval")
         try:
             emit(ev.ApprovalRequested(time.monotonic(), name, call_id, server, tool, shown))
             await pending.decided.wait()
         finally:
             del self.pending[(name, call_id)]
-            st.status = before
+            move(st, "sent")  # denied: the model is told so next; approved: the call runs (`tool`)
         if pending.decision == "deny":
             return f"denied by the operator: {tool} was not run"
         return ""
@@ -312,7 +312,7 @@ class ToolCalls:
         now = time.monotonic()
         tc = ToolCall(call_id, server, tool, now, now + cfg.tool_timeout_s, tuple(cfg.warn_at))
         self.running[name] = (tc, attempt)
-        st.status = "tool"
+        move(st, "tool")
         self.emit(ev.ToolCallStarted(now, name, attempt, st.turn, call_id, server, tool, shown, tc.deadline_at,
                                      tc.warn_at))
         text, outcome = "", "ok"
@@ -339,7 +339,7 @@ class ToolCalls:
             text = self.scrub(text)
         text = capped(text, cfg.max_result_chars)
         elapsed = time.monotonic() - now
-        st.status = "prefill"  # the model is given the result next
+        move(st, "sent")  # the model is given the result next
         self.emit(ev.ToolCallFinished(time.monotonic(), name, call_id, server, tool, outcome,  # type: ignore[arg-type]
                                       preview(text), elapsed))
         return text

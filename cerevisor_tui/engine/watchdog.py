@@ -23,6 +23,7 @@ from cerevisor_tui.contract.deadlines import (
     warnings_due,
 )
 from cerevisor_tui.engine.state import AgentState, Attempt, ToolCall
+from cerevisor_tui.engine.status import move, phase_of
 
 BusyCheck = Callable[[str, float], Awaitable[str | None]]  # (endpoint, since): a look older than `since` cannot say
 """Asked at a deadline with the endpoint's name: why the server is busy (loading, queueing), or None."""
@@ -72,7 +73,7 @@ class Watchdog:
                 if phase == "first_byte" and self.prefilling(att, policy, now):
                     continue  # its prefill moves: the deadline goes as far as that projects, warned of by none
                 st.stall_warnings += 1
-                st.status = "stalling"
+                move(st, "warned")
                 self.emit(ev.StallWarning(now, st.name, att.number, phase, fraction, max(0.0, att.deadline_at - now),
                                           att.deadline_at))
             if now >= att.deadline_at and phase == "first_byte" and att.prefill is not None:
@@ -139,8 +140,7 @@ class Watchdog:
             att.deadline_at = look.deadline_at
             # the projection is the deadline: no warnings on the way to it (a stuck prefill says so at its kill)
             att.warned = len(policy.warn_at)
-            if st.status == "stalling":
-                st.status = "prefill"
+            move(st, "calm_prefill")
             self.emit(ev.StallExtended(now, st.name, att.number, "first_byte", extend_s, look.reason,
                                        att.deadline_at, att.extensions))
         return look
@@ -185,8 +185,7 @@ class Watchdog:
         att.warned = warnings_due(policy.warn_at, att.base, att.deadline_at - att.base, now)
         self.emit(ev.StallExtended(now, st.name, att.number, att.phase, seconds, "extended by operator",
                                    att.deadline_at, att.extensions, by_operator=True))
-        if st.status == "stalling":
-            st.status = "streaming" if att.first_token_at is not None else "prefill"
+        move(st, phase_of(att.first_token_at))
 
 
 async def watch_tool(st: AgentState, call: ToolCall, emit: Callable[[ev.Event], None]) -> None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.metrics import ServerStatus
 from cerevisor_tui.engine.state import AgentState, Attempt
+from cerevisor_tui.engine.status import move, phase_of
 from cerevisor_tui.engine.watchdog import fmt_s
 from cerevisor_tui.kinds import WedgeRule
 
@@ -211,7 +212,7 @@ class WedgeWatch:
             else:
                 for st, att in opened:  # what waits on it now waits on a wedged server
                     if att.first_token_at is None:
-                        st.status = "wedged"
+                        move(st, "wedged")
         if not opened:
             return
         since = min(att.sent_at for _, att in opened)
@@ -269,7 +270,7 @@ class WedgeWatch:
             self.wedged[endpoint] = (rule, reading.motion)
         e.emit(ev.ServerWedged(now, endpoint, rule, reason, list(dict.fromkeys(st.name for st, _ in opened))))
         for st, att in opened:
-            st.status = "wedged"
+            move(st, "wedged")
             att.kill("wedge", reason)
         if e.placement.pools_of(endpoint):
             until = now + PREEMPT_DOWN_S if rule == "preempt_loop" else math.inf
@@ -285,6 +286,5 @@ class WedgeWatch:
         del self.wedged[endpoint]
         e.emit(ev.ServerWedged(time.monotonic(), endpoint, rule, f"{endpoint} moves again", over=True))
         for st, att in self._open(endpoint):
-            if st.status == "wedged":
-                st.status = "streaming" if att.first_token_at is not None else "prefill"
+            move(st, phase_of(att.first_token_at, wedge=True))
         # a pool member marked down for it is up again at its next healthy sample (Pools.on_sample)

@@ -83,6 +83,13 @@ def conversation(api: Api, body: dict[str, Any]) -> tuple[str, list[dict[str, An
     return system, [m for m in messages if m.get("role") not in ("system", "developer")]
 
 
+def prompt_chars(api: Api, body: dict[str, Any]) -> int:
+    """The characters of the request's prompt (system prompt and messages' text), as the run counts a prompt's
+    size: tokens per character, and a prefill's estimate."""
+    system, messages = conversation(api, body)
+    return len(system) + sum(len(text_of(m.get("content", m.get("output", "")))) for m in messages)
+
+
 def history(api: Api, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The conversation as the client sent it, system prompt first, for its transcript: chat's messages as they
     are; Anthropic's `system` and Responses' `instructions` (fields, not messages there) as a first message."""
@@ -123,6 +130,16 @@ class _Usage(msgspec.Struct):
     prompt_tokens_details: _Details | None = None
     input_tokens_details: _Details | None = None
     cache_read_input_tokens: int | None = None
+
+
+class _Timings(msgspec.Struct):
+    """llama.cpp's per-request `timings`, in its last chunk: prompt tokens computed and from the cache (where no
+    usage is said), and the latency panel's figures."""
+
+    prompt_n: int | float | None = None
+    cache_n: int | float | None = None
+    prompt_ms: float | None = None
+    predicted_per_token_ms: float | None = None
 
 
 class _ToolFunction(msgspec.Struct):
@@ -175,6 +192,7 @@ class _Frame(msgspec.Struct):
     delta: _Delta | str | None = None  # a _Delta in chat/messages, a string in responses' *.delta events
     message: _Message | str | None = None  # messages' message_start; responses' flat error event's text
     response: _Response | None = None  # responses' response.completed / response.failed
+    timings: _Timings | None = None  # llama.cpp's, in its last chunk
 
 
 _frame = msgspec.json.Decoder(_Frame)
@@ -196,6 +214,8 @@ class Reading:
     items: int = 0  # responses: the answer's output items, each of which the client sends back in its next input
     error: str = ""  # an error the upstream said in its stream
     unreadable: int = 0  # frames that were not JSON of the API's shape
+    timings: tuple[float | None, float | None] | None = None  # llama.cpp's (prompt_ms, predicted_per_token_ms)
+    timings_prompt_tokens: int = 0  # llama.cpp's prompt tokens (computed + cached), from its timings
 
     def usage(self, usage: _Usage | None) -> None:
         if usage is None:
@@ -244,6 +264,8 @@ class Reading:
         return (*got, chunks)
 
     def _frame(self, f: _Frame) -> tuple[str, str, str]:
+        if f.timings is not None:
+            self._timings(f.timings)
         if f.error is not None:
             self.error = _error_text(f.error)
         elif f.type == "error" and isinstance(f.message, str):  # responses' flat error event
@@ -290,6 +312,12 @@ class Reading:
                 self.error = _error_text(f.response.error)
         return "", "", ""
 
+    def _timings(self, t: _Timings) -> None:
+        if t.prompt_ms is not None or t.predicted_per_token_ms is not None:
+            self.timings = (t.prompt_ms, t.predicted_per_token_ms)
+        if t.prompt_n is not None:
+            self.timings_prompt_tokens = int(t.prompt_n) + int(t.cache_n or 0)
+
     def whole(self, data: bytes) -> None:
         """Read a response that was not streamed: its text and usage."""
         try:
@@ -301,8 +329,11 @@ class Reading:
             return
         try:
             self.usage(msgspec.convert(body.get("usage"), _Usage | None))
+            timings = msgspec.convert(body.get("timings"), _Timings | None)
         except msgspec.ValidationError:
-            pass
+            timings = None
+        if timings is not None:
+            self._timings(timings)
         if self.api == "chat":
             choices = body.get("choices") or [{}]
             message = choices[0].get("message") or {} if isinstance(choices[0], dict) else {}

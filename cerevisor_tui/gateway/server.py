@@ -26,9 +26,9 @@ import msgspec
 
 from cerevisor_tui.config.models import GatewayConfig
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.engine.conversation import CONTEXT_WARN_FILL
-from cerevisor_tui.engine.prefill import Prefill
-from cerevisor_tui.engine.sessions import Dropped, RunStopping, Session
+from cerevisor_tui.engine.attempt import Answer
+from cerevisor_tui.engine.sessions import BudgetSpent, Dropped, RunStopping, Session
+from cerevisor_tui.engine.status import move
 from cerevisor_tui.gateway import apis
 from cerevisor_tui.gateway.apis import KEEPALIVE, Api, Reading
 from cerevisor_tui.gateway.identity import harness, identify
@@ -277,6 +277,7 @@ class Exchange:
         self.attempt: Attempt | None = None
         self.conversation = ""  # the fingerprint of the conversation it continues (its transcript's count)
         self.hide_progress = False  # prompt_progress was asked for the watchdog, not by the client: not relayed
+        self.hide_usage = False  # chat's usage chunk was asked for the meters, not by the client: not relayed
         self.role_sent = False  # with hide_progress: the first progress frame went on, as a role-only chunk
 
     # ---- writing to the client -----------------------------------------------------------------------------
@@ -344,7 +345,6 @@ class Exchange:
         att = self.attempt
         if self.gone and att is not None:  # its upstream request was closed with it: the server aborts it
             st = session.st
-            self._record_answer(session, att, partial=True)
             e.emit(ev.TurnFinished(time.monotonic(), st.name, att.number, att.turn, 0, 0, att.tokens, "client gone",
                                    None, time.monotonic() - att.sent_at))
 
@@ -383,7 +383,6 @@ class Exchange:
                 with anyio.CancelScope() as att.scope:
                     await self._upstream(session, att, att.request_id)
                 if att.kill_reason:
-                    self._record_answer(session, att, partial=True)
                     if att.by_operator:
                         await self.fail(503, f"cerevisor gateway: {att.kill_reason}")
                     elif att.kill_deadline == "wedge":  # its server is wedged (engine/wedge.py): the reason says so
@@ -396,11 +395,13 @@ class Exchange:
                             {"retry-after": str(RETRY_AFTER_S)})
         except Dropped as exc:
             await self.fail(503, f"cerevisor gateway: {exc} while queued; nothing was sent upstream")
+        except BudgetSpent as exc:
+            await self.fail(402, f"cerevisor gateway: {exc}; nothing was sent upstream")
         finally:
             if self.attempt is None:  # never sent: its messages are still new for its next try
                 self._tell_inputs(session, None)
-            if st.status == "waiting" and st.current is None:
-                st.status = "idle"
+            if st.current is None:
+                move(st, "request_gone")
 
     async def _upstream(self, session: Session, att: Attempt, rid: str) -> None:
         e = self.gw.engine
@@ -415,13 +416,18 @@ class Exchange:
             headers[ep.session_header.lower()] = session.name
         if self.api == "messages" and "authorization" in client.headers:
             headers["x-api-key"] = client.headers["authorization"].removeprefix("Bearer ")
-        content = self.raw if self.model_sent == self.model_asked else \
-            msgspec.json.encode(apis.set_model(self.body, self.model_sent))
-        if (self.api == "chat" and self.streamed and "return_progress" not in self.body
-                and await e.connections.asks_progress(ep)):
+        changes: dict[str, Any] = {"model": self.model_sent} if self.model_sent != self.model_asked else {}
+        if self.streamed and "return_progress" not in self.body and await e.connections.asks_progress(ep):
             # llama-server's prompt_progress, for the watchdog; this client did not ask: it never sees them
-            content = msgspec.json.encode({**msgspec.json.decode(content), "return_progress": True})
+            changes["return_progress"] = True
             self.hide_progress = True
+        elif ep.kind != "hosted":  # a server that tells no progress: the prefill estimated from its measured rate
+            e.attempts.estimate(st, att, apis.prompt_chars(self.api, self.body))
+        if self.api == "chat" and self.streamed and not _asks_usage(self.body):
+            # the answer's usage, for the meters and the figures; this client did not ask: it never sees it
+            changes["stream_options"] = {**(self.body.get("stream_options") or {}), "include_usage": True}
+            self.hide_usage = True
+        content = msgspec.json.encode({**self.body, **changes}) if changes else self.raw
         wait_s = WAIT_BACKOFF_S[0]
         while True:
             request = client.build_request("POST", url, content=content, headers=headers)
@@ -435,8 +441,7 @@ class Exchange:
                     return
                 # a local server still loading refuses its port: the request waits, kept alive, within its
                 # first-byte window (the watchdog ends it there)
-                st.status = "waiting"
-                e.emit(ev.EndpointWaiting(time.monotonic(), st.name, att.number, endpoint, _problem(exc), wait_s))
+                e.attempts.refused(st, att, endpoint, _problem(exc), wait_s)
                 await anyio.sleep(wait_s)
                 wait_s = min(wait_s * 2, WAIT_BACKOFF_S[1])
         try:
@@ -452,7 +457,6 @@ class Exchange:
             # the upstream broke off its answer (a dropped connection, a cut chunk): the client is told in its
             # API's shape rather than left with a truncated body; a kill's own abort is told as the kill
             if not att.kill_reason:
-                self._record_answer(session, att, partial=True)
                 await self.fail(502, f"cerevisor gateway: upstream {endpoint} broke off its answer after "
                                      f"{att.tokens} tokens: {_problem(exc)}")
         finally:
@@ -481,11 +485,11 @@ class Exchange:
         await self.fail(response.status_code, f"upstream answered {response.status_code}: {message}")
 
     async def _whole(self, session: Session, att: Attempt, response: httpx.Response) -> None:
+        attempts, st = self.gw.engine.attempts, session.st
         chunks = []
         async for chunk in response.aiter_raw():
-            now = time.monotonic()
-            att.stream.last_byte_at = now
-            self._alive(session, att, now)
+            att.stream.last_byte_at = time.monotonic()
+            attempts.alive(st, att)
             chunks.append(chunk)
         data = b"".join(chunks)
         self.reading.whole(data)
@@ -502,126 +506,88 @@ class Exchange:
         e = self.gw.engine
         st = session.st
         reading = self.reading
-        subscribers = e.subscribers
+        attempts = e.attempts
+        delta = attempts.delta
         monotonic = time.monotonic
         upstream = att.stream
         by_bytes = e.policies[st.endpoint].liveness == "bytes"
+        hide_usage = self.hide_usage
         pending = b""
         # the headers go out with the first frame, not with the upstream's (which vLLM sends at once): until
         # then a deadline, a kill or a drop is still an HTTP status, and keep-alives start the stream
         head = (response.status_code, response.headers.get("content-type", "text/event-stream"),
                 {"x-request-id": att.request_id})
         async for chunk in response.aiter_raw():
-            now = monotonic()
-            upstream.last_byte_at = now
+            upstream.last_byte_at = monotonic()
             pending += chunk
             end = _frames_end(pending)
             if end == 0:
                 continue
             frames, pending = pending[:end], pending[end:]
             if b'"prompt_progress"' in frames and att.first_token_at is None:
-                frames = self._progress(st, att, frames, now)
-            async with self.lock:
-                if not self.started:
-                    await self.start(*head)
-                await self.write(frames)
+                frames = self._progress(st, att, frames)
             text, reasoning, tool, chunks = reading.frames(frames)
+            if hide_usage and b'"usage"' in frames:
+                frames = _without_usage_chunks(frames)
+            if frames:
+                async with self.lock:
+                    if not self.started:
+                        await self.start(*head)
+                    await self.write(frames)
             if chunks:
-                self._alive(session, att, now)
-                att.tokens += chunks
-                st.tokens += chunks
-                if text:
-                    att.parts.append(text)
-                if reasoning:
-                    att.thinking.append(reasoning)
-                if tool:
-                    att.tools.append(tool)
-                delta = ev.TokenDelta(now, st.name, att.number, text, reasoning, tool, chunks)
-                for subscriber in subscribers:
-                    try:
-                        subscriber(delta)
-                    except Exception as exc:  # as in emit(): no subscriber's failure ends the run
-                        e.subscriber_failed(subscriber, delta, exc)
+                delta(st, att, text, reasoning, tool, chunks)
             elif att.first_token_at is None or by_bytes:
-                e.emit(ev.KeepAlive(now, st.name, att.number))
-                if by_bytes:
-                    att.last_alive = now
-                    att.alive.set()
+                attempts.keepalive(st, att, by_bytes=by_bytes)
         async with self.lock:
             if not self.started:
                 await self.start(*head)
             await self.write(pending, last=True)
         await self._finished(session, att)
 
-    def _progress(self, st: Any, att: Attempt, frames: bytes, now: float) -> bytes:
-        """The prefill progress in these frames, taken for the watchdog (engine/prefill.py); the frames as the
-        client gets them: whole when it asked for prompt_progress, else without it (the first one stays, as the
-        role-only chunk it also is, with its prompt_progress taken out)."""
+    def _progress(self, st: Any, att: Attempt, frames: bytes) -> bytes:
+        """The prefill progress in these frames, taken for the watchdog (engine/attempt.py); the frames as the
+        client gets them: whole when it asked for prompt_progress, else without it (in chat, the first one stays,
+        as the role-only chunk it also is, with its prompt_progress taken out; in the other APIs a frame that
+        carried nothing else goes)."""
+        attempts = self.gw.engine.attempts
         kept: list[bytes] = []
         for frame in _split_frames(frames):
             progress = _frame_progress(frame)
             if progress is None:
                 kept.append(frame)
                 continue
-            obj, (total, cache, processed, time_ms) = progress
-            if att.prefill is None:
-                att.prefill = Prefill()
-            if att.prefill.see(total, cache, processed, time_ms, now):
-                self.gw.engine.emit(att.prefill.event(now, st.name, att.number))
+            obj, numbers = progress
+            attempts.progress(st, att, *numbers, by_bytes=False)
             if not self.hide_progress:
                 kept.append(frame)
-            elif not self.role_sent:
+                continue
+            del obj["prompt_progress"]
+            if self.api == "chat" and not self.role_sent:
                 self.role_sent = True
-                del obj["prompt_progress"]
                 kept.append(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+            elif self.api != "chat" and set(obj) - {"type"}:
+                event = b"".join(line + b"\n" for line in frame.split(b"\n") if line.startswith(b"event:"))
+                kept.append(event + b"data: " + msgspec.json.encode(obj) + b"\n\n")
         return b"".join(kept)
 
-    def _alive(self, session: Session, att: Attempt, now: float) -> None:
-        st = session.st
-        att.last_alive = now
-        if att.first_token_at is None:
-            att.first_token_at = now
-            ttft = now - att.sent_at
-            if st.ttft_s is None:
-                st.ttft_s = ttft
-            att.alive.set()
-            self.gw.engine.emit(ev.FirstToken(now, st.name, att.number, att.turn, ttft))
-        if st.status != "streaming":
-            st.status = "streaming"
-
     async def _finished(self, session: Session, att: Attempt) -> None:
-        """The answer went out whole: the turn's figures, its message in the transcript, the session's meters."""
+        """The answer went out whole: its figures, its message in the transcript, the session's meters (all
+        engine/attempt.py's); the transcript's count of the conversation moves past the answer."""
         e = self.gw.engine
         st = session.st
         r = self.reading
-        end = time.monotonic()
+        e.attempts.flush(st, att)
         completion = r.completion_tokens or r.chunks
-        st.prompt_tokens += r.prompt_tokens
-        st.completion_tokens += completion
-        if att.first_token_at is not None:
-            st.decode_s += end - att.first_token_at
-        ttft = att.first_token_at - att.sent_at if att.first_token_at is not None else None
-        self._record_answer(session, att)
-        e.emit(ev.TurnFinished(end, st.name, att.number, st.turn, 0, r.prompt_tokens, completion, r.finish, ttft,
-                               end - att.sent_at))
-        if r.cached_tokens is not None:
-            st.cached_tokens += r.cached_tokens
-        st.context_tokens = r.prompt_tokens + completion
-        st.last_prompt_tokens, st.last_completion_tokens, st.turns_done = r.prompt_tokens, completion, st.turn
-        ep = e.endpoints[st.endpoint]
-        cost = ep.cost_usd(r.prompt_tokens, completion)
-        st.cost_usd += cost
-        e.conversations.run_cost_usd += cost
-        # asked once per endpoint, 0 when the server does not say; bounded, since the request counts as in flight,
-        # watched by its idle deadline, until this returns, and its answer has already gone out
-        limit = 0
-        with anyio.move_on_after(CONTEXT_LIMIT_WAIT_S):
-            limit = await e.connections.context_limit(ep)
-        fill = st.context_tokens / limit if limit else 0.0
-        warning = f"context {fill:.0%} full ({st.context_tokens:,} of {limit:,} tokens)" if fill >= CONTEXT_WARN_FILL \
-            else ""
-        e.emit(ev.AgentMeters(time.monotonic(), st.name, st.turn, r.prompt_tokens, r.cached_tokens, st.context_tokens,
-                              limit, round(st.cost_usd, 6), round(e.run_cost_usd, 6), warning))
+        prompt = r.prompt_tokens or r.timings_prompt_tokens
+        streamed_text = "".join(att.parts) if self.streamed else r.answer
+        thinking = "".join(att.thinking) if self.streamed else "".join(r.reasoning)
+        # the client sends the answer back with its next request (one message, or its items), which may come
+        # before the meters below are done: counted first
+        session.recorded[self.conversation] = session.recorded.get(self.conversation, 0) + (r.items or 1)
+        await e.attempts.finished(
+            st, att, apis_answer(r, streamed_text, thinking, prompt, completion,
+                                 apis.prompt_chars(self.api, self.body)),
+            turns=0, limit_wait_s=CONTEXT_LIMIT_WAIT_S)
 
     # ---- transcripts ---------------------------------------------------------------------------------------
     def _record_inputs(self, session: Session) -> None:
@@ -654,17 +620,6 @@ class Exchange:
         for message in self.new_inputs:
             e.emit(ev.MessageRecorded(time.monotonic(), session.name, att.number, att.turn, apis.role_of(message),
                                       apis.text_of(message.get("content", message.get("output", ""))), raw=message))
-
-    def _record_answer(self, session: Session, att: Attempt, *, partial: bool = False) -> None:
-        e = self.gw.engine
-        st = session.st
-        r = self.reading
-        if partial and not (r.text or r.reasoning or r.tools):
-            return
-        e.emit(ev.MessageRecorded(time.monotonic(), st.name, att.number, att.turn, "assistant", r.answer,
-                                  "".join(r.reasoning), partial=partial))
-        if not partial:  # the client sends the answer back with its next request: one message, or its items
-            session.recorded[self.conversation] = session.recorded.get(self.conversation, 0) + (r.items or 1)
 
 
 class _Upstream:
@@ -725,3 +680,25 @@ async def _answer(send: Send, status: int, body: bytes, headers: dict[str, str] 
         raw[0] = (b"content-type", headers["content-type"].encode("latin-1"))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
+
+
+def apis_answer(r: Reading, answer: str, thinking: str, prompt_tokens: int, completion_tokens: int,
+                prompt_chars: int) -> Answer:
+    """What the attempt owner is told of a relayed answer."""
+    return Answer(answer, thinking, (prompt_tokens, completion_tokens) if prompt_tokens or completion_tokens else None,
+                  r.cached_tokens, r.finish, r.timings, prompt_chars)
+
+
+def _asks_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+def _without_usage_chunks(frames: bytes) -> bytes:
+    """The frames less each chat chunk that carries only usage (no choices): asked by the gateway, not the client."""
+    kept = []
+    for frame in _split_frames(frames):
+        if b'"usage"' in frame and b'"choices":[]' in frame.replace(b" ", b""):
+            continue
+        kept.append(frame)
+    return b"".join(kept)

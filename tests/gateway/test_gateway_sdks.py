@@ -34,8 +34,11 @@ async def test_openai_chat_and_responses_streamed_and_not():
                                                      messages=[{"role": "user", "content": "hi"}])
         stream = await client.chat.completions.create(model="sim-model", max_tokens=6, stream=True,
                                                       messages=[{"role": "user", "content": "hi"}])
-        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        chunks = [c async for c in stream]
+        streamed = "".join([c.choices[0].delta.content or "" for c in chunks if c.choices])
         assert whole.choices[0].message.content == streamed != ""
+        # the gateway asks the usage of a streamed chat for its meters; a client that did not ask never sees it
+        assert all(c.choices and c.usage is None for c in chunks)
         response = await client.responses.create(model="sim-model", input="hi", max_output_tokens=6)
         events = await client.responses.create(model="sim-model", input="hi", max_output_tokens=6, stream=True)
         text = "".join([e.delta async for e in events if e.type == "response.output_text.delta"])
@@ -45,8 +48,8 @@ async def test_openai_chat_and_responses_streamed_and_not():
         assert (opened.agent, opened.api, opened.harness.split()[0]) == ("oa", "chat", "openai-python")
         turns = s.of(ev.TurnFinished, "oa")
         assert [t.completion_tokens for t in turns] == [6, 6, 6, 6]
-        # usage read from each API's own shape (a streamed chat has none unless its client asks for it)
-        assert [t.prompt_tokens > 0 for t in turns] == [True, False, True, True]
+        # usage read from each API's own shape (a streamed chat's asked by the gateway)
+        assert [t.prompt_tokens > 0 for t in turns] == [True, True, True, True]
         started = s.of(ev.AgentStarted, "oa")
         assert [a.attempt for a in started] == [1, 2, 3, 4] and started[0].request_id.endswith(".oa.r1")
 

@@ -19,6 +19,7 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.state import Attempt
+from cerevisor_tui.engine.status import move
 from cerevisor_tui.sim.text import words
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
@@ -71,7 +72,7 @@ class Driver:
         self.emit(msgspec.structs.replace(e.load_event("sim"), t=T0))
         self.emit(ev.WaveStarted(T0, 0, [a.name for a in e.waves[0]]))
         for a in e.waves[0]:
-            e.agents[a.name].status = "queued"
+            move(e.agents[a.name], "queued")
             self.emit(ev.AgentQueued(T0, a.name, 0))
 
     def server(self, t: float, **values) -> None:
@@ -120,7 +121,7 @@ class Driver:
                 att.first_token_at = t
                 if st.ttft_s is None:
                     st.ttft_s = t - att.sent_at
-                st.status = "streaming"
+                move(st, "token")
                 self.emit(ev.FirstToken(t, name, att.number, att.turn, t - att.sent_at))
             word = next(self.words) + " "
             att.tokens += 1
@@ -157,7 +158,7 @@ class Driver:
             if at <= now:
                 att.warned += 1
                 st.stall_warnings += 1
-                st.status = "stalling"
+                move(st, "warned")
                 self.emit(ev.StallWarning(at, name, att.number, att.phase, fraction, att.deadline_at - at,
                                           att.deadline_at))
 
@@ -302,7 +303,7 @@ class GatewayDriver(Driver):
 
     def queued(self, name: str, t: float) -> None:
         st = self.engine.agents[name]
-        st.status = "queued"
+        move(st, "queued")
         self.emit(ev.AgentQueued(t, name, st.wave))
 
     def send(self, name: str, t: float, *, queued_s: float = 0.0, asked: str = "claude-sonnet-4",
@@ -342,7 +343,7 @@ class GatewayDriver(Driver):
         assert att is not None
         self.emit(ev.AgentKilled(t, name, att.number, deadline, reason, att.tokens))
         st.current = None
-        st.status = "idle"
+        move(st, "idle")
 
 
 def build_gateway(*, sessions: bool = True) -> CerevisorApp:
