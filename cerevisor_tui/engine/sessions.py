@@ -177,7 +177,7 @@ class Sessions:
             session.last_end = time.monotonic()
             session.poke()
             session.last_kill = ""
-            if att.kill_reason:
+            if att.kill_reason and not att.answered:  # a stop while its answered request did its meters: no kill
                 session.kills.append(att.kill_reason)
                 session.last_kill = (att.kill_reason if att.by_operator or att.kill_deadline == "wedge"
                                      else f"{att.kill_deadline} deadline: {att.kill_reason}")

@@ -417,11 +417,13 @@ class Exchange:
         if self.api == "messages" and "authorization" in client.headers:
             headers["x-api-key"] = client.headers["authorization"].removeprefix("Bearer ")
         changes: dict[str, Any] = {"model": self.model_sent} if self.model_sent != self.model_asked else {}
-        if self.streamed and "return_progress" not in self.body and await e.connections.asks_progress(ep):
-            # llama-server's prompt_progress, for the watchdog; this client did not ask: it never sees them
+        if (self.api == "chat" and self.streamed and "return_progress" not in self.body
+                and await e.connections.asks_progress(ep)):
+            # llama-server's prompt_progress (its chat API streams it), for the watchdog; this client did not ask:
+            # it never sees them
             changes["return_progress"] = True
             self.hide_progress = True
-        elif ep.kind != "hosted":  # a server that tells no progress: the prefill estimated from its measured rate
+        elif ep.kind != "hosted":  # no progress told: the prefill estimated from the endpoint's measured rate
             e.attempts.estimate(st, att, apis.prompt_chars(self.api, self.body))
         if self.api == "chat" and self.streamed and not _asks_usage(self.body):
             # the answer's usage, for the meters and the figures; this client did not ask: it never sees it

@@ -14,6 +14,8 @@ from cerevisor_tui.commands.console import run_handle
 from cerevisor_tui.config import Config, validate
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.state import AgentState
+from cerevisor_tui.engine.status import Happening, move
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
 
@@ -125,5 +127,19 @@ def emit_as_engine(engine: Engine, event: ev.Event) -> None:
     engine's own record, which tells it (AgentStatus) before the event, as in a run."""
     status = STATUS_WITH.get(event.kind)
     if status is not None:
-        engine.agents[event.agent].status = status  # type: ignore[attr-defined]
+        set_status(engine.agents[event.agent], status)
     engine.emit(event)
+
+
+# the happening that takes an agent to each status (engine/status.py), for scenes made by hand
+_TO: dict[str, Happening] = {"pending": "reset", "queued": "queued", "prefill": "sent", "waiting": "refused",
+                             "streaming": "token", "stalling": "warned", "retrying": "retrying", "tool": "tool",
+                             "approval": "approval", "idle": "idle", "wedged": "wedged", "released": "released",
+                             "completed": "completed", "failed": "failed", "killed": "killed", "skipped": "skipped",
+                             "cancelled": "cancelled"}
+
+
+def set_status(st: AgentState, status: str) -> None:
+    """A hand-made scene's agent moved to `status` through the engine's own table, as a run would move it."""
+    move(st, _TO[status])
+    assert st.status == status, f"the table does not take {st.name} from {st.status} to {status}"

@@ -23,6 +23,7 @@ from cerevisor_tui.engine.status import move
 from cerevisor_tui.sim.text import words
 from cerevisor_tui.ui.app import CerevisorApp
 from cerevisor_tui.ui.theme_files import load_themes
+from tests.ui.conftest import set_status
 
 T0 = 1000.0
 NOW = 1012.0
@@ -100,7 +101,8 @@ class Driver:
         self.emit(ev.MessageRecorded(t, name, st.attempts, turn, "user", prompt))
         att = Attempt(st.attempts, turn, sent_at=t, last_alive=t, base=t,
                       deadline_at=t + policy.first_byte_timeout_s)
-        st.current, st.status = att, "prefill"
+        st.current = att
+        set_status(st, "prefill")
         if st.started_at is None:
             st.started_at = t
         self.emit(ev.AgentStarted(t, name, att.number, turn, st.turns, st.endpoint, policy.first_byte_timeout_s,
@@ -144,7 +146,8 @@ class Driver:
                                   att.first_token_at - att.sent_at, t - att.sent_at))
         st.current = None
         if last:
-            st.status, st.finished_at = "completed", t
+            set_status(st, "completed")
+            st.finished_at = t
             self.emit(ev.AgentFinished(t, name, "completed"))
 
     def stall_warnings(self, name: str, now: float) -> None:
@@ -168,7 +171,8 @@ class Driver:
         assert att is not None
         self.emit(ev.AgentKilled(t, name, att.number, att.phase, reason, att.tokens))
         st.current = None
-        st.status, st.error, st.finished_at = "killed", reason, t
+        set_status(st, "killed")
+        st.error, st.finished_at = reason, t
         self.emit(ev.AgentFinished(t, name, "killed", reason))
 
 
@@ -315,7 +319,8 @@ class GatewayDriver(Driver):
         st.turn += 1
         att = Attempt(st.attempts, st.turn, sent_at=t, last_alive=t, base=t,
                       deadline_at=t + policy.first_byte_timeout_s)
-        st.current, st.status = att, "prefill"
+        st.current = att
+        set_status(st, "prefill")
         if st.started_at is None:
             st.started_at = t
         self.emit(ev.AgentStarted(t, name, att.number, att.turn, 0, st.endpoint, policy.first_byte_timeout_s,
@@ -334,7 +339,7 @@ class GatewayDriver(Driver):
         self.emit(ev.TurnFinished(t, name, att.number, att.turn, 0, 40, att.tokens, "stop",
                                   att.first_token_at - att.sent_at, t - att.sent_at))
         st.current = None
-        st.status = status
+        set_status(st, status)
 
     def request_killed(self, name: str, t: float, reason: str, deadline: str = "operator") -> None:
         """A request killed (by the operator or a deadline): the session goes on, idle."""

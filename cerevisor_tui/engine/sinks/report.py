@@ -229,7 +229,9 @@ class Report:
         end = self._t_end if self._t_end is not None else time.monotonic()
         wall = max(0.0, end - self._t0) if self._t0 else 0.0
         output = sum(a["completion_tokens"] for a in (*agents, *self.sessions.values()))
-        counts = {s: sum(1 for a in agents if a["status"] == s) for s in STATUSES}
+        # a gateway session's outcome counts as an agent's does (a killed session is a kill the operator must see)
+        ended = (*agents, *self.sessions.values())
+        counts = {s: sum(1 for a in ended if a["status"] == s) for s in STATUSES}
         return {
             "agents": len(self.agents), **counts, "output_tokens": output, "wall_s": round(wall, 3),
             "output_tokens_per_s": round(output / wall, 2) if wall > 0 else None, "max_running": self.max_running,
