@@ -9,24 +9,21 @@ run's budget, and the end of a killed one: one set of rules, so both kinds of ag
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-
 from cerevisor_tui.config.models import EndpointConfig, ResolvedStall
 from cerevisor_tui.config.secrets import Scrubber, StreamScrubber
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.latency import Timings
+from cerevisor_tui.engine.clock import MONOTONIC, Clock
 from cerevisor_tui.engine.prefill import Prefill, PrefillEstimate
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.status import move
 
 Subscriber = Callable[[ev.Event], None]
-Clock = Callable[[], float]
 
 CONTEXT_WARN_FILL = 0.8  # an agent's context this full is flagged, before the turn that would not fit
 BUDGET_WARN_FILL = 0.8  # the run's spending this near its budget is told once, before admissions pause
@@ -103,7 +100,7 @@ class Attempts:
                  figures: Mapping[str, TurnFigures], emit: Subscriber, subscribers: list[Subscriber],
                  subscriber_failed: Callable[[Subscriber, ev.Event, Exception], None], scrub: Scrubber,
                  budget: Budget, context_limit: Callable[[EndpointConfig], Awaitable[int]],
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = MONOTONIC) -> None:
         self.endpoints = endpoints
         self.policies = policies
         self.figures = figures
@@ -114,6 +111,7 @@ class Attempts:
         self.budget = budget
         self.context_limit = context_limit
         self.clock = clock
+        self.now = clock.now
         # told each request's llama.cpp `timings` with its TTFT (the monitor's latency panel); None: not told
         self.on_timings: Callable[[str, Timings], None] | None = None
 
@@ -123,7 +121,7 @@ class Attempts:
         """A request of `st` goes out now: its attempt, under the endpoint's first-byte deadline, told as
         AgentStarted."""
         policy = self.policies[st.endpoint]
-        now = self.clock()
+        now = self.now()
         att = Attempt(number, st.turn, sent_at=now, last_alive=now, deadline_at=now + policy.first_byte_timeout_s,
                       request_id=request_id)
         if self.scrub:  # an echoed key may be split across deltas: each field's tail is held back (StreamScrubber)
@@ -140,12 +138,12 @@ class Attempts:
     def refused(self, st: AgentState, att: Attempt, endpoint: str, problem: str, wait_s: float) -> None:
         """A local endpoint refuses its port (loading its model): the attempt waits within its first-byte window."""
         move(st, "refused")
-        self.emit(ev.EndpointWaiting(self.clock(), st.name, att.number, endpoint, problem, wait_s))
+        self.emit(ev.EndpointWaiting(self.now(), st.name, att.number, endpoint, problem, wait_s))
 
     # ---- while it streams ----------------------------------------------------------------------------------
     def delta(self, st: AgentState, att: Attempt, content: str, reasoning: str, tool: str, chunks: int) -> None:
         """Text arrived (`chunks` chunks' worth): scrubbed, counted, kept, and handed to every subscriber."""
-        now = self.clock()
+        now = self.now()
         att.last_alive = now
         held = att.held
         if held is not None:
@@ -166,14 +164,14 @@ class Attempts:
 
     def alive(self, st: AgentState, att: Attempt) -> None:
         """Bytes of an answer arrived that are not read as they come (a whole, unstreamed answer): a sign of life."""
-        now = self.clock()
+        now = self.now()
         att.last_alive = now
         if att.first_token_at is None:
             self._first(st, att, now)
 
     def keepalive(self, st: AgentState, att: Attempt, *, by_bytes: bool) -> None:
         """An SSE comment or an empty chunk: shown; a sign of life only where the endpoint's liveness is bytes."""
-        now = self.clock()
+        now = self.now()
         if by_bytes:
             att.last_alive = now
             att.alive.set()
@@ -182,7 +180,7 @@ class Attempts:
     def progress(self, st: AgentState, att: Attempt, total: int, cache: int, processed: int, time_ms: int, *,
                  by_bytes: bool) -> None:
         """llama-server's prompt_progress: the prefill's sign of life (engine/prefill.py), never a token."""
-        now = self.clock()
+        now = self.now()
         if by_bytes:
             att.last_alive = now
             att.alive.set()
@@ -206,7 +204,7 @@ class Attempts:
         if total <= cached:
             return
         att.estimate = PrefillEstimate(total, cached, rate, att.sent_at, att.sent_at)
-        self.emit(att.estimate.event(self.clock(), st.name, att.number))
+        self.emit(att.estimate.event(self.now(), st.name, att.number))
 
     @staticmethod
     def tool_pieces(att: Attempt, pieces: Sequence[tuple[int, str | None, str | None, str | None]]) -> None:
@@ -230,7 +228,7 @@ class Attempts:
             att.thinking.append(tail[1])
         if tail[2]:
             att.tools.append(tail[2])
-        self._fan_out(ev.TokenDelta(self.clock(), st.name, att.number, *tail, 0))
+        self._fan_out(ev.TokenDelta(self.now(), st.name, att.number, *tail, 0))
 
     # ---- the end -------------------------------------------------------------------------------------------
     async def finished(self, st: AgentState, att: Attempt, answer: Answer, *, turns: int, following_chars: int = 0,
@@ -239,7 +237,7 @@ class Attempts:
         MessageRecorded (a crash between them leaves an unanswered turn, never one answered without its figures),
         then the meters, the cost and the budget. `following_chars`: the next user message's length, to warn
         before a turn that will not fit the model's context."""
-        end = self.clock()
+        end = self.now()
         att.answered = True
         usage = answer.usage
         prompt_tokens = usage[0] if usage else 0
@@ -276,10 +274,10 @@ class Attempts:
         """The attempt ended without its whole answer (killed, broken off, cancelled, its client gone): what it
         had said is recorded as partial, and a kill (not a restart) is told as AgentKilled."""
         if answer or thinking:
-            self.emit(ev.MessageRecorded(self.clock(), st.name, att.number, att.turn, "assistant", answer, thinking,
+            self.emit(ev.MessageRecorded(self.now(), st.name, att.number, att.turn, "assistant", answer, thinking,
                                          partial=True))
         if att.kill_reason and not att.restart:
-            self.emit(ev.AgentKilled(self.clock(), st.name, att.number, att.kill_deadline, att.kill_reason,
+            self.emit(ev.AgentKilled(self.now(), st.name, att.number, att.kill_deadline, att.kill_reason,
                                      att.tokens))
 
     async def _meter(self, st: AgentState, prompt_tokens: int, completion_tokens: int, cached: int | None,
@@ -296,7 +294,7 @@ class Attempts:
         if limit_wait_s is None:
             limit = await self.context_limit(ep)
         else:  # a session's answer has gone out already: its meters wait a bounded time for /v1/models
-            with anyio.move_on_after(limit_wait_s):
+            with self.clock.move_on_after(limit_wait_s):
                 limit = await self.context_limit(ep)
         warning = ""
         if limit and st.context_tokens:
@@ -308,7 +306,7 @@ class Attempts:
                            f"{limit:,}, and the server will refuse it")
             elif fill >= CONTEXT_WARN_FILL:
                 warning = f"context {fill:.0%} full ({st.context_tokens:,} of {limit:,} tokens)"
-        self.emit(ev.AgentMeters(self.clock(), st.name, st.turn, prompt_tokens, cached, st.context_tokens, limit,
+        self.emit(ev.AgentMeters(self.now(), st.name, st.turn, prompt_tokens, cached, st.context_tokens, limit,
                                  round(st.cost_usd, 6), round(self.budget.spent_usd, 6), warning))
 
     # ---- helpers -------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from cerevisor_tui.engine import load, resume
 from cerevisor_tui.engine.attempt import Attempts, Budget, TurnFigures
 from cerevisor_tui.engine.auto import AutoController, Change
 from cerevisor_tui.engine.auto_feed import AutoFeed
+from cerevisor_tui.engine.clock import MONOTONIC, Clock
 from cerevisor_tui.engine.connections import Connections, api_key, wants_stream_process
 from cerevisor_tui.engine.console_probe import ConsoleProbes
 from cerevisor_tui.engine.conversation import (
@@ -79,8 +80,10 @@ class Engine:
 
     def __init__(self, config: Config, *, run_id: str | None = None, run_dir: str = "",
                  completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None,
-                 spent_usd: float = 0.0, stream_process: bool = False, ask: AskPolicy = "operator") -> None:
+                 spent_usd: float = 0.0, stream_process: bool = False, ask: AskPolicy = "operator",
+                 clock: Clock = MONOTONIC) -> None:
         self.config = config
+        self.clock = clock  # what the deadlines are measured on: the host's monotonic clock, or a test's
         self.run_id = run_id or new_run_id()
         self.run_dir = run_dir
         self.waves = wave_levels(config.agents)
@@ -174,7 +177,7 @@ class Engine:
         self.last_sample = self.monitor.last_sample
         self.server_status = self.monitor.status
         self.server_status_at = self.monitor.status_at
-        self.watchdog = Watchdog(self.policies, self.emit)
+        self.watchdog = Watchdog(self.policies, self.emit, clock)
         self.wedges = WedgeWatch(self)  # wedged servers, judged after each sample (engine/wedge.py)
         # the one owner of a running attempt, a workflow agent's or a gateway session's (engine/attempt.py); a
         # resumed run's spending counts on from the journal's
@@ -182,7 +185,7 @@ class Engine:
         self.attempts = Attempts(endpoints=self.endpoints, policies=self.policies, figures=self.figures,
                                  emit=self.emit, subscribers=self._subscribers,
                                  subscriber_failed=self.subscriber_failed, scrub=self.scrub, budget=self.budget,
-                                 context_limit=self.connections.context_limit)
+                                 context_limit=self.connections.context_limit, clock=clock)
         self.attempts.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
         self.conversations = Conversations(
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,

@@ -112,7 +112,7 @@ class Sessions:
         if not st.pool:
             e.agents_on.setdefault(where, []).append(st)
         session = self.by_name[name] = Session(st, source, harness, api, key)
-        e.emit(ev.SessionOpened(time.monotonic(), name, source, harness, api, endpoint, key))
+        e.emit(ev.SessionOpened(e.clock.now(), name, source, harness, api, endpoint, key))
         return session
 
     def started(self, group: anyio.abc.TaskGroup) -> None:
@@ -126,7 +126,8 @@ class Sessions:
         silence). The attempt's `scope` is the caller's to set: a deadline or the operator cancels it."""
         e = self.engine
         st = session.st
-        queued_at = time.monotonic()
+        clock = e.clock
+        queued_at = clock.now()
         session.queued += 1
         session.poke()
         wait = anyio.CancelScope()  # the operator's kill cancels it: the request leaves the queue
@@ -140,7 +141,7 @@ class Sessions:
                 if not session.holding:
                     if not session.in_flight:
                         move(st, "queued")
-                    e.emit(ev.AgentQueued(time.monotonic(), st.name, st.wave))
+                    e.emit(ev.AgentQueued(clock.now(), st.name, st.wave))
                 while not session.holding:
                     if e.stopping or e.ended:
                         raise RunStopping(e.stopping or "the run has ended")
@@ -161,7 +162,7 @@ class Sessions:
         number = st.attempts
         policy = e.policies[st.endpoint]
         att = e.attempts.begin(st, number, f"{e.conversations.request_prefix}.{st.name}.r{number}", turns=0,
-                               queued_s=time.monotonic() - queued_at, model_asked=model_asked, model_sent=model_sent)
+                               queued_s=clock.now() - queued_at, model_asked=model_asked, model_sent=model_sent)
         session.in_flight[number] = att
         try:
             async with anyio.create_task_group() as group:
@@ -174,7 +175,7 @@ class Sessions:
             if not att.answered:  # killed, broken off, its client gone: what it said is kept, a kill told
                 e.attempts.ended(st, att, "".join(att.parts), "".join(att.thinking))
             del session.in_flight[number]
-            session.last_end = time.monotonic()
+            session.last_end = clock.now()
             session.poke()
             session.last_kill = ""
             if att.kill_reason and not att.answered:  # a stop while its answered request did its meters: no kill
@@ -209,10 +210,10 @@ class Sessions:
                         if session.in_flight or session.queued:
                             await session.wake.wait()
                             continue
-                        left = session.last_end + self.release_after_s - time.monotonic()
+                        left = session.last_end + self.release_after_s - e.clock.now()
                         if left <= 0:
                             break
-                        with anyio.move_on_after(left):
+                        with e.clock.move_on_after(left):
                             await session.wake.wait()
             finally:
                 session.holder = None

@@ -22,6 +22,7 @@ from cerevisor_tui.contract.deadlines import (
     stream_window,
     warnings_due,
 )
+from cerevisor_tui.engine.clock import MONOTONIC, Clock
 from cerevisor_tui.engine.state import AgentState, Attempt, ToolCall
 from cerevisor_tui.engine.status import move, phase_of
 
@@ -34,9 +35,11 @@ class Watchdog:
     """Watches a run's attempts under each endpoint's live stall policy; warnings, extensions and kills are
     told through `emit`. `busy_check` answers at a deadline (None: never extend for a busy server)."""
 
-    def __init__(self, policies: Mapping[str, ResolvedStall], emit: Callable[[ev.Event], None]) -> None:
+    def __init__(self, policies: Mapping[str, ResolvedStall], emit: Callable[[ev.Event], None],
+                 clock: Clock = MONOTONIC) -> None:
         self.policies = policies  # the engine's own: `set_stall` replaces an endpoint's entry
         self.emit = emit
+        self.clock = clock
         self.busy_check: BusyCheck | None = None
         # (endpoint, since): the server's sign of life since then, in words ("KV use climbing"; "": none); None: never asked
         self.server_life: Callable[[str, float], str] | None = None
@@ -44,7 +47,7 @@ class Watchdog:
     async def watch(self, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
         """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill.
         The policy is the endpoint's current one at each look (`set_stall` changes it live)."""
-        monotonic = time.monotonic
+        monotonic = self.clock.now
         seen_base = -1.0
         while True:
             now = monotonic()
@@ -113,11 +116,11 @@ class Watchdog:
                 att.kill(phase, why)
                 return
             delay = max(0.0, next_look(fractions, att.warned, base, total) - monotonic()) + 0.001
-            with anyio.CancelScope() as att.nap, anyio.move_on_after(delay):
+            with anyio.CancelScope() as att.nap, self.clock.move_on_after(delay):
                 if phase == "first_byte" and not att.alive.is_set():
                     await att.alive.wait()
                 else:
-                    await anyio.sleep(delay)
+                    await anyio.sleep_forever()
             att.nap = None
 
     @staticmethod
@@ -170,7 +173,7 @@ class Watchdog:
         """The seam for the server-busy extension: ask the endpoint whether it is loading or queueing."""
         if not policy.extend_when_server_busy or att.extensions >= policy.max_extensions or self.busy_check is None:
             return None
-        with anyio.move_on_after(BUSY_CHECK_TIMEOUT_S):
+        with self.clock.move_on_after(BUSY_CHECK_TIMEOUT_S):
             return await self.busy_check(st.endpoint, att.base)  # the silence began at att.base
         return None
 
@@ -181,7 +184,7 @@ class Watchdog:
         seconds = seconds if seconds is not None else policy.extend_s
         att.extra_s += seconds
         att.deadline_at += seconds
-        now = time.monotonic()
+        now = self.clock.now()
         att.warned = warnings_due(policy.warn_at, att.base, att.deadline_at - att.base, now)
         self.emit(ev.StallExtended(now, st.name, att.number, att.phase, seconds, "extended by operator",
                                    att.deadline_at, att.extensions, by_operator=True))

@@ -1,0 +1,73 @@
+"""Time as a parameter: the run's clock, handed to what decides by deadlines (the attempt owner, the watchdog,
+the sessions' release, the gateway's keep-alives) from the composition root. `MONOTONIC` is the host's
+CLOCK_MONOTONIC under anyio's own timers; `VirtualClock` is moved by hand, so a deadline rule's test runs in
+microseconds and never depends on how busy the machine is."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from typing import Protocol
+
+import anyio
+
+
+class Clock(Protocol):
+    """What deadline code asks of time: now, and a scope that ends its block once `seconds` have passed."""
+
+    def now(self) -> float: ...
+
+    def move_on_after(self, seconds: float) -> anyio.CancelScope: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class _Monotonic:
+    """The host's monotonic clock and anyio's timers (the same clock: anyio's is the loop's, CLOCK_MONOTONIC)."""
+
+    now = staticmethod(time.monotonic)
+    move_on_after = staticmethod(anyio.move_on_after)
+    sleep = staticmethod(anyio.sleep)
+
+
+MONOTONIC: Clock = _Monotonic()
+
+
+class VirtualClock:
+    """A clock that moves only when told (`advance`): each scope made by `move_on_after` is cancelled once the
+    clock passes its deadline, in deadline order. For tests of rules that wait on deadlines."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self._now = start
+        self._timers: list[tuple[float, int, anyio.CancelScope]] = []
+        self._order = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    def move_on_after(self, seconds: float) -> anyio.CancelScope:
+        scope = anyio.CancelScope()
+        deadline = self._now + max(0.0, seconds)
+        if deadline <= self._now:
+            scope.cancel()
+        else:
+            heapq.heappush(self._timers, (deadline, next(self._order), scope))
+        return scope
+
+    async def sleep(self, seconds: float) -> None:
+        with self.move_on_after(seconds):
+            await anyio.sleep_forever()
+
+    async def advance(self, seconds: float) -> None:
+        """Move time on by `seconds`, stopping at each timer due on the way (its waiter runs, at that time, before
+        time moves further), then let every task run until all wait again."""
+        end = self._now + seconds
+        await anyio.wait_all_tasks_blocked()
+        while self._timers and self._timers[0][0] <= end:
+            deadline, _, scope = heapq.heappop(self._timers)
+            self._now = max(self._now, deadline)
+            scope.cancel()
+            await anyio.wait_all_tasks_blocked()
+        self._now = end
+        await anyio.wait_all_tasks_blocked()
