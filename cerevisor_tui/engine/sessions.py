@@ -13,7 +13,6 @@ admission, the attempt records and their watchdog, and the events that tell them
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
