@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from cerevisor_tui.contract import events as ev
-from tests.conftest import until
+from tests.conftest import RawServer, chunk, http_head, sse_chunk, until
 from tests.gateway.conftest import chat, post, served, sim_endpoint
 from tests.secret_echo import EchoServer, leaks, outputs
 
@@ -130,3 +130,30 @@ async def test_a_messages_or_responses_prefill_is_estimated_from_the_endpoints_m
     assert estimate.rate_tok_s == pytest.approx(first.prompt_tokens / first.ttft_s, rel=0.01)
     # its size from its characters, at the tokens per character measured on a short first prompt: near, not exact
     assert 0.5 < estimate.total / second.prompt_tokens < 2
+
+
+async def llama_answer(reader, writer) -> None:
+    """A streamed chat answer as llama-server gives one to a client that asked no usage: its last chunk carries
+    `timings` (prompt tokens computed and from its cache, and their milliseconds) and no usage."""
+    writer.write(http_head(200, "text/event-stream"))
+    for word in ("one", " two"):
+        writer.write(chunk(sse_chunk(word)))
+    last = {"id": "x", "object": "chat.completion.chunk", "model": "m",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            "timings": {"prompt_n": 300, "cache_n": 900, "prompt_ms": 150.0, "predicted_n": 2,
+                        "predicted_per_token_ms": 20.0}}
+    writer.write(chunk(b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n") + chunk(b""))
+    await writer.drain()
+
+
+async def test_a_llama_servers_timings_give_the_sessions_prompt_tokens_and_fill_the_latency_panel():
+    async with RawServer(llama_answer) as upstream, \
+            served(endpoints=[sim_endpoint(upstream.base_url, name="llama")],
+                   run={"warmup": "off", "metrics_interval_s": 0.05}) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + "/chat/completions", chat("hi"), headers={"X-Session-ID": "ll"})
+        assert answer.status == 200 and answer.text == "one two"
+        panel = await until(lambda: [e for e in s.of(ev.LatencySample) if e.source == "timings" and e.prefill])
+    [turn] = s.of(ev.TurnFinished, "ll")
+    assert turn.prompt_tokens == 1200  # computed and cached, as the server counted them
+    assert panel[-1].endpoint == "llama" and panel[-1].prefill.count == 1

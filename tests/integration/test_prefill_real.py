@@ -7,9 +7,12 @@ from __future__ import annotations
 import re
 import uuid
 
+import httpx
 import pytest
 
+from cerevisor_tui.contract import events as ev
 from tests.conftest import until
+from tests.gateway.conftest import gateway_config, post, served
 from tests.integration import servers
 from tests.integration.checks import engine_for, run_engine
 from tests.integration.conftest import LLAMA_ARGS, Pool
@@ -103,3 +106,33 @@ async def test_vllm_shows_an_estimate_from_its_measured_prefill_rate(smol_vllm: 
     (first,) = [e for e in seen if e.kind == "TurnFinished" and e.agent == "first"]
     assert estimates[0].rate_tok_s == pytest.approx(first.prompt_tokens / first.ttft_s, rel=0.05)
     assert estimates[0].total > first.prompt_tokens
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("api", ["messages", "responses"])
+async def test_a_gateway_request_in_an_api_without_progress_outlives_its_deadline_on_the_estimate(
+        progress_llama: ServerProcess, api: str):
+    # llama-server streams prompt_progress in its chat API only: a harness's /v1/messages (Claude Code) or
+    # /v1/responses (Codex) request is projected from the endpoint's measured prefill rate, and extended while the
+    # server shows life (its decode counter moves with each prompt batch), as a workflow agent's on vLLM is
+    config = gateway_config(
+        endpoints=[{"name": "llama", "kind": "local", "base_url": progress_llama.base_url, "model": SMOLLM2}],
+        run={"warmup": "off", "metrics_interval_s": 0.5},
+        stall={"first_byte_timeout_s": 8.0, "idle_timeout_s": 60.0, "extend_when_server_busy": True})
+
+    def body(text: str) -> dict:
+        if api == "messages":
+            return {"model": SMOLLM2, "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": text}]}
+        return {"model": SMOLLM2, "max_output_tokens": 16, "stream": True, "input": text}
+
+    async with served(config) as s, httpx.AsyncClient(timeout=600) as client:
+        for text in ("Say one word.", long_prompt()):  # the first measures the endpoint's prefill rate
+            answer = await post(client, s.url + f"/{api}", body(text), headers={"X-Session-ID": api})
+            assert answer.status == 200 and b"deadline" not in answer.raw, answer.raw[-400:]
+    assert not s.of(ev.AgentKilled)
+    estimates = [e for e in s.of(ev.PrefillProgress, api) if e.estimated]
+    assert estimates and estimates[0].total > 3000
+    extended = [e.reason for e in s.of(ev.StallExtended, api)]
+    assert extended and all("(est.)" in reason for reason in extended), extended
+    done = s.of(ev.TurnFinished, api)[-1]
+    assert done.ttft_s > 8.0, f"the prefill took {done.ttft_s:.1f} s: not past the deadline, nothing tested"
