@@ -13,6 +13,9 @@ import sys
 from cerevisor_tui import __version__
 from cerevisor_tui.kinds import MODES
 
+REPLAY_PRESETS = ("agentx", "aiperf-inference-day", "tiered-offload")  # replay/generate.py PRESETS (a test checks)
+REPLAY_FORMATS = ("mooncake", "weka", "tracelab")  # replay/importers.py FORMATS
+
 EPILOG = """\
 examples:
   cerevisor-tui                               console on the built-in simulator (demo workflow)
@@ -24,6 +27,7 @@ examples:
   cerevisor-tui sim --port 8000               a simulated vLLM-like server on loopback
   cerevisor-tui probe http://127.0.0.1:8000/v1
   cerevisor-tui estimate --model llama-3.1-8b --gpu h100 --context 32768
+  cerevisor-tui replay generate --preset agentx -o agentx.jsonl   agentic sessions as the studies describe them
 
 exit codes: 0 success; 1 the run ended with failed or killed agents (probe: endpoint unusable);
 2 usage or config error; 141 the output was closed before it was all written (ls | head).
@@ -223,6 +227,63 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     probe.add_argument("--max-requests", type=int, default=1000, metavar="N", help="most requests in all, warm-up included (default 1000)")
     probe.add_argument("--max-seconds", type=float, metavar="S", help="most seconds in all (default 180; with --workflow 600)")
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    replay = sub.add_parser(
+        "replay",
+        help="agentic sessions as the sizing studies describe them: generate a file, or import a published trace",
+        description="A replay file holds agentic sessions, one JSON line per turn: session_id, turn (from 1), "
+        "input_length (the tokens new at this turn; turn 1: the whole first prompt), output_length, hash_ids "
+        "(the whole prompt's 512-token blocks: the same id, the same text), delay_ms (the gap before the turn) "
+        "and parent (a subagent's parent session, or null).",
+        epilog="examples:\n"
+        "  cerevisor-tui replay generate --preset agentx -o agentx.jsonl\n"
+        "  cerevisor-tui replay generate --preset aiperf-inference-day --sessions 1131 --seed 42 -o day.jsonl\n"
+        "  cerevisor-tui replay import conversation_trace.jsonl --format mooncake -o mooncake.jsonl\n\n"
+        "Each prints what the file holds: turns a session, first context, new and output tokens a turn, gaps,\n"
+        "the whole prompt a turn, the prefix share and subagents (--json: as one object). README: \"Agentic replay\".",
+        formatter_class=_formatter,
+    )
+    replay_sub = replay.add_subparsers(dest="replay_command", metavar="ACTION", parser_class=_Parser, required=True)
+    generate = replay_sub.add_parser(
+        "generate",
+        help="generate sessions from a preset",
+        description="Generate agentic coding sessions from AIPerf's layer model (shared tools and system prompt, "
+        "a group's repository context, the session's start, its growing history; lognormal sizes; agentic and "
+        "human gaps; resets, restarts and subagents). The same preset, count and seed give the same file.\n\n"
+        "presets:\n"
+        "  aiperf-inference-day  AIPerf's reference trace: medians 11 turns a session, 47.3K first context,\n"
+        "                        3.9K new and 786 output tokens a turn, 2.0 s between turns (1,131 sessions)\n"
+        "  agentx                vLLM's AgentX study: medians 43 turns, 142K input and 444 output tokens a turn,\n"
+        "                        > 95% of each turn's input a prefix of the one before, 44% spawn subagents (256)\n"
+        "  tiered-offload        vLLM's tiered KV offloading study: 12K first prompt + 2K a round, 8 rounds (128)",
+        epilog="example:\n  cerevisor-tui replay generate --preset aiperf-inference-day --sessions 1131 --seed 42 -o day.jsonl",
+        formatter_class=_formatter,
+    )
+    generate.add_argument("--preset", required=True, choices=REPLAY_PRESETS, metavar="NAME",
+                          help="agentx, aiperf-inference-day or tiered-offload")
+    generate.add_argument("--sessions", type=int, metavar="N", help="top-level sessions (default: the preset's count)")
+    generate.add_argument("--seed", type=int, default=42, metavar="S", help="random seed (default 42)")
+    generate.add_argument("-o", "--output", required=True, metavar="FILE", help="the replay file to write")
+    generate.add_argument("--json", action="store_true", help="print what the file holds as one JSON object")
+    importer = replay_sub.add_parser(
+        "import",
+        help="read a published trace (Mooncake, Weka, TraceLab) into a replay file",
+        description="Read a published trace into a replay file.\n\n"
+        "formats:\n"
+        "  mooncake  JSON lines of timestamp, input_length, output_length, hash_ids (Mooncake's traces; with\n"
+        "            session_id and delay: AIPerf's multi-turn rows)\n"
+        "  weka      Weka's KV-cache-tester traces: a JSON object per trace (id, block_size, hash_id_scope,\n"
+        "            requests with t, type, in, out, hash_ids; subagent entries become subagent sessions)\n"
+        "  tracelab  TraceLab's normalized round trace (session_id, round_index, input_tokens_total,\n"
+        "            output_tokens, tools' latencies as the gap after a round)\n\n"
+        "A turn whose prompt does not extend the one before (a compaction) starts a new session <id>~<n>.",
+        epilog="example:\n  cerevisor-tui replay import llm_round_trace.public.jsonl --format tracelab -o tracelab.jsonl",
+        formatter_class=_formatter,
+    )
+    importer.add_argument("file", metavar="FILE", help="the published trace")
+    importer.add_argument("--format", required=True, choices=REPLAY_FORMATS, help="the trace's format")
+    importer.add_argument("-o", "--output", required=True, metavar="FILE", help="the replay file to write")
+    importer.add_argument("--json", action="store_true", help="print what the file holds as one JSON object")
 
     est = sub.add_parser(
         "estimate",

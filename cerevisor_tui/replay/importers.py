@@ -1,0 +1,295 @@
+"""Published traces read into the replay file: Mooncake, Weka and TraceLab.
+
+- mooncake: JSON lines `{"timestamp", "input_length", "output_length", "hash_ids"}` (kvcache-ai/Mooncake's
+  traces: each line a request, its whole prompt's 512-token blocks; `timestamp` in ms). Lines with a
+  `session_id` are AIPerf's multi-turn flavour (agentic_code_gen/writer.py): the first row of a session holds
+  its whole first prompt, later rows the new tokens (`input_length`, their own blocks) and `delay` (ms).
+- weka: Weka's KV-cache-tester traces, a JSON object per trace (a file of one, or JSON lines):
+  `id`, `block_size`, `hash_id_scope` (local | global), `requests` of `{"t", "type": "n"|"s", "in", "out",
+  "hash_ids", "think_time"?, "api_time"?}` and `{"type": "subagent", "agent_id", "requests": [...]}`
+  (field names as aiperf's weka adapter reads them: dataset/graph/adapters/weka/trace_models.py).
+- tracelab: uw-syfi/TraceLab's normalized round trace, JSON lines: `session_id`, `round_index`,
+  `input_tokens_total`, `output_tokens`, `tools` (each with `tool_internal_latency_ms` or
+  `tool_wall_latency_ms`: the gap after the round, as its csv_export sums it). It has no blocks: each session's
+  prompt is its own blocks, each round extending the one before.
+
+A turn whose prompt does not extend the previous one (a compaction, a branch) starts a new session named
+`<id>~<n>`; blocks of another size than 512 tokens are re-blocked so that the same prefix keeps the same ids.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from cerevisor_tui.replay.trace import BLOCK_TOKENS, MAX_LINE_BYTES, TraceError, TraceTurn
+
+Format = Literal["mooncake", "weka", "tracelab"]
+FORMATS: tuple[Format, ...] = ("mooncake", "weka", "tracelab")
+
+
+def import_trace(path: str | Path, fmt: str) -> list[TraceTurn]:
+    """The turns of the published trace at `path` in format `fmt`, as the replay file holds them."""
+    path = Path(path)
+    readers = {"mooncake": _mooncake, "weka": _weka, "tracelab": _tracelab}
+    if fmt not in readers:
+        raise TraceError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    turns = readers[fmt](path)
+    if not turns:
+        raise TraceError(f"{path}: no requests to import")
+    return turns
+
+
+# ---- shared parts -----------------------------------------------------------------------------------------
+class _Ids:
+    """New block ids, one per distinct key: the same key (a source block, a re-blocked run) the same id."""
+
+    def __init__(self) -> None:
+        self.ids: dict[Hashable, int] = {}
+
+    def of(self, key: Hashable) -> int:
+        return self.ids.setdefault(key, len(self.ids))
+
+    def fresh(self, count: int) -> list[int]:
+        return [self.of(object()) for _ in range(count)]
+
+
+@dataclass
+class _Builder:
+    """Turns of imported sessions, split where a prompt stops extending the one before."""
+
+    ids: _Ids = field(default_factory=_Ids)
+    turns: list[TraceTurn] = field(default_factory=list)
+    state: dict[str, tuple[str, int, int, list[int], list[int], int]] = field(default_factory=dict)
+    splits: dict[str, int] = field(default_factory=dict)
+
+    def add(self, session: str, whole: int, output: int, source: list[int], blocks: list[int],
+            delay_ms: float, parent: str | None = None) -> None:
+        """A request of `session` with a prompt of `whole` tokens whose own blocks are `source` (compared to
+        the previous request's to tell an extension) and `blocks` (its ids in the replay file)."""
+        blocks = self.pad(blocks, whole)
+        if session in self.state:
+            name, turn, prompt, before, _, answer = self.state[session]
+            if source[: len(before)] == before and whole >= prompt:
+                new = max(0, whole - prompt - answer)
+                self._emit(name, turn + 1, new, output, blocks, delay_ms, None)
+                self.state[session] = (name, turn + 1, whole, source, blocks, output)
+                return
+            self.splits[session] = self.splits.get(session, 1) + 1
+            name = f"{session}~{self.splits[session]}"
+            parent = None
+        else:
+            name = session
+        self._emit(name, 1, whole, output, blocks, delay_ms, parent)
+        self.state[session] = (name, 1, whole, source, blocks, output)
+
+    def blocks_of(self, session: str) -> list[int]:
+        return self.state[session][4] if session in self.state else []
+
+    def _emit(self, name: str, turn: int, new: int, output: int, blocks: list[int], delay_ms: float,
+              parent: str | None) -> None:
+        self.turns.append(TraceTurn(session_id=name, turn=turn, input_length=new, output_length=output,
+                                    hash_ids=blocks, delay_ms=round(max(0.0, float(delay_ms)), 1), parent=parent))
+
+    def pad(self, blocks: list[int], whole: int) -> list[int]:
+        """Exactly ceil(whole / 512) ids: a trace that covers only full blocks gets a fresh tail block."""
+        needed = math.ceil(whole / BLOCK_TOKENS)
+        return blocks[:needed] + self.ids.fresh(max(0, needed - len(blocks)))
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    try:
+        handle = path.open("rb")
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if len(line) > MAX_LINE_BYTES:
+                raise TraceError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise TraceError(f"{path}:{number}: not JSON ({exc})") from None
+            if not isinstance(record, dict):
+                raise TraceError(f"{path}:{number}: not a JSON object")
+            yield number, record
+
+
+def _field(record: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str,
+           default: Any = ..., minimum: float | None = 0) -> Any:
+    """`record[name]`, checked: of `kind` (bool is not a number), at least `minimum`."""
+    if name not in record or record[name] is None:
+        if default is ...:
+            raise TraceError(f"{where}: {name}: missing")
+        return default
+    value = record[name]
+    if isinstance(value, bool) or not isinstance(value, kind):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise TraceError(f"{where}: {name}: expected {names}, got {json.dumps(value)[:40]}")
+    if minimum is not None and isinstance(value, int | float) and value < minimum:
+        raise TraceError(f"{where}: {name}: must be at least {minimum}, got {value}")
+    return value
+
+
+def _id_list(record: dict[str, Any], name: str, where: str) -> list[int]:
+    values = _field(record, name, list, where, default=[])
+    for index, value in enumerate(values):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TraceError(f"{where}: {name}[{index}]: expected an int >= 0, got {json.dumps(value)[:40]}")
+    return values
+
+
+# ---- mooncake ---------------------------------------------------------------------------------------------
+def _mooncake(path: Path) -> list[TraceTurn]:
+    builder = _Builder()
+    start_ms: float | None = None
+    for number, record in _json_lines(path):
+        where = f"{path}:{number}"
+        whole_or_new = _field(record, "input_length", int, where)
+        output = _field(record, "output_length", int, where)
+        source = _id_list(record, "hash_ids", where)
+        stamp = _field(record, "timestamp", (int, float), where, default=None)
+        session = _field(record, "session_id", str, where, default=None)
+        if session is None or session not in builder.state:
+            if stamp is not None:
+                start_ms = stamp if start_ms is None else start_ms
+            delay_ms = stamp - start_ms if stamp is not None and start_ms is not None else 0.0
+            name = session if session is not None else f"m{number:06d}"
+            blocks = [builder.ids.of(block) for block in source]
+            builder.add(name, whole_or_new, output, blocks, blocks, delay_ms)
+            continue
+        # AIPerf's multi-turn rows: new tokens and their own blocks, after the previous prompt and answer
+        _, _, prompt, before, history, answer = builder.state[session]
+        whole = prompt + answer + whole_or_new
+        delay_ms = _field(record, "delay", (int, float), where, default=0.0)
+        builder.add(session, whole, output, before, history, delay_ms)
+    return builder.turns
+
+
+# ---- weka -------------------------------------------------------------------------------------------------
+def _weka(path: Path) -> list[TraceTurn]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    builder = _Builder()
+    try:
+        traces = [(1, json.loads(text))]
+    except json.JSONDecodeError:
+        traces = list(_json_lines(path))
+    for number, trace in traces:
+        if not isinstance(trace, dict):
+            raise TraceError(f"{path}:{number}: not a JSON object")
+        _weka_trace(trace, f"{path}:{number}", builder)
+    return builder.turns
+
+
+def _weka_trace(trace: dict[str, Any], where: str, builder: _Builder) -> None:
+    trace_id = _field(trace, "id", str, where)
+    block_size = _field(trace, "block_size", int, where, minimum=1)
+    scope = _field(trace, "hash_id_scope", str, where, default="local")
+    if scope not in ("local", "global"):
+        raise TraceError(f"{where}: hash_id_scope: expected local or global, got {scope!r}")
+    if BLOCK_TOKENS % block_size and block_size % BLOCK_TOKENS:
+        raise TraceError(f"{where}: block_size: {block_size}-token blocks cannot be re-blocked into "
+                         f"{BLOCK_TOKENS}-token blocks (neither divides the other)")
+    namespace = trace_id if scope == "local" else ""
+    requests = _field(trace, "requests", list, where)
+    _weka_requests(requests, trace_id, None, f"{where}: trace {trace_id!r}", block_size, namespace, builder)
+
+
+def _weka_requests(requests: list[Any], session: str, parent: str | None, where: str, block_size: int,
+                   namespace: str, builder: _Builder, answered_at: float | None = None) -> None:
+    """A session's requests; `answered_at`: when the request before the first was answered (a subagent's
+    parent's), in the trace's seconds."""
+    for index, request in enumerate(requests):
+        at = f"{where} requests[{index}]"
+        if not isinstance(request, dict):
+            raise TraceError(f"{at}: not a JSON object")
+        kind = _field(request, "type", str, at)
+        t = _field(request, "t", (int, float), at)
+        think = _field(request, "think_time", (int, float), at, default=None)
+        if kind == "subagent":
+            agent = _field(request, "agent_id", str, at)
+            inner = _field(request, "requests", list, at)
+            if session not in builder.state:
+                raise TraceError(f"{at}: a subagent before its parent's first request")
+            _weka_requests(inner, f"{session}/{agent}", session, f"{where} subagent {agent!r}", block_size,
+                           namespace, builder, answered_at)
+            continue
+        if kind not in ("n", "s"):
+            raise TraceError(f"{at}: type: expected n, s or subagent, got {kind!r}")
+        whole = _field(request, "in", int, at)
+        output = _field(request, "out", int, at)
+        source = _id_list(request, "hash_ids", at)
+        api_s = _field(request, "api_time", (int, float), at, default=None)
+        if think is not None:
+            delay_ms = think * 1000
+        else:
+            delay_ms = (t - answered_at) * 1000 if answered_at is not None else 0.0
+        keyed = [(namespace, block) for block in source]
+        builder.add(session, whole, output, keyed, _reblock(keyed, block_size, builder.ids), delay_ms,
+                    parent=parent)
+        answered_at = t + api_s if api_s is not None else t
+
+
+def _reblock(source: list[tuple[str, int]], block_size: int, ids: _Ids) -> list[int]:
+    """`source` blocks of `block_size` tokens as 512-token block ids: each new block named by the source
+    blocks it covers and the block before it, so the same prefix gives the same ids."""
+    if block_size == BLOCK_TOKENS:
+        return [ids.of(key) for key in source]
+    if block_size > BLOCK_TOKENS:
+        return [ids.of((key, part)) for key in source for part in range(block_size // BLOCK_TOKENS)]
+    per = BLOCK_TOKENS // block_size
+    out: list[int] = []
+    previous = -1
+    for start in range(0, len(source), per):
+        previous = ids.of((previous, tuple(source[start:start + per])))
+        out.append(previous)
+    return out
+
+
+# ---- tracelab ---------------------------------------------------------------------------------------------
+def _tracelab(path: Path) -> list[TraceTurn]:
+    rounds: dict[str, list[tuple[int, int, dict[str, Any], str]]] = {}
+    for number, record in _json_lines(path):
+        session = record.get("session_id")
+        if not isinstance(session, str) or not session:
+            continue  # as TraceLab's own csv_export: a round without a session is not part of one
+        where = f"{path}:{number}"
+        index = _field(record, "round_index", int, where)
+        rounds.setdefault(session, []).append((index, number, record, where))
+    builder = _Builder()
+    for session, items in rounds.items():
+        items.sort(key=lambda item: (item[0], item[1]))
+        wait_ms = 0.0
+        for _, _, record, where in items:
+            whole = _field(record, "input_tokens_total", int, where)
+            output = _field(record, "output_tokens", int, where)
+            before = builder.blocks_of(session)
+            extends = session in builder.state and whole >= builder.state[session][2]
+            blocks = builder.pad(before if extends else [], whole)
+            builder.add(session, whole, output, blocks, blocks, wait_ms)
+            wait_ms = _tool_wait_ms(record, where)
+    return builder.turns
+
+
+def _tool_wait_ms(record: dict[str, Any], where: str) -> float:
+    """The tools' time after a round: each call's own duration, else its wall time (TraceLab's rule)."""
+    total = 0.0
+    for index, tool in enumerate(_field(record, "tools", list, where, default=[])):
+        if not isinstance(tool, dict):
+            raise TraceError(f"{where}: tools[{index}]: not a JSON object")
+        at = f"{where}: tools[{index}]"
+        internal = _field(tool, "tool_internal_latency_ms", (int, float), at, default=None, minimum=None)
+        wall = _field(tool, "tool_wall_latency_ms", (int, float), at, default=None, minimum=None)
+        latency = internal if internal is not None else wall
+        if latency is not None and latency > 0:
+            total += latency
+    return total
