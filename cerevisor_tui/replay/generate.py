@@ -211,7 +211,7 @@ class _Generator:
         group = min(group, preset.groups - 1)
         fixed = preset.shared_tokens + preset.group_tokens
         first = min(fixed + max(1, round(preset.session_tokens.sample(self.rng))), preset.max_prompt_tokens - 1)
-        base = self.group_base(group)
+        base = self._group_base(group)
         blocks = self._extend(self.shared_ids + list(range(base, base + self.group_blocks)), first)
         self._add(session, first, first, blocks, 0.0)
         if preset.turns is not None:
@@ -263,7 +263,7 @@ class _Generator:
             parent.subagents.setdefault(at, []).append(child)
 
     # ---- the layer model's parts ----------------------------------------------------------------------
-    def group_base(self, group: int) -> int:
+    def _group_base(self, group: int) -> int:
         return len(self.shared_ids) + group * self.group_blocks
 
     def _extend(self, blocks: list[int], whole: int) -> list[int]:
