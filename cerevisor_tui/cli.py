@@ -238,7 +238,8 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         epilog="examples:\n"
         "  cerevisor-tui replay generate --preset agentx -o agentx.jsonl\n"
         "  cerevisor-tui replay generate --preset aiperf-inference-day --sessions 1131 --seed 42 -o day.jsonl\n"
-        "  cerevisor-tui replay import conversation_trace.jsonl --format mooncake -o mooncake.jsonl\n\n"
+        "  cerevisor-tui replay import conversation_trace.jsonl --format mooncake -o mooncake.jsonl\n"
+        "  cerevisor-tui replay run agentx.jsonl --sim llama-3.1-8b@h100 --speed 10\n\n"
         "Each prints what the file holds: turns a session, first context, new and output tokens a turn, gaps,\n"
         "the whole prompt a turn, the prefix share and subagents (--json: as one object). README: \"Agentic replay\".",
         formatter_class=_formatter,
@@ -284,6 +285,35 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     importer.add_argument("--format", required=True, choices=REPLAY_FORMATS, help="the trace's format")
     importer.add_argument("-o", "--output", required=True, metavar="FILE", help="the replay file to write")
     importer.add_argument("--json", action="store_true", help="print what the file holds as one JSON object")
+
+    run_replay = replay_sub.add_parser(
+        "run",
+        help="replay a file closed loop against a server or the built-in simulator",
+        description="Send a replay file's sessions to a server, closed loop: each turn only after the previous "
+        "answer arrived and its gap passed (divided by --speed), --concurrency sessions at a time (a subagent "
+        "runs within its parent's session, starting after the answer that spawned it). A prompt is its blocks' "
+        "text, so the server's prefix cache sees the file's own sharing; max_tokens is the turn's output_length.\n\n"
+        "Without --endpoint it starts a simulator (--sim PROFILE picks its model and GPU; --speed scales its "
+        "clock too, and the times shown are its own). It prints turns completed, TTFT and interactivity (output "
+        "tokens/s per user) p50/p90 and the prefix-cache hit rate from the server's /metrics counters.\n"
+        "exit codes: 0 every turn answered; 1 some failed (the first error is shown); 2 usage or file error.",
+        epilog="examples:\n"
+        "  cerevisor-tui replay run tiered.jsonl --sim --speed 20 --concurrency 32\n"
+        "  cerevisor-tui replay run agentx.jsonl --sim llama-3.1-8b@h100 --speed 10 --json\n"
+        "  cerevisor-tui replay run agentx.jsonl --endpoint http://127.0.0.1:8000/v1 --concurrency 16",
+        formatter_class=_formatter,
+    )
+    run_replay.add_argument("file", metavar="FILE", help="the replay file")
+    target = run_replay.add_mutually_exclusive_group()
+    target.add_argument("--endpoint", metavar="URL", help="the server's OpenAI base URL (…/v1)")
+    target.add_argument("--sim", nargs="?", const="", metavar="PROFILE",
+                        help="the built-in simulator (the default), with a model+GPU profile (see `sim --help`)")
+    run_replay.add_argument("--model", metavar="ID", help="model id to request (default: the first of /v1/models)")
+    run_replay.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
+    run_replay.add_argument("--concurrency", type=int, default=8, metavar="N", help="sessions at once (default 8)")
+    run_replay.add_argument("--speed", type=float, default=1.0, metavar="X",
+                            help="divide the gaps between turns by X (and run the simulator X times faster)")
+    run_replay.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     est = sub.add_parser(
         "estimate",

@@ -1,5 +1,5 @@
 """`cerevisor-tui replay`: write a file of agentic sessions, generated from a preset or imported from a
-published trace, and say what it holds in the studies' own figures."""
+published trace, and say what it holds in the studies' own figures; or replay one against a server."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ PROG = "cerevisor-tui replay"
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.replay_command == "run":
+        return _replay(args)
     from cerevisor_tui.replay.stats import trace_stats
 
     try:
@@ -61,3 +63,77 @@ def _print_stats(stats, path: str, out: TextIO) -> None:
 
 def _tokens(value: float) -> str:
     return f"{value / 1000:.1f}K" if value >= 10_000 else f"{value:,.0f}"
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """`replay run`: the file closed loop against --endpoint, or a built-in simulator; exit 1 when turns failed."""
+    import asyncio
+    import os
+
+    from cerevisor_tui.endpoints.errors import EndpointError
+    from cerevisor_tui.replay.run import ReplayReport, ReplaySettings, replay
+    from cerevisor_tui.replay.trace import read_trace
+    from cerevisor_tui.sim import ProfileError
+
+    where = f"{PROG} run"
+    if args.concurrency < 1 or args.speed <= 0:
+        print(f"{where}: error: --concurrency must be at least 1 and --speed above 0", file=sys.stderr)
+        return 2
+    try:
+        turns = read_trace(args.file)
+    except TraceError as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 2
+    headers = {}
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+        if not key:
+            print(f"{where}: error: --api-key-env: ${args.api_key_env} is not set", file=sys.stderr)
+            return 2
+        headers["Authorization"] = f"Bearer {key}"
+    simulated = args.endpoint is None
+    settings = ReplaySettings(concurrency=args.concurrency, speed=args.speed,
+                              time_scale=args.speed if simulated else 1.0, model=args.model or "",
+                              extra_headers=headers)
+
+    async def against_sim() -> ReplayReport:
+        from cerevisor_tui.config.models import SimSettings
+        from cerevisor_tui.sim import SimServer
+
+        async with SimServer(SimSettings(profile=args.sim or "", speed=args.speed)) as sim:
+            return await replay(turns, sim.base_url, settings)
+
+    try:
+        report = asyncio.run(against_sim() if simulated else replay(turns, args.endpoint, settings))
+    except EndpointError as exc:
+        print(f"{where}: error: {exc.problem}", file=sys.stderr)
+        return 2
+    except ProfileError as exc:
+        print(f"{where}: error: --sim: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump({**report.to_dict(), "simulated": simulated}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _print_report(report, simulated, sys.stdout)
+    return 1 if report.turns_failed else 0
+
+
+def _print_report(report, simulated: bool, out: TextIO) -> None:
+    kind = "SIMULATED " if simulated else ""
+    clock = " (the simulator's clock)" if simulated and report.speed != 1 else ""
+    out.write(f"replayed {report.turns_completed:,} of {report.turns:,} turns ({report.sessions_completed:,} of "
+              f"{report.sessions:,} sessions complete) against {kind}{report.model} at {report.base_url}, "
+              f"{report.concurrency} at a time: {report.makespan_s:.1f} s{clock}\n")
+    ttft, rate = report.ttft, report.interactivity
+
+    def shown(value: float | None, unit: str) -> str:
+        return "-" if value is None else f"{value:.2f}{unit}"
+
+    out.write(f"TTFT p50 {shown(ttft['p50_s'], ' s')}, p90 {shown(ttft['p90_s'], ' s')}; interactivity p50 "
+              f"{shown(rate['p50_tokens_per_s'], '')}, p90 {shown(rate['p90_tokens_per_s'], '')} tokens/s per user\n")
+    hits = "-" if report.prefix_hit_rate is None else f"{report.prefix_hit_rate:.1%}"
+    out.write(f"prefix-cache hits {hits} (the server's own counters over the replay); "
+              f"{report.prompt_tokens:,} prompt and {report.output_tokens:,} output tokens\n")
+    if report.first_error:
+        out.write(f"{report.turns_failed:,} turns failed; the first: {report.first_error}\n")
