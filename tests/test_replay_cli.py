@@ -28,7 +28,9 @@ def test_generate_writes_the_presets_file_and_prints_its_figures(tmp_path):
     done = replay("generate", "--preset", "aiperf-inference-day", "--sessions", "30", "--seed", "4", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert read_trace(out) == generate("aiperf-inference-day", sessions=30, seed=4)
-    assert done.stdout.startswith("wrote ") and "turns a session" in done.stdout and "prefix share" in done.stdout
+    first, second = done.stdout.splitlines()[:2]
+    assert first.startswith("preset aiperf-inference-day: AIPerf") and second.startswith("wrote ")
+    assert "turns a session" in done.stdout and "prefix share" in done.stdout
 
 
 def test_generate_json_is_one_object_of_the_files_figures(tmp_path):

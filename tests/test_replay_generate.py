@@ -171,3 +171,14 @@ def test_every_problem_is_one_line_naming_file_line_and_field(tmp_path, lines, w
 def test_a_missing_file_is_one_line(tmp_path):
     with pytest.raises(TraceError, match="cannot read"):
         read_trace(tmp_path / "none.jsonl")
+
+
+def test_a_line_past_the_limit_is_refused_before_it_is_held(tmp_path, monkeypatch):
+    from cerevisor_tui.replay import trace
+
+    monkeypatch.setattr(trace, "MAX_LINE_BYTES", 200)
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"session_id":"a","turn":1,"input_length":1,"output_length":1,"hash_ids":[0]}\n'
+                    + '{"session_id":"a","turn":2,"hash_ids":[' + "1," * 500 + "1]}\n")
+    with pytest.raises(TraceError, match=r":2: line longer than 200 bytes"):
+        read_trace(path)

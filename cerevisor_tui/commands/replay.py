@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from cerevisor_tui.replay.trace import TraceError, TraceTurn, write_trace
+
+if TYPE_CHECKING:
+    from cerevisor_tui.replay.run import ReplayReport
+    from cerevisor_tui.replay.stats import TraceStats
 
 PROG = "cerevisor-tui replay"
 
@@ -25,6 +29,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"{PROG} {args.replay_command}: error: {exc}", file=sys.stderr)
         return 2
     stats = trace_stats(turns)
+    if args.replay_command == "generate" and not args.json:
+        from cerevisor_tui.replay.generate import PRESETS
+
+        print(f"preset {args.preset}: {PRESETS[args.preset].source}")
     if args.json:
         json.dump({"file": args.output, **stats.to_dict()}, sys.stdout)
         sys.stdout.write("\n")
@@ -43,7 +51,7 @@ def _turns(args: argparse.Namespace) -> list[TraceTurn]:
     return import_trace(args.file, args.format)
 
 
-def _print_stats(stats, path: str, out: TextIO) -> None:
+def _print_stats(stats: TraceStats, path: str, out: TextIO) -> None:
     subagents = f", {stats.subagent_sessions:,} subagent sessions" if stats.subagent_sessions else ""
     out.write(f"wrote {stats.turns:,} turns of {stats.sessions:,} sessions{subagents} to {path}\n")
     out.write(f"{'':22}{'median':>10}{'mean':>10}\n")
@@ -71,7 +79,7 @@ def _replay(args: argparse.Namespace) -> int:
     import os
 
     from cerevisor_tui.endpoints.errors import EndpointError
-    from cerevisor_tui.replay.run import ReplayReport, ReplaySettings, replay
+    from cerevisor_tui.replay.run import ReplaySettings, replay
     from cerevisor_tui.replay.trace import read_trace
     from cerevisor_tui.sim import ProfileError
 
@@ -119,7 +127,7 @@ def _replay(args: argparse.Namespace) -> int:
     return 1 if report.turns_failed else 0
 
 
-def _print_report(report, simulated: bool, out: TextIO) -> None:
+def _print_report(report: ReplayReport, simulated: bool, out: TextIO) -> None:
     kind = "SIMULATED " if simulated else ""
     clock = " (the simulator's clock)" if simulated and report.speed != 1 else ""
     out.write(f"replayed {report.turns_completed:,} of {report.turns:,} turns ({report.sessions_completed:,} of "

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cerevisor_tui.replay.trace import BLOCK_TOKENS, MAX_LINE_BYTES, TraceError, TraceTurn
+from cerevisor_tui.replay.trace import BLOCK_TOKENS, TraceError, TraceTurn, numbered_lines
 
 Format = Literal["mooncake", "weka", "tracelab"]
 FORMATS: tuple[Format, ...] = ("mooncake", "weka", "tracelab")
@@ -58,37 +58,45 @@ class _Ids:
         return [self.of(object()) for _ in range(count)]
 
 
+@dataclass(frozen=True)
+class _Last:
+    """A source session's last request as written: under which name, its turn, prompt, blocks and answer."""
+
+    name: str
+    turn: int
+    prompt: int
+    source: list[Any]  # its blocks as the trace names them
+    blocks: list[int]  # its blocks in the replay file
+    answer: int
+
+
 @dataclass
 class _Builder:
     """Turns of imported sessions, split where a prompt stops extending the one before."""
 
     ids: _Ids = field(default_factory=_Ids)
     turns: list[TraceTurn] = field(default_factory=list)
-    state: dict[str, tuple[str, int, int, list[int], list[int], int]] = field(default_factory=dict)
+    last: dict[str, _Last] = field(default_factory=dict)
     splits: dict[str, int] = field(default_factory=dict)
 
-    def add(self, session: str, whole: int, output: int, source: list[int], blocks: list[int],
+    def add(self, session: str, whole: int, output: int, source: list[Any], blocks: list[int],
             delay_ms: float, parent: str | None = None) -> None:
         """A request of `session` with a prompt of `whole` tokens whose own blocks are `source` (compared to
         the previous request's to tell an extension) and `blocks` (its ids in the replay file)."""
         blocks = self.pad(blocks, whole)
-        if session in self.state:
-            name, turn, prompt, before, _, answer = self.state[session]
-            if source[: len(before)] == before and whole >= prompt:
-                new = max(0, whole - prompt - answer)
-                self._emit(name, turn + 1, new, output, blocks, delay_ms, None)
-                self.state[session] = (name, turn + 1, whole, source, blocks, output)
-                return
-            self.splits[session] = self.splits.get(session, 1) + 1
-            name = f"{session}~{self.splits[session]}"
-            parent = None
-        else:
+        last = self.last.get(session)
+        if last is not None and source[: len(last.source)] == last.source and whole >= last.prompt:
+            new = max(0, whole - last.prompt - last.answer)
+            self._emit(last.name, last.turn + 1, new, output, blocks, delay_ms, None)
+            self.last[session] = _Last(last.name, last.turn + 1, whole, source, blocks, output)
+            return
+        if last is None:
             name = session
+        else:  # a compaction or a branch: the prompt starts over
+            self.splits[session] = self.splits.get(session, 1) + 1
+            name, parent = f"{session}~{self.splits[session]}", None
         self._emit(name, 1, whole, output, blocks, delay_ms, parent)
-        self.state[session] = (name, 1, whole, source, blocks, output)
-
-    def blocks_of(self, session: str) -> list[int]:
-        return self.state[session][4] if session in self.state else []
+        self.last[session] = _Last(name, 1, whole, source, blocks, output)
 
     def _emit(self, name: str, turn: int, new: int, output: int, blocks: list[int], delay_ms: float,
               parent: str | None) -> None:
@@ -102,23 +110,14 @@ class _Builder:
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    with handle:
-        for number, line in enumerate(handle, start=1):
-            if len(line) > MAX_LINE_BYTES:
-                raise TraceError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise TraceError(f"{path}:{number}: not JSON ({exc})") from None
-            if not isinstance(record, dict):
-                raise TraceError(f"{path}:{number}: not a JSON object")
-            yield number, record
+    for number, line in numbered_lines(path):
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise TraceError(f"{path}:{number}: not JSON ({exc})") from None
+        if not isinstance(record, dict):
+            raise TraceError(f"{path}:{number}: not a JSON object")
+        yield number, record
 
 
 def _field(record: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str,
@@ -156,7 +155,8 @@ def _mooncake(path: Path) -> list[TraceTurn]:
         source = _id_list(record, "hash_ids", where)
         stamp = _field(record, "timestamp", (int, float), where, default=None)
         session = _field(record, "session_id", str, where, default=None)
-        if session is None or session not in builder.state:
+        last = builder.last.get(session) if session is not None else None
+        if last is None:
             if stamp is not None:
                 start_ms = stamp if start_ms is None else start_ms
             delay_ms = stamp - start_ms if stamp is not None and start_ms is not None else 0.0
@@ -165,10 +165,9 @@ def _mooncake(path: Path) -> list[TraceTurn]:
             builder.add(name, whole_or_new, output, blocks, blocks, delay_ms)
             continue
         # AIPerf's multi-turn rows: new tokens and their own blocks, after the previous prompt and answer
-        _, _, prompt, before, history, answer = builder.state[session]
-        whole = prompt + answer + whole_or_new
+        whole = last.prompt + last.answer + whole_or_new
         delay_ms = _field(record, "delay", (int, float), where, default=0.0)
-        builder.add(session, whole, output, before, history, delay_ms)
+        builder.add(session, whole, output, last.source, last.blocks, delay_ms)
     return builder.turns
 
 
@@ -218,7 +217,7 @@ def _weka_requests(requests: list[Any], session: str, parent: str | None, where:
         if kind == "subagent":
             agent = _field(request, "agent_id", str, at)
             inner = _field(request, "requests", list, at)
-            if session not in builder.state:
+            if session not in builder.last:
                 raise TraceError(f"{at}: a subagent before its parent's first request")
             _weka_requests(inner, f"{session}/{agent}", session, f"{where} subagent {agent!r}", block_size,
                            namespace, builder, answered_at)
@@ -272,9 +271,8 @@ def _tracelab(path: Path) -> list[TraceTurn]:
         for _, _, record, where in items:
             whole = _field(record, "input_tokens_total", int, where)
             output = _field(record, "output_tokens", int, where)
-            before = builder.blocks_of(session)
-            extends = session in builder.state and whole >= builder.state[session][2]
-            blocks = builder.pad(before if extends else [], whole)
+            last = builder.last.get(session)
+            blocks = builder.pad(last.blocks if last is not None and whole >= last.prompt else [], whole)
             builder.add(session, whole, output, blocks, blocks, wait_ms)
             wait_ms = _tool_wait_ms(record, where)
     return builder.turns

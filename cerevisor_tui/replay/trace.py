@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, BinaryIO
 
 import msgspec
 
@@ -21,7 +21,7 @@ BLOCK_TOKENS = 512
 """Tokens per hash block: Mooncake's and AIPerf's block size; an imported trace with another is re-blocked."""
 
 MAX_LINE_BYTES = 16 * 1024 * 1024
-"""A line past this is refused as it is read, not held: a 1M-token prompt's 2,000 ids take ~16 KB."""
+"""A line past this is refused as it is read, never held whole: a 1M-token prompt's 2,000 ids take ~16 KB."""
 
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -56,32 +56,39 @@ def iter_trace(path: str | Path) -> Iterator[TraceTurn]:
     path = Path(path)
     last_turn: dict[str, int] = {}
     seen_any = False
+    for number, line in numbered_lines(path):
+        try:
+            turn = _decoder.decode(line)
+        except msgspec.ValidationError as exc:
+            raise TraceError(f"{path}:{number}: {_field_problem(str(exc))}") from None
+        except msgspec.DecodeError as exc:
+            raise TraceError(f"{path}:{number}: not a JSON object ({exc})") from None
+        _check_order(turn, last_turn, f"{path}:{number}")
+        seen_any = True
+        yield turn
+    if not seen_any:
+        raise TraceError(f"{path}: no turns (an empty replay file)")
+
+
+def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """The file's lines that are not blank, each with its number (from 1); a line longer than
+    `MAX_LINE_BYTES` is an error as soon as that much of it has been read."""
     try:
         handle = path.open("rb")
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror or exc})") from None
     with handle:
-        for number, line in enumerate(_lines(handle, path), start=1):
-            if not line.strip():
-                continue
-            try:
-                turn = _decoder.decode(line)
-            except msgspec.ValidationError as exc:
-                raise TraceError(f"{path}:{number}: {_field_problem(str(exc))}") from None
-            except msgspec.DecodeError as exc:
-                raise TraceError(f"{path}:{number}: not a JSON object ({exc})") from None
-            _check_order(turn, last_turn, f"{path}:{number}")
-            seen_any = True
-            yield turn
-    if not seen_any:
-        raise TraceError(f"{path}: no turns (an empty replay file)")
+        yield from _bounded_lines(handle, path)
 
 
-def _lines(handle, path: Path) -> Iterator[bytes]:
-    for number, line in enumerate(handle, start=1):
+def _bounded_lines(handle: BinaryIO, path: Path) -> Iterator[tuple[int, bytes]]:
+    number = 0
+    while line := handle.readline(MAX_LINE_BYTES + 1):
+        number += 1
         if len(line) > MAX_LINE_BYTES:
             raise TraceError(f"{path}:{number}: line longer than {MAX_LINE_BYTES} bytes")
-        yield line
+        if line.strip():
+            yield number, line
 
 
 def _field_problem(message: str) -> str:
