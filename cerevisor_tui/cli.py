@@ -299,7 +299,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "exit codes: 0 every turn answered; 1 some failed (the first error is shown); 2 usage or file error.",
         epilog="examples:\n"
         "  cerevisor-tui replay run tiered.jsonl --sim --speed 20 --concurrency 32\n"
-        "  cerevisor-tui replay run agentx.jsonl --sim llama-3.1-8b@h100 --speed 10 --json\n"
+        "  cerevisor-tui replay run agentx.jsonl --sim llama-3.1-8b@h100 --speed 10 --report replay.json\n"
         "  cerevisor-tui replay run agentx.jsonl --endpoint http://127.0.0.1:8000/v1 --concurrency 16",
         formatter_class=_formatter,
     )
@@ -313,6 +313,8 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     run_replay.add_argument("--concurrency", type=int, default=8, metavar="N", help="sessions at once (default 8)")
     run_replay.add_argument("--speed", type=float, default=1.0, metavar="X",
                             help="divide the gaps between turns by X (and run the simulator X times faster)")
+    run_replay.add_argument("--report", metavar="PATH", help="also write the report, with each session's figures, "
+                            "as JSON here")
     run_replay.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     est = sub.add_parser(

@@ -91,13 +91,25 @@ def test_the_command_prints_one_json_report(tmp_path):
     path = tmp_path / "tiered.jsonl"
     write_trace(generate("tiered-offload", sessions=2, seed=1), path)
     done = subprocess.run([sys.executable, "-m", "cerevisor_tui", "replay", "run", str(path), "--sim",
-                           "--speed", "50", "--concurrency", "2", "--json"], capture_output=True, text=True,
-                          timeout=120)
+                           "--speed", "50", "--concurrency", "2", "--json", "--report", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["turns_completed"] == 16 and report["simulated"] is True
     assert 0.8 < report["prefix_hit_rate"] < 0.85
     assert {"p50_s", "p90_s"} <= report["ttft"].keys() and "p90_tokens_per_s" in report["interactivity"]
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert [row["session_id"] for row in written["per_session"]] == ["s00001", "s00002"]
+    assert all(row["turns_completed"] == 8 and row["ttft"]["p50_s"] > 0 for row in written["per_session"])
+    assert {key: value for key, value in written.items() if key != "per_session"} == report
+
+
+def test_an_unwritable_report_is_refused_before_the_replay(tmp_path):
+    path = tmp_path / "tiered.jsonl"
+    write_trace(generate("tiered-offload", sessions=1, seed=1), path)
+    done = subprocess.run([sys.executable, "-m", "cerevisor_tui", "replay", "run", str(path), "--report",
+                           str(tmp_path / "no" / "r.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--report: cannot write" in done.stderr and not done.stdout
 
 
 def test_a_prompt_past_the_servers_context_fails_its_turn_and_exits_1(tmp_path):

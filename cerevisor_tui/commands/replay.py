@@ -92,6 +92,9 @@ def _replay(args: argparse.Namespace) -> int:
     except TraceError as exc:
         print(f"{where}: error: {exc}", file=sys.stderr)
         return 2
+    if args.report and not os.access(os.path.dirname(os.path.abspath(args.report)), os.W_OK):
+        print(f"{where}: error: --report: cannot write {args.report} (its directory is not writable)", file=sys.stderr)
+        return 2
     headers = {}
     if args.api_key_env:
         key = os.environ.get(args.api_key_env)
@@ -119,6 +122,13 @@ def _replay(args: argparse.Namespace) -> int:
     except ProfileError as exc:
         print(f"{where}: error: --sim: {exc}", file=sys.stderr)
         return 2
+    if args.report:
+        try:
+            with open(args.report, "w", encoding="utf-8") as out:
+                json.dump({**report.to_dict(per_session=True), "simulated": simulated}, out, indent=1)
+        except OSError as exc:
+            print(f"{where}: error: --report: cannot write {args.report} ({exc.strerror or exc})", file=sys.stderr)
+            return 2
     if args.json:
         json.dump({**report.to_dict(), "simulated": simulated}, sys.stdout)
         sys.stdout.write("\n")

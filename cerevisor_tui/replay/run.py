@@ -5,7 +5,7 @@ sessions would send it (no coordinated omission).
 A turn's prompt is its blocks' text, one user message: block id b is always the same `BLOCK_CHARS` characters
 (its id, then fixed words), so two prompts share exactly the prefix their `hash_ids` share and the server's
 prefix cache sees the trace's own sharing. 4 characters are a token, as the built-in simulator counts; a real
-tokenizer makes about as many tokens of these words, not exactly. `max_tokens` is the turn's `output_length`;
+tokenizer's count of these English words differs somewhat (and so the prompt's length in its tokens). `max_tokens` is the turn's `output_length`;
 the trace's blocks, not the server's answer, carry the history into the next turn.
 """
 
@@ -90,14 +90,33 @@ class ReplayReport:
     makespan_s: float
     concurrency: int
     speed: float
+    time_scale: float
     first_error: str = ""
     turn_log: list[TurnResult] = field(default_factory=list, repr=False)  # every turn, in the order it ended
 
-    def to_dict(self) -> dict[str, Any]:
-        """The report without its turn log (a replay of thousands of turns prints one line)."""
+    def to_dict(self, *, per_session: bool = False) -> dict[str, Any]:
+        """The report without its turn log; `per_session`: with each session's own figures under "per_session"."""
         figures = asdict(self)
         del figures["turn_log"]
+        if per_session:
+            figures["per_session"] = self.per_session()
         return figures
+
+    def per_session(self) -> list[dict[str, Any]]:
+        """Each session's turns answered and failed, and its TTFT and interactivity p50/p90, in the order each
+        began (a subagent is its own session here)."""
+        by_session: dict[str, list[TurnResult]] = {}
+        for result in sorted(self.turn_log, key=lambda r: r.sent_at):
+            by_session.setdefault(result.session_id, []).append(result)
+        rows = []
+        for session_id, results in by_session.items():
+            ttfts, rates = _timings([r for r in results if not r.error], self.time_scale)
+            rows.append({"session_id": session_id, "turns_completed": sum(1 for r in results if not r.error),
+                         "turns_failed": sum(1 for r in results if r.error),
+                         "ttft": {"p50_s": percentile(ttfts, 50), "p90_s": percentile(ttfts, 90)},
+                         "interactivity": {"p50_tokens_per_s": percentile(rates, 50),
+                                           "p90_tokens_per_s": percentile(rates, 90)}})
+        return rows
 
 
 @dataclass
@@ -201,12 +220,9 @@ async def _send(client: httpx.AsyncClient, url: str, model: str, turn: TraceTurn
 
 def _report(plan: _Plan, results: list[TurnResult], base_url: str, model: str, settings: ReplaySettings,
             before: MetricsSnapshot | None, after: MetricsSnapshot | None, makespan_s: float) -> ReplayReport:
-    scale = settings.time_scale
     done = [r for r in results if not r.error]
     failed = [r for r in results if r.error]
-    ttfts = [(r.first_at - r.sent_at) * scale for r in done if r.first_at is not None]
-    rates = [(r.output_tokens - 1) / ((r.ended_at - r.first_at) * scale) for r in done
-             if r.first_at is not None and r.ended_at is not None and r.output_tokens > 1 and r.ended_at > r.first_at]
+    ttfts, rates = _timings(done, settings.time_scale)
     completed_turns: dict[str, int] = defaultdict(int)
     for r in done:
         completed_turns[r.session_id] += 1
@@ -221,7 +237,16 @@ def _report(plan: _Plan, results: list[TurnResult], base_url: str, model: str, s
         ttft={"p50_s": percentile(ttfts, 50), "p90_s": percentile(ttfts, 90)},
         interactivity={"p50_tokens_per_s": percentile(rates, 50), "p90_tokens_per_s": percentile(rates, 90)},
         prefix_hit_rate=prefix_hit_rate(before, after) if after is not None else None,
-        makespan_s=makespan_s * scale, concurrency=settings.concurrency, speed=settings.speed,
+        makespan_s=makespan_s * settings.time_scale, concurrency=settings.concurrency, speed=settings.speed,
+        time_scale=settings.time_scale,
         first_error=failed[0].error if failed else "", turn_log=results,
     )
 
+
+
+def _timings(done: list[TurnResult], scale: float) -> tuple[list[float], list[float]]:
+    """Answered turns' TTFTs (s) and interactivity (output tokens/s after the first), in the server's time."""
+    ttfts = [(r.first_at - r.sent_at) * scale for r in done if r.first_at is not None]
+    rates = [(r.output_tokens - 1) / ((r.ended_at - r.first_at) * scale) for r in done
+             if r.first_at is not None and r.ended_at is not None and r.output_tokens > 1 and r.ended_at > r.first_at]
+    return ttfts, rates
