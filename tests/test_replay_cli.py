@@ -53,7 +53,8 @@ def test_import_writes_a_replay_file(tmp_path):
 
 @pytest.mark.parametrize(("args", "says"), [
     (("generate", "--preset", "nope", "-o", "x"), "invalid choice"),
-    (("generate", "--preset", "agentx", "--sessions", "0", "-o", "x"), "sessions must be at least 1"),
+    (("generate", "--preset", "agentx", "--sessions", "0", "-o", "x"), "sessions must be 1 to 5,000"),
+    (("generate", "--preset", "agentx", "--sessions", "999999999", "-o", "x"), "several files"),
     (("generate", "--preset", "agentx", "-o", "/no/such/dir/x.jsonl"), "cannot write"),
     (("import", "/no/such/trace", "--format", "mooncake", "-o", "x"), "cannot read"),
     (("import", str(FIXTURES / "weka.json"), "--format", "mooncake", "-o", "x"), ":1: not JSON"),

@@ -148,6 +148,10 @@ PRESETS: dict[str, Preset] = {
 }
 """The presets `replay generate --preset` knows, by name."""
 
+MAX_SESSIONS = 5000
+"""The most sessions one file may hold: the file is built in memory, and 5,000 `agentx` sessions (about 300,000
+turns of ~300 block ids each) take ~1 GB; more is several files with different seeds."""
+
 
 @dataclass
 class _Session:
@@ -307,6 +311,7 @@ def generate(preset: Preset | str, sessions: int | None = None, seed: int = 42) 
         except KeyError:
             raise ValueError(f"unknown preset {preset!r} (known: {', '.join(PRESETS)})") from None
     count = preset.default_sessions if sessions is None else sessions
-    if count < 1:
-        raise ValueError(f"sessions must be at least 1, not {count}")
+    if not 1 <= count <= MAX_SESSIONS:
+        raise ValueError(f"sessions must be 1 to {MAX_SESSIONS:,}, not {count:,} (for more, write several files "
+                         "with different seeds)")
     return [turn for session in _Generator(preset, seed).sessions(count) for turn in session.lines()]
