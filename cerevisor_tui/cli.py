@@ -273,8 +273,9 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "formats:\n"
         "  mooncake  JSON lines of timestamp, input_length, output_length, hash_ids (Mooncake's traces; with\n"
         "            session_id and delay: AIPerf's multi-turn rows)\n"
-        "  weka      Weka's KV-cache-tester traces: a JSON object per trace (id, block_size, hash_id_scope,\n"
-        "            requests with t, type, in, out, hash_ids; subagent entries become subagent sessions)\n"
+        "  weka      Weka's KV-cache-tester traces: a JSON object per trace, or a directory of .json files\n"
+        "            (id, block_size, hash_id_scope, requests with t, type, in, out, hash_ids; subagent\n"
+        "            entries become subagent sessions)\n"
         "  tracelab  TraceLab's normalized round trace (session_id, round_index, input_tokens_total,\n"
         "            output_tokens, tools' latencies as the gap after a round)\n\n"
         "A turn whose prompt does not extend the one before (a compaction) starts a new session <id>~<n>.",

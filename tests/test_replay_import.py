@@ -79,6 +79,16 @@ def test_tracelab_rounds_in_order_with_tool_time_as_the_gap_and_compaction_split
     assert a[1][: len(a[0])] == a[0] and a[2][: len(a[1])] == a[1]
 
 
+def test_a_directory_of_weka_traces_reads_each_file_in_name_order(tmp_path):
+    trace = json.loads((FIXTURES / "weka.json").read_text())
+    for name in ("b", "a"):
+        (tmp_path / f"{name}.json").write_text(json.dumps({**trace, "id": f"trace-{name}"}))
+    (tmp_path / "notes.txt").write_text("not a trace")
+    turns = import_trace(tmp_path, "weka")
+    assert [t.session_id for t in turns if t.turn == 1 and t.parent is None] == ["trace-a", "trace-a~2",
+                                                                                 "trace-b", "trace-b~2"]
+
+
 @pytest.mark.parametrize("fmt, name", [("mooncake", "mooncake.jsonl"), ("mooncake", "mooncake_sessions.jsonl"),
                                        ("weka", "weka.json"), ("tracelab", "tracelab.jsonl")])
 def test_every_import_writes_a_file_the_reader_accepts(tmp_path, fmt, name):
@@ -93,6 +103,7 @@ def test_every_import_writes_a_file_the_reader_accepts(tmp_path, fmt, name):
     ("mooncake", '{"input_length": 9, "output_length": 3, "hash_ids": [1, -4]}\n', ":1: hash_ids[1]"),
     ("mooncake", '{"input_length": 9, "output_length": 3}\nnot json\n', ":2: not JSON"),
     ("weka", '{"id": "w", "block_size": 100, "requests": []}', "block_size"),
+    ("weka", '[{"id": "w"}]', "not a JSON object"),
     ("weka", '{"id": "w", "block_size": 64, "hash_id_scope": "planet", "requests": []}', "hash_id_scope"),
     ("weka", '{"id": "w", "block_size": 64, "requests": [{"t": 0, "type": "x"}]}', "requests[0]: type"),
     ("weka", '{"id": "w", "block_size": 64, "requests": [{"t": 0, "type": "n", "in": 5}]}', "requests[0]: out"),

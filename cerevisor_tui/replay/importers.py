@@ -4,7 +4,8 @@
   traces: each line a request, its whole prompt's 512-token blocks; `timestamp` in ms). Lines with a
   `session_id` are AIPerf's multi-turn flavour (agentic_code_gen/writer.py): the first row of a session holds
   its whole first prompt, later rows the new tokens (`input_length`, their own blocks) and `delay` (ms).
-- weka: Weka's KV-cache-tester traces, a JSON object per trace (a file of one, or JSON lines):
+- weka: Weka's KV-cache-tester traces, a JSON object per trace (a file of one, JSON lines, or a directory of
+  `.json` files, read in name order):
   `id`, `block_size`, `hash_id_scope` (local | global), `requests` of `{"t", "type": "n"|"s", "in", "out",
   "hash_ids", "think_time"?, "api_time"?}` and `{"type": "subagent", "agent_id", "requests": [...]}`
   (field names as aiperf's weka adapter reads them: dataset/graph/adapters/weka/trace_models.py).
@@ -173,20 +174,31 @@ def _mooncake(path: Path) -> list[TraceTurn]:
 
 # ---- weka -------------------------------------------------------------------------------------------------
 def _weka(path: Path) -> list[TraceTurn]:
+    builder = _Builder()
+    files = sorted(path.glob("*.json")) if path.is_dir() else [path]
+    if not files:
+        raise TraceError(f"{path}: a directory without .json traces")
+    for file in files:
+        for where, trace in _weka_traces(file):
+            _weka_trace(trace, where, builder)
+    return builder.turns
+
+
+def _weka_traces(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The traces of one file: the file one JSON object, or JSON lines of them."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
-    builder = _Builder()
     try:
-        traces = [(1, json.loads(text))]
+        whole = json.loads(text)
     except json.JSONDecodeError:
-        traces = list(_json_lines(path))
-    for number, trace in traces:
-        if not isinstance(trace, dict):
-            raise TraceError(f"{path}:{number}: not a JSON object")
-        _weka_trace(trace, f"{path}:{number}", builder)
-    return builder.turns
+        for number, record in _json_lines(path):
+            yield f"{path}:{number}", record
+        return
+    if not isinstance(whole, dict):
+        raise TraceError(f"{path}: not a JSON object")
+    yield str(path), whole
 
 
 def _weka_trace(trace: dict[str, Any], where: str, builder: _Builder) -> None:
