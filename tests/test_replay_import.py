@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cerevisor_tui.replay.importers import import_trace
 from cerevisor_tui.replay.stats import trace_stats
@@ -118,3 +120,34 @@ def test_a_bad_trace_is_one_line_naming_where(tmp_path, fmt, text, says):
     with pytest.raises(TraceError) as caught:
         import_trace(path, fmt)
     assert str(path) in str(caught.value) and says in str(caught.value)
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-5, 5000) | st.floats(allow_nan=False) | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                         st.sampled_from(["id", "block_size", "requests", "t", "type", "in", "out", "hash_ids",
+                                          "session_id", "round_index", "input_tokens_total", "output_tokens",
+                                          "tools", "input_length", "output_length", "timestamp", "delay",
+                                          "think_time", "agent_id", "hash_id_scope", "turn", "parent"]),
+                         inner, max_size=6), max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lines=st.lists(_json, min_size=1, max_size=4), fmt=st.sampled_from(["mooncake", "weka", "tracelab", "file"]))
+def test_whatever_a_trace_holds_the_answer_is_turns_or_one_trace_error(tmp_path, lines, fmt):
+    path = tmp_path / "fuzz.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    try:
+        turns = read_trace(path) if fmt == "file" else import_trace(path, fmt)
+    except TraceError as exc:
+        assert "\n" not in str(exc)
+    else:
+        write_trace(turns, tmp_path / "out.jsonl")
+        assert read_trace(tmp_path / "out.jsonl") == turns
+
+
+@pytest.mark.parametrize("fmt", ["mooncake", "weka", "tracelab"])
+def test_json_nested_past_the_parsers_depth_is_one_trace_error(tmp_path, fmt):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(TraceError, match="nested too deep"):
+        import_trace(path, fmt)

@@ -113,12 +113,20 @@ class _Builder:
 def _json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     for number, line in numbered_lines(path):
         try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            record = _loads(line)
+        except ValueError as exc:
             raise TraceError(f"{path}:{number}: not JSON ({exc})") from None
         if not isinstance(record, dict):
             raise TraceError(f"{path}:{number}: not a JSON object")
         yield number, record
+
+
+def _loads(text: str | bytes) -> Any:
+    """JSON, or a ValueError that says why not (nesting too deep for the parser included)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
 
 
 def _field(record: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str,
@@ -191,8 +199,8 @@ def _weka_traces(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"{path}: cannot read ({getattr(exc, 'strerror', None) or exc})") from None
     try:
-        whole = json.loads(text)
-    except json.JSONDecodeError:
+        whole = _loads(text)
+    except ValueError:
         for number, record in _json_lines(path):
             yield f"{path}:{number}", record
         return
