@@ -182,3 +182,16 @@ def test_a_line_past_the_limit_is_refused_before_it_is_held(tmp_path, monkeypatc
                     + '{"session_id":"a","turn":2,"hash_ids":[' + "1," * 500 + "1]}\n")
     with pytest.raises(TraceError, match=r":2: line longer than 200 bytes"):
         read_trace(path)
+
+
+@pytest.mark.parametrize(("lines", "says"), [
+    (['{"session_id":"a","turn":1,"input_length":20000000,"output_length":1,"hash_ids":[]}'], "input_length"),
+    (['{"session_id":"a","turn":1,"input_length":9000000,"output_length":900000,"hash_ids":[]}',
+      '{"session_id":"a","turn":2,"input_length":900000,"output_length":1,"hash_ids":[]}'], ":2: input_length: the prompt"),
+    (['{"session_id":"a","turn":1,"input_length":1,"output_length":1,"hash_ids":[],"delay_ms":1e12}'], "delay_ms"),
+])
+def test_a_file_past_what_a_replay_takes_is_refused_as_it_is_read(tmp_path, lines, says):
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(TraceError, match=says):
+        read_trace(path)

@@ -151,3 +151,20 @@ def test_json_nested_past_the_parsers_depth_is_one_trace_error(tmp_path, fmt):
     path.write_text("[" * 100_000 + "]" * 100_000 + "\n")
     with pytest.raises(TraceError, match="nested too deep"):
         import_trace(path, fmt)
+
+
+@pytest.mark.parametrize(("fmt", "text", "says"), [
+    ("mooncake", '{"input_length": 100000000000000000000, "output_length": 3}\n', "input_length: must be at most"),
+    ("mooncake", '{"session_id": "s", "input_length": 9000000, "output_length": 9000000}\n'
+                 '{"session_id": "s", "input_length": 9000000, "output_length": 1, "delay": 5}\n', ":2: a prompt of"),
+    ("mooncake", '{"session_id": "s", "input_length": 9, "output_length": 1}\n'
+                 '{"session_id": "s", "input_length": 9, "output_length": 1, "delay": 1e300}\n', ":2: a gap of"),
+    ("weka", '{"id": "w", "block_size": 64, "requests": [{"t": NaN, "type": "n", "in": 5, "out": 1}]}', "finite"),
+    ("tracelab", '{"session_id": "a", "round_index": 0, "input_tokens_total": 1e400, "output_tokens": 1}\n',
+     "input_tokens_total"),
+])
+def test_sizes_and_gaps_past_what_a_replay_takes_are_refused(tmp_path, fmt, text, says):
+    path = tmp_path / "trace"
+    path.write_text(text)
+    with pytest.raises(TraceError, match=says):
+        import_trace(path, fmt)

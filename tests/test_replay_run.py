@@ -31,6 +31,9 @@ def test_the_same_block_is_the_same_text_and_another_block_other_text():
     assert block_text(7) != block_text(8)
     longer, shorter = prompt_text([3, 4, 5], 1200), prompt_text([3, 4], 700)
     assert longer.startswith(shorter) and len(longer) == 1200 * 4
+    # a file that names too few blocks: the rest are the session's own, so its prompts still extend
+    first, second = prompt_text([], 600, "s"), prompt_text([], 1500, "s")
+    assert second.startswith(first) and len(second) == 1500 * 4 and not prompt_text([], 600, "t") == first
 
 
 @pytest.mark.anyio

@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from cerevisor_tui.replay.trace import BLOCK_TOKENS, TraceError, TraceTurn, numbered_lines
+from cerevisor_tui.replay.trace import (
+    BLOCK_TOKENS,
+    MAX_DELAY_MS,
+    MAX_PROMPT_TOKENS,
+    TraceError,
+    TraceTurn,
+    numbered_lines,
+)
 
 Format = Literal["mooncake", "weka", "tracelab"]
 FORMATS: tuple[Format, ...] = ("mooncake", "weka", "tracelab")
@@ -81,9 +88,15 @@ class _Builder:
     splits: dict[str, int] = field(default_factory=dict)
 
     def add(self, session: str, whole: int, output: int, source: list[Any], blocks: list[int],
-            delay_ms: float, parent: str | None = None) -> None:
+            delay_ms: float, where: str, parent: str | None = None) -> None:
         """A request of `session` with a prompt of `whole` tokens whose own blocks are `source` (compared to
         the previous request's to tell an extension) and `blocks` (its ids in the replay file)."""
+        if whole > MAX_PROMPT_TOKENS or output > MAX_PROMPT_TOKENS:
+            raise TraceError(f"{where}: a prompt of {whole:,} tokens and an answer of {output:,}: past the "
+                             f"{MAX_PROMPT_TOKENS:,} a replay takes")
+        if delay_ms > MAX_DELAY_MS:
+            raise TraceError(f"{where}: a gap of {delay_ms / 3_600_000:,.0f} hours before a request: past the "
+                             f"{MAX_DELAY_MS / 3_600_000:.0f} a replay takes")
         blocks = self.pad(blocks, whole)
         last = self.last.get(session)
         if last is not None and source[: len(last.source)] == last.source and whole >= last.prompt:
@@ -130,8 +143,8 @@ def _loads(text: str | bytes) -> Any:
 
 
 def _field(record: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str,
-           default: Any = ..., minimum: float | None = 0) -> Any:
-    """`record[name]`, checked: of `kind` (bool is not a number), at least `minimum`."""
+           default: Any = ..., minimum: float | None = 0, maximum: float | None = None) -> Any:
+    """`record[name]`, checked: of `kind` (bool is not a number; a float is finite), within its bounds."""
     if name not in record or record[name] is None:
         if default is ...:
             raise TraceError(f"{where}: {name}: missing")
@@ -140,9 +153,17 @@ def _field(record: dict[str, Any], name: str, kind: type | tuple[type, ...], whe
     if isinstance(value, bool) or not isinstance(value, kind):
         names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
         raise TraceError(f"{where}: {name}: expected {names}, got {json.dumps(value)[:40]}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TraceError(f"{where}: {name}: must be a finite number, got {value}")
     if minimum is not None and isinstance(value, int | float) and value < minimum:
         raise TraceError(f"{where}: {name}: must be at least {minimum}, got {value}")
+    if maximum is not None and isinstance(value, int | float) and value > maximum:
+        raise TraceError(f"{where}: {name}: must be at most {maximum:,}, got {value:,}")
     return value
+
+
+def _tokens(record: dict[str, Any], name: str, where: str) -> int:
+    return _field(record, name, int, where, maximum=MAX_PROMPT_TOKENS)
 
 
 def _id_list(record: dict[str, Any], name: str, where: str) -> list[int]:
@@ -159,8 +180,8 @@ def _mooncake(path: Path) -> list[TraceTurn]:
     start_ms: float | None = None
     for number, record in _json_lines(path):
         where = f"{path}:{number}"
-        whole_or_new = _field(record, "input_length", int, where)
-        output = _field(record, "output_length", int, where)
+        whole_or_new = _tokens(record, "input_length", where)
+        output = _tokens(record, "output_length", where)
         source = _id_list(record, "hash_ids", where)
         stamp = _field(record, "timestamp", (int, float), where, default=None)
         session = _field(record, "session_id", str, where, default=None)
@@ -171,12 +192,12 @@ def _mooncake(path: Path) -> list[TraceTurn]:
             delay_ms = stamp - start_ms if stamp is not None and start_ms is not None else 0.0
             name = session if session is not None else f"m{number:06d}"
             blocks = [builder.ids.of(block) for block in source]
-            builder.add(name, whole_or_new, output, blocks, blocks, delay_ms)
+            builder.add(name, whole_or_new, output, blocks, blocks, delay_ms, where)
             continue
         # AIPerf's multi-turn rows: new tokens and their own blocks, after the previous prompt and answer
         whole = last.prompt + last.answer + whole_or_new
         delay_ms = _field(record, "delay", (int, float), where, default=0.0)
-        builder.add(session, whole, output, last.source, last.blocks, delay_ms)
+        builder.add(session, whole, output, last.source, last.blocks, delay_ms, where)
     return builder.turns
 
 
@@ -244,8 +265,8 @@ def _weka_requests(requests: list[Any], session: str, parent: str | None, where:
             continue
         if kind not in ("n", "s"):
             raise TraceError(f"{at}: type: expected n, s or subagent, got {kind!r}")
-        whole = _field(request, "in", int, at)
-        output = _field(request, "out", int, at)
+        whole = _tokens(request, "in", at)
+        output = _tokens(request, "out", at)
         source = _id_list(request, "hash_ids", at)
         api_s = _field(request, "api_time", (int, float), at, default=None)
         if think is not None:
@@ -253,7 +274,7 @@ def _weka_requests(requests: list[Any], session: str, parent: str | None, where:
         else:
             delay_ms = (t - answered_at) * 1000 if answered_at is not None else 0.0
         keyed = [(namespace, block) for block in source]
-        builder.add(session, whole, output, keyed, _reblock(keyed, block_size, builder.ids), delay_ms,
+        builder.add(session, whole, output, keyed, _reblock(keyed, block_size, builder.ids), delay_ms, at,
                     parent=parent)
         answered_at = t + api_s if api_s is not None else t
 
@@ -289,11 +310,11 @@ def _tracelab(path: Path) -> list[TraceTurn]:
         items.sort(key=lambda item: (item[0], item[1]))
         wait_ms = 0.0
         for _, _, record, where in items:
-            whole = _field(record, "input_tokens_total", int, where)
-            output = _field(record, "output_tokens", int, where)
+            whole = _tokens(record, "input_tokens_total", where)
+            output = _tokens(record, "output_tokens", where)
             last = builder.last.get(session)
             blocks = builder.pad(last.blocks if last is not None and whole >= last.prompt else [], whole)
-            builder.add(session, whole, output, blocks, blocks, wait_ms)
+            builder.add(session, whole, output, blocks, blocks, wait_ms, where)
             wait_ms = _tool_wait_ms(record, where)
     return builder.turns
 

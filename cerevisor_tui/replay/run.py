@@ -34,15 +34,20 @@ _WORDS = ("the agent read the file and ran the tests then the build passed so it
 _FILLER = _WORDS * (BLOCK_CHARS // len(_WORDS) + 1)
 
 
-def block_text(block_id: int) -> str:
+def block_text(block_id: int | str) -> str:
     """The text of block `block_id`: `BLOCK_CHARS` characters, the same for the same id, different for another."""
     head = f"<block {block_id}> "
     return head + _FILLER[: BLOCK_CHARS - len(head)]
 
 
-def prompt_text(hash_ids: list[int], tokens: int) -> str:
-    """A prompt of `tokens` tokens made of the blocks `hash_ids` names (the last one cut to fit)."""
-    return "".join(block_text(block) for block in hash_ids)[: tokens * CHARS_PER_TOKEN]
+def prompt_text(hash_ids: list[int], tokens: int, session_id: str = "") -> str:
+    """A prompt of `tokens` tokens made of the blocks `hash_ids` names (the last one cut to fit). A file that
+    names fewer blocks than the prompt needs gets the rest as its session's own, by position, so that its next
+    turn still extends it."""
+    needed = -(-tokens // BLOCK_TOKENS)
+    named = "".join(block_text(block) for block in hash_ids[:needed])
+    own = "".join(block_text(f"{session_id}/{index}") for index in range(len(hash_ids), needed))
+    return (named + own)[: tokens * CHARS_PER_TOKEN]
 
 
 @dataclass(frozen=True)
@@ -198,7 +203,7 @@ async def _run(plan: _Plan, client: httpx.AsyncClient, base_url: str, model: str
 async def _send(client: httpx.AsyncClient, url: str, model: str, turn: TraceTurn, whole: int,
                 settings: ReplaySettings) -> TurnResult:
     """One turn, streamed and timed; its failure is in `error`, never raised."""
-    body = {"model": model, "messages": [{"role": "user", "content": prompt_text(turn.hash_ids, whole)}],
+    body = {"model": model, "messages": [{"role": "user", "content": prompt_text(turn.hash_ids, whole, turn.session_id)}],
             "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max(1, turn.output_length)}
     headers = {**settings.extra_headers, "X-Session-ID": turn.session_id,
                "X-Request-ID": f"{turn.session_id}-{turn.turn}"}

@@ -23,7 +23,15 @@ BLOCK_TOKENS = 512
 MAX_LINE_BYTES = 16 * 1024 * 1024
 """A line past this is refused as it is read, never held whole: a 1M-token prompt's 2,000 ids take ~16 KB."""
 
+MAX_PROMPT_TOKENS = 10_000_000
+"""The longest prompt a replay file may hold (ten times the longest context windows served today): past it a
+file is refused as it is read, before a replay builds the text."""
+
+MAX_DELAY_MS = 7 * 24 * 3600 * 1000
+"""The longest gap before a turn (a week: people leave sessions open over days, not longer)."""
+
 NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_PROMPT_TOKENS)]
 
 
 class TraceTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -31,10 +39,10 @@ class TraceTurn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     session_id: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
     turn: Annotated[int, msgspec.Meta(ge=1)]
-    input_length: NonNegative
-    output_length: NonNegative
-    hash_ids: list[NonNegative]
-    delay_ms: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    input_length: Tokens
+    output_length: Tokens
+    hash_ids: Annotated[list[NonNegative], msgspec.Meta(max_length=MAX_PROMPT_TOKENS // BLOCK_TOKENS + 1)]
+    delay_ms: Annotated[float, msgspec.Meta(ge=0, le=MAX_DELAY_MS)] = 0.0
     parent: str | None = None
 
 
@@ -55,6 +63,7 @@ def iter_trace(path: str | Path) -> Iterator[TraceTurn]:
     """The file's turns one by one: each line decoded and checked against the ones before it."""
     path = Path(path)
     last_turn: dict[str, int] = {}
+    prompts: dict[str, int] = {}  # each session's last whole prompt and answer, tokens
     seen_any = False
     for number, line in numbered_lines(path):
         try:
@@ -64,6 +73,11 @@ def iter_trace(path: str | Path) -> Iterator[TraceTurn]:
         except msgspec.DecodeError as exc:
             raise TraceError(f"{path}:{number}: not a JSON object ({exc})") from None
         _check_order(turn, last_turn, f"{path}:{number}")
+        whole = turn.input_length + (prompts.get(turn.session_id, 0) if turn.turn > 1 else 0)
+        if whole > MAX_PROMPT_TOKENS:
+            raise TraceError(f"{path}:{number}: input_length: the prompt grows to {whole:,} tokens, past the "
+                             f"{MAX_PROMPT_TOKENS:,} a replay takes")
+        prompts[turn.session_id] = whole + turn.output_length
         seen_any = True
         yield turn
     if not seen_any:
