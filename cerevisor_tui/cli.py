@@ -230,7 +230,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
 
     replay = sub.add_parser(
         "replay",
-        help="agentic sessions as the sizing studies describe them: generate a file, or import a published trace",
+        help="agentic sessions as the sizing studies describe them: generate or import a file, replay it",
         description="A replay file holds agentic sessions, one JSON line per turn: session_id, turn (from 1), "
         "input_length (the tokens new at this turn; turn 1: the whole first prompt), output_length, hash_ids "
         "(the whole prompt's 512-token blocks: the same id, the same text), delay_ms (the gap before the turn) "
