@@ -13,6 +13,9 @@ import sys
 from cerevisor_tui import __version__
 from cerevisor_tui.kinds import MODES
 
+REPLAY_PRESETS = ("agentx", "aiperf-inference-day", "tiered-offload")  # replay/generate.py PRESETS (a test checks)
+REPLAY_FORMATS = ("mooncake", "weka", "tracelab")  # replay/importers.py FORMATS
+
 EPILOG = """\
 examples:
   cerevisor-tui                               console on the built-in simulator (demo workflow)
@@ -24,6 +27,7 @@ examples:
   cerevisor-tui sim --port 8000               a simulated vLLM-like server on loopback
   cerevisor-tui probe http://127.0.0.1:8000/v1
   cerevisor-tui estimate --model llama-3.1-8b --gpu h100 --context 32768
+  cerevisor-tui replay generate --preset agentx -o agentx.jsonl   agentic sessions as the studies describe them
 
 exit codes: 0 success; 1 the run ended with failed or killed agents (probe: endpoint unusable);
 2 usage or config error; 141 the output was closed before it was all written (ls | head).
@@ -223,6 +227,96 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     probe.add_argument("--max-requests", type=int, default=1000, metavar="N", help="most requests in all, warm-up included (default 1000)")
     probe.add_argument("--max-seconds", type=float, metavar="S", help="most seconds in all (default 180; with --workflow 600)")
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    replay = sub.add_parser(
+        "replay",
+        help="agentic sessions as the sizing studies describe them: generate or import a file, replay it",
+        description="A replay file holds agentic sessions, one JSON line per turn: session_id, turn (from 1), "
+        "input_length (the tokens new at this turn; turn 1: the whole first prompt), output_length, hash_ids "
+        "(the whole prompt's 512-token blocks: the same id, the same text), delay_ms (the gap before the turn) "
+        "and parent (a subagent's parent session, or null).",
+        epilog="examples:\n"
+        "  cerevisor-tui replay generate --preset agentx -o agentx.jsonl\n"
+        "  cerevisor-tui replay generate --preset aiperf-inference-day --sessions 1131 --seed 42 -o day.jsonl\n"
+        "  cerevisor-tui replay import conversation_trace.jsonl --format mooncake -o mooncake.jsonl\n"
+        "  cerevisor-tui replay run agentx.jsonl --sim llama-3.1-8b@h100 --speed 10\n\n"
+        "Each prints what the file holds: turns a session, first context, new and output tokens a turn, gaps,\n"
+        "the whole prompt a turn, the prefix share and subagents (--json: as one object). README: \"Agentic replay\".",
+        formatter_class=_formatter,
+    )
+    replay_sub = replay.add_subparsers(dest="replay_command", metavar="ACTION", parser_class=_Parser, required=True)
+    generate = replay_sub.add_parser(
+        "generate",
+        help="generate sessions from a preset",
+        description="Generate agentic coding sessions from AIPerf's layer model (shared tools and system prompt, "
+        "a group's repository context, the session's start, its growing history; lognormal sizes; agentic and "
+        "human gaps; resets, restarts and subagents). The same preset, count and seed give the same file.\n\n"
+        "presets:\n"
+        "  aiperf-inference-day  AIPerf's reference trace: medians 11 turns a session, 47.3K first context,\n"
+        "                        3.9K new and 786 output tokens a turn, 2.0 s between turns (1,131 sessions)\n"
+        "  agentx                vLLM's AgentX study: medians 43 turns, 142K input and 444 output tokens a turn,\n"
+        "                        > 95% of each turn's input a prefix of the one before, 44% spawn subagents (256)\n"
+        "  tiered-offload        vLLM's tiered KV offloading study: 12K first prompt + 2K a round, 8 rounds (128)",
+        epilog="example:\n  cerevisor-tui replay generate --preset aiperf-inference-day --sessions 1131 --seed 42 -o day.jsonl",
+        formatter_class=_formatter,
+    )
+    generate.add_argument("--preset", required=True, choices=REPLAY_PRESETS, metavar="NAME",
+                          help="agentx, aiperf-inference-day or tiered-offload")
+    generate.add_argument("--sessions", type=int, metavar="N", help="top-level sessions (default: the preset's count)")
+    generate.add_argument("--seed", type=int, default=42, metavar="S", help="random seed (default 42)")
+    generate.add_argument("-o", "--output", required=True, metavar="FILE", help="the replay file to write")
+    generate.add_argument("--json", action="store_true", help="print what the file holds as one JSON object")
+    importer = replay_sub.add_parser(
+        "import",
+        help="read a published trace (Mooncake, Weka, TraceLab) into a replay file",
+        description="Read a published trace into a replay file.\n\n"
+        "formats:\n"
+        "  mooncake  JSON lines of timestamp, input_length, output_length, hash_ids (Mooncake's traces; with\n"
+        "            session_id and delay: AIPerf's multi-turn rows)\n"
+        "  weka      Weka's KV-cache-tester traces: a JSON object per trace, or a directory of .json files\n"
+        "            (id, block_size, hash_id_scope, requests with t, type, in, out, hash_ids; subagent\n"
+        "            entries become subagent sessions)\n"
+        "  tracelab  TraceLab's normalized round trace (session_id, round_index, input_tokens_total,\n"
+        "            output_tokens, tools' latencies as the gap after a round)\n\n"
+        "A turn whose prompt does not extend the one before (a compaction) starts a new session <id>~<n>.",
+        epilog="example:\n  cerevisor-tui replay import llm_round_trace.public.jsonl --format tracelab -o tracelab.jsonl",
+        formatter_class=_formatter,
+    )
+    importer.add_argument("file", metavar="FILE", help="the published trace")
+    importer.add_argument("--format", required=True, choices=REPLAY_FORMATS, help="the trace's format")
+    importer.add_argument("-o", "--output", required=True, metavar="FILE", help="the replay file to write")
+    importer.add_argument("--json", action="store_true", help="print what the file holds as one JSON object")
+
+    run_replay = replay_sub.add_parser(
+        "run",
+        help="replay a file closed loop against a server or the built-in simulator",
+        description="Send a replay file's sessions to a server, closed loop: each turn only after the previous "
+        "answer arrived and its gap passed (divided by --speed), --concurrency sessions at a time (a subagent "
+        "runs within its parent's session, starting after the answer that spawned it). A prompt is its blocks' "
+        "text, so the server's prefix cache sees the file's own sharing; max_tokens is the turn's output_length.\n\n"
+        "Without --endpoint it starts a simulator (--sim PROFILE picks its model and GPU; --speed scales its "
+        "clock too, and the times shown are its own). It prints turns completed, TTFT and interactivity (output "
+        "tokens/s per user) p50/p90 and the prefix-cache hit rate from the server's /metrics counters.\n"
+        "exit codes: 0 every turn answered; 1 some failed (the first error is shown); 2 usage or file error.",
+        epilog="examples:\n"
+        "  cerevisor-tui replay run tiered.jsonl --sim --speed 20 --concurrency 32\n"
+        "  cerevisor-tui replay run agentx.jsonl --sim llama-3.1-8b@h100 --speed 10 --report replay.json\n"
+        "  cerevisor-tui replay run agentx.jsonl --endpoint http://127.0.0.1:8000/v1 --concurrency 16",
+        formatter_class=_formatter,
+    )
+    run_replay.add_argument("file", metavar="FILE", help="the replay file")
+    target = run_replay.add_mutually_exclusive_group()
+    target.add_argument("--endpoint", metavar="URL", help="the server's OpenAI base URL (…/v1)")
+    target.add_argument("--sim", nargs="?", const="", metavar="PROFILE",
+                        help="the built-in simulator (the default), with a model+GPU profile (see `sim --help`)")
+    run_replay.add_argument("--model", metavar="ID", help="model id to request (default: the first of /v1/models)")
+    run_replay.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
+    run_replay.add_argument("--concurrency", type=int, default=8, metavar="N", help="sessions at once (default 8)")
+    run_replay.add_argument("--speed", type=float, default=1.0, metavar="X",
+                            help="divide the gaps between turns by X (and run the simulator X times faster)")
+    run_replay.add_argument("--report", metavar="PATH", help="also write the report, with each session's figures, "
+                            "as JSON here")
+    run_replay.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     est = sub.add_parser(
         "estimate",

@@ -1,0 +1,157 @@
+"""`cerevisor-tui replay`: write a file of agentic sessions, generated from a preset or imported from a
+published trace, and say what it holds in the studies' own figures; or replay one against a server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, TextIO
+
+from cerevisor_tui.replay.trace import TraceError, TraceTurn, write_trace
+
+if TYPE_CHECKING:
+    from cerevisor_tui.replay.run import ReplayReport
+    from cerevisor_tui.replay.stats import TraceStats
+
+PROG = "cerevisor-tui replay"
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.replay_command == "run":
+        return _replay(args)
+    from cerevisor_tui.replay.stats import trace_stats
+
+    try:
+        turns = _turns(args)
+        write_trace(turns, args.output)
+    except (TraceError, ValueError) as exc:
+        print(f"{PROG} {args.replay_command}: error: {exc}", file=sys.stderr)
+        return 2
+    stats = trace_stats(turns)
+    if args.replay_command == "generate" and not args.json:
+        from cerevisor_tui.replay.generate import PRESETS
+
+        print(f"preset {args.preset}: {PRESETS[args.preset].source}")
+    if args.json:
+        json.dump({"file": args.output, **stats.to_dict()}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _print_stats(stats, args.output, sys.stdout)
+    return 0
+
+
+def _turns(args: argparse.Namespace) -> list[TraceTurn]:
+    if args.replay_command == "generate":
+        from cerevisor_tui.replay.generate import generate
+
+        return generate(args.preset, args.sessions, args.seed)
+    from cerevisor_tui.replay.importers import import_trace
+
+    return import_trace(args.file, args.format)
+
+
+def _print_stats(stats: TraceStats, path: str, out: TextIO) -> None:
+    subagents = f", {stats.subagent_sessions:,} subagent sessions" if stats.subagent_sessions else ""
+    out.write(f"wrote {stats.turns:,} turns of {stats.sessions:,} sessions{subagents} to {path}\n")
+    out.write(f"{'':22}{'median':>10}{'mean':>10}\n")
+    rows = (
+        ("turns a session", stats.turns_per_session, lambda v: f"{v:.1f}".removesuffix(".0")),
+        ("first context", stats.first_context_tokens, _tokens),
+        ("new tokens a turn", stats.new_tokens, _tokens),
+        ("output a turn", stats.output_tokens, _tokens),
+        ("gap before a turn", stats.gap_s, lambda v: f"{v:.1f} s"),
+        ("prompt a turn", stats.prompt_tokens, _tokens),
+    )
+    for label, spread, shown in rows:
+        out.write(f"{label:22}{shown(spread.median):>10}{shown(spread.mean):>10}\n")
+    out.write(f"prefix share {stats.prefix_share:.1%} (mean over turns after the first); "
+              f"{stats.subagent_spawn_share:.0%} of sessions spawn subagents\n")
+
+
+def _tokens(value: float) -> str:
+    return f"{value / 1000:.1f}K" if value >= 10_000 else f"{value:,.0f}"
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """`replay run`: the file closed loop against --endpoint, or a built-in simulator; exit 1 when turns failed."""
+    import asyncio
+    import os
+
+    from cerevisor_tui.endpoints.errors import EndpointError
+    from cerevisor_tui.replay.run import ReplaySettings, replay
+    from cerevisor_tui.replay.trace import read_trace
+    from cerevisor_tui.sim import ProfileError
+
+    where = f"{PROG} run"
+    if args.concurrency < 1 or args.speed <= 0:
+        print(f"{where}: error: --concurrency must be at least 1 and --speed above 0", file=sys.stderr)
+        return 2
+    try:
+        turns = read_trace(args.file)
+    except TraceError as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return 2
+    if args.report and not os.access(os.path.dirname(os.path.abspath(args.report)), os.W_OK):
+        print(f"{where}: error: --report: cannot write {args.report} (its directory is not writable)", file=sys.stderr)
+        return 2
+    headers = {}
+    if args.api_key_env:
+        key = os.environ.get(args.api_key_env)
+        if not key:
+            print(f"{where}: error: --api-key-env: ${args.api_key_env} is not set", file=sys.stderr)
+            return 2
+        headers["Authorization"] = f"Bearer {key}"
+    simulated = args.endpoint is None
+    settings = ReplaySettings(concurrency=args.concurrency, speed=args.speed,
+                              time_scale=args.speed if simulated else 1.0, model=args.model or "",
+                              extra_headers=headers)
+
+    async def against_sim() -> ReplayReport:
+        from cerevisor_tui.config.models import SimSettings
+        from cerevisor_tui.sim import SimServer
+
+        async with SimServer(SimSettings(profile=args.sim or "", speed=args.speed)) as sim:
+            return await replay(turns, sim.base_url, settings)
+
+    try:
+        report = asyncio.run(against_sim() if simulated else replay(turns, args.endpoint, settings))
+    except EndpointError as exc:
+        print(f"{where}: error: {exc.problem}", file=sys.stderr)
+        return 2
+    except ProfileError as exc:
+        print(f"{where}: error: --sim: {exc}", file=sys.stderr)
+        return 2
+    if args.report:
+        try:
+            with open(args.report, "w", encoding="utf-8") as out:
+                json.dump({**report.to_dict(per_session=True), "simulated": simulated}, out, indent=1)
+        except OSError as exc:
+            print(f"{where}: error: --report: cannot write {args.report} ({exc.strerror or exc})", file=sys.stderr)
+            return 2
+    if args.json:
+        json.dump({**report.to_dict(), "simulated": simulated}, sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        _print_report(report, simulated, sys.stdout)
+    return 1 if report.turns_failed else 0
+
+
+def _print_report(report: ReplayReport, simulated: bool, out: TextIO) -> None:
+    kind = "SIMULATED " if simulated else ""
+    clock = " (the simulator's clock)" if simulated and report.speed != 1 else ""
+    out.write(f"replayed {report.turns_completed:,} of {report.turns:,} turns ({report.sessions_completed:,} of "
+              f"{report.sessions:,} sessions complete) against {kind}{report.model} at {report.base_url}, "
+              f"{report.concurrency} at a time: {report.makespan_s:.1f} s{clock}\n")
+    ttft, rate = report.ttft, report.interactivity
+
+    def shown(value: float | None, unit: str) -> str:
+        return "-" if value is None else f"{value:.2f}{unit}"
+
+    out.write(f"TTFT p50 {shown(ttft['p50_s'], ' s')}, p90 {shown(ttft['p90_s'], ' s')}; interactivity p50 "
+              f"{shown(rate['p50_tokens_per_s'], '')}, p90 {shown(rate['p90_tokens_per_s'], '')} tokens/s per user\n")
+    hits = "-" if report.prefix_hit_rate is None else f"{report.prefix_hit_rate:.1%}"
+    out.write(f"prefix-cache hits {hits} (the server's own counters over the replay); "
+              f"{report.prompt_tokens:,} prompt and {report.output_tokens:,} output tokens\n")
+    if report.first_error:
+        out.write(f"{report.turns_failed:,} turns failed; the first: {report.first_error}\n")

@@ -1,0 +1,124 @@
+"""`replay run`: a replay file sent closed loop to the built-in simulator over loopback HTTP, its prompts made of
+the file's blocks so the server's own prefix counters agree with the trace, and the command through a
+subprocess."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cerevisor_tui.config.models import SimSettings
+from cerevisor_tui.endpoints.client import build_client
+from cerevisor_tui.replay.generate import generate
+from cerevisor_tui.replay.run import BLOCK_CHARS, ReplaySettings, block_text, prompt_text, replay
+from cerevisor_tui.replay.trace import TraceTurn, whole_prompts, write_trace
+from cerevisor_tui.sim import SimServer
+
+SPEED = 50.0
+
+
+def turn(session: str, number: int, new: int, output: int, blocks: list[int], delay_ms: float = 0.0,
+         parent: str | None = None) -> TraceTurn:
+    return TraceTurn(session_id=session, turn=number, input_length=new, output_length=output, hash_ids=blocks,
+                     delay_ms=delay_ms, parent=parent)
+
+
+def test_the_same_block_is_the_same_text_and_another_block_other_text():
+    assert block_text(7) == block_text(7) and len(block_text(7)) == BLOCK_CHARS
+    assert block_text(7) != block_text(8)
+    longer, shorter = prompt_text([3, 4, 5], 1200), prompt_text([3, 4], 700)
+    assert longer.startswith(shorter) and len(longer) == 1200 * 4
+    # a file that names too few blocks: the rest are the session's own, so its prompts still extend
+    first, second = prompt_text([], 600, "s"), prompt_text([], 1500, "s")
+    assert second.startswith(first) and len(second) == 1500 * 4 and not prompt_text([], 600, "t") == first
+
+
+@pytest.mark.anyio
+async def test_the_servers_prefix_hits_are_the_traces_sharing():
+    """tiered-offload: a round's prompt is the last prompt, its answer and 2K new tokens; the simulator caches
+    prompt blocks only, so its hits are the previous prompts' tokens over all prompt tokens."""
+    turns = generate("tiered-offload", sessions=3, seed=1)
+    prompts = [whole for _, whole in whole_prompts(turns)]
+    previous = [whole for t, whole in whole_prompts(turns) if t.turn < 8]
+    expected = sum(previous) / sum(prompts)
+    async with SimServer(SimSettings(speed=SPEED)) as sim:
+        report = await replay(turns, sim.base_url, ReplaySettings(concurrency=3, speed=SPEED, time_scale=SPEED))
+    assert report.turns_completed == report.turns == 24 and report.turns_failed == 0
+    assert report.sessions_completed == 3
+    assert report.prefix_hit_rate == pytest.approx(expected, abs=0.01)
+    assert report.output_tokens == sum(t.output_length for t in turns)
+    assert report.ttft["p50_s"] is not None and report.ttft["p90_s"] >= report.ttft["p50_s"]
+    assert report.interactivity["p50_tokens_per_s"] > 0
+
+
+@pytest.mark.anyio
+async def test_a_turn_goes_out_only_after_the_answer_and_its_gap_and_subagents_after_their_spawner():
+    gap_ms = 400.0
+    turns = [
+        turn("p", 1, 1000, 20, [1, 2]),
+        turn("p", 2, 100, 20, [1, 2, 3], delay_ms=gap_ms),
+        turn("p/a", 1, 1200, 20, [1, 2, 3, 9], delay_ms=gap_ms, parent="p"),  # spawned by p's turn 2
+        turn("p/a", 2, 50, 20, [1, 2, 3, 9], delay_ms=gap_ms),
+        turn("p", 3, 100, 20, [1, 2, 3], delay_ms=gap_ms),
+    ]
+    async with SimServer(SimSettings(speed=SPEED)) as sim:
+        report = await replay(turns, sim.base_url, ReplaySettings(concurrency=1, speed=2.0))
+    log = {(r.session_id, r.turn): r for r in report.turn_log}
+    assert report.turns_completed == 5 and len(log) == 5
+    gap_s = gap_ms / 1000 / 2.0
+    for later, earlier in [(("p", 2), ("p", 1)), (("p", 3), ("p", 2)), (("p/a", 1), ("p", 2)),
+                           (("p/a", 2), ("p/a", 1))]:
+        assert log[later].sent_at >= log[earlier].ended_at + gap_s * 0.95, (later, earlier)
+    # the subagent runs beside its parent's next turn, not after it
+    assert log[("p/a", 1)].sent_at < log[("p", 3)].ended_at
+
+
+@pytest.mark.anyio
+async def test_concurrency_bounds_the_sessions_under_way():
+    turns = generate("tiered-offload", sessions=5, seed=2)
+    async with SimServer(SimSettings(speed=SPEED)) as sim, build_client(4) as client:
+        report = await replay(turns, sim.base_url, ReplaySettings(concurrency=2, speed=SPEED), client=client)
+    spans = {}
+    for r in report.turn_log:
+        start, end = spans.get(r.session_id, (r.sent_at, r.ended_at))
+        spans[r.session_id] = (min(start, r.sent_at), max(end, r.ended_at))
+    assert len(spans) == 5
+    for start, _ in spans.values():  # at each session's start, at most one other is under way
+        assert sum(1 for s, e in spans.values() if s < start < e) <= 1
+
+
+def test_the_command_prints_one_json_report(tmp_path):
+    path = tmp_path / "tiered.jsonl"
+    write_trace(generate("tiered-offload", sessions=2, seed=1), path)
+    done = subprocess.run([sys.executable, "-m", "cerevisor_tui", "replay", "run", str(path), "--sim",
+                           "--speed", "50", "--concurrency", "2", "--json", "--report", str(tmp_path / "r.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["turns_completed"] == 16 and report["simulated"] is True
+    assert 0.8 < report["prefix_hit_rate"] < 0.85
+    assert {"p50_s", "p90_s"} <= report["ttft"].keys() and "p90_tokens_per_s" in report["interactivity"]
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert [row["session_id"] for row in written["per_session"]] == ["s00001", "s00002"]
+    assert all(row["turns_completed"] == 8 and row["ttft"]["p50_s"] > 0 for row in written["per_session"])
+    assert {key: value for key, value in written.items() if key != "per_session"} == report
+
+
+def test_an_unwritable_report_is_refused_before_the_replay(tmp_path):
+    path = tmp_path / "tiered.jsonl"
+    write_trace(generate("tiered-offload", sessions=1, seed=1), path)
+    done = subprocess.run([sys.executable, "-m", "cerevisor_tui", "replay", "run", str(path), "--report",
+                           str(tmp_path / "no" / "r.json")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--report: cannot write" in done.stderr and not done.stdout
+
+
+def test_a_prompt_past_the_servers_context_fails_its_turn_and_exits_1(tmp_path):
+    path = tmp_path / "long.jsonl"
+    write_trace([turn("big", 1, 40_000, 10, list(range(79)))], path)  # the generic simulator takes 32,768
+    done = subprocess.run([sys.executable, "-m", "cerevisor_tui", "replay", "run", str(path), "--speed", "50"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "replayed 0 of 1 turns" in done.stdout and "1 turns failed; the first:" in done.stdout
