@@ -119,11 +119,14 @@ async def test_release_after_zero_lets_another_session_in_between_two_requests()
         group.start_soon(_request, client, s.url + "/chat/completions", "b", answers)
         await until(lambda: "b" in s.engine.sessions.by_name and s.session("b").queued == 1, "b queued")
         await until(lambda: "a" in answers, "a's first answer", timeout=30)
+        # a's request ended and its slot went at once (release_after_s 0): b is admitted with no request of a's
+        await until(lambda: s.of(ev.AgentStarted, "b"), "b admitted after a's request", timeout=30)
         group.start_soon(lambda: _request(client, s.url + "/chat/completions", "a", answers, key="a2", content="again"))
+        await until(lambda: s.session("a").queued == 1, "a's next request queued behind b")
         await until(lambda: "a2" in answers and "b" in answers, "both answers", timeout=30)
-        b_started = _index(s, ev.AgentStarted, "b")
+        b_done = _index(s, ev.TurnFinished, "b")
         a_second = _index(s, ev.AgentStarted, "a", lambda e: e.attempt == 2)
-        assert b_started < a_second
+        assert b_done < a_second
 
 
 async def test_pause_holds_new_sessions_and_resume_admits_them():
