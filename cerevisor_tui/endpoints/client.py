@@ -25,6 +25,7 @@ import httpx
 import msgspec
 
 from cerevisor_tui.config.secrets import Scrubber
+from cerevisor_tui.endpoints import bounds
 from cerevisor_tui.endpoints.errors import (
     RETRYABLE_STATUS,
     EndpointError,
@@ -389,9 +390,10 @@ class ChatStream:
             self.timings = (timings.prompt_ms, timings.predicted_per_token_ms)
             out.append((TIMINGS, self.timings))
         progress = chunk.prompt_progress
-        if progress is not None:  # a sign of life of the prefill, not a token
-            out.append((PROGRESS, (int(progress.total), int(progress.cache), int(progress.processed),
-                                   int(progress.time_ms))))
+        if progress is not None:  # a sign of life of the prefill, not a token (when its numbers can be true)
+            told = bounds.prompt_progress(progress.total, progress.cache, progress.processed, progress.time_ms)
+            if told is not None:
+                out.append((PROGRESS, told))
         if not out:
             out.append((KEEPALIVE, None))
         return out
