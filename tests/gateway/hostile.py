@@ -155,12 +155,12 @@ class Hostile:
 
     @staticmethod
     async def _progress(writer: asyncio.StreamWriter, mode: str) -> None:
-        """`huge-progress`: a prompt_progress of 1e999 tokens, then a short answer. `wobble`: progress that goes
+        """`huge-progress`: a prompt_progress of 1e308 tokens, then a short answer. `wobble`: progress that goes
         10, 11, 10, 11 ... of 1,000 for ever (until the client goes away), never a token."""
         role = b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]'
         if mode == "huge-progress":
-            writer.write(chunk(b'data: {' + role + b',"prompt_progress":{"total":1e999,"cache":0,'
-                               b'"processed":1e999,"time_ms":5}}\n\n'))
+            writer.write(chunk(b'data: {' + role + b',"prompt_progress":{"total":1e308,"cache":0,'
+                               b'"processed":1e300,"time_ms":5}}\n\n'))
             for frame in (_sse(_chat_chunk("hello")), _sse(_chat_chunk("", "stop")), b"data: [DONE]\n\n"):
                 writer.write(chunk(frame))
             writer.write(chunk(b""))
