@@ -103,13 +103,21 @@ class Hostile:
             data = self.metrics.encode()
             writer.write(http_head(200, "text/plain", length=len(data)) + data)
             return
+        if method == "HEAD":
+            writer.write(http_head(200, "application/json", length=0))
+            return
         if method != "POST" or not target.endswith(("/chat/completions", "/messages")):
             data = json.dumps({"object": "echo", "method": method, "target": target, "headers": headers}).encode()
             writer.write(http_head(200, "application/json", length=len(data)) + data)
             return
-        request = json.loads(body)
-        messages = request.get("messages") or [{}]
-        mode = messages[-1].get("content", "") if isinstance(messages[-1], dict) else ""
+        try:
+            request = json.loads(body)
+            messages = request.get("messages") or [{}]
+            mode = messages[-1].get("content", "") if isinstance(messages[-1], dict) else ""
+        except (ValueError, AttributeError, TypeError, IndexError, KeyError):  # a 400, as a real server says
+            data = b'{"error": {"message": "not a request", "type": "invalid_request_error"}}'
+            writer.write(http_head(400, "application/json", length=len(data)) + data)
+            return
         anthropic = target.endswith("/messages")
         if mode == "echo-error":
             error = {"type": "error", "error": {"type": "authentication_error", "message": f"bad key: {auth}"}} \
