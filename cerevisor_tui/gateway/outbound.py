@@ -10,6 +10,7 @@ is held back until the next read settles it.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,11 +27,16 @@ LOG_LINE_CHARS = 300
 class ClientSend:
     """An ASGI `send` that scrubs each body and remembers whether the response started and ended."""
 
-    __slots__ = ("_send", "_stream", "started", "ended", "event_stream")
+    __slots__ = ("_send", "_stream", "_forms", "started", "ended", "event_stream")
 
     def __init__(self, send: Send, scrub: Scrubber) -> None:
         self._send = send
         self._stream: StreamScrubber | None = scrub.stream() if scrub else None
+        forms = [form.encode("utf-8", "surrogateescape") for form in scrub.forms]
+        # a body that ends a line can end no key mid-way (unless a key holds a line feed: then none is let by);
+        # one pattern of every form finds any in one pass (a `bytes in` per form costs several times more)
+        self._forms = re.compile(b"|".join(map(re.escape, forms))) \
+            if forms and not any(b"\n" in form for form in forms) else None
         self.started = False  # the status and headers went out
         self.ended = False  # the last byte went out
         self.event_stream = False  # its content type is text/event-stream
@@ -44,10 +50,16 @@ class ClientSend:
                     self.event_stream = True
         elif kind == "http.response.body":
             last = not message.get("more_body", False)
-            if self._stream is not None:
-                text = self._stream.feed(message.get("body", b"").decode("utf-8", "surrogateescape"))
+            body = message.get("body", b"")
+            # the relay's usual write, whole frames that hold no key, goes as it is (the gateway's hot path: about
+            # 1 us a 160-byte frame more than no scrubbing, a third of the text path's cost, on a loaded 2-core
+            # box); anything else is scrubbed as a stream
+            stream, forms = self._stream, self._forms
+            if stream is not None and (forms is None or stream.carry or not body.endswith(b"\n")
+                                       or forms.search(body) is not None):
+                text = stream.feed(body.decode("utf-8", "surrogateescape"))
                 if last:
-                    text += self._stream.flush()
+                    text += stream.flush()
                 message = {**message, "body": text.encode("utf-8", "surrogateescape")}
             self.ended = last
         await self._send(message)
