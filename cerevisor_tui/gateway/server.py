@@ -173,14 +173,16 @@ class Gateway:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             raise Refusal(400, f"the request body is not JSON: {exc}") from None
-        except RecursionError:
-            raise Refusal(400, f"the request body nests deeper than {apis.MAX_DEPTH} levels") from None
-        if not isinstance(body, dict):
-            raise Refusal(400, "the request body must be a JSON object")
-        problem = apis.request_problem(api, body)
+        except RecursionError:  # nested past msgspec's own depth
+            body = None
+            problem: str | None = f"the request body nests deeper than {apis.MAX_DEPTH} levels"
+        else:
+            problem = "the request body must be a JSON object" if not isinstance(body, dict) else \
+                apis.request_problem(api, body)
         if problem is not None:
             log_line(self.engine.scrub, f"refused a {api} request: {problem}")
             raise Refusal(400, f"the request is not one of the {api} API: {problem}")
+        assert isinstance(body, dict)
         return raw, body
 
     # ---- models and routes --------------------------------------------------------------------------------

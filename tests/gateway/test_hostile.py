@@ -96,7 +96,8 @@ async def test_a_clients_credentials_never_go_upstream_only_the_allowed_headers_
 
 # ---- 2. one path rule ---------------------------------------------------------------------------------------
 BYPASS = ["/v1/./chat/completions", "/v1//chat/completions", "/v1/%2e/chat/completions", "/v1/chat/./completions",
-          "/v1/chat/completions/", "/v1/chat%2fcompletions", "/v1/%2E/messages", "/a/x/v1/./chat/completions"]
+          "/v1/chat/completions/", "/v1/chat%2fcompletions", "/v1/%2E/messages", "/a/x/v1/./chat/completions",
+          "/a//v1/chat/completions"]
 ESCAPE = ["/v1/../admin", "/v1/%2e%2e/admin", "/v1/%2E%2E/admin", "/a/x/v1/..%2f..%2fslots%3faction%3derase",
           "/v1/models%3faction=erase", "/v1/%252e%252e/admin", "/v1/models%23x", "/v1/models%5c..%5cadmin",
           "/v1/..", "/a/x/v1/../../slots"]
