@@ -247,7 +247,7 @@ class ChatStream:
                 # self._read, inlined (this runs once a token), with [DONE] looked for only where msgspec fails
                 try:
                     chunk = decode(payload)
-                except decode_error:
+                except (decode_error, RecursionError):  # (nested past msgspec's depth: lenient says so)
                     payload = payload.strip()
                     if payload == b"[DONE]":
                         if pend:
@@ -319,7 +319,7 @@ class ChatStream:
         """The chunk in one event's data; raises the EndpointError it stands for (a server error, bad JSON)."""
         try:
             chunk = _decode_chunk(payload)
-        except msgspec.DecodeError:  # not JSON msgspec takes, or a field of another type
+        except (msgspec.DecodeError, RecursionError):  # not JSON msgspec takes, a field of another type, too deep
             return self._lenient_chunk(payload, is_error)
         if is_error or chunk.error is not _UNSET or (not chunk.choices and b'"error"' in payload):
             return self._lenient_chunk(payload, is_error)  # raises, with the server's own message
@@ -336,6 +336,9 @@ class ChatStream:
             obj = json.loads(payload)
         except UnicodeDecodeError:
             raise ProtocolError(self.endpoint, "stream is not valid UTF-8") from None
+        except RecursionError:  # an event no API sends, and no reader should walk
+            raise ProtocolError(self.endpoint, f"a stream event nested too deep to read after {self.tokens} tokens") \
+                from None
         except ValueError:
             raise ProtocolError(self.endpoint, f"malformed JSON in stream after {self.tokens} tokens: "
                                 f"{self._shown(payload)!r}") from None

@@ -31,6 +31,11 @@ def deep(n: int = 900) -> Any:
     return value
 
 
+def deep_bytes(n: int = 900) -> bytes:
+    """An error object nested `n` deep, as JSON (written out, as encoders refuse such depth)."""
+    return b'{"error": ' * n + b'"bottom"' + b"}" * n
+
+
 @dataclass
 class Seen:
     method: str
@@ -149,8 +154,9 @@ class Hostile:
                                    "error") if anthropic else _sse({"error": {"message": f"upstream saw {auth}"}}))
             elif mode == "echo-stream":
                 frames.append(_sse(_chat_chunk(f"the key is {auth}")))
-            elif mode == "deep-frame":
-                frames.append(_sse(deep(), "error") if anthropic else _sse(deep()))
+            elif mode.startswith("deep-frame"):  # deep-frame-N: nested N deep (900 by default)
+                depth = int(mode.rpartition("-")[2]) if mode[-1].isdigit() else 900
+                frames.append((b"event: error\n" if anthropic else b"") + b"data: " + deep_bytes(depth) + b"\n\n")
             if anthropic:
                 frames.append(_sse({"type": "message_stop"}, "message_stop"))
             else:

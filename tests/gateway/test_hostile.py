@@ -15,10 +15,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 
+from cerevisor_tui.config import validate
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.sinks.printer import Printer
 
 from ..conftest import until
@@ -222,13 +225,32 @@ async def test_an_upstreams_answer_of_no_apis_shape_is_relayed_never_a_500(monke
         whole = await post(client, s.url + "/chat/completions", chat("string-message", stream=False, model="up-model"))
         assert whole.status == 200 and whole.json()["choices"][0]["message"] == "not an object"
         for path in ("/chat/completions", "/messages"):
-            body = {**MESSAGES, "stream": True, "messages": [{"role": "user", "content": "deep-frame"}]}
-            streamed = await post(client, s.url + path, body)
-            assert streamed.status == 200 and b"hello" in streamed.raw, streamed.raw[:300]
-            assert b"bottom" in streamed.raw  # the deep frame went on to the client as it came
-        await until(lambda: len(s.of(ev.TurnFinished)) == 3, "three turns finished")
+            for mode in ("deep-frame", "deep-frame-5000"):  # within msgspec's depth, and past it
+                body = {**MESSAGES, "stream": True, "messages": [{"role": "user", "content": mode}]}
+                streamed = await post(client, s.url + path, body)
+                assert streamed.status == 200 and b"hello" in streamed.raw, streamed.raw[:300]
+                assert b"bottom" in streamed.raw  # the deep frame went on to the client as it came
+        await until(lambda: len(s.of(ev.TurnFinished)) == 5, "five turns finished")
         assert s.server.gateway.failed == 0
     assert "Traceback" not in capfd.readouterr().err
+
+
+async def test_a_workflow_agents_stream_event_nested_past_any_reader_fails_that_agent_not_the_run(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+    async with Hostile() as up:
+        config = validate({"endpoints": [{"name": "up", "kind": "hosted", "base_url": up.base_url, "model": "up-model",
+                                          "api_key_env": KEY_ENV}],
+                           "agents": [{"name": "deep", "prompt": "deep-frame-5000", "retries": 0},
+                                      {"name": "plain", "prompt": "hi", "retries": 0}]})
+        engine = Engine(config)
+        seen: list[ev.Event] = []
+        engine.subscribe(seen.append)
+        with anyio.fail_after(60):
+            assert await engine.run() == 1
+    finished = {e.agent: e for e in seen if isinstance(e, ev.AgentFinished)}
+    assert finished["plain"].status == "completed"
+    assert finished["deep"].status == "failed" and "nested too deep" in finished["deep"].error
+    assert any(isinstance(e, ev.RunFinished) for e in seen)
 
 
 # ---- 10. no console without a terminal --------------------------------------------------------------------------
