@@ -84,6 +84,11 @@ def main(args: Any) -> int:
     live = info is not None and info.state == "live"
     if args.jsonl:
         return asyncio.run(_print_events(run_dir)) if live else print_journal(run_dir)
-    from cerevisor_tui.commands.console_client import open_console
+    from cerevisor_tui.commands.console_client import no_terminal, open_console
+
+    problem = no_terminal(" attach")
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
 
     return open_console(run_dir, live=live, args=args, state=info.state if info else "")

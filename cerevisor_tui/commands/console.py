@@ -26,6 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cerevisor_tui.commands.console_client import no_terminal
 from cerevisor_tui.config import Config, ConfigError, load_config, validate
 from cerevisor_tui.config.checks import preflight
 from cerevisor_tui.config.paths import default_runs_dir, find_config, user_config_file, user_themes_dir
@@ -239,6 +240,10 @@ def main(args: Any) -> int:
         runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
         runs = ConsoleRuns(config, runs_dir, config_key(setup))
         last = incomplete_last_run(runs_dir, runs.config_key, config)  # before this run's own directory exists
+        problem = no_terminal("")  # before a run is started for a console that cannot open
+        if problem is not None:
+            print(problem, file=sys.stderr)
+            return 2
         engine = runs.open_fresh() if getattr(args, "in_process", False) else None
     except (ConfigError, JournalError, ThemeError) as exc:
         print(f"cerevisor-tui: {exc}", file=sys.stderr)

@@ -13,6 +13,15 @@ from typing import Any
 from cerevisor_tui.config import Config, ConfigError, load_config, validate
 
 
+def no_terminal(command: str, hint: str = "use --jsonl to read the run's events as JSON lines") -> str | None:
+    """The line that says the console cannot open here (its input or output is not a terminal: a pipe, a file, a
+    job without one), or None when it can. Full-screen into a pipe would write escape codes and never end."""
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        return None
+    which = "output" if not sys.stdout.isatty() else "input"
+    return f"cerevisor-tui{command}: the console needs a terminal, and its {which} is not one; {hint}"
+
+
 def ui_config(run_dir: Path, explicit: str | None) -> tuple[Config, Path | None]:
     """The config whose [ui] the console uses: the run's own (supervisor.json names it), else the one in force,
     else the defaults. Only [ui] matters here (the run's settings come with its events)."""

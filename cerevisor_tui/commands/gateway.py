@@ -109,6 +109,13 @@ def main(args: Any) -> int:
     except ConfigError as exc:
         print(f"cerevisor-tui gateway: {exc}", file=sys.stderr)
         return 2
+    from cerevisor_tui.commands.console_client import no_terminal
+
+    problem = None if args.headless or args.detach else \
+        no_terminal(" gateway", "use --headless (a line per event) or --detach")
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
     run_id = new_run_id()
     run_dir = Path(args.run_dir) if args.run_dir else runs_dir / run_id

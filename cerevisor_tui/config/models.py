@@ -10,13 +10,13 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-import unicodedata
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cerevisor_tui.kinds import Mode
+from cerevisor_tui.text import control_char
 
 EndpointKind = Literal["local", "hosted", "simulated"]
 Liveness = Literal["tokens", "bytes"]
@@ -38,7 +38,7 @@ def agent_name_problem(name: str) -> str | None:
         return "must not be empty"
     if name != name.strip():
         return "must not begin or end with a space"
-    bad = _control_char(name)
+    bad = control_char(name)
     if bad is not None:
         return f"holds a control character (U+{ord(bad):04X}); it names a file and a line on the screen"
     if any(c in name for c in "/\\"):
@@ -77,11 +77,6 @@ def _checked_extra_body(value: dict[str, Any]) -> dict[str, Any]:
         except (TypeError, ValueError):
             raise ValueError(f"{key}: {item!r} has no JSON form (a TOML date or time, or a NaN)") from None
     return value
-
-
-def _control_char(text: str) -> str | None:
-    """The first character that would break a line or move the cursor (control, format, separator), if any."""
-    return next((ch for ch in text if unicodedata.category(ch) in ("Cc", "Cf", "Cs", "Zl", "Zp")), None)
 
 
 def _checked_url(value: str) -> str:
@@ -414,8 +409,8 @@ class EndpointConfig(StallPolicy):
     def _name(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
-        if _control_char(value) is not None:  # it is shown in every line about the endpoint
-            raise ValueError(f"holds a control character (U+{ord(_control_char(value)):04X})")
+        if control_char(value) is not None:  # it is shown in every line about the endpoint
+            raise ValueError(f"holds a control character (U+{ord(control_char(value)):04X})")
         return value
 
     @field_validator("base_url")
@@ -448,8 +443,8 @@ class PoolConfig(_Section):
     def _name(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
-        if _control_char(value) is not None:
-            raise ValueError(f"holds a control character (U+{ord(_control_char(value)):04X})")
+        if control_char(value) is not None:
+            raise ValueError(f"holds a control character (U+{ord(control_char(value)):04X})")
         return value
 
 
@@ -565,7 +560,7 @@ def split_listen(listen: str) -> tuple[str, int]:
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"{listen!r}: the port must be a number from 0 to 65535")
-    if _control_char(host) is not None or " " in host:
+    if control_char(host) is not None or " " in host:
         raise ValueError(f"{listen!r}: the host holds a space or a control character")
     return host, int(port)
 

@@ -47,6 +47,9 @@ PREFILL_GRACE_S = 2.0
 """The least a prefill's projection is given beyond its end: a batch that lands a little late is no stall."""
 PREFILL_SLACK = 0.25
 """The share of a prefill's time left given beyond its projected end (a long prompt's later batches are slower)."""
+PREFILL_MAX_TIMES = 3.0
+"""The longest a prefill's progress holds a request's first byte back: this many times its projected prefill (the
+whole prompt at its measured rate, or the idle window before there is a rate), from when it was sent."""
 PREFILL_FROZEN_LOOK = 0.1
 """While a prefill's progress stands still, the deadline moves this share of the idle window at a time (at least
 PREFILL_GRACE_S), up to the idle window from its last progress."""
@@ -62,7 +65,7 @@ class PrefillLook(NamedTuple):
 
 
 def prefill_look(*, now: float, total: int, processed: int, rate_tok_s: float | None, advanced_at: float,
-                 idle_s: float, estimated: bool = False) -> PrefillLook:
+                 idle_s: float, estimated: bool = False, started_at: float | None = None) -> PrefillLook:
     """At a first-byte deadline, with a prefill's progress: `processed` of `total` prompt tokens (cached ones
     included) as the server last said, `advanced_at` when `processed` last moved, at `rate_tok_s` (None: not
     measured yet).
@@ -70,7 +73,10 @@ def prefill_look(*, now: float, total: int, processed: int, rate_tok_s: float | 
     No progress for the idle window: stuck, kill. Otherwise the deadline moves only as far as the projected end
     (tokens left over the rate), with a slack; once the projection has passed without the prefill ending, or
     with no rate yet, in steps up to the idle window from the last progress. An `estimated` prefill (a server
-    that says nothing of its own, its share from the endpoint's measured rate) is never killed by this rule."""
+    that says nothing of its own, its share from the endpoint's measured rate) is never killed by this rule.
+
+    With `started_at` (when the request was sent), never past PREFILL_MAX_TIMES its projected prefill from then:
+    a server whose progress creeps, or says a rate it does not keep, holds a request back no longer than that."""
     left = total - processed
     if total <= 0 or left <= 0:
         return PrefillLook("none", now, "")
@@ -82,6 +88,13 @@ def prefill_look(*, now: float, total: int, processed: int, rate_tok_s: float | 
             return PrefillLook("none", now, "")
         return PrefillLook("kill", now, f"no prefill progress for {fmt_s(silent_s)} (prefill {percent} of "
                                         f"{total:,} prompt tokens)")
+    if started_at is not None and not estimated:
+        projected_s = total / rate_tok_s if rate_tok_s else idle_s
+        bound_at = started_at + PREFILL_MAX_TIMES * projected_s
+        if now >= bound_at:
+            return PrefillLook("kill", now, f"prefill {percent} after {fmt_s(now - started_at)}, "
+                                            f"{PREFILL_MAX_TIMES:g}x its projected {fmt_s(projected_s)}")
+        stuck_at = min(stuck_at, bound_at)
     if rate_tok_s is not None and rate_tok_s > 0:
         eta_s = left / rate_tok_s
         end = advanced_at + eta_s

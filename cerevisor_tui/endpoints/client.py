@@ -25,6 +25,7 @@ import httpx
 import msgspec
 
 from cerevisor_tui.config.secrets import Scrubber
+from cerevisor_tui.endpoints import bounds
 from cerevisor_tui.endpoints.errors import (
     RETRYABLE_STATUS,
     EndpointError,
@@ -246,7 +247,7 @@ class ChatStream:
                 # self._read, inlined (this runs once a token), with [DONE] looked for only where msgspec fails
                 try:
                     chunk = decode(payload)
-                except decode_error:
+                except (decode_error, RecursionError):  # (nested past msgspec's depth: lenient says so)
                     payload = payload.strip()
                     if payload == b"[DONE]":
                         if pend:
@@ -318,7 +319,7 @@ class ChatStream:
         """The chunk in one event's data; raises the EndpointError it stands for (a server error, bad JSON)."""
         try:
             chunk = _decode_chunk(payload)
-        except msgspec.DecodeError:  # not JSON msgspec takes, or a field of another type
+        except (msgspec.DecodeError, RecursionError):  # not JSON msgspec takes, a field of another type, too deep
             return self._lenient_chunk(payload, is_error)
         if is_error or chunk.error is not _UNSET or (not chunk.choices and b'"error"' in payload):
             return self._lenient_chunk(payload, is_error)  # raises, with the server's own message
@@ -335,6 +336,9 @@ class ChatStream:
             obj = json.loads(payload)
         except UnicodeDecodeError:
             raise ProtocolError(self.endpoint, "stream is not valid UTF-8") from None
+        except RecursionError:  # an event no API sends, and no reader should walk
+            raise ProtocolError(self.endpoint, f"a stream event nested too deep to read after {self.tokens} tokens") \
+                from None
         except ValueError:
             raise ProtocolError(self.endpoint, f"malformed JSON in stream after {self.tokens} tokens: "
                                 f"{self._shown(payload)!r}") from None
@@ -389,9 +393,10 @@ class ChatStream:
             self.timings = (timings.prompt_ms, timings.predicted_per_token_ms)
             out.append((TIMINGS, self.timings))
         progress = chunk.prompt_progress
-        if progress is not None:  # a sign of life of the prefill, not a token
-            out.append((PROGRESS, (int(progress.total), int(progress.cache), int(progress.processed),
-                                   int(progress.time_ms))))
+        if progress is not None:  # a sign of life of the prefill, not a token (when its numbers can be true)
+            told = bounds.prompt_progress(progress.total, progress.cache, progress.processed, progress.time_ms)
+            if told is not None:
+                out.append((PROGRESS, told))
         if not out:
             out.append((KEEPALIVE, None))
         return out

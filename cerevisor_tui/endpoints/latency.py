@@ -23,6 +23,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from cerevisor_tui.endpoints import bounds
+
 WINDOW_S = 60.0
 """How far back the panel's figures reach: the scrape nearest this age is the window's start."""
 
@@ -165,8 +167,10 @@ def samples_of(text: str) -> Iterator[tuple[str, str | None, float]]:
         if not fields:
             continue
         try:
-            value = float(fields[0])
+            value = bounds.metric(float(fields[0]))
         except ValueError:
+            continue
+        if value is None:  # a value no server keeps (1e308, NaN, negative): absent
             continue
         le = _LE.search(labels) if labels else None
         yield name, le[1] if le else None, value

@@ -20,6 +20,7 @@ import anyio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from cerevisor_tui.endpoints import bounds
 from cerevisor_tui.endpoints.client import request_scrubber
 from cerevisor_tui.endpoints.latency import LatencyScrape, parse_latency
 
@@ -119,9 +120,10 @@ class _Samples:
         for family in families:
             self.family_names.add(family.name)
             for sample in family.samples:
-                if sample.name.endswith("_created"):
+                value = bounds.metric(sample.value)
+                if sample.name.endswith("_created") or value is None:  # a value no server keeps: absent
                     continue
-                self.values[sample.name].append(float(sample.value))
+                self.values[sample.name].append(value)
                 self.labels[sample.name].append(dict(sample.labels))
 
     def first(self, names: Iterable[str]) -> str | None:
@@ -148,9 +150,10 @@ def _int(value: float | None) -> int | None:
 
 def _label_int(value: str | None) -> int | None:
     try:
-        return int(float(value)) if value not in (None, "", "None") else None
+        number = bounds.metric(float(value)) if value not in (None, "", "None") else None
     except ValueError:
         return None
+    return None if number is None else int(number)
 
 
 def detect_kind(names: Iterable[str]) -> ServerKind:

@@ -15,7 +15,8 @@ sends one per batch, many a second on a fast box."""
 
 @dataclass(slots=True)
 class Prefill:
-    """The latest prompt_progress of an attempt, and when its `processed` last moved on our clock."""
+    """The latest prompt_progress of an attempt, and when its `processed` last passed its high-water mark on our
+    clock (`processed` is that mark)."""
 
     total: int = 0
     cache: int = 0
@@ -26,10 +27,12 @@ class Prefill:
 
     def see(self, total: int, cache: int, processed: int, time_ms: int, now: float) -> bool:
         """Take one prompt_progress; whether the console should be told of it now."""
-        # a `processed` lower than before moved too: prefilled again from its cache (preempted, re-admitted)
-        moved = processed != self.processed or total != self.total or not self.advanced_at
-        self.total, self.cache, self.processed, self.time_ms = total, cache, processed, time_ms
+        # progress only past the high-water mark: a `processed` that wobbles (10, 11, 10, 11) or goes back (a
+        # prefill started again after a preemption) shows no new work until it passes what was already done
+        moved = processed > self.processed or not self.advanced_at
+        self.total, self.cache, self.time_ms = total, cache, time_ms
         if moved:
+            self.processed = processed
             self.advanced_at = now
         if moved and (now - self.told_at >= PREFILL_EVENT_EVERY_S or processed >= total or processed == cache):
             self.told_at = now

@@ -98,7 +98,12 @@ class Sessions:
         return self._ready
 
     def open(self, name: str, *, source: str, harness: str, api: str, endpoint: str, key: str = "") -> Session:
-        """The session named `name`, opened (and told as SessionOpened) the first time it is seen."""
+        """The session named `name` of the client key named `key`, opened (and told as SessionOpened) the first
+        time it is seen. A session belongs to the key that opened it, and its name is never a workflow agent's:
+        a request under another key, or named like an agent, gets a session of its own (`own_name`), never
+        another's row, slot, meters and transcript. Not a refusal: two harnesses may share a name in good faith
+        (an OpenAI `user`, a path label), and each still gets its answer."""
+        name = self.own_name(name, key)
         found = self.by_name.get(name)
         if found is not None:
             return found
@@ -113,6 +118,20 @@ class Sessions:
         session = self.by_name[name] = Session(st, source, harness, api, key)
         e.emit(ev.SessionOpened(e.clock.now(), name, source, harness, api, endpoint, key))
         return session
+
+    def own_name(self, name: str, key: str) -> str:
+        """`name` when it is free or already `key`'s session; else the first of `name@KEY`, `name@KEY-2`, ... that
+        is (`name@session` without a key), so a key's requests under one name always land in one session."""
+        owner = key.lower() or "session"
+        candidate, n = name, 1
+        while True:
+            found = self.by_name.get(candidate)
+            if found is not None and found.key == key:
+                return candidate
+            if found is None and candidate not in self.engine.agents:
+                return candidate
+            n += 1
+            candidate = f"{name}@{owner}" if n == 2 else f"{name}@{owner}-{n - 1}"
 
     def started(self, group: anyio.abc.TaskGroup) -> None:
         self.group = group

@@ -128,7 +128,8 @@ class Watchdog:
         """The attempt's prefill is moving, by the server's word: its deadline would be extended at this moment."""
         p = att.prefill
         return p is not None and prefill_look(now=now, total=p.total, processed=p.processed, rate_tok_s=p.rate_tok_s,
-                                              advanced_at=p.advanced_at, idle_s=policy.idle_timeout_s).action == "extend"
+                                              advanced_at=p.advanced_at, idle_s=policy.idle_timeout_s,
+                                              started_at=att.sent_at).action == "extend"
 
     def prefill(self, st: AgentState, att: Attempt, policy: ResolvedStall, now: float) -> PrefillLook:
         """At a first-byte deadline, the prefill the server tells of (prompt_progress): extend the deadline as far
@@ -136,7 +137,7 @@ class Watchdog:
         p = att.prefill
         assert p is not None
         look = prefill_look(now=now, total=p.total, processed=p.processed, rate_tok_s=p.rate_tok_s,
-                            advanced_at=p.advanced_at, idle_s=policy.idle_timeout_s)
+                            advanced_at=p.advanced_at, idle_s=policy.idle_timeout_s, started_at=att.sent_at)
         if look.action == "extend":
             extend_s = look.deadline_at - att.deadline_at
             att.extra_s += extend_s

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from cerevisor_tui.endpoints import bounds
+
 Api = Literal["chat", "responses", "messages"]
 PATHS: dict[str, Api] = {"/chat/completions": "chat", "/responses": "responses", "/messages": "messages"}
 """The governed paths, under /v1, and the API each speaks."""
@@ -26,6 +28,9 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_api_key", 404: "mod
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
 _json = msgspec.json.Encoder()
+MAX_DEPTH = 64
+"""The deepest nesting of lists and objects a request body may have: a real one (tool schemas included) nests a
+dozen deep; a deeper one is a 400, never a recursion through the run's scrubber, journal and transcript."""
 
 
 def error_body(api: Api | None, status: int, message: str) -> bytes:
@@ -64,12 +69,40 @@ def text_of(content: Any) -> str:
     return ""
 
 
+def depth_over(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether `value` (decoded JSON) nests lists and objects deeper than `limit`; walked without recursion."""
+    level: list[Any] = [value]
+    for _ in range(limit + 1):
+        level = [child for item in level if isinstance(item, dict | list)
+                 for child in (item.values() if isinstance(item, dict) else item) if isinstance(child, dict | list)]
+        if not level:
+            return False
+    return True
+
+
+def request_problem(api: Api, body: dict[str, Any]) -> str | None:
+    """What makes `body` no request of `api`'s shape, in a line for the client (a 400), or None. Only what the
+    gateway itself reads is checked: the upstream judges the rest."""
+    if depth_over(body):
+        return f"the request body nests deeper than {MAX_DEPTH} levels"
+    field = "input" if api == "responses" else "messages"
+    items = body.get(field)
+    if api == "responses" and isinstance(items, str):
+        return None
+    if items is not None and not isinstance(items, list):
+        return f"`{field}` must be a list"
+    for i, item in enumerate(items or ()):
+        if not isinstance(item, dict):
+            return f"`{field}[{i}]` must be an object"
+    return None
+
+
 def conversation(api: Api, body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     """The request's system prompt and its messages (as the client sent them), whatever the API."""
     if api == "messages":
         system = body.get("system")
         messages = body.get("messages")
-        return text_of(system), messages if isinstance(messages, list) else []
+        return text_of(system), [m for m in messages if isinstance(m, dict)] if isinstance(messages, list) else []
     if api == "responses":
         items = body.get("input")
         if isinstance(items, str):
@@ -241,8 +274,8 @@ class Reading:
                 continue
             try:
                 frame = _frame.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                self.unreadable += 1
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                self.unreadable += 1  # (nested past msgspec's depth: not a frame of any API)
                 continue
             t, r, k = self._frame(frame)
             if t or r or k:
@@ -313,19 +346,25 @@ class Reading:
         return "", "", ""
 
     def _timings(self, t: _Timings) -> None:
-        if t.prompt_ms is not None or t.predicted_per_token_ms is not None:
-            self.timings = (t.prompt_ms, t.predicted_per_token_ms)
-        if t.prompt_n is not None:
-            self.timings_prompt_tokens = int(t.prompt_n) + int(t.cache_n or 0)
+        prompt_ms = bounds.metric(t.prompt_ms) if t.prompt_ms is not None else None
+        per_token_ms = bounds.metric(t.predicted_per_token_ms) if t.predicted_per_token_ms is not None else None
+        if prompt_ms is not None or per_token_ms is not None:
+            self.timings = (prompt_ms, per_token_ms)
+        computed = bounds.metric(t.prompt_n) if t.prompt_n is not None else None
+        cached = bounds.metric(t.cache_n) if t.cache_n is not None else 0.0
+        if computed is not None and cached is not None and computed + cached <= bounds.MAX_PROMPT_TOKENS:
+            self.timings_prompt_tokens = int(computed + cached)
 
     def whole(self, data: bytes) -> None:
-        """Read a response that was not streamed: its text and usage."""
+        """Read a response that was not streamed: its text and usage. What is not of the API's shape is left
+        unread (the client gets it as it came)."""
         try:
             body = msgspec.json.decode(data)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             self.unreadable += 1
             return
-        if not isinstance(body, dict):
+        if not isinstance(body, dict) or depth_over(body):
+            self.unreadable += 1
             return
         try:
             self.usage(msgspec.convert(body.get("usage"), _Usage | None))
@@ -335,13 +374,18 @@ class Reading:
         if timings is not None:
             self._timings(timings)
         if self.api == "chat":
-            choices = body.get("choices") or [{}]
-            message = choices[0].get("message") or {} if isinstance(choices[0], dict) else {}
+            choices = body.get("choices")
+            choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+            message = choice.get("message")
+            message = message if isinstance(message, dict) else {}
             self.text.append(text_of(message.get("content")))
-            self.reasoning.append(str(message.get("reasoning_content") or message.get("reasoning") or ""))
-            self.finish = str(choices[0].get("finish_reason") or "") if isinstance(choices[0], dict) else ""
+            reasoning = message.get("reasoning_content") or message.get("reasoning")
+            self.reasoning.append(reasoning if isinstance(reasoning, str) else "")
+            finish = choice.get("finish_reason")
+            self.finish = finish if isinstance(finish, str) else ""
         elif self.api == "messages":
-            for block in body.get("content") or ():
+            content = body.get("content")
+            for block in content if isinstance(content, list) else ():
                 if isinstance(block, dict):
                     if block.get("type") == "text":
                         self.text.append(str(block.get("text", "")))
@@ -351,8 +395,10 @@ class Reading:
                         self.tools.append(f"{block.get('name', '')}{_json.encode(block.get('input', {})).decode()}")
             self.finish = str(body.get("stop_reason") or "")
         else:
-            self.items = len(body.get("output") or ())
-            for item in body.get("output") or ():
+            output = body.get("output")
+            output = output if isinstance(output, list) else []
+            self.items = len(output)
+            for item in output:
                 if not isinstance(item, dict):
                     continue
                 if item.get("type") == "message":
@@ -370,6 +416,9 @@ class Reading:
 
 
 def _error_text(error: Any) -> str:
+    """An upstream error's message, as a line (a deeply nested error is said to be one, not walked)."""
+    if depth_over(error, 8):
+        return "(an error nested too deep to read)"
     if isinstance(error, dict):
         inner = error.get("error") if isinstance(error.get("error"), dict) else error
         return str(inner.get("message") or inner.get("type") or error)[:500]

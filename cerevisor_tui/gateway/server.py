@@ -16,7 +16,6 @@ import fnmatch
 import hmac
 import os
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,12 +25,16 @@ import msgspec
 
 from cerevisor_tui.config.models import GatewayConfig
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.endpoints import bounds
 from cerevisor_tui.engine.attempt import Answer
 from cerevisor_tui.engine.sessions import BudgetSpent, Dropped, RunStopping, Session
 from cerevisor_tui.engine.status import move
 from cerevisor_tui.gateway import apis
 from cerevisor_tui.gateway.apis import KEEPALIVE, Api, Reading
-from cerevisor_tui.gateway.identity import harness, identify
+from cerevisor_tui.gateway.identity import SESSION_HEADERS, harness, identify
+from cerevisor_tui.gateway.outbound import ClientSend, log_line
+from cerevisor_tui.gateway.paths import PathProblem, check_path
+from cerevisor_tui.text import control_char, printable
 
 if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine
@@ -41,10 +44,12 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-# the client's headers that never go upstream: its credential, hop-by-hop ones, and what httpx sets itself
-_DROPPED = frozenset({b"host", b"content-length", b"authorization", b"x-api-key", b"cookie", b"connection",
-                      b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization",
-                      b"proxy-connection", b"accept-encoding", b"x-request-id", b"expect", b"trailer"})
+# the client's headers that go upstream, and no other: how to read the request and what it accepts, the APIs'
+# version and beta headers, who sent it, and the session headers routers keep affinity by. Never a credential
+# (authorization, x-api-key, api-key, x-goog-api-key, cookie ...) nor an account or organisation
+# (openai-organization, openai-project, chatgpt-account-id): the upstream sees the run's key and nothing of the client's
+_FORWARDED = frozenset({b"content-type", b"accept", b"user-agent", b"anthropic-version", b"anthropic-beta",
+                        b"openai-beta", *(name.encode() for name in SESSION_HEADERS)})
 ERROR_BODY_LIMIT = 1 << 20  # what is read of an upstream's error body
 WAIT_BACKOFF_S = (0.25, 5.0)  # a local endpoint still loading: reconnect after 0.25 s, doubling to 5 s
 RETRY_AFTER_S = 5  # told to a client when the upstream is down
@@ -86,37 +91,44 @@ class Gateway:
         self.max_body = int(settings.max_body_mib * (1 << 20))
         self.upstream = settings.upstream or engine.config.endpoints[0].name
         self.passed = 0  # other /v1/* requests passed through ungoverned
-        self.refused = 0  # requests the gateway answered itself (401, 400, 404, 413, 503)
+        self.refused = 0  # requests the gateway answered itself (401, 400, 404, 405, 413, 503)
+        self.failed = 0  # requests that met an error nobody foresaw (answered 500 in the API's shape, logged)
 
     # ---- ASGI ---------------------------------------------------------------------------------------------
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "lifespan":
-            return
-        if scope["type"] != "http":
+        if scope["type"] != "http":  # lifespan, websockets: nothing to serve
             return
         await self.engine.sessions.ready.wait()  # the run's connections are open (a request may come before)
-        path = scope["path"]
-        label = ""
-        if path.startswith("/a/"):  # a path label: /a/NAME/v1/..., cut in the raw path (NAME may hold a %2F)
-            raw = scope.get("raw_path") or path.encode()
-            head, _, rest = raw[3:].partition(b"/")
-            label = urllib.parse.unquote(head.decode("latin-1"))
-            path = "/" + urllib.parse.unquote(rest.decode("latin-1"))
-        if not path.startswith("/v1/"):
-            await _answer(send, 404, apis.error_body(None, 404, f"no such path {path!r}: the gateway serves /v1/*"))
-            return
-        api = apis.PATHS.get(path[3:]) if scope["method"] == "POST" else None
+        client = ClientSend(send, self.engine.scrub)  # every byte to the client goes through it: no run key in it
+        raw = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+        api: Api | None = next((a for suffix, a in apis.PATHS.items() if raw.endswith(suffix.encode())), None)
         try:
+            try:  # the one path rule, before any routing: what is routed on is what the upstream is sent
+                path, label = check_path(raw)
+            except PathProblem as exc:
+                log_line(self.engine.scrub, f"refused {scope['method']} {raw[:200]!r}: {exc}")
+                raise Refusal(400, f"cerevisor gateway: {exc}") from None
+            if not path.startswith("/v1/"):
+                raise Refusal(404, f"no such path {path!r}: the gateway serves /v1/*")
+            api = apis.PATHS.get(path[3:])
+            if api is not None and scope["method"] != "POST":
+                raise Refusal(405, f"{path} takes POST, not {printable(scope['method'])}", {"allow": "POST"})
             key = self._check_key(scope)
             if api is None:
-                await self._pass(scope, receive, send, path)
+                await self._pass(scope, receive, client, path)
                 return
             body = await self._body(scope, receive, api)
+            await Exchange(self, scope, receive, client, api, body, label=label, key=key).run()
         except Refusal as exc:
             self.refused += 1
-            await _answer(send, exc.status, apis.error_body(api, exc.status, exc.message), exc.headers)
-            return
-        await Exchange(self, scope, receive, send, api, body, label=label, key=key).run()
+            if not client.started:
+                await _answer(client, exc.status, apis.error_body(api, exc.status, exc.message), exc.headers)
+        except Exception as exc:  # an error nobody foresaw: an answer in the API's shape and a line in the log
+            self.failed += 1
+            log_line(self.engine.scrub, f"{scope['method']} {raw[:200]!r} failed: {type(exc).__name__}: {exc}")
+            with contextlib.suppress(Exception):  # the client may be gone: nothing more to tell it
+                await client.error(api, 500, "cerevisor gateway: the request met an internal error (the run's log "
+                                             "says which); nothing more was sent upstream")
 
     def _check_key(self, scope: Scope) -> str:
         """The name of the client key the request carries; "" when none is asked. Refusal 401 otherwise."""
@@ -161,8 +173,16 @@ class Gateway:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
             raise Refusal(400, f"the request body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise Refusal(400, "the request body must be a JSON object")
+        except RecursionError:  # nested past msgspec's own depth
+            body = None
+            problem: str | None = f"the request body nests deeper than {apis.MAX_DEPTH} levels"
+        else:
+            problem = "the request body must be a JSON object" if not isinstance(body, dict) else \
+                apis.request_problem(api, body)
+        if problem is not None:
+            log_line(self.engine.scrub, f"refused a {api} request: {problem}")
+            raise Refusal(400, f"the request is not one of the {api} API: {problem}")
+        assert isinstance(body, dict)
         return raw, body
 
     # ---- models and routes --------------------------------------------------------------------------------
@@ -180,7 +200,11 @@ class Gateway:
 
     def route(self, asked: str) -> tuple[str, str]:
         """The model sent upstream for `asked` and the endpoint or pool that serves it. Refusal 404 when it is
-        neither served nor mapped."""
+        neither served nor mapped, 400 when it holds a control character (it is shown on the operator's screen)."""
+        bad = control_char(asked)
+        if bad is not None:
+            raise Refusal(400, f"the model name holds a control character (U+{ord(bad):04X}): "
+                               f"{printable(asked[:100])!r}")
         model = self.model or next((served for glob, served in self.settings.model_map.items()
                                     if fnmatch.fnmatchcase(asked, glob)), asked)
         served = self.served_models()
@@ -658,14 +682,15 @@ def _frame_progress(frame: bytes) -> tuple[dict[str, Any], tuple[int, int, int, 
     try:
         obj = msgspec.json.decode(data)
         p = obj["prompt_progress"]
-        return obj, (int(p["total"]), int(p.get("cache", 0)), int(p["processed"]), int(p.get("time_ms", 0)))
-    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+        told = bounds.prompt_progress(p["total"], p.get("cache", 0), p["processed"], p.get("time_ms", 0))
+    except (msgspec.DecodeError, KeyError, TypeError, AttributeError, RecursionError):
         return None  # not the shape we know: relayed as it came
+    return None if told is None else (obj, told)  # numbers that cannot be true: relayed, not believed
 
 
 def _upstream_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in raw
-               if name.lower() not in _DROPPED}
+               if name.lower() in _FORWARDED}
     headers["accept-encoding"] = "identity"  # the bytes relayed are the bytes read: no compression between
     return headers
 

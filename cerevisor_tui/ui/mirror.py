@@ -21,6 +21,7 @@ import msgspec
 
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.contract.deadlines import Window, stream_window
+from cerevisor_tui.text import printable
 from cerevisor_tui.ui.inbox import Inbox
 from cerevisor_tui.ui.model import ALERT, META, TOOL, Notice, UiModel
 
@@ -120,7 +121,7 @@ class AgentView:
     def model_mapping(self) -> str:
         """`claude-sonnet-4 → qwen3-coder` when a session's request went upstream under another model, else ""."""
         if self.model_asked and self.model_sent and self.model_asked != self.model_sent:
-            return f"{self.model_asked} → {self.model_sent}"
+            return printable(f"{self.model_asked} → {self.model_sent}")
         return ""
 
     def attempt_of(self, number: int) -> AttemptView | None:

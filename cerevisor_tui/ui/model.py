@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.text import printable
 
 CONTENT, REASONING, TOOL, USER, META, ALERT = "content", "reasoning", "tool", "user", "meta", "alert"
 """Kinds of transcript text; the stream pane styles each (reasoning dimmed, alerts in the error colour)."""
@@ -376,7 +377,7 @@ class UiModel:
         if not e.turns:  # a gateway session's request: the time it waited here is not the model's
             label = f"▌ assistant · request {e.turn} · queued {e.queued_s:.1f} s"
             if e.model_asked and e.model_sent and e.model_asked != e.model_sent:
-                label += f" · {e.model_asked} → {e.model_sent}"
+                label += f" · {printable(e.model_asked)} → {printable(e.model_sent)}"
             self._requests[(e.agent, e.attempt)] = e.turn
             self._writing[e.agent] = e.attempt
         else:

@@ -17,6 +17,7 @@ from typing import TextIO
 
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.watchdog import fmt_s
+from cerevisor_tui.text import printable
 
 # Events that never make a line for people: checked first, as they come once per streamed chunk.
 _SILENT = frozenset({"TokenDelta", "KeepAlive"})
@@ -41,7 +42,8 @@ class Printer:
             line = self.describe(event)
             if not line:
                 return
-            text = f"{event.t - self.t0:8.2f}s  {line}\n"
+            # the one place a headless line is made printable: a client's or server's words set no title
+            text = f"{event.t - self.t0:8.2f}s  {printable(line)}\n"
         try:
             self.out.write(text)
             if not self.jsonl:  # (--jsonl's reader takes a buffer at a time)
