@@ -334,7 +334,7 @@ class Engine:
 
     def set_auto_ceiling(self, ceiling: int) -> None:
         """Auto mode's ceiling: no endpoint's live cap goes above it (nor above the endpoint's own max_cap)."""
-        self.auto_ceiling = max(1, int(ceiling))
+        self.auto_ceiling = min(cmd.MAX_CAP, max(1, int(ceiling)))  # `+` held down stops at the largest cap
         for name, ctl in self.auto.items():
             change = ctl.set_ceiling(self.auto_ceiling)
             if change is not None:

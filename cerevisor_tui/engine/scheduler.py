@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
+from cerevisor_tui.contract.commands import MAX_CAP
 from cerevisor_tui.kinds import MODES, Mode
 
 
@@ -72,7 +73,7 @@ class Scheduler:
         self._pump()
 
     def set_cap(self, max_concurrency: int) -> None:
-        self.max_concurrency = max(1, int(max_concurrency))
+        self.max_concurrency = min(MAX_CAP, max(1, int(max_concurrency)))
         self._pump()
 
     def set_endpoint_cap(self, endpoint: str, cap: int) -> None:
