@@ -148,6 +148,7 @@ class _Delta(msgspec.Struct):
 
 
 class _Choice(msgspec.Struct):
+    index: int | None = None  # 0 is the answer; a client that asks for several (n) gets the others beside it
     delta: _Delta | None = None
     message: _Delta | None = None
     finish_reason: str | None = None
@@ -250,9 +251,10 @@ class Reading:
             self.error = f.message[:500]
         if self.api == "chat":
             self.usage(f.usage)
-            if not f.choices:
+            # choice 0 only: the others (n > 1) go to the client as they came, and are not the session's answer
+            choice = next((c for c in f.choices if not c.index), None)
+            if choice is None:
                 return "", "", ""
-            choice = f.choices[0]
             if choice.finish_reason:
                 self.finish = choice.finish_reason
             d = choice.delta
@@ -304,11 +306,14 @@ class Reading:
         except msgspec.ValidationError:
             pass
         if self.api == "chat":
-            choices = body.get("choices") or [{}]
-            message = choices[0].get("message") or {} if isinstance(choices[0], dict) else {}
+            choices = body.get("choices")
+            choice = next((c for c in choices if isinstance(c, dict) and not c.get("index")), {}) \
+                if isinstance(choices, list) else {}
+            message = choice.get("message")
+            message = message if isinstance(message, dict) else {}
             self.text.append(text_of(message.get("content")))
             self.reasoning.append(str(message.get("reasoning_content") or message.get("reasoning") or ""))
-            self.finish = str(choices[0].get("finish_reason") or "") if isinstance(choices[0], dict) else ""
+            self.finish = str(choice.get("finish_reason") or "")
         elif self.api == "messages":
             for block in body.get("content") or ():
                 if isinstance(block, dict):
