@@ -197,6 +197,13 @@ class Gateway:
         pool = self.engine.config.pool(name)
         return list(pool.endpoints) if pool is not None else [name]
 
+    def _pass_order(self) -> list[str]:
+        """The members a pass-through request is offered to, in turn while each refuses the connection: those up
+        and not degraded first, then those degraded, then those down (engine/placement.py), each in pool order."""
+        placement, now = self.engine.placement, time.monotonic()
+        return sorted(self._members(self.upstream),
+                      key=lambda m: (placement.is_down(m, now), placement.is_degraded(m, now)))
+
     async def resolve_models(self) -> None:
         """Ask each endpoint once which model it serves (those the config does not name), so routes know."""
         e = self.engine
@@ -212,7 +219,6 @@ class Gateway:
         ends it."""
         self.passed += 1
         e = self.engine
-        endpoint = self._members(self.upstream)[0]
         chunks = []
         while True:
             message = await receive()
@@ -223,17 +229,24 @@ class Gateway:
                 raise Refusal(413, "request body over the gateway's limit ([gateway] max_body_mib)")
             if not message.get("more_body"):
                 break
-        url = e.connections.base_urls[endpoint].rstrip("/") + path[3:]
         query = scope.get("query_string", b"").decode("latin-1")
         headers = _upstream_headers(scope["headers"])
-        client = e.connections.clients[endpoint]
-        request = client.build_request(scope["method"], url + (f"?{query}" if query else ""),
-                                       content=b"".join(chunks), headers=headers)
-        try:
-            response = await client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise Refusal(503, f"upstream {endpoint} is not answering: {_problem(exc)}",
-                          {"retry-after": str(RETRY_AFTER_S)}) from None
+        response: httpx.Response | None = None
+        problem = ""
+        for endpoint in self._pass_order():
+            url = e.connections.base_urls[endpoint].rstrip("/") + path[3:]
+            client = e.connections.clients[endpoint]
+            request = client.build_request(scope["method"], url + (f"?{query}" if query else ""),
+                                           content=b"".join(chunks), headers=headers)
+            try:
+                response = await client.send(request, stream=True)
+                break
+            except httpx.HTTPError as exc:
+                problem = f"{endpoint} is not answering: {_problem(exc)}"
+                if not isinstance(exc, httpx.ConnectError):  # it may have reached the server: never sent twice
+                    break
+        if response is None:
+            raise Refusal(503, f"upstream {problem}", {"retry-after": str(RETRY_AFTER_S)})
         try:
             async with anyio.create_task_group() as group:
 

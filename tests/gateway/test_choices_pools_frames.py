@@ -14,8 +14,8 @@ import pytest
 
 from cerevisor_tui.contract import events as ev
 
-from ..conftest import RawServer, chunk, http_head, until
-from .conftest import chat, post, served
+from ..conftest import RawServer, chunk, free_port, http_head, until
+from .conftest import chat, gateway_config, post, served, sim_endpoint
 
 pytestmark = pytest.mark.anyio
 
@@ -70,3 +70,31 @@ async def test_a_whole_answer_with_two_choices_records_choice_0_whatever_their_o
         [turn] = await until(lambda: s.of(ev.TurnFinished, "w"), "the turn's end told")
         assert turn.finish_reason == "stop"
         assert [m.content for m in s.of(ev.MessageRecorded, "w") if m.role == "assistant"] == ["first"]
+
+
+async def test_models_and_other_pass_through_go_to_a_pool_member_that_is_up_not_the_first():
+    async def unhealthy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pass  # (its GET /health, /metrics and /v1/models are all answered 404 by RawServer)
+
+    async with RawServer(unhealthy) as sick, served(sim={}) as probe:  # a simulator of the test's own
+        sim_url = probe.sim_server.base_url
+        config = gateway_config(endpoints=[{"name": "sick", "kind": "local", "base_url": sick.base_url,
+                                            "model": "sim-model"}, sim_endpoint(sim_url, name="fine")],
+                                pools=[{"name": "fleet", "endpoints": ["sick", "fine"]}],
+                                gateway={"upstream": "fleet"}, run={"metrics_interval_s": 0.2})
+        async with served(config) as s, httpx.AsyncClient(timeout=30) as client:
+            await until(lambda: s.engine.placement.down.get("sick"), "the first member's failed health check")
+            r = await client.get(s.url + "/models")
+            assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["sim-model"]
+            assert s.server.gateway.passed == 1 and sick.requests == 0
+
+
+async def test_a_pass_through_refused_by_the_first_member_goes_to_the_next():
+    closed = f"http://127.0.0.1:{free_port()}/v1"  # a hosted member: no health check says it is down
+    async with served(sim={}) as probe:
+        config = gateway_config(endpoints=[{"name": "gone", "kind": "hosted", "base_url": closed, "model": "sim-model"},
+                                           sim_endpoint(probe.sim_server.base_url, name="fine")],
+                                pools=[{"name": "fleet", "endpoints": ["gone", "fine"]}], gateway={"upstream": "fleet"})
+        async with served(config) as s, httpx.AsyncClient(timeout=30) as client:
+            r = await client.get(s.url + "/models")
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "sim-model"
