@@ -46,6 +46,7 @@ _DROPPED = frozenset({b"host", b"content-length", b"authorization", b"x-api-key"
                       b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization",
                       b"proxy-connection", b"accept-encoding", b"x-request-id", b"expect", b"trailer"})
 ERROR_BODY_LIMIT = 1 << 20  # what is read of an upstream's error body
+FRAME_LIMIT_BYTES = 8 << 20  # the longest SSE frame relayed: a model's chunk is bytes to kilobytes
 WAIT_BACKOFF_S = (0.25, 5.0)  # a local endpoint still loading: reconnect after 0.25 s, doubling to 5 s
 RETRY_AFTER_S = 5  # told to a client when the upstream is down
 CONTEXT_LIMIT_WAIT_S = 2.0  # the longest a session's meters wait for the endpoint's /v1/models
@@ -519,7 +520,7 @@ class Exchange:
         monotonic = time.monotonic
         upstream = att.stream
         by_bytes = e.policies[st.endpoint].liveness == "bytes"
-        pending = b""
+        pending = _Frames()
         # the headers go out with the first frame, not with the upstream's (which vLLM sends at once): until
         # then a deadline, a kill or a drop is still an HTTP status, and keep-alives start the stream
         head = (response.status_code, response.headers.get("content-type", "text/event-stream"),
@@ -527,11 +528,14 @@ class Exchange:
         async for chunk in response.aiter_raw():
             now = monotonic()
             upstream.last_byte_at = now
-            pending += chunk
-            end = _frames_end(pending)
-            if end == 0:
+            try:
+                frames = pending.feed(chunk)
+            except FrameTooLong as exc:  # an upstream that never ends its frame is not buffered for ever
+                self._record_answer(session, att, partial=True)
+                await self.fail(502, f"cerevisor gateway: upstream {st.endpoint} {exc}; the request was ended")
+                return
+            if not frames:
                 continue
-            frames, pending = pending[:end], pending[end:]
             if b'"prompt_progress"' in frames and att.first_token_at is None:
                 frames = self._progress(st, att, frames, now)
             async with self.lock:
@@ -563,7 +567,7 @@ class Exchange:
         async with self.lock:
             if not self.started:
                 await self.start(*head)
-            await self.write(pending, last=True)
+            await self.write(pending.rest(), last=True)
         await self._finished(session, att)
 
     def _progress(self, st: Any, att: Attempt, frames: bytes, now: float) -> bytes:
@@ -693,10 +697,42 @@ class _Upstream:
             abort()
 
 
-def _frames_end(data: bytes) -> int:
-    """Where the last complete SSE frame in `data` ends (0: none is complete yet)."""
-    end = data.rfind(b"\n\n")
-    crlf = data.rfind(b"\r\n\r\n")
+class FrameTooLong(Exception):
+    """An upstream's SSE frame grew past FRAME_LIMIT_BYTES without its end."""
+
+
+class _Frames:
+    """What a relayed stream has sent past its last complete SSE frame. Each read is searched from where the
+    search before it stopped, so a frame that grows read by read costs its length once, not once per read (a
+    24 MiB frame in 64 KiB reads was 10-20 s of the run's loop); one over FRAME_LIMIT_BYTES raises FrameTooLong."""
+
+    def __init__(self, limit_bytes: int = FRAME_LIMIT_BYTES) -> None:
+        self.limit_bytes = limit_bytes
+        self._data = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take one read; returns the complete frames it ends (b"" while none is)."""
+        data = self._data
+        searched = len(data)  # what is held has no frame end in it: only the new bytes, and a straddling end, are new
+        data += chunk
+        end = _frames_end(data, max(0, searched - 3))
+        if end == 0:
+            if len(data) > self.limit_bytes:
+                raise FrameTooLong(f"sent a frame over {self.limit_bytes // (1 << 20)} MiB without ending it")
+            return b""
+        frames = bytes(data[:end])
+        del data[:end]
+        return frames
+
+    def rest(self) -> bytes:
+        """What came after the last frame end, as the stream ended."""
+        return bytes(self._data)
+
+
+def _frames_end(data: bytes | bytearray, start: int = 0) -> int:
+    """Where the last complete SSE frame in `data` ends, looking from `start` (0: none is complete yet)."""
+    end = data.rfind(b"\n\n", start)
+    crlf = data.rfind(b"\r\n\r\n", start)
     return max(end + 2 if end >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 

@@ -98,3 +98,50 @@ async def test_a_pass_through_refused_by_the_first_member_goes_to_the_next():
         async with served(config) as s, httpx.AsyncClient(timeout=30) as client:
             r = await client.get(s.url + "/models")
             assert r.status_code == 200 and r.json()["data"][0]["id"] == "sim-model"
+
+
+async def test_an_upstream_that_never_ends_its_frame_is_ended_over_the_limit_with_an_error_in_the_apis_shape():
+    from cerevisor_tui.gateway.server import FRAME_LIMIT_BYTES
+
+    closed = asyncio.Event()
+    sent = 0
+
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        writer.write(http_head(200, "text/event-stream"))
+        writer.write(chunk(b'data: {"choices": [{"index": 0, "delta": {"content": "'))
+        piece = chunk(b"x" * 65536)
+        try:
+            while not reader.at_eof() and sent < 4 * FRAME_LIMIT_BYTES:
+                writer.write(piece)
+                sent += 65536
+                await writer.drain()
+        except ConnectionError:
+            pass
+        if sent < 4 * FRAME_LIMIT_BYTES:
+            closed.set()
+
+    async with RawServer(endless) as raw, served(endpoints=[_raw(raw.base_url)]) as s, \
+            httpx.AsyncClient(timeout=60) as client:
+        for path, body, shape in (("/chat/completions", chat(model="m"), "error"),):
+            answer = await post(client, s.url + path, body, headers={"X-Session-ID": "long"})
+            assert answer.status == 502
+            error = answer.json()[shape]
+            assert "over 8 MiB without ending it" in error["message"] and error["type"]
+        await until(closed.is_set, "the upstream connection closed by the gateway")
+        assert FRAME_LIMIT_BYTES <= sent < 2 * FRAME_LIMIT_BYTES  # read up to the limit, then dropped
+
+
+def test_frames_are_cut_at_their_ends_wherever_the_reads_split_them():
+    from cerevisor_tui.gateway.server import FrameTooLong, _Frames
+
+    stream = b"data: 1\n\ndata: 2\r\n\r\n: note\n\ndata: 3\n\n"
+    for size in range(1, len(stream) + 1):
+        frames = _Frames()
+        out = [frames.feed(stream[i:i + size]) for i in range(0, len(stream), size)]
+        assert b"".join(out) == stream and frames.rest() == b""
+        assert all(not piece or piece.endswith((b"\n\n", b"\r\n\r\n")) for piece in out)
+    small = _Frames(limit_bytes=10)
+    assert small.feed(b"data: 12") == b""
+    with pytest.raises(FrameTooLong):
+        small.feed(b"345")
