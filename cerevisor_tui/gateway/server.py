@@ -26,6 +26,7 @@ import msgspec
 
 from cerevisor_tui.config.models import GatewayConfig
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.endpoints.client import is_refused
 from cerevisor_tui.engine.conversation import CONTEXT_WARN_FILL
 from cerevisor_tui.engine.prefill import Prefill
 from cerevisor_tui.engine.sessions import Dropped, RunStopping, Session
@@ -443,7 +444,7 @@ class Exchange:
                 response = await client.send(request, stream=True)
                 break
             except httpx.HTTPError as exc:
-                if ep.kind == "hosted" or not isinstance(exc, httpx.ConnectError):
+                if ep.kind == "hosted" or not is_refused(exc):  # out of descriptors is no server loading
                     await self.fail(503, f"cerevisor gateway: upstream {endpoint} is not answering: {_problem(exc)}",
                                     {"retry-after": str(RETRY_AFTER_S)})
                     return
