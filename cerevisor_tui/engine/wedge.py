@@ -8,8 +8,10 @@ request was sent, so its thresholds are tested on explicit sequences:
   requests were open, behind a /health of 200 (vLLM's engine core dead or stopped: the API process answers
   /health and /metrics, and nothing it reports moves). A working server moves something every engine step:
   vLLM and SGLang count prompt and generated tokens and allocate KV blocks with each prefill chunk; llama.cpp
-  counts its decode calls (one per batch, prefill too). 45 s is many metrics intervals and longer than any
-  honest single step, and a fortieth of the 30-minute first-byte window.
+  counts its decode calls (one per batch, prefill too). 45 s is many metrics intervals and a fortieth of the
+  30-minute first-byte window, but not longer than every honest step: an unchunked prefill is one step, and
+  1,400 tokens at 20 tok/s take 70 s. So the rule waits while an open request's prefill, projected from the
+  endpoint's measured prefill rate and its prompt (`prefill_end`), may still be running.
 - `decode_stalled`: requests running, not one token generated server-wide, no prompt tokens counted or
   computed and KV use not climbing (no prefill under way) for the idle deadline: a hung kernel, even while
   other gauges move. It ends our requests still waiting for their first token (a streaming one's idle
@@ -38,6 +40,9 @@ if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine
 
 HISTORY = 2048  # readings kept per endpoint: over an hour at the default 2 s interval
+PREFILL_MARGIN = 2.0
+"""A prefill is plausibly still running until this many times its projected time: the measured rate is an average
+over shorter prompts (TTFT, queueing included), and a long prompt's attention costs more per token."""
 PREEMPT_DOWN_S = (
     120.0  # a pool member in a preemption loop takes no new agent for this long (it is not frozen)
 )
@@ -106,10 +111,22 @@ def still_for(samples: Sequence[Progress], since: float) -> float | None:
     return max(0.0, last.t - max(first.t, since))
 
 
-def engine_frozen(samples: Sequence[Progress], since: float, threshold_s: float) -> str | None:
+def prefill_end(sent_at: float, prompt_tokens: int, cached_tokens: int, rate_tok_s: float | None) -> float:
+    """Until when a request sent at `sent_at` may honestly be in its prefill: PREFILL_MARGIN times its uncached
+    tokens at the endpoint's measured rate; -inf without a rate (nothing measured yet) or a prompt to compute."""
+    uncached = prompt_tokens - min(prompt_tokens, max(0, cached_tokens))
+    if rate_tok_s is None or not rate_tok_s > 0 or uncached <= 0:
+        return -math.inf
+    return sent_at + PREFILL_MARGIN * uncached / rate_tok_s
+
+
+def engine_frozen(samples: Sequence[Progress], since: float, threshold_s: float,
+                  step_until: float = -math.inf) -> str | None:
     """The engine is dead behind a /health of 200: nothing moved for `threshold_s` since `since` (when our
-    oldest open request was sent). The kill reason, or None."""
-    if threshold_s <= 0 or not samples or not samples[-1].healthy:
+    oldest open request was sent), and no open request's prefill may still be running (`step_until`, the latest
+    `prefill_end` of them: a long unchunked prefill is one step, and moves nothing until it ends). The kill
+    reason, or None."""
+    if threshold_s <= 0 or not samples or not samples[-1].healthy or samples[-1].t < step_until:
         return None
     span = still_for(samples, since)
     if span is None or span < threshold_s:
@@ -215,7 +232,9 @@ class WedgeWatch:
         if not opened:
             return
         since = min(att.sent_at for _, att in opened)
-        reason = engine_frozen(history, since, stall.wedge_timeout_s)
+        step_until = max((self._prefill_end(st, att) for st, att in opened if att.first_token_at is None),
+                         default=-math.inf)
+        reason = engine_frozen(history, since, stall.wedge_timeout_s, step_until)
         if reason is not None:
             self._wedge(endpoint, "frozen", reason, opened, reading)
             return
@@ -248,6 +267,16 @@ class WedgeWatch:
             attempts = list(session.in_flight.values()) if session is not None else [st.current]
             opened += [(st, att) for att in attempts if att is not None and not att.kill_reason]
         return opened
+
+    def _prefill_end(self, st: AgentState, att: Attempt) -> float:
+        """Until when the attempt's prefill may honestly run (`prefill_end`): as its estimate projected it when it
+        was sent, else at the rate its endpoint has measured since."""
+        est = att.estimate
+        if est is not None:
+            return prefill_end(est.sent_at, est.total, est.cached, est.rate_tok_s)
+        total = self._prompt_tokens(st)
+        rate = self.engine.figures[st.endpoint].prefill_rate()
+        return prefill_end(att.sent_at, total, min(total, st.context_tokens), rate)
 
     def _prompt_tokens(self, st: AgentState) -> int:
         """The agent's prompt as the server will count it: its conversation's characters at the endpoint's
