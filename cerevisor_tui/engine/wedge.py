@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.metrics import ServerStatus
 from cerevisor_tui.engine.state import AgentState, Attempt
+from cerevisor_tui.engine.warmup import Warming
 from cerevisor_tui.engine.watchdog import fmt_s
 from cerevisor_tui.kinds import WedgeRule
 
@@ -199,6 +200,20 @@ class WedgeWatch:
         self.samples: dict[str, deque[Progress]] = {}
         self.wedged: dict[str, tuple[WedgeRule, tuple[float | None, ...]]] = {}  # rule, motion at the wedge
         self._preempt_kill: dict[str, float] = {}  # when a preemption loop was last ended there
+        self.warmups: dict[str, Warming] = {}  # each endpoint's warm-up request while it is out (engine/warmup.py)
+        # when an endpoint's warm-up that never answered was sent: the agents sent as it gave up wait on the same
+        # still server, and its stillness counts from then, until a sample finds nothing of ours open there
+        self._unanswered: dict[str, float] = {}
+
+    def warming(self, request: Warming) -> None:
+        """A warm-up request went out: judged as any request of ours while it is out."""
+        self.warmups[request.endpoint] = request
+
+    def warmed(self, request: Warming) -> None:
+        if self.warmups.get(request.endpoint) is request:
+            del self.warmups[request.endpoint]
+        if not request.answered:
+            self._unanswered[request.endpoint] = request.sent_at
 
     def keeps_down(self, endpoint: str) -> bool:
         """Whether a healthy /health does not bring the endpoint back for placement: it is wedged still, or its
@@ -221,6 +236,12 @@ class WedgeWatch:
         history.append(reading)
         stall = e.config.stall
         opened = self._open(endpoint)
+        warmup = self.warmups.get(endpoint)
+        if warmup is not None and warmup.kill_reason:
+            warmup = None
+        ours = [att.sent_at for _, att in opened] + ([warmup.sent_at] if warmup is not None else [])
+        if not ours:
+            self._unanswered.pop(endpoint, None)  # nothing of ours open: a still server is an idle one
         if endpoint in self.wedged:
             rule, motion = self.wedged[endpoint]
             if reading.motion != motion:
@@ -229,27 +250,28 @@ class WedgeWatch:
                 for st, att in opened:  # what waits on it now waits on a wedged server
                     if att.first_token_at is None:
                         st.status = "wedged"
-        if not opened:
+        if not ours:
             return
-        since = min(att.sent_at for _, att in opened)
+        unanswered = [self._unanswered[endpoint]] if endpoint in self._unanswered else []
+        since = min(ours + unanswered)
         step_until = max((self._prefill_end(st, att) for st, att in opened if att.first_token_at is None),
                          default=-math.inf)
         reason = engine_frozen(history, since, stall.wedge_timeout_s, step_until)
         if reason is not None:
-            self._wedge(endpoint, "frozen", reason, opened, reading)
+            self._wedge(endpoint, "frozen", reason, opened, reading, warmup)
             return
         # The rules below are about requests still waiting for their first token: a streaming one has its idle
         # deadline, which says the same of it as the hung-kernel rule, on its own clock.
         waiting = [(st, att) for st, att in opened if att.first_token_at is None]
-        if not waiting:
+        if not waiting and (warmup is None or warmup.answered):
             return
         if stall.wedge_timeout_s > 0:
-            since = min(att.sent_at for _, att in waiting)
+            since = min([att.sent_at for _, att in waiting] + ([warmup.sent_at] if warmup else []) + unanswered)
             reason = decode_stalled(history, since, e.policies[endpoint].idle_timeout_s)
             if reason is not None:
-                self._wedge(endpoint, "hung", reason, waiting, reading)
+                self._wedge(endpoint, "hung", reason, waiting, reading, warmup)
                 return
-        if stall.preempt_limit:
+        if stall.preempt_limit and waiting:
             # the longest prompt is the one that does not fit; a loop ended before counts no more
             st, att = max(waiting, key=lambda pair: self._prompt_tokens(pair[0]))
             after = max(att.sent_at, self._preempt_kill.get(endpoint, -math.inf))
@@ -291,12 +313,15 @@ class WedgeWatch:
         reason: str,
         opened: list[tuple[AgentState, Attempt]],
         reading: Progress,
+        warmup: Warming | None = None,
     ) -> None:
         e = self.engine
         now = time.monotonic()
         if rule != "preempt_loop":
             self.wedged[endpoint] = (rule, reading.motion)
         e.emit(ev.ServerWedged(now, endpoint, rule, reason, list(dict.fromkeys(st.name for st, _ in opened))))
+        if warmup is not None:  # its failure is told as a warm-up's, with this reason
+            warmup.kill(reason)
         for st, att in opened:
             st.status = "wedged"
             att.kill("wedge", reason)
