@@ -219,3 +219,26 @@ async def test_a_wedged_endpoint_at_start_holds_no_other_agent_and_its_own_are_t
         assert killed[name].t - started[name].t < wedge_timeout_s
     wedged = kinds(seen, "ServerWedged")
     assert wedged and {w.endpoint for w in wedged} == {"sick"}
+
+
+async def test_a_pools_agents_go_to_the_member_that_has_warmed_while_another_still_warms():
+    async def silent(reader, writer):
+        await reader.read()  # takes the warm-up, never answers
+
+    async with RawServer(silent) as slow, SimServer(SimSettings(speed=10.0)) as fine:
+        engine = Engine(validate({
+            "run": {"warmup": "on", "warmup_timeout_s": 3.0, "mode": "parallel", "max_concurrency": 4},
+            "endpoints": [{"name": "slow", "base_url": slow.base_url, "model": "sim-model"},
+                          {"name": "fine", "base_url": fine.base_url, "model": "sim-model"}],
+            "pools": [{"name": "fleet", "endpoints": ["slow", "fine"]}],
+            "agents": [{"name": f"a{i}", "endpoint": "fleet", "prompt": "hello", "max_tokens": 4} for i in range(3)],
+        }))
+        seen: list = []
+        engine.subscribe(seen.append)
+        with anyio.fail_after(60):
+            assert await engine.run() == 0
+        assert slow.requests == 1  # the warm-up alone
+    placed = kinds(seen, "AgentPlaced")
+    assert len(placed) == 3 and {p.endpoint for p in placed} == {"fine"}
+    # all placed, and done, while the slow member's warm-up was still out (the run's end ended it)
+    assert not [e for e in kinds(seen, "EndpointWarmed") if e.endpoint == "slow" and e.t < placed[-1].t]
