@@ -1,6 +1,7 @@
-"""Warm-up before the first wave (`[run] warmup`), over real loopback HTTP: one short request to each endpoint
-the run uses goes before wave 1, its time to first token is the endpoint's cold start (the event, the report),
-the agents are sent only after it, a failure is a notice and not the run's, and `off` sends nothing."""
+"""Warm-up at the start of a run (`[run] warmup`), over real loopback HTTP: one short request to each endpoint
+the run uses, its time to first token the endpoint's cold start (the event, the report), each endpoint's agents
+sent only after its own warm-up (never held by another endpoint's), a failure a notice and not the run's, a
+dead or silent or wedged endpoint's warm-up ended in seconds, and `off` sends nothing."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.sinks.printer import Printer
 from cerevisor_tui.engine.warmup import to_warm, used_endpoints
 from cerevisor_tui.sim import SimServer
-from tests.conftest import RawServer
+from tests.conftest import RawServer, free_port
 
 pytestmark = pytest.mark.anyio
 
@@ -31,7 +32,7 @@ def kinds(seen: list, *names: str) -> list:
     return [e for e in seen if e.kind in names]
 
 
-async def test_the_warm_up_goes_before_wave_1_and_its_ttft_is_the_cold_start(stream_process):
+async def test_the_warm_up_goes_before_its_endpoints_agents_and_its_ttft_is_the_cold_start(stream_process):
     # the simulator holds requests for its cold start (3 s from its start), as a server loading its weights does
     async with SimServer(SimSettings(cold_start_s=3.0)) as srv:
         engine = engine_on(srv.base_url, "on", stream_process=stream_process)
@@ -44,7 +45,7 @@ async def test_the_warm_up_goes_before_wave_1_and_its_ttft_is_the_cold_start(str
     started, warmed = kinds(seen, "WarmupStarted")[0], kinds(seen, "EndpointWarmed")[0]
     wave, first_sent = kinds(seen, "WaveStarted")[0], kinds(seen, "AgentStarted")[0]
     assert started.endpoints == ["box"]
-    assert started.t <= warmed.t <= wave.t <= first_sent.t  # the agents' first-byte windows start after it
+    assert started.t <= wave.t and started.t <= warmed.t <= first_sent.t  # the agents' windows start after it
     assert warmed.error == "" and warmed.cold_start_s is not None
     assert warmed.cold_start_s >= cold_left[0] > 0  # it waited out what was left of the server's cold start
     endpoint = engine.report.to_dict()["endpoints"][0]
@@ -153,5 +154,91 @@ async def test_the_headless_printer_says_warming_up_and_the_cold_start():
         engine.subscribe(seen.append)
         assert await engine.run() == 0
     lines = [Printer.describe(e) for e in kinds(seen, "WarmupStarted", "EndpointWarmed")]
-    assert lines[0] == "warming up: box (one short request each, before wave 1)"
+    assert lines[0] == "warming up: box (one short request each, before its agents)"
     assert lines[1].startswith("box: warmed up, cold start ") and lines[1].endswith(" s")
+
+
+def two_endpoints(sick_url: str, fine_url: str, *, warmup_timeout_s: float, **stall) -> Engine:
+    """A run whose agents are split between a sick endpoint and a fine one, each warmed at the start."""
+    return Engine(validate({
+        "run": {"warmup": "on", "warmup_timeout_s": warmup_timeout_s, "metrics_interval_s": 0.2,
+                "mode": "parallel", "max_concurrency": 4},
+        "stall": {"first_byte_timeout_s": 600.0, **stall},
+        "endpoints": [{"name": "sick", "base_url": sick_url, "model": "sim-model"},
+                      {"name": "fine", "base_url": fine_url, "model": "sim-model"}],
+        "agents": [{"name": f"{ep}{i}", "endpoint": ep, "prompt": "hello", "max_tokens": 4, "retries": 0}
+                   for ep in ("sick", "fine") for i in range(2)],
+    }))
+
+
+async def test_a_dead_port_fails_its_warm_up_in_seconds_and_never_holds_the_other_endpoints_agents():
+    dead = f"http://127.0.0.1:{free_port()}/v1"  # a port that never opens (a local server: waited for)
+    async with SimServer(SimSettings(speed=10.0)) as fine:
+        engine = two_endpoints(dead, fine.base_url, warmup_timeout_s=2.0, first_byte_timeout_s=3.0)
+        seen: list = []
+        engine.subscribe(seen.append)
+        with anyio.fail_after(60):
+            assert await engine.run() == 1  # the dead endpoint's agents end at their own deadline
+    warmed = {e.endpoint: e for e in kinds(seen, "EndpointWarmed")}
+    assert warmed["fine"].cold_start_s is not None
+    assert warmed["sick"].cold_start_s is None and warmed["sick"].error.startswith("no first token within 2 s")
+    started = {e.agent: e for e in kinds(seen, "AgentStarted")}
+    # the fine endpoint's agents went as its warm-up ended, long before the dead one's gave up
+    assert max(started["fine0"].t, started["fine1"].t) < warmed["sick"].t
+    assert {e.agent for e in kinds(seen, "AgentFinished") if e.status == "completed"} == {"fine0", "fine1"}
+    # the dead one's were held until its warm-up gave up, with a notice
+    assert warmed["sick"].t <= min(started["sick0"].t, started["sick1"].t)
+    assert [n for n in kinds(seen, "RunNotice") if n.title == "Warm-up" and "Warm-up of sick failed" in n.message]
+
+
+@pytest.mark.parametrize("warmup_timeout_s, wedge_timeout_s", [(30.0, 1.5), (1.0, 3.0)],
+                         ids=["wedge-within-warm-up", "warm-up-gives-up-first"])
+async def test_a_wedged_endpoint_at_start_holds_no_other_agent_and_its_own_are_told_why_within_the_wedge_window(
+        warmup_timeout_s, wedge_timeout_s):
+    async with SimServer(SimSettings(wedge_after_s=0.0, tokens_per_s=50, ttft_s=0.05)) as sick, \
+            SimServer(SimSettings(speed=10.0)) as fine:
+        engine = two_endpoints(sick.base_url, fine.base_url, warmup_timeout_s=warmup_timeout_s,
+                               wedge_timeout_s=wedge_timeout_s)
+        seen: list = []
+        engine.subscribe(seen.append)
+        with anyio.fail_after(60):
+            assert await engine.run() == 1
+    warmed = {e.endpoint: e for e in kinds(seen, "EndpointWarmed")}
+    started = {e.agent: e for e in kinds(seen, "AgentStarted")}
+    assert warmed["fine"].cold_start_s is not None and warmed["sick"].cold_start_s is None
+    assert max(started["fine0"].t, started["fine1"].t) < warmed["sick"].t  # not held by the wedged one
+    assert {e.agent for e in kinds(seen, "AgentFinished") if e.status == "completed"} == {"fine0", "fine1"}
+    if warmup_timeout_s > wedge_timeout_s:  # judged while it was out: it fails with the wedge's reason
+        assert warmed["sick"].error.startswith("server wedged: no progress on any request for ")
+    # the wedged endpoint's agents are told why as soon as they are sent: the server was still all along, since
+    # the warm-up went out, so they do not each wait a wedge window of their own
+    killed = {e.agent: e for e in kinds(seen, "AgentKilled")}
+    assert set(killed) == {"sick0", "sick1"}
+    for name in ("sick0", "sick1"):
+        assert killed[name].deadline == "wedge" and killed[name].reason.startswith("server wedged")
+        assert killed[name].t - started[name].t < wedge_timeout_s
+    wedged = kinds(seen, "ServerWedged")
+    assert wedged and {w.endpoint for w in wedged} == {"sick"}
+
+
+async def test_a_pools_agents_go_to_the_member_that_has_warmed_while_another_still_warms():
+    async def silent(reader, writer):
+        await reader.read()  # takes the warm-up, never answers
+
+    async with RawServer(silent) as slow, SimServer(SimSettings(speed=10.0)) as fine:
+        engine = Engine(validate({
+            "run": {"warmup": "on", "warmup_timeout_s": 3.0, "mode": "parallel", "max_concurrency": 4},
+            "endpoints": [{"name": "slow", "base_url": slow.base_url, "model": "sim-model"},
+                          {"name": "fine", "base_url": fine.base_url, "model": "sim-model"}],
+            "pools": [{"name": "fleet", "endpoints": ["slow", "fine"]}],
+            "agents": [{"name": f"a{i}", "endpoint": "fleet", "prompt": "hello", "max_tokens": 4} for i in range(3)],
+        }))
+        seen: list = []
+        engine.subscribe(seen.append)
+        with anyio.fail_after(60):
+            assert await engine.run() == 0
+        assert slow.requests == 1  # the warm-up alone
+    placed = kinds(seen, "AgentPlaced")
+    assert len(placed) == 3 and {p.endpoint for p in placed} == {"fine"}
+    # all placed, and done, while the slow member's warm-up was still out (the run's end ended it)
+    assert not [e for e in kinds(seen, "EndpointWarmed") if e.endpoint == "slow" and e.t < placed[-1].t]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from cerevisor_tui.engine.wedge import (
     decode_stalled,
     engine_frozen,
     preempt_loop,
+    prefill_end,
     progress_of,
     still_for,
 )
@@ -63,6 +65,21 @@ def test_a_frozen_engine_is_wedged_once_nothing_moved_for_the_threshold_while_ou
         == "server wedged: no progress on any request for 46 s"
     )
     assert still_for(readings(58, moving_until=10), since=12.0) == 46
+
+
+def test_a_still_engine_is_no_wedge_while_an_open_prefill_may_honestly_still_run():
+    # the case: 1,400 tokens at 20 tok/s, one unchunked step of 70 s sent at 10 s: nothing moves after it
+    end = prefill_end(10.0, 1400, 0, 20.0)
+    assert end == 10.0 + 2 * 70.0
+    assert engine_frozen(readings(56, moving_until=10), since=10.0, threshold_s=45) is not None  # killed at 45 s
+    assert engine_frozen(readings(56, moving_until=10), since=10.0, threshold_s=45, step_until=end) is None
+    assert engine_frozen(readings(148, moving_until=10), since=10.0, threshold_s=45, step_until=end) is None
+    assert engine_frozen(readings(150, moving_until=10), since=10.0, threshold_s=45, step_until=end) == (
+        "server wedged: no progress on any request for 140 s")  # past twice its projection: frozen after all
+    # what the prefix cache holds is not computed; with nothing measured or nothing to compute, no allowance
+    assert prefill_end(10.0, 1400, 1000, 20.0) == 10.0 + 2 * 20.0
+    assert prefill_end(10.0, 1400, 1400, 20.0) == -math.inf
+    assert prefill_end(10.0, 1400, 0, None) == prefill_end(10.0, 1400, 0, 0.0) == -math.inf
 
 
 def test_any_motion_is_progress_kv_use_preemptions_or_prefill_chunks():
@@ -291,6 +308,27 @@ async def test_an_honest_prefill_longer_than_the_threshold_is_left_alone():
     assert not of(seen, ev.ServerWedged) and not of(seen, ev.AgentKilled)
     first = of(seen, ev.FirstToken)[0]
     assert first.ttft_s > 3 * 1.0  # it really outlived the threshold
+
+
+@pytest.mark.anyio
+async def test_an_unchunked_prefill_longer_than_the_threshold_is_left_alone_at_the_endpoints_measured_rate():
+    # 20 tok/s at 10x speed: the short prompt's turn measures the rate; the long one is a single step of 1,400
+    # tokens (unchunked: under max_num_batched_tokens), 7 s in which nothing moves, against a 3 s threshold
+    settings = SimSettings(speed=10, tokens_per_s=50, ttft_s=0.0, prefill_tokens_per_s=20)
+    async with SimServer(settings) as srv:
+        engine = engine_for(
+            srv.base_url,
+            agents=[{"name": "short", "prompt": prompt_of(100), "max_tokens": 2, "retries": 0},
+                    {"name": "long", "prompt": prompt_of(1400), "max_tokens": 2, "retries": 0,
+                     "depends_on": ["short"]}],
+            wedge_timeout_s=3.0,
+        )
+        seen: list[ev.Event] = []
+        engine.subscribe(seen.append)
+        assert await engine.run() == 0
+    assert not of(seen, ev.ServerWedged) and not of(seen, ev.AgentKilled)
+    [first] = [e for e in of(seen, ev.FirstToken) if e.agent == "long"]
+    assert first.ttft_s > 2 * 3.0  # it really outlived the threshold, with nothing moving
 
 
 @pytest.mark.anyio

@@ -187,7 +187,9 @@ class RunConfig(_Section):
     auto: AutoConfig = AutoConfig()
     """Auto mode's controller."""
     warmup: Literal["auto", "on", "off"] = "auto"
-    """Before wave 1, one short request to each endpoint the run uses; its time to first token is the endpoint's cold start, and the agents are sent after it: auto = on for local endpoints (kind local or simulated, or on this machine)."""
+    """At the start, one short request to each endpoint the run uses; its time to first token is the endpoint's cold start, and that endpoint's agents are sent after it: auto = on for local endpoints (kind local or simulated, or on this machine)."""
+    warmup_timeout_s: float = Field(default=30.0, gt=0, le=86400)
+    """Longest a warm-up waits for its first token (never past the endpoint's first-byte window): a dead port or a server that never answers fails it then, with a notice, and its agents are sent."""
     budget_usd: float = Field(default=0.0, ge=0)
     """Most the run may spend on priced endpoints (price_in_per_mtok/price_out_per_mtok), in USD: once reached, no new agent is admitted (running ones finish); 0: no budget."""
 

@@ -33,6 +33,8 @@ from cerevisor_tui.endpoints.errors import (
     EndpointUnreachable,
     ProtocolError,
     StreamBroken,
+    descriptors_exhausted,
+    out_of_descriptors,
 )
 from cerevisor_tui.endpoints.transport import AsyncioTransport, proxy_mounts
 from cerevisor_tui.kinds import DELTA, FINISH, KEEPALIVE, PROGRESS, TIMINGS, TOOL_CALLS, USAGE
@@ -145,8 +147,9 @@ def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncCli
 
 
 def is_refused(exc: BaseException) -> bool:
-    """A connection the server side refused (port not open yet): what a loading vLLM looks like."""
-    return isinstance(exc, httpx.ConnectError)
+    """A connection the server side refused (port not open yet): what a loading vLLM looks like; not one this
+    process could not open (out of file descriptors)."""
+    return isinstance(exc, httpx.ConnectError) and not descriptors_exhausted(exc)
 
 
 @dataclass
@@ -191,6 +194,8 @@ class ChatStream:
             except EndpointError:
                 raise
             except httpx.ConnectError as exc:
+                if descriptors_exhausted(exc):
+                    raise out_of_descriptors(self.endpoint, self.url) from exc
                 raise EndpointUnreachable(self.endpoint, f"cannot connect to {self.url}: {_reason(exc)}") from exc
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
                 raise StreamBroken(self.endpoint, f"connection lost after {self.tokens} tokens: {_reason(exc)}") from exc
@@ -619,6 +624,8 @@ async def list_models(client: httpx.AsyncClient, endpoint: str, base_url: str) -
     try:
         response = await client.get(url)
     except httpx.ConnectError as exc:
+        if descriptors_exhausted(exc):
+            raise out_of_descriptors(endpoint, scrub(url)) from exc
         raise EndpointUnreachable(endpoint, scrub(f"cannot connect to {url}: {_reason(exc)}")) from exc
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise StreamBroken(endpoint, scrub(f"GET {url} failed: {_reason(exc)}")) from exc

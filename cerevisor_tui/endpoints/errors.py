@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 
 
@@ -34,6 +35,30 @@ class EndpointUnreachable(EndpointError):
     """No connection could be made (refused, unknown host, TLS failure)."""
 
     retryable = True
+
+
+class OutOfDescriptors(EndpointError):
+    """This process could not open a socket: it has as many files open as it may (EMFILE) or the system has
+    (ENFILE). The server never saw the request: it is not loading, and not down."""
+
+    retryable = True
+
+
+def descriptors_exhausted(exc: BaseException) -> bool:
+    """Whether `exc` (an httpx error, through the errors it was raised from) is EMFILE or ENFILE of ours."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, OSError) and cause.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def out_of_descriptors(endpoint: str, url: str) -> OutOfDescriptors:
+    return OutOfDescriptors(endpoint, f"cannot connect to {url}: this process is out of file descriptors (too "
+                                      "many open files); the server was not reached")
 
 
 class EndpointHTTPError(EndpointError):

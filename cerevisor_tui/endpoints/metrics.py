@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cerevisor_tui.endpoints import bounds
 from cerevisor_tui.endpoints.client import request_scrubber
+from cerevisor_tui.endpoints.errors import descriptors_exhausted
 from cerevisor_tui.endpoints.latency import LatencyScrape, parse_latency
 
 ServerKind = Literal["vllm", "llamacpp", "sglang", "unknown"]
@@ -530,5 +531,5 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, httpx.TimeoutException):
         return "timed out"
     if isinstance(exc, httpx.ConnectError):
-        return "connection refused"
+        return "this process is out of file descriptors" if descriptors_exhausted(exc) else "connection refused"
     return str(exc) or type(exc).__name__

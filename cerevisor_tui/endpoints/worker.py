@@ -43,7 +43,8 @@ _START_TIMEOUT_S = 30.0
 _STOP_WAIT_S = 2.0  # after its stdin closes, how long the worker gets to close its connections
 _STDERR_LINES = 20  # the child's last stderr lines kept for the message if it dies
 _ERRORS = {cls.__name__: cls for cls in (errors.EndpointError, errors.EndpointUnreachable, errors.EndpointHTTPError,
-                                          errors.StreamBroken, errors.ProtocolError, errors.MissingApiKey)}
+                                          errors.StreamBroken, errors.ProtocolError, errors.MissingApiKey,
+                                          errors.OutOfDescriptors)}
 
 
 def _frame(value: Any) -> bytes:

@@ -11,6 +11,7 @@ needs of the engine's state: the endpoints' connections (engine/connections.py),
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 import sys
 import time
@@ -344,7 +345,7 @@ class Engine:
 
     def set_auto_ceiling(self, ceiling: int) -> None:
         """Auto mode's ceiling: no endpoint's live cap goes above it (nor above the endpoint's own max_cap)."""
-        self.auto_ceiling = max(1, int(ceiling))
+        self.auto_ceiling = min(cmd.MAX_CAP, max(1, int(ceiling)))  # `+` held down stops at the largest cap
         for name, ctl in self.auto.items():
             change = ctl.set_ceiling(self.auto_ceiling)
             if change is not None:
@@ -494,8 +495,10 @@ class Engine:
             async with anyio.create_task_group() as background:
                 self.background = background
                 await self._start_background(background)
-                await warm_up(self.config, self.connections, self.policies, self.emit, self._stop_asked, self.run_id,
-                              reused=self.completed_before)
+                # each endpoint's agents are admitted when its own warm-up ends; the waves start now
+                await background.start(functools.partial(warm_up, self.config, self.connections, self.policies,
+                                                         self.emit, self.run_id, self.scheduler, self.wedges,
+                                                         reused=self.completed_before))
                 for wave, level in enumerate(self.waves):
                     if self.stopping:
                         self._cancel_rest(wave)

@@ -32,6 +32,8 @@ class GpuReader:
             import pynvml
         except ImportError:
             return "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+        except OSError as exc:  # its file could not be read (out of descriptors): no GPU pane, the run goes on
+            return f"nvidia-ml-py could not be loaded: {_words(exc)}"
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as exc:

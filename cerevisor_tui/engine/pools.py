@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from cerevisor_tui.contract import events as ev
@@ -34,8 +35,11 @@ class Pools:
         return loads
 
     def place(self, agent: str, pool: str) -> str | None:
-        """The scheduler asks: the member of `pool` that `agent`, admitted now, goes to (None: none has room)."""
-        chosen = self.placement.choose(pool, self.member_loads(pool), time.monotonic())
+        """The scheduler asks: the member of `pool` that `agent`, admitted now, goes to (None: none has room; a
+        member whose warm-up is out has none yet)."""
+        held = self.engine.scheduler.held
+        loads = [replace(m, cap=0) if m.name in held else m for m in self.member_loads(pool)]
+        chosen = self.placement.choose(pool, loads, time.monotonic())
         return chosen.name if chosen is not None else None
 
     def placed(self, st: AgentState, member: str, moved_from: str = "", reason: str = "") -> None:

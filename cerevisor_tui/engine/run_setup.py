@@ -3,6 +3,8 @@ console, `run` and (next) `gateway` each open their run here, so a run is assemb
 
 from __future__ import annotations
 
+import contextlib
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ def open_run(config: Config, run_id: str, run_dir: Path, *, console: bool, resum
     """The run's engine and its journal (the run directory locked, `events.jsonl` open, appended to when the
     run is resumed). A write that fails mid-run stops the run, saying why. Raises JournalError on a directory
     that cannot be used, before any request is sent."""
+    raise_descriptor_limit()
     engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
                     spent_usd=spent_usd, stream_process=wants_stream_process(config, console=console), ask=ask)
     journal = Journal(run_dir, engine.report, extra_report=extra_report,
@@ -27,3 +30,14 @@ def open_run(config: Config, run_id: str, run_dir: Path, *, console: bool, resum
     journal.open(resume=resume, lock=lock)
     engine.subscribe(journal)
     return engine, journal
+
+
+def raise_descriptor_limit() -> int:
+    """The process's soft limit of open files raised to its hard one (often 1,024 of 524,288): a run holds a
+    connection per agent or session at each end of a loopback, a transcript per recent writer, its clients' and
+    MCP servers' pipes. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(OSError, ValueError):  # (macOS refuses an unlimited soft limit: kept as it is)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]

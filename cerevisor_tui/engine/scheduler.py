@@ -10,6 +10,9 @@ its auto controller), never above the endpoint's `max_concurrency`.
 
 An agent of a pool waits under the pool's name; when it is its turn, `place` (the engine's placement,
 engine/placement.py) names the member with room it goes to, and the slot is held there.
+
+An endpoint on `hold` (its warm-up is out, engine/warmup.py) admits no one until `admit`: the agents bound for
+it wait, and those behind them bound elsewhere go on.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 
+from cerevisor_tui.contract.commands import MAX_CAP
 from cerevisor_tui.kinds import MODES, Mode
 
 
@@ -39,6 +43,7 @@ class Scheduler:
         self.pools = pools or {}  # pool -> its members
         self._place = place  # (agent, pool) -> the member it goes to, or None while no member has room
         self.holding: dict[str, str] = {}  # agent -> the endpoint its slot is on
+        self.held: set[str] = set()  # endpoints that admit no one yet (their warm-up is out)
 
     @property
     def effective_cap(self) -> int:
@@ -72,13 +77,23 @@ class Scheduler:
         self._pump()
 
     def set_cap(self, max_concurrency: int) -> None:
-        self.max_concurrency = max(1, int(max_concurrency))
+        self.max_concurrency = min(MAX_CAP, max(1, int(max_concurrency)))
         self._pump()
 
     def set_endpoint_cap(self, endpoint: str, cap: int) -> None:
         """Auto mode's live cap of one endpoint; lowering it only holds admissions."""
         self.auto_caps[endpoint] = max(1, int(cap))
         self._pump()
+
+    def hold(self, endpoint: str) -> None:
+        """Admit no one to `endpoint` (nor, for a pool's agent, place one on it) until `admit`."""
+        self.held.add(endpoint)
+
+    def admit(self, endpoint: str) -> None:
+        """`endpoint` takes agents again (its warm-up ended)."""
+        if endpoint in self.held:
+            self.held.discard(endpoint)
+            self._pump()
 
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
@@ -130,7 +145,7 @@ class Scheduler:
                 if member is None:
                     continue
                 endpoint = member
-            elif self.running_by_endpoint.get(endpoint, 0) >= self.endpoint_cap(endpoint):
+            elif endpoint in self.held or self.running_by_endpoint.get(endpoint, 0) >= self.endpoint_cap(endpoint):
                 continue
             self.holding[agent] = endpoint
             self.running += 1

@@ -1,9 +1,12 @@
-"""Warm-up before the first wave (`[run] warmup`): one short request to each endpoint the run uses, its time to
-first token told as the endpoint's cold start (EndpointWarmed). No agent is sent before it ends, so the agents'
-first-byte windows start on a server that has loaded its model, compiled its kernels and answered once.
+"""Warm-up at the start of a run (`[run] warmup`): one short request to each endpoint the run uses, its time to
+first token told as the endpoint's cold start (EndpointWarmed). An endpoint's agents are admitted when its own
+warm-up ends (the scheduler holds that endpoint until then), so their first-byte windows start on a server that
+has loaded its model, compiled its kernels and answered once, and no endpoint's warm-up holds another's agents.
 
-A warm-up that fails (an HTTP error, no first token within the endpoint's first-byte window) is a notice, not a
-run failure: the agents' own watchdog then judges the endpoint.
+A warm-up is judged as any request: the wedge rules see it while it is open (engine/wedge.py), and it has a short
+deadline of its own (`[run] warmup_timeout_s`, within the endpoint's first-byte window), so a dead port or a
+server that never answers fails it in seconds. A warm-up that fails is a notice, not a run failure: its agents
+are sent, and their own watchdog judges the endpoint.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping
 from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -59,65 +64,115 @@ def to_warm(config: Config, reused: Collection[str] = ()) -> list[EndpointConfig
     return eps if config.run.warmup == "on" else [ep for ep in eps if is_local(ep)]
 
 
+@dataclass(eq=False)
+class Warming:
+    """One endpoint's warm-up request while it is out, as the wedge rules see it."""
+
+    endpoint: str
+    sent_at: float
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    answered: bool = False  # its first token came
+    kill_reason: str = ""
+
+    def kill(self, reason: str) -> None:
+        """The wedge rules judged its server wedged: the warm-up fails with `reason`."""
+        self.kill_reason = reason
+        self.scope.cancel()
+
+
+class Admission(Protocol):
+    """The scheduler's side: an endpoint held takes no agent until it is admitted again."""
+
+    def hold(self, endpoint: str) -> None: ...
+
+    def admit(self, endpoint: str) -> None: ...
+
+
+class Judge(Protocol):
+    """The wedge rules' side: each warm-up request while it is out."""
+
+    def warming(self, request: Warming) -> None: ...
+
+    def warmed(self, request: Warming) -> None: ...
+
+
 async def warm_up(config: Config, connections: Connections, policies: Mapping[str, ResolvedStall],
-                  emit: Callable[[ev.Event], None], stop_asked: anyio.Event, run_id: str,
-                  reused: Collection[str] = ()) -> None:
-    """Warm each endpoint `to_warm` names, all at once; returns when every one has answered or failed, or at
-    once when the run is stopped meanwhile."""
+                  emit: Callable[[ev.Event], None], run_id: str, admission: Admission, judge: Judge,
+                  reused: Collection[str] = (), *,
+                  task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+    """Warm each endpoint `to_warm` names, all at once, each held for admission until its own warm-up ends,
+    answered or failed. Started with `TaskGroup.start`: the endpoints are held, and WarmupStarted told, when that
+    returns; cancelled, it admits what it held."""
     eps = to_warm(config, reused)
     if not eps:
+        task_status.started()
         return
+    for ep in eps:
+        admission.hold(ep.name)
     emit(ev.WarmupStarted(time.monotonic(), [ep.name for ep in eps]))
-    async with anyio.create_task_group() as group:
-
-        async def on_stop() -> None:
-            await stop_asked.wait()
-            group.cancel_scope.cancel()
-
-        async def each() -> None:
-            async with anyio.create_task_group() as warming:
-                for ep in eps:
-                    warming.start_soon(_warm, ep, connections, policies[ep.name], emit, run_id)
-            group.cancel_scope.cancel()
-
-        group.start_soon(on_stop)
-        group.start_soon(each)
+    task_status.started()
+    try:
+        async with anyio.create_task_group() as warming:
+            for ep in eps:
+                warming.start_soon(_warm, ep, connections, policies[ep.name], emit, run_id, admission, judge,
+                                   config.run.warmup_timeout_s)
+    finally:
+        for ep in eps:
+            admission.admit(ep.name)
 
 
 async def _warm(ep: EndpointConfig, connections: Connections, policy: ResolvedStall, emit: Callable[[ev.Event], None],
-                run_id: str) -> None:
+                run_id: str, admission: Admission, judge: Judge, timeout_s: float) -> None:
+    try:
+        await _request(ep, connections, policy, emit, run_id, judge, timeout_s)
+    finally:
+        admission.admit(ep.name)  # its agents go now, whatever came of it
+
+
+async def _request(ep: EndpointConfig, connections: Connections, policy: ResolvedStall,
+                   emit: Callable[[ev.Event], None], run_id: str, judge: Judge, timeout_s: float) -> None:
     sent = time.monotonic()
     first: float | None = None
     error = waited_for = ""
     wait_s = 0.25
-    # the first token within the endpoint's first-byte window; the rest (its one token, its usage) within the idle one
-    with anyio.move_on_after(policy.first_byte_timeout_s) as scope:
-        while True:
-            try:
-                body = {**ep.extra_body,  # the server's own parameters, as the agents' requests carry them
-                        "model": await connections.model(ep), "messages": [{"role": "user", "content": PROMPT}],
-                        "stream": True, "stream_options": {"include_usage": True}, "max_tokens": MAX_TOKENS,
-                        "temperature": 0}
-                headers = {"X-Cerevisor-Agent": "warmup", "X-Request-Id": f"{run_id}.warmup.{ep.name}"}
-                stream = connections.stream(ep.name, connections.chat_url(ep.name), body, headers)
-                async with aclosing(stream.events()) as items:
-                    async for kind, _ in items:
-                        if first is None and kind in (DELTA, FINISH, USAGE):
-                            first = time.monotonic()
-                            scope.deadline = first + policy.idle_timeout_s
-                break
-            except EndpointError as exc:
-                loading = isinstance(exc, EndpointUnreachable) or exc.status == 503
-                if first is not None or not loading or ep.kind == "hosted":
-                    error = exc.problem
+    first_byte_s = min(timeout_s, policy.first_byte_timeout_s)
+    request = Warming(ep.name, sent)
+    judge.warming(request)
+    # the first token within its deadline; the rest (its one token, its usage) within as long again
+    try:
+        with request.scope, anyio.move_on_after(first_byte_s) as scope:
+            while True:
+                try:
+                    body = {**ep.extra_body,  # the server's own parameters, as the agents' requests carry them
+                            "model": await connections.model(ep), "messages": [{"role": "user", "content": PROMPT}],
+                            "stream": True, "stream_options": {"include_usage": True}, "max_tokens": MAX_TOKENS,
+                            "temperature": 0}
+                    headers = {"X-Cerevisor-Agent": "warmup", "X-Request-Id": f"{run_id}.warmup.{ep.name}"}
+                    request.sent_at = time.monotonic()  # (again after a refusal: open from here)
+                    stream = connections.stream(ep.name, connections.chat_url(ep.name), body, headers)
+                    async with aclosing(stream.events()) as items:
+                        async for kind, _ in items:
+                            if first is None and kind in (DELTA, FINISH, USAGE):
+                                first = time.monotonic()
+                                request.answered = True
+                                scope.deadline = first + min(timeout_s, policy.idle_timeout_s)
                     break
-                waited_for = exc.problem
-                await anyio.sleep(wait_s)
-                wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
-    if first is None and not error:
-        error = f"no first token within {policy.first_byte_timeout_s:g} s" + (f" ({waited_for})" if waited_for else "")
+                except EndpointError as exc:
+                    loading = isinstance(exc, EndpointUnreachable) or exc.status == 503
+                    if first is not None or not loading or ep.kind == "hosted":
+                        error = exc.problem
+                        break
+                    waited_for = exc.problem
+                    await anyio.sleep(wait_s)
+                    wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
+    finally:
+        judge.warmed(request)
+    if request.kill_reason:
+        error = request.kill_reason
+    elif first is None and not error:
+        error = f"no first token within {first_byte_s:g} s" + (f" ({waited_for})" if waited_for else "")
     cold = round(first - sent, 4) if first is not None else None
     emit(ev.EndpointWarmed(time.monotonic(), ep.name, cold, "" if cold is not None else error))
     if cold is None:
-        emit(ev.RunNotice(time.monotonic(), f"Warm-up of {ep.name} failed: {error}. The agents are sent anyway; "
+        emit(ev.RunNotice(time.monotonic(), f"Warm-up of {ep.name} failed: {error}. Its agents are sent anyway; "
                           "their own stall watchdog judges the endpoint.", "warning", "Warm-up"))

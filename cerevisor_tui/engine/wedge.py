@@ -8,8 +8,10 @@ request was sent, so its thresholds are tested on explicit sequences:
   requests were open, behind a /health of 200 (vLLM's engine core dead or stopped: the API process answers
   /health and /metrics, and nothing it reports moves). A working server moves something every engine step:
   vLLM and SGLang count prompt and generated tokens and allocate KV blocks with each prefill chunk; llama.cpp
-  counts its decode calls (one per batch, prefill too). 45 s is many metrics intervals and longer than any
-  honest single step, and a fortieth of the 30-minute first-byte window.
+  counts its decode calls (one per batch, prefill too). 45 s is many metrics intervals and a fortieth of the
+  30-minute first-byte window, but not longer than every honest step: an unchunked prefill is one step, and
+  1,400 tokens at 20 tok/s take 70 s. So the rule waits while an open request's prefill, projected from the
+  endpoint's measured prefill rate and its prompt (`prefill_end`), may still be running.
 - `decode_stalled`: requests running, not one token generated server-wide, no prompt tokens counted or
   computed and KV use not climbing (no prefill under way) for the idle deadline: a hung kernel, even while
   other gauges move. It ends our requests still waiting for their first token (a streaming one's idle
@@ -32,6 +34,7 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.metrics import ServerStatus
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.status import move, phase_of
+from cerevisor_tui.engine.warmup import Warming
 from cerevisor_tui.engine.watchdog import fmt_s
 from cerevisor_tui.kinds import WedgeRule
 
@@ -39,6 +42,9 @@ if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine
 
 HISTORY = 2048  # readings kept per endpoint: over an hour at the default 2 s interval
+PREFILL_MARGIN = 2.0
+"""A prefill is plausibly still running until this many times its projected time: the measured rate is an average
+over shorter prompts (TTFT, queueing included), and a long prompt's attention costs more per token."""
 PREEMPT_DOWN_S = (
     120.0  # a pool member in a preemption loop takes no new agent for this long (it is not frozen)
 )
@@ -107,10 +113,22 @@ def still_for(samples: Sequence[Progress], since: float) -> float | None:
     return max(0.0, last.t - max(first.t, since))
 
 
-def engine_frozen(samples: Sequence[Progress], since: float, threshold_s: float) -> str | None:
+def prefill_end(sent_at: float, prompt_tokens: int, cached_tokens: int, rate_tok_s: float | None) -> float:
+    """Until when a request sent at `sent_at` may honestly be in its prefill: PREFILL_MARGIN times its uncached
+    tokens at the endpoint's measured rate; -inf without a rate (nothing measured yet) or a prompt to compute."""
+    uncached = prompt_tokens - min(prompt_tokens, max(0, cached_tokens))
+    if rate_tok_s is None or not rate_tok_s > 0 or uncached <= 0:
+        return -math.inf
+    return sent_at + PREFILL_MARGIN * uncached / rate_tok_s
+
+
+def engine_frozen(samples: Sequence[Progress], since: float, threshold_s: float,
+                  step_until: float = -math.inf) -> str | None:
     """The engine is dead behind a /health of 200: nothing moved for `threshold_s` since `since` (when our
-    oldest open request was sent). The kill reason, or None."""
-    if threshold_s <= 0 or not samples or not samples[-1].healthy:
+    oldest open request was sent), and no open request's prefill may still be running (`step_until`, the latest
+    `prefill_end` of them: a long unchunked prefill is one step, and moves nothing until it ends). The kill
+    reason, or None."""
+    if threshold_s <= 0 or not samples or not samples[-1].healthy or samples[-1].t < step_until:
         return None
     span = still_for(samples, since)
     if span is None or span < threshold_s:
@@ -183,6 +201,20 @@ class WedgeWatch:
         self.samples: dict[str, deque[Progress]] = {}
         self.wedged: dict[str, tuple[WedgeRule, tuple[float | None, ...]]] = {}  # rule, motion at the wedge
         self._preempt_kill: dict[str, float] = {}  # when a preemption loop was last ended there
+        self.warmups: dict[str, Warming] = {}  # each endpoint's warm-up request while it is out (engine/warmup.py)
+        # when an endpoint's warm-up that never answered was sent: the agents sent as it gave up wait on the same
+        # still server, and its stillness counts from then, until a sample finds nothing of ours open there
+        self._unanswered: dict[str, float] = {}
+
+    def warming(self, request: Warming) -> None:
+        """A warm-up request went out: judged as any request of ours while it is out."""
+        self.warmups[request.endpoint] = request
+
+    def warmed(self, request: Warming) -> None:
+        if self.warmups.get(request.endpoint) is request:
+            del self.warmups[request.endpoint]
+        if not request.answered:
+            self._unanswered[request.endpoint] = request.sent_at
 
     def keeps_down(self, endpoint: str) -> bool:
         """Whether a healthy /health does not bring the endpoint back for placement: it is wedged still, or its
@@ -205,6 +237,12 @@ class WedgeWatch:
         history.append(reading)
         stall = e.config.stall
         opened = self._open(endpoint)
+        warmup = self.warmups.get(endpoint)
+        if warmup is not None and warmup.kill_reason:
+            warmup = None
+        ours = [att.sent_at for _, att in opened] + ([warmup.sent_at] if warmup is not None else [])
+        if not ours:
+            self._unanswered.pop(endpoint, None)  # nothing of ours open: a still server is an idle one
         if endpoint in self.wedged:
             rule, motion = self.wedged[endpoint]
             if reading.motion != motion:
@@ -213,25 +251,28 @@ class WedgeWatch:
                 for st, att in opened:  # what waits on it now waits on a wedged server
                     if att.first_token_at is None:
                         move(st, "wedged")
-        if not opened:
+        if not ours:
             return
-        since = min(att.sent_at for _, att in opened)
-        reason = engine_frozen(history, since, stall.wedge_timeout_s)
+        unanswered = [self._unanswered[endpoint]] if endpoint in self._unanswered else []
+        since = min(ours + unanswered)
+        step_until = max((self._prefill_end(st, att) for st, att in opened if att.first_token_at is None),
+                         default=-math.inf)
+        reason = engine_frozen(history, since, stall.wedge_timeout_s, step_until)
         if reason is not None:
-            self._wedge(endpoint, "frozen", reason, opened, reading)
+            self._wedge(endpoint, "frozen", reason, opened, reading, warmup)
             return
         # The rules below are about requests still waiting for their first token: a streaming one has its idle
         # deadline, which says the same of it as the hung-kernel rule, on its own clock.
         waiting = [(st, att) for st, att in opened if att.first_token_at is None]
-        if not waiting:
+        if not waiting and (warmup is None or warmup.answered):
             return
         if stall.wedge_timeout_s > 0:
-            since = min(att.sent_at for _, att in waiting)
+            since = min([att.sent_at for _, att in waiting] + ([warmup.sent_at] if warmup else []) + unanswered)
             reason = decode_stalled(history, since, e.policies[endpoint].idle_timeout_s)
             if reason is not None:
-                self._wedge(endpoint, "hung", reason, waiting, reading)
+                self._wedge(endpoint, "hung", reason, waiting, reading, warmup)
                 return
-        if stall.preempt_limit:
+        if stall.preempt_limit and waiting:
             # the longest prompt is the one that does not fit; a loop ended before counts no more
             st, att = max(waiting, key=lambda pair: self._prompt_tokens(pair[0]))
             after = max(att.sent_at, self._preempt_kill.get(endpoint, -math.inf))
@@ -250,6 +291,16 @@ class WedgeWatch:
             opened += [(st, att) for att in attempts if att is not None and not att.kill_reason]
         return opened
 
+    def _prefill_end(self, st: AgentState, att: Attempt) -> float:
+        """Until when the attempt's prefill may honestly run (`prefill_end`): as its estimate projected it when it
+        was sent, else at the rate its endpoint has measured since."""
+        est = att.estimate
+        if est is not None:
+            return prefill_end(est.sent_at, est.total, est.cached, est.rate_tok_s)
+        total = self._prompt_tokens(st)
+        rate = self.engine.figures[st.endpoint].prefill_rate()
+        return prefill_end(att.sent_at, total, min(total, st.context_tokens), rate)
+
     def _prompt_tokens(self, st: AgentState) -> int:
         """The agent's prompt as the server will count it: its conversation's characters at the endpoint's
         measured tokens per character."""
@@ -263,12 +314,15 @@ class WedgeWatch:
         reason: str,
         opened: list[tuple[AgentState, Attempt]],
         reading: Progress,
+        warmup: Warming | None = None,
     ) -> None:
         e = self.engine
         now = time.monotonic()
         if rule != "preempt_loop":
             self.wedged[endpoint] = (rule, reading.motion)
         e.emit(ev.ServerWedged(now, endpoint, rule, reason, list(dict.fromkeys(st.name for st, _ in opened))))
+        if warmup is not None:  # its failure is told as a warm-up's, with this reason
+            warmup.kill(reason)
         for st, att in opened:
             move(st, "wedged")
             att.kill("wedge", reason)

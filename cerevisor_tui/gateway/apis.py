@@ -198,6 +198,7 @@ class _Delta(msgspec.Struct):
 
 
 class _Choice(msgspec.Struct):
+    index: int | None = None  # 0 is the answer; a client that asks for several (n) gets the others beside it
     delta: _Delta | None = None
     message: _Delta | None = None
     finish_reason: str | None = None
@@ -305,9 +306,10 @@ class Reading:
             self.error = f.message[:500]
         if self.api == "chat":
             self.usage(f.usage)
-            if not f.choices:
+            # choice 0 only: the others (n > 1) go to the client as they came, and are not the session's answer
+            choice = next((c for c in f.choices if not c.index), None)
+            if choice is None:
                 return "", "", ""
-            choice = f.choices[0]
             if choice.finish_reason:
                 self.finish = choice.finish_reason
             d = choice.delta
@@ -375,7 +377,8 @@ class Reading:
             self._timings(timings)
         if self.api == "chat":
             choices = body.get("choices")
-            choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+            choice = next((c for c in choices if isinstance(c, dict) and not c.get("index")), {}) \
+                if isinstance(choices, list) else {}
             message = choice.get("message")
             message = message if isinstance(message, dict) else {}
             self.text.append(text_of(message.get("content")))

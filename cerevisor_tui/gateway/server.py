@@ -26,6 +26,7 @@ import msgspec
 from cerevisor_tui.config.models import GatewayConfig
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints import bounds
+from cerevisor_tui.endpoints.client import is_refused
 from cerevisor_tui.engine.attempt import Answer
 from cerevisor_tui.engine.sessions import BudgetSpent, Dropped, RunStopping, Session
 from cerevisor_tui.engine.status import move
@@ -51,6 +52,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _FORWARDED = frozenset({b"content-type", b"accept", b"user-agent", b"anthropic-version", b"anthropic-beta",
                         b"openai-beta", *(name.encode() for name in SESSION_HEADERS)})
 ERROR_BODY_LIMIT = 1 << 20  # what is read of an upstream's error body
+FRAME_LIMIT_BYTES = 8 << 20  # the longest SSE frame relayed: a model's chunk is bytes to kilobytes
 WAIT_BACKOFF_S = (0.25, 5.0)  # a local endpoint still loading: reconnect after 0.25 s, doubling to 5 s
 RETRY_AFTER_S = 5  # told to a client when the upstream is down
 CONTEXT_LIMIT_WAIT_S = 2.0  # the longest a session's meters wait for the endpoint's /v1/models
@@ -221,6 +223,13 @@ class Gateway:
         pool = self.engine.config.pool(name)
         return list(pool.endpoints) if pool is not None else [name]
 
+    def _pass_order(self) -> list[str]:
+        """The members a pass-through request is offered to, in turn while each refuses the connection: those up
+        and not degraded first, then those degraded, then those down (engine/placement.py), each in pool order."""
+        placement, now = self.engine.placement, time.monotonic()
+        return sorted(self._members(self.upstream),
+                      key=lambda m: (placement.is_down(m, now), placement.is_degraded(m, now)))
+
     async def resolve_models(self) -> None:
         """Ask each endpoint once which model it serves (those the config does not name), so routes know."""
         e = self.engine
@@ -236,7 +245,6 @@ class Gateway:
         ends it."""
         self.passed += 1
         e = self.engine
-        endpoint = self._members(self.upstream)[0]
         chunks = []
         while True:
             message = await receive()
@@ -247,17 +255,24 @@ class Gateway:
                 raise Refusal(413, "request body over the gateway's limit ([gateway] max_body_mib)")
             if not message.get("more_body"):
                 break
-        url = e.connections.base_urls[endpoint].rstrip("/") + path[3:]
         query = scope.get("query_string", b"").decode("latin-1")
         headers = _upstream_headers(scope["headers"])
-        client = e.connections.clients[endpoint]
-        request = client.build_request(scope["method"], url + (f"?{query}" if query else ""),
-                                       content=b"".join(chunks), headers=headers)
-        try:
-            response = await client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise Refusal(503, f"upstream {endpoint} is not answering: {_problem(exc)}",
-                          {"retry-after": str(RETRY_AFTER_S)}) from None
+        response: httpx.Response | None = None
+        problem = ""
+        for endpoint in self._pass_order():
+            url = e.connections.base_urls[endpoint].rstrip("/") + path[3:]
+            client = e.connections.clients[endpoint]
+            request = client.build_request(scope["method"], url + (f"?{query}" if query else ""),
+                                           content=b"".join(chunks), headers=headers)
+            try:
+                response = await client.send(request, stream=True)
+                break
+            except httpx.HTTPError as exc:
+                problem = f"{endpoint} is not answering: {_problem(exc)}"
+                if not isinstance(exc, httpx.ConnectError):  # it may have reached the server: never sent twice
+                    break
+        if response is None:
+            raise Refusal(503, f"upstream {problem}", {"retry-after": str(RETRY_AFTER_S)})
         try:
             async with anyio.create_task_group() as group:
 
@@ -461,7 +476,7 @@ class Exchange:
                 response = await client.send(request, stream=True)
                 break
             except httpx.HTTPError as exc:
-                if ep.kind == "hosted" or not isinstance(exc, httpx.ConnectError):
+                if ep.kind == "hosted" or not is_refused(exc):  # out of descriptors is no server loading
                     await self.fail(503, f"cerevisor gateway: upstream {endpoint} is not answering: {_problem(exc)}",
                                     {"retry-after": str(RETRY_AFTER_S)})
                     return
@@ -538,18 +553,20 @@ class Exchange:
         upstream = att.stream
         by_bytes = e.policies[st.endpoint].liveness == "bytes"
         hide_usage = self.hide_usage
-        pending = b""
+        pending = _Frames()
         # the headers go out with the first frame, not with the upstream's (which vLLM sends at once): until
         # then a deadline, a kill or a drop is still an HTTP status, and keep-alives start the stream
         head = (response.status_code, response.headers.get("content-type", "text/event-stream"),
                 {"x-request-id": att.request_id})
         async for chunk in response.aiter_raw():
             upstream.last_byte_at = monotonic()
-            pending += chunk
-            end = _frames_end(pending)
-            if end == 0:
+            try:
+                frames = pending.feed(chunk)
+            except FrameTooLong as exc:  # an upstream that never ends its frame is not buffered for ever
+                await self.fail(502, f"cerevisor gateway: upstream {st.endpoint} {exc}; the request was ended")
+                return
+            if not frames:
                 continue
-            frames, pending = pending[:end], pending[end:]
             if b'"prompt_progress"' in frames and att.first_token_at is None:
                 frames = self._progress(st, att, frames)
             text, reasoning, tool, chunks = reading.frames(frames)
@@ -567,7 +584,7 @@ class Exchange:
         async with self.lock:
             if not self.started:
                 await self.start(*head)
-            await self.write(pending, last=True)
+            await self.write(pending.rest(), last=True)
         await self._finished(session, att)
 
     def _progress(self, st: Any, att: Attempt, frames: bytes) -> bytes:
@@ -661,10 +678,42 @@ class _Upstream:
             abort()
 
 
-def _frames_end(data: bytes) -> int:
-    """Where the last complete SSE frame in `data` ends (0: none is complete yet)."""
-    end = data.rfind(b"\n\n")
-    crlf = data.rfind(b"\r\n\r\n")
+class FrameTooLong(Exception):
+    """An upstream's SSE frame grew past FRAME_LIMIT_BYTES without its end."""
+
+
+class _Frames:
+    """What a relayed stream has sent past its last complete SSE frame. Each read is searched from where the
+    search before it stopped, so a frame that grows read by read costs its length once, not once per read (a
+    24 MiB frame in 64 KiB reads was 10-20 s of the run's loop); one over FRAME_LIMIT_BYTES raises FrameTooLong."""
+
+    def __init__(self, limit_bytes: int = FRAME_LIMIT_BYTES) -> None:
+        self.limit_bytes = limit_bytes
+        self._data = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Take one read; returns the complete frames it ends (b"" while none is)."""
+        data = self._data
+        searched = len(data)  # what is held has no frame end in it: only the new bytes, and a straddling end, are new
+        data += chunk
+        end = _frames_end(data, max(0, searched - 3))
+        if end == 0:
+            if len(data) > self.limit_bytes:
+                raise FrameTooLong(f"sent a frame over {self.limit_bytes // (1 << 20)} MiB without ending it")
+            return b""
+        frames = bytes(data[:end])
+        del data[:end]
+        return frames
+
+    def rest(self) -> bytes:
+        """What came after the last frame end, as the stream ended."""
+        return bytes(self._data)
+
+
+def _frames_end(data: bytes | bytearray, start: int = 0) -> int:
+    """Where the last complete SSE frame in `data` ends, looking from `start` (0: none is complete yet)."""
+    end = data.rfind(b"\n\n", start)
+    crlf = data.rfind(b"\r\n\r\n", start)
     return max(end + 2 if end >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 

@@ -19,6 +19,7 @@ import fcntl
 import json
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,9 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.sinks.report import Report, write_json_atomic
 
 SKIPPED = frozenset({"TokenDelta", "KeepAlive"})
+TRANSCRIPTS_OPEN = 64
+"""Transcripts held open at once, the most recently written: another is opened when written to, and closed at its
+agent's end, so a run of thousands of agents or gateway sessions holds 64 descriptors for them, not thousands."""
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = "lock"
 """In each run directory: holds the id of the process running it, locked (flock) while it runs."""
@@ -211,7 +215,8 @@ class Journal:
         self.error = ""  # the first write error, in one line: from then on nothing more is written
         self.report_error = ""  # the last report write that failed ("" once one succeeds)
         self._events: _Lines | None = None
-        self._transcripts: dict[str, _Lines] = {}
+        self._transcripts: OrderedDict[str, _Lines] = OrderedDict()  # the open ones, least recently written first
+        self._evicted: set[str] = set()  # transcripts closed to make room, before their agent ended
         self._ran: set[str] = set()  # agents queued in this run: their end is fsynced
         self._lock: RunLock | None = None
 
@@ -260,6 +265,42 @@ class Journal:
                 with contextlib.suppress(OSError):
                     fh.close()  # closes the file even when its last flush fails
         self._transcripts.clear()
+        for agent in sorted(self._evicted):  # closed to make room, and their agents never ended
+            path = self.dir / "transcripts" / f"{agent}.jsonl"
+            try:
+                self._end_transcript(agent, path)
+            except OSError as exc:
+                self._failed(path, exc)
+
+    def _transcript(self, agent: str, path: Path) -> _Lines:
+        """The agent's transcript, open to append to: the least recently written one is closed first when
+        TRANSCRIPTS_OPEN are (written whole lines, unbuffered, it loses nothing; it is fsynced at its agent's end)."""
+        fh = self._transcripts.get(agent)
+        if fh is not None:
+            self._transcripts.move_to_end(agent)
+            return fh
+        while len(self._transcripts) >= TRANSCRIPTS_OPEN:
+            oldest, old = self._transcripts.popitem(last=False)
+            self._evicted.add(oldest)
+            old.close()
+        fh = self._transcripts[agent] = _append(path)
+        return fh
+
+    def _end_transcript(self, agent: str, path: Path) -> None:
+        """The agent ended: its transcript fsynced, and closed. Raises OSError."""
+        fh = self._transcripts.pop(agent, None)
+        if fh is not None:
+            try:
+                os.fsync(fh.fileno())
+            finally:
+                fh.close()
+        elif agent in self._evicted:  # closed to make room: what it wrote is synced through a descriptor of its own
+            self._evicted.discard(agent)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
     def _failed(self, path: Path, exc: OSError) -> None:
         if self.error:
@@ -278,9 +319,7 @@ class Journal:
             self._events.flush()
             if isinstance(event, ev.MessageRecorded):
                 path = self.dir / "transcripts" / f"{event.agent}.jsonl"
-                fh = self._transcripts.get(event.agent)
-                if fh is None:
-                    fh = self._transcripts[event.agent] = _append(path)
+                fh = self._transcript(event.agent, path)
                 record = {"turn": event.turn, "attempt": event.attempt, "role": event.role, "content": event.content}
                 if event.raw:  # a gateway session's message, in its client's own format
                     record = {"turn": event.turn, "attempt": event.attempt, **event.raw}
@@ -301,10 +340,8 @@ class Journal:
                 # thousands of fsyncs, and a resumed run does not fsync each answer it reuses.
                 if event.agent in self._ran:
                     os.fsync(self._events.fileno())
-                    fh = self._transcripts.get(event.agent)
-                    if fh is not None:
-                        path = self.dir / "transcripts" / f"{event.agent}.jsonl"
-                        os.fsync(fh.fileno())
+                    path = self.dir / "transcripts" / f"{event.agent}.jsonl"
+                    self._end_transcript(event.agent, path)
         except OSError as exc:
             self._failed(path, exc)
             return

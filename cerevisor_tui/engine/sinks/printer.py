@@ -153,7 +153,7 @@ class Printer:
 
     @staticmethod
     def _line_WarmupStarted(e: ev.WarmupStarted) -> str:
-        return f"warming up: {', '.join(e.endpoints)} (one short request each, before wave 1)"
+        return f"warming up: {', '.join(e.endpoints)} (one short request each, before its agents)"
 
     @staticmethod
     def _line_EndpointWarmed(e: ev.EndpointWarmed) -> str:  # a failure is the RunNotice that follows it

@@ -60,7 +60,7 @@ class HeaderState:
     gateway_url: str = ""
     sessions: tuple[tuple[str, int], ...] = ()  # ("sessions", N), then each state with any: ("busy", 1), ...
     workflow: bool = True  # the run has agents of its own (or waves): its counters show
-    warming: bool = False  # before wave 1: the warm-up's requests are out (`[run] warmup`)
+    warming: bool = False  # at the start: the warm-up's requests are out (`[run] warmup`)
 
 
 def reason_text(endpoint: str, reason: str) -> str:
