@@ -1,12 +1,9 @@
 """The gateway's HTTP face: an ASGI app (served by uvicorn inside the run's process) that passes the three APIs
 through to the run's endpoints, each request an attempt of its session, governed by the run.
 
-One request's way through (`Exchange`): checked (key, size, JSON, model), named (gateway/identity.py), admitted
-(its session's slot, engine/sessions.py), sent upstream, and its answer relayed: the upstream's SSE bytes
-reach the client as they came, cut only at frame ends, while a copy is read for signs of life, tokens and
-usage (gateway/apis.py). While it waits, a streamed request gets an SSE comment every `keepalive_s`. The
-watchdog's deadline, the operator's kill and the run's stop end it with an error in the API's own shape; a
-client that goes away ends its upstream request at once, in every window.
+Here a request is checked once, at the entry: its path (gateway/paths.py), its key, its size and JSON, its
+model and route; every byte to the client goes through one scrubbing send (gateway/outbound.py). A governed
+request then lives in its `Exchange` (gateway/exchange.py); any other /v1/* request is passed through.
 """
 
 from __future__ import annotations
@@ -16,7 +13,6 @@ import fnmatch
 import hmac
 import os
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -24,50 +20,28 @@ import httpx
 import msgspec
 
 from cerevisor_tui.config.models import GatewayConfig
-from cerevisor_tui.contract import events as ev
-from cerevisor_tui.endpoints import bounds
-from cerevisor_tui.endpoints.client import is_refused
-from cerevisor_tui.engine.attempt import Answer
-from cerevisor_tui.engine.sessions import BudgetSpent, Dropped, RunStopping, Session
-from cerevisor_tui.engine.status import move
 from cerevisor_tui.gateway import apis
-from cerevisor_tui.gateway.apis import KEEPALIVE, Api, Reading
-from cerevisor_tui.gateway.identity import SESSION_HEADERS, harness, identify
+from cerevisor_tui.gateway.apis import Api
+from cerevisor_tui.gateway.edge import (
+    RETRY_AFTER_S,
+    Receive,
+    Refusal,
+    Scope,
+    Send,
+    answer,
+    problem_of,
+    upstream_headers,
+)
+from cerevisor_tui.gateway.exchange import Exchange, RunPorts
 from cerevisor_tui.gateway.outbound import ClientSend, log_line
 from cerevisor_tui.gateway.paths import PathProblem, check_path
 from cerevisor_tui.text import control_char, printable
 
 if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine
-    from cerevisor_tui.engine.state import Attempt
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-# the client's headers that go upstream, and no other: how to read the request and what it accepts, the APIs'
-# version and beta headers, who sent it, and the session headers routers keep affinity by. Never a credential
-# (authorization, x-api-key, api-key, x-goog-api-key, cookie ...) nor an account or organisation
-# (openai-organization, openai-project, chatgpt-account-id): the upstream sees the run's key and nothing of the client's
-_FORWARDED = frozenset({b"content-type", b"accept", b"user-agent", b"anthropic-version", b"anthropic-beta",
-                        b"openai-beta", *(name.encode() for name in SESSION_HEADERS)})
-ERROR_BODY_LIMIT = 1 << 20  # what is read of an upstream's error body
-FRAME_LIMIT_BYTES = 8 << 20  # the longest SSE frame relayed: a model's chunk is bytes to kilobytes
-WAIT_BACKOFF_S = (0.25, 5.0)  # a local endpoint still loading: reconnect after 0.25 s, doubling to 5 s
-RETRY_AFTER_S = 5  # told to a client when the upstream is down
-CONTEXT_LIMIT_WAIT_S = 2.0  # the longest a session's meters wait for the endpoint's /v1/models
-
 
 class GatewayError(Exception):
     """The gateway cannot start: one line says why."""
-
-
-class Refusal(Exception):
-    """A request the gateway answers itself, before anything is sent upstream."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
 
 
 def client_keys(settings: GatewayConfig) -> list[tuple[str, bytes]]:
@@ -87,6 +61,8 @@ class Gateway:
 
     def __init__(self, engine: Engine, settings: GatewayConfig, *, model: str = "") -> None:
         self.engine = engine
+        self.run = RunPorts(engine.sessions, engine.attempts, engine.emit, engine.endpoints, engine.policies,
+                            engine.connections, engine.clock)
         self.settings = settings
         self.model = model
         self.keys = client_keys(settings)
@@ -124,7 +100,7 @@ class Gateway:
         except Refusal as exc:
             self.refused += 1
             if not client.started:
-                await _answer(client, exc.status, apis.error_body(api, exc.status, exc.message), exc.headers)
+                await answer(client, exc.status, apis.error_body(api, exc.status, exc.message), exc.headers)
         except Exception as exc:  # an error nobody foresaw: an answer in the API's shape and a line in the log
             self.failed += 1
             log_line(self.engine.scrub, f"{scope['method']} {raw[:200]!r} failed: {type(exc).__name__}: {exc}")
@@ -256,7 +232,7 @@ class Gateway:
             if not message.get("more_body"):
                 break
         query = scope.get("query_string", b"").decode("latin-1")
-        headers = _upstream_headers(scope["headers"])
+        headers = upstream_headers(scope["headers"])
         response: httpx.Response | None = None
         problem = ""
         for endpoint in self._pass_order():
@@ -268,7 +244,7 @@ class Gateway:
                 response = await client.send(request, stream=True)
                 break
             except httpx.HTTPError as exc:
-                problem = f"{endpoint} is not answering: {_problem(exc)}"
+                problem = f"{endpoint} is not answering: {problem_of(exc)}"
                 if not isinstance(exc, httpx.ConnectError):  # it may have reached the server: never sent twice
                     break
         if response is None:
@@ -294,487 +270,3 @@ class Gateway:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
 
-
-class Exchange:
-    """One governed request, from its check to its last byte."""
-
-    def __init__(self, gateway: Gateway, scope: Scope, receive: Receive, send: Send, api: Api,
-                 body: tuple[bytes, dict[str, Any]], *, label: str, key: str) -> None:
-        self.gw, self.scope, self.receive, self._send, self.api = gateway, scope, receive, send, api
-        self.raw, self.body = body
-        self.label, self.key = label, key
-        self.headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
-        self.streamed = self.body.get("stream") is True
-        self.started = False  # the response's headers went out
-        self.done = False  # its last byte went out
-        self.gone = False  # the client went away
-        self.last_write = time.monotonic()
-        # taken for every frame written: uncontended, it must not yield to the loop as anyio's default does
-        self.lock = anyio.Lock(fast_acquire=True)
-        self.reading = Reading(api)
-        self.status = 0
-        self.attempt: Attempt | None = None
-        self.conversation = ""  # the fingerprint of the conversation it continues (its transcript's count)
-        self.hide_progress = False  # prompt_progress was asked for the watchdog, not by the client: not relayed
-        self.hide_usage = False  # chat's usage chunk was asked for the meters, not by the client: not relayed
-        self.role_sent = False  # with hide_progress: the first progress frame went on, as a role-only chunk
-
-    # ---- writing to the client -----------------------------------------------------------------------------
-    async def start(self, status: int, content_type: str, extra: dict[str, str] | None = None) -> None:
-        headers = [(b"content-type", content_type.encode("latin-1"))]
-        if content_type.startswith("text/event-stream"):
-            headers += [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
-        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (extra or {}).items()]
-        self.started = True
-        self.status = status
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
-
-    async def write(self, data: bytes, *, last: bool = False) -> None:
-        if self.done:
-            return
-        self.last_write = time.monotonic()
-        self.done = last
-        await self._send({"type": "http.response.body", "body": data, "more_body": not last})
-
-    async def fail(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        """End the request with an error in the API's own shape: a status and body before the headers went out,
-        an error event after."""
-        async with self.lock:
-            if self.done or self.gone:
-                return
-            if not self.started:
-                await self.start(status, "application/json", headers)
-                await self.write(apis.error_body(self.api, status, message), last=True)
-            else:
-                await self.write(apis.error_frame(self.api, status, message), last=True)
-
-    async def finish(self) -> None:
-        async with self.lock:
-            if not self.done and not self.gone:
-                if not self.started:
-                    await self.start(200, "application/json")
-                await self.write(b"", last=True)
-
-    # ---- the exchange --------------------------------------------------------------------------------------
-    async def run(self) -> None:
-        gw = self.gw
-        e = gw.engine
-        try:
-            asked = self.body.get("model")
-            if not isinstance(asked, str) or not asked:
-                raise Refusal(400, "the request names no model")
-            model, where = gw.route(asked)
-        except Refusal as exc:
-            gw.refused += 1
-            await self.fail(exc.status, exc.message, exc.headers)
-            return
-        name, source = identify(self.api, self.headers, self.body, label=self.label, key=self.key)
-        session = e.sessions.open(name, source=source, harness=harness(self.headers.get("user-agent", "")),
-                                  api=self.api, endpoint=where, key=self.key)
-        self.model_asked, self.model_sent = asked, model
-        with anyio.CancelScope() as whole:
-            async with anyio.create_task_group() as group:
-                group.start_soon(self._watch_client, whole)
-                if self.streamed:
-                    group.start_soon(self._keepalives)
-                try:
-                    await self._governed(session)
-                finally:
-                    group.cancel_scope.cancel()
-        att = self.attempt
-        if self.gone and att is not None:  # its upstream request was closed with it: the server aborts it
-            st = session.st
-            e.emit(ev.TurnFinished(time.monotonic(), st.name, att.number, att.turn, 0, 0, att.tokens, "client gone",
-                                   None, time.monotonic() - att.sent_at))
-
-    async def _watch_client(self, whole: anyio.CancelScope) -> None:
-        while True:
-            message = await self.receive()
-            if message["type"] == "http.disconnect":
-                if not self.done:
-                    self.gone = True
-                    whole.cancel()
-                return
-
-    async def _keepalives(self) -> None:
-        """While nothing else goes to the client, an SSE comment every keepalive_s (the first only after
-        keepalive_s: a quick error keeps its HTTP status)."""
-        every = self.gw.settings.keepalive_s
-        while True:
-            await anyio.sleep(max(0.0, self.last_write + every - time.monotonic()))
-            async with self.lock:
-                if self.done or self.gone:
-                    return
-                if time.monotonic() - self.last_write < every * 0.999:
-                    continue
-                if not self.started:
-                    await self.start(200, "text/event-stream; charset=utf-8")
-                await self.write(KEEPALIVE)
-
-    async def _governed(self, session: Session) -> None:
-        e = self.gw.engine
-        st = session.st
-        self._record_inputs(session)
-        try:
-            async with e.sessions.request(session, model_asked=self.model_asked, model_sent=self.model_sent) as att:
-                self.attempt = att
-                self._tell_inputs(session, att)
-                with anyio.CancelScope() as att.scope:
-                    await self._upstream(session, att, att.request_id)
-                if att.kill_reason:
-                    if att.by_operator:
-                        await self.fail(503, f"cerevisor gateway: {att.kill_reason}")
-                    elif att.kill_deadline == "wedge":  # its server is wedged (engine/wedge.py): the reason says so
-                        await self.fail(504, f"cerevisor gateway: the request was ended: {att.kill_reason}")
-                    else:
-                        await self.fail(504, f"cerevisor gateway: the request was ended at its {att.kill_deadline} "
-                                             f"deadline ({att.kill_reason})")
-        except RunStopping as exc:
-            await self.fail(503, f"cerevisor gateway: the run is stopping ({exc}); nothing was sent upstream",
-                            {"retry-after": str(RETRY_AFTER_S)})
-        except Dropped as exc:
-            await self.fail(503, f"cerevisor gateway: {exc} while queued; nothing was sent upstream")
-        except BudgetSpent as exc:
-            await self.fail(402, f"cerevisor gateway: {exc}; nothing was sent upstream")
-        finally:
-            if self.attempt is None:  # never sent: its messages are still new for its next try
-                self._tell_inputs(session, None)
-            if st.current is None:
-                move(st, "request_gone")
-
-    async def _upstream(self, session: Session, att: Attempt, rid: str) -> None:
-        e = self.gw.engine
-        st = session.st
-        endpoint = st.endpoint
-        ep = e.endpoints[endpoint]
-        client = e.connections.clients[endpoint]
-        url = e.connections.base_urls[endpoint].rstrip("/") + next(p for p, a in apis.PATHS.items() if a == self.api)
-        headers = _upstream_headers(self.scope["headers"])
-        headers["x-request-id"] = rid
-        if ep.session_header:
-            headers[ep.session_header.lower()] = session.name
-        if self.api == "messages" and "authorization" in client.headers:
-            headers["x-api-key"] = client.headers["authorization"].removeprefix("Bearer ")
-        changes: dict[str, Any] = {"model": self.model_sent} if self.model_sent != self.model_asked else {}
-        if (self.api == "chat" and self.streamed and "return_progress" not in self.body
-                and await e.connections.asks_progress(ep)):
-            # llama-server's prompt_progress (its chat API streams it), for the watchdog; this client did not ask:
-            # it never sees them
-            changes["return_progress"] = True
-            self.hide_progress = True
-        elif ep.kind != "hosted":  # no progress told: the prefill estimated from the endpoint's measured rate
-            e.attempts.estimate(st, att, apis.prompt_chars(self.api, self.body))
-        if self.api == "chat" and self.streamed and not _asks_usage(self.body):
-            # the answer's usage, for the meters and the figures; this client did not ask: it never sees it
-            changes["stream_options"] = {**(self.body.get("stream_options") or {}), "include_usage": True}
-            self.hide_usage = True
-        content = msgspec.json.encode({**self.body, **changes}) if changes else self.raw
-        wait_s = WAIT_BACKOFF_S[0]
-        while True:
-            request = client.build_request("POST", url, content=content, headers=headers)
-            try:
-                response = await client.send(request, stream=True)
-                break
-            except httpx.HTTPError as exc:
-                if ep.kind == "hosted" or not is_refused(exc):  # out of descriptors is no server loading
-                    await self.fail(503, f"cerevisor gateway: upstream {endpoint} is not answering: {_problem(exc)}",
-                                    {"retry-after": str(RETRY_AFTER_S)})
-                    return
-                # a local server still loading refuses its port: the request waits, kept alive, within its
-                # first-byte window (the watchdog ends it there)
-                e.attempts.refused(st, att, endpoint, _problem(exc), wait_s)
-                await anyio.sleep(wait_s)
-                wait_s = min(wait_s * 2, WAIT_BACKOFF_S[1])
-        try:
-            att.stream = _Upstream(response)
-            if response.status_code >= 300:
-                await self._upstream_error(response)
-                return
-            if not self.streamed:
-                await self._whole(session, att, response)
-            else:
-                await self._relay(session, att, response)
-        except httpx.HTTPError as exc:
-            # the upstream broke off its answer (a dropped connection, a cut chunk): the client is told in its
-            # API's shape rather than left with a truncated body; a kill's own abort is told as the kill
-            if not att.kill_reason:
-                await self.fail(502, f"cerevisor gateway: upstream {endpoint} broke off its answer after "
-                                     f"{att.tokens} tokens: {_problem(exc)}")
-        finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
-
-    async def _upstream_error(self, response: httpx.Response) -> None:
-        """The upstream's own error: passed as it is before the headers went out, else as the API's error event."""
-        body = b""
-        async for chunk in response.aiter_raw():
-            body += chunk
-            if len(body) > ERROR_BODY_LIMIT:
-                break
-        async with self.lock:
-            if self.done or self.gone:
-                return
-            if not self.started:
-                extra = {k: v for k, v in response.headers.items() if k.lower() == "retry-after"}
-                await self.start(response.status_code, response.headers.get("content-type", "application/json"),
-                                 extra)
-                await self.write(body[:ERROR_BODY_LIMIT], last=True)
-                return
-        reading = Reading(self.api)
-        reading.whole(body)
-        message = reading.error or body[:300].decode("utf-8", "replace")
-        await self.fail(response.status_code, f"upstream answered {response.status_code}: {message}")
-
-    async def _whole(self, session: Session, att: Attempt, response: httpx.Response) -> None:
-        attempts, st = self.gw.engine.attempts, session.st
-        chunks = []
-        async for chunk in response.aiter_raw():
-            att.stream.last_byte_at = time.monotonic()
-            attempts.alive(st, att)
-            chunks.append(chunk)
-        data = b"".join(chunks)
-        self.reading.whole(data)
-        async with self.lock:
-            if self.gone:
-                return
-            await self.start(response.status_code, response.headers.get("content-type", "application/json"),
-                             {"x-request-id": att.request_id})
-            await self.write(data, last=True)
-        await self._finished(session, att)
-
-    async def _relay(self, session: Session, att: Attempt, response: httpx.Response) -> None:
-        """The hot path: each read's complete frames go to the client as they came; a copy is read."""
-        e = self.gw.engine
-        st = session.st
-        reading = self.reading
-        attempts = e.attempts
-        delta = attempts.delta
-        monotonic = time.monotonic
-        upstream = att.stream
-        by_bytes = e.policies[st.endpoint].liveness == "bytes"
-        hide_usage = self.hide_usage
-        pending = _Frames()
-        # the headers go out with the first frame, not with the upstream's (which vLLM sends at once): until
-        # then a deadline, a kill or a drop is still an HTTP status, and keep-alives start the stream
-        head = (response.status_code, response.headers.get("content-type", "text/event-stream"),
-                {"x-request-id": att.request_id})
-        async for chunk in response.aiter_raw():
-            upstream.last_byte_at = monotonic()
-            try:
-                frames = pending.feed(chunk)
-            except FrameTooLong as exc:  # an upstream that never ends its frame is not buffered for ever
-                await self.fail(502, f"cerevisor gateway: upstream {st.endpoint} {exc}; the request was ended")
-                return
-            if not frames:
-                continue
-            if b'"prompt_progress"' in frames and att.first_token_at is None:
-                frames = self._progress(st, att, frames)
-            text, reasoning, tool, chunks = reading.frames(frames)
-            if hide_usage and b'"usage"' in frames:
-                frames = _without_usage_chunks(frames)
-            if frames:
-                async with self.lock:
-                    if not self.started:
-                        await self.start(*head)
-                    await self.write(frames)
-            if chunks:
-                delta(st, att, text, reasoning, tool, chunks)
-            elif att.first_token_at is None or by_bytes:
-                attempts.keepalive(st, att, by_bytes=by_bytes)
-        async with self.lock:
-            if not self.started:
-                await self.start(*head)
-            await self.write(pending.rest(), last=True)
-        await self._finished(session, att)
-
-    def _progress(self, st: Any, att: Attempt, frames: bytes) -> bytes:
-        """The prefill progress in these frames, taken for the watchdog (engine/attempt.py); the frames as the
-        client gets them: whole when it asked for prompt_progress, else without it (in chat, the first one stays,
-        as the role-only chunk it also is, with its prompt_progress taken out; in the other APIs a frame that
-        carried nothing else goes)."""
-        attempts = self.gw.engine.attempts
-        kept: list[bytes] = []
-        for frame in _split_frames(frames):
-            progress = _frame_progress(frame)
-            if progress is None:
-                kept.append(frame)
-                continue
-            obj, numbers = progress
-            attempts.progress(st, att, *numbers, by_bytes=False)
-            if not self.hide_progress:
-                kept.append(frame)
-                continue
-            del obj["prompt_progress"]
-            if self.api == "chat" and not self.role_sent:
-                self.role_sent = True
-                kept.append(b"data: " + msgspec.json.encode(obj) + b"\n\n")
-            elif self.api != "chat" and set(obj) - {"type"}:
-                event = b"".join(line + b"\n" for line in frame.split(b"\n") if line.startswith(b"event:"))
-                kept.append(event + b"data: " + msgspec.json.encode(obj) + b"\n\n")
-        return b"".join(kept)
-
-    async def _finished(self, session: Session, att: Attempt) -> None:
-        """The answer went out whole: its figures, its message in the transcript, the session's meters (all
-        engine/attempt.py's); the transcript's count of the conversation moves past the answer."""
-        e = self.gw.engine
-        st = session.st
-        r = self.reading
-        e.attempts.flush(st, att)
-        completion = r.completion_tokens or r.chunks
-        prompt = r.prompt_tokens or r.timings_prompt_tokens
-        streamed_text = "".join(att.parts) if self.streamed else r.answer
-        thinking = "".join(att.thinking) if self.streamed else "".join(r.reasoning)
-        # the client sends the answer back with its next request (one message, or its items), which may come
-        # before the meters below are done: counted first
-        session.recorded[self.conversation] = session.recorded.get(self.conversation, 0) + (r.items or 1)
-        await e.attempts.finished(
-            st, att, apis_answer(r, streamed_text, thinking, prompt, completion,
-                                 apis.prompt_chars(self.api, self.body)),
-            turns=0, limit_wait_s=CONTEXT_LIMIT_WAIT_S)
-
-    # ---- transcripts ---------------------------------------------------------------------------------------
-    def _record_inputs(self, session: Session) -> None:
-        """The request's new messages (those the session's transcript does not have yet), as the client sent
-        them; the whole history is never written again. Told once the request has its attempt (`_tell_inputs`)."""
-        system, conversation = apis.conversation(self.api, self.body)
-        messages = apis.history(self.api, self.body)
-        # counted per conversation, so that a side request never makes the main one's history look new; its
-        # model left out, as a harness may switch models mid-conversation
-        self.conversation = apis.fingerprint("", system, conversation)
-        recorded = session.recorded.get(self.conversation, 0)
-        if self.api == "responses" and self.body.get("previous_response_id"):
-            new = conversation  # the server keeps the history: every item is new
-        elif len(messages) >= recorded:
-            new = messages[recorded:]
-        else:  # the harness rewrote its history (a compaction): its last message is what is new
-            new = messages[-1:]
-        self.new_inputs = new
-        self.recorded_before = recorded
-        session.recorded[self.conversation] = len(messages)  # at once: a request beside it does not take them too
-
-    def _tell_inputs(self, session: Session, att: Attempt | None) -> None:
-        """The request's new messages into its transcript, numbered as its attempt once it has one; a request that
-        was never sent gives them back, so its next try records them."""
-        if att is None:
-            if session.recorded.get(self.conversation) == self.recorded_before + len(self.new_inputs):
-                session.recorded[self.conversation] = self.recorded_before
-            return
-        e = self.gw.engine
-        for message in self.new_inputs:
-            e.emit(ev.MessageRecorded(time.monotonic(), session.name, att.number, att.turn, apis.role_of(message),
-                                      apis.text_of(message.get("content", message.get("output", ""))), raw=message))
-
-
-class _Upstream:
-    """What the watchdog sees of an upstream response: when its last byte came, and how to drop it at once."""
-
-    def __init__(self, response: httpx.Response) -> None:
-        self.last_byte_at = 0.0
-        self._network = response.extensions.get("network_stream")
-
-    def abort(self) -> None:
-        abort = getattr(self._network, "abort", None)
-        if abort is not None:
-            abort()
-
-
-class FrameTooLong(Exception):
-    """An upstream's SSE frame grew past FRAME_LIMIT_BYTES without its end."""
-
-
-class _Frames:
-    """What a relayed stream has sent past its last complete SSE frame. Each read is searched from where the
-    search before it stopped, so a frame that grows read by read costs its length once, not once per read (a
-    24 MiB frame in 64 KiB reads was 10-20 s of the run's loop); one over FRAME_LIMIT_BYTES raises FrameTooLong."""
-
-    def __init__(self, limit_bytes: int = FRAME_LIMIT_BYTES) -> None:
-        self.limit_bytes = limit_bytes
-        self._data = bytearray()
-
-    def feed(self, chunk: bytes) -> bytes:
-        """Take one read; returns the complete frames it ends (b"" while none is)."""
-        data = self._data
-        searched = len(data)  # what is held has no frame end in it: only the new bytes, and a straddling end, are new
-        data += chunk
-        end = _frames_end(data, max(0, searched - 3))
-        if end == 0:
-            if len(data) > self.limit_bytes:
-                raise FrameTooLong(f"sent a frame over {self.limit_bytes // (1 << 20)} MiB without ending it")
-            return b""
-        frames = bytes(data[:end])
-        del data[:end]
-        return frames
-
-    def rest(self) -> bytes:
-        """What came after the last frame end, as the stream ended."""
-        return bytes(self._data)
-
-
-def _frames_end(data: bytes | bytearray, start: int = 0) -> int:
-    """Where the last complete SSE frame in `data` ends, looking from `start` (0: none is complete yet)."""
-    end = data.rfind(b"\n\n", start)
-    crlf = data.rfind(b"\r\n\r\n", start)
-    return max(end + 2 if end >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-
-
-def _split_frames(data: bytes) -> list[bytes]:
-    """Complete SSE frames, each with its blank line."""
-    data = data.replace(b"\r\n", b"\n")
-    return [part + b"\n\n" for part in data.split(b"\n\n") if part]
-
-
-def _frame_progress(frame: bytes) -> tuple[dict[str, Any], tuple[int, int, int, int]] | None:
-    """A frame that carries llama-server's prompt_progress: its JSON and (total, cache, processed, time_ms)."""
-    if b'"prompt_progress"' not in frame:
-        return None
-    data = b"\n".join(line[5:].lstrip(b" ") for line in frame.split(b"\n") if line.startswith(b"data:"))
-    try:
-        obj = msgspec.json.decode(data)
-        p = obj["prompt_progress"]
-        told = bounds.prompt_progress(p["total"], p.get("cache", 0), p["processed"], p.get("time_ms", 0))
-    except (msgspec.DecodeError, KeyError, TypeError, AttributeError, RecursionError):
-        return None  # not the shape we know: relayed as it came
-    return None if told is None else (obj, told)  # numbers that cannot be true: relayed, not believed
-
-
-def _upstream_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in raw
-               if name.lower() in _FORWARDED}
-    headers["accept-encoding"] = "identity"  # the bytes relayed are the bytes read: no compression between
-    return headers
-
-
-def _problem(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text.splitlines()[0][:200]
-
-
-async def _answer(send: Send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-    raw = [(b"content-type", b"application/json")]
-    raw += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items() if k != "content-type"]
-    if headers and "content-type" in headers:
-        raw[0] = (b"content-type", headers["content-type"].encode("latin-1"))
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
-
-
-def apis_answer(r: Reading, answer: str, thinking: str, prompt_tokens: int, completion_tokens: int,
-                prompt_chars: int) -> Answer:
-    """What the attempt owner is told of a relayed answer."""
-    return Answer(answer, thinking, (prompt_tokens, completion_tokens) if prompt_tokens or completion_tokens else None,
-                  r.cached_tokens, r.finish, r.timings, prompt_chars)
-
-
-def _asks_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
-
-
-def _without_usage_chunks(frames: bytes) -> bytes:
-    """The frames less each chat chunk that carries only usage (no choices): asked by the gateway, not the client."""
-    kept = []
-    for frame in _split_frames(frames):
-        if b'"usage"' in frame and b'"choices":[]' in frame.replace(b" ", b""):
-            continue
-        kept.append(frame)
-    return b"".join(kept)

@@ -101,7 +101,7 @@ async def test_a_pass_through_refused_by_the_first_member_goes_to_the_next():
 
 
 async def test_an_upstream_that_never_ends_its_frame_is_ended_over_the_limit_with_an_error_in_the_apis_shape():
-    from cerevisor_tui.gateway.server import FRAME_LIMIT_BYTES
+    from cerevisor_tui.gateway.sse import FRAME_LIMIT_BYTES
 
     closed = asyncio.Event()
     sent = 0
@@ -133,7 +133,8 @@ async def test_an_upstream_that_never_ends_its_frame_is_ended_over_the_limit_wit
 
 
 def test_frames_are_cut_at_their_ends_wherever_the_reads_split_them():
-    from cerevisor_tui.gateway.server import FrameTooLong, _Frames
+    from cerevisor_tui.gateway.sse import Frames as _Frames
+    from cerevisor_tui.gateway.sse import FrameTooLong
 
     stream = b"data: 1\n\ndata: 2\r\n\r\n: note\n\ndata: 3\n\n"
     for size in range(1, len(stream) + 1):
