@@ -446,6 +446,9 @@ class MessageRecorded(Event):
     tool_call_id: str = ""
     # a gateway session's message as its client sent it (its API's own shape), for its transcript; {}: none
     raw: dict[str, Any] = msgspec.field(default_factory=dict)
+    # a turn's user message: what the turn is answered under besides its text (system prompt and settings, texts as
+    # digests: engine/resume.py turn_inputs); a resumed run reuses the turn only while they are the same. {}: not said
+    inputs: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class StallWarning(Event):

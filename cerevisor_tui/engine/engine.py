@@ -77,8 +77,8 @@ class Engine:
     """Run one workflow. Subscribe before `run()`; call commands from the same event loop at any time."""
 
     def __init__(self, config: Config, *, run_id: str | None = None, run_dir: str = "",
-                 completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None,
-                 spent_usd: float = 0.0, stream_process: bool = False, ask: AskPolicy = "operator") -> None:
+                 resumed: resume.JournalState | None = None, stream_process: bool = False,
+                 ask: AskPolicy = "operator") -> None:
         self.config = config
         self.run_id = run_id or new_run_id()
         self.run_dir = run_dir
@@ -139,13 +139,15 @@ class Engine:
         # Agents a resumed run already completed: their answers are reused, they are never sent again, unless
         # what they would run with now (prompt, endpoint, ...) is not what they ran with: then they and every
         # agent downstream of them run again, each with its reason (an AgentRerun at the start of the run).
-        self.completed_before = dict(completed or {})
-        self.recorded_inputs = resume.recorded_inputs(history or ())
+        # `resumed`: what the run directory's journal says (engine/resume.py read_journal, one pass over it).
+        resumed = resumed or resume.JournalState(self.run_id)
+        self.completed_before = dict(resumed.completed)
+        self.recorded_inputs = resumed.inputs
         self.rerun = resume.plan_resume(config, self.waves, self.completed_before, self.recorded_inputs)
         for name in self.rerun:
             del self.completed_before[name]
         # the reused agents' recorded events: their figures carry into the report
-        self._history = [e for e in history or () if e.get("agent") not in self.rerun]
+        self._history = [e for e in resumed.history if getattr(e, "agent", None) not in self.rerun]
         self.report = Report()
         self._subscribers: list[Subscriber] = [self.report]
         self.subscriber_failures: dict[int, int] = {}  # by id(subscriber): how often each has raised
@@ -161,7 +163,7 @@ class Engine:
         used = {tool.split(".", 1)[0] for agent in config.agents for tool in agent.tools}
         self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir, scrub=self.scrub)
         self.tools = ToolCalls(self.tool_servers, emit=self.emit, scrub=self.scrub, ask=ask,
-                               memory=resume.tool_memory(run_dir) if used else None)
+                               memory=resumed.tools)
         # The run's parts, each handed what it needs of the engine's state (the same objects, not copies).
         self.connections = Connections(config, self.emit, stream_process=stream_process)
         self.base_urls = self.connections.base_urls  # the simulator's, once it is started
@@ -180,10 +182,9 @@ class Engine:
             watchdog=self.watchdog, figures=self.figures, emit=self.emit, subscribers=self._subscribers,
             scrub=self.scrub, render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate,
             tools=self.tools, escape=self.pools.failed, subscriber_failed=self.subscriber_failed)
-        self.conversations.run_cost_usd = spent_usd  # a resumed run's spending counts on from the journal's
-        # an agent that had not completed goes on after the turns it had answered (one run again starts anew)
-        self.conversations.recorded_turns = resume.recorded_turns(
-            resume.journal_records(run_dir), skip={*self.completed_before, *self.rerun})
+        self.conversations.run_cost_usd = resumed.spent_usd  # a resumed run's spending counts on from the journal's
+        # an agent that had not completed goes on after the turns it had answered (a completed one's are not kept)
+        self.conversations.recorded_turns = resumed.turns
         self.conversations.replay = self.report.replay
         self.conversations.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
         self.conversations.request_prefix = resume.request_prefix(self.run_id, run_dir)

@@ -14,7 +14,7 @@ from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.control import LocalControl
 from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.engine.sinks.journal import Journal, read_records
+from cerevisor_tui.engine.sinks.journal import Journal, read_events
 from cerevisor_tui.ui.mirror import RunMirror
 from tests.ui.conftest import EventLog, kind, sim_config
 
@@ -101,10 +101,11 @@ async def test_a_mirror_fed_a_runs_events_ends_with_the_engines_own_state_and_a_
     assert live.effective_cap == engine.scheduler.effective_cap and not live.paused
 
     # read-only: a fresh mirror fed only from events.jsonl (no token deltas there) tells every agent's end
-    records, unreadable = read_records(tmp_path / "run")
-    assert unreadable == 0 and not any(r["event"] == "TokenDelta" for r in records)
+    events, unreadable = read_events(tmp_path / "run")
+    assert unreadable == 0 and not any(e.kind == "TokenDelta" for e in events)
     replayed = RunMirror()
-    assert replayed.feed_records(records) == 0
+    for event in events:
+        replayed(event)
     assert figures(replayed) == engine_figures(engine)
     for name, st in engine.agents.items():  # the tokens are the server's count of each turn's answer
         assert replayed.agents[name].tokens == st.completion_tokens
@@ -249,10 +250,12 @@ def test_a_journal_written_by_the_dataclass_events_of_2026_12_reads_whole():
     """tests/fixtures/journals/events.jsonl (2026-12-01) was written by the last version whose events were
     dataclasses (a tool call, a stall kill and its retry, dependencies, then a --resume that reran an agent):
     every line reads as an event of this version, and the mirror ends where that run ended."""
-    records, unreadable = read_records(FIXTURES / "journals")
-    assert unreadable == 0 and len(records) == 111
+    events, unreadable = read_events(FIXTURES / "journals")
+    assert unreadable == 0 and len(events) == 111
     mirror = RunMirror()
-    assert mirror.feed_records(records) == 0
+    for event in events:
+        mirror(event)
+    assert not mirror.events_not_taken
     assert {name: a.status for name, a in mirror.agents.items()} == {"a0": "completed", "a1": "completed",
                                                                      "stuck": "completed"}
     assert mirror.finished is not None and mirror.finished.exit_code == 0  # the resumed run, which ran stuck again

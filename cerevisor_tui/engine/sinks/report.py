@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -209,16 +210,13 @@ class Report:
         """Fix the end of the run's wall time (before RunFinished is emitted with the totals)."""
         self._t_end = t
 
-    def replay(self, events: list[dict[str, Any]]) -> None:
+    def replay(self, events: Iterable[ev.Event]) -> None:
         """Feed recorded events of an earlier run (a resumed run's completed agents) into the figures."""
-        for data in events:
-            try:
-                event = ev.event_of(data)
-            except ev.EventError:
-                continue  # a record from another version of the schema, or damaged: skip it rather than fail the resume
-            if isinstance(event, (ev.RunStarted, ev.RunFinished, ev.ModeChanged, ev.ConcurrencyChanged,
-                                  ev.AgentFinished, ev.AgentRerun, ev.EndpointWarmed, ev.LatencySample)):
-                continue  # the new run's own (it ends each agent itself); an agent's figures are what carries over
+        for event in events:
+            match event:
+                case ev.RunStarted() | ev.RunFinished() | ev.ModeChanged() | ev.ConcurrencyChanged() | \
+                        ev.AgentFinished() | ev.AgentRerun() | ev.EndpointWarmed() | ev.LatencySample():
+                    continue  # the new run's own (it ends each agent itself); an agent's figures are what carries over
             try:
                 self(event)
             except (TypeError, KeyError, ValueError, AttributeError):
