@@ -55,7 +55,9 @@ async def run_with_mirror(tmp_path) -> tuple[Engine, RunMirror, int]:
 
             group.start_soon(run)
             await log.wait(kind("AgentQueued", "never"))
-            assert control.send(cmd.Kill(agent="never")) is True
+            answers: list[cmd.Answer] = []
+            control.send(cmd.Kill(agent="never"), answers.append)
+            assert answers == [cmd.Answer(True)]
             await log.wait(kind("RunFinished"), timeout=30)
     finally:
         journal.close()
@@ -140,12 +142,15 @@ async def test_the_mirrors_stall_clock_keeps_the_engines_deadline_through_warnin
         assert a.attempt.deadline_at == pytest.approx(warning.deadline_at) == pytest.approx(st.current.deadline_at)
         assert a.attempt.tokens == st.current.tokens == 3
 
-        assert control.send(cmd.Extend(agent="a", seconds=30.0)) is True
+        answers: list[cmd.Answer] = []
+        control.send(cmd.Extend(agent="a", seconds=30.0), answers.append)
+        assert answers == [cmd.Answer(True)]
         assert a.status == st.status == "streaming"
         assert a.attempt.deadline_at == pytest.approx(st.current.deadline_at) == pytest.approx(
             warning.deadline_at + 30.0)
 
-        assert control.send(cmd.Kill(agent="a")) is True
+        control.send(cmd.Kill(agent="a"), answers.append)
+        assert answers[-1] == cmd.Answer(True)
         await log.wait(kind("RunFinished"))
         group.cancel_scope.cancel()
     assert mirror.agents["a"].status == "killed" and mirror.agents["a"].error == "killed by operator"

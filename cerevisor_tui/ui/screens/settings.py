@@ -357,13 +357,13 @@ class SettingsScreen(Screen):
 
     def _apply_live(self, new: Config) -> list[str]:
         """Send the run what applies at once: mode, cap, and each endpoint's stall policy that changed."""
-        control, mirror = self.app.control, self.app.mirror
+        app, mirror = self.app, self.app.mirror
         applied = []
         if new.run.mode != mirror.mode:
-            control.send(cmd.SetMode(mode=new.run.mode))
+            app.command(cmd.SetMode(mode=new.run.mode))
             applied.append(f"mode {new.run.mode}")
         if new.run.max_concurrency != mirror.run_cap:
-            control.send(cmd.SetConcurrency(cap=new.run.max_concurrency))
+            app.command(cmd.SetConcurrency(cap=new.run.max_concurrency))
             applied.append(f"cap {new.run.max_concurrency}")
         changed = []
         for ep in new.endpoints:
@@ -371,8 +371,8 @@ class SettingsScreen(Screen):
             policy = resolve_stall(new.stall, ep).model_dump(mode="json")
             if running is None or _same_policy(running.stall, policy):
                 continue  # an endpoint the run does not have (added here: the next run has it), or unchanged
-            if control.send(cmd.SetStall(endpoint=ep.name, policy=policy)) is not False:
-                changed.append(ep.name)
+            app.command(cmd.SetStall(endpoint=ep.name, policy=policy))  # a refusal is said in the run's words
+            changed.append(ep.name)
         if changed:
             applied.append(f"stall deadlines ({', '.join(changed)})")
         return applied
