@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from cerevisor_tui.contract.events import StallPolicy
 from cerevisor_tui.kinds import Mode
 
 MAX_CAP = 4096
@@ -108,11 +109,11 @@ class Deny(Command):
 
 
 class SetStall(Command):
-    """An endpoint's whole stall policy (the keys of RunStarted's `stall`), checked as `[stall]` is; returns
-    whether it changed."""
+    """An endpoint's whole stall policy (RunStarted's `stall`), checked as `[stall]` is; returns whether it
+    changed."""
 
     endpoint: Name
-    policy: dict[str, Any]
+    policy: StallPolicy
 
 
 class Stop(Command):

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
-from pydantic import ValidationError
 
 from cerevisor_tui.config.graph import OUTPUT_REF, wave_levels
 from cerevisor_tui.config.models import Config, EndpointConfig, ResolvedStall, resolve_stall
@@ -289,7 +288,7 @@ class Engine:
             case cmd.Deny(agent=agent, call_id=call_id):
                 return self.deny(self._named_agent(agent), call_id)
             case cmd.SetStall(endpoint=endpoint, policy=policy):
-                return self.set_stall_policy(self._named_endpoint(endpoint), _checked_stall(policy))
+                return self.set_stall_policy(self._named_endpoint(endpoint), policy)
             case cmd.Stop(reason=reason):
                 return self.stop(reason)
             case cmd.Probe(endpoint=endpoint, max_concurrency=cap):
@@ -420,7 +419,7 @@ class Engine:
         if policy == self.policies[endpoint]:
             return False
         self.policies[endpoint] = policy
-        self.emit(ev.StallPolicyChanged(time.monotonic(), endpoint, stall_policy(policy)))
+        self.emit(ev.StallPolicyChanged(time.monotonic(), endpoint, policy))
         for st in self.agents_on.get(endpoint, ()):
             if st.current is not None:
                 st.current.look_again()  # the watchdog recomputes the deadline under the new policy now
@@ -696,7 +695,7 @@ class Engine:
         return [
             ev.EndpointSummary(ep.name, ep.kind, self.base_urls.get(ep.name, ep.base_url),
                                self.models.get(ep.name, ep.model), ep.max_concurrency, ep.api_key_env,
-                               stall_policy(self.policies[ep.name]), ep.price_in_per_mtok if ep.priced else 0.0,
+                               self.policies[ep.name], ep.price_in_per_mtok if ep.priced else 0.0,
                                ep.price_out_per_mtok if ep.priced else 0.0)
             for ep in self.config.endpoints
         ]
@@ -729,18 +728,3 @@ def _saved_probe_cap(ep: EndpointConfig) -> tuple[int, str]:
     if not saved or not saved.get("cap"):
         return 0, ""
     return int(saved["cap"]), f"the probe of {saved.get('saved_at', 'an earlier run')} recommended it"
-
-
-def _checked_stall(policy: dict[str, Any]) -> ResolvedStall:
-    """A stall policy from a command, checked as `[stall]` is; ValueError names the key that does not."""
-    try:
-        return ResolvedStall.model_validate(policy)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "policy"
-        raise ValueError(f"set_stall: {where}: {first['msg']}") from None
-
-
-def stall_policy(policy: ResolvedStall) -> ev.StallPolicy:
-    """An endpoint's stall policy as the events carry it."""
-    return msgspec.convert(policy.model_dump(), ev.StallPolicy)
