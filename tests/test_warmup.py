@@ -155,3 +155,31 @@ async def test_the_headless_printer_says_warming_up_and_the_cold_start():
     lines = [Printer.describe(e) for e in kinds(seen, "WarmupStarted", "EndpointWarmed")]
     assert lines[0] == "warming up: box (one short request each, before wave 1)"
     assert lines[1].startswith("box: warmed up, cold start ") and lines[1].endswith(" s")
+
+
+async def test_a_resumed_runs_warm_up_carries_its_own_request_id(tmp_path):
+    """A resumed run sends its warm-up again: under the resumed run's prefix (engine/resume.py request_prefix),
+    never the id the first run's warm-up was sent with."""
+    from cerevisor_tui.contract import commands as cmd
+    from cerevisor_tui.engine.resume import read_journal
+    from cerevisor_tui.engine.sinks.journal import Journal
+
+    run_dir = tmp_path / "run"
+    async with SimServer(SimSettings(tokens_per_s=2000, ttft_s=0.0)) as srv:
+        config = engine_on(srv.base_url, "on").config.model_copy(
+            update={"run": validate({"run": {"warmup": "on", "mode": "sequential"}}).run})
+        for resumed in (None, "resumed"):
+            engine = Engine(config, run_id="r1", run_dir=str(run_dir),
+                            resumed=read_journal(run_dir) if resumed else None)
+            journal = Journal(run_dir, engine.report)
+            journal.open(resume=resumed is not None)
+            engine.subscribe(journal)
+            engine.subscribe(lambda e, engine=engine: engine.handle(cmd.Stop(reason="test"))
+                             if e.kind == "AgentFinished" and e.agent == "a0" else None)
+            await engine.run()
+            journal.close()
+        ids = [r["request_id"] for r in srv.state.requests]
+    warmups = [i for i in ids if ".warmup." in i]
+    assert len(warmups) == 2 and warmups[0] == "r1.warmup.box"
+    assert warmups[1].startswith("r1.r") and warmups[1].endswith(".warmup.box")
+    assert len(ids) == len(set(ids))

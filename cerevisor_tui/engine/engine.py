@@ -486,8 +486,8 @@ class Engine:
             async with anyio.create_task_group() as background:
                 self.background = background
                 await self._start_background(background)
-                await warm_up(self.config, self.connections, self.policies, self.emit, self._stop_asked, self.run_id,
-                              reused=self.completed_before)
+                await warm_up(self.config, self.connections, self.policies, self.emit, self._stop_asked,
+                              self.conversations.request_prefix, reused=self.completed_before)
                 for wave, level in enumerate(self.waves):
                     if self.stopping:
                         self._cancel_rest(wave)

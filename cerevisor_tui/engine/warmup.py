@@ -60,10 +60,11 @@ def to_warm(config: Config, reused: Collection[str] = ()) -> list[EndpointConfig
 
 
 async def warm_up(config: Config, connections: Connections, policies: Mapping[str, ResolvedStall],
-                  emit: Callable[[ev.Event], None], stop_asked: anyio.Event, run_id: str,
+                  emit: Callable[[ev.Event], None], stop_asked: anyio.Event, request_prefix: str,
                   reused: Collection[str] = ()) -> None:
     """Warm each endpoint `to_warm` names, all at once; returns when every one has answered or failed, or at
-    once when the run is stopped meanwhile."""
+    once when the run is stopped meanwhile. `request_prefix`: what the run's X-Request-Ids start with (a resumed
+    run's own: engine/resume.py request_prefix), so a resume never sends its warm-up's id again."""
     eps = to_warm(config, reused)
     if not eps:
         return
@@ -77,7 +78,7 @@ async def warm_up(config: Config, connections: Connections, policies: Mapping[st
         async def each() -> None:
             async with anyio.create_task_group() as warming:
                 for ep in eps:
-                    warming.start_soon(_warm, ep, connections, policies[ep.name], emit, run_id)
+                    warming.start_soon(_warm, ep, connections, policies[ep.name], emit, request_prefix)
             group.cancel_scope.cancel()
 
         group.start_soon(on_stop)
@@ -85,7 +86,7 @@ async def warm_up(config: Config, connections: Connections, policies: Mapping[st
 
 
 async def _warm(ep: EndpointConfig, connections: Connections, policy: ResolvedStall, emit: Callable[[ev.Event], None],
-                run_id: str) -> None:
+                request_prefix: str) -> None:
     sent = time.monotonic()
     first: float | None = None
     error = waited_for = ""
@@ -98,7 +99,7 @@ async def _warm(ep: EndpointConfig, connections: Connections, policy: ResolvedSt
                         "model": await connections.model(ep), "messages": [{"role": "user", "content": PROMPT}],
                         "stream": True, "stream_options": {"include_usage": True}, "max_tokens": MAX_TOKENS,
                         "temperature": 0}
-                headers = {"X-Cerevisor-Agent": "warmup", "X-Request-Id": f"{run_id}.warmup.{ep.name}"}
+                headers = {"X-Cerevisor-Agent": "warmup", "X-Request-Id": f"{request_prefix}.warmup.{ep.name}"}
                 stream = connections.stream(ep.name, connections.chat_url(ep.name), body, headers)
                 async with aclosing(stream.events()) as items:
                     async for kind, _ in items:
