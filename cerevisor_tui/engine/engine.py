@@ -184,6 +184,7 @@ class Engine:
         self.conversations.run_cost_usd = resumed.spent_usd  # a resumed run's spending counts on from the journal's
         # an agent that had not completed goes on after the turns it had answered (a completed one's are not kept)
         self.conversations.recorded_turns = resumed.turns
+        self.sessions.before = resumed.sessions  # a gateway's sessions go on from what they had done
         self.conversations.replay = self.report.replay
         self.conversations.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
         self.conversations.request_prefix = resume.request_prefix(self.run_id, run_dir)

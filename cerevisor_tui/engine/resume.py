@@ -200,6 +200,15 @@ REPLAYED = frozenset(cls.kind for cls in ev.EVENT_TYPES if hasattr(Report, f"_on
 
 
 @dataclass
+class SessionBefore:
+    """What a gateway session had done in an earlier run of the directory: a resumed run's session of the same
+    name goes on from it (its requests numbered on, its cost counted on, its transcript appended to)."""
+
+    requests: int = 0
+    cost_usd: float = 0.0
+
+
+@dataclass
 class JournalState:
     """What a run directory's journal says, for `--resume`: its run id, the answers of the agents it completed,
     what each ran with and their recorded events, what the run has spent on priced endpoints, what its tools
@@ -212,6 +221,7 @@ class JournalState:
     spent_usd: float = 0.0  # the last AgentMeters' run_cost_usd: a resumed run counts on from it
     tools: ToolMemory = field(default_factory=ToolMemory)
     turns: dict[str, list[RecordedTurn]] = field(default_factory=dict)
+    sessions: dict[str, SessionBefore] = field(default_factory=dict)  # a gateway's, by name
     skipped: int = 0
     first_problem: str = ""  # e.g. "line 12: invalid UTF-8"
 
@@ -233,8 +243,11 @@ def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
     # The figures of completed agents carry over into the resumed run's report: the events the report counts
     # since each one's last AgentQueued (an earlier failed run of the same agent does not count twice), then
     # its last completed AgentFinished, which says what it ran with (the engine compares that with the config).
-    # Only those are kept: a journal's bulk (its messages) is never held.
+    # Only those are kept: a journal's bulk (its messages) is never held. A gateway session's figures are all
+    # kept: it has no answer to reuse, and it goes on in the resumed run under its name (its AgentQueued is
+    # a request waiting for its slot, not a new run of it).
     last_run: dict[str, list[ev.Event]] = {}
+    sessions = state.sessions
     for number, event, problem in iter_events(path):
         if event is None:
             state.skipped += 1
@@ -245,14 +258,23 @@ def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
         match event:
             case ev.RunStarted(run_id=run_id) if run_id:
                 state.run_id = run_id
+            case ev.SessionOpened(agent=agent):
+                sessions.setdefault(agent, SessionBefore())
+            case ev.AgentStarted(agent=agent, attempt=number) if agent in sessions:
+                sessions[agent].requests = max(sessions[agent].requests, number)
+            case ev.AgentFinished(agent=agent) if agent in sessions:
+                pass
             case ev.AgentFinished(agent=agent, status="completed"):
                 state.completed[agent] = event.output
                 finished[agent] = event
                 turns.forget(agent)
-            case ev.AgentMeters(run_cost_usd=spent) if math.isfinite(spent):
-                state.spent_usd = spent
-        match event:  # a completed agent's figures
-            case ev.AgentQueued(agent=agent):
+            case ev.AgentMeters(agent=agent, cost_usd=cost, run_cost_usd=spent):
+                if math.isfinite(spent):
+                    state.spent_usd = spent
+                if agent in sessions:
+                    sessions[agent].cost_usd = cost
+        match event:  # a completed agent's figures, a session's
+            case ev.AgentQueued(agent=agent) if agent not in sessions:
                 last_run[agent] = []
             case ev.AgentFinished():
                 pass
@@ -261,7 +283,8 @@ def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
     state.tools.read()
     state.turns = turns.turns()
     state.inputs = {agent: dict(e.inputs) for agent, e in finished.items() if e.inputs}
-    state.history = [e for agent, events_ in last_run.items() if agent in state.completed for e in events_]
+    state.history = [e for agent, events_ in last_run.items() if agent in state.completed or agent in sessions
+                     for e in events_]
     state.history += finished.values()
     return state
 

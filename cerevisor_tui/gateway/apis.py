@@ -121,6 +121,12 @@ def role_of(message: dict[str, Any]) -> Role:
 ROLES: frozenset[str] = frozenset(get_args(Role))
 
 
+def answered(messages: list[dict[str, Any]]) -> int:
+    """How many of a conversation's messages come before what is new in it: up to its last answer (what a
+    transcript of an earlier run of the session already holds)."""
+    return next((i + 1 for i in range(len(messages) - 1, -1, -1) if role_of(messages[i]) == "assistant"), 0)
+
+
 # ---- what comes back: a decoded copy ---------------------------------------------------------------------
 class _Details(msgspec.Struct):
     cached_tokens: int | None = None

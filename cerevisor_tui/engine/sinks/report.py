@@ -66,6 +66,10 @@ class Report:
                 }
 
     def _on_SessionOpened(self, event: ev.SessionOpened) -> None:
+        earlier = self.sessions.get(event.agent)
+        if earlier is not None:  # a resumed run's session, opened again: its figures go on
+            earlier["status"] = "active"
+            return
         self.sessions[event.agent] = {
             "name": event.agent, "source": event.source, "harness": event.harness, "api": event.api,
             "endpoint": event.endpoint, **({"key": event.key} if event.key else {}), "status": "active",
