@@ -506,7 +506,7 @@ class Engine:
         end = time.monotonic()
         self.report.finish(end)
         self.ended = True
-        self.emit(ev.RunFinished(end, self.run_id, code, msgspec.convert(self.report.totals(), ev.RunTotals)))
+        self.emit(ev.RunFinished(end, self.run_id, code, self.report.totals()))
         return code
 
     def in_flight(self) -> list[ev.TokenDelta]:

@@ -226,18 +226,17 @@ class Report:
             except (TypeError, KeyError, ValueError, AttributeError):
                 continue  # damaged (an agent's figures before its start): skip it rather than fail the resume
 
-    def totals(self) -> dict[str, Any]:
+    def totals(self) -> ev.RunTotals:
+        """The run's figures now, as report.json's `totals` and RunFinished have them."""
         agents = self.agents.values()
         end = self._t_end if self._t_end is not None else time.monotonic()
         wall = max(0.0, end - self._t0) if self._t0 else 0.0
         output = sum(a["completion_tokens"] for a in (*agents, *self.sessions.values()))
         counts = {s: sum(1 for a in agents if a["status"] == s) for s in STATUSES}
-        return {
-            "agents": len(self.agents), **counts, "output_tokens": output, "wall_s": round(wall, 3),
-            "output_tokens_per_s": round(output / wall, 2) if wall > 0 else None, "max_running": self.max_running,
-            **({"cost_usd": round(self.cost_usd, 6)} if self.cost_usd else {}),
-            **({"sessions": len(self.sessions)} if self.sessions else {}),
-        }
+        return ev.RunTotals(
+            agents=len(self.agents), **counts, output_tokens=output, wall_s=round(wall, 3),
+            output_tokens_per_s=round(output / wall, 2) if wall > 0 else None, max_running=self.max_running,
+            cost_usd=round(self.cost_usd, 6), sessions=len(self.sessions))
 
     def to_dict(self) -> dict[str, Any]:
         """The report as report.json holds it: JSON's own values only. A figure that is not a finite number (a
