@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -58,14 +58,6 @@ class ToolMemory:
         self._done: dict[str, int] = {}
         self._state: dict[str, str] = {}
         self._runs: dict[str, dict[tuple[str, str], list[str]]] = {}
-
-    @classmethod
-    def from_events(cls, events: Iterable[ev.Event]) -> ToolMemory:
-        """From a journal's events in order."""
-        memory = cls()
-        for event in events:
-            memory.feed(event)
-        return memory.read()
 
     def feed(self, event: ev.Event) -> None:
         """The journal's next event (read once, for every part of a resume: engine/resume.py `read_journal`)."""
