@@ -273,9 +273,11 @@ def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
                     state.spent_usd = spent
                 if agent in sessions:
                     sessions[agent].cost_usd = cost
-        match event:  # a completed agent's figures, a session's
+        match event:  # a completed agent's figures, a session's (its end too: it may not come back)
             case ev.AgentQueued(agent=agent) if agent not in sessions:
                 last_run[agent] = []
+            case ev.AgentFinished(agent=agent) if agent in sessions:
+                last_run.setdefault(agent, []).append(event)
             case ev.AgentFinished():
                 pass
             case _ if event.kind in REPLAYED and isinstance(agent := getattr(event, "agent", None), str):

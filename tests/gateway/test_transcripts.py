@@ -202,8 +202,12 @@ async def test_a_resumed_gateway_run_keeps_each_sessions_figures_and_appends_to_
     async with served(sim={}, run_dir=run_dir) as s, httpx.AsyncClient(timeout=30) as client:
         for text in ("first question", "second question"):
             await ask(s, client, text)
-        await until(lambda: len(s.of(ev.AgentMeters, "conv")) == 2, "the requests' end")  # noqa: B023
-    before = json.loads((run_dir / "report.json").read_text())["sessions"][0]
+        once = await post(client, s.url + "/chat/completions", chat("only once", stream=False),
+                          headers={"X-Session-ID": "once"})
+        assert once.status == 200
+        await until(lambda: len(s.of(ev.AgentMeters, "conv")) == 2 and s.of(ev.AgentMeters, "once"),
+                    "the requests' end")
+    before, once_before = json.loads((run_dir / "report.json").read_text())["sessions"]
     assert (before["requests"], before["turns"]) == (2, 2) and before["completion_tokens"] > 0
     async with served(sim={}, run_dir=run_dir, resume=True) as s, httpx.AsyncClient(timeout=30) as client:
         await ask(s, client, "third question")
@@ -215,7 +219,8 @@ async def test_a_resumed_gateway_run_keeps_each_sessions_figures_and_appends_to_
                               ("user", "second question"), ("assistant", answers[1]),
                               ("user", "third question"), ("assistant", answers[2])]
     assert [r["turn"] for r in records] == [1, 1, 1, 2, 2, 3, 3]
-    [after] = json.loads((run_dir / "report.json").read_text())["sessions"]
+    after, once = json.loads((run_dir / "report.json").read_text())["sessions"]
     assert (after["name"], after["requests"], after["turns"]) == ("conv", 3, 3)
+    assert once == once_before and once["status"] == "ended"  # one that did not come back: as it was
     assert after["completion_tokens"] > before["completion_tokens"]
     assert after["prompt_tokens"] > before["prompt_tokens"]

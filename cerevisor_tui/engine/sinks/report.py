@@ -218,6 +218,8 @@ class Report:
         """Feed recorded events of an earlier run (a resumed run's completed agents) into the figures."""
         for event in events:
             match event:
+                case ev.AgentFinished(agent=agent) if agent in self.sessions:
+                    pass  # a session of the earlier run ended with it: it is reopened if it comes back
                 case ev.RunStarted() | ev.RunFinished() | ev.ModeChanged() | ev.ConcurrencyChanged() | \
                         ev.AgentFinished() | ev.AgentRerun() | ev.EndpointWarmed() | ev.LatencySample():
                     continue  # the new run's own (it ends each agent itself); an agent's figures are what carries over
