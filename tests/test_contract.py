@@ -86,7 +86,7 @@ def test_every_command_reads_back_from_its_line_under_its_snake_case_name() -> N
     samples = [cmd.SetMode(mode="auto"), cmd.CycleMode(), cmd.SetConcurrency(cap=8), cmd.NudgeCap(delta=-1),
                cmd.Pause(), cmd.Resume(), cmd.Kill(agent="a"), cmd.Extend(agent="a", seconds=30.0),
                cmd.Retry(agent="a"), cmd.Approve(agent="a", call_id="c", scope="run"), cmd.Deny(agent="a", call_id="c"),
-               cmd.SetStall(endpoint="box", policy={"idle_timeout_s": 5.0}), cmd.Stop(), cmd.Probe(endpoint="box"),
+               cmd.SetStall(endpoint="box", policy=ev.StallPolicy(**POLICY)), cmd.Stop(), cmd.Probe(endpoint="box"),
                cmd.CancelProbe(endpoint="box")]
     assert {type(c) for c in samples} == set(cmd.COMMAND_TYPES)
     for command in samples:
@@ -96,8 +96,26 @@ def test_every_command_reads_back_from_its_line_under_its_snake_case_name() -> N
     assert cmd.Kill(agent="a").reason == "killed by operator" and cmd.Stop().reason == "run stopped"
 
 
+POLICY = {"first_byte_timeout_s": 60.0, "idle_timeout_s": 5.0, "warn_at": [0.8, 0.5, 0.8], "liveness": "tokens",
+          "extend_s": 30.0, "max_extensions": 1, "extend_when_server_busy": True}
+
+
+def test_a_stall_policy_is_one_record_its_warnings_in_order_each_once() -> None:
+    """What `set_stall` carries, RunStarted's endpoints tell and the engine runs by is one contract record."""
+    policy = cmd.command_of({"name": "set_stall", "endpoint": "box", "policy": POLICY}).policy  # type: ignore[attr-defined]
+    assert policy == ev.StallPolicy(**POLICY) and policy.warn_at == (0.5, 0.8)
+    from cerevisor_tui.config import ResolvedStall
+    assert ResolvedStall is ev.StallPolicy
+
+
 @pytest.mark.parametrize(("data", "problem"), [
-    ({"name": "set_stall", "endpoint": "box", "policy": {}, "extra": 1}, "unknown field `extra`"),
+    ({"name": "set_stall", "endpoint": "box", "extra": 1}, "unknown field `extra`"),
+    ({"name": "set_stall", "endpoint": "box", "policy": {}}, "missing required field `first_byte_timeout_s` - at `policy`"),
+    ({"name": "set_stall", "endpoint": "box", "policy": {**POLICY, "idle_timeout_s": float("inf")}},
+     "at `policy.idle_timeout_s`"),
+    ({"name": "set_stall", "endpoint": "box", "policy": {**POLICY, "warn_at": [0.5, 0]}}, "at `policy.warn_at[1]`"),
+    ({"name": "set_stall", "endpoint": "box", "policy": {**POLICY, "max_extensions": -1}},
+     "at `policy.max_extensions`"),
     ({"name": "extend", "agent": "a", "seconds": float("nan")}, "at `seconds`"),
     ({"name": "extend", "agent": "a", "seconds": 1e12}, "at `seconds`"),
     ({"name": "set_concurrency", "cap": 10**4000}, "at `cap`"),

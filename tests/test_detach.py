@@ -102,11 +102,12 @@ def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path):
     assert info["started"] == datetime.fromtimestamp(first["started_at"]).isoformat(timespec="seconds")
     assert info["resumed"] == datetime.fromtimestamp(again["resumed_at"]).isoformat(timespec="seconds")
     # a console opening it read-only sees the resumed run as it ended, not the crashed one's leftovers
-    from cerevisor_tui.engine.sinks.journal import read_records
+    from cerevisor_tui.engine.sinks.journal import read_events
     from cerevisor_tui.ui.mirror import RunMirror
 
     mirror = RunMirror()
-    mirror.feed_records(read_records(run_dir)[0])
+    for event in read_events(run_dir)[0]:
+        mirror(event)
     assert {a.name: a.status for a in mirror.agents.values()} == {"a0": "completed", "a1": "completed",
                                                                    "a2": "completed"}
     assert mirror.finished is not None and mirror.finished.exit_code == 0

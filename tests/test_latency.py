@@ -150,8 +150,8 @@ def test_the_window_reaches_back_to_the_scrape_nearest_its_age():
     figures = window.sample(30.0, second)
     assert figures.source == "histograms" and figures.window_s == 30.0
     assert figures.ttft is not None and figures.ttft.count == 8.0
-    assert (figures.ttft.p50, figures.ttft.p95) == (pytest.approx(0.5), 1.0)
-    assert figures.queue is not None and figures.queue.p95 == pytest.approx(0.1 * 7.6 / 8)
+    assert (figures.ttft.p50_s, figures.ttft.p95_s) == (pytest.approx(0.5), 1.0)
+    assert figures.queue is not None and figures.queue.p95_s == pytest.approx(0.1 * 7.6 / 8)
     assert figures.prefill is None  # nothing observed in the window
     # at 95 s the 0 s scrape is more than the window behind: the 30 s one is the start, and nothing came since
     figures = window.sample(95.0, second)
@@ -181,9 +181,9 @@ def test_llama_timings_give_the_figures_over_our_own_requests_in_the_window():
     assert figures.queue is None  # llama.cpp's timings say nothing of its queue
     # the request at 0 s is out of the window; the others' p50 is their middle, p95 interpolated
     assert figures.ttft is not None and figures.ttft.count == 3.0
-    assert (figures.ttft.p50, figures.ttft.p95) == (pytest.approx(0.4), pytest.approx(0.58))
-    assert figures.prefill is not None and figures.prefill.p50 == pytest.approx(0.3)
-    assert figures.inter_token is not None and figures.inter_token.p95 == pytest.approx(0.039)
+    assert (figures.ttft.p50_s, figures.ttft.p95_s) == (pytest.approx(0.4), pytest.approx(0.58))
+    assert figures.prefill is not None and figures.prefill.p50_s == pytest.approx(0.3)
+    assert figures.inter_token is not None and figures.inter_token.p95_s == pytest.approx(0.039)
 
 
 def bucket_counts(text: str, name: str) -> list[tuple[float, float]]:
@@ -234,8 +234,9 @@ async def test_the_simulators_histograms_over_http_give_the_figures_worked_by_ha
         diff = [(le, n - m) for (le, n), (_, m) in zip(now, then, strict=True)]
         q = getattr(figures, figure)
         assert q is not None and q.count == 6.0, figure
-        assert q.p50 == pytest.approx(by_hand(0.5, diff)), figure
-        assert q.p95 == pytest.approx(by_hand(0.95, diff)), figure
+        # (as the panel's event carries them: to 0.1 ms)
+        assert q.p50_s == pytest.approx(by_hand(0.5, diff), abs=5e-5), figure
+        assert q.p95_s == pytest.approx(by_hand(0.95, diff), abs=5e-5), figure
 
 
 # ---- llama.cpp, end to end ---------------------------------------------------------------------------------

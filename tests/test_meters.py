@@ -102,7 +102,8 @@ async def test_cost_per_agent_and_run_and_a_budget_that_pauses_admissions():
 async def test_a_resumed_run_counts_what_it_spent_before_toward_its_budget(tmp_path):
     """The budget is the run's, across --resume: the journal's last run_cost_usd is where the resumed run
     counts on from (it used to start again at 0 and spend the budget a second time)."""
-    from cerevisor_tui.engine.sinks.journal import Journal, read_journal
+    from cerevisor_tui.engine.resume import read_journal
+    from cerevisor_tui.engine.sinks.journal import Journal
 
     def config(budget: float):
         return validate({
@@ -138,8 +139,7 @@ async def test_a_resumed_run_counts_what_it_spent_before_toward_its_budget(tmp_p
         assert state.spent_usd == pytest.approx(one) and set(state.completed) == {"a0"}
 
         # budget 1.5 agents: a1 runs (1 spent before, < 1.5), then 2 > 1.5: a2 is never admitted
-        second = Engine(config(1.5 * one), run_id="r1", run_dir=str(tmp_path / "run"), completed=state.completed,
-                        history=state.history, spent_usd=state.spent_usd)
+        second = Engine(config(1.5 * one), run_id="r1", run_dir=str(tmp_path / "run"), resumed=state)
         seen = await run(second)
         assert second.agents["a1"].status == "completed" and second.agents["a2"].status == "cancelled"
         assert second.run_cost_usd == pytest.approx(2 * one)
@@ -149,8 +149,7 @@ async def test_a_resumed_run_counts_what_it_spent_before_toward_its_budget(tmp_p
         # a budget already spent: nothing is admitted, and the run says why at once
         state = read_journal(tmp_path / "run")
         assert state.spent_usd == pytest.approx(2 * one)
-        third = Engine(config(1.5 * one), run_id="r1", run_dir=str(tmp_path / "run"), completed=state.completed,
-                       history=state.history, spent_usd=state.spent_usd)
+        third = Engine(config(1.5 * one), run_id="r1", run_dir=str(tmp_path / "run"), resumed=state)
         seen = await run(third)
         assert third.agents["a2"].status == "cancelled" and not any(e.kind == "AgentStarted" for e in seen)
         assert any(e.kind == "RunNotice" and e.title == "Budget reached" for e in seen)

@@ -150,28 +150,35 @@ def test_a_resumed_agent_goes_on_after_the_turns_it_had_answered_and_never_sends
 
 
 def test_recorded_turns_are_the_latest_unbroken_chain_of_answered_turns():
-    from cerevisor_tui.engine.resume import recorded_turns
+    from cerevisor_tui.contract import events as ev
+    from cerevisor_tui.engine.resume import TurnChains
 
     def msg(turn, role, content, **more):
-        return {"event": "MessageRecorded", "agent": "a", "turn": turn, "role": role, "content": content, **more}
+        return ev.MessageRecorded(0.0, "a", 1, turn, role, content, **more)
 
     def done(turn):
-        return {"event": "TurnFinished", "agent": "a", "turn": turn, "attempt": 1}
+        return ev.TurnFinished(0.0, "a", 1, turn, 2, 5, 3, "stop", 0.1, 0.2)
+
+    def recorded_turns(events):
+        chains = TurnChains()
+        for event in events:
+            chains.feed(event)
+        return chains.turns()
 
     call = [{"id": "call_1", "type": "function", "function": {"name": "t", "arguments": "{}"}}]
-    records = [
+    events = [
         msg(1, "user", "u1"), msg(1, "assistant", "old answer"), msg(2, "user", "u2"), msg(2, "assistant", "x2"),
-        msg(1, "user", "u1"),  # run again from turn 1: turn 2's answer belongs to the conversation before
+        msg(1, "user", "u1", inputs={"temperature": "0.5"}),  # run again from turn 1: turn 2 belongs to before
         msg(1, "assistant", "half", partial=True),  # its attempt died
         done(1), msg(1, "assistant", "", tool_calls=call), msg(1, "tool", "result", tool_call_id="call_1"),
         done(1), msg(1, "assistant", "new answer"),
         msg(2, "user", "u2"), done(2),  # its figures, but killed before its answer was recorded
     ]
-    [turn] = recorded_turns(records)["a"]
-    assert (turn.user, turn.answer) == ("u1", "new answer")
+    [turn] = recorded_turns(events)["a"]
+    assert (turn.user, turn.answer, turn.inputs) == ("u1", "new answer", {"temperature": "0.5"})
     assert [m["role"] for m in turn.messages] == ["assistant", "tool", "assistant"]
     assert turn.messages[0] == {"role": "assistant", "content": None, "tool_calls": call}
-    assert [e["event"] for e in turn.figures] == ["TurnFinished", "TurnFinished"]
+    assert [e.kind for e in turn.figures] == ["TurnFinished", "TurnFinished"]
     assert recorded_turns([msg(2, "user", "u2"), done(2), msg(2, "assistant", "x")]) == {}  # no turn 1: nothing
 
 

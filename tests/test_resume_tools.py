@@ -188,7 +188,7 @@ async def resumed_with_an_operator(cfg: Path, run_dir: Path) -> Any:
 
     _, state = resume_state(str(run_dir), run_dir.parent)
     engine, journal = open_run(load_config(str(cfg)), state.run_id, run_dir, console=True, resume=True,
-                               completed=state.completed, history=state.history, ask="operator")
+                               resumed=state, ask="operator")
     seen: list = []
     engine.subscribe(seen.append)
     async with anyio.create_task_group() as group:

@@ -331,6 +331,7 @@ def test_a_second_signal_ends_a_stop_that_hangs(tmp_path, where):
 
 def test_the_console_holds_its_run_directory_as_a_headless_run_does(tmp_path):
     from cerevisor_tui.commands import console
+    from cerevisor_tui.engine.resume import JournalState
     from cerevisor_tui.engine.sinks.journal import JournalError
 
     path = tmp_path / "team.toml"
@@ -339,7 +340,7 @@ def test_the_console_holds_its_run_directory_as_a_headless_run_does(tmp_path):
     runs = console.ConsoleRuns(setup.config, tmp_path / "runs", console.config_key(setup))
     engine = runs.open_fresh()
     run_dir = Path(engine.run_dir)
-    last = console.LastRun(run_dir, engine.run_id, {}, [], 0, len(setup.config.agents))
+    last = console.LastRun(run_dir, JournalState(engine.run_id), 0, len(setup.config.agents))
     try:
         headless = start_run(str(path), "--resume", str(run_dir))
         line = one_line(finish(headless)[1])

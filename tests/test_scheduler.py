@@ -40,7 +40,7 @@ async def test_parallel_reaches_its_cap_and_never_more():
         engine = make(srv.base_url, 9, mode="parallel", cap=3)
         assert await engine.run() == 0
         assert srv.state.max_running_seen == 3
-        assert engine.report.totals()["max_running"] == 3
+        assert engine.report.totals().max_running == 3
 
 
 @pytest.mark.anyio

@@ -124,6 +124,49 @@ async def test_commands_reply_and_every_client_sees_their_events(tmp_path: Path)
         assert any(e.kind == "RunFinished" for e in seen_two)
 
 
+async def test_a_command_gets_the_same_answer_in_process_and_over_the_socket(tmp_path: Path):
+    """The console's two controls, on one run: the in-process one (engine/control.py) and the detached one
+    over the real socket (supervisor/client.py) give the same typed Answer, so `k` on an agent that has ended
+    says "nothing to kill" either way, and a refusal is the run's own line either way."""
+    from cerevisor_tui.engine.control import LocalControl
+    from cerevisor_tui.supervisor.client import RemoteControl
+
+    async with SimServer(SimSettings(tokens_per_s=2000, ttft_s=0.0)) as sim:
+        async with Run(sim.base_url, tmp_path / "run", agents=2, mode="sequential") as run:
+            done: list[Any] = []
+            run.engine.subscribe(lambda e: done.append(e) if e.kind == "AgentFinished" else None)
+            await until(lambda: done, "an agent to finish")
+            ended = done[0].agent
+            client = await ControlClient.connect(run.run_dir)
+            reader = asyncio.ensure_future(client.run(lambda e: None))
+            local, errors = LocalControl(run.engine), []
+            remote = RemoteControl(errors.append)
+            remote.bind(client)
+
+            async def both(command: cmd.Command) -> tuple[cmd.Answer, cmd.Answer]:
+                here: list[cmd.Answer] = []
+                there: list[cmd.Answer] = []
+                local.send(command, here.append)
+                remote.send(command, there.append)
+                await until(lambda: there, "the socket's answer")  # noqa: B023
+                return here[0], there[0]
+
+            here, there = await both(cmd.Kill(agent=ended))
+            assert here == there == cmd.Answer(False)  # nothing to kill: it has ended
+            here, there = await both(cmd.Extend(agent=ended))
+            assert here == there == cmd.Answer(False)
+            here, there = await both(cmd.Kill(agent="nobody"))
+            assert here == there == cmd.Answer(error="no agent named 'nobody' in this run")
+            here, there = await both(cmd.NudgeCap(delta=1))
+            assert here == cmd.Answer(4) and there == cmd.Answer(5)  # each moved it once: the cap in force
+            assert not errors  # every answer went to the one who asked for it
+            remote.bind(None, "run r1 has ended")
+            remote.send(cmd.Pause())  # no one asks for the answer: a refusal is said all the same
+            assert errors == ["run r1 has ended"]
+            await client.close()
+            reader.cancel()
+
+
 async def test_the_socket_is_the_owners_alone_and_speaks_one_protocol(tmp_path: Path):
     async with SimServer(SimSettings(tokens_per_s=5)) as sim:
         async with Run(sim.base_url, tmp_path / "run", agents=1) as run:

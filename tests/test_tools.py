@@ -14,6 +14,7 @@ import pytest
 
 from cerevisor_tui.config import validate
 from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.resume import read_journal
 from cerevisor_tui.engine.sinks.journal import Journal
 
 FAKE = str(Path(__file__).parent / "fixtures" / "mcp_fake.py")
@@ -34,13 +35,15 @@ def workflow(tool_args: dict[str, Any], *, server: dict[str, Any] | None = None,
 
 async def run(data: dict[str, Any], run_dir: Path | None = None, *, ask: str = "deny",
               during: Any = None) -> tuple[Engine, list, int]:
-    engine = Engine(validate(data), run_dir=str(run_dir or ""), ask=ask)  # type: ignore[arg-type]
+    resuming = run_dir is not None and (run_dir / "events.jsonl").exists()
+    engine = Engine(validate(data), run_dir=str(run_dir or ""), ask=ask,  # type: ignore[arg-type]
+                    resumed=read_journal(run_dir) if resuming else None)
     seen: list = []
     engine.subscribe(seen.append)
     journal = None
     if run_dir is not None:
         journal = Journal(run_dir, engine.report)
-        journal.open(resume=(run_dir / "events.jsonl").exists())
+        journal.open(resume=resuming)
         engine.subscribe(journal)
     async with anyio.create_task_group() as group:
         if during is not None:

@@ -242,3 +242,31 @@ async def test_a_pools_agents_go_to_the_member_that_has_warmed_while_another_sti
     assert len(placed) == 3 and {p.endpoint for p in placed} == {"fine"}
     # all placed, and done, while the slow member's warm-up was still out (the run's end ended it)
     assert not [e for e in kinds(seen, "EndpointWarmed") if e.endpoint == "slow" and e.t < placed[-1].t]
+
+
+async def test_a_resumed_runs_warm_up_carries_its_own_request_id(tmp_path):
+    """A resumed run sends its warm-up again: under the resumed run's prefix (engine/resume.py request_prefix),
+    never the id the first run's warm-up was sent with."""
+    from cerevisor_tui.contract import commands as cmd
+    from cerevisor_tui.engine.resume import read_journal
+    from cerevisor_tui.engine.sinks.journal import Journal
+
+    run_dir = tmp_path / "run"
+    async with SimServer(SimSettings(tokens_per_s=2000, ttft_s=0.0)) as srv:
+        config = engine_on(srv.base_url, "on").config.model_copy(
+            update={"run": validate({"run": {"warmup": "on", "mode": "sequential"}}).run})
+        for resumed in (None, "resumed"):
+            engine = Engine(config, run_id="r1", run_dir=str(run_dir),
+                            resumed=read_journal(run_dir) if resumed else None)
+            journal = Journal(run_dir, engine.report)
+            journal.open(resume=resumed is not None)
+            engine.subscribe(journal)
+            engine.subscribe(lambda e, engine=engine: engine.handle(cmd.Stop(reason="test"))
+                             if e.kind == "AgentFinished" and e.agent == "a0" else None)
+            await engine.run()
+            journal.close()
+        ids = [r["request_id"] for r in srv.state.requests]
+    warmups = [i for i in ids if ".warmup." in i]
+    assert len(warmups) == 2 and warmups[0] == "r1.warmup.box"
+    assert warmups[1].startswith("r1.r") and warmups[1].endswith(".warmup.box")
+    assert len(ids) == len(set(ids))

@@ -33,6 +33,7 @@ from cerevisor_tui.config.paths import default_runs_dir, find_config, user_confi
 
 if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine
+    from cerevisor_tui.engine.resume import JournalState
     from cerevisor_tui.engine.sinks.journal import Journal
     from cerevisor_tui.ui.app import CerevisorApp, RunHandle
 
@@ -108,12 +109,18 @@ class LastRun:
     """The last run of this config, which did not complete: what `--resume` would take up."""
 
     run_dir: Path
-    run_id: str
-    completed: dict[str, str]  # agent -> its answer
-    history: list[dict[str, Any]]  # the completed agents' recorded events, for the report
+    state: JournalState  # what its journal says: its completed agents' answers and figures, what it spent, ...
     done: int  # agents of the workflow it completed
     total: int  # agents in the workflow
-    spent_usd: float = 0.0  # what it spent on priced endpoints: the resumed run counts on from it
+
+    @property
+    def run_id(self) -> str:
+        return self.state.run_id
+
+    @property
+    def completed(self) -> dict[str, str]:
+        """Agent -> its answer."""
+        return self.state.completed
 
 
 def incomplete_last_run(runs_dir: Path, config: str, setup_config: Config) -> LastRun | None:
@@ -131,8 +138,7 @@ def incomplete_last_run(runs_dir: Path, config: str, setup_config: Config) -> La
     done = sum(1 for agent in setup_config.agents if agent.name in state.completed)
     if done in (0, len(setup_config.agents)):
         return None
-    return LastRun(run_dir, state.run_id, state.completed, state.history, done, len(setup_config.agents),
-                   state.spent_usd)
+    return LastRun(run_dir, state, done, len(setup_config.agents))
 
 
 class ConsoleRuns:
@@ -146,8 +152,7 @@ class ConsoleRuns:
         self.journals: list[Journal] = []
         self._closing = threading.Lock()  # the console's own close, or the terminal watch's forced one
 
-    def open(self, run_id: str, run_dir: Path, *, completed: dict[str, str] | None = None,
-             history: list[dict[str, Any]] | None = None, spent_usd: float = 0.0,
+    def open(self, run_id: str, run_dir: Path, *, resumed: JournalState | None = None,
              config: Config | None = None) -> Engine:
         """An engine for the run, its journal open and subscribed; raises JournalError on an unusable directory.
         `config`: the settings in force now (the settings screen may have saved new ones since start-up)."""
@@ -155,8 +160,8 @@ class ConsoleRuns:
         from cerevisor_tui.engine.sinks.journal import JournalError
         from cerevisor_tui.engine.sinks.report import write_json_atomic
 
-        engine, journal = open_run(config or self.config, run_id, run_dir, console=True, resume=completed is not None,
-                                   completed=completed, history=history, spent_usd=spent_usd)
+        engine, journal = open_run(config or self.config, run_id, run_dir, console=True, resume=resumed is not None,
+                                   resumed=resumed)
         try:
             write_json_atomic(run_dir / RUN_FILE, {"run_id": run_id, "config": self.config_key,
                                                    "started_at": datetime.now(UTC).isoformat()})
@@ -174,8 +179,7 @@ class ConsoleRuns:
 
     def resume(self, last: LastRun, config: Config | None = None) -> Engine:
         """The last run taken up again: the same id and directory, its completed agents never sent again."""
-        return self.open(last.run_id, last.run_dir, completed=last.completed, history=last.history,
-                         spent_usd=last.spent_usd, config=config)
+        return self.open(last.run_id, last.run_dir, resumed=last.state, config=config)
 
     def close(self) -> bool:
         """Write each report and close each journal; returns whether everything was written."""

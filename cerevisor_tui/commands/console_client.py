@@ -117,16 +117,17 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app
     if live:
         handle = attached_handle(run_dir, notify, starting)
     else:
-        from cerevisor_tui.engine.sinks.journal import JournalError, read_records
+        from cerevisor_tui.engine.sinks.journal import JournalError, read_events
         from cerevisor_tui.ui.model import Notice
 
         try:
-            records, unreadable = read_records(run_dir)
+            events, unreadable = read_events(run_dir)
         except JournalError as exc:
             print(f"cerevisor-tui attach: {exc}", file=sys.stderr)
             return 1
         mirror = RunMirror()
-        unreadable += mirror.feed_records(records)
+        for event in events:
+            mirror(event)
         if unreadable:
             lines = "line" if unreadable == 1 else "lines"
             mirror.notices.append(Notice(f"{unreadable} {lines} of {run_dir / 'events.jsonl'} could not be read "

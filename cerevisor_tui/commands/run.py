@@ -22,7 +22,7 @@ from cerevisor_tui.config.checks import preflight
 from cerevisor_tui.config.paths import default_runs_dir
 
 if TYPE_CHECKING:
-    from cerevisor_tui.engine.sinks.journal import JournalState
+    from cerevisor_tui.engine.resume import JournalState
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 FORCE_EXIT_S = 1.5
@@ -75,8 +75,9 @@ def find_run(run: str, runs_dir: Path) -> Path:
 
 def resume_state(run: str, runs_dir: Path) -> tuple[Path, JournalState]:
     """A run to resume: its directory and what its journal says (the answers of the agents it completed,
-    their events, what it spent; what cannot be read is skipped: engine/sinks/journal.py `read_journal`)."""
-    from cerevisor_tui.engine.sinks.journal import JournalError, read_journal
+    their events, what it spent; what cannot be read is skipped: engine/resume.py `read_journal`)."""
+    from cerevisor_tui.engine.resume import read_journal
+    from cerevisor_tui.engine.sinks.journal import JournalError
 
     path = find_run(run, runs_dir)
     try:
@@ -123,8 +124,9 @@ def say(line: str) -> None:
 
 def main(args: Any) -> int:
     from cerevisor_tui.engine.engine import new_run_id
+    from cerevisor_tui.engine.resume import read_journal
     from cerevisor_tui.engine.run_setup import open_run
-    from cerevisor_tui.engine.sinks.journal import JournalError, RunLock, read_journal
+    from cerevisor_tui.engine.sinks.journal import JournalError, RunLock
     from cerevisor_tui.engine.sinks.printer import Printer
 
     # A file-size limit (ulimit -f) makes a write fail with EFBIG, which the journal reports, rather than
@@ -137,16 +139,14 @@ def main(args: Any) -> int:
             raise ConfigError("no [[agents]] to run (nor a [gateway] to serve)", file=args.file, key="agents")
         preflight(config, file=args.file)
         runs_dir = Path(config.run.run_dir).expanduser() if config.run.run_dir else default_runs_dir()
-        completed: dict[str, str] = {}
-        history: list[dict[str, Any]] = []
-        spent_usd = 0.0
+        state: JournalState | None = None
         resuming = args.resume is not None
         if resuming:
             run_dir = find_run(args.resume, runs_dir)
             # before reading: another process may still be writing it
             lock = handed_down(run_dir, args) or RunLock(run_dir).acquire()
             state = read_journal(run_dir)
-            run_id, completed, history, spent_usd = state.run_id, state.completed, state.history, state.spent_usd
+            run_id = state.run_id
             if state.skipped:
                 print(f"cerevisor-tui run: resume: {state.notice(run_dir)}", file=sys.stderr)
         else:
@@ -159,8 +159,8 @@ def main(args: Any) -> int:
         # --detach) waits for a console to answer; a run in the foreground has no one to ask and denies it
         ask = "approve" if getattr(args, "approve_all", False) else "operator" if getattr(args, "detached", False) \
             else "deny"
-        engine, journal = open_run(config, run_id, run_dir, console=False, resume=resuming, completed=completed,
-                                   history=history, spent_usd=spent_usd, ask=ask, extra_report=args.report, lock=lock)
+        engine, journal = open_run(config, run_id, run_dir, console=False, resume=resuming, resumed=state,
+                                   ask=ask, extra_report=args.report, lock=lock)
     except (ConfigError, JournalError) as exc:
         if lock is not None:
             lock.release()

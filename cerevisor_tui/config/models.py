@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.kinds import Mode
 from cerevisor_tui.text import control_char
 
@@ -658,26 +659,9 @@ class Config(_Section):
         return self.endpoint(agent.endpoint) if agent.endpoint else self.endpoints[0]
 
 
-class ResolvedStall(BaseModel):
-    """The stall policy in force for one endpoint: its overrides on top of `[stall]`. Bounded as `[stall]` is,
-    since a console may send one whole (a NaN or negative deadline would disable the watchdog)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    first_byte_timeout_s: float = Field(gt=0)
-    idle_timeout_s: float = Field(gt=0)
-    warn_at: tuple[float, ...]
-    liveness: Liveness
-    extend_s: float = Field(gt=0)
-    max_extensions: int = Field(ge=0)
-    extend_when_server_busy: bool
-
-    @field_validator("warn_at")
-    @classmethod
-    def _fractions(cls, value: tuple[float, ...]) -> tuple[float, ...]:
-        if any(not 0 < f < 1 for f in value):
-            raise ValueError("each fraction must be between 0 and 1 (exclusive)")
-        return tuple(sorted(set(value)))
+ResolvedStall = ev.StallPolicy
+"""The stall policy in force for one endpoint: its overrides on top of `[stall]`. The contract's record, so the
+events and `set_stall` carry the engine's own value as it is."""
 
 
 def resolve_stall(stall: StallConfig, endpoint: EndpointConfig) -> ResolvedStall:

@@ -4,7 +4,7 @@ control socket, and what `Engine.handle` carries out.
 Each command is a msgspec Struct tagged by its name in the field "name" (`Kill` is "kill"), its values bounded
 as the config bounds them, so a command from a socket client is checked on the way in exactly as one built
 in the console. A new command is one class here and one case in `Engine.handle`. What a command changes comes
-back as events; its return value is a courtesy for a message.
+back as events; the run's `Answer` (what it did, or why it refused) is the same in-process and over the socket.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
+from cerevisor_tui.contract.events import StallPolicy
 from cerevisor_tui.kinds import Mode
 
 MAX_CAP = 4096
@@ -108,11 +109,11 @@ class Deny(Command):
 
 
 class SetStall(Command):
-    """An endpoint's whole stall policy (the keys of RunStarted's `stall`), checked as `[stall]` is; returns
-    whether it changed."""
+    """An endpoint's whole stall policy (RunStarted's `stall`), checked as `[stall]` is; returns whether it
+    changed."""
 
     endpoint: Name
-    policy: dict[str, Any]
+    policy: StallPolicy
 
 
 class Stop(Command):
@@ -132,6 +133,23 @@ class CancelProbe(Command):
     """Cancel the endpoint's running probe (its requests are closed); returns False when none was running."""
 
     endpoint: Name
+
+
+AnswerValue = str | int | float | bool | None
+"""What a command did, as `Engine.handle` returns it."""
+
+
+class Answer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A run's answer to a command, the same whether the console runs it in-process (engine/control.py) or over
+    its socket (supervisor/client.py): `error`, the run's one line, when it refused the command; else `value`,
+    what `Engine.handle` returned (the mode, the cap in force, False: nothing to do, a retry's outcome)."""
+
+    value: AnswerValue = None
+    error: str = ""
+
+    @property
+    def refused(self) -> bool:
+        return bool(self.error)
 
 
 COMMAND_TYPES: tuple[type[Command], ...] = tuple(Command.__subclasses__())

@@ -10,13 +10,22 @@ field a record lacks takes its default, so journals of earlier versions still re
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 
 # An agent's statuses and the run's modes are defined in cerevisor_tui/kinds.py; the console reads them here.
 from cerevisor_tui.kinds import ACTIVE, FINAL, STATUSES, FinalStatus, Mode, Status, WedgeRule  # noqa: F401
+
+Severity = Literal["information", "warning", "error"]
+Zone = Literal["fits", "cliff", "overflow"]
+"""fits (all in GPU memory), cliff (evictions are recomputed or reloaded), overflow (a CPU tier full too)."""
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+StallDeadline = Literal["first_byte", "idle"]  # contract/deadlines.py Phase
+ExtendedDeadline = Literal["first_byte", "idle", "tool"]  # "tool": a tool call's own deadline
+KillDeadline = Literal["first_byte", "idle", "operator", "wedge"]  # "wedge": its server is wedged (engine/wedge.py)
 
 EVENT_TYPES: list[type[Event]] = []
 """Every event class, in the order they are defined (each registers itself)."""
@@ -27,17 +36,26 @@ class Payload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A typed part of an event: checked as the event is, a field this version does not know an error."""
 
 
-class StallPolicy(Payload):
-    """An endpoint's stall policy in force ([stall] with its overrides): what both deadlines and their
-    warnings run by (contract/deadlines.py)."""
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=sys.float_info.max)]
+"""A positive, finite number of seconds (a NaN, infinite or negative deadline would disable the watchdog)."""
+Fraction = Annotated[float, msgspec.Meta(gt=0, lt=1)]
 
-    first_byte_timeout_s: float
-    idle_timeout_s: float
-    warn_at: tuple[float, ...]
+
+class StallPolicy(Payload):
+    """An endpoint's stall policy in force ([stall] with its overrides, config/models.py `resolve_stall`): what
+    both deadlines and their warnings run by (contract/deadlines.py). Bounded as `[stall]` is, since a console
+    may send one whole (`set_stall`); its warnings in order, each once."""
+
+    first_byte_timeout_s: Seconds
+    idle_timeout_s: Seconds
+    warn_at: tuple[Fraction, ...]
     liveness: Literal["tokens", "bytes"]
-    extend_s: float
-    max_extensions: int
+    extend_s: Seconds
+    max_extensions: Annotated[int, msgspec.Meta(ge=0)]
     extend_when_server_busy: bool
+
+    def __post_init__(self) -> None:
+        msgspec.structs.force_setattr(self, "warn_at", tuple(sorted(set(self.warn_at))))
 
 
 class EndpointSummary(Payload):
@@ -78,7 +96,7 @@ class LoadEstimate(Payload):
     source: str = "estimate"  # "estimate" (from config) or "server" (the server's own capacity)
     detail: str = ""
 
-    def zone(self, running: int) -> str:
+    def zone(self, running: int) -> Zone:
         """fits (all in GPU memory), cliff (evictions are recomputed or reloaded), overflow (CPU tier full too)."""
         if running <= self.conversations_fit:
             return "fits"
@@ -235,7 +253,7 @@ class RunNotice(Event):
     """Something the operator should read that belongs to no agent (e.g. the stream worker could not start)."""
 
     message: str
-    severity: str = "information"  # information | warning | error
+    severity: Severity = "information"
     title: str = ""
 
 
@@ -260,7 +278,7 @@ class LoadChanged(Event):
     endpoint: str
     conversations: int  # in flight on it: ours holding a slot, or what the server carries when it reports more
     cap: int  # how many the cap lets run on it now
-    zone: str = ""  # fits | cliff | overflow; "" without an estimate
+    zone: Zone | Literal[""] = ""  # "" without an estimate
     estimate: LoadEstimate | None = None  # None: no estimate
     note: str = ""  # why there is no estimate
     warning: str = ""  # set when the cap is past the conversations that fit: the operator's notice
@@ -436,7 +454,7 @@ class MessageRecorded(Event):
     agent: str
     attempt: int
     turn: int
-    role: str
+    role: Role
     content: str
     reasoning: str = ""
     partial: bool = False
@@ -446,6 +464,9 @@ class MessageRecorded(Event):
     tool_call_id: str = ""
     # a gateway session's message as its client sent it (its API's own shape), for its transcript; {}: none
     raw: dict[str, Any] = msgspec.field(default_factory=dict)
+    # a turn's user message: what the turn is answered under besides its text (system prompt and settings, texts as
+    # digests: engine/resume.py turn_inputs); a resumed run reuses the turn only while they are the same. {}: not said
+    inputs: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class StallWarning(Event):
@@ -453,7 +474,7 @@ class StallWarning(Event):
 
     agent: str
     attempt: int
-    deadline: str  # "first_byte" | "idle"
+    deadline: StallDeadline
     fraction: float
     remaining_s: float
     deadline_at: float  # monotonic time the deadline fires
@@ -462,7 +483,7 @@ class StallWarning(Event):
 class StallExtended(Event):
     agent: str
     attempt: int
-    deadline: str
+    deadline: ExtendedDeadline
     extend_s: float
     reason: str
     deadline_at: float
@@ -488,7 +509,7 @@ class PrefillProgress(Event):
 class AgentKilled(Event):
     agent: str
     attempt: int
-    deadline: str  # "first_byte" | "idle" | "operator" | "wedge" (its server is wedged: engine/wedge.py)
+    deadline: KillDeadline
     reason: str
     tokens: int
 

@@ -21,8 +21,10 @@ The sweep stops past the knee (`judge_single_turn`, `judge_conversations`):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
+
+from cerevisor_tui.contract.events import ProbeLevelSummary
 
 StopReason = Literal["knee", "queue", "ttft", "errors", "prefix", "max_concurrency", "max_requests",
                      "max_seconds"]
@@ -45,36 +47,8 @@ class KneeSettings:
     throughput_tolerance: float = 0.10  # ... and throughput this far (a fraction) below the best still holds
 
 
-@dataclass(frozen=True)
-class ProbeLevel:
-    """What one concurrency level measured."""
-
-    concurrency: int
-    requests: int
-    failed: int
-    output_tokens: int
-    wall_s: float
-    output_tokens_per_s: float
-    ttft_p50_s: float | None
-    ttft_p95_s: float | None
-    stream_tokens_per_s: float | None  # median decode rate of one stream
-    server_running_max: int | None = None
-    server_waiting_max: int | None = None
-    server_waiting_share: float | None = None  # share of samples with requests waiting
-    kv_cache_usage_max: float | None = None
-    complete: bool = True  # False: the time budget cut it short
-    first_error: str = ""
-    prefix_hit_rate: float | None = None  # server's prefix-cache hits / queries over the level; None: not reported
-    preemptions: int | None = None  # the server's preemptions during the level; None: not reported
-    conversations: int | None = None  # conversation mode: conversations run (requests counts their turns)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key in ("wall_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p95_s", "stream_tokens_per_s",
-                    "server_waiting_share", "kv_cache_usage_max", "prefix_hit_rate"):
-            if data[key] is not None:
-                data[key] = round(data[key], 4)
-        return data
+ProbeLevel = ProbeLevelSummary
+"""What one concurrency level measured: the contract's record (a console's probe carries it as it is)."""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+from cerevisor_tui.contract.events import LatencySample, Quantiles
 from cerevisor_tui.endpoints import bounds
 
 WINDOW_S = 60.0
@@ -109,25 +110,21 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-@dataclass(frozen=True)
-class Quantiles:
-    """One figure over the window: its p50 and p95 in seconds, and how many observations they stand for."""
-
-    p50: float
-    p95: float
-    count: float
+def _quantiles(p50: float | None, p95: float | None, count: float) -> Quantiles | None:
+    """One figure over the window as the panel's event carries it (milliseconds matter: rounded to 0.1 ms)."""
+    return None if p50 is None or p95 is None else Quantiles(round(p50, 4), round(p95, 4), count)
 
 
 def quantiles_of(buckets: Buckets | None) -> Quantiles | None:
     if buckets is None or buckets.total <= 0:
         return None
     p50, p95 = (histogram_quantile(q, buckets) for q in QUANTILES)
-    return None if p50 is None or p95 is None else Quantiles(p50, p95, buckets.total)
+    return _quantiles(p50, p95, buckets.total)
 
 
 def quantiles_of_values(values: Sequence[float]) -> Quantiles | None:
     p50, p95 = (percentile(values, q) for q in QUANTILES)
-    return None if p50 is None or p95 is None else Quantiles(p50, p95, float(len(values)))
+    return _quantiles(p50, p95, float(len(values)))
 
 
 @dataclass(frozen=True)
@@ -213,26 +210,12 @@ class Timings:
     predicted_per_token_ms: float | None
 
 
-@dataclass(frozen=True)
-class LatencyFigures:
-    """The panel's figures for one endpoint over its window (seconds); None where the server does not tell or
-    nothing was observed. `decode_stall_s`: how long generated tokens have been flat while requests run."""
-
-    source: str  # "histograms" (vLLM, SGLang) or "timings" (llama.cpp, our own requests)
-    window_s: float
-    ttft: Quantiles | None = None
-    inter_token: Quantiles | None = None
-    queue: Quantiles | None = None
-    prefill: Quantiles | None = None
-    decode_stall_s: float | None = None
-    running: float | None = None
-
-
 class LatencyWindow:
     """One endpoint's scrapes over the last `window_s` and its requests' timings (llama.cpp), turned into the
-    panel's figures at each sample. Times are the caller's clock (monotonic seconds)."""
+    panel's figures (its LatencySample) at each sample. Times are the caller's clock (monotonic seconds)."""
 
-    def __init__(self, window_s: float = WINDOW_S) -> None:
+    def __init__(self, endpoint: str = "", window_s: float = WINDOW_S) -> None:
+        self.endpoint = endpoint
         self.window_s = window_s
         self.scrapes: deque[tuple[float, LatencyScrape]] = deque()
         self.timings: deque[tuple[float, Timings]] = deque()
@@ -241,8 +224,10 @@ class LatencyWindow:
     def add_timings(self, t: float, timings: Timings) -> None:
         self.timings.append((t, timings))
 
-    def sample(self, t: float, scrape: LatencyScrape) -> LatencyFigures:
-        """Take a scrape taken at `t`: the figures of the window that ends with it."""
+    def sample(self, t: float, scrape: LatencyScrape) -> LatencySample:
+        """Take a scrape taken at `t`: the figures of the window that ends with it. None where the server does not
+        tell or nothing was observed; `decode_stall_s`: how long generated tokens have been flat while requests
+        run."""
         self.scrapes.append((t, scrape))
         # keep the newest scrape at least window_s old: it is the window's start
         while len(self.scrapes) > 2 and self.scrapes[1][0] <= t - self.window_s:
@@ -254,11 +239,11 @@ class LatencyWindow:
         if scrape.histograms:
             earlier = start.histograms if len(self.scrapes) > 1 else {}  # a first scrape: all it has seen
             figures = {name: quantiles_of(b.minus(earlier.get(name))) for name, b in scrape.histograms.items()}
-            return LatencyFigures("histograms", round(t - start_t, 3), decode_stall_s=stall, running=scrape.running,
-                                  **{name: figures.get(name) for name in FIGURES})
+            return LatencySample(t, self.endpoint, "histograms", round(t - start_t, 3), decode_stall_s=stall,
+                                 running=scrape.running, **{name: figures.get(name) for name in FIGURES})
         taken = [timing for _, timing in self.timings]
-        return LatencyFigures(
-            "timings", self.window_s if taken else 0.0,
+        return LatencySample(
+            t, self.endpoint, "timings", self.window_s if taken else 0.0,
             ttft=quantiles_of_values(_present(x.ttft_s for x in taken)),
             inter_token=quantiles_of_values([ms / 1000 for ms in _present(x.predicted_per_token_ms for x in taken)]),
             prefill=quantiles_of_values([ms / 1000 for ms in _present(x.prompt_ms for x in taken)]),

@@ -31,8 +31,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import httpx
+import msgspec
 
 from cerevisor_tui.config.graph import OUTPUT_REF
+from cerevisor_tui.contract.events import ProbeBounds, ProbeSummary
 from cerevisor_tui.endpoints.client import DELTA, ChatStream, list_models
 from cerevisor_tui.endpoints.errors import EndpointError
 from cerevisor_tui.endpoints.knee import (
@@ -139,29 +141,22 @@ class ProbeResult:
     elapsed_s: float = 0.0
     settings: ProbeSettings = field(default_factory=ProbeSettings)
 
-    def to_dict(self) -> dict[str, Any]:
+    def summary(self) -> ProbeSummary:
+        """The probe as `probe --json` prints it and a console's probe tells it (ProbeFinished)."""
         s = self.settings
-        return {
-            "base_url": self.base_url,
-            "mode": self.mode,
-            "agents": self.agents,
-            "server_kind": self.server_kind,
-            "model": self.model,
-            "max_model_len": self.max_model_len,
-            "kv_cache_tokens": self.kv_cache_tokens,
-            "health": self.health,
-            "levels": [level.to_dict() for level in self.levels],
-            "prefix_hits_reported": any(lv.prefix_hit_rate is not None for lv in self.levels),
-            "recommended_concurrency": self.recommended_concurrency,
-            "recommended_mode": self.recommended_mode,
-            "reason": self.reason,
-            "stopped_because": self.stopped_because,
-            "total_requests": self.total_requests,
-            "elapsed_s": round(self.elapsed_s, 3),
-            "bounds": {"max_concurrency": s.max_concurrency, "max_tokens": s.max_tokens,
-                       "turn_max_tokens": s.turn_max_tokens, "max_requests": s.max_requests,
-                       "max_seconds": s.max_seconds, "request_timeout_s": s.request_timeout_s},
-        }
+        return ProbeSummary(
+            base_url=self.base_url, model=self.model, mode=self.mode, agents=self.agents, server_kind=self.server_kind,
+            max_model_len=self.max_model_len, kv_cache_tokens=self.kv_cache_tokens, health=self.health,
+            levels=list(self.levels), prefix_hits_reported=any(lv.prefix_hit_rate is not None for lv in self.levels),
+            recommended_concurrency=self.recommended_concurrency, recommended_mode=self.recommended_mode,
+            reason=self.reason, stopped_because=self.stopped_because, total_requests=self.total_requests,
+            elapsed_s=round(self.elapsed_s, 3),
+            bounds=ProbeBounds(max_concurrency=s.max_concurrency, max_tokens=s.max_tokens,
+                               turn_max_tokens=s.turn_max_tokens, max_requests=s.max_requests,
+                               max_seconds=s.max_seconds, request_timeout_s=s.request_timeout_s))
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self.summary())
 
 
 @dataclass(frozen=True)
@@ -631,24 +626,31 @@ def _level(concurrency: int, done: list[_Request], watch: _ServerWatch, started:
     ttfts = [r.first_at - r.sent_at for r in ok if r.first_at is not None]
     rates = [(r.tokens - 1) / (r.ended_at - r.first_at) for r in ok
              if r.first_at is not None and r.ended_at is not None and r.tokens > 1 and r.ended_at > r.first_at]
+    hit_rate = counters.pop("prefix_hit_rate", None)
     return ProbeLevel(
         concurrency=concurrency,
         requests=len(done),
         failed=len(failed),
         output_tokens=sum(r.tokens for r in ok),
-        wall_s=max(1e-9, ended - started),
-        output_tokens_per_s=percentile(slice_rates, 50) or 0.0,
-        ttft_p50_s=percentile(ttfts, 50),
-        ttft_p95_s=percentile(ttfts, 95),
-        stream_tokens_per_s=percentile(rates, 50),
+        wall_s=_rounded(max(1e-9, ended - started)),
+        output_tokens_per_s=_rounded(percentile(slice_rates, 50) or 0.0),
+        ttft_p50_s=_rounded(percentile(ttfts, 50)),
+        ttft_p95_s=_rounded(percentile(ttfts, 95)),
+        stream_tokens_per_s=_rounded(percentile(rates, 50)),
         server_running_max=max(watch.running) if watch.running else None,
         server_waiting_max=max(watch.waiting) if watch.waiting else None,
-        server_waiting_share=watch.waiting_share(),
-        kv_cache_usage_max=max(watch.kv) if watch.kv else None,
+        server_waiting_share=_rounded(watch.waiting_share()),
+        kv_cache_usage_max=_rounded(max(watch.kv) if watch.kv else None),
         complete=complete,
         first_error=failed[0].error if failed else "",
+        prefix_hit_rate=_rounded(hit_rate),
         **counters,
     )
+
+
+def _rounded(x: float | None) -> Any:
+    """A level's figure as it is kept and reported: four decimals are more than a probe measures."""
+    return None if x is None else round(x, 4)
 
 
 async def _counters(client: httpx.AsyncClient, base_url: str) -> MetricsSnapshot | None:

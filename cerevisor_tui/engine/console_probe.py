@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError
@@ -71,20 +70,19 @@ class ConsoleProbes:
         held = not e.scheduler.paused
         if held:
             e.pause()
-        result: Any = None
+        result: ev.ProbeSummary | None = None
         error = ""
 
         def progress(line: str) -> None:
             e.emit(ev.ProbeProgress(time.monotonic(), endpoint, line=line))
 
-        def level(found: Any) -> None:
-            e.emit(ev.ProbeProgress(time.monotonic(), endpoint, level=msgspec.convert(found.to_dict(),
-                                                                                      ev.ProbeLevelSummary)))
+        def level(found: ev.ProbeLevelSummary) -> None:
+            e.emit(ev.ProbeProgress(time.monotonic(), endpoint, level=found))
 
         try:
             with scope:
                 found = await self.probe(endpoint, on_progress=progress, on_level=level, max_concurrency=bound)
-                result = msgspec.convert(found.to_dict(), ev.ProbeSummary)
+                result = found.summary()
         except Exception as exc:  # noqa: BLE001 - a probe that fails says why; the run goes on
             error = self._failure(exc)
         finally:

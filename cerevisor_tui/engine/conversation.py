@@ -21,7 +21,7 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
 from cerevisor_tui.engine.attempt import Answer, Attempts, Subscriber, TurnFigures
 from cerevisor_tui.engine.connections import Connections
-from cerevisor_tui.engine.resume import RecordedTurn
+from cerevisor_tui.engine.resume import RecordedTurn, input_changes, turn_inputs
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.status import move
 from cerevisor_tui.engine.toolcalls import ToolCalls
@@ -103,7 +103,7 @@ class Conversations:
         # a resumed run's agents that had not completed: the turns they had answered (engine/resume.py), taken
         # once, when the agent starts again; an operator's rerun later in the run starts from turn 1
         self.recorded_turns: dict[str, list[RecordedTurn]] = {}
-        self.replay: Callable[[list[dict[str, Any]]], None] | None = None  # their figures, into the report
+        self.replay: Callable[[list[ev.Event]], None] | None = None  # their figures, into the report
         # moves a pool's agent off a member that failed its request (Pools.failed); None: no pools
         self.escape = escape
         self._rng = random.Random()
@@ -122,7 +122,8 @@ class Conversations:
             messages.append({"role": "system", "content": cfg.system})
         user_turns = [cfg.prompt, *cfg.turns]
         answer = ""
-        done = self._reuse_turns(st, messages, user_turns)
+        inputs = turn_inputs(self.endpoints[st.endpoint], cfg)  # what its turns are answered under
+        done = self._reuse_turns(st, messages, user_turns, inputs)
         if done:
             answer = messages[-1]["content"] or ""
         for turn, text in enumerate(user_turns):
@@ -131,7 +132,7 @@ class Conversations:
             st.turn = turn + 1
             messages.append({"role": "user", "content": self.render(text)})
             self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(st.turn, 0) + 1, st.turn, "user",
-                                         messages[-1]["content"]))
+                                         messages[-1]["content"], inputs=inputs))
             if st.toolset is not None:
                 answer = await self._tool_turn(st, messages)
                 continue
@@ -140,15 +141,23 @@ class Conversations:
         st.messages = messages
         st.output = answer
 
-    def _reuse_turns(self, st: AgentState, messages: list[dict[str, Any]], user_turns: list[str]) -> int:
+    def _reuse_turns(self, st: AgentState, messages: list[dict[str, Any]], user_turns: list[str],
+                     inputs: dict[str, str]) -> int:
         """The turns an earlier run of this directory answered, put back into `messages` as they were, while
-        each user message is what the config says now; how many. The agent goes on after them."""
+        each user message is what the config says now and each was answered under what the agent runs with now
+        (`inputs`: system prompt, model, sampling, tools); how many. The agent goes on after them."""
         recorded = self.recorded_turns.pop(st.name, [])
         done = 0
+        changes: list[str] = []
         for text, turn in zip(user_turns, recorded, strict=False):
-            if turn.user != self.render(text):
+            changes = input_changes(turn.inputs, inputs)
+            if changes or turn.user != self.render(text):
                 break
             done += 1
+        if changes:  # answered under other settings: those answers are not what this agent would say now
+            which = f"turn {done + 1}" if done + 1 == len(recorded) else f"turns {done + 1}-{len(recorded)}"
+            self.emit(ev.RunNotice(time.monotonic(), f"{st.name}: {which} answered before not reused "
+                                                     f"({', '.join(changes)}); it runs again from turn {done + 1}"))
         if not done:
             return 0
         for turn in recorded[:done]:

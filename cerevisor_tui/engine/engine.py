@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
-from pydantic import ValidationError
 
 from cerevisor_tui.config.graph import OUTPUT_REF, wave_levels
 from cerevisor_tui.config.models import Config, EndpointConfig, ResolvedStall, resolve_stall
@@ -80,9 +79,8 @@ class Engine:
     """Run one workflow. Subscribe before `run()`; call commands from the same event loop at any time."""
 
     def __init__(self, config: Config, *, run_id: str | None = None, run_dir: str = "",
-                 completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None,
-                 spent_usd: float = 0.0, stream_process: bool = False, ask: AskPolicy = "operator",
-                 clock: Clock = MONOTONIC) -> None:
+                 resumed: resume.JournalState | None = None, stream_process: bool = False,
+                 ask: AskPolicy = "operator", clock: Clock = MONOTONIC) -> None:
         self.config = config
         self.clock = clock  # what the deadlines are measured on: the host's monotonic clock, or a test's
         self.run_id = run_id or new_run_id()
@@ -144,13 +142,15 @@ class Engine:
         # Agents a resumed run already completed: their answers are reused, they are never sent again, unless
         # what they would run with now (prompt, endpoint, ...) is not what they ran with: then they and every
         # agent downstream of them run again, each with its reason (an AgentRerun at the start of the run).
-        self.completed_before = dict(completed or {})
-        self.recorded_inputs = resume.recorded_inputs(history or ())
+        # `resumed`: what the run directory's journal says (engine/resume.py read_journal, one pass over it).
+        resumed = resumed or resume.JournalState(self.run_id)
+        self.completed_before = dict(resumed.completed)
+        self.recorded_inputs = resumed.inputs
         self.rerun = resume.plan_resume(config, self.waves, self.completed_before, self.recorded_inputs)
         for name in self.rerun:
             del self.completed_before[name]
         # the reused agents' recorded events: their figures carry into the report
-        self._history = [e for e in history or () if e.get("agent") not in self.rerun]
+        self._history = [e for e in resumed.history if getattr(e, "agent", None) not in self.rerun]
         self.report = Report()
         self._subscribers: list[Subscriber] = [self.report]
         self.subscriber_failures: dict[int, int] = {}  # by id(subscriber): how often each has raised
@@ -166,7 +166,7 @@ class Engine:
         used = {tool.split(".", 1)[0] for agent in config.agents for tool in agent.tools}
         self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir, scrub=self.scrub)
         self.tools = ToolCalls(self.tool_servers, emit=self.emit, scrub=self.scrub, ask=ask,
-                               memory=resume.tool_memory(run_dir) if used else None)
+                               memory=resumed.tools)
         # The run's parts, each handed what it needs of the engine's state (the same objects, not copies).
         self.connections = Connections(config, self.emit, stream_process=stream_process)
         self.base_urls = self.connections.base_urls  # the simulator's, once it is started
@@ -182,7 +182,7 @@ class Engine:
         self.wedges = WedgeWatch(self)  # wedged servers, judged after each sample (engine/wedge.py)
         # the one owner of a running attempt, a workflow agent's or a gateway session's (engine/attempt.py); a
         # resumed run's spending counts on from the journal's
-        self.budget = Budget(config.run.budget_usd, spent_usd, on_near=self._budget_near, on_reached=self._budget_reached)
+        self.budget = Budget(config.run.budget_usd, resumed.spent_usd, on_near=self._budget_near, on_reached=self._budget_reached)
         self.attempts = Attempts(endpoints=self.endpoints, policies=self.policies, figures=self.figures,
                                  emit=self.emit, subscribers=self._subscribers,
                                  subscriber_failed=self.subscriber_failed, scrub=self.scrub, budget=self.budget,
@@ -193,9 +193,9 @@ class Engine:
             watchdog=self.watchdog, figures=self.figures, attempts=self.attempts, emit=self.emit, scrub=self.scrub,
             render=self.render, stopping=lambda: self.stopping, relocate=self.pools.relocate, tools=self.tools,
             escape=self.pools.failed)
-        # an agent that had not completed goes on after the turns it had answered (one run again starts anew)
-        self.conversations.recorded_turns = resume.recorded_turns(
-            resume.journal_records(run_dir), skip={*self.completed_before, *self.rerun})
+        # an agent that had not completed goes on after the turns it had answered (a completed one's are not kept)
+        self.conversations.recorded_turns = resumed.turns
+        self.sessions.before = resumed.sessions  # a gateway's sessions go on from what they had done
         self.conversations.replay = self.report.replay
         self.conversations.request_prefix = resume.request_prefix(self.run_id, run_dir)
 
@@ -299,7 +299,7 @@ class Engine:
             case cmd.Deny(agent=agent, call_id=call_id):
                 return self.deny(self._named_agent(agent), call_id)
             case cmd.SetStall(endpoint=endpoint, policy=policy):
-                return self.set_stall_policy(self._named_endpoint(endpoint), _checked_stall(policy))
+                return self.set_stall_policy(self._named_endpoint(endpoint), policy)
             case cmd.Stop(reason=reason):
                 return self.stop(reason)
             case cmd.Probe(endpoint=endpoint, max_concurrency=cap):
@@ -430,7 +430,7 @@ class Engine:
         if policy == self.policies[endpoint]:
             return False
         self.policies[endpoint] = policy
-        self.emit(ev.StallPolicyChanged(time.monotonic(), endpoint, stall_policy(policy)))
+        self.emit(ev.StallPolicyChanged(time.monotonic(), endpoint, policy))
         for st in self.agents_on.get(endpoint, ()):
             if st.current is not None:
                 st.current.look_again()  # the watchdog recomputes the deadline under the new policy now
@@ -497,8 +497,8 @@ class Engine:
                 await self._start_background(background)
                 # each endpoint's agents are admitted when its own warm-up ends; the waves start now
                 await background.start(functools.partial(warm_up, self.config, self.connections, self.policies,
-                                                         self.emit, self.run_id, self.scheduler, self.wedges,
-                                                         reused=self.completed_before))
+                                                         self.emit, self.conversations.request_prefix,
+                                                         self.scheduler, self.wedges, reused=self.completed_before))
                 for wave, level in enumerate(self.waves):
                     if self.stopping:
                         self._cancel_rest(wave)
@@ -516,7 +516,7 @@ class Engine:
         end = time.monotonic()
         self.report.finish(end)
         self.ended = True
-        self.emit(ev.RunFinished(end, self.run_id, code, msgspec.convert(self.report.totals(), ev.RunTotals)))
+        self.emit(ev.RunFinished(end, self.run_id, code, self.report.totals()))
         return code
 
     def in_flight(self) -> list[ev.TokenDelta]:
@@ -722,7 +722,7 @@ class Engine:
         return [
             ev.EndpointSummary(ep.name, ep.kind, self.base_urls.get(ep.name, ep.base_url),
                                self.models.get(ep.name, ep.model), ep.max_concurrency, ep.api_key_env,
-                               stall_policy(self.policies[ep.name]), ep.price_in_per_mtok if ep.priced else 0.0,
+                               self.policies[ep.name], ep.price_in_per_mtok if ep.priced else 0.0,
                                ep.price_out_per_mtok if ep.priced else 0.0)
             for ep in self.config.endpoints
         ]
@@ -755,18 +755,3 @@ def _saved_probe_cap(ep: EndpointConfig) -> tuple[int, str]:
     if not saved or not saved.get("cap"):
         return 0, ""
     return int(saved["cap"]), f"the probe of {saved.get('saved_at', 'an earlier run')} recommended it"
-
-
-def _checked_stall(policy: dict[str, Any]) -> ResolvedStall:
-    """A stall policy from a command, checked as `[stall]` is; ValueError names the key that does not."""
-    try:
-        return ResolvedStall.model_validate(policy)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "policy"
-        raise ValueError(f"set_stall: {where}: {first['msg']}") from None
-
-
-def stall_policy(policy: ResolvedStall) -> ev.StallPolicy:
-    """An endpoint's stall policy as the events carry it."""
-    return msgspec.convert(policy.model_dump(), ev.StallPolicy)

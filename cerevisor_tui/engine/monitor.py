@@ -19,7 +19,7 @@ import msgspec
 from cerevisor_tui.config.models import Config
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import build_client
-from cerevisor_tui.endpoints.latency import LatencyFigures, LatencyScrape, LatencyWindow, Quantiles, Timings
+from cerevisor_tui.endpoints.latency import LatencyScrape, LatencyWindow, Timings
 from cerevisor_tui.endpoints.metrics import (
     MetricsSnapshot,
     ServerStatus,
@@ -62,7 +62,7 @@ class ServerMonitor:
         # a router's workers are read with a client of their own, without the endpoint's API key
         self._worker_clients: dict[str, httpx.AsyncClient] = {}
         # the latency panel of each endpoint: its scrapes over the window, and llama.cpp's timings of our requests
-        self.latency: dict[str, LatencyWindow] = {ep.name: LatencyWindow() for ep in config.endpoints}
+        self.latency: dict[str, LatencyWindow] = {ep.name: LatencyWindow(ep.name) for ep in config.endpoints}
         self._latency_sent: dict[str, ev.LatencySample] = {}
 
     def add_timings(self, endpoint: str, timings: Timings) -> None:
@@ -78,8 +78,7 @@ class ServerMonitor:
             if not window.timings:
                 return
             scrape = LatencyScrape(metrics.kind if metrics is not None else "unknown")
-        figures = window.sample(time.monotonic(), scrape)
-        event = latency_event(time.monotonic(), endpoint, figures)
+        event = window.sample(time.monotonic(), scrape)
         sent = self._latency_sent.get(endpoint)
         if sent is None or msgspec.structs.replace(sent, t=event.t, window_s=event.window_s) != event:
             self._latency_sent[endpoint] = event
@@ -233,16 +232,6 @@ class ServerMonitor:
             return None
         status = await self.read(endpoint)
         return status.busy_reason
-
-
-def latency_event(t: float, endpoint: str, figures: LatencyFigures) -> ev.LatencySample:
-    """The latency panel's figures as the event carries them (milliseconds matter: rounded to 0.1 ms)."""
-
-    def q(x: Quantiles | None) -> ev.Quantiles | None:
-        return None if x is None else ev.Quantiles(round(x.p50, 4), round(x.p95, 4), x.count)
-
-    return ev.LatencySample(t, endpoint, figures.source, figures.window_s, q(figures.ttft), q(figures.inter_token),
-                            q(figures.queue), q(figures.prefill), figures.decode_stall_s, figures.running)
 
 
 def _moved(seen: list[tuple[float, float | None]], since: float) -> bool:

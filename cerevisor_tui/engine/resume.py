@@ -4,22 +4,30 @@ An agent's AgentFinished records what it ran with (`agent_inputs`: its texts as 
 A resumed run reuses a completed agent's answer unless what it would run with now differs, or a dependency of
 its runs again (a changed answer upstream makes every answer downstream stale); each rerun says why.
 
-An agent that had not completed keeps the turns it had answered (`recorded_turns`): a resumed run goes on at
-the first turn without an answer, so no answered turn is sent twice.
+An agent that had not completed keeps the turns it had answered (`TurnChains`), each with what it ran with
+(`turn_inputs`, on the turn's user message): a resumed run goes on at the first turn without an answer, so no
+answered turn is sent twice, unless what the agent runs with now differs (then it starts again at turn 1).
+
+`read_journal` reads the journal once, each line decoded to its event, and feeds every part of a resume from
+that one pass: the completed agents and their figures, what the run spent, the tools' results, the turns.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from cerevisor_tui.config.graph import OUTPUT_REF
-from cerevisor_tui.config.models import AgentConfig, Config
+from cerevisor_tui.config.models import AgentConfig, Config, EndpointConfig
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.sinks.journal import EVENTS_FILE, iter_events
+from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.engine.toolcalls import ToolMemory
 
 
@@ -28,12 +36,20 @@ def agent_inputs(config: Config, cfg: AgentConfig, render: Callable[[str], str])
     dependencies' answers) as digests, the rest as values. A resumed run compares the keys both have, so a key
     added later does not rerun everything."""
     ep = config.agent_endpoint(cfg)
-    return {
-        "system": _digest(cfg.system),
+    inputs = {
         "prompt": _digest(render(cfg.prompt)),
         "turns": _digest(json.dumps([render(text) for text in cfg.turns], ensure_ascii=False)),
         "depends_on": ", ".join(sorted(cfg.depends_on)),
         "endpoint": cfg.endpoint if config.agent_pool(cfg) else ep.name,  # a pool: any member will do
+    }
+    return {**inputs, **turn_inputs(ep, cfg)}
+
+
+def turn_inputs(ep: EndpointConfig, cfg: AgentConfig) -> dict[str, str]:
+    """What each of an agent's turns is answered under, besides its user text, as the turn's user message records
+    it: an answered turn is reused by a resumed run only while all of it is the same."""
+    return {
+        "system": _digest(cfg.system),
         "model": ep.model,  # as configured: "" is the first /v1/models lists
         "max_tokens": str(cfg.max_tokens),
         "temperature": str(cfg.temperature),
@@ -45,15 +61,16 @@ def agent_inputs(config: Config, cfg: AgentConfig, render: Callable[[str], str])
     }
 
 
+def input_changes(before: Mapping[str, str], now: Mapping[str, str]) -> list[str]:
+    """What differs between what was recorded and what is run with now, in the operator's words: the keys both
+    have (a key added later changes nothing)."""
+    return [_input_change(key, str(before[key]), value) for key, value in now.items()
+            if key in before and str(before[key]) != value]
+
+
 def rendered_with(outputs: Mapping[str, str]) -> Callable[[str], str]:
     """{{ name.output }} filled in from `outputs` (the answers an earlier run gave)."""
     return lambda text: OUTPUT_REF.sub(lambda m: outputs.get(m.group(1), ""), text)
-
-
-def recorded_inputs(history: Iterable[dict[str, Any]]) -> dict[str, dict[str, str]]:
-    """What each agent an earlier run completed ran with, from its recorded AgentFinished."""
-    return {e["agent"]: e["inputs"] for e in history if e.get("event") == "AgentFinished"
-            and isinstance(e.get("agent"), str) and isinstance(e.get("inputs"), dict)}
 
 
 def plan_resume(config: Config, waves: list[list[AgentConfig]], reused: Mapping[str, str],
@@ -74,9 +91,7 @@ def plan_resume(config: Config, waves: list[list[AgentConfig]], reused: Mapping[
             before = recorded.get(cfg.name)
             if not before:
                 continue  # recorded before inputs were: reused as it is
-            now = agent_inputs(config, cfg, render)
-            changes = [_input_change(key, str(before[key]), value) for key, value in now.items()
-                       if key in before and str(before[key]) != value]
+            changes = input_changes(before, agent_inputs(config, cfg, render))
             if changes:
                 rerun[cfg.name] = ", ".join(changes)
     return rerun
@@ -94,13 +109,6 @@ def request_prefix(run_id: str, run_dir: str) -> str:
     return f"{run_id}.r{size}" if size else run_id
 
 
-def tool_memory(run_dir: str) -> ToolMemory | None:
-    """What an earlier run in this run directory got from its tools (a resumed run); None: nothing."""
-    if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
-        return None
-    return ToolMemory.from_records(journal_records(run_dir))  # line by line: a journal may be far larger than it
-
-
 @dataclass(frozen=True)
 class RecordedTurn:
     """A turn an earlier run answered: its user message, then the conversation's messages after it (the tool
@@ -109,72 +117,178 @@ class RecordedTurn:
     user: str
     messages: tuple[dict[str, Any], ...]
     answer: str
-    figures: tuple[dict[str, Any], ...] = ()  # its recorded events (attempts, meters): the report's figures
+    figures: tuple[ev.Event, ...] = ()  # its recorded events (attempts, meters): the report's figures
+    inputs: Mapping[str, str] = field(default_factory=dict)  # what it ran with (turn_inputs); {}: not recorded
 
 
-_NOT_A_TURNS = {"AgentQueued", "AgentFinished", "AgentRerun", "AgentStatus"}  # an agent's events, not a turn's
+@dataclass
+class _Turn:
+    """A turn being read back: what RecordedTurn holds, its answer None until recorded."""
+
+    user: str
+    inputs: dict[str, str]
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    answer: str | None = None
+    figures: list[ev.Event] = field(default_factory=list)
 
 
-def recorded_turns(records: Iterable[dict[str, Any]], skip: Container[str] = ()) -> dict[str, list[RecordedTurn]]:
-    """Each agent's answered turns, from turn 1 on with none missing, as the journal's MessageRecorded tell
-    them. A turn's user message starts it again and drops every later turn recorded before (an agent run
-    again from an earlier turn: what it said after is not its conversation any more); a partial answer (its
-    attempt died) is not an answer; a turn whose answer is not recorded ends what can be reused. The agents in `skip` (completed, or run again from the start) are not kept."""
-    chains: dict[str, dict[int, dict[str, Any]]] = {}
-    current: dict[str, dict[str, Any]] = {}  # each agent's turn in progress in the journal
-    for e in records:
-        if e.get("event") != "MessageRecorded":
-            agent = e.get("agent")
-            if isinstance(agent, str) and agent in current and e.get("event") not in _NOT_A_TURNS:
-                current[agent]["figures"].append(e)
+class TurnChains:
+    """Each agent's answered turns, from turn 1 on with none missing, as the journal's MessageRecorded tell them,
+    fed event by event (`feed`), read at the journal's end (`turns`).
+
+    A turn's user message starts it again and drops every later turn recorded before (an agent run again from
+    an earlier turn: what it said after is not its conversation any more); a partial answer (its attempt died)
+    is not an answer; a turn whose answer is not recorded ends what can be reused. An agent `forget` names
+    (completed: a resumed run reuses its answer, or runs it again from the start) is not kept."""
+
+    def __init__(self) -> None:
+        self._chains: dict[str, dict[int, _Turn]] = {}
+        self._current: dict[str, _Turn] = {}  # each agent's turn in progress in the journal
+        self._forgotten: set[str] = set()
+
+    def forget(self, agent: str) -> None:
+        self._forgotten.add(agent)
+        self._chains.pop(agent, None)
+        self._current.pop(agent, None)
+
+    def feed(self, event: ev.Event) -> None:
+        match event:
+            case ev.MessageRecorded() if event.partial or event.raw or event.agent in self._forgotten:
+                pass  # a dead attempt's part of an answer, a gateway session's message, or a completed agent's
+            case ev.MessageRecorded(agent=agent, turn=number, role="user", content=content, inputs=inputs):
+                chain = self._chains.setdefault(agent, {})
+                for later in [t for t in chain if t >= number]:
+                    del chain[later]
+                chain[number] = self._current[agent] = _Turn(content, inputs)
+            case ev.MessageRecorded(agent=agent, turn=number, role=role, content=content, tool_calls=calls,
+                                    tool_call_id=call_id):
+                turn = self._chains.get(agent, {}).get(number)
+                if turn is None or turn.answer is not None:
+                    return
+                if role == "tool" and call_id:
+                    turn.messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
+                elif role == "assistant" and calls:
+                    turn.messages.append({"role": "assistant", "content": content or None, "tool_calls": calls})
+                elif role == "assistant":  # its answer, recorded after its figures (its TurnFinished)
+                    turn.messages.append({"role": "assistant", "content": content})
+                    turn.answer = content
+            case ev.AgentQueued() | ev.AgentFinished() | ev.AgentRerun() | ev.AgentStatus():
+                pass  # an agent's, not a turn's
+            case _:
+                agent = getattr(event, "agent", None)
+                if agent in self._current:
+                    self._current[agent].figures.append(event)
+
+    def turns(self) -> dict[str, list[RecordedTurn]]:
+        out: dict[str, list[RecordedTurn]] = {}
+        for agent, chain in self._chains.items():
+            turns: list[RecordedTurn] = []
+            for number in sorted(chain):
+                turn = chain[number]
+                if number != len(turns) + 1 or turn.answer is None:
+                    break
+                turns.append(RecordedTurn(turn.user, tuple(turn.messages), turn.answer, tuple(turn.figures),
+                                          turn.inputs))
+            if turns:
+                out[agent] = turns
+        return out
+
+
+REPLAYED = frozenset(cls.kind for cls in ev.EVENT_TYPES if hasattr(Report, f"_on_{cls.kind}"))
+"""The kinds of event the report counts: what a resumed run keeps of its completed agents' earlier events
+(their messages, the bulk of a journal, are in their transcripts and not needed again)."""
+
+
+@dataclass
+class SessionBefore:
+    """What a gateway session had done in an earlier run of the directory: a resumed run's session of the same
+    name goes on from it (its requests numbered on, its cost counted on, its transcript appended to)."""
+
+    requests: int = 0
+    cost_usd: float = 0.0
+
+
+@dataclass
+class JournalState:
+    """What a run directory's journal says, for `--resume`: its run id, the answers of the agents it completed,
+    what each ran with and their recorded events, what the run has spent on priced endpoints, what its tools
+    returned, the turns of agents that had not completed, and how many lines could not be read."""
+
+    run_id: str
+    completed: dict[str, str] = field(default_factory=dict)
+    inputs: dict[str, dict[str, str]] = field(default_factory=dict)  # a completed agent's AgentFinished inputs
+    history: list[ev.Event] = field(default_factory=list)
+    spent_usd: float = 0.0  # the last AgentMeters' run_cost_usd: a resumed run counts on from it
+    tools: ToolMemory = field(default_factory=ToolMemory)
+    turns: dict[str, list[RecordedTurn]] = field(default_factory=dict)
+    sessions: dict[str, SessionBefore] = field(default_factory=dict)  # a gateway's, by name
+    skipped: int = 0
+    first_problem: str = ""  # e.g. "line 12: invalid UTF-8"
+
+    def notice(self, path: Path) -> str:
+        """One line on what was skipped, or "" when every line was read."""
+        if not self.skipped:
+            return ""
+        lines = "line" if self.skipped == 1 else "lines"
+        return f"{self.skipped} unreadable {lines} of {path / EVENTS_FILE} skipped (first: {self.first_problem})"
+
+
+def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
+    """Read a run directory's events.jsonl back once, line by line, skipping (and counting) what cannot be read.
+    Raises JournalError only when the file itself cannot be read."""
+    path = Path(run_dir)
+    state = JournalState(run_id=path.name)
+    turns = TurnChains()
+    finished: dict[str, ev.AgentFinished] = {}
+    # The figures of completed agents carry over into the resumed run's report: the events the report counts
+    # since each one's last AgentQueued (an earlier failed run of the same agent does not count twice), then
+    # its last completed AgentFinished, which says what it ran with (the engine compares that with the config).
+    # Only those are kept: a journal's bulk (its messages) is never held. A gateway session's figures are all
+    # kept: it has no answer to reuse, and it goes on in the resumed run under its name (its AgentQueued is
+    # a request waiting for its slot, not a new run of it).
+    last_run: dict[str, list[ev.Event]] = {}
+    sessions = state.sessions
+    for number, event, problem in iter_events(path):
+        if event is None:
+            state.skipped += 1
+            state.first_problem = state.first_problem or f"line {number}: {problem}"
             continue
-        if e.get("partial") or e.get("raw"):  # raw: a gateway session's
-            continue
-        agent, turn, role, content = e.get("agent"), e.get("turn"), e.get("role"), e.get("content")
-        if not isinstance(agent, str) or type(turn) is not int or not isinstance(content, str) or agent in skip:
-            continue
-        chain = chains.setdefault(agent, {})
-        if role == "user":
-            for later in [t for t in chain if t >= turn]:
-                del chain[later]
-            chain[turn] = current[agent] = {"user": content, "messages": [], "answer": None, "figures": []}
-            continue
-        entry = chain.get(turn)
-        if entry is None or entry["answer"] is not None:
-            continue
-        calls = e.get("tool_calls")
-        if role == "tool" and isinstance(e.get("tool_call_id"), str):
-            entry["messages"].append({"role": "tool", "tool_call_id": e["tool_call_id"], "content": content})
-        elif role == "assistant" and calls and isinstance(calls, list):
-            entry["messages"].append({"role": "assistant", "content": content or None, "tool_calls": calls})
-        elif role == "assistant":  # its answer, recorded after its figures (its TurnFinished)
-            entry["messages"].append({"role": "assistant", "content": content})
-            entry["answer"] = content
-    out: dict[str, list[RecordedTurn]] = {}
-    for agent, chain in chains.items():
-        turns: list[RecordedTurn] = []
-        for number in sorted(chain):
-            entry = chain[number]
-            if number != len(turns) + 1 or entry["answer"] is None:
-                break
-            turns.append(RecordedTurn(entry["user"], tuple(entry["messages"]), entry["answer"],
-                                      tuple(entry["figures"])))
-        if turns:
-            out[agent] = turns
-    return out
-
-
-def journal_records(run_dir: str) -> Iterator[dict[str, Any]]:
-    """The records of an earlier run in this run directory (a resumed run), read line by line; none for a
-    new run, or when it cannot be read (the journal's own reader says so)."""
-    if not run_dir or not (Path(run_dir) / "events.jsonl").is_file():
-        return
-    from cerevisor_tui.engine.sinks.journal import JournalError, iter_lines
-
-    with contextlib.suppress(JournalError):
-        for _, data, _ in iter_lines(run_dir):
-            if data is not None:
-                yield data
+        state.tools.feed(event)
+        turns.feed(event)
+        match event:
+            case ev.RunStarted(run_id=run_id) if run_id:
+                state.run_id = run_id
+            case ev.SessionOpened(agent=agent):
+                sessions.setdefault(agent, SessionBefore())
+            case ev.AgentStarted(agent=agent, attempt=number) if agent in sessions:
+                sessions[agent].requests = max(sessions[agent].requests, number)
+            case ev.AgentFinished(agent=agent) if agent in sessions:
+                pass
+            case ev.AgentFinished(agent=agent, status="completed"):
+                state.completed[agent] = event.output
+                finished[agent] = event
+                turns.forget(agent)
+            case ev.AgentMeters(agent=agent, cost_usd=cost, run_cost_usd=spent):
+                if math.isfinite(spent):
+                    state.spent_usd = spent
+                if agent in sessions:
+                    sessions[agent].cost_usd = cost
+        match event:  # a completed agent's figures, a session's (its end too: it may not come back)
+            case ev.AgentQueued(agent=agent) if agent not in sessions:
+                last_run[agent] = []
+            case ev.AgentFinished(agent=agent) if agent in sessions:
+                last_run.setdefault(agent, []).append(event)
+            case ev.AgentFinished():
+                pass
+            case _ if event.kind in REPLAYED and isinstance(agent := getattr(event, "agent", None), str):
+                last_run.setdefault(agent, []).append(event)
+    state.tools.read()
+    state.turns = turns.turns()
+    state.inputs = {agent: dict(e.inputs) for agent, e in finished.items() if e.inputs}
+    state.history = [e for agent, events_ in last_run.items() if agent in state.completed or agent in sessions
+                     for e in events_]
+    state.history += finished.values()
+    return state
 
 
 def _digest(text: str) -> str:

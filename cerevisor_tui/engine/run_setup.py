@@ -6,25 +6,24 @@ from __future__ import annotations
 import contextlib
 import resource
 from pathlib import Path
-from typing import Any
 
 from cerevisor_tui.config.models import Config
 from cerevisor_tui.engine.connections import wants_stream_process
 from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.engine.resume import JournalState
 from cerevisor_tui.engine.sinks.journal import Journal, RunLock
 from cerevisor_tui.engine.toolcalls import AskPolicy
 
 
 def open_run(config: Config, run_id: str, run_dir: Path, *, console: bool, resume: bool = False,
-             completed: dict[str, str] | None = None, history: list[dict[str, Any]] | None = None,
-             spent_usd: float = 0.0, ask: AskPolicy = "operator", extra_report: str | None = None,
+             resumed: JournalState | None = None, ask: AskPolicy = "operator", extra_report: str | None = None,
              lock: RunLock | None = None) -> tuple[Engine, Journal]:
     """The run's engine and its journal (the run directory locked, `events.jsonl` open, appended to when the
-    run is resumed). A write that fails mid-run stops the run, saying why. Raises JournalError on a directory
+    run is resumed, with what its journal said: `resumed`). A write that fails mid-run stops the run, saying why. Raises JournalError on a directory
     that cannot be used, before any request is sent."""
     raise_descriptor_limit()
-    engine = Engine(config, run_id=run_id, run_dir=str(run_dir), completed=completed, history=history,
-                    spent_usd=spent_usd, stream_process=wants_stream_process(config, console=console), ask=ask)
+    engine = Engine(config, run_id=run_id, run_dir=str(run_dir), resumed=resumed,
+                    stream_process=wants_stream_process(config, console=console), ask=ask)
     journal = Journal(run_dir, engine.report, extra_report=extra_report,
                       on_error=lambda line: engine.stop(f"run stopped: {line}"))
     journal.open(resume=resume, lock=lock)

@@ -13,7 +13,7 @@ admission, the attempt records and their watchdog, and the events that tell them
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,6 +28,7 @@ from cerevisor_tui.kinds import FINAL
 
 if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine
+    from cerevisor_tui.engine.resume import SessionBefore
 
 
 class RunStopping(Exception):
@@ -67,6 +68,7 @@ class Session:
     # how many of each conversation's messages the transcript has, by the conversation's fingerprint: a harness
     # may carry several in one session (Claude Code's side requests for a title or a summary)
     recorded: dict[str, int] = field(default_factory=dict)
+    resumed: bool = False  # an earlier run of the directory had it: its transcript holds what it said then
 
     @property
     def name(self) -> str:
@@ -90,6 +92,8 @@ class Sessions:
         self.release_after_s = 60.0
         self.group: anyio.abc.TaskGroup | None = None  # the run's background group, once the run has begun
         self._ready: anyio.Event | None = None  # made in the run's loop: the run has begun, slots can be held
+        # a resumed run: what each session had done before (engine/resume.py), which it goes on from
+        self.before: Mapping[str, SessionBefore] = {}
 
     @property
     def ready(self) -> anyio.Event:
@@ -116,6 +120,11 @@ class Sessions:
         if not st.pool:
             e.agents_on.setdefault(where, []).append(st)
         session = self.by_name[name] = Session(st, source, harness, api, key)
+        before = self.before.get(name)
+        if before is not None:  # its requests numbered on, its cost counted on (the report keeps its figures)
+            st.attempts = st.turn = st.turns_done = session.requests = before.requests
+            st.cost_usd = before.cost_usd
+            session.resumed = True
         e.emit(ev.SessionOpened(e.clock.now(), name, source, harness, api, endpoint, key))
         return session
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,70 +51,69 @@ class ToolMemory:
         self.results: dict[tuple[str, str, str], list[str]] = defaultdict(list)
         self.approved: set[tuple[str, str]] = set()
         self.damaged: dict[str, int] = {}  # agent -> its calls that ran and whose records cannot be read
+        # while a journal is read (`feed`): agent -> the calls of its last answer, in order; how many of them have
+        # their tool message; what its current call has shown ("started", "ok", "error", ...); and what each call
+        # (function, arguments) of its current run left, in order (a run is from its AgentQueued on, and a later
+        # run, a resume, walks the same calls again: see _fold)
+        self._calls: dict[str, list[tuple[str, str] | None]] = {}
+        self._done: dict[str, int] = {}
+        self._state: dict[str, str] = {}
+        self._runs: dict[str, dict[tuple[str, str], list[str]]] = {}
 
-    @classmethod
-    def from_records(cls, records: Iterable[dict[str, Any]]) -> ToolMemory:
-        """From a journal's records in order (the journal's own reader has checked each is an event)."""
-        memory = cls()
-        calls: dict[str, list[tuple[str, str] | None]] = {}  # agent -> the calls of its last answer, in order
-        done: dict[str, int] = {}  # agent -> how many of them have their tool message
-        state: dict[str, str] = {}  # agent -> what its current call has shown: "started", "ok", "error", ...
-        # agent -> what each call (function, arguments) of its current run left, in order; a run is from its
-        # AgentQueued on, and a later run (a resume) walks the same calls again: see _fold
-        runs: dict[str, dict[tuple[str, str], list[str]]] = {}
-        for r in records:
-            kind, agent = r.get("event"), r.get("agent")
-            if not isinstance(agent, str):
-                continue
-            if kind == "MessageRecorded":
-                if r.get("role") == "assistant" and not r.get("partial"):
-                    memory._answer_over(agent, calls, done, state, runs)
-                    calls[agent] = [_recorded_call(c) for c in r.get("tool_calls") or ()]
-                    done[agent] = 0
-                elif r.get("role") == "tool" and agent in calls:
-                    memory._call_over(agent, calls, done, state.pop(agent, ""), str(r.get("content", "")), runs)
-            elif kind == "ToolCallStarted" and agent in calls:
-                state[agent] = "started"
-            elif kind == "ToolCallFinished" and agent in calls:
-                state[agent] = str(r.get("outcome"))
-            elif kind in ("AgentQueued", "AgentFinished"):
-                memory._answer_over(agent, calls, done, state, runs)
+    def feed(self, event: ev.Event) -> None:
+        """The journal's next event (read once, for every part of a resume: engine/resume.py `read_journal`)."""
+        calls = self._calls
+        match event:
+            case ev.MessageRecorded(agent=agent, role="assistant", partial=False, tool_calls=recorded):
+                self._answer_over(agent)
+                calls[agent] = [_recorded_call(c) for c in recorded]
+                self._done[agent] = 0
+            case ev.MessageRecorded(agent=agent, role="tool", content=content) if agent in calls:
+                self._call_over(agent, self._state.pop(agent, ""), content)
+            case ev.ToolCallStarted(agent=agent) if agent in calls:
+                self._state[agent] = "started"
+            case ev.ToolCallFinished(agent=agent, outcome=outcome) if agent in calls:
+                self._state[agent] = outcome
+            case ev.AgentQueued(agent=agent) | ev.AgentFinished(agent=agent):
+                self._answer_over(agent)
                 calls.pop(agent, None)
-                if kind == "AgentQueued":
-                    memory._fold(agent, runs.pop(agent, {}))
-            elif kind == "ApprovalDecided" and r.get("decision") == "run":
-                memory.approved.add((str(r.get("server")), str(r.get("tool"))))
-        for agent in list(calls):
-            memory._answer_over(agent, calls, done, state, runs)
-        for agent, run in runs.items():
-            memory._fold(agent, run)
-        return memory
+                if isinstance(event, ev.AgentQueued):
+                    self._fold(agent, self._runs.pop(agent, {}))
+            case ev.ApprovalDecided(server=server, tool=tool, decision="run"):
+                self.approved.add((server, tool))
 
-    def _call_over(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
-                   outcome: str, content: str | None, runs: dict[str, dict[tuple[str, str], list[str]]]) -> None:
+    def read(self) -> ToolMemory:
+        """The journal is read to its end: a call cut off by it is over, and each agent's last run is known."""
+        for agent in list(self._calls):
+            self._answer_over(agent)
+        for agent, run in self._runs.items():
+            self._fold(agent, run)
+        self._calls, self._done, self._state, self._runs = {}, {}, {}, {}
+        return self
+
+    def _call_over(self, agent: str, outcome: str, content: str | None) -> None:
         """The agent's next call (by position) has its tool message (`content`), or its answer is over without
         one (None). A call that ran (or began to) and has no result to hand back may have taken effect."""
-        position = done[agent]
-        if position >= len(calls[agent]):
+        position = self._done[agent]
+        if position >= len(self._calls[agent]):
             return
-        done[agent] = position + 1
-        call = calls[agent][position]
+        self._done[agent] = position + 1
+        call = self._calls[agent][position]
         finished = outcome in ("ok", "error") and content is not None
         ran = outcome == "started" or (outcome in ("ok", "error") and content is None)
         if call is None:
             if ran or finished:
                 self.damaged[agent] = self.damaged.get(agent, 0) + 1
             return
-        left = runs.setdefault(agent, {}).setdefault(call, [])
+        left = self._runs.setdefault(agent, {}).setdefault(call, [])
         left.append(content if finished and content is not None else INTERRUPTED if ran else NOT_RUN)
 
-    def _answer_over(self, agent: str, calls: dict[str, list[tuple[str, str] | None]], done: dict[str, int],
-                     state: dict[str, str], runs: dict[str, dict[tuple[str, str], list[str]]]) -> None:
+    def _answer_over(self, agent: str) -> None:
         """The agent's answer is over (another one, its end, the journal's end): a call that started and has
         no tool message was cut off mid-call."""
-        outcome = state.pop(agent, "")
-        if outcome and agent in calls:
-            self._call_over(agent, calls, done, outcome, None, runs)
+        outcome = self._state.pop(agent, "")
+        if outcome and agent in self._calls:
+            self._call_over(agent, outcome, None)
 
     def _fold(self, agent: str, run: dict[tuple[str, str], list[str]]) -> None:
         """One run of the agent into what is known: its n-th call of a function and arguments replaces the

@@ -97,7 +97,7 @@ class Judge(Protocol):
 
 
 async def warm_up(config: Config, connections: Connections, policies: Mapping[str, ResolvedStall],
-                  emit: Callable[[ev.Event], None], run_id: str, admission: Admission, judge: Judge,
+                  emit: Callable[[ev.Event], None], request_prefix: str, admission: Admission, judge: Judge,
                   reused: Collection[str] = (), *,
                   task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Warm each endpoint `to_warm` names, all at once, each held for admission until its own warm-up ends,
@@ -114,7 +114,7 @@ async def warm_up(config: Config, connections: Connections, policies: Mapping[st
     try:
         async with anyio.create_task_group() as warming:
             for ep in eps:
-                warming.start_soon(_warm, ep, connections, policies[ep.name], emit, run_id, admission, judge,
+                warming.start_soon(_warm, ep, connections, policies[ep.name], emit, request_prefix, admission, judge,
                                    config.run.warmup_timeout_s)
     finally:
         for ep in eps:
@@ -122,15 +122,15 @@ async def warm_up(config: Config, connections: Connections, policies: Mapping[st
 
 
 async def _warm(ep: EndpointConfig, connections: Connections, policy: ResolvedStall, emit: Callable[[ev.Event], None],
-                run_id: str, admission: Admission, judge: Judge, timeout_s: float) -> None:
+                request_prefix: str, admission: Admission, judge: Judge, timeout_s: float) -> None:
     try:
-        await _request(ep, connections, policy, emit, run_id, judge, timeout_s)
+        await _request(ep, connections, policy, emit, request_prefix, judge, timeout_s)
     finally:
         admission.admit(ep.name)  # its agents go now, whatever came of it
 
 
 async def _request(ep: EndpointConfig, connections: Connections, policy: ResolvedStall,
-                   emit: Callable[[ev.Event], None], run_id: str, judge: Judge, timeout_s: float) -> None:
+                   emit: Callable[[ev.Event], None], request_prefix: str, judge: Judge, timeout_s: float) -> None:
     sent = time.monotonic()
     first: float | None = None
     error = waited_for = ""
@@ -147,7 +147,7 @@ async def _request(ep: EndpointConfig, connections: Connections, policy: Resolve
                             "model": await connections.model(ep), "messages": [{"role": "user", "content": PROMPT}],
                             "stream": True, "stream_options": {"include_usage": True}, "max_tokens": MAX_TOKENS,
                             "temperature": 0}
-                    headers = {"X-Cerevisor-Agent": "warmup", "X-Request-Id": f"{run_id}.warmup.{ep.name}"}
+                    headers = {"X-Cerevisor-Agent": "warmup", "X-Request-Id": f"{request_prefix}.warmup.{ep.name}"}
                     request.sent_at = time.monotonic()  # (again after a refusal: open from here)
                     stream = connections.stream(ep.name, connections.chat_url(ep.name), body, headers)
                     async with aclosing(stream.events()) as items:

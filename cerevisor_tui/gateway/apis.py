@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
+from cerevisor_tui.contract.events import Role
 from cerevisor_tui.endpoints import bounds
 
 Api = Literal["chat", "responses", "messages"]
@@ -141,12 +142,28 @@ def fingerprint(model: str, system: str, messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(f"{model}\0{system}\0{first}".encode()).hexdigest()[:10]
 
 
-def role_of(message: dict[str, Any]) -> str:
+def role_of(message: dict[str, Any]) -> Role:
+    """Who said a message, in the journal's words (its transcript keeps the message as the client sent it)."""
     role = message.get("role")
-    if isinstance(role, str):
+    if isinstance(role, str) and role in ROLES:
         return role
+    if role == "function":  # the chat API's older name for a tool's result
+        return "tool"
     kind = message.get("type")  # responses' items without a role: function_call, function_call_output, ...
-    return kind if isinstance(kind, str) else "item"
+    if isinstance(kind, str) and kind.endswith("_output"):
+        return "tool"
+    if kind in ("function_call", "custom_tool_call", "reasoning"):
+        return "assistant"
+    return "user"
+
+
+ROLES: frozenset[str] = frozenset(get_args(Role))
+
+
+def answered(messages: list[dict[str, Any]]) -> int:
+    """How many of a conversation's messages come before what is new in it: up to its last answer (what a
+    transcript of an earlier run of the session already holds)."""
+    return next((i + 1 for i in range(len(messages) - 1, -1, -1) if role_of(messages[i]) == "assistant"), 0)
 
 
 # ---- what comes back: a decoded copy ---------------------------------------------------------------------

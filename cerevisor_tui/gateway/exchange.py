@@ -420,7 +420,9 @@ class Exchange:
         # counted per conversation, so that a side request never makes the main one's history look new; its
         # model left out, as a harness may switch models mid-conversation
         self.conversation = apis.fingerprint("", system, conversation)
-        recorded = session.recorded.get(self.conversation, 0)
+        recorded = session.recorded.get(self.conversation)
+        if recorded is None:  # its first request here; a resumed run's session has its history before recorded
+            recorded = apis.answered(messages) if session.resumed else 0
         if self.api == "responses" and self.body.get("previous_response_id"):
             new = conversation  # the server keeps the history: every item is new
         elif len(messages) >= recorded:

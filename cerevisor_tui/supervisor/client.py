@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.contract.commands import Command
+from cerevisor_tui.contract.commands import Answer, Command
 from cerevisor_tui.contract.wire import (
     PROTOCOL,
     Bye,
@@ -153,7 +153,8 @@ class ControlClient:
 
 class RemoteControl:
     """The console's RunControl (ui/control.py) over a run's control socket. A command is sent at once and
-    answered later: `send` returns None (what it changed comes back as events), and a refusal is told to
+    answered later: `then` gets the run's answer when its reply comes, the same `Answer` an in-process run
+    gives (a connection that ends first is a refusal that says so). Sent without `then`, a refusal is told to
     `on_error` in the run's own words. Unbound, or bound to nothing (a run that has ended, shown read-only),
     every command is refused with `refusal`."""
 
@@ -167,15 +168,22 @@ class RemoteControl:
         if refusal:
             self.refusal = refusal
 
-    def send(self, command: Command) -> None:
+    def send(self, command: Command, then: Callable[[Answer], None] | None = None) -> None:
         client = self.client
         if client is None:
-            self.on_error(self.refusal)
-            return None
+            self._answered(Answer(error=self.refusal), then)
+            return
 
         def done(future: asyncio.Future[Any]) -> None:
-            if not future.cancelled() and future.exception() is not None:
-                self.on_error(str(future.exception()))
+            if future.cancelled():
+                return
+            problem = future.exception()
+            self._answered(Answer(future.result()) if problem is None else Answer(error=str(problem)), then)
 
         client.send(command).add_done_callback(done)
-        return None
+
+    def _answered(self, answer: Answer, then: Callable[[Answer], None] | None) -> None:
+        if then is not None:
+            then(answer)
+        elif answer.refused:
+            self.on_error(answer.error)

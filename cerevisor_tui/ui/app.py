@@ -252,6 +252,18 @@ class CerevisorApp(App[int]):
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
 
     # ---- the run ----------------------------------------------------------------------------------
+    def command(self, command: cmd.Command, then: Callable[[cmd.AnswerValue], None] | None = None) -> None:
+        """Send `command` to the run: a refusal is said as a warning in the run's own words, and `then` gets what
+        the run did (its answer's value), the same whether the run is in this process or over its socket."""
+
+        def answered(answer: cmd.Answer) -> None:
+            if answer.refused:
+                self.notify(answer.error, title="Not done", severity="warning", timeout=6)
+            elif then is not None:
+                then(answer.value)
+
+        self.control.send(command, answered)
+
     @property
     def model(self) -> RunMirror:
         """The mirror, as the UiModel it extends (its transcripts, throughput and trends)."""
@@ -314,7 +326,7 @@ class CerevisorApp(App[int]):
         """Stop the current run cleanly (its journal gets its end), then follow `handle`'s run in its place."""
         worker = self._engine_worker
         if worker is not None and not worker.is_finished:
-            self.control.send(cmd.Stop(reason=reason))
+            self.command(cmd.Stop(reason=reason))
             try:
                 await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
             except TimeoutError:
@@ -365,7 +377,7 @@ class CerevisorApp(App[int]):
         if self.attached:
             worker.cancel()
             return
-        self.control.send(cmd.Stop(reason="console closed"))
+        self.command(cmd.Stop(reason="console closed"))
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(worker.wait(), STOP_WAIT_S)
 
@@ -402,7 +414,7 @@ class CerevisorApp(App[int]):
         if choice == "detach":
             self._begin_shutdown(0, "console detached")
         elif choice == "stop":
-            self.control.send(cmd.Stop(reason="stopped from an attached console"))
+            self.command(cmd.Stop(reason="stopped from an attached console"))
             self._begin_shutdown(None, "console quit", stop=False)
 
     def _begin_shutdown(self, exit_code: int | None = None, reason: str = "console quit", *, stop: bool = True) -> None:
@@ -423,7 +435,7 @@ class CerevisorApp(App[int]):
             worker.cancel()  # detach: close the connection, the run goes on
         elif worker is not None and not worker.is_finished:
             if stop:
-                self.control.send(cmd.Stop(reason=reason))
+                self.command(cmd.Stop(reason=reason))
             try:
                 await asyncio.wait_for(worker.wait(), STOP_WAIT_S if exit_code is None else SIGNAL_STOP_WAIT_S)
             except TimeoutError:

@@ -94,10 +94,11 @@ def gateway_config(*, endpoints: list[dict[str, Any]] | None = None, gateway: di
 
 @asynccontextmanager
 async def served(config=None, *, model: str = "", sim: dict[str, Any] | None = None, run_dir: Path | None = None,
-                 **kwargs: Any) -> AsyncIterator[Served]:
+                 resume: bool = False, **kwargs: Any) -> AsyncIterator[Served]:
     """The run and its gateway, serving until the block ends (then the run is stopped, as `stop` does, and its
     exit code kept). `sim`: settings of a simulator of the test's own, the run's endpoint "sim" (kind local).
-    `run_dir`: the run keeps a run directory there (journal, transcripts, report.json), as `gateway` does."""
+    `run_dir`: the run keeps a run directory there (journal, transcripts, report.json), as `gateway` does;
+    `resume`: the run takes up the one there, as `--resume` does."""
     async with AsyncExitStack() as stack:
         sim_server = None
         if sim is not None:
@@ -106,9 +107,11 @@ async def served(config=None, *, model: str = "", sim: dict[str, Any] | None = N
         config = config or gateway_config(**kwargs)
         journal = None
         if run_dir is not None:
+            from cerevisor_tui.engine.resume import read_journal
             from cerevisor_tui.engine.run_setup import open_run
 
-            engine, journal = open_run(config, "gw-test", run_dir, console=False)
+            engine, journal = open_run(config, "gw-test", run_dir, console=False, resume=resume,
+                                       resumed=read_journal(run_dir) if resume else None)
             stack.callback(journal.close)
         else:
             engine = Engine(config)

@@ -11,6 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
+from cerevisor_tui.contract import events as ev
+from tests.conftest import until
+
 from .conftest import chat, post, served
 from .upstreams import REASONING, WORDS, FakeApi
 
@@ -178,3 +181,46 @@ async def test_the_report_names_each_session(tmp_path):
     assert report["totals"]["sessions"] == 2 and report["agents"] == []
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert [e["agent"] for e in events if e["event"] == "SessionOpened"] == ["alpha", "beta"]
+
+
+async def test_a_resumed_gateway_run_keeps_each_sessions_figures_and_appends_to_its_transcript(tmp_path):
+    """`--resume` of a gateway's run: a session that comes back goes on where it was. Its transcript gets the new
+    request's messages only (not its whole history again), its requests are numbered on, and the report keeps
+    what it did before."""
+    run_dir = tmp_path / "run"
+    history: list[dict[str, Any]] = []
+    answers = []
+
+    async def ask(s: Any, client: httpx.AsyncClient, text: str) -> None:
+        nonlocal history
+        body = chat(text, system="You are terse.", history=history, stream=False, max_tokens=5)
+        answer = await post(client, s.url + "/chat/completions", body, headers={"X-Session-ID": "conv"})
+        assert answer.status == 200
+        answers.append(answer.json()["choices"][0]["message"]["content"])
+        history = body["messages"][1:] + [{"role": "assistant", "content": answers[-1]}]
+
+    async with served(sim={}, run_dir=run_dir) as s, httpx.AsyncClient(timeout=30) as client:
+        for text in ("first question", "second question"):
+            await ask(s, client, text)
+        once = await post(client, s.url + "/chat/completions", chat("only once", stream=False),
+                          headers={"X-Session-ID": "once"})
+        assert once.status == 200
+        await until(lambda: len(s.of(ev.AgentMeters, "conv")) == 2 and s.of(ev.AgentMeters, "once"),
+                    "the requests' end")
+    before, once_before = json.loads((run_dir / "report.json").read_text())["sessions"]
+    assert (before["requests"], before["turns"]) == (2, 2) and before["completion_tokens"] > 0
+    async with served(sim={}, run_dir=run_dir, resume=True) as s, httpx.AsyncClient(timeout=30) as client:
+        await ask(s, client, "third question")
+        await until(lambda: s.of(ev.AgentMeters, "conv"), "the request's end")  # noqa: B023
+        [started] = s.of(ev.AgentStarted, "conv")
+    assert (started.attempt, started.turn) == (3, 3)  # numbered on from the run before
+    records = _transcript(run_dir, "conv")
+    assert _said(records) == [("system", "You are terse."), ("user", "first question"), ("assistant", answers[0]),
+                              ("user", "second question"), ("assistant", answers[1]),
+                              ("user", "third question"), ("assistant", answers[2])]
+    assert [r["turn"] for r in records] == [1, 1, 1, 2, 2, 3, 3]
+    after, once = json.loads((run_dir / "report.json").read_text())["sessions"]
+    assert (after["name"], after["requests"], after["turns"]) == ("conv", 3, 3)
+    assert once == once_before and once["status"] == "ended"  # one that did not come back: as it was
+    assert after["completion_tokens"] > before["completion_tokens"]
+    assert after["prompt_tokens"] > before["prompt_tokens"]

@@ -14,7 +14,7 @@ from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.control import LocalControl
 from cerevisor_tui.engine.engine import Engine
-from cerevisor_tui.engine.sinks.journal import Journal, read_records
+from cerevisor_tui.engine.sinks.journal import Journal, read_events
 from cerevisor_tui.ui.mirror import RunMirror
 from tests.ui.conftest import EventLog, kind, sim_config
 
@@ -55,7 +55,9 @@ async def run_with_mirror(tmp_path) -> tuple[Engine, RunMirror, int]:
 
             group.start_soon(run)
             await log.wait(kind("AgentQueued", "never"))
-            assert control.send(cmd.Kill(agent="never")) is True
+            answers: list[cmd.Answer] = []
+            control.send(cmd.Kill(agent="never"), answers.append)
+            assert answers == [cmd.Answer(True)]
             await log.wait(kind("RunFinished"), timeout=30)
     finally:
         journal.close()
@@ -94,17 +96,18 @@ async def test_a_mirror_fed_a_runs_events_ends_with_the_engines_own_state_and_a_
     sim = live.endpoints["sim"]
     # the model the run resolved from /v1/models after it started, and the simulator's URL
     assert sim.model == engine.models["sim"] and sim.base_url == engine.base_urls["sim"] and sim.kind == "simulated"
-    assert sim.stall == msgspec.convert(engine.policies["sim"].model_dump(), ev.StallPolicy)
+    assert sim.stall == engine.policies["sim"]
     assert sim.warn_at == engine.policies["sim"].warn_at
     now = engine.load_event("sim")  # the load as the engine judges it at the end, the last it sent
     assert sim.load is not None and msgspec.structs.replace(sim.load, t=now.t) == now and sim.load.cap == 1
     assert live.effective_cap == engine.scheduler.effective_cap and not live.paused
 
     # read-only: a fresh mirror fed only from events.jsonl (no token deltas there) tells every agent's end
-    records, unreadable = read_records(tmp_path / "run")
-    assert unreadable == 0 and not any(r["event"] == "TokenDelta" for r in records)
+    events, unreadable = read_events(tmp_path / "run")
+    assert unreadable == 0 and not any(e.kind == "TokenDelta" for e in events)
     replayed = RunMirror()
-    assert replayed.feed_records(records) == 0
+    for event in events:
+        replayed(event)
     assert figures(replayed) == engine_figures(engine)
     for name, st in engine.agents.items():  # the tokens are the server's count of each turn's answer
         assert replayed.agents[name].tokens == st.completion_tokens
@@ -139,12 +142,15 @@ async def test_the_mirrors_stall_clock_keeps_the_engines_deadline_through_warnin
         assert a.attempt.deadline_at == pytest.approx(warning.deadline_at) == pytest.approx(st.current.deadline_at)
         assert a.attempt.tokens == st.current.tokens == 3
 
-        assert control.send(cmd.Extend(agent="a", seconds=30.0)) is True
+        answers: list[cmd.Answer] = []
+        control.send(cmd.Extend(agent="a", seconds=30.0), answers.append)
+        assert answers == [cmd.Answer(True)]
         assert a.status == st.status == "streaming"
         assert a.attempt.deadline_at == pytest.approx(st.current.deadline_at) == pytest.approx(
             warning.deadline_at + 30.0)
 
-        assert control.send(cmd.Kill(agent="a")) is True
+        control.send(cmd.Kill(agent="a"), answers.append)
+        assert answers[-1] == cmd.Answer(True)
         await log.wait(kind("RunFinished"))
         group.cancel_scope.cancel()
     assert mirror.agents["a"].status == "killed" and mirror.agents["a"].error == "killed by operator"
@@ -164,25 +170,28 @@ def test_a_command_is_checked_before_the_run_carries_it_out(tmp_path):
         ({"name": "set_concurrency", "cap": 10**40}, "at `cap`"),
         ({"name": "nudge_cap", "delta": 1, "by": 2}, "unknown field `by`"),
         ({"name": "extend", "agent": "steady", "seconds": -100000.0}, "Expected `float` > 0.0 - at `seconds`"),
+        ({"name": "set_stall", "endpoint": "sim", "policy": {"idle_timeout_s": 5}},
+         "missing required field `first_byte_timeout_s` - at `policy`"),
+        ({"name": "set_stall", "endpoint": "sim", "policy": msgspec.to_builtins(engine.policies["sim"]) | {"spin": 1}},
+         "unknown field `spin` - at `policy`"),
     ]
     for data, message in objects:
         with pytest.raises(cmd.CommandError) as caught:
             engine.handle(cmd.command_of(data))
         assert message in str(caught.value) and "\n" not in str(caught.value)
+    replace, policy = msgspec.structs.replace, engine.policies["sim"]
     refused = [
         (cmd.SetConcurrency(cap=0), "Expected `int` >= 1 - at `cap`"),
         (cmd.Extend(agent="steady", seconds=float("inf")), "at `seconds`"),
         (cmd.Extend(agent="steady", seconds=float("nan")), "at `seconds`"),
         (cmd.Kill(agent="nobody"), "no agent named 'nobody'"),
-        (cmd.SetStall(endpoint="sim", policy={"idle_timeout_s": 5}), "set_stall: first_byte_timeout_s"),
-        (cmd.SetStall(endpoint="sim", policy=engine.policies["sim"].model_dump() | {"idle_timeout_s": float("nan")}),
-         "set_stall: idle_timeout_s: Input should be a finite number"),
-        (cmd.SetStall(endpoint="sim", policy=engine.policies["sim"].model_dump() | {"extend_s": -5.0}),
-         "set_stall: extend_s: Input should be greater than 0"),
-        (cmd.SetStall(endpoint="sim", policy=engine.policies["sim"].model_dump() | {"warn_at": [1.5]}),
-         "set_stall: warn_at"),
-        (cmd.SetStall(endpoint="sim", policy=engine.policies["sim"].model_dump() | {"spin": True}),
-         "set_stall: spin: Extra inputs are not permitted"),
+        (cmd.SetStall(endpoint="sim", policy=replace(policy, idle_timeout_s=float("nan"))),
+         "Expected `float` > 0.0 - at `policy.idle_timeout_s`"),
+        (cmd.SetStall(endpoint="sim", policy=replace(policy, first_byte_timeout_s=float("inf"))),
+         "at `policy.first_byte_timeout_s`"),
+        (cmd.SetStall(endpoint="sim", policy=replace(policy, extend_s=-5.0)),
+         "Expected `float` > 0.0 - at `policy.extend_s`"),
+        (cmd.SetStall(endpoint="sim", policy=replace(policy, warn_at=(1.5,))), "Expected `float` < 1.0"),
         (cmd.Probe(endpoint="elsewhere"), "no endpoint named 'elsewhere'"),
     ]
     for command, message in refused:
@@ -192,7 +201,7 @@ def test_a_command_is_checked_before_the_run_carries_it_out(tmp_path):
     assert engine.handle(cmd.NudgeCap(delta=-1)) == 4
     assert engine.handle(cmd.CycleMode()) == "parallel"
     assert engine.handle(cmd.Extend(agent="steady")) is False  # nothing runs yet
-    policy = engine.policies["sim"].model_dump(mode="json") | {"idle_timeout_s": 5.0}
+    policy = replace(policy, idle_timeout_s=5.0)
     seen: list[ev.Event] = []
     engine.subscribe(seen.append)
     assert engine.handle(cmd.SetStall(endpoint="sim", policy=policy)) is True
@@ -209,7 +218,7 @@ def test_every_command_has_a_case_in_the_engine(tmp_path):
                cmd.NudgeCap: cmd.NudgeCap(delta=1), cmd.Kill: cmd.Kill(agent="steady"),
                cmd.Extend: cmd.Extend(agent="steady"), cmd.Retry: cmd.Retry(agent="steady"),
                cmd.Approve: cmd.Approve(agent="steady", call_id="c"), cmd.Deny: cmd.Deny(agent="steady", call_id="c"),
-               cmd.SetStall: cmd.SetStall(endpoint="sim", policy=engine.policies["sim"].model_dump(mode="json")),
+               cmd.SetStall: cmd.SetStall(endpoint="sim", policy=engine.policies["sim"]),
                cmd.Probe: None, cmd.CancelProbe: cmd.CancelProbe(endpoint="sim")}
     for cls in cmd.COMMAND_TYPES:
         command = samples[cls] if cls in samples else cls()
@@ -249,10 +258,12 @@ def test_a_journal_written_by_the_dataclass_events_of_2026_12_reads_whole():
     """tests/fixtures/journals/events.jsonl (2026-12-01) was written by the last version whose events were
     dataclasses (a tool call, a stall kill and its retry, dependencies, then a --resume that reran an agent):
     every line reads as an event of this version, and the mirror ends where that run ended."""
-    records, unreadable = read_records(FIXTURES / "journals")
-    assert unreadable == 0 and len(records) == 111
+    events, unreadable = read_events(FIXTURES / "journals")
+    assert unreadable == 0 and len(events) == 111
     mirror = RunMirror()
-    assert mirror.feed_records(records) == 0
+    for event in events:
+        mirror(event)
+    assert not mirror.events_not_taken
     assert {name: a.status for name, a in mirror.agents.items()} == {"a0": "completed", "a1": "completed",
                                                                      "stuck": "completed"}
     assert mirror.finished is not None and mirror.finished.exit_code == 0  # the resumed run, which ran stuck again

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.engine.sinks.journal import read_records
+from cerevisor_tui.engine.sinks.journal import read_events
 from cerevisor_tui.ui.mirror import RunMirror
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,10 +145,16 @@ def test_an_event_a_handler_fails_on_is_counted_said_once_and_the_journal_after_
     edited = tmp_path / "run"
     edited.mkdir()
     (edited / "events.jsonl").write_text("\n".join([*lines[:10], bad, bad, *lines[10:]]) + "\n")
-    records, unreadable = read_records(edited)
-    assert unreadable == 0  # the lines fit the contract's types: only a handler finds them wrong
+    events, unreadable = read_events(edited)
+    assert unreadable == 2  # a number past a float's range is no event of this version: counted, never read
     mirror = RunMirror()
-    assert mirror.feed_records(records) == 0
+    for event in events:
+        mirror(event)
+    assert mirror.finished is not None and mirror.finished.exit_code == 1 and not mirror.events_not_taken
+    # the same lines parsed by json (which reads 1e400 as infinity) fit the contract's types: only a handler
+    # finds them wrong, and the mirror catches that per event
+    mirror = RunMirror()
+    assert mirror.feed_records(json.loads(line) for line in (edited / "events.jsonl").read_text().splitlines()) == 0
     assert mirror.events_not_taken == 2
     said = [n for n in mirror.notices if n.title == "Console"]
     assert len(said) == 1 and "could not take a TokenDelta event (OverflowError" in said[0].message

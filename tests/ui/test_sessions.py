@@ -223,14 +223,14 @@ async def test_a_new_session_adds_its_row_without_moving_the_operators_cursor():
 
 
 class Refusing:
-    """A control whose run refuses every command with its ValueError (as a run refuses what it does not do)."""
+    """A control whose run refuses every command (as a run refuses what it does not do)."""
 
     def __init__(self) -> None:
         self.sent: list[cmd.Command] = []
 
-    def send(self, command: cmd.Command) -> Any:
+    def send(self, command: cmd.Command, then: Any = None) -> None:
         self.sent.append(command)
-        raise ValueError(f"refused: {type(command).__name__}")
+        then(cmd.Answer(error=f"refused: {type(command).__name__}"))
 
 
 def notified(app) -> list[str]:

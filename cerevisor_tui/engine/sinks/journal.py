@@ -8,8 +8,9 @@ at every wave end and at the end of the run. A write that fails (a full disk, a 
 read-only remount) does not raise into the run: the journal stops writing, keeps what it wrote, and
 tells its owner once (`on_error`), who stops the run.
 
-`read_journal` reads a run directory back for `--resume`: whatever it cannot read (a truncated line,
-invalid UTF-8, a line of the wrong shape) is skipped and counted, never an exception.
+`iter_events` reads a run directory back, each line decoded once to its event (for `--resume`:
+engine/resume.py `read_journal`; for a console shown an ended run: `read_events`): whatever it cannot read (a
+truncated line, invalid UTF-8, a line of the wrong shape) is skipped and counted, never an exception.
 """
 
 from __future__ import annotations
@@ -17,11 +18,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -367,51 +366,26 @@ class Journal:
         return True
 
 
-@dataclass
-class JournalState:
-    """What a run directory's journal says, for `--resume`: its run id, the answers of the agents it
-    completed, their recorded events, what the run has spent on priced endpoints, and how many lines could
-    not be read."""
-
-    run_id: str
-    completed: dict[str, str] = field(default_factory=dict)
-    history: list[dict[str, Any]] = field(default_factory=list)
-    spent_usd: float = 0.0  # the last AgentMeters' run_cost_usd: a resumed run counts on from it
-    skipped: int = 0
-    first_problem: str = ""  # e.g. "line 12: invalid UTF-8"
-
-    def notice(self, path: Path) -> str:
-        """One line on what was skipped, or "" when every line was read."""
-        if not self.skipped:
-            return ""
-        lines = "line" if self.skipped == 1 else "lines"
-        return f"{self.skipped} unreadable {lines} of {path / EVENTS_FILE} skipped (first: {self.first_problem})"
-
-
-def _problem(raw: bytes, last: bool) -> tuple[dict[str, Any] | None, str]:
-    """One line of events.jsonl as an event record, or None and why it cannot be one."""
-    cut = last and not raw.endswith(b"\n")
+def _problem(raw: bytes, last: bool, exc: ev.EventError) -> str:
+    """Why a line of events.jsonl that does not decode as an event cannot be one (read again only to say why)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return None, "invalid UTF-8"
+        return "invalid UTF-8"
     try:
         data = json.loads(text)
     except (ValueError, RecursionError):
-        return None, "truncated last line" if cut else "not JSON"
+        return "truncated last line" if last and not raw.endswith(b"\n") else "not JSON"
     if not isinstance(data, dict) or not isinstance(data.get("event"), str):
-        return None, "not an event"
-    try:
-        ev.event_of(data)  # its fields checked as this version's event: what is read back is what it says
-    except ev.EventError as exc:
-        return None, f"{data['event']}: {exc}"
-    return data, ""
+        return "not an event"
+    return f"{data['event']}: {exc}"
 
 
-def iter_lines(run_dir: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
+def iter_events(run_dir: str | os.PathLike[str]) -> Iterator[tuple[int, ev.Event | None, str]]:
     """Each non-blank line of a run directory's events.jsonl, in order, read one at a time (a journal may be
-    far larger than what a resume keeps of it): its number, and its event record or None and why it cannot be
-    one. Raises JournalError when the file itself cannot be read."""
+    far larger than what a resume keeps of it) and decoded once, its fields checked as this version's event:
+    its number, and its event or None and why it cannot be one. Raises JournalError when the file itself cannot
+    be read."""
     path = Path(run_dir) / EVENTS_FILE
     try:
         fh = open(path, "rb")  # noqa: SIM115 - closed below, after the last line is handed out
@@ -425,62 +399,24 @@ def iter_lines(run_dir: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str,
             while raw is not None:
                 following = next(lines, None)  # one line ahead: only the last line may be a cut one
                 if raw.strip():
-                    data, problem = _problem(raw, following is None)
-                    yield number, data, problem
+                    try:
+                        yield number, ev.decode_event(raw), ""
+                    except ev.EventError as exc:
+                        yield number, None, _problem(raw, following is None, exc)
                 raw, number = following, number + 1
         except OSError as exc:
             raise JournalError(f"cannot read {path}: {_why(exc)}") from None
 
 
-def read_records(run_dir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]], int]:
-    """Every readable event record of a run directory's events.jsonl, in order (what a console shown a run that
-    is not running is fed: `ev.event_of` turns each into its event), and how many lines could not be read.
-    Raises JournalError only when the file itself cannot be read."""
-    records, skipped = [], 0
-    for _, data, _ in iter_lines(run_dir):
-        if data is None:
+def read_events(run_dir: str | os.PathLike[str]) -> tuple[list[ev.Event], int]:
+    """Every readable event of a run directory's events.jsonl, in order (what a console shown a run that is not
+    running is fed), and how many lines could not be read. Raises JournalError only when the file itself cannot
+    be read."""
+    events: list[ev.Event] = []
+    skipped = 0
+    for _, event, _ in iter_events(run_dir):
+        if event is None:
             skipped += 1
         else:
-            records.append(data)
-    return records, skipped
-
-
-REPLAYED = frozenset(cls.kind for cls in ev.EVENT_TYPES if hasattr(Report, f"_on_{cls.kind}"))
-"""The kinds of event the report counts: what a resumed run keeps of its completed agents' earlier events
-(their messages, the bulk of a journal, are in their transcripts and not needed again)."""
-
-
-def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
-    """Read a run directory's events.jsonl back, skipping (and counting) what cannot be read.
-    Raises JournalError only when the file itself cannot be read."""
-    path = Path(run_dir)
-    state = JournalState(run_id=path.name)
-    finished: dict[str, dict[str, Any]] = {}
-    # The figures of completed agents carry over into the resumed run's report: the events the report counts
-    # since each one's last AgentQueued (an earlier failed run of the same agent does not count twice), then
-    # its last completed AgentFinished, which says what it ran with (the engine compares that with the config).
-    # Read line by line, keeping only those: a journal's bulk (its messages) is never held.
-    last_run: dict[str, list[dict[str, Any]]] = {}
-    for number, data, problem in iter_lines(path):
-        if data is None:
-            state.skipped += 1
-            state.first_problem = state.first_problem or f"line {number}: {problem}"
-            continue
-        kind, agent = data["event"], data.get("agent")
-        if kind == "RunStarted" and isinstance(data.get("run_id"), str) and data["run_id"]:
-            state.run_id = data["run_id"]
-        elif kind == "AgentFinished" and data["status"] == "completed":
-            state.completed[data["agent"]] = data.get("output", "")
-            finished[data["agent"]] = data
-        elif kind == "AgentMeters":
-            spent = data.get("run_cost_usd")
-            if isinstance(spent, int | float) and not isinstance(spent, bool) and math.isfinite(spent):
-                state.spent_usd = float(spent)
-        if isinstance(agent, str):
-            if kind == "AgentQueued":
-                last_run[agent] = []
-            elif kind != "AgentFinished" and kind in REPLAYED:
-                last_run.setdefault(agent, []).append(data)
-    state.history = [e for agent, events_ in last_run.items() if agent in state.completed for e in events_]
-    state.history += finished.values()
-    return state
+            events.append(event)
+    return events, skipped

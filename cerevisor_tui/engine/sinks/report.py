@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -65,6 +66,10 @@ class Report:
                 }
 
     def _on_SessionOpened(self, event: ev.SessionOpened) -> None:
+        earlier = self.sessions.get(event.agent)
+        if earlier is not None:  # a resumed run's session, opened again: its figures go on
+            earlier["status"] = "active"
+            return
         self.sessions[event.agent] = {
             "name": event.agent, "source": event.source, "harness": event.harness, "api": event.api,
             "endpoint": event.endpoint, **({"key": event.key} if event.key else {}), "status": "active",
@@ -209,22 +214,22 @@ class Report:
         """Fix the end of the run's wall time (before RunFinished is emitted with the totals)."""
         self._t_end = t
 
-    def replay(self, events: list[dict[str, Any]]) -> None:
+    def replay(self, events: Iterable[ev.Event]) -> None:
         """Feed recorded events of an earlier run (a resumed run's completed agents) into the figures."""
-        for data in events:
-            try:
-                event = ev.event_of(data)
-            except ev.EventError:
-                continue  # a record from another version of the schema, or damaged: skip it rather than fail the resume
-            if isinstance(event, (ev.RunStarted, ev.RunFinished, ev.ModeChanged, ev.ConcurrencyChanged,
-                                  ev.AgentFinished, ev.AgentRerun, ev.EndpointWarmed, ev.LatencySample)):
-                continue  # the new run's own (it ends each agent itself); an agent's figures are what carries over
+        for event in events:
+            match event:
+                case ev.AgentFinished(agent=agent) if agent in self.sessions:
+                    pass  # a session of the earlier run ended with it: it is reopened if it comes back
+                case ev.RunStarted() | ev.RunFinished() | ev.ModeChanged() | ev.ConcurrencyChanged() | \
+                        ev.AgentFinished() | ev.AgentRerun() | ev.EndpointWarmed() | ev.LatencySample():
+                    continue  # the new run's own (it ends each agent itself); an agent's figures are what carries over
             try:
                 self(event)
             except (TypeError, KeyError, ValueError, AttributeError):
                 continue  # damaged (an agent's figures before its start): skip it rather than fail the resume
 
-    def totals(self) -> dict[str, Any]:
+    def totals(self) -> ev.RunTotals:
+        """The run's figures now, as report.json's `totals` and RunFinished have them."""
         agents = self.agents.values()
         end = self._t_end if self._t_end is not None else time.monotonic()
         wall = max(0.0, end - self._t0) if self._t0 else 0.0
@@ -232,12 +237,10 @@ class Report:
         # a gateway session's outcome counts as an agent's does (a killed session is a kill the operator must see)
         ended = (*agents, *self.sessions.values())
         counts = {s: sum(1 for a in ended if a["status"] == s) for s in STATUSES}
-        return {
-            "agents": len(self.agents), **counts, "output_tokens": output, "wall_s": round(wall, 3),
-            "output_tokens_per_s": round(output / wall, 2) if wall > 0 else None, "max_running": self.max_running,
-            **({"cost_usd": round(self.cost_usd, 6)} if self.cost_usd else {}),
-            **({"sessions": len(self.sessions)} if self.sessions else {}),
-        }
+        return ev.RunTotals(
+            agents=len(self.agents), **counts, output_tokens=output, wall_s=round(wall, 3),
+            output_tokens_per_s=round(output / wall, 2) if wall > 0 else None, max_running=self.max_running,
+            cost_usd=round(self.cost_usd, 6), sessions=len(self.sessions))
 
     def to_dict(self) -> dict[str, Any]:
         """The report as report.json holds it: JSON's own values only. A figure that is not a finite number (a

@@ -253,13 +253,15 @@ class MainScreen(Screen):
     # ---- actions ----------------------------------------------------------------------------------
     def action_toggle_mode(self) -> None:
         """The switch is immediate, never held by a dialog; the first landing on parallel/auto then offers a probe."""
-        app = self.app
-        mode = app.control.send(cmd.CycleMode()) or app.mirror.mode
-        self.refresh_status()
-        if mode == "sequential":
-            self.notify("Sequential: one agent at a time; running agents finish first.", timeout=3)
-        else:
-            self._offer_probe()
+
+        def switched(mode: cmd.AnswerValue) -> None:  # the mode the run switched to, told back by the run
+            self.refresh_status()
+            if mode == "sequential":
+                self.notify("Sequential: one agent at a time; running agents finish first.", timeout=3)
+            else:
+                self._offer_probe()
+
+        self.app.command(cmd.CycleMode(), switched)
 
     def _offer_probe(self) -> None:
         """Once per run: an endpoint not probed yet (and not hosted), with agents still to start."""
@@ -298,14 +300,16 @@ class MainScreen(Screen):
 
     def action_cap(self, delta: int) -> None:
         """The parallel cap, or in auto mode the ceiling its controllers stay under (the engine decides which)."""
-        app = self.app
-        app.control.send(cmd.NudgeCap(delta=delta))
-        self.refresh_status()
-        mirror = app.mirror
-        if mirror.mode == "sequential":
-            self.notify(f"Cap {mirror.run_cap}: it applies in parallel mode (m to switch).", timeout=3)
-        elif mirror.mode == "auto":
-            self.notify(f"Auto ceiling {mirror.auto_ceiling}: no endpoint's cap goes above it.", timeout=3)
+        mirror = self.app.mirror
+
+        def nudged(value: cmd.AnswerValue) -> None:  # the cap (or ceiling) in force now, told back by the run
+            self.refresh_status()
+            if mirror.mode == "sequential":
+                self.notify(f"Cap {value}: it applies in parallel mode (m to switch).", timeout=3)
+            elif mirror.mode == "auto":
+                self.notify(f"Auto ceiling {value}: no endpoint's cap goes above it.", timeout=3)
+
+        self.app.command(cmd.NudgeCap(delta=delta), nudged)
 
     def action_cap_history(self) -> None:
         from cerevisor_tui.ui.screens.caps import CapHistoryScreen
@@ -315,10 +319,10 @@ class MainScreen(Screen):
     def action_pause(self) -> None:
         app = self.app
         if app.mirror.paused:
-            app.control.send(cmd.Resume())
+            app.command(cmd.Resume())
             self.notify("Admissions resumed.", timeout=3)
         else:
-            app.control.send(cmd.Pause())
+            app.command(cmd.Pause())
             self.notify("Paused: queued agents wait; running agents go on.", timeout=3)
         self.refresh_status()
 
@@ -336,14 +340,6 @@ class MainScreen(Screen):
             self.notify(f"No agent selected to {verb}.", severity="warning")
         return agent
 
-    def _send(self, command: cmd.Command) -> object:
-        """Send `command`; a refusal (the run's ValueError, in-process) is said as a warning, and None returned."""
-        try:
-            return self.app.control.send(command)
-        except ValueError as exc:
-            self.notify(str(exc), severity="warning")
-            return None
-
     def action_kill(self) -> None:
         st = self._selected_state("kill")
         if st is None:
@@ -357,9 +353,13 @@ class MainScreen(Screen):
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
+        def killed(done: cmd.AnswerValue) -> None:
+            if done is False:
+                self.notify(f"{st.name} has already ended: nothing to kill.", severity="warning")
+
         def answer(yes: bool | None) -> None:
-            if yes and self.app.control.send(cmd.Kill(agent=st.name)) is False:
-                self.notify(f"{st.name} has already ended.", severity="warning")
+            if yes:
+                self.app.command(cmd.Kill(agent=st.name), killed)
 
         if st.status == "tool" and st.tool is not None:
             title = "Kill tool call"
@@ -377,9 +377,13 @@ class MainScreen(Screen):
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
-        def answer(yes: bool | None) -> None:
-            if yes and self._send(cmd.Kill(agent=st.name)) is False:
+        def killed(done: cmd.AnswerValue) -> None:
+            if done is False:
                 self.notify(f"{st.name}'s request has already ended.", severity="warning")
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self.app.command(cmd.Kill(agent=st.name), killed)
 
         what = f"{len(st.in_flight)} requests in flight" if len(st.in_flight) > 1 else f"request {st.turn}"
         question = (f"End {st.name}'s {what}? Its harness gets an error and decides what follows; the session "
@@ -393,19 +397,25 @@ class MainScreen(Screen):
         if st.session is not None and st.attempt is None:  # (an attached console gets no False back)
             self.notify(f"{st.name} has no request in flight to extend.", severity="warning")
             return
-        if self._send(cmd.Extend(agent=st.name)) is False:
-            what = "request in flight" if st.session is not None else "running attempt"
-            self.notify(f"{st.name} has no {what} to extend.", severity="warning")
-            return
-        self.refresh_status()
+
+        def extended(done: cmd.AnswerValue) -> None:
+            if done is False:
+                what = "request in flight" if st.session is not None else "running attempt"
+                self.notify(f"{st.name} has no {what} to extend.", severity="warning")
+            self.refresh_status()
+
+        self.app.command(cmd.Extend(agent=st.name), extended)
 
     def action_retry(self) -> None:
         st = self._selected_state("retry")
         if st is None:
             return
-        outcome = self._send(cmd.Retry(agent=st.name))
-        if outcome:
-            self.notify(f"{st.name}: {outcome}", timeout=6 if st.session is not None else 4)
+
+        def retried(outcome: cmd.AnswerValue) -> None:
+            if outcome:
+                self.notify(f"{st.name}: {outcome}", timeout=6 if st.session is not None else 4)
+
+        self.app.command(cmd.Retry(agent=st.name), retried)
 
     def action_cycle_sort(self) -> None:
         ids = [sort for sort, _ in SORTS]
@@ -479,14 +489,11 @@ class MainScreen(Screen):
         def decided(decision: str | None) -> None:
             if decision is None:
                 return
-            control = self.app.control
-            try:
-                if decision == "deny":
-                    control.send(cmd.Deny(agent=request.agent, call_id=request.call_id))
-                else:
-                    control.send(cmd.Approve(agent=request.agent, call_id=request.call_id, scope=decision))
-            except ValueError as exc:  # decided meanwhile (another console, the call's end): the run says so
-                self.notify(str(exc), severity="warning")
+            # decided meanwhile (another console, the call's end): the run's refusal says so
+            if decision == "deny":
+                self.app.command(cmd.Deny(agent=request.agent, call_id=request.call_id))
+            else:
+                self.app.command(cmd.Approve(agent=request.agent, call_id=request.call_id, scope=decision))
             self.refresh_status()
 
         self.app.push_screen(ApprovalScreen(request), decided)

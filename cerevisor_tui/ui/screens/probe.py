@@ -149,7 +149,7 @@ class ProbeScreen(ModalScreen[None]):
         self.state = RUNNING
         mirror = self.app.mirror
         self._before = mirror.probes.get(self.endpoint)
-        self.app.control.send(cmd.Probe(endpoint=self.endpoint, max_concurrency=probe_bound(self.app, self.endpoint)))
+        self.app.command(cmd.Probe(endpoint=self.endpoint, max_concurrency=probe_bound(self.app, self.endpoint)))
         self._follow()
         self.set_interval(POLL_S, self._follow, name="probe-follow")
 
@@ -204,15 +204,15 @@ class ProbeScreen(ModalScreen[None]):
             return
         app = self.app
         mode, cap = r.recommended_mode, r.recommended_concurrency
-        app.control.send(cmd.SetConcurrency(cap=cap))
+        app.command(cmd.SetConcurrency(cap=cap))
         if app.mirror.mode != mode:
-            app.control.send(cmd.SetMode(mode=mode))
+            app.command(cmd.SetMode(mode=mode))
         self.dismiss(None)
         app.notify(f"{self.endpoint}: {mode}, cap {cap} (from the probe)", timeout=4)
 
     def action_close(self) -> None:
         if self.state == RUNNING:
-            self.app.control.send(cmd.CancelProbe(endpoint=self.endpoint))  # closes the probe's requests
+            self.app.command(cmd.CancelProbe(endpoint=self.endpoint))  # closes the probe's requests
             self.state = "closed"
             self.app.notify(f"Probe of {self.endpoint} cancelled.", timeout=3)
         self.dismiss(None)

@@ -11,7 +11,6 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-import msgspec
 from pydantic import BaseModel, ValidationError
 from rich.text import Text
 from textual import on
@@ -34,7 +33,6 @@ from cerevisor_tui.config.models import (
 )
 from cerevisor_tui.config.save import ENDPOINT_KEYS, CommentsWouldBeLost, SaveError, save_settings
 from cerevisor_tui.contract import commands as cmd
-from cerevisor_tui.contract.events import StallPolicy
 
 if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp
@@ -99,15 +97,6 @@ def shown(value: Any) -> str:
     if isinstance(value, list | tuple):
         return ", ".join(shown(v) for v in value)
     return str(value)
-
-
-def _same_policy(running: StallPolicy | None, policy: dict[str, Any]) -> bool:
-    """A stall policy as the run told it against one resolved here (JSON: lists for tuples)."""
-    def norm(value: Any) -> Any:
-        return list(value) if isinstance(value, tuple | list) else value
-
-    told = msgspec.to_builtins(running) if running is not None else {}
-    return bool(told) and all(norm(told.get(k)) == norm(v) for k, v in policy.items())
 
 
 def _message(err: dict[str, Any]) -> str:
@@ -357,22 +346,22 @@ class SettingsScreen(Screen):
 
     def _apply_live(self, new: Config) -> list[str]:
         """Send the run what applies at once: mode, cap, and each endpoint's stall policy that changed."""
-        control, mirror = self.app.control, self.app.mirror
+        app, mirror = self.app, self.app.mirror
         applied = []
         if new.run.mode != mirror.mode:
-            control.send(cmd.SetMode(mode=new.run.mode))
+            app.command(cmd.SetMode(mode=new.run.mode))
             applied.append(f"mode {new.run.mode}")
         if new.run.max_concurrency != mirror.run_cap:
-            control.send(cmd.SetConcurrency(cap=new.run.max_concurrency))
+            app.command(cmd.SetConcurrency(cap=new.run.max_concurrency))
             applied.append(f"cap {new.run.max_concurrency}")
         changed = []
         for ep in new.endpoints:
             running = mirror.endpoints.get(ep.name)
-            policy = resolve_stall(new.stall, ep).model_dump(mode="json")
-            if running is None or _same_policy(running.stall, policy):
+            policy = resolve_stall(new.stall, ep)
+            if running is None or running.stall == policy:
                 continue  # an endpoint the run does not have (added here: the next run has it), or unchanged
-            if control.send(cmd.SetStall(endpoint=ep.name, policy=policy)) is not False:
-                changed.append(ep.name)
+            app.command(cmd.SetStall(endpoint=ep.name, policy=policy))  # a refusal is said in the run's words
+            changed.append(ep.name)
         if changed:
             applied.append(f"stall deadlines ({', '.join(changed)})")
         return applied
