@@ -304,7 +304,6 @@ class _Server:
         chosen = simtools.choose_call(prompt.tools, prompt.messages, settings, rendered)
         call = ToolCall(*chosen) if chosen is not None else None
         if call is not None:  # the answer is a tool call: its arguments stream as its tokens
-            words = iter(simtools.pieces(call.arguments))
             max_tokens = len(simtools.pieces(call.arguments))
         wants_progress = api.prompt_progress and prompt.stream and prompt.body.get("return_progress") is True
         seq = Sequence(
@@ -315,8 +314,8 @@ class _Server:
             notify_progress=wants_progress,
         )
         st.engine.submit(seq)
-        if call is None:
-            words = simtext.words(simtext.text_seed(settings.seed, rendered))
+        words = (iter(simtools.pieces(call.arguments)) if call is not None
+                 else simtext.words(simtext.text_seed(settings.seed, rendered)))
         finish: Finish = "tool_calls" if call is not None else "length" if explicit else "stop"
         reply = Reply(id=api.new_id(), model=model, created=int(time.time()), seq=seq, finish=finish, call=call,
                       prompt=prompt)

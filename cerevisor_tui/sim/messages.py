@@ -118,7 +118,7 @@ def _tool_choice(choice: Any) -> Any:
     kind = choice.get("type")
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    return {"any": "required", "none": "none"}.get(kind)
+    return {"any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
 
 
 def _usage(reply: Reply, output_tokens: int | None = None) -> dict[str, Any]:
