@@ -414,8 +414,8 @@ class EndpointConfig(StallPolicy):
     def _name(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
-        if _control_char(value) is not None:  # it is shown in every line about the endpoint
-            raise ValueError(f"holds a control character (U+{ord(_control_char(value)):04X})")
+        if (char := _control_char(value)) is not None:  # it is shown in every line about the endpoint
+            raise ValueError(f"holds a control character (U+{ord(char):04X})")
         return value
 
     @field_validator("base_url")
@@ -448,8 +448,8 @@ class PoolConfig(_Section):
     def _name(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
-        if _control_char(value) is not None:
-            raise ValueError(f"holds a control character (U+{ord(_control_char(value)):04X})")
+        if (char := _control_char(value)) is not None:
+            raise ValueError(f"holds a control character (U+{ord(char):04X})")
         return value
 
 

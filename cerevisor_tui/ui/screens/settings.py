@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -110,7 +111,7 @@ def _same_policy(running: StallPolicy | None, policy: dict[str, Any]) -> bool:
     return bool(told) and all(norm(told.get(k)) == norm(v) for k, v in policy.items())
 
 
-def _message(err: dict[str, Any]) -> str:
+def _message(err: ErrorDetails) -> str:
     if err["type"] == "missing":
         return "required"
     return str(err["msg"]).removeprefix("Value error, ")
@@ -383,7 +384,9 @@ class SettingsScreen(Screen):
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
+        def answer(drop: bool | None) -> None:
+            if drop:
+                self.app.pop_screen()
+
         self.app.push_screen(
-            ConfirmScreen("Unsaved changes", "Leave settings and drop your changes?", yes="Drop", no="Stay"),
-            lambda yes: self.app.pop_screen() if yes else None,
-        )
+            ConfirmScreen("Unsaved changes", "Leave settings and drop your changes?", yes="Drop", no="Stay"), answer)
