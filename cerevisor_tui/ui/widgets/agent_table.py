@@ -43,11 +43,15 @@ from cerevisor_tui.ui.format import (
 )
 from cerevisor_tui.ui.mirror import ACTIVE, FINAL, AgentView, RunMirror
 
+TURN_WIDTH, TURN_WIDTH_SESSIONS = 4, 7
+"""The turn column, and its width once a gateway session shows: a session's cell says which request it is on
+(`req 12`)."""
+
 COLUMNS: tuple[tuple[str, str, int | None], ...] = (
     ("agent", "agent", None),
     ("wave", "wave", 4),
     ("status", "status", 9),
-    ("turn", "turn", 4),
+    ("turn", "turn", TURN_WIDTH),
     ("ttft", "ttft", 6),
     ("rate", "tok/s", 5),
     ("tokens", "tokens", 6),
@@ -62,8 +66,6 @@ STATUS_WIDTH, STATUS_WIDTH_MAX = 9, 20
 wide as that, up to 20 where the pane has room, for the rest of the run: the columns never jump back and forth."""
 STATUS_WANTED = {"approval": len("needs approval"), "tool": STATUS_WIDTH_MAX}
 
-TURN_WIDTH_SESSIONS = 7
-"""The turn column once a gateway session shows: a session's cell says which request it is on (`req 12`)."""
 SESSION_WAVE = "gw"
 """A gateway session's wave cell: it belongs to no wave, and its row comes after the workflow's agents."""
 
@@ -341,7 +343,7 @@ class AgentTable(ScrollView, can_focus=True):
         self._widths: list[int] = []
         self._name_width = 5
         self._status_width = STATUS_WIDTH  # grows (up to STATUS_WIDTH_MAX) to the longest status shown
-        self._turn_width = dict((key, width) for key, _, width in COLUMNS)["turn"]  # wider once a session shows
+        self._turn_width = TURN_WIDTH  # wider once a session shows
         self.empty_hint = ""  # what the pane says while it has no rows (a gateway waiting for sessions)
         self._hint_lines: list[str] = []  # that, wrapped to the pane
         self._status_cells = STATUS_WIDTH  # what the pane's width leaves it of that
@@ -413,10 +415,10 @@ class AgentTable(ScrollView, can_focus=True):
             self._layout()
             self.refresh()
         if self.sort != "wave" or self.filter or len(self.names) != len(self.all_names):
-            self.arrange(mirror, now)
+            self._order_rows(mirror, now)
         return changed
 
-    def arrange(self, mirror: RunMirror, now: float) -> None:
+    def _order_rows(self, mirror: RunMirror, now: float) -> None:
         """Put the rows in the sort's order, those the filter matches only; the cursor stays on its agent (on
         the first row when its agent is filtered out)."""
         agents, endpoints = mirror.agents, mirror.endpoints
@@ -449,7 +451,7 @@ class AgentTable(ScrollView, can_focus=True):
     def set_sort(self, sort: str, mirror: RunMirror, now: float) -> None:
         """Sort by `sort` (an id of SORTS) now, the cursor on the first row: the agent the sort puts first."""
         self.sort = sort
-        self.arrange(mirror, now)
+        self._order_rows(mirror, now)
         self.scroll_to(0, 0, animate=False, immediate=True)
         if self.names and self.cursor_row != 0:
             self.refresh_line(self.cursor_row + 1)
@@ -460,7 +462,7 @@ class AgentTable(ScrollView, can_focus=True):
     def set_filter(self, text: str, mirror: RunMirror, now: float) -> None:
         """Show only the agents whose name or status contains `text` (any case); "" shows them all."""
         self.filter = text.strip().lower()
-        self.arrange(mirror, now)
+        self._order_rows(mirror, now)
 
     def show_agent(self, agent: str, mirror: RunMirror, now: float) -> bool:
         """Put the cursor on `agent`, clearing a filter that hides it; False: no such agent."""
