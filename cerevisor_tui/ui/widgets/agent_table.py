@@ -12,6 +12,7 @@ import math
 import re
 import textwrap
 from dataclasses import dataclass
+from typing import Literal
 
 from rich.cells import cell_len, set_cell_size
 from rich.segment import Segment
@@ -76,7 +77,8 @@ NAME_MIN = 16
 that the note keeps NOTE_WANTED; below that the note gets what is left, and then the pane's edge cuts."""
 NOTE_WANTED = 20
 
-SORTS: tuple[tuple[str, str], ...] = (
+Sort = Literal["wave", "deadline", "status", "rate"]
+SORTS: tuple[tuple[Sort, str], ...] = (
     ("wave", "wave order"),
     ("deadline", "nearest deadline"),
     ("status", "status"),
@@ -228,7 +230,7 @@ def deadline_at(st: AgentView) -> float:
     return deadline if math.isfinite(deadline) else math.inf  # (a NaN would leave the sort's order undefined)
 
 
-def sort_key(sort: str, st: AgentView, warn_at: tuple[float, ...], now: float, order: int) -> tuple:
+def sort_key(sort: Sort, st: AgentView, warn_at: tuple[float, ...], now: float, order: int) -> tuple:
     """Where the agent goes under `sort`; `order` (its place in wave order) breaks ties, so rows that are equal
     keep still."""
     if sort == "deadline":
@@ -331,7 +333,7 @@ class AgentTable(ScrollView, can_focus=True):
         super().__init__(id=id)
         self.names: list[str] = []  # the rows shown, in order
         self.all_names: list[str] = []  # every agent, in wave order
-        self.sort = "wave"
+        self.sort: Sort = "wave"
         self.filter = ""  # lower case; "" shows every agent
         self.amber = 0  # agents whose countdown is amber, and red, at the last sync (the header counts them)
         self.red = 0
@@ -448,7 +450,7 @@ class AgentTable(ScrollView, can_focus=True):
             self._scroll_to_cursor()
         self.refresh()
 
-    def set_sort(self, sort: str, mirror: RunMirror, now: float) -> None:
+    def set_sort(self, sort: Sort, mirror: RunMirror, now: float) -> None:
         """Sort by `sort` (an id of SORTS) now, the cursor on the first row: the agent the sort puts first."""
         self.sort = sort
         self._order_rows(mirror, now)
