@@ -686,7 +686,7 @@ class ResolvedStall(BaseModel):
 def resolve_stall(stall: StallConfig, endpoint: EndpointConfig) -> ResolvedStall:
     """Merge an endpoint's stall overrides over the `[stall]` defaults."""
 
-    def pick(key: str):
+    def pick(key: str) -> Any:
         value = getattr(endpoint, key)
         return value if value is not None else getattr(stall, key)
 

@@ -142,7 +142,8 @@ def _block(reply: Reply, text: str, *, done: bool) -> dict[str, Any]:
             "input": json.loads(call.arguments) if done else {}}
 
 
-def _message(reply: Reply, content: list[dict[str, Any]], usage: dict[str, Any], *, done: bool = True):
+def _message(reply: Reply, content: list[dict[str, Any]], usage: dict[str, Any], *,
+             done: bool = True) -> dict[str, Any]:
     return {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": content,
             "stop_reason": _STOP_REASONS[reply.finish] if done else None, "stop_sequence": None, "usage": usage}
 
