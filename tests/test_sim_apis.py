@@ -246,6 +246,23 @@ async def test_messages_plain_and_streamed_shapes_agree():
         assert short["stop_reason"] == "max_tokens" and short["usage"]["output_tokens"] == 3
 
 
+async def test_a_schema_type_or_tool_choice_that_is_not_a_name_is_answered_not_a_server_error():
+    odd = {"type": "object", "properties": {"tz": {"type": {"not": "a name"}}, "n": {"type": [["x"]]}},
+           "required": ["tz", "n"]}
+    async with SimServer(SimSettings(**FAST)) as srv, httpx.AsyncClient() as c:
+        path, body = body_for("chat", tool_choice="required",
+                              tools=[{"type": "function", "function": {"name": "get_time", "parameters": odd}}])
+        r = await c.post(srv.root_url + path, json=body)
+        assert r.status_code == 200
+        [call] = r.json()["choices"][0]["message"]["tool_calls"]
+        assert json.loads(call["function"]["arguments"]) == {"tz": "sim", "n": "sim"}  # a plain value, as unnamed
+
+        path, body = body_for("messages", tools=[{"name": "get_time", "input_schema": odd}],
+                              tool_choice={"type": {"not": "a name"}})
+        r = await c.post(srv.root_url + path, json=body)
+        assert r.status_code == 200 and r.json()["type"] == "message"
+
+
 async def test_messages_errors_in_anthropics_shape():
     async with SimServer(SimSettings(**FAST)) as srv, httpx.AsyncClient() as c:
         path, body = body_for("messages", max_tokens=None)

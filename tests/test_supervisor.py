@@ -25,6 +25,7 @@ from cerevisor_tui.contract.wire import PROTOCOL, Hello, encode, event_line
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.sinks.journal import Journal
 from cerevisor_tui.sim import SimServer
+from cerevisor_tui.supervisor import server as supervisor_server
 from cerevisor_tui.supervisor.client import AttachError, CommandFailed, ControlClient
 from cerevisor_tui.supervisor.protocol import socket_of
 from cerevisor_tui.supervisor.server import ControlServer
@@ -285,6 +286,21 @@ async def test_a_client_that_stops_reading_during_its_replay_is_dropped_and_the_
             i += 1
             await asyncio.sleep(0.001)
         assert held > 64 * 1024
+        writer.close()
+    finally:
+        await server.close()
+
+
+async def test_a_client_that_sends_no_hello_is_told_so_when_the_wait_for_it_ends(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(supervisor_server, "HELLO_WAIT_S", 0.2)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    server = ControlServer(run_dir, "r1", lambda command: None)
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(socket_of(run_dir)))
+        # the wait's TimeoutError says nothing itself: the reason must not end in an empty "expected a hello: "
+        assert json.loads(await reader.readline()) == {"type": "bye", "reason": "expected a hello: none came"}
         writer.close()
     finally:
         await server.close()

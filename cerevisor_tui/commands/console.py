@@ -368,19 +368,17 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
                            f"`cerevisor-tui attach {last.run_dir}` shows it.")
             last = None
     offer = ResumeOffer(last.run_id, last.done, last.total, resume) if last is not None else None
-    if live_before:
-        apps_ready = apps.append
 
-        def on_app(app: Any) -> None:
-            apps_ready(app)
+    def on_app(app: Any) -> None:
+        apps.append(app)
+        if live_before:
             app.call_later(lambda: app.notify(live_before, title="Also running", severity="warning", timeout=20))
-    else:
-        on_app = apps.append
+
     code = open_console(run_dir, live=True, args=args, config=setup.config, config_path=setup.config_path,
                         save_path=setup.save_path, save_template=setup.save_template,
                         resume_offer=offer, on_app=on_app, starting=starting, **app_options)
-    for followed in (run_dir, last.run_dir if last is not None else None):
-        info = run_info(followed) if followed is not None else None
+    for followed in [run_dir] if last is None else [run_dir, last.run_dir]:
+        info = run_info(followed)
         if info is not None and info.state == "live":
             print(f"run {info.run_id} goes on without this console; {how_to_reach(followed, info.run_id)}",
                   file=sys.stderr)

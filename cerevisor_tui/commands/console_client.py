@@ -8,9 +8,14 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cerevisor_tui.config import Config, ConfigError, load_config, validate
+
+if TYPE_CHECKING:
+    from textual.notifications import SeverityLevel
+
+    from cerevisor_tui.ui.app import RunHandle
 
 
 def no_terminal(command: str, hint: str = "use --jsonl to read the run's events as JSON lines") -> str | None:
@@ -54,7 +59,7 @@ async def until_served(proc: Any, run_dir: Path) -> None:
         await asyncio.sleep(0.02)
 
 
-def attached_handle(run_dir: Path, notify: Callable[[str, str], None], starting: Any = None) -> Any:
+def attached_handle(run_dir: Path, notify: Callable[[str, SeverityLevel], None], starting: Any = None) -> RunHandle:
     """A RunHandle that follows the live run in `run_dir` over its control socket: commands through a
     RemoteControl, a mirror fed from the socket, and `run` (what the app awaits) reading until the run ends
     (its exit code) or the connection is lost (1, said on screen). `notify(message, severity)`. `starting`:
@@ -108,12 +113,13 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app
         config, config_path = ui_config(run_dir, getattr(args, "config", None))
     apps: list[CerevisorApp] = []
 
-    def notify(message: str, severity: str = "warning") -> None:
+    def notify(message: str, severity: SeverityLevel = "warning") -> None:
         if apps:
             apps[0].notify(message, title="Not done" if severity == "warning" else "Detached", severity=severity,
                            timeout=6 if severity == "warning" else 30)
 
     starting = app_options.pop("starting", None)
+    refusal = ""  # a read-only console's: why it takes no command
     if live:
         handle = attached_handle(run_dir, notify, starting)
     else:
@@ -133,17 +139,16 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app
             mirror.notices.append(Notice(f"{unreadable} {lines} of {run_dir / 'events.jsonl'} could not be read "
                                          "(damaged, or from another version) and are left out", "warning", "Journal"))
         goes_on = "" if state == "finished" else f" (`cerevisor-tui run FILE --resume {run_dir.name}` goes on with it)"
-        control = RemoteControl(lambda message: notify(message, "warning"),
-                                f"run {run_dir.name} is {state or 'not running'}: this console shows it read-only{goes_on}")
-        handle = RunHandle(control, mirror, None)
+        refusal = f"run {run_dir.name} is {state or 'not running'}: this console shows it read-only{goes_on}"
+        handle = RunHandle(RemoteControl(lambda message: notify(message, "warning"), refusal), mirror, None)
     app_options.setdefault("theme", getattr(args, "theme", None))
     app = CerevisorApp(handle.control, handle.mirror, config, run=handle.run, attached=True, config_path=config_path,
                        tune_gc=True, **app_options)
     apps.append(app)
     if on_app is not None:
         on_app(app)
-    if not live:
-        app.call_later(lambda: notify(handle.control.refusal))
+    if refusal:
+        app.call_later(lambda: notify(refusal))
     watch = TerminalWatch(app.stop_from_thread, lambda code, reason: None)
     app.on_terminal_lost = watch.lost
     watch.start()

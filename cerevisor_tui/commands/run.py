@@ -23,6 +23,7 @@ from cerevisor_tui.config.paths import default_runs_dir
 
 if TYPE_CHECKING:
     from cerevisor_tui.engine.resume import JournalState
+    from cerevisor_tui.engine.toolcalls import AskPolicy
 
 SIGNAL_EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 FORCE_EXIT_S = 1.5
@@ -157,7 +158,7 @@ def main(args: Any) -> int:
             return detach(args, run_dir, run_id, lock or RunLock(run_dir).acquire())  # the run's process takes it
         # a tool call its server's rules `ask` about: --approve-all approves it; a detached run (a console's, or
         # --detach) waits for a console to answer; a run in the foreground has no one to ask and denies it
-        ask = "approve" if getattr(args, "approve_all", False) else "operator" if getattr(args, "detached", False) \
+        ask: AskPolicy = "approve" if getattr(args, "approve_all", False) else "operator" if getattr(args, "detached", False) \
             else "deny"
         engine, journal = open_run(config, run_id, run_dir, console=False, resume=resuming, resumed=state,
                                    ask=ask, extra_report=args.report, lock=lock)

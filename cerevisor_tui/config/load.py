@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from cerevisor_tui.config.errors import ConfigError
 from cerevisor_tui.config.graph import wave_levels
@@ -38,7 +39,7 @@ def _shown(name: str) -> str:
     return shown if len(shown) <= 60 else shown[:59] + "…"
 
 
-def _message(err: dict[str, Any]) -> str:
+def _message(err: ErrorDetails) -> str:
     if err["type"] == "extra_forbidden":
         return "unknown key (check its spelling against config.example.toml)"
     if err["type"] == "missing":
@@ -98,15 +99,15 @@ def check_references(config: Config, *, file: str | None = None) -> None:
         servers.add(server.name)
     for i, agent in enumerate(config.agents):
         for j, tool in enumerate(agent.tools):
-            server = tool.split(".", 1)[0]
-            if server not in servers:
+            server_name = tool.split(".", 1)[0]
+            if server_name not in servers:
                 known = ", ".join(sorted(servers)) or "none: add an [[mcp_servers]] table"
-                raise ConfigError(f"unknown MCP server {server!r} in {tool!r} (known: {known})",
+                raise ConfigError(f"unknown MCP server {server_name!r} in {tool!r} (known: {known})",
                                   file=file, key=f"agents[{i}] ({agent.name}).tools[{j}]")
         choice = agent.tool_choice
         if choice and choice not in ("auto", "required", "none"):
-            server, _, tool = choice.partition(".")
-            if not tool or not any(t in (server, choice) for t in agent.tools):
+            server_name, _, tool = choice.partition(".")
+            if not tool or not any(t in (server_name, choice) for t in agent.tools):
                 raise ConfigError(f"{choice!r} is not auto, required, none or a server.tool of this agent's tools",
                                   file=file, key=f"agents[{i}] ({agent.name}).tool_choice")
     gateway = config.gateway

@@ -412,8 +412,8 @@ class EndpointConfig(StallPolicy):
     def _name(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
-        if control_char(value) is not None:  # it is shown in every line about the endpoint
-            raise ValueError(f"holds a control character (U+{ord(control_char(value)):04X})")
+        if (char := control_char(value)) is not None:  # it is shown in every line about the endpoint
+            raise ValueError(f"holds a control character (U+{ord(char):04X})")
         return value
 
     @field_validator("base_url")
@@ -446,8 +446,8 @@ class PoolConfig(_Section):
     def _name(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
-        if control_char(value) is not None:
-            raise ValueError(f"holds a control character (U+{ord(control_char(value)):04X})")
+        if (char := control_char(value)) is not None:
+            raise ValueError(f"holds a control character (U+{ord(char):04X})")
         return value
 
 
@@ -667,7 +667,7 @@ events and `set_stall` carry the engine's own value as it is."""
 def resolve_stall(stall: StallConfig, endpoint: EndpointConfig) -> ResolvedStall:
     """Merge an endpoint's stall overrides over the `[stall]` defaults."""
 
-    def pick(key: str):
+    def pick(key: str) -> Any:
         value = getattr(endpoint, key)
         return value if value is not None else getattr(stall, key)
 

@@ -271,11 +271,10 @@ class ChatStream:
                 # the common chunk: one piece of content or of reasoning, and nothing else
                 choices = chunk.choices
                 if choices and chunk.usage is None:
-                    choice = choices[0]
-                    if choice.index:
-                        choice = _answer_choice(choices)
-                    delta = choice.delta if choice is not None else None
-                    if delta is not None and choice.finish_reason is None and not delta.tool_calls:
+                    first = choices[0]
+                    choice = _answer_choice(choices) if first.index else first
+                    if (choice is not None and (delta := choice.delta) is not None and choice.finish_reason is None
+                            and not delta.tool_calls):
                         text = delta.content
                         reasoning = delta.reasoning_content or delta.reasoning
                         if text and not reasoning:
@@ -283,7 +282,7 @@ class ChatStream:
                         elif reasoning and not text:
                             text, slot = reasoning, 1
                         else:
-                            text = ""
+                            text, slot = "", 0
                         if text:
                             self.tokens += 1
                             if pend and pend_slot != slot:

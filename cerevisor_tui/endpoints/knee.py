@@ -28,6 +28,8 @@ from cerevisor_tui.contract.events import ProbeLevelSummary
 
 StopReason = Literal["knee", "queue", "ttft", "errors", "prefix", "max_concurrency", "max_requests",
                      "max_seconds"]
+RecommendedMode = Literal["sequential", "parallel"]
+"""The run modes a probe recommends (kinds.Mode, but for auto)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Recommendation:
     stopped_because: StopReason
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> RecommendedMode:
         return "sequential" if self.concurrency <= 1 else "parallel"
 
 

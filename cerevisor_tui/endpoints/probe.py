@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,6 +41,7 @@ from cerevisor_tui.endpoints.knee import (
     KneeSettings,
     ProbeLevel,
     Recommendation,
+    RecommendedMode,
     StopReason,
     judge_conversations,
     judge_single_turn,
@@ -134,7 +135,7 @@ class ProbeResult:
     health: str = ""
     levels: list[ProbeLevel] = field(default_factory=list)
     recommended_concurrency: int = 1
-    recommended_mode: str = "sequential"
+    recommended_mode: RecommendedMode = "sequential"
     reason: str = ""
     stopped_because: StopReason | Literal[""] = ""
     total_requests: int = 0
@@ -410,7 +411,7 @@ async def _open(client: httpx.AsyncClient, base_url: str, model: str | None, set
     result.model = model or (str(entry["id"]) if entry else "")
     if entry is not None:
         # vLLM and SGLang say max_model_len; llama-server gives each slot's context as meta.n_ctx.
-        meta = entry.get("meta") if isinstance(entry.get("meta"), dict) else {}
+        meta = found if isinstance(found := entry.get("meta"), dict) else {}
         result.max_model_len = _int(entry.get("max_model_len")) or _int(meta.get("n_ctx"))
         if result.kv_cache_tokens is None and status.slots is not None and meta.get("n_ctx"):
             # llama-server has no KV gauge; its cache holds every slot's context
@@ -580,7 +581,8 @@ class _LevelRun:
 
 
 async def _measure_level(client: httpx.AsyncClient, base_url: str, concurrency: int, *,
-                         worker: Callable[[_LevelRun], Awaitable[None]], workers: int, settings: ProbeSettings,
+                         worker: Callable[[_LevelRun], Coroutine[Any, Any, None]], workers: int,
+                         settings: ProbeSettings,
                          deadline: float, watch_server: bool, **counters: Any) -> ProbeLevel:
     """Run `workers` copies of `worker` within the probe's deadline while polling the server's counters,
     then the level's figures (`counters` added to them); throughput is counted until the level stopped

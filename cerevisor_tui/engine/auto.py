@@ -224,7 +224,7 @@ class AutoController:
             return self._to(max(self.min_cap, s.slots), f"the server has {s.slots} slots; more would only queue")
         if not new_sample:
             return None
-        preempted = 0.0
+        preempted, dt = 0.0, 0.0  # preemptions since the last sample, and the seconds since it
         if s.preemptions is not None:
             if self._preemptions is not None and s.preemptions < self._preemptions:
                 self._preemptions = None  # the counter went back: the server restarted

@@ -42,8 +42,8 @@ class AutoFeed:
         ttfts = sorted(figures.ttfts)
         watched = e.endpoints[endpoint].kind != "hosted"
         kv_tokens = sample.kv_cache_tokens if sample is not None else None
-        if not kv_tokens and e.load.get(endpoint) is not None:
-            kv_tokens = e.load[endpoint].kv_capacity_tokens
+        if not kv_tokens and (load := e.load.get(endpoint)) is not None:
+            kv_tokens = load.kv_capacity_tokens
         return Signals(
             t=time.monotonic(), tokens=sum(st.tokens for st in states),
             running=e.scheduler.running_by_endpoint.get(endpoint, 0), queued=e.scheduler.queued_for(endpoint),
@@ -73,6 +73,7 @@ class AutoFeed:
             cfg = st.config
             answer = measured if measured is not None else cfg.max_tokens
             texts = [cfg.prompt, *cfg.turns]
+            base: float  # tokens sent so far: the server's count, or the system prompt's estimated
             if st.turns_done:
                 base = st.last_prompt_tokens + st.last_completion_tokens
                 rest = texts[st.turns_done:]

@@ -127,8 +127,8 @@ class ServerMonitor:
                 self.connections.server_kinds[endpoint] = status.kind
             # when it answered: a swamped vLLM answers /metrics seconds after it was asked, with its state then
             self.status_at[endpoint] = time.monotonic()
-            if status.metrics is not None:
-                m = status.metrics
+            m = status.metrics
+            if m is not None:
                 if m.kv_cache_usage is not None:
                     self.kv_seen.setdefault(endpoint, deque(maxlen=KV_SEEN)).append(
                         (self.status_at[endpoint], m.kv_cache_usage))
@@ -142,7 +142,6 @@ class ServerMonitor:
                 hits = sum(r["prefix_hit_rate"] * r["prefix_queries"] for r in counted if r["prefix_hit_rate"] is not None)
                 fields["prefix_queries"] = queries if counted else None
                 fields["prefix_hit_rate"] = hits / queries if queries > 0 else None
-            m = status.metrics
             self.last_sample[endpoint] = sample = ev.ServerSample(
                 time.monotonic(), endpoint, fields["healthy"], status.kind, fields["running"], fields["waiting"],
                 fields["kv_cache_usage"], fields["prefix_hit_rate"], _num(m.preemptions) if m else None,
@@ -236,11 +235,11 @@ class ServerMonitor:
 
 def _moved(seen: list[tuple[float, float | None]], since: float) -> bool:
     """A counter's latest sample after `since` is above the last one taken by then (or the first since)."""
-    seen = [(at, value) for at, value in seen if value is not None]
-    if not seen or seen[-1][0] <= since:
+    known = [(at, value) for at, value in seen if value is not None]
+    if not known or known[-1][0] <= since:
         return False
-    before = [value for at, value in seen if at <= since]
-    after = [value for at, value in seen if at > since]
+    before = [value for at, value in known if at <= since]
+    after = [value for at, value in known if at > since]
     return after[-1] > (before[-1] if before else after[0])
 
 

@@ -20,13 +20,13 @@ import json
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -111,17 +111,17 @@ class _SimCollector:
     def __init__(self, state: SimState) -> None:
         self.state = state
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         st, eng, kv, spec = self.state, self.state.engine, self.state.kv, self.state.spec
         labels = ["engine", "model_name"]
         values = ["0", st.model]
 
-        def gauge(name: str, doc: str, value: float):
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(values, value)
             return g
 
-        def counter(name: str, doc: str, value: float):
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(values, value)
             return c
@@ -153,7 +153,7 @@ class _SimCollector:
                       eng.generation_tokens_total)
         yield counter("vllm:request_success", "Count of successfully processed requests.", st.completed_total)
 
-        def histogram(name: str, doc: str, h: Histogram):
+        def histogram(name: str, doc: str, h: Histogram) -> HistogramMetricFamily:
             m = HistogramMetricFamily(name, doc, labels=labels)
             m.add_metric(values, h.cumulative(), h.sum)
             return m
@@ -187,7 +187,7 @@ class _SimCollector:
 class _Stream(Response):
     """An SSE response that ends when the client goes away and can cut the connection on purpose."""
 
-    def __init__(self, chunks, on_disconnect) -> None:
+    def __init__(self, chunks: AsyncGenerator[bytes | object, None], on_disconnect: Callable[[], None]) -> None:
         self.status_code = 200
         self.background = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
@@ -304,7 +304,6 @@ class _Server:
         chosen = simtools.choose_call(prompt.tools, prompt.messages, settings, rendered)
         call = ToolCall(*chosen) if chosen is not None else None
         if call is not None:  # the answer is a tool call: its arguments stream as its tokens
-            words = iter(simtools.pieces(call.arguments))
             max_tokens = len(simtools.pieces(call.arguments))
         wants_progress = api.prompt_progress and prompt.stream and prompt.body.get("return_progress") is True
         seq = Sequence(
@@ -315,8 +314,8 @@ class _Server:
             notify_progress=wants_progress,
         )
         st.engine.submit(seq)
-        if call is None:
-            words = simtext.words(simtext.text_seed(settings.seed, rendered))
+        words = (iter(simtools.pieces(call.arguments)) if call is not None
+                 else simtext.words(simtext.text_seed(settings.seed, rendered)))
         finish: Finish = "tool_calls" if call is not None else "length" if explicit else "stop"
         reply = Reply(id=api.new_id(), model=model, created=int(time.time()), seq=seq, finish=finish, call=call,
                       prompt=prompt)
@@ -351,7 +350,7 @@ class _Server:
         return JSONResponse(api.whole(reply, "".join(itertools.islice(words, seq.generated))))
 
     async def _events(self, reply: Reply, words: Iterator[str], frames: Frames,
-                      progress: _Progress | None) -> AsyncIterator[bytes | object]:
+                      progress: _Progress | None) -> AsyncGenerator[bytes | object, None]:
         st, settings, seq = self.state, self.state.settings, reply.seq
         keepalive = settings.keepalive_s / settings.speed if settings.keepalive_s > 0 else None
         drop_at, bad_at = settings.drop_after_tokens, settings.malformed_after_tokens

@@ -118,7 +118,7 @@ def _tool_choice(choice: Any) -> Any:
     kind = choice.get("type")
     if kind == "tool":
         return {"type": "function", "function": {"name": choice.get("name")}}
-    return {"any": "required", "none": "none"}.get(kind)
+    return {"any": "required", "none": "none"}.get(kind) if isinstance(kind, str) else None
 
 
 def _usage(reply: Reply, output_tokens: int | None = None) -> dict[str, Any]:
@@ -142,7 +142,8 @@ def _block(reply: Reply, text: str, *, done: bool) -> dict[str, Any]:
             "input": json.loads(call.arguments) if done else {}}
 
 
-def _message(reply: Reply, content: list[dict[str, Any]], usage: dict[str, Any], *, done: bool = True):
+def _message(reply: Reply, content: list[dict[str, Any]], usage: dict[str, Any], *,
+             done: bool = True) -> dict[str, Any]:
     return {"id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": content,
             "stop_reason": _STOP_REASONS[reply.finish] if done else None, "stop_sequence": None, "usage": usage}
 

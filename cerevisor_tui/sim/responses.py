@@ -156,7 +156,8 @@ def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _response(reply: Reply, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None):
+def _response(reply: Reply, status: str, output: list[dict[str, Any]],
+              usage: dict[str, Any] | None) -> dict[str, Any]:
     asked = reply.prompt.body
     return {
         "id": reply.id, "object": "response", "created_at": reply.created, "status": status,

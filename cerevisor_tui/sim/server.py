@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -18,7 +19,7 @@ class _Uvicorn(uvicorn.Server):
     """uvicorn without its signal handlers: the embedding program owns Ctrl-C."""
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 

@@ -20,11 +20,11 @@ def choose_call(body: dict[str, Any], messages: list[dict[str, Any]], settings: 
     `tool_choice` is honoured: "none" answers in text, a named function is called, "required" calls one;
     otherwise the answer calls a tool while the current turn (since its last user message) holds fewer
     tool-calling answers than `tool_steps`."""
-    offered = {}
+    offered: dict[str, dict[str, Any]] = {}
     for tool in body.get("tools") or ():
         fn = tool.get("function") if isinstance(tool, dict) else None
         if isinstance(fn, dict) and isinstance(fn.get("name"), str):
-            offered[fn["name"]] = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+            offered[fn["name"]] = params if isinstance(params := fn.get("parameters"), dict) else {}
     if not offered:
         return None
     choice = body.get("tool_choice")
@@ -60,10 +60,10 @@ def pieces(arguments: str) -> list[str]:
 def arguments_from_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Valid arguments for a JSON schema: each required property with its default, first enum value, or a
     plain value of its type."""
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    props = found if isinstance(found := schema.get("properties"), dict) else {}
     out: dict[str, Any] = {}
     for name in schema.get("required") or ():
-        prop = props.get(name) if isinstance(props.get(name), dict) else {}
+        prop = found if isinstance(found := props.get(name), dict) else {}
         out[name] = _value(prop)
     return out
 
@@ -76,6 +76,8 @@ def _value(prop: dict[str, Any]) -> Any:
     kind = prop.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "string")
+    if not isinstance(kind, str):  # a schema's "type" may be anything: an unhashable one must not raise
+        return "sim"
     return {"integer": 1, "number": 1.0, "boolean": True, "array": [], "object": {}}.get(kind, "sim")
 
 

@@ -261,7 +261,7 @@ class ControlServer:
             try:
                 hello = read_client(await asyncio.wait_for(reader.readline(), HELLO_WAIT_S))
             except (WireError, TimeoutError, ValueError) as exc:
-                writer.write(encode(Bye(f"expected a hello: {exc or 'none came'}")))
+                writer.write(encode(Bye(f"expected a hello: {str(exc) or 'none came'}")))
                 return
             if not isinstance(hello, Hello) or hello.protocol != PROTOCOL:
                 said = f"protocol {hello.protocol}" if isinstance(hello, Hello) else "a command before its hello"
@@ -270,11 +270,11 @@ class ControlServer:
             writer.write(encode(Welcome(PROTOCOL, self.run_id, str(self.run_dir), os.getpid(), self.config_path,
                                         self.started_at)))
             client = _Client(writer)
+            end, snapshot = 0, list[bytes]()
             if hello.replay:
                 # In one step of the loop, no emit in between: the journal as it stands (it is flushed at every
                 # event), each running agent's answer so far, and the client taken in, so that every event
                 # after these goes to its `pending`: nothing is missed or doubled.
-                end = 0
                 with contextlib.suppress(OSError):
                     end = os.stat(self.events_path).st_size
                 snapshot = [event_line(delta) for delta in self.in_flight()]

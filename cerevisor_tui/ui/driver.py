@@ -69,7 +69,7 @@ class ConsoleDriver(LinuxDriver):
         self.output: TerminalOutput | None = None
         if file is not None and hasattr(file, "write") and hasattr(file, "flush"):
             self.output = TerminalOutput(file, self._lost)
-            self._file = self.output
+            self._file = self.output  # type: ignore[assignment]  # a stand-in: Textual only writes and flushes
 
     @property
     def wraps_output(self) -> bool:

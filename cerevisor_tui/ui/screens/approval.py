@@ -5,6 +5,7 @@ Esc leaves it waiting; the inbox and `y` bring it back."""
 from __future__ import annotations
 
 import json
+from typing import Literal, get_args
 
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -14,7 +15,8 @@ from textual.widgets import Button, Static
 
 from cerevisor_tui.contract import events as ev
 
-DECISIONS = ("once", "run", "deny")
+Decision = Literal["once", "run", "deny"]
+DECISIONS: tuple[Decision, ...] = get_args(Decision)
 
 
 def pretty_arguments(arguments: str) -> str:
@@ -25,7 +27,7 @@ def pretty_arguments(arguments: str) -> str:
         return arguments
 
 
-class ApprovalScreen(ModalScreen[str | None]):
+class ApprovalScreen(ModalScreen[Decision | None]):
     """Dismisses with "once", "run", "deny", or None (later)."""
 
     BINDINGS = [
@@ -58,7 +60,7 @@ class ApprovalScreen(ModalScreen[str | None]):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()
-        self.dismiss(event.button.id if event.button.id in DECISIONS else None)
+        self.dismiss(next((decision for decision in DECISIONS if decision == event.button.id), None))
 
-    def action_decide(self, decision: str | None) -> None:
+    def action_decide(self, decision: Decision | None) -> None:
         self.dismiss(decision)

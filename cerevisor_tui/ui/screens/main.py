@@ -6,9 +6,10 @@ the status refresh (header, agents rows, load) at most 10 times a second. Events
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from textual.app import ComposeResult
+from textual.binding import BindingType
 from textual.containers import Container, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer
@@ -57,7 +58,7 @@ class MainScreen(Screen):
     """What the operator watches; see `ui/keys.py` for the keys."""
 
     app: CerevisorApp
-    BINDINGS = MAIN_BINDINGS
+    BINDINGS: ClassVar[list[BindingType]] = [*MAIN_BINDINGS]
     COMMANDS = {ConsoleCommands}
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (150, "-wide")]
 
@@ -484,9 +485,9 @@ class MainScreen(Screen):
         if request is None:
             self.notify(f"{st.name} has no tool call waiting for approval.", severity="warning")
             return
-        from cerevisor_tui.ui.screens.approval import ApprovalScreen
+        from cerevisor_tui.ui.screens.approval import ApprovalScreen, Decision
 
-        def decided(decision: str | None) -> None:
+        def decided(decision: Decision | None) -> None:
             if decision is None:
                 return
             # decided meanwhile (another console, the call's end): the run's refusal says so

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
@@ -99,7 +100,7 @@ def shown(value: Any) -> str:
     return str(value)
 
 
-def _message(err: dict[str, Any]) -> str:
+def _message(err: ErrorDetails) -> str:
     if err["type"] == "missing":
         return "required"
     return str(err["msg"]).removeprefix("Value error, ")
@@ -372,7 +373,9 @@ class SettingsScreen(Screen):
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
+        def answer(drop: bool | None) -> None:
+            if drop:
+                self.app.pop_screen()
+
         self.app.push_screen(
-            ConfirmScreen("Unsaved changes", "Leave settings and drop your changes?", yes="Drop", no="Stay"),
-            lambda yes: self.app.pop_screen() if yes else None,
-        )
+            ConfirmScreen("Unsaved changes", "Leave settings and drop your changes?", yes="Drop", no="Stay"), answer)

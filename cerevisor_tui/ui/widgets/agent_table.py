@@ -12,6 +12,7 @@ import math
 import re
 import textwrap
 from dataclasses import dataclass
+from typing import Literal
 
 from rich.cells import cell_len, set_cell_size
 from rich.segment import Segment
@@ -43,11 +44,15 @@ from cerevisor_tui.ui.format import (
 )
 from cerevisor_tui.ui.mirror import ACTIVE, FINAL, AgentView, RunMirror
 
+TURN_WIDTH, TURN_WIDTH_SESSIONS = 4, 7
+"""The turn column, and its width once a gateway session shows: a session's cell says which request it is on
+(`req 12`)."""
+
 COLUMNS: tuple[tuple[str, str, int | None], ...] = (
     ("agent", "agent", None),
     ("wave", "wave", 4),
     ("status", "status", 9),
-    ("turn", "turn", 4),
+    ("turn", "turn", TURN_WIDTH),
     ("ttft", "ttft", 6),
     ("rate", "tok/s", 5),
     ("tokens", "tokens", 6),
@@ -62,8 +67,6 @@ STATUS_WIDTH, STATUS_WIDTH_MAX = 9, 20
 wide as that, up to 20 where the pane has room, for the rest of the run: the columns never jump back and forth."""
 STATUS_WANTED = {"approval": len("needs approval"), "tool": STATUS_WIDTH_MAX}
 
-TURN_WIDTH_SESSIONS = 7
-"""The turn column once a gateway session shows: a session's cell says which request it is on (`req 12`)."""
 SESSION_WAVE = "gw"
 """A gateway session's wave cell: it belongs to no wave, and its row comes after the workflow's agents."""
 
@@ -74,7 +77,8 @@ NAME_MIN = 16
 that the note keeps NOTE_WANTED; below that the note gets what is left, and then the pane's edge cuts."""
 NOTE_WANTED = 20
 
-SORTS: tuple[tuple[str, str], ...] = (
+Sort = Literal["wave", "deadline", "status", "rate"]
+SORTS: tuple[tuple[Sort, str], ...] = (
     ("wave", "wave order"),
     ("deadline", "nearest deadline"),
     ("status", "status"),
@@ -226,7 +230,7 @@ def deadline_at(st: AgentView) -> float:
     return deadline if math.isfinite(deadline) else math.inf  # (a NaN would leave the sort's order undefined)
 
 
-def sort_key(sort: str, st: AgentView, warn_at: tuple[float, ...], now: float, order: int) -> tuple:
+def sort_key(sort: Sort, st: AgentView, warn_at: tuple[float, ...], now: float, order: int) -> tuple:
     """Where the agent goes under `sort`; `order` (its place in wave order) breaks ties, so rows that are equal
     keep still."""
     if sort == "deadline":
@@ -329,7 +333,7 @@ class AgentTable(ScrollView, can_focus=True):
         super().__init__(id=id)
         self.names: list[str] = []  # the rows shown, in order
         self.all_names: list[str] = []  # every agent, in wave order
-        self.sort = "wave"
+        self.sort: Sort = "wave"
         self.filter = ""  # lower case; "" shows every agent
         self.amber = 0  # agents whose countdown is amber, and red, at the last sync (the header counts them)
         self.red = 0
@@ -341,7 +345,7 @@ class AgentTable(ScrollView, can_focus=True):
         self._widths: list[int] = []
         self._name_width = 5
         self._status_width = STATUS_WIDTH  # grows (up to STATUS_WIDTH_MAX) to the longest status shown
-        self._turn_width = dict((key, width) for key, _, width in COLUMNS)["turn"]  # wider once a session shows
+        self._turn_width = TURN_WIDTH  # wider once a session shows
         self.empty_hint = ""  # what the pane says while it has no rows (a gateway waiting for sessions)
         self._hint_lines: list[str] = []  # that, wrapped to the pane
         self._status_cells = STATUS_WIDTH  # what the pane's width leaves it of that
@@ -413,10 +417,10 @@ class AgentTable(ScrollView, can_focus=True):
             self._layout()
             self.refresh()
         if self.sort != "wave" or self.filter or len(self.names) != len(self.all_names):
-            self.arrange(mirror, now)
+            self._order_rows(mirror, now)
         return changed
 
-    def arrange(self, mirror: RunMirror, now: float) -> None:
+    def _order_rows(self, mirror: RunMirror, now: float) -> None:
         """Put the rows in the sort's order, those the filter matches only; the cursor stays on its agent (on
         the first row when its agent is filtered out)."""
         agents, endpoints = mirror.agents, mirror.endpoints
@@ -446,10 +450,10 @@ class AgentTable(ScrollView, can_focus=True):
             self._scroll_to_cursor()
         self.refresh()
 
-    def set_sort(self, sort: str, mirror: RunMirror, now: float) -> None:
+    def set_sort(self, sort: Sort, mirror: RunMirror, now: float) -> None:
         """Sort by `sort` (an id of SORTS) now, the cursor on the first row: the agent the sort puts first."""
         self.sort = sort
-        self.arrange(mirror, now)
+        self._order_rows(mirror, now)
         self.scroll_to(0, 0, animate=False, immediate=True)
         if self.names and self.cursor_row != 0:
             self.refresh_line(self.cursor_row + 1)
@@ -460,7 +464,7 @@ class AgentTable(ScrollView, can_focus=True):
     def set_filter(self, text: str, mirror: RunMirror, now: float) -> None:
         """Show only the agents whose name or status contains `text` (any case); "" shows them all."""
         self.filter = text.strip().lower()
-        self.arrange(mirror, now)
+        self._order_rows(mirror, now)
 
     def show_agent(self, agent: str, mirror: RunMirror, now: float) -> bool:
         """Put the cursor on `agent`, clearing a filter that hides it; False: no such agent."""

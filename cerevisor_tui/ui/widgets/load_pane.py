@@ -261,10 +261,10 @@ class LoadPane(Vertical):
         self._sync_gpus(mirror)
         self._sync_latency(mirror)
         fleet = fleet_rows(mirror)
-        rows = fleet or self._server_lines(mirror)
-        if rows != self._servers_shown:
-            self._servers_shown = rows
-            self.query_one("#servers", Static).update(self._fleet_text(fleet) if fleet else self._lines_text(rows))
+        lines = () if fleet else self._server_lines(mirror)
+        if (fleet or lines) != self._servers_shown:
+            self._servers_shown = fleet or lines
+            self.query_one("#servers", Static).update(self._fleet_text(fleet) if fleet else self._lines_text(lines))
         if model.samples_taken != self._samples_shown:
             self._samples_shown = model.samples_taken
             # a fixed time window, oldest on the left, so the line does not stretch while it fills

@@ -209,10 +209,11 @@ class RunHeader(Static):
             if s.gateway_url:
                 gateway.append(f" {s.gateway_url}", style=self._c("text-muted"))
         room = s.width - line1.cell_len - tail.cell_len - gateway.cell_len
-        for detail in ("full", "names", "dots"):
-            endpoints = self._endpoints(s, detail)
+        endpoints = self._endpoints(s, "full")
+        for detail in ("names", "dots"):  # fewer words until they fit
             if not s.width or endpoints.cell_len <= room:
                 break
+            endpoints = self._endpoints(s, detail)
         if s.width and s.gateway_url and endpoints.cell_len > room:  # its URL gives way after the endpoints'
             gateway = Text("  gateway", style="bold")
         line1.append_text(endpoints)

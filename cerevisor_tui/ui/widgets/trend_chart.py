@@ -15,6 +15,7 @@ from typing import ClassVar
 
 from rich.segment import Segment
 from rich.style import Style
+from textual.geometry import Size
 from textual.strip import Strip
 from textual.widget import Widget
 
@@ -96,7 +97,7 @@ class TrendChart(Widget):
         self._strips = None
         self.refresh(layout=relayout)
 
-    def get_content_height(self, container, viewport, width: int) -> int:  # type: ignore[no-untyped-def]
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         return len(self._rows)
 
     def notify_style_update(self) -> None:
