@@ -10,7 +10,7 @@ back as events; the run's `Answer` (what it did, or why it refused) is the same 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -40,37 +40,37 @@ class Command(msgspec.Struct, frozen=True, kw_only=True, tag_field="name", tag=_
         return type(self).__struct_config__.tag  # type: ignore[return-value]
 
 
-class SetMode(Command):
+class SetMode(Command, frozen=True):
     """sequential | parallel | auto, now; running agents are never stopped by it. Returns the mode."""
 
     mode: Mode
 
 
-class CycleMode(Command):
+class CycleMode(Command, frozen=True):
     """The next mode (sequential -> parallel -> auto -> sequential); returns it."""
 
 
-class SetConcurrency(Command):
+class SetConcurrency(Command, frozen=True):
     """The parallel cap; lowering it only holds admissions. Returns the cap in force."""
 
     cap: Cap
 
 
-class NudgeCap(Command):
+class NudgeCap(Command, frozen=True):
     """`+`/`-`: the parallel cap, or in auto mode its ceiling, moved by `delta`; returns the new value."""
 
     delta: Annotated[int, msgspec.Meta(ge=-MAX_CAP, le=MAX_CAP)]
 
 
-class Pause(Command):
+class Pause(Command, frozen=True):
     """Hold new admissions; running agents go on."""
 
 
-class Resume(Command):
+class Resume(Command, frozen=True):
     """Admit again."""
 
 
-class Kill(Command):
+class Kill(Command, frozen=True):
     """Close the agent's running request (no retry follows) or drop it from the queue; in a tool call, the call
     is cancelled and the model told so. Returns False when it had ended."""
 
@@ -78,7 +78,7 @@ class Kill(Command):
     reason: Reason = "killed by operator"
 
 
-class Extend(Command):
+class Extend(Command, frozen=True):
     """Move the running attempt's deadline later (`seconds`, default [stall].extend_s), or the running tool
     call's tool deadline. Returns False when nothing runs."""
 
@@ -86,13 +86,13 @@ class Extend(Command):
     seconds: Seconds | None = None
 
 
-class Retry(Command):
+class Retry(Command, frozen=True):
     """Restart the running attempt, or run a failed/killed agent of the current wave again; returns which."""
 
     agent: Name
 
 
-class Approve(Command):
+class Approve(Command, frozen=True):
     """Let a tool call that waits for approval run: "once" (this call) or "run" (this tool, for the rest of the
     run, kept by --resume). Returns the scope."""
 
@@ -101,14 +101,14 @@ class Approve(Command):
     scope: Literal["once", "run"] = "once"
 
 
-class Deny(Command):
+class Deny(Command, frozen=True):
     """Refuse a tool call that waits for approval: the model gets a result saying the operator denied it."""
 
     agent: Name
     call_id: Name
 
 
-class SetStall(Command):
+class SetStall(Command, frozen=True):
     """An endpoint's whole stall policy (RunStarted's `stall`), checked as `[stall]` is; returns whether it
     changed."""
 
@@ -116,20 +116,20 @@ class SetStall(Command):
     policy: StallPolicy
 
 
-class Stop(Command):
+class Stop(Command, frozen=True):
     """Stop the run: no more admissions; running and queued agents are cancelled (RunStopping, then RunFinished)."""
 
     reason: Reason = "run stopped"
 
 
-class Probe(Command):
+class Probe(Command, frozen=True):
     """Sweep an endpoint of the run in the background; it reports through Probe* events."""
 
     endpoint: Name
     max_concurrency: Cap | None = None
 
 
-class CancelProbe(Command):
+class CancelProbe(Command, frozen=True):
     """Cancel the endpoint's running probe (its requests are closed); returns False when none was running."""
 
     endpoint: Name
@@ -153,8 +153,11 @@ class Answer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 COMMAND_TYPES: tuple[type[Command], ...] = tuple(Command.__subclasses__())
-AnyCommand = Union[COMMAND_TYPES]  # noqa: UP007 (a union built at run time)
-COMMANDS: frozenset[str] = frozenset(cls.__struct_config__.tag for cls in COMMAND_TYPES)  # type: ignore[misc]
+if TYPE_CHECKING:
+    AnyCommand = Command  # a checker sees the base; msgspec decodes by the union of every command, built here
+else:
+    AnyCommand = Union[COMMAND_TYPES]  # noqa: UP007 (a union built at run time)
+COMMANDS: frozenset[str] = frozenset(str(cls.__struct_config__.tag) for cls in COMMAND_TYPES)
 """The commands' names, as a client sends them."""
 
 

@@ -25,6 +25,7 @@ Zone = Literal["fits", "cliff", "overflow"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 StallDeadline = Literal["first_byte", "idle"]  # contract/deadlines.py Phase
 ExtendedDeadline = Literal["first_byte", "idle", "tool"]  # "tool": a tool call's own deadline
+RecommendedMode = Literal["sequential", "parallel"]  # the run modes a probe recommends (kinds.Mode, but for auto)
 KillDeadline = Literal["first_byte", "idle", "operator", "wedge"]  # "wedge": its server is wedged (engine/wedge.py)
 
 EVENT_TYPES: list[type[Event]] = []
@@ -41,7 +42,7 @@ Seconds = Annotated[float, msgspec.Meta(gt=0, le=sys.float_info.max)]
 Fraction = Annotated[float, msgspec.Meta(gt=0, lt=1)]
 
 
-class StallPolicy(Payload):
+class StallPolicy(Payload, frozen=True):
     """An endpoint's stall policy in force ([stall] with its overrides, config/models.py `resolve_stall`): what
     both deadlines and their warnings run by (contract/deadlines.py). Bounded as `[stall]` is, since a console
     may send one whole (`set_stall`); its warnings in order, each once."""
@@ -58,7 +59,7 @@ class StallPolicy(Payload):
         msgspec.structs.force_setattr(self, "warn_at", tuple(sorted(set(self.warn_at))))
 
 
-class EndpointSummary(Payload):
+class EndpointSummary(Payload, frozen=True):
     """An endpoint of the run as a console and the report show it: never its key, only the variable's name."""
 
     name: str
@@ -76,7 +77,7 @@ class EndpointSummary(Payload):
         return bool(self.price_in_per_mtok or self.price_out_per_mtok)
 
 
-class AgentPlan(Payload, omit_defaults=True):
+class AgentPlan(Payload, omit_defaults=True, frozen=True):
     """What a console shows of an agent before it starts: where it runs, its wave, its turns."""
 
     endpoint: str  # its endpoint, or its pool's name until it is placed
@@ -85,7 +86,7 @@ class AgentPlan(Payload, omit_defaults=True):
     pool: str = ""
 
 
-class LoadEstimate(Payload):
+class LoadEstimate(Payload, frozen=True):
     """How many conversations fit in an endpoint's KV memory: from config (the capacity model), or from the
     server's own KV capacity once it reports one (engine/load.py)."""
 
@@ -105,7 +106,7 @@ class LoadEstimate(Payload):
         return "cliff"
 
 
-class ProbeLevelSummary(Payload):
+class ProbeLevelSummary(Payload, frozen=True):
     """What one concurrency level of a probe measured (endpoints/knee.py's ProbeLevel, rounded)."""
 
     concurrency: int
@@ -128,7 +129,7 @@ class ProbeLevelSummary(Payload):
     conversations: int | None = None  # conversation mode: conversations run (requests counts their turns)
 
 
-class ProbeBounds(Payload):
+class ProbeBounds(Payload, frozen=True):
     """What bounded a probe's sweep."""
 
     max_concurrency: int
@@ -139,7 +140,7 @@ class ProbeBounds(Payload):
     request_timeout_s: float
 
 
-class ProbeSummary(Payload):
+class ProbeSummary(Payload, frozen=True):
     """A whole probe (`probe --json` prints the same): the server, the levels measured, the recommendation."""
 
     base_url: str
@@ -153,7 +154,7 @@ class ProbeSummary(Payload):
     levels: list[ProbeLevelSummary]
     prefix_hits_reported: bool
     recommended_concurrency: int
-    recommended_mode: str  # sequential | parallel
+    recommended_mode: RecommendedMode
     reason: str
     stopped_because: str
     total_requests: int
@@ -161,7 +162,7 @@ class ProbeSummary(Payload):
     bounds: ProbeBounds
 
 
-class RunTotals(Payload, omit_defaults=True):
+class RunTotals(Payload, omit_defaults=True, frozen=True):
     """A run's figures at its end, as report.json's `totals` has them."""
 
     agents: int
@@ -178,7 +179,7 @@ class RunTotals(Payload, omit_defaults=True):
     sessions: int = 0  # a gateway's sessions (not among `agents`)
 
 
-class WorkerSample(Payload):
+class WorkerSample(Payload, frozen=True):
     """One worker behind a router (an endpoint's `metrics_urls`), as its own /health and /metrics said."""
 
     url: str
@@ -192,7 +193,7 @@ class WorkerSample(Payload):
     detail: str = ""
 
 
-class Quantiles(Payload):
+class Quantiles(Payload, frozen=True):
     """One latency figure over a window: its median and 95th percentile in seconds, and how many observations
     (requests, or tokens for inter-token latency) they stand for."""
 
@@ -201,7 +202,7 @@ class Quantiles(Payload):
     count: float
 
 
-class GpuReading(Payload):
+class GpuReading(Payload, frozen=True):
     """One GPU of the run's box, through NVML (utilization 0..1); None where the GPU does not report a value."""
 
     index: int
@@ -228,7 +229,7 @@ class Event(msgspec.Struct, frozen=True, tag_field="event", tag=True, forbid_unk
         return msgspec.to_builtins(self)
 
 
-class RunStarted(Event):
+class RunStarted(Event, frozen=True):
     run_id: str
     mode: Mode
     max_concurrency: int
@@ -243,13 +244,13 @@ class RunStarted(Event):
     effective_cap: int = 0  # what may run at once now (auto: the sum of the endpoints' live caps); 0: not said
 
 
-class RunStopping(Event):
+class RunStopping(Event, frozen=True):
     """The run was told to stop: no more admissions; running and queued agents are being cancelled."""
 
     reason: str
 
 
-class RunNotice(Event):
+class RunNotice(Event, frozen=True):
     """Something the operator should read that belongs to no agent (e.g. the stream worker could not start)."""
 
     message: str
@@ -257,21 +258,21 @@ class RunNotice(Event):
     title: str = ""
 
 
-class ModelResolved(Event):
+class ModelResolved(Event, frozen=True):
     """An endpoint configured without a model: the one its /v1/models listed first, which the run requests."""
 
     endpoint: str
     model: str
 
 
-class StallPolicyChanged(Event):
+class StallPolicyChanged(Event, frozen=True):
     """An endpoint's stall policy changed live (the settings screen): new and running attempts use it now."""
 
     endpoint: str
     policy: StallPolicy
 
 
-class LoadChanged(Event):
+class LoadChanged(Event, frozen=True):
     """How close an endpoint is to its KV-cache cliff, as the engine judges it (engine/load.py): sent when
     any part changes (an admission, a server sample, a new estimate, the cap)."""
 
@@ -284,7 +285,7 @@ class LoadChanged(Event):
     warning: str = ""  # set when the cap is past the conversations that fit: the operator's notice
 
 
-class ProbeStarted(Event):
+class ProbeStarted(Event, frozen=True):
     """A probe of one of the run's endpoints began (the console's `probe` command); admissions wait meanwhile."""
 
     endpoint: str
@@ -292,7 +293,7 @@ class ProbeStarted(Event):
     agents: int = 0  # agents on the endpoint whose conversations it replays (0: single requests)
 
 
-class ProbeProgress(Event):
+class ProbeProgress(Event, frozen=True):
     """What the probe is doing (`line`), or a level it finished measuring (`level`)."""
 
     endpoint: str
@@ -300,7 +301,7 @@ class ProbeProgress(Event):
     level: ProbeLevelSummary | None = None
 
 
-class ProbeFinished(Event):
+class ProbeFinished(Event, frozen=True):
     """The probe ended: its `result`, or why not (`error`), or cancelled by the operator."""
 
     endpoint: str
@@ -309,22 +310,22 @@ class ProbeFinished(Event):
     cancelled: bool = False
 
 
-class WaveStarted(Event):
+class WaveStarted(Event, frozen=True):
     wave: int
     agents: list[str]
 
 
-class WaveFinished(Event):
+class WaveFinished(Event, frozen=True):
     wave: int
     statuses: dict[str, Status]
 
 
-class AgentQueued(Event):
+class AgentQueued(Event, frozen=True):
     agent: str
     wave: int
 
 
-class GatewayServing(Event):
+class GatewayServing(Event, frozen=True):
     """The run serves a gateway (gateway/): where harnesses point their base URL, the models it routes, and its
     model_map (glob -> served model)."""
 
@@ -333,7 +334,7 @@ class GatewayServing(Event):
     mapped: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-class SessionOpened(Event):
+class SessionOpened(Event, frozen=True):
     """A gateway session appeared (gateway/): from now on an agent of the run, its requests its attempts."""
 
     agent: str
@@ -344,7 +345,7 @@ class SessionOpened(Event):
     key: str = ""  # the name of the environment variable whose client key it sent (`[gateway] keys_env`)
 
 
-class AgentStatus(Event):
+class AgentStatus(Event, frozen=True):
     """An agent's status changed, as the engine keeps it (kinds.py): what every console shows, inferring none.
     An agent's final status also comes with its AgentFinished."""
 
@@ -352,7 +353,7 @@ class AgentStatus(Event):
     status: Status
 
 
-class AgentPlaced(Event):
+class AgentPlaced(Event, frozen=True):
     """A pool's agent was placed on a member (it stays there for every turn), or moved off a member that is down
     (`moved_from`, with `reason`: the conversation's prefix cache there is lost)."""
 
@@ -363,7 +364,7 @@ class AgentPlaced(Event):
     reason: str = ""
 
 
-class AgentStarted(Event):
+class AgentStarted(Event, frozen=True):
     """An attempt was admitted and its request is being sent (the stall clock starts here)."""
 
     agent: str
@@ -382,7 +383,7 @@ class AgentStarted(Event):
     model_sent: str = ""
 
 
-class EndpointWaiting(Event):
+class EndpointWaiting(Event, frozen=True):
     """A local endpoint refused the connection inside the first-byte window: the attempt keeps reconnecting."""
 
     agent: str
@@ -392,14 +393,14 @@ class EndpointWaiting(Event):
     retry_in_s: float
 
 
-class FirstToken(Event):
+class FirstToken(Event, frozen=True):
     agent: str
     attempt: int
     turn: int
     ttft_s: float
 
 
-class TokenDelta(Event):
+class TokenDelta(Event, frozen=True):
     """Streamed text: `text` is answer content, `reasoning` thinking text, `tool` tool-call text.
 
     One event carries the consecutive chunks of one network read (`tokens` of them, one token each as
@@ -414,14 +415,14 @@ class TokenDelta(Event):
     tokens: int = 1
 
 
-class KeepAlive(Event):
+class KeepAlive(Event, frozen=True):
     """Bytes that carry no token (an SSE comment, an empty delta): shown, counted as life only with liveness=bytes."""
 
     agent: str
     attempt: int
 
 
-class TurnFinished(Event):
+class TurnFinished(Event, frozen=True):
     agent: str
     attempt: int
     turn: int
@@ -433,7 +434,7 @@ class TurnFinished(Event):
     duration_s: float
 
 
-class AgentMeters(Event):
+class AgentMeters(Event, frozen=True):
     """An agent's meters after each request: its prompt served from the server's prefix cache, how full its
     context is, and what it has cost so far (priced endpoints), with the run's cost."""
 
@@ -448,7 +449,7 @@ class AgentMeters(Event):
     warning: str = ""  # the context is nearly full, or the next turn will not fit
 
 
-class MessageRecorded(Event):
+class MessageRecorded(Event, frozen=True):
     """A whole message of an agent's conversation, as sent or as answered (`partial` when its attempt died)."""
 
     agent: str
@@ -469,7 +470,7 @@ class MessageRecorded(Event):
     inputs: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-class StallWarning(Event):
+class StallWarning(Event, frozen=True):
     """An attempt has passed `fraction` of a deadline without a sign of life."""
 
     agent: str
@@ -480,7 +481,7 @@ class StallWarning(Event):
     deadline_at: float  # monotonic time the deadline fires
 
 
-class StallExtended(Event):
+class StallExtended(Event, frozen=True):
     agent: str
     attempt: int
     deadline: ExtendedDeadline
@@ -491,7 +492,7 @@ class StallExtended(Event):
     by_operator: bool = False  # the operator's `e` (the agent is no longer stalling), not the busy server
 
 
-class PrefillProgress(Event):
+class PrefillProgress(Event, frozen=True):
     """How far an attempt's prompt is prefilled, before its first token: as its server says (llama-server's
     prompt_progress), or `estimated` from the endpoint's measured prefill rate (a server that says nothing).
     Told at most about once a second per attempt; the stall watchdog extends the first-byte deadline by it."""
@@ -506,7 +507,7 @@ class PrefillProgress(Event):
     estimated: bool = False
 
 
-class AgentKilled(Event):
+class AgentKilled(Event, frozen=True):
     agent: str
     attempt: int
     deadline: KillDeadline
@@ -514,14 +515,14 @@ class AgentKilled(Event):
     tokens: int
 
 
-class AgentRetrying(Event):
+class AgentRetrying(Event, frozen=True):
     agent: str
     attempt: int  # the attempt about to start
     cause: str
     delay_s: float
 
 
-class AgentFinished(Event):
+class AgentFinished(Event, frozen=True):
     """The agent is done: status completed | failed | killed | skipped | cancelled."""
 
     agent: str
@@ -532,20 +533,20 @@ class AgentFinished(Event):
     inputs: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-class AgentRerun(Event):
+class AgentRerun(Event, frozen=True):
     """A resumed run sends an agent the journal says completed, because what it would run with changed."""
 
     agent: str
     reason: str  # e.g. "prompt changed", "max_tokens 30 -> 60", "its dependency a0 runs again"
 
 
-class ModeChanged(Event):
+class ModeChanged(Event, frozen=True):
     mode: Mode
     effective_cap: int
     note: str = ""
 
 
-class ConcurrencyChanged(Event):
+class ConcurrencyChanged(Event, frozen=True):
     max_concurrency: int  # the parallel cap
     effective_cap: int  # what may run now: the run's, or with `endpoint` that endpoint's live cap
     paused: bool = False
@@ -555,7 +556,7 @@ class ConcurrencyChanged(Event):
     total_cap: int = 0  # what the whole run may run now (auto: the sum of the live caps); 0: not said
 
 
-class ServerSample(Event):
+class ServerSample(Event, frozen=True):
     """What an endpoint's /health and /metrics said; None where the server does not report a value."""
 
     endpoint: str
@@ -577,7 +578,7 @@ class ServerSample(Event):
     workers: list[WorkerSample] = msgspec.field(default_factory=list)
 
 
-class ServerWedged(Event):
+class ServerWedged(Event, frozen=True):
     """An endpoint's server is wedged (engine/wedge.py): its requests of ours were killed, each with `reason`, and
     a pool member is marked down; or, with `over`, it moves again (its counters or KV use changed)."""
 
@@ -588,7 +589,7 @@ class ServerWedged(Event):
     over: bool = False
 
 
-class GpuSample(Event):
+class GpuSample(Event, frozen=True):
     """The GPUs of the box the run is on, read through NVML with each round of server samples. No GPU readable
     (no NVIDIA driver, no bindings): `gpus` empty and `error` says why, once."""
 
@@ -596,14 +597,14 @@ class GpuSample(Event):
     error: str = ""
 
 
-class WarmupStarted(Event):
+class WarmupStarted(Event, frozen=True):
     """Before wave 1, one short request goes to each of these endpoints (`[run] warmup`): the run is `warming up`,
     and no agent is sent before the warm-up ends."""
 
     endpoints: list[str]
 
 
-class EndpointWarmed(Event):
+class EndpointWarmed(Event, frozen=True):
     """An endpoint's warm-up request ended: `cold_start_s` is its time to first token, the endpoint's cold start;
     None when it failed, and `error` says why (the agents' own watchdog then judges the endpoint)."""
 
@@ -612,7 +613,7 @@ class EndpointWarmed(Event):
     error: str = ""
 
 
-class LatencySample(Event):
+class LatencySample(Event, frozen=True):
     """The latency panel of one endpoint, with each server sample: p50/p95 over the last `window_s` seconds of
     time to first token, inter-token latency, queue and prefill time (None where the server does not tell or
     nothing was observed). `source`: "histograms" (vLLM's and SGLang's /metrics) or "timings" (llama.cpp's
@@ -630,7 +631,7 @@ class LatencySample(Event):
     running: float | None = None
 
 
-class ToolCallStarted(Event):
+class ToolCallStarted(Event, frozen=True):
     """An agent's MCP tool call began executing (after its permission): the idle deadline waits meanwhile,
     and the call has its own deadline (`deadline`, monotonic; None: none) with warnings at `warn_at`."""
 
@@ -645,7 +646,7 @@ class ToolCallStarted(Event):
     warn_at: tuple[float, ...] = ()
 
 
-class ToolCallFinished(Event):
+class ToolCallFinished(Event, frozen=True):
     """A tool call ended: ok, error (the server's or ours), denied (by a rule, the operator or headless),
     timeout (its tool deadline) or killed (by the operator); `result` is a one-line preview of what the model got."""
 
@@ -658,7 +659,7 @@ class ToolCallFinished(Event):
     elapsed_s: float
 
 
-class ApprovalRequested(Event):
+class ApprovalRequested(Event, frozen=True):
     """A tool call the server's rules `ask` about waits for the operator (the agent's status is "approval")."""
 
     agent: str
@@ -668,7 +669,7 @@ class ApprovalRequested(Event):
     arguments: str  # as in ToolCallStarted
 
 
-class ApprovalDecided(Event):
+class ApprovalDecided(Event, frozen=True):
     """What was decided about a tool call: once, for the rest of the run, or denied; by whom."""
 
     agent: str
@@ -679,7 +680,7 @@ class ApprovalDecided(Event):
     by: Literal["operator", "rule", "headless"]
 
 
-class ToolCallWarning(Event):
+class ToolCallWarning(Event, frozen=True):
     """A running tool call has passed `fraction` of its tool deadline."""
 
     agent: str
@@ -688,7 +689,7 @@ class ToolCallWarning(Event):
     remaining_s: float
 
 
-class RunFinished(Event):
+class RunFinished(Event, frozen=True):
     run_id: str
     exit_code: int
     totals: RunTotals

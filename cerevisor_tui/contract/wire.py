@@ -35,19 +35,19 @@ class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fiel
     pass
 
 
-class Hello(Message, tag="hello"):
+class Hello(Message, tag="hello", frozen=True):
     """The client's first line."""
 
     protocol: int
     replay: bool = True
 
 
-class CommandMessage(Message, tag="command"):
+class CommandMessage(Message, tag="command", frozen=True):
     id: int
-    command: AnyCommand  # type: ignore[valid-type]
+    command: AnyCommand
 
 
-class Welcome(Message, tag="hello"):
+class Welcome(Message, tag="hello", frozen=True):
     """The server's answer to a hello it takes: which run this is."""
 
     protocol: int
@@ -58,22 +58,22 @@ class Welcome(Message, tag="hello"):
     started_at: float = 0.0
 
 
-class EventMessage(Message, tag="event"):
-    event: AnyEvent  # type: ignore[valid-type]
+class EventMessage(Message, tag="event", frozen=True):
+    event: AnyEvent
 
 
-class Live(Message, tag="live"):
+class Live(Message, tag="live", frozen=True):
     pass
 
 
-class Reply(Message, tag="reply"):
+class Reply(Message, tag="reply", frozen=True):
     id: int | None
     ok: bool
     value: Any = None
     error: str = ""
 
 
-class Bye(Message, tag="bye"):
+class Bye(Message, tag="bye", frozen=True):
     reason: str
 
 

@@ -6,6 +6,7 @@ read as absent, the rules go on as for a server that does not tell."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 MAX_METRIC = 1e15
 """The largest metric value believed: a counter of a billion tokens a second for ten days is 1e15."""
@@ -15,15 +16,14 @@ MAX_PREFILL_MS = 1e9
 """The longest prefill time believed (11 days)."""
 
 
-def metric(value: float) -> float | None:
+def metric(value: object) -> float | None:
     """A metric sample's value, or None when it cannot be a count, a gauge or a ratio a server keeps."""
     if not isinstance(value, int | float) or not math.isfinite(value) or not 0 <= value <= MAX_METRIC:
         return None
     return float(value)
 
 
-def prompt_progress(total: float, cache: float, processed: float,
-                    time_ms: float) -> tuple[int, int, int, int] | None:
+def prompt_progress(total: Any, cache: Any, processed: Any, time_ms: Any) -> tuple[int, int, int, int] | None:
     """llama-server's prompt_progress as (total, cache, processed, time_ms), or None when it cannot be one: a value
     not a finite number, negative or past its bound, or cached or processed tokens beyond the prompt."""
     for value, bound in ((total, MAX_PROMPT_TOKENS), (cache, MAX_PROMPT_TOKENS), (processed, MAX_PROMPT_TOKENS),

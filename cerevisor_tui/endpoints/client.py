@@ -17,7 +17,7 @@ import email.utils
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,7 +177,7 @@ class ChatStream:
         if abort is not None:
             abort()
 
-    async def events(self) -> AsyncIterator[tuple[int, Any]]:
+    async def events(self) -> AsyncGenerator[tuple[int, Any]]:
         try:
             try:
                 async with self.client.stream("POST", self.url, json=self.body, headers=self.headers) as response:

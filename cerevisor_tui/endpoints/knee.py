@@ -24,12 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cerevisor_tui.contract.events import ProbeLevelSummary
+from cerevisor_tui.contract.events import ProbeLevelSummary, RecommendedMode
 
 StopReason = Literal["knee", "queue", "ttft", "errors", "prefix", "max_concurrency", "max_requests",
                      "max_seconds"]
-RecommendedMode = Literal["sequential", "parallel"]
-"""The run modes a probe recommends (kinds.Mode, but for auto)."""
 
 
 @dataclass(frozen=True)

@@ -162,7 +162,7 @@ def detect_kind(names: Iterable[str]) -> ServerKind:
     prefixes = {name.split(":", 1)[0] for name in names if ":" in name}
     for kind in ("vllm", "llamacpp", "sglang"):
         if kind in prefixes:
-            return kind  # type: ignore[return-value]
+            return kind
     return "unknown"
 
 

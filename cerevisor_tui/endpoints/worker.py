@@ -27,7 +27,7 @@ import signal
 import struct
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from cerevisor_tui.config.secrets import Scrubber
@@ -90,7 +90,7 @@ class RemoteStream:
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
-    async def events(self) -> AsyncIterator[tuple[int, Any]]:
+    async def events(self) -> AsyncGenerator[tuple[int, Any]]:
         worker = self.worker
         sid = self.sid = await worker.open(self)
         items = self.items

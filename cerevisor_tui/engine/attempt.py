@@ -276,7 +276,7 @@ class Attempts:
         if answer or thinking:
             self.emit(ev.MessageRecorded(self.now(), st.name, att.number, att.turn, "assistant", answer, thinking,
                                          partial=True))
-        if att.kill_reason and not att.restart:
+        if att.kill_reason and att.kill_deadline is not None and not att.restart:
             self.emit(ev.AgentKilled(self.now(), st.name, att.number, att.kill_deadline, att.kill_reason,
                                      att.tokens))
 

@@ -18,7 +18,9 @@ import anyio
 from cerevisor_tui.config.models import EndpointConfig, ResolvedStall
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.endpoints.client import ChatStream
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
+from cerevisor_tui.endpoints.worker import RemoteStream
 from cerevisor_tui.engine.attempt import Answer, Attempts, Subscriber, TurnFigures
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.resume import RecordedTurn, input_changes, turn_inputs
@@ -227,12 +229,13 @@ class Conversations:
         att = self.attempts.begin(st, number, request_id(self.request_prefix, header_value(st.name), st.turn, number),
                                   turns=st.turns, step=st.step if st.toolset is not None else 0)
         error: EndpointError | None = None
+        stream: ChatStream | RemoteStream | None = None
         with anyio.CancelScope() as scope:
             att.scope = scope
             async with anyio.create_task_group() as group:
                 group.start_soon(self.watchdog.watch, st, att, policy)
                 try:
-                    await self._stream(st, att, messages, policy)
+                    stream = await self._stream(st, att, messages, policy)
                 except EndpointError as exc:
                     error = exc
                 finally:
@@ -243,11 +246,8 @@ class Conversations:
         if att.kill_reason or error is not None or scope.cancelled_caught:
             self.attempts.ended(st, att, answer, "".join(att.thinking))
             if att.kill_reason:
-                status = "cancelled" if self.stopping() else "killed"
-                # a wedged server's kill names the wedge, not a deadline (engine/wedge.py)
-                reason = (att.kill_reason if att.by_operator or att.kill_deadline == "wedge"
-                          else f"{att.kill_deadline} deadline: {att.kill_reason}")
-                raise AttemptFailed(status, reason, retryable=not att.by_operator, restart=att.restart)
+                status: FinalStatus = "cancelled" if self.stopping() else "killed"
+                raise AttemptFailed(status, att.why_killed, retryable=not att.by_operator, restart=att.restart)
             if error is not None:
                 if isinstance(error, Relocated):  # the next attempt goes to another member at once
                     raise AttemptFailed("failed", str(error), retryable=True, restart=True)
@@ -260,21 +260,21 @@ class Conversations:
                     raise AttemptFailed("failed", str(error), retryable=True, restart=True)
                 raise AttemptFailed("failed", str(error), retryable=error.retryable, retry_after_s=error.retry_after_s)
             raise AttemptFailed("cancelled", "cancelled", retryable=False)
-        stream = att.stream
         st.calls = assembled_calls(att.calls, f"{request_id(self.request_prefix, st.name, st.turn, att.number)}.") \
             if att.calls else []
         texts = st.config.turns
         following = self.render(texts[st.turn - 1]) if st.turn <= len(texts) else ""
         await self.attempts.finished(
             st, att,
-            Answer(answer, "".join(att.thinking), stream.usage if stream and stream.usage else None,
-                   getattr(stream, "cached_tokens", None), stream.finish_reason if stream else "",
-                   getattr(stream, "timings", None), _chars(messages), st.calls),
+            Answer(answer, "".join(att.thinking), stream.usage if stream else None,
+                   stream.cached_tokens if stream else None, stream.finish_reason if stream else "",
+                   stream.timings if stream else None, _chars(messages), st.calls),
             turns=st.turns, following_chars=len(following), max_tokens=st.config.max_tokens)
         return answer
 
     async def _stream(self, st: AgentState, att: Attempt, messages: list[dict[str, Any]],
-                      policy: ResolvedStall) -> None:
+                      policy: ResolvedStall) -> ChatStream | RemoteStream:
+        """Stream the attempt's request, each item to the attempt owner; returns the stream, read to its end."""
         ep = self.endpoints[st.endpoint]
         connections = self.connections
         attempts = self.attempts
@@ -321,7 +321,7 @@ class Conversations:
                         attempts.progress(st, att, *payload, by_bytes=by_bytes)
                     elif kind == TOOL_CALLS:
                         attempts.tool_pieces(att, payload)
-                return
+                return stream
             except EndpointUnreachable as exc:
                 exc.scrub(self.scrub)
                 # A pool's member that refuses is down for the pool: the agent moves to another member at once.

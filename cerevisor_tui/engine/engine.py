@@ -671,7 +671,7 @@ class Engine:
 
     def _reset(self, st: AgentState) -> None:
         move(st, "reset")
-        st.error, st.output, st.end_status, st.end_reason = "", "", "", ""
+        st.error, st.output, st.end_status, st.end_reason = "", "", None, ""
         st.retries_used = 0
         st.turn = 0
         st.messages = []

@@ -175,9 +175,9 @@ class TurnChains:
             case ev.AgentQueued() | ev.AgentFinished() | ev.AgentRerun() | ev.AgentStatus():
                 pass  # an agent's, not a turn's
             case _:
-                agent = getattr(event, "agent", None)
-                if agent in self._current:
-                    self._current[agent].figures.append(event)
+                who = getattr(event, "agent", None)
+                if who in self._current:
+                    self._current[who].figures.append(event)
 
     def turns(self) -> dict[str, list[RecordedTurn]]:
         out: dict[str, list[RecordedTurn]] = {}
@@ -280,8 +280,8 @@ def read_journal(run_dir: str | os.PathLike[str]) -> JournalState:
                 last_run.setdefault(agent, []).append(event)
             case ev.AgentFinished():
                 pass
-            case _ if event.kind in REPLAYED and isinstance(agent := getattr(event, "agent", None), str):
-                last_run.setdefault(agent, []).append(event)
+            case _ if event.kind in REPLAYED and isinstance(who := getattr(event, "agent", None), str):
+                last_run.setdefault(who, []).append(event)
     state.tools.read()
     state.turns = turns.turns()
     state.inputs = {agent: dict(e.inputs) for agent, e in finished.items() if e.inputs}

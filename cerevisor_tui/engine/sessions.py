@@ -207,8 +207,7 @@ class Sessions:
             session.last_kill = ""
             if att.kill_reason and not att.answered:  # a stop while its answered request did its meters: no kill
                 session.kills.append(att.kill_reason)
-                session.last_kill = (att.kill_reason if att.by_operator or att.kill_deadline == "wedge"
-                                     else f"{att.kill_deadline} deadline: {att.kill_reason}")
+                session.last_kill = att.why_killed
                 session.last_by_stop = bool(e.stopping)
             rest = list(session.in_flight.values())
             st.current = rest[-1] if rest else None

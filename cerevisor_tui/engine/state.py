@@ -7,18 +7,26 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
 from cerevisor_tui.config.models import AgentConfig
-from cerevisor_tui.kinds import Status
+from cerevisor_tui.contract.deadlines import Phase
+from cerevisor_tui.contract.events import KillDeadline
+from cerevisor_tui.kinds import FinalStatus, Status
 
 if TYPE_CHECKING:
     from cerevisor_tui.config.secrets import StreamScrubber
-    from cerevisor_tui.endpoints.client import ChatStream
-    from cerevisor_tui.endpoints.worker import RemoteStream
     from cerevisor_tui.engine.prefill import Prefill, PrefillEstimate
+
+
+class Reader(Protocol):
+    """What the watchdog and a kill use of an attempt's response as it is read (a workflow agent's ChatStream or
+    RemoteStream, a gateway session's upstream response): when its last byte came. A kill drops it at once through
+    its `abort`, where it has one."""
+
+    last_byte_at: float
 
 
 @dataclass(eq=False)
@@ -47,7 +55,7 @@ class AgentState:
     output: str = ""
     current: Attempt | None = None
     scope: anyio.CancelScope | None = None
-    end_status: str = ""
+    end_status: FinalStatus | None = None  # what a stop or the operator's kill ends it as, before it ends
     end_reason: str = ""
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns_done: int = 0
@@ -91,19 +99,19 @@ class Attempt:
     last_alive: float = 0.0
     first_token_at: float | None = None
     tokens: int = 0
-    phase: str = "first_byte"
+    phase: Phase = "first_byte"
     deadline_at: float = math.inf
     base: float = 0.0
     extra_s: float = 0.0
     extensions: int = 0
     warned: int = 0
     kill_reason: str = ""
-    kill_deadline: str = ""
+    kill_deadline: KillDeadline | None = None
     by_operator: bool = False
     restart: bool = False
     answered: bool = False  # its whole answer came and was recorded (engine/attempt.py `finished`)
     request_id: str = ""  # the X-Request-Id its request carries (a gateway session's; a workflow's is computed)
-    stream: ChatStream | RemoteStream | None = None
+    stream: Reader | None = None  # its response as it is read: when its last byte came (and how to drop it)
     prefill: Prefill | None = None  # its prompt's prefill as the server tells it (prompt_progress), before a token
     estimate: PrefillEstimate | None = None  # or, where the server tells nothing, as its measured rate projects it
     # its answer so far, as streamed (content, reasoning, tool calls): the turn's result, and what a console
@@ -120,7 +128,15 @@ class Attempt:
     # set at the first sign of life: the watchdog, asleep on the long first-byte deadline, moves to idle
     alive: anyio.Event = field(default_factory=anyio.Event)
 
-    def kill(self, deadline: str, reason: str, *, by_operator: bool = False, restart: bool = False) -> None:
+    @property
+    def why_killed(self) -> str:
+        """Its kill as an agent's end or a client's error says it: the operator's or a wedge's reason as given, a
+        deadline's named ("idle deadline: no output for 600 s after 412 tokens"); "" when it was not killed."""
+        if not self.kill_reason or self.by_operator or self.kill_deadline == "wedge":
+            return self.kill_reason
+        return f"{self.kill_deadline} deadline: {self.kill_reason}"
+
+    def kill(self, deadline: KillDeadline, reason: str, *, by_operator: bool = False, restart: bool = False) -> None:
         if self.kill_reason:
             return
         self.kill_deadline, self.kill_reason = deadline, reason

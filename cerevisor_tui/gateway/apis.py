@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import msgspec
 
@@ -146,7 +146,7 @@ def role_of(message: dict[str, Any]) -> Role:
     """Who said a message, in the journal's words (its transcript keeps the message as the client sent it)."""
     role = message.get("role")
     if isinstance(role, str) and role in ROLES:
-        return role
+        return cast(Role, role)
     if role == "function":  # the chat API's older name for a tool's result
         return "tool"
     kind = message.get("type")  # responses' items without a role: function_call, function_call_output, ...
@@ -440,7 +440,8 @@ def _error_text(error: Any) -> str:
     if depth_over(error, 8):
         return "(an error nested too deep to read)"
     if isinstance(error, dict):
-        inner = error.get("error") if isinstance(error.get("error"), dict) else error
+        nested = error.get("error")
+        inner = nested if isinstance(nested, dict) else error
         return str(inner.get("message") or inner.get("type") or error)[:500]
     return str(error)[:500]
 

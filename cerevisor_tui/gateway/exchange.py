@@ -248,31 +248,19 @@ class Exchange:
             changes["stream_options"] = {**(self.body.get("stream_options") or {}), "include_usage": True}
             self.hide_usage = True
         content = msgspec.json.encode({**self.body, **changes}) if changes else self.raw
-        wait_s = WAIT_BACKOFF_S[0]
-        while True:
-            request = client.build_request("POST", url, content=content, headers=headers)
-            try:
-                response = await client.send(request, stream=True)
-                break
-            except httpx.HTTPError as exc:
-                if ep.kind == "hosted" or not is_refused(exc):  # out of descriptors is no server loading
-                    await self.fail(503, f"cerevisor gateway: upstream {endpoint} is not answering: {problem_of(exc)}",
-                                    {"retry-after": str(RETRY_AFTER_S)})
-                    return
-                # a local server still loading refuses its port: the request waits, kept alive, within its
-                # first-byte window (the watchdog ends it there)
-                e.attempts.refused(st, att, endpoint, problem_of(exc), wait_s)
-                await self.run_ports.clock.sleep(wait_s)
-                wait_s = min(wait_s * 2, WAIT_BACKOFF_S[1])
+        request = client.build_request("POST", url, content=content, headers=headers)
+        response = await self._connect(session, att, client, request)
+        if response is None:
+            return
+        upstream = att.stream = _Upstream(response)
         try:
-            att.stream = _Upstream(response)
             if response.status_code >= 300:
                 await self._upstream_error(response)
                 return
             if not self.streamed:
-                await self._whole(session, att, response)
+                await self._whole(session, att, upstream, response)
             else:
-                await self._relay(session, att, response)
+                await self._relay(session, att, upstream, response)
         except httpx.HTTPError as exc:
             # the upstream broke off its answer (a dropped connection, a cut chunk): the client is told in its
             # API's shape rather than left with a truncated body; a kill's own abort is told as the kill
@@ -282,6 +270,27 @@ class Exchange:
         finally:
             with anyio.CancelScope(shield=True):
                 await response.aclose()
+
+    async def _connect(self, session: Session, att: Attempt, client: httpx.AsyncClient,
+                       request: httpx.Request) -> httpx.Response | None:
+        """The upstream's response to `request` (its headers); None when the client was told it is not answering. A
+        local server still loading refuses its port: the request waits, kept alive, within its first-byte window
+        (the watchdog ends it there)."""
+        st = session.st
+        endpoint = st.endpoint
+        wait_s = WAIT_BACKOFF_S[0]
+        while True:
+            try:
+                return await client.send(request, stream=True)
+            except httpx.HTTPError as exc:
+                if self.run_ports.endpoints[endpoint].kind == "hosted" or not is_refused(exc):
+                    # (out of descriptors is no server loading)
+                    await self.fail(503, f"cerevisor gateway: upstream {endpoint} is not answering: {problem_of(exc)}",
+                                    {"retry-after": str(RETRY_AFTER_S)})
+                    return None
+                self.run_ports.attempts.refused(st, att, endpoint, problem_of(exc), wait_s)
+                await self.run_ports.clock.sleep(wait_s)
+                wait_s = min(wait_s * 2, WAIT_BACKOFF_S[1])
 
     async def _upstream_error(self, response: httpx.Response) -> None:
         """The upstream's own error: passed as it is before the headers went out, else as the API's error event."""
@@ -304,11 +313,11 @@ class Exchange:
         message = reading.error or body[:300].decode("utf-8", "replace")
         await self.fail(response.status_code, f"upstream answered {response.status_code}: {message}")
 
-    async def _whole(self, session: Session, att: Attempt, response: httpx.Response) -> None:
+    async def _whole(self, session: Session, att: Attempt, upstream: _Upstream, response: httpx.Response) -> None:
         attempts, st = self.run_ports.attempts, session.st
         chunks = []
         async for chunk in response.aiter_raw():
-            att.stream.last_byte_at = self.now()
+            upstream.last_byte_at = self.now()
             attempts.alive(st, att)
             chunks.append(chunk)
         data = b"".join(chunks)
@@ -321,7 +330,7 @@ class Exchange:
             await self.write(data, last=True)
         await self._finished(session, att)
 
-    async def _relay(self, session: Session, att: Attempt, response: httpx.Response) -> None:
+    async def _relay(self, session: Session, att: Attempt, upstream: _Upstream, response: httpx.Response) -> None:
         """The hot path: each read's complete frames go to the client as they came; a copy is read."""
         e = self.run_ports
         st = session.st
@@ -329,7 +338,6 @@ class Exchange:
         attempts = e.attempts
         delta = attempts.delta
         monotonic = self.now
-        upstream = att.stream
         by_bytes = e.policies[st.endpoint].liveness == "bytes"
         hide_usage = self.hide_usage
         pending = Frames()

@@ -79,9 +79,9 @@ def identify(api: Api, headers: Mapping[str, str], body: dict[str, Any], *, labe
             return session_name(user_id), "metadata.user_id"
     else:
         for field in ("prompt_cache_key", "user"):
-            value = body.get(field)
-            if isinstance(value, str) and value.strip():
-                return session_name(value), field
+            given = body.get(field)
+            if isinstance(given, str) and given.strip():
+                return session_name(given), field
     if label:
         return session_name(label), "path"
     if key:

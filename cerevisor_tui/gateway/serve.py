@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -21,7 +22,7 @@ class _Uvicorn(uvicorn.Server):
     """uvicorn without its signal handlers: the run owns SIGINT and SIGTERM."""
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         yield
 
 

@@ -66,7 +66,7 @@ class ControlClient:
         except PermissionError:
             raise AttachError(f"not allowed to open {path}: the run belongs to another user") from None
         except (OSError, TimeoutError) as exc:
-            raise AttachError(f"cannot reach run {run_dir.name} at {path}: {exc or 'no answer'}") from None
+            raise AttachError(f"cannot reach run {run_dir.name} at {path}: {str(exc) or 'no answer'}") from None
         problem = check_user(writer.get_extra_info("socket"))
         if problem:  # another user's process: nothing is said to it, nothing taken from it as the run's
             writer.close()
@@ -76,7 +76,7 @@ class ControlClient:
             hello = read_server(await asyncio.wait_for(reader.readline(), CONNECT_WAIT_S))
         except (OSError, TimeoutError, WireError, ValueError) as exc:
             writer.close()
-            raise AttachError(f"run {run_dir.name} did not answer: {exc or 'no answer'}") from None
+            raise AttachError(f"run {run_dir.name} did not answer: {str(exc) or 'no answer'}") from None
         if not isinstance(hello, Welcome):
             writer.close()
             why = hello.reason if isinstance(hello, Bye) else f"a {type(hello).__name__} before its hello"

@@ -319,7 +319,8 @@ class Journal:
             if isinstance(event, ev.MessageRecorded):
                 path = self.dir / "transcripts" / f"{event.agent}.jsonl"
                 fh = self._transcript(event.agent, path)
-                record = {"turn": event.turn, "attempt": event.attempt, "role": event.role, "content": event.content}
+                record: dict[str, Any] = {"turn": event.turn, "attempt": event.attempt, "role": event.role,
+                                          "content": event.content}
                 if event.raw:  # a gateway session's message, in its client's own format
                     record = {"turn": event.turn, "attempt": event.attempt, **event.raw}
                 if event.reasoning:
