@@ -301,7 +301,8 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         epilog="examples:\n"
         "  cerevisor-tui replay run tiered.jsonl --sim --speed 20 --concurrency 32\n"
         "  cerevisor-tui replay run agentx.jsonl --sim llama-3.1-8b@h100 --speed 10 --report replay.json\n"
-        "  cerevisor-tui replay run agentx.jsonl --endpoint http://127.0.0.1:8000/v1 --concurrency 16",
+        "  cerevisor-tui replay run agentx.jsonl --endpoint http://127.0.0.1:8000/v1 --concurrency 16\n"
+        "  cerevisor-tui replay run agentx.jsonl --sim --speed 10 --through-gateway --mode auto --concurrency 64",
         formatter_class=_formatter,
     )
     run_replay.add_argument("file", metavar="FILE", help="the replay file")
@@ -311,7 +312,14 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
                         help="the built-in simulator (the default), with a model+GPU profile (see `sim --help`)")
     run_replay.add_argument("--model", metavar="ID", help="model id to request (default: the first of /v1/models)")
     run_replay.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
-    run_replay.add_argument("--concurrency", type=int, default=8, metavar="N", help="sessions at once (default 8)")
+    run_replay.add_argument("--concurrency", type=int, default=8, metavar="N",
+                            help="sessions at once (default 8); with --through-gateway the run's cap")
+    run_replay.add_argument("--through-gateway", action="store_true",
+                            help="send the sessions through a gateway of a run of their own, as harness traffic "
+                            "arrives: each session a row under the run's mode, cap, Auto and watchdog; the report "
+                            "adds the run's cap changes and kills")
+    run_replay.add_argument("--mode", choices=MODES, default="parallel",
+                            help="with --through-gateway: the run's mode (default parallel)")
     run_replay.add_argument("--speed", type=float, default=1.0, metavar="X",
                             help="divide the gaps between turns by X (and run the simulator X times faster)")
     run_replay.add_argument("--report", metavar="PATH", help="also write the report, with each session's figures, "

@@ -122,3 +122,30 @@ def test_a_prompt_past_the_servers_context_fails_its_turn_and_exits_1(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
     assert "replayed 0 of 1 turns" in done.stdout and "1 turns failed; the first:" in done.stdout
+
+
+@pytest.mark.anyio
+async def test_through_a_gateway_every_session_is_a_row_of_the_run_under_its_cap_and_the_server_sees_the_sharing():
+    """--through-gateway: the sessions arrive as harness traffic does (each with its session header), the run
+    admits them by its mode and cap (sequential: one session at a time), and the prefix hits are the upstream's."""
+    from cerevisor_tui.commands.replay import through_gateway
+
+    turns = generate("tiered-offload", sessions=3, seed=1)
+    prompts = [whole for _, whole in whole_prompts(turns)]
+    previous = [whole for t, whole in whole_prompts(turns) if t.turn < 8]
+    async with SimServer(SimSettings(speed=SPEED)) as sim:
+        report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=SPEED, time_scale=SPEED),
+                                       "sequential", 1)
+        seen = {request["headers"].get("x-session-id") for request in sim.state.requests}
+    assert report.turns_completed == report.turns == 24 and not report.kills
+    assert report.prefix_hit_rate == pytest.approx(sum(previous) / sum(prompts), abs=0.01)
+    assert seen == {"s00001", "s00002", "s00003"}  # each session by its own name, through the run's gateway
+    assert report.concurrency == 1
+    # sequential: every session was sent at once, and the run answered one after another (its first token to
+    # its last answer never beside another session's), the others queued in the gateway meanwhile
+    spans = {}
+    for r in report.turn_log:
+        start, end = spans.get(r.session_id, (r.first_at, r.ended_at))
+        spans[r.session_id] = (min(start, r.first_at), max(end, r.ended_at))
+    ordered = sorted(spans.values())
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ordered, ordered[1:], strict=False))

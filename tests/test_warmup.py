@@ -261,8 +261,17 @@ async def test_a_resumed_runs_warm_up_carries_its_own_request_id(tmp_path):
             journal = Journal(run_dir, engine.report)
             journal.open(resume=resumed is not None)
             engine.subscribe(journal)
-            engine.subscribe(lambda e, engine=engine: engine.handle(cmd.Stop(reason="test"))
-                             if e.kind == "AgentFinished" and e.agent == "a0" else None)
+            # stopped once a0 has ended and the endpoint has warmed (a resumed run's a0 ends at once, reused,
+            # while its warm-up may still be out: agents no longer wait for it)
+            ended: set[str] = set()
+
+            def stop_when_done(e, engine=engine, ended=ended) -> None:
+                if e.kind == "EndpointWarmed" or (e.kind == "AgentFinished" and e.agent == "a0"):
+                    ended.add(e.kind)
+                if ended == {"EndpointWarmed", "AgentFinished"}:
+                    engine.handle(cmd.Stop(reason="test"))
+
+            engine.subscribe(stop_when_done)
             await engine.run()
             journal.close()
         ids = [r["request_id"] for r in srv.state.requests]

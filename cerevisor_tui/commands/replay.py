@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, TextIO
 from cerevisor_tui.replay.trace import TraceError, TraceTurn, write_trace
 
 if TYPE_CHECKING:
-    from cerevisor_tui.replay.run import ReplayReport
+    from cerevisor_tui.kinds import Mode
+    from cerevisor_tui.replay.run import ReplayReport, ReplaySettings
     from cerevisor_tui.replay.stats import TraceStats
 
 PROG = "cerevisor-tui replay"
@@ -107,15 +108,21 @@ def _replay(args: argparse.Namespace) -> int:
                               time_scale=args.speed if simulated else 1.0, model=args.model or "",
                               extra_headers=headers)
 
+    async def to(base_url: str) -> ReplayReport:
+        if args.through_gateway:
+            return await through_gateway(turns, base_url, settings, args.mode, args.concurrency,
+                                         api_key_env=args.api_key_env or "")
+        return await replay(turns, base_url, settings)
+
     async def against_sim() -> ReplayReport:
         from cerevisor_tui.config.models import SimSettings
         from cerevisor_tui.sim import SimServer
 
         async with SimServer(SimSettings(profile=args.sim or "", speed=args.speed)) as sim:
-            return await replay(turns, sim.base_url, settings)
+            return await to(sim.base_url)
 
     try:
-        report = asyncio.run(against_sim() if simulated else replay(turns, args.endpoint, settings))
+        report = asyncio.run(against_sim() if simulated else to(args.endpoint))
     except EndpointError as exc:
         print(f"{where}: error: {exc.problem}", file=sys.stderr)
         return 2
@@ -135,6 +142,55 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         _print_report(report, simulated, sys.stdout)
     return 1 if report.turns_failed else 0
+
+
+async def through_gateway(turns: list[TraceTurn], upstream: str, settings: ReplaySettings, mode: Mode,
+                          cap: int, *, api_key_env: str = "") -> ReplayReport:
+    """The replay's sessions through a gateway of a run of their own in front of `upstream`, as harness traffic
+    arrives: every session is sent when its trace says (the run, not the client, admits them), each a row under the
+    run's `mode` and `cap`; the report adds the run's cap changes and kills."""
+    import dataclasses
+
+    import anyio
+
+    from cerevisor_tui.config import validate
+    from cerevisor_tui.contract import events as ev
+    from cerevisor_tui.engine.engine import Engine
+    from cerevisor_tui.gateway import serve_gateway
+    from cerevisor_tui.replay.run import replay
+
+    config = validate({
+        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off"},
+        "endpoints": [{"name": "upstream", "kind": "local", "base_url": upstream,
+                       **({"model": settings.model} if settings.model else {}),
+                       **({"api_key_env": api_key_env} if api_key_env else {})}],
+        # a session keeps its slot across its own gaps (tools, a person), and not long past its last turn: the
+        # trace's longest gap, at the replay's speed
+        "gateway": {"listen": "127.0.0.1:0", "release_after_s": max(0.1, 2 * max(
+            (t.delay_ms for t in turns if t.turn > 1), default=0.0) / 1000 / settings.speed)},
+    })
+    assert config.gateway is not None
+    engine = Engine(config)
+    events: list[ev.Event] = []
+    engine.subscribe(lambda e: events.append(e) if isinstance(e, ev.ConcurrencyChanged | ev.AgentKilled) else None)
+    sessions = len({t.session_id for t in turns if t.parent is None})
+    # the client sends every session when its trace says: admission is the run's
+    through = dataclasses.replace(settings, concurrency=max(1, sessions), metrics_url=upstream, extra_headers={})
+    async with anyio.create_task_group() as group:
+        group.start_soon(engine.run)
+        server = await serve_gateway(engine, config.gateway)
+        try:
+            report = await replay(turns, server.url, through)
+        finally:
+            engine.stop("the replay ended")
+            await server.close()
+    started = engine.started_at
+    report.concurrency = cap
+    report.caps = [{"t_s": round(e.t - started, 3), "cap": e.total_cap or e.effective_cap, "endpoint": e.endpoint,
+                    "reason": e.reason} for e in events if isinstance(e, ev.ConcurrencyChanged)]
+    report.kills = [{"session": e.agent, "deadline": e.deadline, "reason": e.reason}
+                    for e in events if isinstance(e, ev.AgentKilled)]
+    return report
 
 
 def _print_report(report: ReplayReport, simulated: bool, out: TextIO) -> None:

@@ -116,6 +116,13 @@ class Attempts:
         self.on_timings: Callable[[str, Timings], None] | None = None
 
     # ---- begin ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def resumed(st: AgentState, requests: int, cost_usd: float) -> None:
+        """A resumed run's agent goes on from what its journal says it had done: its requests numbered on (its
+        next is `requests + 1`), its cost counted on."""
+        st.attempts = st.turn = st.turns_done = requests
+        st.cost_usd = cost_usd
+
     def begin(self, st: AgentState, number: int, request_id: str, *, turns: int, step: int = 0,
               queued_s: float = 0.0, model_asked: str = "", model_sent: str = "") -> Attempt:
         """A request of `st` goes out now: its attempt, under the endpoint's first-byte deadline, told as

@@ -122,8 +122,8 @@ class Sessions:
         session = self.by_name[name] = Session(st, source, harness, api, key)
         before = self.before.get(name)
         if before is not None:  # its requests numbered on, its cost counted on (the report keeps its figures)
-            st.attempts = st.turn = st.turns_done = session.requests = before.requests
-            st.cost_usd = before.cost_usd
+            e.attempts.resumed(st, before.requests, before.cost_usd)
+            session.requests = before.requests
             session.resumed = True
         e.emit(ev.SessionOpened(e.clock.now(), name, source, harness, api, endpoint, key))
         return session

@@ -60,6 +60,7 @@ class ReplaySettings:
     model: str = ""  # empty: the first of /v1/models
     request_timeout_s: float = 600.0
     extra_headers: dict[str, str] = field(default_factory=dict)
+    metrics_url: str = ""  # the server whose /metrics count the prefix hits (…/v1), when it is not the one sent to
 
 
 @dataclass
@@ -97,6 +98,9 @@ class ReplayReport:
     speed: float
     time_scale: float
     first_error: str = ""
+    # through a gateway: the run's cap changes ({t_s, cap, endpoint, reason}) and kills ({session, deadline, reason})
+    caps: list[dict[str, Any]] = field(default_factory=list)
+    kills: list[dict[str, Any]] = field(default_factory=list)
     turn_log: list[TurnResult] = field(default_factory=list, repr=False)  # every turn, in the order it ended
 
     def to_dict(self, *, per_session: bool = False) -> dict[str, Any]:
@@ -154,9 +158,10 @@ async def replay(turns: list[TraceTurn], base_url: str, settings: ReplaySettings
     client = client or build_client(settings.concurrency)
     try:
         model = settings.model or await _first_model(client, base_url)
-        before = (await read_server(client, base_url)).metrics
+        metrics_url = settings.metrics_url or base_url
+        before = (await read_server(client, metrics_url)).metrics
         results, makespan_s = await _run(plan, client, base_url, model, settings)
-        after = (await read_server(client, base_url)).metrics
+        after = (await read_server(client, metrics_url)).metrics
     finally:
         if own_client:
             await client.aclose()

@@ -102,7 +102,7 @@ async def test_a_session_whose_request_was_killed_ends_killed_and_a_clean_one_ca
     assert finished["k"].status == "killed" and "idle deadline" in finished["k"].error
     assert finished["ok"].status == "completed" and finished["ok"].error == ""
     totals = s.engine.report.totals()
-    assert totals["killed"] == 1 and totals["completed"] == 1
+    assert totals.killed == 1 and totals.completed == 1
     sessions = {entry["name"]: entry for entry in s.engine.report.to_dict()["sessions"]}
     assert sessions["k"]["status"] == "killed" and sessions["k"]["kills"][0]["deadline"] == "idle"
     assert sessions["ok"]["status"] == "ended" and sessions["ok"]["error"] == ""
