@@ -28,7 +28,6 @@ from cerevisor_tui.config.models import Config, EndpointConfig, ResolvedStall, r
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.endpoints.metrics import ServerStatus
 from cerevisor_tui.engine import load, resume
 from cerevisor_tui.engine.attempt import Attempts, Budget, TurnFigures
 from cerevisor_tui.engine.auto import AutoController, Change
@@ -176,8 +175,6 @@ class Engine:
         self.load = self.monitor.load
         self.load_notes = self.monitor.load_notes
         self.last_sample = self.monitor.last_sample
-        self.server_status = self.monitor.status
-        self.server_status_at = self.monitor.status_at
         self.watchdog = Watchdog(self.policies, self.emit, clock)
         self.wedges = WedgeWatch(self)  # wedged servers, judged after each sample (engine/wedge.py)
         # the one owner of a running attempt, a workflow agent's or a gateway session's (engine/attempt.py); a
@@ -556,10 +553,6 @@ class Engine:
         """After each server sample: the wedge rules first (a wedged pool member stays down), then the pools."""
         self.wedges.on_sample(endpoint)
         self.pools.on_sample(endpoint)
-
-    async def read_server(self, endpoint: str) -> ServerStatus:
-        """One look at the endpoint's /health and /metrics (see ServerMonitor.read)."""
-        return await self.monitor.read(endpoint)
 
     def cap_warning(self) -> str | None:
         """Why the current cap is past what fits in an endpoint's KV memory, if it is."""
