@@ -41,7 +41,7 @@ from cerevisor_tui.sim.chat import ChatApi
 from cerevisor_tui.sim.chat import error_body as chat_error
 from cerevisor_tui.sim.kv import KvCache
 from cerevisor_tui.sim.messages import MessagesApi
-from cerevisor_tui.sim.profiles import SimServerSpec, resolve
+from cerevisor_tui.sim.profiles import GIB, SimServerSpec, resolve
 from cerevisor_tui.sim.responses import ResponsesApi
 from cerevisor_tui.sim.scheduler import DONE, BatchEngine, Histogram, Sequence
 
@@ -146,6 +146,14 @@ class _SimCollector:
                           "External (CPU tier) prefix cache queries, in tokens.", kv.cpu_queries_tokens)
             yield counter("vllm:external_prefix_cache_hits",
                           "External (CPU tier) prefix cache hits, in tokens.", kv.cpu_hits_tokens)
+            # the native offloading connector's names for its CPU tier (endpoints/tiers.py reads them)
+            block_bytes = spec.block_size * spec.bytes_per_token
+            yield counter("vllm:kv_offload_store_bytes", "Bytes stored from GPU to the CPU tier.",
+                          kv.cpu_stored_blocks * block_bytes)
+            yield counter("vllm:kv_offload_load_bytes", "Bytes loaded from the CPU tier to GPU.",
+                          kv.cpu_loaded_blocks * block_bytes)
+            yield gauge("vllm:kv_offload_cpu_cache_usage_perc", "CPU offload cache usage. 1 means 100 percent usage.",
+                        kv.cpu_used_blocks / kv.cpu_blocks)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       eng.preemptions_total)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", eng.prompt_tokens_total)
@@ -167,11 +175,15 @@ class _SimCollector:
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",
-                    "kv_cache_size_tokens", "cpu_offload_gb", "max_model_len", "engine"],
+                    "kv_cache_size_tokens", "kv_cache_memory_bytes", "cpu_offload_gb", "kv_offloading_size",
+                    "max_model_len", "engine"],
         )
+        offload_gib = spec.num_cpu_blocks * spec.block_size * spec.bytes_per_token / GIB
         info.add_metric(
             [str(spec.block_size), "auto", "True", str(spec.num_gpu_blocks), str(spec.num_cpu_blocks),
-             str(spec.kv_cache_tokens), str(st.settings.cpu_offload_gib), str(spec.max_model_len), "0"],
+             str(spec.kv_cache_tokens), str(spec.kv_cache_tokens * spec.bytes_per_token),
+             str(st.settings.cpu_offload_gib), str(offload_gib) if spec.num_cpu_blocks else "None",
+             str(spec.max_model_len), "0"],
             1.0,
         )
         yield info
