@@ -15,7 +15,7 @@ from cerevisor_tui.commands.console import run_handle
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.metrics import parse_metrics, read_server
-from cerevisor_tui.endpoints.tiers import TierSnapshot, idle_tier_warning, parse_tiers, tier_activity
+from cerevisor_tui.endpoints.tiers import TierSnapshot, idle_tier_warning, parse_tiers
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.monitor import tier_sample
 from cerevisor_tui.sim import SimServer
@@ -86,12 +86,13 @@ def test_nonsense_values_read_as_absent_and_never_raise():
         parse_tiers(junk)
 
 
-def test_activity_between_scrapes_and_a_restart_counting_from_zero():
-    before = tiers_of("vllm-offload-store-only-before.txt")
-    after = tiers_of("vllm-offload-store-only.txt")
-    moved = tier_activity(before, after)
-    assert moved.stored["cpu"] == 2e10 and moved.hits["gpu"] == 5e4 and moved.hits["cpu"] == 0
-    assert tier_activity(after, before).stored["cpu"] == 1e10  # went back: a restart, counted from zero
+def test_hits_count_from_the_runs_first_sample_and_from_zero_after_a_restart():
+    first, later = tiers_of("vllm-offload-store-only-before.txt"), tiers_of("vllm-offload-store-only.txt")
+    sample = tier_sample(first, first, later)
+    assert sample is not None and [(t.tier, t.hits) for t in sample.tiers] == [("gpu", 5e4), ("cpu", 0.0)]
+    restarted = tier_sample(later, later, first)  # the counters went back: the server restarted
+    assert restarted is not None and restarted.tiers[0].hits == 5e4
+    assert tier_sample(None, None, None) is None
 
 
 def test_a_tier_that_stores_and_never_loads_is_warned_of():

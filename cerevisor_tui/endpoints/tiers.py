@@ -1,5 +1,5 @@
 """Read where a server keeps KV beyond GPU memory, from its /metrics: vLLM's native offload and tiering, LMCache,
-SGLang's HiCache. Parsing is pure (`parse_tiers`), and `tier_activity` compares two scrapes.
+SGLang's HiCache. Parsing is pure (`parse_tiers`), and `idle_tier_warning` compares two scrapes.
 
 The names are the servers' own (their source, 2026-09):
 - vLLM: `vllm:prefix_cache_{queries,hits}` (the GPU tier), `vllm:external_prefix_cache_{queries,hits}` (tokens the
@@ -70,23 +70,9 @@ class TierSnapshot:
         return next((t for t in self.tiers if t.tier == name), None)
 
     @property
-    def gpu_capacity_tokens(self) -> float | None:
-        gpu = self.tier("gpu")
-        return gpu.capacity_tokens if gpu else None
-
-    @property
     def cpu_capacity_tokens(self) -> float | None:
         cpu = self.tier("cpu")
         return cpu.capacity_tokens if cpu else None
-
-
-@dataclass(frozen=True)
-class TierActivity:
-    """What each tier did between two scrapes: prefix tokens (or chunks) it served, what was stored in it and loaded."""
-
-    hits: dict[str, float]
-    stored: dict[str, float]
-    loaded: dict[str, float]
 
 
 def _bounded(value: float | None) -> float | None:
@@ -273,19 +259,6 @@ def _moved(prev: float | None, cur: float | None) -> float:
     if prev is None or cur < prev:
         return cur
     return cur - prev
-
-
-def tier_activity(prev: TierSnapshot | None, cur: TierSnapshot) -> TierActivity:
-    """Each tier's hits, stores and loads between two scrapes (from the server's start without `prev`)."""
-    hits: dict[str, float] = {}
-    stored: dict[str, float] = {}
-    loaded: dict[str, float] = {}
-    for t in cur.tiers:
-        before = prev.tier(t.tier) if prev is not None else None
-        hits[t.tier] = _moved(before.hits if before else None, t.hits)
-        stored[t.tier] = _moved(before.stored if before else None, t.stored)
-        loaded[t.tier] = _moved(before.loaded if before else None, t.loaded)
-    return TierActivity(hits, stored, loaded)
 
 
 def idle_tier_warning(prev: TierSnapshot | None, cur: TierSnapshot) -> str:
