@@ -59,7 +59,7 @@ def test_sglang_hicache_counts_each_data_parallel_rank_once():
     t = tiers_of("sglang-hicache.txt")
     assert t.source == "sglang" and [x.tier for x in t.tiers] == ["gpu", "cpu", "storage"]
     gpu, cpu, storage = t.tiers
-    assert (gpu.hits, gpu.capacity_tokens) == (5.11430304e9, 600000)  # tp_rank 1 repeats tp_rank 0's pool
+    assert (gpu.hits, gpu.queries, gpu.capacity_tokens) == (5.11430304e9, 7.5e9, 600000)  # tp_rank 1 repeats 0's pool
     assert (cpu.hits, cpu.used_tokens, cpu.capacity_tokens, cpu.usage) == (1.729396096e9, 5e6, 8e6, 0.625)
     assert storage.hits == 2e7
 
@@ -102,6 +102,12 @@ def test_a_tier_that_stores_and_never_loads_is_warned_of():
     assert "cpu tier stores but never loads" in warning
     assert idle_tier_warning(after, after) == ""  # nothing asked since: no verdict yet
     assert idle_tier_warning(None, after) == ""  # one scrape: no verdict yet
+    # SGLang: its host pool holds tokens, prompts came, none served from the host
+    text = (FIXTURES / "sglang-hicache.txt").read_text().replace("} 1.729396096e+09", "} 0.0")
+    sg_before, sg_after = parse_tiers(text), parse_tiers(text.replace("} 7.5e+09", "} 7.6e+09"))
+    assert sg_before is not None and sg_after is not None
+    assert idle_tier_warning(sg_before, sg_after).startswith("cpu tier stores but never loads")
+    assert idle_tier_warning(tiers_of("sglang-hicache.txt"), tiers_of("sglang-hicache.txt")) == ""
     healthy = tiers_of("vllm-offload-tiering.txt")
     assert idle_tier_warning(healthy, healthy) == ""
 

@@ -9,10 +9,11 @@ The names are the servers' own (their source, 2026-09):
   "0:primary" for the CPU tier, "1:fs" and so on for the tiers under it, v1/kv_offload/tiering/metrics.py), and
   the CPU tier's size as `kv_offloading_size` (GiB) among `vllm:cache_config_info`'s labels, turned into tokens
   with the same info's `kv_cache_memory_bytes` / `kv_cache_size_tokens` (one GPU's bytes per token).
-- LMCache (lmcache/observability.py): `lmcache:num_{requested,hit,stored}_tokens`, `lmcache:local_cache_usage`
-  (bytes), beside vLLM's own GPU counters in the same exposition.
+- LMCache (lmcache/observability.py): `lmcache:num_{requested,hit,stored}_tokens`, beside vLLM's own GPU
+  counters in the same exposition.
 - SGLang (its metrics collector): `sglang:cached_tokens_total{cache_source="device"|"host"|...}`,
-  `sglang:hicache_host_{used,total}_tokens`, `sglang:max_total_num_tokens`.
+  `sglang:hicache_host_{used,total}_tokens`, `sglang:max_total_num_tokens`, and `sglang:prompt_tokens_total` as
+  the tokens asked of the cache.
 
 A value that is not finite or past any real server (more than 10^15 tokens or bytes) reads as absent, as in
 endpoints/metrics.py: a broken exporter must not draw a zone of a billion conversations.
@@ -37,7 +38,8 @@ MAX_COUNT = 1e15  # tokens or bytes; anything larger is a broken exporter, read 
 VLLM_PRIMARY_TIER = "0:primary"
 
 _PREFIXES = ("vllm:prefix_cache_", "vllm:external_prefix_cache_", "vllm:kv_offload_", "vllm:cache_config_info",
-             "lmcache:", "sglang:cached_tokens", "sglang:hicache_host_", "sglang:max_total_num_tokens")
+             "lmcache:", "sglang:cached_tokens", "sglang:hicache_host_", "sglang:max_total_num_tokens",
+             "sglang:prompt_tokens")
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,7 @@ def _sglang(s: _Samples) -> TierSnapshot | None:
     used = _ranks(s, "sglang:hicache_host_used_tokens")
     tiers = [
         TierCounts("gpu", s.sum("sglang:cached_tokens_total", cache_source="device"),
-                   capacity_tokens=_ranks(s, "sglang:max_total_num_tokens")),
+                   s.sum("sglang:prompt_tokens_total"), capacity_tokens=_ranks(s, "sglang:max_total_num_tokens")),
         TierCounts("cpu", s.sum("sglang:cached_tokens_total", cache_source="host"), used_tokens=used,
                    capacity_tokens=total, usage=used / total if used is not None and total else None),
     ]
