@@ -193,6 +193,27 @@ class WorkerSample(Payload, frozen=True):
     detail: str = ""
 
 
+class TierReading(Payload, frozen=True):
+    """One KV tier of a server (endpoints/tiers.py): prefix `hits` it served since the run's first sample (in
+    `unit`: tokens, or chunks for vLLM's tiers under the CPU one), and its fill where the server tells it."""
+
+    tier: str  # "gpu", "cpu", or the server's name of a tier under the CPU one ("1:fs", "storage")
+    hits: float | None = None
+    unit: str = "tokens"
+    used_tokens: float | None = None
+    capacity_tokens: float | None = None
+    usage: float | None = None
+
+
+class TierSample(Payload, frozen=True):
+    """Where a server keeps KV beyond GPU memory, as its /metrics says (vLLM offload, LMCache, SGLang HiCache):
+    each tier, GPU first, and `warning` when a tier stores without ever loading."""
+
+    source: str  # vllm | lmcache | sglang
+    tiers: list[TierReading] = msgspec.field(default_factory=list)
+    warning: str = ""
+
+
 class Quantiles(Payload, frozen=True):
     """One latency figure over a window: its median and 95th percentile in seconds, and how many observations
     (requests, or tokens for inter-token latency) they stand for."""
@@ -576,6 +597,8 @@ class ServerSample(Event, frozen=True):
     # an endpoint that is a router (metrics_urls): each worker, in config order; the fields above are then
     # the workers' together
     workers: list[WorkerSample] = msgspec.field(default_factory=list)
+    # the KV tiers the server reports beyond GPU memory; None for a server with none (or an older journal)
+    tiers: TierSample | None = None
 
 
 class ServerWedged(Event, frozen=True):

@@ -24,6 +24,7 @@ from cerevisor_tui.endpoints import bounds
 from cerevisor_tui.endpoints.client import request_scrubber
 from cerevisor_tui.endpoints.errors import descriptors_exhausted
 from cerevisor_tui.endpoints.latency import LatencyScrape, parse_latency
+from cerevisor_tui.endpoints.tiers import TierSnapshot, parse_tiers
 
 ServerKind = Literal["vllm", "llamacpp", "sglang", "unknown"]
 
@@ -61,6 +62,7 @@ class MetricsSnapshot:
     prompt_tokens: float | None = None
     prefill_tokens: float | None = None
     waiting_capacity: int | None = None
+    tiers: TierSnapshot | None = None  # KV kept beyond GPU memory: CPU offload, LMCache, HiCache (endpoints/tiers.py)
 
     def busy_reason(self) -> str | None:
         """'server busy: 3 requests waiting', or None when nothing waits in the server's queue."""
@@ -315,7 +317,7 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     if kind == "unknown":
         return MetricsSnapshot(kind="unknown")
     snapshot = {"vllm": _vllm, "llamacpp": _llamacpp, "sglang": _sglang}[kind](samples)
-    return replace(snapshot, latency=parse_latency(text, kind))
+    return replace(snapshot, latency=parse_latency(text, kind), tiers=parse_tiers(text))
 
 
 def prefix_counts(prev: MetricsSnapshot | None, cur: MetricsSnapshot) -> tuple[float, float] | None:

@@ -44,10 +44,12 @@ def from_config(ep: EndpointConfig) -> tuple[LoadEstimate | None, str]:
                         "estimate", detail), ""
 
 
-def from_server(kv_cache_tokens: float, context_tokens: int, previous: LoadEstimate | None) -> LoadEstimate:
-    """The server's own token capacity divided by the conversation length: measured, not guessed."""
+def from_server(kv_cache_tokens: float, context_tokens: int, previous: LoadEstimate | None, *,
+                cpu_conversations: int | None = None) -> LoadEstimate:
+    """The server's own token capacity divided by the conversation length: measured, not guessed. Its CPU tier:
+    `cpu_conversations` when the server reports the tier's size (endpoints/tiers.py), else the estimate's."""
     fit = int(kv_cache_tokens // max(1, context_tokens))
-    cpu = previous.cpu_conversations if previous else 0
+    cpu = cpu_conversations if cpu_conversations is not None else previous.cpu_conversations if previous else 0
     return LoadEstimate(fit, int(kv_cache_tokens), context_tokens, cpu, "server",
                         f"server reports {int(kv_cache_tokens):,} KV tokens")
 

@@ -28,6 +28,7 @@ from cerevisor_tui.endpoints.metrics import (
     read_routed,
     read_server,
 )
+from cerevisor_tui.endpoints.tiers import TierSnapshot, idle_tier_warning
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.gpus import watch_gpus
@@ -64,6 +65,8 @@ class ServerMonitor:
         # the latency panel of each endpoint: its scrapes over the window, and llama.cpp's timings of our requests
         self.latency: dict[str, LatencyWindow] = {ep.name: LatencyWindow(ep.name) for ep in config.endpoints}
         self._latency_sent: dict[str, ev.LatencySample] = {}
+        # each endpoint's KV tiers at its first sample, where the hits per tier count from
+        self._tiers_first: dict[str, TierSnapshot] = {}
 
     def add_timings(self, endpoint: str, timings: Timings) -> None:
         """A request of ours on `endpoint` ended with llama.cpp's `timings`: the panel's figures for that server."""
@@ -142,6 +145,10 @@ class ServerMonitor:
                 hits = sum(r["prefix_hit_rate"] * r["prefix_queries"] for r in counted if r["prefix_hit_rate"] is not None)
                 fields["prefix_queries"] = queries if counted else None
                 fields["prefix_hit_rate"] = hits / queries if queries > 0 else None
+            m = status.metrics
+            tiers = m.tiers if m is not None else None
+            if tiers is not None:
+                self._tiers_first.setdefault(endpoint, tiers)
             self.last_sample[endpoint] = sample = ev.ServerSample(
                 time.monotonic(), endpoint, fields["healthy"], status.kind, fields["running"], fields["waiting"],
                 fields["kv_cache_usage"], fields["prefix_hit_rate"], _num(m.preemptions) if m else None,
@@ -150,6 +157,8 @@ class ServerMonitor:
                 slots_total=status.slots.total if status.slots else None,
                 prefix_queries=fields["prefix_queries"],
                 workers=[ev.WorkerSample(w.base_url, **row) for w, row in zip(workers, rows, strict=True)],
+                tiers=tier_sample(self._tiers_first.get(endpoint), previous[""].tiers if "" in previous else None,
+                                  tiers),
             )
             self.samples[endpoint] += 1
             self.emit(sample)
@@ -160,7 +169,8 @@ class ServerMonitor:
             for w in workers:
                 if w.metrics is not None:
                     previous[w.base_url] = w.metrics
-            self.refresh_fit(endpoint, m.kv_cache_size_tokens if m is not None else None)
+            self.refresh_fit(endpoint, m.kv_cache_size_tokens if m is not None else None,
+                             tiers.cpu_capacity_tokens if tiers is not None else None)
             on_sample(endpoint)
             await anyio.sleep(self.config.run.metrics_interval_s)
 
@@ -168,19 +178,21 @@ class ServerMonitor:
         """Read the box's GPUs at the pace of the server samples, for as long as the run goes on."""
         await watch_gpus(self.emit, self.config.run.metrics_interval_s)
 
-    def refresh_fit(self, endpoint: str, server_kv_tokens: float | None) -> None:
+    def refresh_fit(self, endpoint: str, server_kv_tokens: float | None, server_cpu_tokens: float | None = None) -> None:
         """How many conversations fit: the server's own KV capacity when it reports one (else the configured
         estimate's), over the conversation length `[endpoints.capacity] context_tokens` gives, or else the
-        one the agents' own conversations project to (their live context and their turns to come)."""
+        one the agents' own conversations project to (their live context and their turns to come). A CPU tier
+        the server reports (`server_cpu_tokens`) is how many more it holds there."""
         current = self.load.get(endpoint)
         context = (self.endpoints[endpoint].capacity.context_tokens or int(self.projected_context(endpoint) or 0)
                    or (current.context_tokens if current else 0))
         if not context:
             return
         if server_kv_tokens:
+            cpu = int(server_cpu_tokens // context) if server_cpu_tokens else None
             if (current is None or current.source != "server" or current.kv_capacity_tokens != server_kv_tokens
-                    or current.context_tokens != context):
-                self.load[endpoint] = load.from_server(server_kv_tokens, context, current)
+                    or current.context_tokens != context or (cpu is not None and current.cpu_conversations != cpu)):
+                self.load[endpoint] = load.from_server(server_kv_tokens, context, current, cpu_conversations=cpu)
         elif current is not None and current.context_tokens != context:
             self.load[endpoint] = msgspec.structs.replace(
                 current, context_tokens=context, conversations_fit=current.kv_capacity_tokens // context)
@@ -245,6 +257,21 @@ def _moved(seen: list[tuple[float, float | None]], since: float) -> bool:
 
 def _num(value: float | int | None) -> float | None:
     return None if value is None else float(value)
+
+
+def tier_sample(first: TierSnapshot | None, prev: TierSnapshot | None, cur: TierSnapshot | None) -> ev.TierSample | None:
+    """A server's KV tiers as the console shows them: the hits each served since `first` (the endpoint's first
+    sample), and the warning of a tier that stores without loading; None for a server with no tier beyond GPU."""
+    if cur is None:
+        return None
+    readings = []
+    for t in cur.tiers:
+        at_first = first.tier(t.tier) if first is not None else None
+        hits = t.hits
+        if hits is not None and at_first is not None and at_first.hits is not None and hits >= at_first.hits:
+            hits -= at_first.hits  # a counter that went back is a restart: it counts from zero
+        readings.append(ev.TierReading(t.tier, hits, t.unit, t.used_tokens, t.capacity_tokens, t.usage))
+    return ev.TierSample(cur.source, readings, idle_tier_warning(prev, cur))
 
 
 def _sample_fields(status: ServerStatus, previous: MetricsSnapshot | None) -> dict[str, Any]:

@@ -41,12 +41,34 @@ from cerevisor_tui.sim.chat import ChatApi
 from cerevisor_tui.sim.chat import error_body as chat_error
 from cerevisor_tui.sim.kv import KvCache
 from cerevisor_tui.sim.messages import MessagesApi
-from cerevisor_tui.sim.profiles import SimServerSpec, resolve
+from cerevisor_tui.sim.profiles import GIB, SimServerSpec, resolve
 from cerevisor_tui.sim.responses import ResponsesApi
 from cerevisor_tui.sim.scheduler import DONE, BatchEngine, Histogram, Sequence
 
 OWNER = "cerevisor-sim"
 _DROP = object()  # yielded by a stream to cut the connection without finishing the response
+
+
+class RequestLog(deque[dict[str, Any]]):
+    """The latest requests (what tests read back), bounded in entries and in the prompt text they keep: past
+    `kept_bytes` of bodies, the oldest entries lose their `messages` and `body` (`body_bytes` stays). 1,000
+    agent turns of 560 KB would otherwise hold half a gigabyte."""
+
+    def __init__(self, maxlen: int, kept_bytes: int = 32 * 2**20) -> None:
+        super().__init__(maxlen=maxlen)
+        self.kept_bytes = kept_bytes
+        self._held: deque[tuple[dict[str, Any], int]] = deque()  # entries still holding a body, oldest first
+        self._held_bytes = 0
+
+    def add(self, entry: dict[str, Any], body_bytes: int) -> None:
+        entry["body_bytes"] = body_bytes
+        self.append(entry)
+        self._held.append((entry, body_bytes))
+        self._held_bytes += body_bytes
+        while self._held_bytes > self.kept_bytes and len(self._held) > 1:
+            old, size = self._held.popleft()
+            old["messages"] = old["body"] = None
+            self._held_bytes -= size
 
 
 @dataclass
@@ -64,7 +86,7 @@ class SimState:
     dropped_total: int = 0  # fault: connection cut by the server
     failed_total: int = 0  # fault: answered with fail_status
     rejected_total: int = 0  # 4xx: bad request, unknown model, too long
-    requests: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
+    requests: RequestLog = field(default_factory=lambda: RequestLog(1000))
     """The latest requests with their credential (Authorization, or x-api-key), in a bounded log."""
     requests_by_agent: Counter[str] = field(default_factory=Counter)
     """Requests per agent, from the `X-Cerevisor-Agent` header or the body (`user`, messages' `metadata.user_id`)."""
@@ -146,6 +168,14 @@ class _SimCollector:
                           "External (CPU tier) prefix cache queries, in tokens.", kv.cpu_queries_tokens)
             yield counter("vllm:external_prefix_cache_hits",
                           "External (CPU tier) prefix cache hits, in tokens.", kv.cpu_hits_tokens)
+            # the native offloading connector's names for its CPU tier (endpoints/tiers.py reads them)
+            block_bytes = spec.block_size * spec.bytes_per_token
+            yield counter("vllm:kv_offload_store_bytes", "Bytes stored from GPU to the CPU tier.",
+                          kv.cpu_stored_blocks * block_bytes)
+            yield counter("vllm:kv_offload_load_bytes", "Bytes loaded from the CPU tier to GPU.",
+                          kv.cpu_loaded_blocks * block_bytes)
+            yield gauge("vllm:kv_offload_cpu_cache_usage_perc", "CPU offload cache usage. 1 means 100 percent usage.",
+                        kv.cpu_used_blocks / kv.cpu_blocks)
         yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                       eng.preemptions_total)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", eng.prompt_tokens_total)
@@ -167,11 +197,15 @@ class _SimCollector:
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",
-                    "kv_cache_size_tokens", "cpu_offload_gb", "max_model_len", "engine"],
+                    "kv_cache_size_tokens", "kv_cache_memory_bytes", "kv_offloading_size",
+                    "max_model_len", "engine"],
         )
+        offload_gib = spec.num_cpu_blocks * spec.block_size * spec.bytes_per_token / GIB
         info.add_metric(
             [str(spec.block_size), "auto", "True", str(spec.num_gpu_blocks), str(spec.num_cpu_blocks),
-             str(spec.kv_cache_tokens), str(st.settings.cpu_offload_gib), str(spec.max_model_len), "0"],
+             str(spec.kv_cache_tokens), str(spec.kv_cache_tokens * spec.bytes_per_token),
+             str(offload_gib) if spec.num_cpu_blocks else "None",
+             str(spec.max_model_len), "0"],
             1.0,
         )
         yield info
@@ -242,8 +276,9 @@ class _Server:
 
     async def handle(self, request: Request, api: Api) -> Response:
         st, settings = self.state, self.state.settings
+        raw = await request.body()
         try:
-            body = json.loads(await request.body())
+            body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
         except ValueError as exc:
@@ -261,13 +296,13 @@ class _Server:
         st.requests_total += 1
         auth = request.headers.get("authorization") or request.headers.get("x-api-key")
         agent = request.headers.get("x-cerevisor-agent") or prompt.agent
-        st.requests.append({"api": api.name, "model": model, "messages": prompt.messages,
+        st.requests.add({"api": api.name, "model": model, "messages": prompt.messages,
                             "max_tokens": prompt.max_tokens, "stream": prompt.stream, "authorization": auth,
                             "has_authorization": auth is not None, "agent": agent,
                             "request_id": request.headers.get("x-request-id"), "body": prompt.body,
                             # what routers read (X-Session-ID and the like); never the key
                             "headers": {k: v for k, v in request.headers.items()
-                                        if k not in ("authorization", "x-api-key")}})
+                                        if k not in ("authorization", "x-api-key")}}, len(raw))
         if agent:
             st.requests_by_agent[agent] += 1
         if st.requests_total <= settings.fail_first:

@@ -51,6 +51,8 @@ class KvCache:
         self.cpu_queries_tokens = 0
         self.cpu_hits_tokens = 0
         self.evicted_blocks = 0
+        self.cpu_stored_blocks = 0  # evicted blocks copied to the CPU tier (vllm:kv_offload_store_bytes)
+        self.cpu_loaded_blocks = 0  # blocks reloaded from it (vllm:kv_offload_load_bytes)
         self.releases = 0  # bumped whenever blocks come back, so a blocked admission knows to retry
 
     # ---- views --------------------------------------------------------------------------------
@@ -89,6 +91,7 @@ class KvCache:
             if cpu_cap:
                 cpu[victim] = None
                 cpu.move_to_end(victim)
+                self.cpu_stored_blocks += 1
         self.evicted_blocks += n - fresh
         while len(cpu) > cpu_cap:
             cpu.popitem(last=False)
@@ -140,6 +143,7 @@ class KvCache:
         hold.private += need_total - len(hashes)
         bs = self.block_size
         gpu_hit_tokens = min(gpu_hits * bs, tokens)
+        self.cpu_loaded_blocks += cpu_hits
         cpu_hit_tokens = min(cpu_hits * bs, tokens - gpu_hit_tokens)
         if count:
             self.queries_tokens += tokens

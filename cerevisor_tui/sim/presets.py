@@ -34,9 +34,42 @@ _DECODE_CAP_TOKENS_S = 250.0  # kernels and scheduling bound small models long b
 _NAME = re.compile(r"^(?P<model>[^@]+)@(?:(?P<n>\d+)x)?(?P<gpu>.+)$")
 
 
+# The two studies' set-ups, calibrated so that a replay of their workloads lands on their published figures
+# (benchmarks/study_calibration.py prints both side by side; the README's calibration table names each source).
+_TIERED_TOKENS = 64 * 28_672  # the study's 64 conversations of 12K + 7 x 2K prompt + 8 x 200 answer tokens
+_TIERED_BYTES = 20_480  # qwen3.6-35b-a3b: 10 attention layers x 2 KV heads x 256 x (K, V) x 2 bytes
+
+
+def _tiered(cpu_offload_gib: float, description: str) -> ProfileNumbers:
+    """The tiered study's box, with or without its CPU tier."""
+    return ProfileNumbers(
+        kv_cache_tokens=_TIERED_TOKENS, bytes_per_token=_TIERED_BYTES, max_model_len=262_144,
+        tokens_per_s=180.0,  # one sequence's decode: 3B active parameters in FP8 on H100 HBM
+        prefill_tokens_per_s=120_000.0, reload_tokens_per_s=50e9 / _TIERED_BYTES,  # PCIe 5 x16, ~50 GB/s
+        max_num_seqs=256, batch_slowdown=0.02, ttft_s=0.02, max_num_batched_tokens=8192,
+        cpu_offload_gib=cpu_offload_gib, description=description)
+
+
+STUDIES: dict[str, ProfileNumbers] = {
+    "tiered-h100": _tiered(0.0, "vLLM tiered offloading study: qwen3.6-35b-a3b (FP8) on one H100, no CPU tier; "
+                                f"{_TIERED_TOKENS:,} KV tokens, 64 of its conversations"),
+    "tiered-h100-cpu": _tiered(_TIERED_TOKENS * _TIERED_BYTES / 1024**3,
+                               "vLLM tiered offloading study: qwen3.6-35b-a3b (FP8) on one H100 with a CPU tier of "
+                               "64 more conversations"),
+    "agentx-12xgb300": ProfileNumbers(
+        # 256 sessions of ~150K tokens stay resident (prefix hits > 95%): KV for 320 of them
+        kv_cache_tokens=320 * 150_000, bytes_per_token=46_080, max_model_len=1_048_576,
+        tokens_per_s=90.0, prefill_tokens_per_s=600_000.0, reload_tokens_per_s=2e6,
+        max_num_seqs=512, batch_slowdown=0.006, ttft_s=0.02, max_num_batched_tokens=65_536,
+        block_size=64,  # FlashMLA's KV block
+        description="vLLM AgentX study: a DeepSeek-V4-class model on 12 GB300, 256 agentic sessions"),
+}
+
+
 def names() -> list[str]:
     """Example profile names."""
-    return ["qwen3.6-35b-a3b@2xh100", "qwen3-30b-a3b@2xh100", "llama-3.1-8b@h100", "llama-3.1-70b@4xh100"]
+    return ["qwen3.6-35b-a3b@2xh100", "qwen3-30b-a3b@2xh100", "llama-3.1-8b@h100", "llama-3.1-70b@4xh100",
+            *STUDIES]
 
 
 def _model(name: str) -> ModelSpec:
@@ -46,6 +79,8 @@ def _model(name: str) -> ModelSpec:
 
 
 def lookup(name: str) -> ProfileNumbers:
+    if name.strip().lower() in STUDIES:
+        return STUDIES[name.strip().lower()]
     found = _NAME.match(name.strip().lower())
     if not found:
         raise ProfileError(f"profile {name!r} is not MODEL@GPU or MODEL@NxGPU (e.g. qwen3.6-35b-a3b@2xh100)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.sim.scheduler import EngineParams
@@ -29,6 +30,12 @@ class ProfileNumbers:
     reload_tokens_per_s: float | None = None
     max_num_seqs: int | None = None
     description: str = ""
+    # a study's set-up fixes these too (sim/presets.py STUDIES); None: the settings' own
+    cpu_offload_gib: float | None = None
+    batch_slowdown: float | None = None
+    ttft_s: float | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,12 @@ def profile_numbers(name: str) -> ProfileNumbers:
     return presets.lookup(name)
 
 
+def _own(settings: SimSettings, prof: ProfileNumbers | None, name: str) -> Any:
+    """A setting the operator gave, else the profile's number for it, else the setting's default."""
+    found = getattr(prof, name, None) if prof else None
+    return getattr(settings, name) if found is None or name in settings.model_fields_set else found
+
+
 def resolve(settings: SimSettings) -> SimServerSpec:
     """Combine settings and profile: an explicit setting wins over the profile's number."""
     prof = profile_numbers(settings.profile) if settings.profile else None
@@ -71,7 +84,7 @@ def resolve(settings: SimSettings) -> SimServerSpec:
         prof.prefill_tokens_per_s if prof and prof.prefill_tokens_per_s else DEFAULT_PREFILL_TOKENS_PER_S
     )
     bytes_per_token = settings.kv_bytes_per_token or (prof.bytes_per_token if prof else DEFAULT_BYTES_PER_TOKEN)
-    bs = settings.block_size
+    bs = _own(settings, prof, "block_size")
     if settings.kv_cache_tokens:
         kv_tokens = settings.kv_cache_tokens
     elif prof:
@@ -85,7 +98,10 @@ def resolve(settings: SimSettings) -> SimServerSpec:
             )
         max_model_len = kv_tokens  # vLLM would refuse to start; the simulator shrinks the limit instead
     num_gpu_blocks = kv_tokens // bs
-    cpu_tokens = int(settings.cpu_offload_gib * GIB / bytes_per_token)
+    cpu_offload_gib = settings.cpu_offload_gib
+    if prof and prof.cpu_offload_gib is not None and "cpu_offload_gib" not in fields:
+        cpu_offload_gib = prof.cpu_offload_gib
+    cpu_tokens = int(cpu_offload_gib * GIB / bytes_per_token)
     if prof and prof.reload_tokens_per_s and "cpu_bandwidth_gib_s" not in fields:
         reload_rate = prof.reload_tokens_per_s
     else:
@@ -93,10 +109,10 @@ def resolve(settings: SimSettings) -> SimServerSpec:
     params = EngineParams(
         speed=settings.speed,
         tokens_per_s=tokens_per_s,
-        ttft_s=settings.ttft_s,
+        ttft_s=_own(settings, prof, "ttft_s"),
         max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        batch_slowdown=settings.batch_slowdown,
+        max_num_batched_tokens=_own(settings, prof, "max_num_batched_tokens"),
+        batch_slowdown=_own(settings, prof, "batch_slowdown"),
         prefill_tokens_per_s=prefill,
         reload_tokens_per_s=reload_rate,
         stall_after_tokens=settings.stall_after_tokens,

@@ -37,6 +37,9 @@ TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
+DECODE_RATES_KEPT = 100_000
+
+
 @dataclass
 class Histogram:
     """A Prometheus histogram kept as counts per bucket (upper bounds `bounds`, then +Inf)."""
@@ -113,6 +116,7 @@ class Sequence:
     prefill_computed: int = 0  # prompt tokens computed since the latest admission, in finished steps
     step_chunk: int = 0  # prompt tokens it computes in the step under way
     wait_until: float = 0.0  # engine time before which it may not be admitted again (preempt_loop)
+    first_token_at: float = 0.0  # engine time of its first output token
 
     @property
     def finished(self) -> bool:
@@ -138,6 +142,9 @@ class BatchEngine:
         self.ttft_s = Histogram(TTFT_BUCKETS_S)
         self.queue_time_s = Histogram(REQUEST_LATENCY_BUCKETS_S)
         self.prefill_time_s = Histogram(REQUEST_LATENCY_BUCKETS_S)
+        # each finished request's interactivity, output tokens per engine second after its first, the latest
+        # DECODE_RATES_KEPT: what a benchmark reads to measure on the server's clock, not a busy client's
+        self.decode_rates: deque[float] = deque(maxlen=DECODE_RATES_KEPT)
         self.wedged = False
         self.step_start = 0.0  # engine times the step under way began and ends
         self.step_end = 0.0
@@ -420,9 +427,12 @@ class BatchEngine:
             seq.generated += 1
             self.generation_tokens_total += 1
             if seq.generated == 1 and seq.scheduled_at >= 0:
+                seq.first_token_at = self.now
                 self.ttft_s.observe((self.now - seq.arrived_at) / self.p.speed)
                 self.prefill_time_s.observe((self.now - seq.scheduled_at) / self.p.speed)
             if seq.generated >= seq.max_tokens:
+                if seq.generated > 1 and self.now > seq.first_token_at:
+                    self.decode_rates.append((seq.generated - 1) / (self.now - seq.first_token_at))
                 seq.phase = DONE
                 self.running.remove(seq)
                 self.kv.release(seq.hold)

@@ -54,6 +54,53 @@ def kv_rows(mirror: RunMirror) -> tuple[KvRow, ...]:
 
 
 @dataclass(frozen=True)
+class TierLine:
+    """One server's KV tiers, as shown: where the conversations now open fall against what GPU memory holds and
+    what GPU + CPU hold (`zone` the engine's, from its LoadChanged), the prefix hits each tier served since the
+    run began, and the warning of a tier that stores without loading."""
+
+    endpoint: str
+    zone: str
+    placement: str  # "open 80 · GPU 64 · GPU+CPU 128 conversations"
+    served: str  # "prefix hits GPU 1.2M · CPU 340k · 1:fs 120 chunks  CPU 61% full" (tokens unless said)
+    warning: str
+
+
+def _capacity(est: ev.LoadEstimate | None, sample: ev.TierSample) -> str:
+    if est is not None:
+        both = f" · GPU+CPU {est.conversations_fit + est.cpu_conversations}" if est.cpu_conversations else ""
+        return f"GPU {est.conversations_fit}{both} conversations"
+    parts = [f"{t.tier.upper() if t.tier in ('gpu', 'cpu') else t.tier} {fmt_count(t.capacity_tokens)}"
+             for t in sample.tiers if t.capacity_tokens]
+    return (" · ".join(parts) + " tokens") if parts else "capacity not reported"
+
+
+def tier_lines(mirror: RunMirror) -> tuple[TierLine, ...]:
+    """A line per endpoint whose server reports KV tiers beyond GPU memory (vLLM offload, LMCache, SGLang
+    HiCache); none for the others."""
+    lines = []
+    for name in mirror.endpoints:
+        sample = mirror.samples.get(name)
+        tiers = sample.tiers if sample is not None else None
+        if tiers is None:
+            continue
+        load = mirror.endpoints[name].load
+        est = load.estimate if load is not None else None
+        placement = (f"open {load.conversations} · " if load is not None else "") + _capacity(est, tiers)
+        served = []
+        for t in tiers.tiers:
+            label = t.tier.upper() if t.tier in ("gpu", "cpu") else t.tier
+            served.append(f"{label} {'-' if t.hits is None else fmt_count(t.hits)}"
+                          + (f" {t.unit}" if t.unit != "tokens" else ""))
+        fill = next((t for t in tiers.tiers if t.tier == "cpu" and t.usage is not None), None)
+        text = "prefix hits " + " · ".join(served)
+        if fill is not None:
+            text += f"  CPU {fmt_percent(fill.usage)} full"
+        lines.append(TierLine(name, load.zone if load is not None else "", placement, text, tiers.warning))
+    return tuple(lines)
+
+
+@dataclass(frozen=True)
 class FleetRow:
     """One line of the fleet table: an endpoint, a worker behind a router (`worker`), or the totals."""
 
@@ -217,6 +264,8 @@ class LoadPane(Vertical):
         #kv-estimate { height: auto; color: $text-muted; text-wrap: nowrap; text-overflow: ellipsis; }
         #latency { height: auto; text-wrap: nowrap; text-overflow: ellipsis; display: none; }
         #latency.-shown { display: block; }
+        #tiers { height: auto; text-wrap: nowrap; text-overflow: ellipsis; display: none; }
+        #tiers.-shown { display: block; }
     }
     """
 
@@ -225,6 +274,7 @@ class LoadPane(Vertical):
         self._servers_shown: object = None
         self._gpus_shown: object = None
         self._latency_shown: object = None
+        self._tiers_shown: object = None
         self._samples_shown = -1
         self._label_shown = ""
         self._kv_shown: object = None
@@ -237,6 +287,7 @@ class LoadPane(Vertical):
             yield Static(id="throughput-label")
             yield ThroughputBars(id="throughput")
         yield Static(Text("KV estimate  -"), id="kv-estimate")
+        yield Static(id="tiers")  # shown once a server reports KV tiers beyond GPU memory
         yield Static(id="latency")  # shown once an endpoint has a latency panel or a warm-up
         # last: a box of 8 GPUs is 8 lines, and the lines above keep their places in a pane of 6
         yield Static(id="gpus")
@@ -246,6 +297,7 @@ class LoadPane(Vertical):
         self._servers_shown = None
         self._gpus_shown = None
         self._latency_shown = None
+        self._tiers_shown = None
         self._label_shown = ""
         self._kv_shown = None
         self._trend_shown = None
@@ -284,6 +336,32 @@ class LoadPane(Vertical):
         if kv != self._kv_shown:
             self._kv_shown = kv
             self.set_kv_estimate(self._kv_text(kv))
+        self._sync_tiers(mirror)
+
+    def _sync_tiers(self, mirror: RunMirror) -> None:
+        """`sim tiers CLIFF open 80 · GPU 64 · GPU+CPU 128 conversations  prefix hits GPU 1.2M · CPU 340k`, and
+        under it the warning of a tier that stores without loading."""
+        lines = tier_lines(mirror)
+        if lines == self._tiers_shown:
+            return
+        self._tiers_shown = lines
+        pane = self.query_one("#tiers", Static)
+        pane.set_class(bool(lines), "-shown")
+        colour = self.app.colour  # type: ignore[attr-defined]
+        muted = colour("text-muted")
+        text = Text(no_wrap=True, overflow="ellipsis")
+        for i, line in enumerate(lines):
+            if i:
+                text.append("\n")
+            text.append(f"{line.endpoint} tiers ", style="bold")
+            if line.zone:
+                text.append(f"{line.zone.upper()} ", style=f"bold {colour(ZONE_ROLES.get(line.zone, 'warning'))}")
+            text.append(line.placement)
+            text.append(f"  {line.served}", style=muted)
+            if line.warning:
+                text.append(f"\n{line.endpoint} ", style="bold")
+                text.append(f"⚠ {line.warning}", style=f"bold {colour('warning')}")
+        pane.update(text)
 
     @staticmethod
     def _server_lines(mirror: RunMirror) -> tuple[tuple[Any, ...], ...]:
