@@ -82,10 +82,10 @@ async def test_no_first_token_warns_at_each_fraction_and_kills_at_the_first_byte
 async def test_after_the_first_token_the_idle_window_runs_from_the_last_sign_of_life():
     async with watched() as (rig, att):
         await rig.clock.advance(3.0)
-        rig.attempts.delta(rig.st, att, "hello", "", "", 1)
+        rig.attempts.feeder(rig.st, att)("hello", "", "", 1)
         assert rig.st.status == "streaming" and rig.of(ev.FirstToken)[0].ttft_s == pytest.approx(3.0)
         await rig.clock.advance(3.9)
-        rig.attempts.delta(rig.st, att, " there", "", "", 1)  # a sign of life: the idle window starts again
+        rig.attempts.feeder(rig.st, att)(" there", "", "", 1)  # a sign of life: the idle window starts again
         await rig.clock.advance(3.9)
         assert not att.kill_reason
         assert rig.at(ev.StallWarning) == pytest.approx([5.0, 6.2, 8.9, 10.1], abs=0.002)

@@ -2,7 +2,7 @@
 streamed under the stall watchdog (what the engine keeps of the agent meanwhile is `state.AgentState`).
 
 Each attempt's life (its deltas, figures, meters and budget) is engine/attempt.py's: this module drives it.
-`Conversations._stream` reads the stream; `Attempts.delta` is the hot path, once per token.
+`Conversations._stream` reads the stream; `Attempts.feeder`'s closure is the hot path, once per token.
 """
 
 from __future__ import annotations
@@ -278,7 +278,6 @@ class Conversations:
         ep = self.endpoints[st.endpoint]
         connections = self.connections
         attempts = self.attempts
-        delta = attempts.delta
         by_bytes = policy.liveness == "bytes"
         agent_header = header_value(st.name)
         # a router keeps every request of one session on one worker (vllm-router's consistent_hash, llm-d, ...)
@@ -312,9 +311,10 @@ class Conversations:
                 headers = {"X-Cerevisor-Agent": agent_header, "X-Request-Id": att.request_id, **session}
                 stream = connections.stream(ep.name, url, body, headers)
                 att.stream = stream
+                delta = attempts.feeder(st, att)
                 async for kind, payload in stream.events():
                     if kind == DELTA:
-                        delta(st, att, *payload)
+                        delta(*payload)
                     elif kind == KEEPALIVE:
                         attempts.keepalive(st, att, by_bytes=by_bytes)
                     elif kind == PROGRESS:

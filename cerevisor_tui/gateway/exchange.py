@@ -336,7 +336,7 @@ class Exchange:
         st = session.st
         reading = self.reading
         attempts = e.attempts
-        delta = attempts.delta
+        delta = attempts.feeder(st, att)
         monotonic = self.now
         by_bytes = e.policies[st.endpoint].liveness == "bytes"
         hide_usage = self.hide_usage
@@ -365,7 +365,7 @@ class Exchange:
                         await self.start(*head)
                     await self.write(frames)
             if chunks:
-                delta(st, att, text, reasoning, tool, chunks)
+                delta(text, reasoning, tool, chunks)
             elif att.first_token_at is None or by_bytes:
                 attempts.keepalive(st, att, by_bytes=by_bytes)
         async with self.lock:
