@@ -594,6 +594,8 @@ class GatewayConfig(_Section):
     """A session gives its slot back after this long without a request; 0: every request is admitted on its own."""
     max_body_mib: float = Field(default=32.0, gt=0, le=1024)
     """Largest request body accepted, in MiB (a larger one gets 413)."""
+    down_after_s: float = Field(default=30.0, gt=0, le=86400)
+    """A local upstream that has never answered and has refused its port this long is down: a request then gets 503 with Retry-After, naming it, instead of waiting out its first-byte window."""
     model_map: dict[str, str] = {}
     """Glob of a model name a harness asks for = the served model sent instead, e.g. "claude-*" = "qwen3-coder"; the first glob that matches wins."""
 

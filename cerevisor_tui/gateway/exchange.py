@@ -49,6 +49,28 @@ if TYPE_CHECKING:
     from cerevisor_tui.engine.state import Attempt
 
 
+class Upstreams:
+    """What the gateway has seen of its upstreams' ports: which ever answered, and since when one that never has
+    refuses. A local upstream that refuses past `down_after_s` without ever answering is down, said at once (a
+    dead or mistyped upstream otherwise holds every harness silently for its whole first-byte window)."""
+
+    def __init__(self, down_after_s: float) -> None:
+        self.down_after_s = down_after_s
+        self.answered: set[str] = set()
+        self.refused_since: dict[str, float] = {}
+
+    def answer(self, endpoint: str) -> None:
+        self.answered.add(endpoint)
+        self.refused_since.pop(endpoint, None)
+
+    def down_for(self, endpoint: str, now: float) -> float | None:
+        """Seconds it has refused, once past `down_after_s` with no answer ever; None while it is not down."""
+        if endpoint in self.answered:
+            return None
+        since = self.refused_since.setdefault(endpoint, now)
+        return now - since if now - since >= self.down_after_s else None
+
+
 @dataclass(frozen=True, slots=True)
 class RunPorts:
     """What an exchange uses of the run that serves it."""
@@ -60,6 +82,7 @@ class RunPorts:
     policies: Mapping[str, ResolvedStall]
     connections: Connections
     clock: Clock
+    upstreams: Upstreams
 
 
 class Front(Protocol):
@@ -279,14 +302,24 @@ class Exchange:
         st = session.st
         endpoint = st.endpoint
         wait_s = WAIT_BACKOFF_S[0]
+        upstreams = self.run_ports.upstreams
         while True:
             try:
-                return await client.send(request, stream=True)
+                response = await client.send(request, stream=True)
+                upstreams.answer(endpoint)
+                return response
             except httpx.HTTPError as exc:
                 if self.run_ports.endpoints[endpoint].kind == "hosted" or not is_refused(exc):
                     # (out of descriptors is no server loading)
                     await self.fail(503, f"cerevisor gateway: upstream {endpoint} is not answering: {problem_of(exc)}",
                                     {"retry-after": str(RETRY_AFTER_S)})
+                    return None
+                down = upstreams.down_for(endpoint, self.now())
+                if down is not None:
+                    where = self.run_ports.connections.base_urls.get(endpoint, "")
+                    await self.fail(503, f"cerevisor gateway: upstream {endpoint} at {where} is down: it has refused "
+                                         f"connections for {down:.0f} s and has never answered ({problem_of(exc)}); "
+                                         "is it running, and is that its address?", {"retry-after": str(RETRY_AFTER_S)})
                     return None
                 self.run_ports.attempts.refused(st, att, endpoint, problem_of(exc), wait_s)
                 await self.run_ports.clock.sleep(wait_s)

@@ -69,6 +69,26 @@ async def test_a_local_upstream_not_yet_listening_makes_the_request_wait_then_se
         assert s.session("early").st.status == "idle"
 
 
+async def test_a_local_upstream_whose_port_never_opened_is_said_down_after_its_grace_not_waited_on():
+    # a dead or mistyped upstream: refused past [gateway] down_after_s with no answer ever, a 503 naming it comes
+    # at once, long before the first-byte window (30 min for a local endpoint) would have ended the request
+    port = free_port()
+    endpoint = sim_endpoint(f"http://127.0.0.1:{port}/v1")
+    async with served(endpoints=[endpoint], gateway={"down_after_s": 0.5, "keepalive_s": 30},
+                      run={"warmup": "off"}) as s, httpx.AsyncClient(timeout=60) as client:
+        first = await post(client, s.url + "/chat/completions", chat(), headers={"X-Session-ID": "typo"})
+        # a later request is told at its first refusal: the endpoint is down already
+        later = await post(client, s.url + "/messages", {"model": "sim-model", "max_tokens": 4, "stream": True,
+                                                          "messages": [{"role": "user", "content": "hi"}]},
+                           headers={"X-Session-ID": "typo"})
+    assert first.status == later.status == 503 and first.headers["retry-after"] == "5"
+    message = first.json()["error"]["message"]
+    assert f"upstream sim at http://127.0.0.1:{port}/v1 is down" in message and "never answered" in message
+    assert later.json()["type"] == "error" and "is down" in later.json()["error"]["message"]
+    assert not s.of(ev.AgentKilled)  # nothing was waited on to its deadline
+    assert len(s.of(ev.EndpointWaiting, "typo")) >= 1
+
+
 async def test_a_local_upstream_that_never_comes_is_killed_at_its_first_byte_deadline():
     port = free_port()
     endpoint = sim_endpoint(f"http://127.0.0.1:{port}/v1", first_byte_timeout_s=1.0, extend_when_server_busy=False)
