@@ -20,21 +20,28 @@ from typing import ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-# descriptors kept for the run's own use (its upstream connections, journal, transcripts, sockets) when the cap is
-# fitted to the process's limit: a client connection counts one, and its request one upstream
-_SHARE_OF_DESCRIPTORS = 2
+# Fitted to the process's descriptor limit: client connections take a quarter of it (each may hold one upstream
+# too; the journal's transcripts, the run's sockets and pipes need the rest), and asyncio accepts up to `backlog`
+# connections at once before any of them is counted here, so that burst is a sixteenth. Connections past the backlog
+# wait in the kernel's queue, which costs the process no descriptor.
+_CONNECTIONS_SHARE = 4
+_BACKLOG_SHARE = 16
+_BACKLOG_MAX = 2048  # uvicorn's own
 
 
 class Listener:
-    """The bounds one gateway's connections share, and what they did (`closed_late`, `evicted`, `refused`)."""
+    """The bounds one gateway's connections share, and what they did (`closed_late`, `evicted`, `refused`);
+    `max_connections` and `backlog` fitted to the process's descriptor limit."""
 
     def __init__(self, *, header_timeout_s: float, body_timeout_s: float, max_connections: int,
                  max_connections_per_peer: int | None) -> None:
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        fitted = soft // _SHARE_OF_DESCRIPTORS if soft != resource.RLIM_INFINITY else max_connections
-        self.max_connections = max(1, min(max_connections, fitted))
+        if soft == resource.RLIM_INFINITY:
+            soft = 1 << 20
+        self.max_connections = max(1, min(max_connections, soft // _CONNECTIONS_SHARE))
+        self.backlog = max(1, min(_BACKLOG_MAX, soft // _BACKLOG_SHARE))  # uvicorn's `backlog`: see above
         self.max_connections_per_peer = max_connections_per_peer  # None: one global cap (a loopback listen)
         self.open: set[BoundedH11] = set()
         self.per_peer: Counter[str] = Counter()

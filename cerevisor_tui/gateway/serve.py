@@ -62,7 +62,8 @@ async def serve_gateway(engine: Engine, settings: GatewayConfig, *, model: str =
                         max_connections_per_peer=None if is_loopback(host) else settings.max_connections_per_peer)
     # uvicorn's own bounds kept: an idle keep-alive connection closed after 75 s, a header over h11's 16 KiB refused
     config = uvicorn.Config(gateway, http=bounded_protocol(listener), log_level="warning", access_log=False,
-                            lifespan="off", ws="none", timeout_graceful_shutdown=2, timeout_keep_alive=75)
+                            lifespan="off", ws="none", timeout_graceful_shutdown=2, timeout_keep_alive=75,
+                            backlog=listener.backlog)
     server = _Uvicorn(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="cerevisor-gateway")
     while not server.started:
