@@ -60,10 +60,10 @@ def _journalled(event: ev.MessageRecorded) -> tuple[ev.MessageRecorded, dict[str
     """A gateway session's message as events.jsonl and its transcript keep it: its text once in each (the event's
     client form only in the transcript; the event keeps its role as the mark of a session's message), each cut at
     MAX_RECORDED_CHARS. A message cut short is written in the transcript as its role and its cut text."""
-    line = msgspec.structs.replace(event, content=_cut(event.content), raw={"role": event.raw.get("role", event.role)})
+    line = msgspec.structs.replace(event, content=_cut(event.content), raw={"role": event.role})
     raw = event.raw
     if len(event.content) > MAX_RECORDED_CHARS or len(msgspec.json.encode(raw)) > 2 * MAX_RECORDED_CHARS:
-        raw = {"role": line.raw["role"], "content": line.content, "cut": True}
+        raw = {"role": event.role, "content": line.content, "cut": True}
     return line, raw
 
 
