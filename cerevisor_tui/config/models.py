@@ -604,7 +604,7 @@ class GatewayConfig(_Section):
     """Open client connections at most (lowered to fit the process's descriptor limit); past it, a new connection takes the place of the oldest one still waiting for its request, else it is closed."""
     max_connections_per_peer: int = Field(default=64, ge=1, le=65536)
     """Open connections at most from one client address, on a network listen (loopback: max_connections alone)."""
-    max_sessions_per_key: int = Field(default=256, ge=1, le=100000)
+    max_sessions_per_key: int = Field(default=1024, ge=1, le=100000)
     """Open sessions at most per client key (or, with no keys, for all clients together); past it, a new session's request gets 429."""
     forget_after_s: float = Field(default=3600.0, ge=0, le=604800)
     """An idle session (no request, no slot) is forgotten after this long: its row ends, and a later request opens a new one under the same name; 0: never."""

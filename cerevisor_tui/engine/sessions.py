@@ -96,8 +96,11 @@ class Sessions:
         self.by_name: dict[str, Session] = {}
         self.release_after_s = 60.0
         self.forget_after_s = 3600.0  # 0: never
-        self.max_per_key = 256
+        self.max_per_key = 1024
         self.forgotten = 0
+        # each forgotten session's name, with the requests it had made: one that comes back numbers its requests on
+        # (never an X-Request-Id sent again) and its transcript goes on after the client's last answer
+        self._gone: dict[str, int] = {}
         self.group: anyio.abc.TaskGroup | None = None  # the run's background group, once the run has begun
         self._ready: anyio.Event | None = None  # made in the run's loop: the run has begun, slots can be held
         # a resumed run: what each session had done before (engine/resume.py), which it goes on from
@@ -136,6 +139,11 @@ class Sessions:
         if before is not None:  # its requests numbered on, its cost counted on (the report keeps its figures)
             st.attempts = st.turn = st.turns_done = session.requests = before.requests
             st.cost_usd = before.cost_usd
+            session.resumed = True
+        done = self._gone.get(name)
+        if done is not None:  # forgotten, and back: a new row, its figures its own, its numbering and transcript on
+            st.attempts = st.turn = st.turns_done = session.requests = done
+            st.cost_usd = 0.0
             session.resumed = True
         e.emit(ev.SessionOpened(e.clock.now(), name, source, harness, api, endpoint, key))
         return session
@@ -182,6 +190,7 @@ class Sessions:
             else:
                 e._finish(st, "completed", why)
         del self.by_name[st.name]
+        self._gone[st.name] = session.requests
         if e.agents.get(st.name) is st:
             del e.agents[st.name]
         if st.endpoint in e.agents_on:

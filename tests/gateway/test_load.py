@@ -1,9 +1,9 @@
 """The gateway under load, as a network service: `gateway --headless` in a process of its own whose descriptor limit
 is 256 (soft and hard, so the run cannot raise it), through real sockets, takes two floods of 2,000 distinct
-sessions, each beside 500 half-open connections (half a request line, then nothing). The run stays up, a client
-with a key of its own is served in the middle of it, and once the floods are over the process's descriptors are
-back to what they were before, and its memory where it was after the first flood (what stays is the report's line
-per session)."""
+sessions (past its key's cap of 256 open sessions, each forgotten a second after its request), each beside 500
+half-open connections (half a request line, then nothing). The run stays up, a client with a key of its own is
+served in the middle of it, and once the floods are over the process's descriptors are back to what they were
+before, and its memory where it was after the first flood (what stays is the report's line per session)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ async def test_two_floods_of_sessions_and_half_open_connections_leave_the_run_as
                       '[[endpoints]]\nname = "sim"\nkind = "simulated"\nmodel = "sim-model"\n'
                       '[endpoints.sim]\nspeed = 50.0\nseed = 3\n\n'
                       '[gateway]\nlisten = "127.0.0.1:0"\nkeys_env = ["LOAD_FLOOD", "LOAD_TEAM"]\nrelease_after_s = 0\n'
-                      'forget_after_s = 1.0\nheader_timeout_s = 2.0\n')
+                      'forget_after_s = 1.0\nheader_timeout_s = 2.0\nmax_sessions_per_key = 256\n')
     gw = Headless("--config", str(config), "--run-dir", str(tmp_path / "run"), descriptors=DESCRIPTORS)
     try:
         url = gw.url()
@@ -130,6 +130,7 @@ async def test_two_floods_of_sessions_and_half_open_connections_leave_the_run_as
         for outcomes in (first, second):
             assert outcomes["team"] == 1
             assert outcomes["200"] >= SESSIONS // 4, outcomes  # most are served; the rest told 429 or cut, never 5xx
+            assert outcomes["429"], outcomes  # the flood met its key's cap of sessions
             assert not [k for k in outcomes if k.startswith("5")], outcomes
         assert rss_second - rss_first <= SLACK_RSS_KIB, (rss_first, rss_second)
     finally:

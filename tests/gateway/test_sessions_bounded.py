@@ -4,6 +4,8 @@ it, a later request under its name opens a new one, and the report keeps both.""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -38,20 +40,35 @@ async def test_a_key_opens_its_cap_of_sessions_and_the_next_is_told_429(monkeypa
         assert [name for name, _ in s.opened()] == ["one", "two", "three"]
 
 
-async def test_an_idle_session_is_forgotten_and_its_name_opens_a_new_one():
-    async with served(gateway={"forget_after_s": 0.4, "release_after_s": 0, "max_sessions_per_key": 1}) as s, \
+async def test_an_idle_session_is_forgotten_and_its_name_opens_a_new_one(tmp_path):
+    run_dir = tmp_path / "run"
+    async with served(sim={}, run_dir=run_dir, gateway={"forget_after_s": 0.4, "release_after_s": 0,
+                                                         "max_sessions_per_key": 1}) as s, \
             httpx.AsyncClient(timeout=30) as client:
         url = s.url + "/chat/completions"
-        assert (await post(client, url, chat(), headers={"x-session-id": "s"})).status == 200
+        first = await post(client, url, chat("first question"), headers={"x-session-id": "s"})
+        assert first.status == 200
         [finished] = await until(lambda: s.of(ev.AgentFinished, "s"), "the idle session forgotten")
         assert finished.status == "completed" and finished.error.startswith("forgotten after 0.4 s")
         assert "s" not in s.engine.sessions.by_name and "s" not in s.engine.agents
         # its place is free again: the cap of one session lets another open
         assert (await post(client, url, chat(), headers={"x-session-id": "t"})).status == 200
         await until(lambda: s.engine.sessions.forgotten == 2, "the second one forgotten too")
-        assert (await post(client, url, chat(max_tokens=3), headers={"x-session-id": "s"})).status == 200
+        history = [{"role": "user", "content": "first question"}, {"role": "assistant", "content": first.text}]
+        again = await post(client, url, chat("second question", max_tokens=3, history=history),
+                           headers={"x-session-id": "s"})
+        assert again.status == 200
         assert [name for name, _ in s.opened()] == ["s", "t", "s"]
+        # its requests numbered on: no X-Request-Id is sent twice
+        ids = [started.request_id for started in s.of(ev.AgentStarted, "s")]
+        assert len(ids) == 2 and len(set(ids)) == 2 and ids[1].endswith(".s.r2")
         entries = [e for e in s.engine.report.to_dict()["sessions"] if e["name"] == "s"]
-        assert [(e["status"], e["completion_tokens"]) for e in entries] == [("ended", 6), ("active", 3)]
+        assert [(e["status"], e["requests"], e["completion_tokens"]) for e in entries] == [("ended", 1, 6),
+                                                                                         ("active", 1, 3)]
         assert entries[0]["error"].startswith("forgotten after")
         assert s.engine.report.totals().sessions == 3
+    # its transcript goes on after the client's last answer: what it said before is not written again
+    said = [(r["role"], r["content"]) for r in
+            map(json.loads, (run_dir / "transcripts" / "s.jsonl").read_text().splitlines())]
+    assert said == [("user", "first question"), ("assistant", first.text), ("user", "second question"),
+                    ("assistant", again.text)]
