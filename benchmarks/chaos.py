@@ -15,7 +15,15 @@ a loopback TCP proxy of this script's. Every few seconds one fault, picked at ra
 - disk:     the run directory's filesystem (a small tmpfs, when this user may mount one) filled, then emptied;
 - console:  `attach --jsonl` started, read until its first event, then killed;
 - mcp:      the MCP server of a tool call in progress SIGKILLed;
-- gateway:  a gateway client that disconnects mid-stream, then one that must be served in full.
+- gateway:  a gateway client that disconnects mid-stream, then one that must be served in full;
+- wedge:    the server wedged (the proxy takes connections and never answers) while the run starts again
+            (SIGKILL, `run --resume`): its warm-up meets the wedge; the wedge lifts after a few seconds;
+- metrics:  the server's /metrics lies for a while (1e308 requests running, NaN waiting, KV use -4, +Inf
+            preemptions): the run must stay up and keep its agents going;
+- halfopen: 200 connections to the gateway that send half a request line and stop, held open: a client must
+            still be served, and the gateway must close them at its header deadline;
+- flood:    a flood of distinct gateway sessions, far past the per-key cap: each answered (served or 429,
+            never a 5xx of the gateway's own), and a client served after it.
 
 At the end of each round (every agent has an outcome, then `stop`), it checks:
 - every agent has exactly one outcome: one report row, in a final status, the journal's last word on it;
@@ -61,7 +69,16 @@ from tests.integration import servers  # noqa: E402
 MCP_FAKE = ROOT / "tests" / "fixtures" / "mcp_fake.py"
 KEY_ENV = "CHAOS_CANARY_KEY"
 FINAL = {"completed", "failed", "killed", "skipped", "cancelled"}
-FAULTS = ("server", "run", "cut", "disk", "console", "mcp", "gateway")
+FAULTS = ("server", "run", "cut", "disk", "console", "mcp", "gateway", "wedge", "metrics", "halfopen", "flood")
+LYING_METRICS = (b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1e308\n"
+                 b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting NaN\n"
+                 b"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc -4\n"
+                 b"# TYPE vllm:num_preemptions_total counter\nvllm:num_preemptions_total +Inf\n")
+HEADER_TIMEOUT_S = 3.0  # the gateway's [gateway] header_timeout_s in each round
+FORGET_AFTER_S = 5.0  # and its forget_after_s: a flood's sessions are let go of within the round
+MAX_SESSIONS = 64  # and its max_sessions_per_key (no keys: all its clients together)
+HALF_OPEN = 200
+FLOOD = 150
 REQUEST_ID = re.compile(rb"\r\nx-request-id:[ \t]*([^\r\n]+)\r\n", re.I)
 TURN_OF = re.compile(r"\.(c\d+)\.t(\d+)\.")  # an agent's request id: <run>.<agent>.t<turn>.a<attempt>
 
@@ -75,6 +92,8 @@ class Proxy:
     upstream_port: int
     port: int = 0
     seen: list[tuple[str, float]] = field(default_factory=list)  # (X-Request-Id, monotonic time)
+    wedged: asyncio.Event | None = None  # set: the server is wedged (connections taken, never answered) until cleared
+    lying: bool = False  # /metrics answered with LYING_METRICS
     _open: set[asyncio.StreamWriter] = field(default_factory=set)
     _server: asyncio.Server | None = None
 
@@ -84,15 +103,35 @@ class Proxy:
         return self
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.wedged is not None:  # a wedged server: the request is taken and nothing ever comes back
+            self._open.add(writer)
+            lifted = self.wedged
+            with contextlib.suppress(OSError):
+                await lifted.wait()
+            self._open.discard(writer)
+            writer.transport.abort()
+            return
+        first = b""
+        if self.lying:
+            with contextlib.suppress(OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                first = await reader.readuntil(b"\r\n")
+            if first.startswith(b"GET /metrics"):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\nconnection: close\r\n"
+                             + f"content-length: {len(LYING_METRICS)}\r\n\r\n".encode() + LYING_METRICS)
+                with contextlib.suppress(OSError):
+                    await writer.drain()
+                writer.transport.abort()
+                return
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
         except OSError:
             writer.transport.abort()
             return
         self._open.update((writer, up_writer))
+        if first:
+            up_writer.write(first)
 
-        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, record: bool) -> None:
-            tail = b""
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, record: bool, tail: bytes = b"") -> None:
             try:
                 while chunk := await src.read(65536):
                     if record:
@@ -109,7 +148,7 @@ class Proxy:
                 dst.transport.abort()
 
         try:
-            await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+            await asyncio.gather(pipe(reader, up_writer, True, first), pipe(up_reader, writer, False))
         finally:
             self._open.discard(writer)
             self._open.discard(up_writer)
@@ -170,7 +209,9 @@ def workflow(url: str, model: str, run_dir: Path, gateway_port: int, agents: int
         # a first-byte window that outlasts the server's restart: its agents wait for its port, as for a cold start
         "stall": {"first_byte_timeout_s": first_byte_s, "idle_timeout_s": 10},
         "endpoints": [{"name": "box", "base_url": url, "model": model, "api_key_env": KEY_ENV}],
-        "gateway": {"listen": f"127.0.0.1:{gateway_port}", "upstream": "box", "release_after_s": 0},
+        "gateway": {"listen": f"127.0.0.1:{gateway_port}", "upstream": "box", "release_after_s": 0,
+                    "header_timeout_s": HEADER_TIMEOUT_S, "forget_after_s": FORGET_AFTER_S,
+                    "max_sessions_per_key": MAX_SESSIONS},
         "agents": [],
     }
     if tools:
@@ -459,6 +500,103 @@ class Soak:
         if served.status_code == 200:
             return "disconnected; next served"
         return f"disconnected; next got {served.status_code}"
+
+    async def fault_wedge(self, rnd: Round) -> str:
+        assert self.proxy is not None and rnd.proc is not None
+        self.proxy.wedged = asyncio.Event()
+        self.proxy.cut()
+        os.killpg(rnd.proc.pid, signal.SIGKILL)  # started again on the wedged server: its warm-up meets the wedge
+        rnd.proc.wait()
+        rnd.kills += 1
+        rnd.start(resume=True)
+        await asyncio.sleep(self.rng.uniform(3.0, 6.0))
+        self.proxy.wedged.set()
+        self.proxy.wedged = None
+        await asyncio.sleep(0.5)
+        if rnd.proc.poll() is not None and not self.stopped_by_a_full_disk(rnd):
+            return f"FAILED: the run exited with {rnd.proc.returncode} on a wedged server"
+        return "wedged at warm-up, lifted"
+
+    async def fault_metrics(self, rnd: Round) -> str:
+        assert self.proxy is not None and rnd.proc is not None
+        self.proxy.lying = True
+        self.proxy.cut()  # the monitor's next look opens a new connection, which is lied to
+        try:
+            await asyncio.sleep(self.rng.uniform(3.0, 6.0))  # more than one look at [run] metrics_interval_s
+        finally:
+            self.proxy.lying = False
+        if rnd.proc.poll() is not None and not self.stopped_by_a_full_disk(rnd):
+            return f"FAILED: the run exited with {rnd.proc.returncode} on lying metrics"
+        return "lied, run up"
+
+    async def fault_halfopen(self, rnd: Round) -> str:
+        held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        try:
+            for _ in range(HALF_OPEN):
+                reader, writer = await asyncio.open_connection("127.0.0.1", rnd.gateway_port)
+                writer.write(b"POST /v1/chat/compl")
+                held.append((reader, writer))
+        except OSError as exc:
+            if not held:
+                return f"gateway unreachable ({type(exc).__name__})"
+        served = await self.served_by_gateway(rnd, "halfopen")
+        if not served.startswith("served"):
+            return f"FAILED: with {len(held)} half-open connections held, a client was {served}"
+
+        async def closed(reader: asyncio.StreamReader) -> bool:
+            with contextlib.suppress(OSError):
+                while await reader.read(4096):
+                    pass
+            return True
+
+        try:  # every one closed by the gateway, at its header deadline (or to make room for a newer one)
+            await asyncio.wait_for(asyncio.gather(*(closed(r) for r, _ in held)), HEADER_TIMEOUT_S + 10)
+        except TimeoutError:
+            return f"FAILED: half-open connections still open {HEADER_TIMEOUT_S + 10:g} s on"
+        finally:
+            for _, writer in held:
+                writer.transport.abort()
+        return "held, client served, all closed"
+
+    async def fault_flood(self, rnd: Round) -> str:
+        url = f"http://127.0.0.1:{rnd.gateway_port}/v1/chat/completions"
+        body = {"model": self.model(), "messages": [{"role": "user", "content": "flood"}], "max_tokens": 1,
+                "stream": False}
+        statuses: Counter[str] = Counter()
+        limit = asyncio.Semaphore(16)
+        tag = self.rng.randrange(1 << 30)
+
+        async def one(client: httpx.AsyncClient, i: int) -> None:
+            async with limit:
+                try:
+                    r = await client.post(url, json=body, headers={"X-Session-ID": f"flood-{tag}-{i}"})
+                    statuses[str(r.status_code)] += 1
+                except httpx.HTTPError as exc:
+                    statuses[type(exc).__name__] += 1
+
+        async with httpx.AsyncClient(timeout=60) as client:
+            await asyncio.gather(*(one(client, i) for i in range(FLOOD)))
+        if statuses["500"] or statuses["ConnectError"] == FLOOD:
+            return f"FAILED: {dict(statuses)}"
+        await asyncio.sleep(FORGET_AFTER_S * 1.5)  # the flood's sessions forgotten: room for a client again
+        served = await self.served_by_gateway(rnd, "flood")
+        if not served.startswith("served"):
+            return f"FAILED: after a flood ({dict(statuses)}), a client was {served}"
+        return "flooded (200 and 429 only), client served" if set(statuses) <= {"200", "429"} else \
+            "flooded (some cut by the faults), client served"
+
+    async def served_by_gateway(self, rnd: Round, what: str) -> str:
+        """One whole request of a new session through the round's gateway: "served", or what came instead."""
+        url = f"http://127.0.0.1:{rnd.gateway_port}/v1/chat/completions"
+        body = {"model": self.model(), "messages": [{"role": "user", "content": f"chaos {what}"}],
+                "max_tokens": 4, "stream": False}
+        try:
+            async with httpx.AsyncClient(timeout=60) as client:
+                r = await client.post(url, json=body, headers={"X-Session-ID": f"chaos-{what}-{rnd.number}-"
+                                                                               f"{self.rng.randrange(1 << 30)}"})
+        except httpx.HTTPError as exc:
+            return f"unreachable ({type(exc).__name__})"
+        return "served" if r.status_code == 200 else f"answered {r.status_code}"
 
     # -- checks ---------------------------------------------------------------------------------------
     def note_failure(self, rnd: Round, what: str) -> None:

@@ -28,6 +28,9 @@ STATUSES: Final[tuple[Status, ...]] = get_args(Status)
 FINAL_STATUSES: Final[tuple[FinalStatus, ...]] = get_args(FinalStatus)  # in the report's order
 FINAL: Final[frozenset[str]] = frozenset(FINAL_STATUSES)
 ACTIVE: Final[frozenset[str]] = frozenset(get_args(ActiveStatus))
+FORGOTTEN: Final = "forgotten after "
+"""How the reason of a gateway session the run forgot begins (idle for [gateway] forget_after_s: its row ended, and
+its name may open a new session, which the report lists beside it)."""
 
 WedgeRule = Literal["frozen", "hung", "preempt_loop"]
 """Which wedge a server is in (engine/wedge.py): nothing moves at all behind a /health of 200; requests run

@@ -598,6 +598,18 @@ class GatewayConfig(_Section):
     """A local upstream that has never answered and has refused its port this long is down: a request then gets 503 with Retry-After, naming it, instead of waiting out its first-byte window."""
     model_map: dict[str, str] = {}
     """Glob of a model name a harness asks for = the served model sent instead, e.g. "claude-*" = "qwen3-coder"; the first glob that matches wins."""
+    header_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    """A connection must send a request's whole header within this long (from its first byte, or from its opening), else it is closed: a client that sends half a request line and stops holds nothing."""
+    body_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    """A request's whole body must arrive within this long of its header, else the connection is closed."""
+    max_connections: int = Field(default=1024, ge=1, le=65536)
+    """Open client connections at most (lowered to fit the process's descriptor limit); past it, a new connection takes the place of the oldest one still waiting for its request, else it is closed."""
+    max_connections_per_peer: int = Field(default=64, ge=1, le=65536)
+    """Open connections at most from one client address, on a network listen (loopback: max_connections alone)."""
+    max_sessions_per_key: int = Field(default=1024, ge=1, le=100000)
+    """Open sessions at most per client key (or, with no keys, for all clients together); past it, a new session's request gets 429."""
+    forget_after_s: float = Field(default=3600.0, ge=0, le=604800)
+    """An idle session (no request, no slot) is forgotten after this long: its row ends, and a later request opens a new one under the same name; 0: never."""
 
     @field_validator("listen")
     @classmethod

@@ -126,6 +126,8 @@ class Engine:
         self.hold_open = config.gateway is not None
         if config.gateway is not None:
             self.sessions.release_after_s = config.gateway.release_after_s
+            self.sessions.forget_after_s = config.gateway.forget_after_s
+            self.sessions.max_per_key = config.gateway.max_sessions_per_key
         self._stop_asked: anyio.Event | None = None
         self.auto_feed = AutoFeed(self)
         self.wave = -1

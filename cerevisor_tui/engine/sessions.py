@@ -5,7 +5,8 @@ A session holds a running slot, as a workflow agent does, while it is active: th
 the KV-resident set. Its first request waits for a slot; while it holds one its requests go straight through;
 it gives the slot back after `release_after_s` without a request. A session may have several requests in
 flight at once (a harness's sub-agents, its small-model side requests): each is an attempt of its own, under
-its own deadlines.
+its own deadlines. Sessions are bounded: one idle for `forget_after_s` is forgotten (its row ends, and the run
+keeps nothing of it but what the journal and the report say), and a client key opens `max_per_key` at most.
 
 The HTTP side (what is asked, what is relayed) is the gateway's (gateway/); this module keeps the run's side:
 admission, the attempt records and their watchdog, and the events that tell them.
@@ -24,7 +25,7 @@ from cerevisor_tui.config.models import AgentConfig
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.status import move
-from cerevisor_tui.kinds import FINAL
+from cerevisor_tui.kinds import FINAL, FORGOTTEN
 
 if TYPE_CHECKING:
     from cerevisor_tui.engine.engine import Engine
@@ -41,6 +42,10 @@ class Dropped(Exception):
 
 class BudgetSpent(Exception):
     """The run's budget is spent ([run] budget_usd): a session's request is not sent; `str()` says why."""
+
+
+class TooManySessions(Exception):
+    """A client key has as many sessions open as it may ([gateway] max_sessions_per_key); `str()` says so."""
 
 
 @dataclass(eq=False)
@@ -90,6 +95,12 @@ class Sessions:
         self.engine = engine
         self.by_name: dict[str, Session] = {}
         self.release_after_s = 60.0
+        self.forget_after_s = 3600.0  # 0: never
+        self.max_per_key = 1024
+        self.forgotten = 0
+        # each forgotten session's name, with the requests it had made: one that comes back numbers its requests on
+        # (never an X-Request-Id sent again) and its transcript goes on after the client's last answer
+        self._gone: dict[str, int] = {}
         self.group: anyio.abc.TaskGroup | None = None  # the run's background group, once the run has begun
         self._ready: anyio.Event | None = None  # made in the run's loop: the run has begun, slots can be held
         # a resumed run: what each session had done before (engine/resume.py), which it goes on from
@@ -112,6 +123,10 @@ class Sessions:
         if found is not None:
             return found
         e = self.engine
+        if sum(1 for s in self.by_name.values() if s.key == key) >= self.max_per_key:
+            raise TooManySessions(f"{'client key ' + key if key else 'the gateway'} has {self.max_per_key} sessions "
+                                  "open, its most ([gateway] max_sessions_per_key); an idle one is forgotten after "
+                                  f"{self.forget_after_s:g} s ([gateway] forget_after_s)")
         pool = e.config.pool(endpoint)
         where = pool.endpoints[0] if pool is not None else endpoint
         st = AgentState(AgentConfig(name=name, endpoint=endpoint, prompt="", retries=0), where, 0,
@@ -119,11 +134,16 @@ class Sessions:
         e.agents[name] = st
         if not st.pool:
             e.agents_on.setdefault(where, []).append(st)
-        session = self.by_name[name] = Session(st, source, harness, api, key)
+        session = self.by_name[name] = Session(st, source, harness, api, key, last_end=e.clock.now())
         before = self.before.get(name)
         if before is not None:  # its requests numbered on, its cost counted on (the report keeps its figures)
             e.attempts.resumed(st, before.requests, before.cost_usd)
             session.requests = before.requests
+            session.resumed = True
+        done = self._gone.get(name)
+        if done is not None:  # forgotten, and back: a new row, its figures its own, its numbering and transcript on
+            st.attempts = st.turn = st.turns_done = session.requests = done
+            st.cost_usd = 0.0
             session.resumed = True
         e.emit(ev.SessionOpened(e.clock.now(), name, source, harness, api, endpoint, key))
         return session
@@ -144,7 +164,38 @@ class Sessions:
 
     def started(self, group: anyio.abc.TaskGroup) -> None:
         self.group = group
+        if self.forget_after_s:
+            group.start_soon(self._forget_idle)
         self.ready.set()
+
+    async def _forget_idle(self) -> None:
+        """Forget each session idle (no request, no slot) for `forget_after_s`, looking a few times in that span."""
+        clock = self.engine.clock
+        while True:
+            await clock.sleep(self.forget_after_s / 4)
+            now = clock.now()
+            for session in [s for s in self.by_name.values() if not (s.in_flight or s.queued or s.holding or
+                            s.holder is not None) and now - s.last_end >= self.forget_after_s]:
+                self._forget(session)
+
+    def _forget(self, session: Session) -> None:
+        """`session`'s row ends (completed, or killed as its last request was) and the run lets go of it: a later
+        request under its name opens a new session, and the report keeps both."""
+        e = self.engine
+        st = session.st
+        if st.status not in FINAL:
+            why = f"{FORGOTTEN}{self.forget_after_s:g} s without a request"
+            if session.last_kill:
+                e._finish(st, "killed", f"{why} (its last request: {session.last_kill})")
+            else:
+                e._finish(st, "completed", why)
+        del self.by_name[st.name]
+        self._gone[st.name] = session.requests
+        if e.agents.get(st.name) is st:
+            del e.agents[st.name]
+        if st.endpoint in e.agents_on:
+            e.agents_on[st.endpoint] = [a for a in e.agents_on[st.endpoint] if a is not st]
+        self.forgotten += 1
 
     @asynccontextmanager
     async def request(self, session: Session, *, model_asked: str = "", model_sent: str = "") -> AsyncIterator[Attempt]:

@@ -26,7 +26,14 @@ from cerevisor_tui.endpoints.client import is_refused
 from cerevisor_tui.engine.attempt import Answer, Attempts
 from cerevisor_tui.engine.clock import Clock
 from cerevisor_tui.engine.connections import Connections
-from cerevisor_tui.engine.sessions import BudgetSpent, Dropped, RunStopping, Session, Sessions
+from cerevisor_tui.engine.sessions import (
+    BudgetSpent,
+    Dropped,
+    RunStopping,
+    Session,
+    Sessions,
+    TooManySessions,
+)
 from cerevisor_tui.engine.status import move
 from cerevisor_tui.gateway import apis
 from cerevisor_tui.gateway.apis import KEEPALIVE, Api, Reading
@@ -171,8 +178,13 @@ class Exchange:
             await self.fail(exc.status, exc.message, exc.headers)
             return
         name, source = identify(self.api, self.headers, self.body, label=self.label, key=self.key)
-        session = e.sessions.open(name, source=source, harness=harness(self.headers.get("user-agent", "")),
-                                  api=self.api, endpoint=where, key=self.key)
+        try:
+            session = e.sessions.open(name, source=source, harness=harness(self.headers.get("user-agent", "")),
+                                      api=self.api, endpoint=where, key=self.key)
+        except TooManySessions as exc:
+            gw.refused += 1
+            await self.fail(429, f"cerevisor gateway: {exc}", {"retry-after": str(RETRY_AFTER_S)})
+            return
         self.model_asked, self.model_sent = asked, model
         with anyio.CancelScope() as whole:
             async with anyio.create_task_group() as group:

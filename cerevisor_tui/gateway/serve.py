@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from cerevisor_tui.config.models import GatewayConfig, split_listen
+from cerevisor_tui.config.models import GatewayConfig, is_loopback, split_listen
+from cerevisor_tui.gateway.listener import Listener, bounded_protocol
 from cerevisor_tui.gateway.server import Gateway, GatewayError
 from cerevisor_tui.sim.server import bind_socket
 
@@ -29,8 +30,10 @@ class _Uvicorn(uvicorn.Server):
 class GatewayServer:
     """The gateway serving on its socket; `url` is its base (…/v1)."""
 
-    def __init__(self, gateway: Gateway, server: _Uvicorn, task: asyncio.Task[None], host: str, port: int) -> None:
+    def __init__(self, gateway: Gateway, listener: Listener, server: _Uvicorn, task: asyncio.Task[None], host: str,
+                 port: int) -> None:
         self.gateway = gateway
+        self.listener = listener
         self._server = server
         self._task = task
         self.host, self.port = host, port
@@ -54,8 +57,13 @@ async def serve_gateway(engine: Engine, settings: GatewayConfig, *, model: str =
         sock = bind_socket(host, port)
     except OSError as exc:
         raise GatewayError(f"cannot listen on {settings.listen}: {exc.strerror or exc}") from None
-    config = uvicorn.Config(gateway, log_level="warning", access_log=False, lifespan="off", ws="none",
-                            timeout_graceful_shutdown=2, timeout_keep_alive=75)
+    listener = Listener(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+                        max_connections=settings.max_connections,
+                        max_connections_per_peer=None if is_loopback(host) else settings.max_connections_per_peer)
+    # uvicorn's own bounds kept: an idle keep-alive connection closed after 75 s, a header over h11's 16 KiB refused
+    config = uvicorn.Config(gateway, http=bounded_protocol(listener), log_level="warning", access_log=False,
+                            lifespan="off", ws="none", timeout_graceful_shutdown=2, timeout_keep_alive=75,
+                            backlog=listener.backlog)
     server = _Uvicorn(config)
     task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]), name="cerevisor-gateway")
     while not server.started:
@@ -63,4 +71,4 @@ async def serve_gateway(engine: Engine, settings: GatewayConfig, *, model: str =
             sock.close()
             raise GatewayError(f"the gateway on {settings.listen} stopped while starting: {task.exception()}")
         await asyncio.sleep(0.005)
-    return GatewayServer(gateway, server, task, host, sock.getsockname()[1])
+    return GatewayServer(gateway, listener, server, task, host, sock.getsockname()[1])

@@ -233,40 +233,43 @@ class Gateway:
                 break
         query = scope.get("query_string", b"").decode("latin-1")
         headers = upstream_headers(scope["headers"])
-        response: httpx.Response | None = None
         problem = ""
-        for endpoint in self._pass_order():
-            url = e.connections.base_urls[endpoint].rstrip("/") + path[3:]
-            client = e.connections.clients[endpoint]
-            request = client.build_request(scope["method"], url + (f"?{query}" if query else ""),
-                                           content=b"".join(chunks), headers=headers)
-            try:
-                response = await client.send(request, stream=True)
-                break
-            except httpx.HTTPError as exc:
-                problem = f"{endpoint} is not answering: {problem_of(exc)}"
-                if not isinstance(exc, httpx.ConnectError):  # it may have reached the server: never sent twice
-                    break
-        if response is None:
-            raise Refusal(503, f"upstream {problem}", {"retry-after": str(RETRY_AFTER_S)})
-        try:
-            async with anyio.create_task_group() as group:
+        gone = anyio.Event()
+        async with anyio.create_task_group() as group:
 
-                async def watch_client() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    group.cancel_scope.cancel()
-
-                group.start_soon(watch_client)
-                content_type = response.headers.get("content-type", "application/json")
-                await send({"type": "http.response.start", "status": response.status_code,
-                            "headers": [(b"content-type", content_type.encode("latin-1"))]})
-                with contextlib.suppress(httpx.HTTPError):  # cut short upstream: the client sees it cut short
-                    async for chunk in response.aiter_raw():
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b""})
+            async def watch_client() -> None:  # from the start: a client gone before the upstream answers ends it too
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                gone.set()
                 group.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await response.aclose()
+
+            group.start_soon(watch_client)
+            response: httpx.Response | None = None
+            for endpoint in self._pass_order():
+                url = e.connections.base_urls[endpoint].rstrip("/") + path[3:]
+                client = e.connections.clients[endpoint]
+                request = client.build_request(scope["method"], url + (f"?{query}" if query else ""),
+                                               content=b"".join(chunks), headers=headers)
+                try:
+                    response = await client.send(request, stream=True)
+                    break
+                except httpx.HTTPError as exc:
+                    problem = f"{endpoint} is not answering: {problem_of(exc)}"
+                    if not isinstance(exc, httpx.ConnectError):  # it may have reached the server: never sent twice
+                        break
+            if response is not None:
+                try:
+                    content_type = response.headers.get("content-type", "application/json")
+                    await send({"type": "http.response.start", "status": response.status_code,
+                                "headers": [(b"content-type", content_type.encode("latin-1"))]})
+                    with contextlib.suppress(httpx.HTTPError):  # cut short upstream: the client sees it cut short
+                        async for chunk in response.aiter_raw():
+                            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    await send({"type": "http.response.body", "body": b""})
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await response.aclose()
+            group.cancel_scope.cancel()
+        if response is None and not gone.is_set():
+            raise Refusal(503, f"upstream {problem}", {"retry-after": str(RETRY_AFTER_S)})
 

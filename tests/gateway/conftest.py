@@ -186,9 +186,17 @@ async def post(client: httpx.AsyncClient, url: str, body: Any = None, *, headers
 class Headless:
     """`gateway --headless` in the foreground, its stdout read line by line as it comes."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, descriptors: int | None = None) -> None:
+        """`descriptors`: the process's descriptor limit, soft and hard (so the run cannot raise it)."""
+
+        def limit() -> None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, descriptors))
+
         self.proc = subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "gateway", "--headless", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=limit if descriptors else None)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

@@ -145,3 +145,26 @@ async def test_gone_from_messages_and_responses_aborts_them_too(path, body, stre
         await until(lambda: s.sim.aborted_total == 1, "the upstream request aborted")
         await until(lambda: _settled(s, "leaver"), "the leaver's request ended")
         await until(lambda: s.engine.scheduler.running == 0, "its slot given back")
+
+
+async def test_a_passed_through_request_ends_upstream_when_its_client_leaves_before_the_answer():
+    import asyncio
+
+    from ..conftest import RawServer
+
+    asked, ended = anyio.Event(), anyio.Event()
+
+    async def never_answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        asked.set()
+        if not await reader.read(1):  # the gateway's side of the connection closed: the request is over
+            ended.set()
+
+    async with RawServer(never_answers) as raw, served(endpoints=[
+            {"name": "raw", "kind": "hosted", "base_url": raw.base_url, "model": "m"}]) as s:
+        stream = await anyio.connect_tcp(s.server.host, s.server.port)
+        await stream.send(b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: 2\r\n\r\n{}")
+        await asked.wait()
+        await stream.aclose()  # gone before any answer
+        await ended.wait()
+        assert s.server.gateway.passed == 1

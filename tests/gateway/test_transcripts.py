@@ -224,3 +224,35 @@ async def test_a_resumed_gateway_run_keeps_each_sessions_figures_and_appends_to_
     assert once == once_before and once["status"] == "ended"  # one that did not come back: as it was
     assert after["completion_tokens"] > before["completion_tokens"]
     assert after["prompt_tokens"] > before["prompt_tokens"]
+
+
+async def test_a_requests_text_is_journalled_once_and_cut_at_the_cap(tmp_path):
+    from cerevisor_tui.engine.sinks.journal import MAX_RECORDED_CHARS
+
+    run_dir = tmp_path / "run"
+    big = "x" * (3 * MAX_RECORDED_CHARS)  # 768 Ki characters in one message
+    async with FakeApi() as api, served(endpoints=[{"name": "up", "kind": "hosted", "base_url": api.base_url,
+                                                    "model": "up-model"}], run_dir=run_dir) as s, \
+            httpx.AsyncClient(timeout=60) as client:
+        small = await post(client, s.url + "/chat/completions", chat("a short one", max_tokens=2, model="up-model"),
+                           headers={"X-Session-ID": "conv"})
+        assert small.status == 200
+        answer = await post(client, s.url + "/chat/completions",
+                            chat(big, max_tokens=2, model="up-model", history=[{"role": "user", "content": "a short one"},
+                                                             {"role": "assistant", "content": small.text}]),
+                            headers={"X-Session-ID": "conv"})
+        assert answer.status == 200
+        # the run's own subscribers still get the whole message: only what is written is cut
+        [told] = [m for m in s.of(ev.MessageRecorded, "conv") if m.role == "user" and m.turn == 2]
+        assert told.content == big
+    note = f"[cerevisor: {2 * MAX_RECORDED_CHARS:,} more characters not recorded]"
+    events = (run_dir / "events.jsonl").read_text()
+    assert events.count("x" * 1000) == MAX_RECORDED_CHARS // 1000  # once, and cut: not again as its raw form
+    [line] = [json.loads(x) for x in events.splitlines() if '"MessageRecorded"' in x and "x" * 100 in x]
+    assert line["content"] == "x" * MAX_RECORDED_CHARS + "\n" + note and line["raw"] == {"role": "user"}
+    records = _transcript(run_dir, "conv")
+    assert records[0] == {"turn": 1, "attempt": 1, "role": "user", "content": "a short one"}  # as sent, whole
+    cut = records[2]
+    assert cut["cut"] is True and cut["content"].endswith(note) and len(cut["content"]) < MAX_RECORDED_CHARS + 100
+    written = sum(f.stat().st_size for f in run_dir.rglob("*.jsonl"))
+    assert written < 3 * MAX_RECORDED_CHARS  # two cut copies (the journal's and the transcript's), not 3 whole ones

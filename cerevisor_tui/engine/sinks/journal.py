@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.sinks.report import Report, write_json_atomic
 
@@ -31,6 +33,9 @@ SKIPPED = frozenset({"TokenDelta", "KeepAlive"})
 TRANSCRIPTS_OPEN = 64
 """Transcripts held open at once, the most recently written: another is opened when written to, and closed at its
 agent's end, so a run of thousands of agents or gateway sessions holds 64 descriptors for them, not thousands."""
+MAX_RECORDED_CHARS = 256 * 1024
+"""A gateway session's message is journalled up to this many characters (a note says how many more it had): a
+client may send 32 MiB in one request, and the run's disk is not its to fill."""
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = "lock"
 """In each run directory: holds the id of the process running it, locked (flock) while it runs."""
@@ -42,6 +47,24 @@ class JournalError(Exception):
 
 def _dumps(data: dict[str, Any]) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def _cut(text: str) -> str:
+    """`text` up to MAX_RECORDED_CHARS, with a note of what was left out."""
+    if len(text) <= MAX_RECORDED_CHARS:
+        return text
+    return f"{text[:MAX_RECORDED_CHARS]}\n[cerevisor: {len(text) - MAX_RECORDED_CHARS:,} more characters not recorded]"
+
+
+def _journalled(event: ev.MessageRecorded) -> tuple[ev.MessageRecorded, dict[str, Any]]:
+    """A gateway session's message as events.jsonl and its transcript keep it: its text once in each (the event's
+    client form only in the transcript; the event keeps its role as the mark of a session's message), each cut at
+    MAX_RECORDED_CHARS. A message cut short is written in the transcript as its role and its cut text."""
+    line = msgspec.structs.replace(event, content=_cut(event.content), raw={"role": event.role})
+    raw = event.raw
+    if len(event.content) > MAX_RECORDED_CHARS or len(msgspec.json.encode(raw)) > 2 * MAX_RECORDED_CHARS:
+        raw = {"role": event.role, "content": line.content, "cut": True}
+    return line, raw
 
 
 def _why(exc: OSError) -> str:
@@ -314,15 +337,20 @@ class Journal:
             return
         path = self.dir / EVENTS_FILE
         try:
-            self._events.write(ev.encode_event(event).decode() + "\n")
+            raw: dict[str, Any] = {}
+            if isinstance(event, ev.MessageRecorded) and event.raw:
+                line, raw = _journalled(event)
+                self._events.write(ev.encode_event(line).decode() + "\n")
+            else:
+                self._events.write(ev.encode_event(event).decode() + "\n")
             self._events.flush()
             if isinstance(event, ev.MessageRecorded):
                 path = self.dir / "transcripts" / f"{event.agent}.jsonl"
                 fh = self._transcript(event.agent, path)
                 record: dict[str, Any] = {"turn": event.turn, "attempt": event.attempt, "role": event.role,
                                           "content": event.content}
-                if event.raw:  # a gateway session's message, in its client's own format
-                    record = {"turn": event.turn, "attempt": event.attempt, **event.raw}
+                if raw:  # a gateway session's message, in its client's own format
+                    record = {"turn": event.turn, "attempt": event.attempt, **raw}
                 if event.reasoning:
                     record["reasoning"] = event.reasoning
                 if event.partial:

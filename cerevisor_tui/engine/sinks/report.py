@@ -11,7 +11,7 @@ import msgspec
 
 from cerevisor_tui.config.paths import write_json_atomic  # noqa: F401 - the journal and the console write with it
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.kinds import FINAL_STATUSES
+from cerevisor_tui.kinds import FINAL_STATUSES, FORGOTTEN
 
 SCHEMA_VERSION = 1
 STATUSES = FINAL_STATUSES  # an agent's status in the report, and the totals counted by it, in this order
@@ -32,6 +32,8 @@ class Report:
         self.endpoints: list[dict[str, Any]] = []
         self.agents: dict[str, dict[str, Any]] = {}
         self.sessions: dict[str, dict[str, Any]] = {}  # a gateway's sessions (SessionOpened), apart from the workflow
+        # sessions the run forgot (idle for [gateway] forget_after_s): their name may open a new one, listed apart
+        self.forgotten: list[dict[str, Any]] = []
         self._t0 = 0.0
         self._t_end: float | None = None
         self._running: set[str] = set()
@@ -180,6 +182,8 @@ class Report:
         if a["_t_start"] is not None:
             a["duration_s"] = round(event.t - a["_t_start"], 3)
         self._running.discard(event.agent)
+        if event.agent in self.sessions and event.error.startswith(FORGOTTEN):
+            self.forgotten.append(self.sessions.pop(event.agent))
 
     def _on_RunFinished(self, event: ev.RunFinished) -> None:
         self.finished_at, self._t_end = _now_iso(), event.t
@@ -233,14 +237,15 @@ class Report:
         agents = self.agents.values()
         end = self._t_end if self._t_end is not None else time.monotonic()
         wall = max(0.0, end - self._t0) if self._t0 else 0.0
-        output = sum(a["completion_tokens"] for a in (*agents, *self.sessions.values()))
+        sessions = (*self.forgotten, *self.sessions.values())
+        output = sum(a["completion_tokens"] for a in (*agents, *sessions))
         # a gateway session's outcome counts as an agent's does (a killed session is a kill the operator must see)
-        ended = (*agents, *self.sessions.values())
+        ended = (*agents, *sessions)
         counts = {s: sum(1 for a in ended if a["status"] == s) for s in STATUSES}
         return ev.RunTotals(
             agents=len(self.agents), **counts, output_tokens=output, wall_s=round(wall, 3),
             output_tokens_per_s=round(output / wall, 2) if wall > 0 else None, max_running=self.max_running,
-            cost_usd=round(self.cost_usd, 6), sessions=len(self.sessions))
+            cost_usd=round(self.cost_usd, 6), sessions=len(sessions))
 
     def to_dict(self) -> dict[str, Any]:
         """The report as report.json holds it: JSON's own values only. A figure that is not a finite number (a
@@ -258,7 +263,8 @@ class Report:
             "agents": [{k: v for k, v in a.items() if not k.startswith("_")} for a in self.agents.values()],
             "totals": self.totals(),
             "caps": self.cap_summary(),
-            **({"sessions": [_session_entry(a) for a in self.sessions.values()]} if self.sessions else {}),
+            **({"sessions": [_session_entry(a) for a in (*self.forgotten, *self.sessions.values())]}
+               if self.sessions or self.forgotten else {}),
         }
 
 
