@@ -118,8 +118,8 @@ class Attempts:
     # ---- begin ---------------------------------------------------------------------------------------------
     @staticmethod
     def resumed(st: AgentState, requests: int, cost_usd: float) -> None:
-        """A resumed run's agent goes on from what its journal says it had done: its requests numbered on (its
-        next is `requests + 1`), its cost counted on."""
+        """An agent goes on from what it had done: a resumed run's from its journal, a forgotten session come back
+        from its last row: its requests numbered on (its next is `requests + 1`), its cost counted on from `cost_usd`."""
         st.attempts = st.turn = st.turns_done = requests
         st.cost_usd = cost_usd
 

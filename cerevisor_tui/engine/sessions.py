@@ -142,8 +142,8 @@ class Sessions:
             session.resumed = True
         done = self._gone.get(name)
         if done is not None:  # forgotten, and back: a new row, its figures its own, its numbering and transcript on
-            st.attempts = st.turn = st.turns_done = session.requests = done
-            st.cost_usd = 0.0
+            e.attempts.resumed(st, done, 0.0)
+            session.requests = done
             session.resumed = True
         e.emit(ev.SessionOpened(e.clock.now(), name, source, harness, api, endpoint, key))
         return session
