@@ -129,9 +129,11 @@ async def test_two_floods_of_sessions_and_half_open_connections_leave_the_run_as
               f"{rss_second} KiB after the second; outcomes {dict(first)} then {dict(second)}")
         for outcomes in (first, second):
             assert outcomes["team"] == 1
-            assert outcomes["200"] >= SESSIONS // 4, outcomes  # most are served; the rest told 429 or cut, never 5xx
-            assert outcomes["429"], outcomes  # the flood met its key's cap of sessions
-            assert not [k for k in outcomes if k.startswith("5")], outcomes
+            # most are served; the rest told 429 or cut (whether the flood meets its key's cap of open sessions depends on
+            # how fast its sessions end and are forgotten on this machine: the cap itself is
+            # test_sessions_bounded.py's), never a 5xx and nothing else
+            assert outcomes["200"] >= SESSIONS // 4, outcomes
+            assert not [k for k in outcomes if k.startswith("5")], outcomes  # told 429 or cut, never a 5xx
         assert rss_second - rss_first <= SLACK_RSS_KIB, (rss_first, rss_second)
     finally:
         code, err = gw.end(signal.SIGTERM)
