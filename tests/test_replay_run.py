@@ -149,3 +149,19 @@ async def test_through_a_gateway_every_session_is_a_row_of_the_run_under_its_cap
         spans[r.session_id] = (min(start, r.first_at), max(end, r.ended_at))
     ordered = sorted(spans.values())
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ordered, ordered[1:], strict=False))
+
+
+@pytest.mark.anyio
+async def test_with_a_cpu_tier_the_report_counts_what_came_back_from_it_beside_the_gpus_hits():
+    """Four tiered-offload conversations on a simulator whose GPU holds less than two of them and whose CPU tier
+    holds them all: the prefixes evicted from GPU come back from the CPU tier, which a GPU-only rate leaves out."""
+    turns = generate("tiered-offload", sessions=4, seed=1)
+    prompts = [whole for _, whole in whole_prompts(turns)]
+    previous = [whole for t, whole in whole_prompts(turns) if t.turn < 8]
+    settings = SimSettings(speed=SPEED, kv_cache_tokens=40_000, cpu_offload_gib=20.0)
+    async with SimServer(settings) as sim:
+        report = await replay(turns, sim.base_url, ReplaySettings(concurrency=4, speed=SPEED, time_scale=SPEED))
+    assert report.turns_completed == report.turns == 32
+    assert report.prefix_hit_rate is not None and report.prefix_hit_rate < 0.1  # evicted turn after turn
+    assert report.cpu_hit_rate is not None
+    assert report.prefix_hit_rate + report.cpu_hit_rate == pytest.approx(sum(previous) / sum(prompts), abs=0.05)

@@ -207,6 +207,8 @@ def _print_report(report: ReplayReport, simulated: bool, out: TextIO) -> None:
     out.write(f"TTFT p50 {shown(ttft['p50_s'], ' s')}, p90 {shown(ttft['p90_s'], ' s')}; interactivity p50 "
               f"{shown(rate['p50_tokens_per_s'], '')}, p90 {shown(rate['p90_tokens_per_s'], '')} tokens/s per user\n")
     hits = "-" if report.prefix_hit_rate is None else f"{report.prefix_hit_rate:.1%}"
+    if report.cpu_hit_rate is not None:
+        hits += f" in GPU memory, {report.cpu_hit_rate:.1%} more from the CPU tier"
     out.write(f"prefix-cache hits {hits} (the server's own counters over the replay); "
               f"{report.prompt_tokens:,} prompt and {report.output_tokens:,} output tokens\n")
     if report.first_error:

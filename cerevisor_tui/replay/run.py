@@ -92,12 +92,14 @@ class ReplayReport:
     output_tokens: int
     ttft: dict[str, float | None]
     interactivity: dict[str, float | None]
-    prefix_hit_rate: float | None
+    prefix_hit_rate: float | None  # of the GPU's prefix cache
     makespan_s: float
     concurrency: int
     speed: float
     time_scale: float
     first_error: str = ""
+    # prompt tokens served from the CPU tier over those asked of the GPU's cache; None: the server has no CPU tier
+    cpu_hit_rate: float | None = None
     # through a gateway: the run's cap changes ({t_s, cap, endpoint, reason}) and kills ({session, deadline, reason})
     caps: list[dict[str, Any]] = field(default_factory=list)
     kills: list[dict[str, Any]] = field(default_factory=list)
@@ -247,11 +249,26 @@ def _report(plan: _Plan, results: list[TurnResult], base_url: str, model: str, s
         ttft={"p50_s": percentile(ttfts, 50), "p90_s": percentile(ttfts, 90)},
         interactivity={"p50_tokens_per_s": percentile(rates, 50), "p90_tokens_per_s": percentile(rates, 90)},
         prefix_hit_rate=prefix_hit_rate(before, after) if after is not None else None,
+        cpu_hit_rate=_cpu_hit_rate(before, after),
         makespan_s=makespan_s * settings.time_scale, concurrency=settings.concurrency, speed=settings.speed,
         time_scale=settings.time_scale,
         first_error=failed[0].error if failed else "", turn_log=results,
     )
 
+
+
+def _cpu_hit_rate(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> float | None:
+    """Prompt tokens the CPU tier served between two scrapes, over the tokens asked of the GPU's prefix cache: what a
+    GPU-only hit rate leaves out on a server with a CPU tier (endpoints/tiers.py reads it)."""
+    cpu = after.tiers.tier("cpu") if after is not None and after.tiers is not None else None
+    gpu = after.tiers.tier("gpu") if after is not None and after.tiers is not None else None
+    if cpu is None or gpu is None or cpu.hits is None or gpu.queries is None:
+        return None
+    earlier = before.tiers if before is not None else None
+    was_cpu, was_gpu = (earlier.tier("cpu"), earlier.tier("gpu")) if earlier is not None else (None, None)
+    hits = cpu.hits - ((was_cpu.hits or 0.0) if was_cpu is not None else 0.0)
+    queries = gpu.queries - ((was_gpu.queries or 0.0) if was_gpu is not None else 0.0)
+    return min(1.0, max(0.0, hits / queries)) if queries > 0 else None
 
 
 def _timings(done: list[TurnResult], scale: float) -> tuple[list[float], list[float]]:
