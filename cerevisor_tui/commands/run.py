@@ -258,6 +258,9 @@ async def announce_gateway(engine: Any, gateway: Any) -> None:
                              + (f"; mapped: {mapped}" if mapped else "") + "). Point a harness's base URL at it; "
                              f"a path label names its session: {gateway.url.removesuffix('/v1')}/a/NAME/v1",
                              "information", "Gateway"))
+    problem = gateway.gateway.model_problem()
+    if problem:
+        engine.emit(ev.RunNotice(time.monotonic(), f"Gateway: {problem}.", "warning", "Gateway model"))
 
 
 async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: str, *, required: bool) -> Any:

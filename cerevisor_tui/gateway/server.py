@@ -183,8 +183,8 @@ class Gateway:
         if bad is not None:
             raise Refusal(400, f"the model name holds a control character (U+{ord(bad):04X}): "
                                f"{printable(asked[:100])!r}")
-        model = self.model or next((served for glob, served in self.settings.model_map.items()
-                                    if fnmatch.fnmatchcase(asked, glob)), asked)
+        glob = next((glob for glob in self.settings.model_map if fnmatch.fnmatchcase(asked, glob)), None)
+        model = self.model or (self.settings.model_map[glob] if glob is not None else asked)
         served = self.served_models()
         if model in served:
             return model, served[model]
@@ -192,8 +192,25 @@ class Gateway:
         if not default_known:  # its model is not known yet (a server still loading): it goes there as asked
             return model, self.upstream
         listed = ", ".join(sorted(served)) or "none"
+        if model != asked:  # the gateway's own mapping (or --model) is the problem, not the client's model
+            raise Refusal(404, f"model {asked!r} goes to {model!r} (the gateway's --model or [gateway] model_map), "
+                               f"which its upstream does not serve (served: {listed}); restart the gateway with "
+                               "one of those")
         raise Refusal(404, f"model {asked!r} is not served here (served: {listed}); map it with [gateway] model_map "
                            "or start the gateway with --model")
+
+    def model_problem(self) -> str:
+        """Which models the gateway sends requests to (its --model, its model_map) the upstream does not serve, once
+        the upstream has said what it serves; "" when it serves them all (or has not answered yet)."""
+        served = self.served_models()
+        known = any(name in self.engine.models for name in self._members(self.upstream))
+        targets = sorted({self.model} if self.model else set(self.settings.model_map.values()))
+        missing = [target for target in targets if target not in served]
+        if not known or not missing:
+            return ""
+        return (f"{', '.join(repr(m) for m in missing)} (its --model or [gateway] model_map) not served by the upstream "
+                f"(served: {', '.join(sorted(served)) or 'none'}): requests sent there are refused with 404 until the "
+                "gateway is restarted with one of those")
 
     def _members(self, name: str) -> list[str]:
         pool = self.engine.config.pool(name)

@@ -8,7 +8,7 @@ import pytest
 from cerevisor_tui.contract import events as ev
 from tests.conftest import until
 
-from .conftest import gateway_config, served
+from .conftest import chat, gateway_config, post, served
 
 pytestmark = pytest.mark.anyio
 
@@ -86,3 +86,20 @@ async def test_a_pools_session_is_placed_once_and_stays_on_its_member():
         for session, member in placed.items():
             assert {a.endpoint for a in s.of(ev.AgentStarted, session)} == {member}
         assert {o.endpoint for o in s.of(ev.SessionOpened)} == {"fleet"}
+
+
+async def test_a_model_map_target_the_upstream_does_not_serve_is_named_at_start_and_in_each_refusal():
+    # `gateway --model qwen3-coder` in front of a server of sim-model: said at start, and each request's 404 names
+    # the gateway's own mapping as the problem, not the client's model
+    async with served(sim={}, gateway={"model_map": {"*": "qwen3-coder"}}) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        await s.server.gateway.resolve_models()
+        problem = s.server.gateway.model_problem()
+        assert "'qwen3-coder'" in problem and "served: sim-model" in problem
+        answer = await post(client, s.url + "/chat/completions", chat(model="claude-sonnet-4"))
+    assert answer.status == 404
+    message = answer.json()["error"]["message"]
+    assert "'claude-sonnet-4' goes to 'qwen3-coder'" in message and "does not serve (served: sim-model)" in message
+    async with served(sim={}, gateway={"model_map": {"claude-*": "sim-model"}}) as s:
+        await s.server.gateway.resolve_models()
+        assert s.server.gateway.model_problem() == ""
