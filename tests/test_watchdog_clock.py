@@ -147,3 +147,14 @@ async def test_prefill_progress_extends_to_its_projected_end_and_a_stuck_prefill
         await rig.clock.advance(4.0 + 0.1)  # then nothing for the idle window
     assert att.kill_deadline == "first_byte"
     assert att.kill_reason.startswith("no prefill progress for 4") and "60% of 20,000 prompt tokens" in att.kill_reason
+
+
+async def test_an_extension_given_before_the_watchdogs_first_look_stands():
+    # the operator's `e` in the instant a request is sent, before its watchdog task has run once (it reset the
+    # extension at its first look, so the request was killed at its plain deadline)
+    async with watched() as (rig, att):
+        rig.watchdog.extend(rig.st, att, 5.0)
+        await rig.clock.advance(14.9)
+        assert not att.kill_reason
+        await rig.clock.advance(0.2)
+    assert att.kill_reason == "no first token after 15 s"

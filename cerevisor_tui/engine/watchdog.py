@@ -48,7 +48,7 @@ class Watchdog:
         """The stall watchdog of one attempt: warnings at fractions of the deadline, then extend or kill.
         The policy is the endpoint's current one at each look (`set_stall` changes it live)."""
         monotonic = self.clock.now
-        seen_base = -1.0
+        seen_base: float | None = None
         while True:
             now = monotonic()
             changed = self.policies[st.endpoint] is not policy
@@ -61,9 +61,10 @@ class Watchdog:
             if policy.liveness == "bytes" and att.stream is not None and att.stream.last_byte_at > base:
                 base = att.last_alive = att.stream.last_byte_at
             if base != seen_base:  # a sign of life: the window starts again, warnings re-arm
+                if seen_base is not None:  # (not at the first look: an extension given before it stands)
+                    att.extra_s = 0.0
+                    att.warned = 0
                 seen_base = base
-                att.extra_s = 0.0
-                att.warned = 0
             total = window + att.extra_s
             if changed:  # a longer window re-arms the warnings it moved ahead; a shorter one gives its due ones now
                 att.warned = min(att.warned, warnings_due(fractions, base, total, now))
