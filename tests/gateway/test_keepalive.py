@@ -104,7 +104,10 @@ async def test_a_request_not_streamed_simply_waits():
 
 
 async def test_a_quick_refusal_keeps_its_http_status():
-    async with _sequential(sim={"fail_first": 1, "fail_status": 429}) as s, httpx.AsyncClient(timeout=30) as client:
+    # the first comment goes only after keepalive_s, so an answer quicker than that keeps its status: a long
+    # keepalive_s here, as a loaded machine's upstream may take longer than this file's 0.2 s to refuse
+    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 60, "keepalive_s": 30},
+                      sim={"fail_first": 1, "fail_status": 429}) as s, httpx.AsyncClient(timeout=30) as client:
         unknown = await post(client, s.url + "/chat/completions", chat(model="no-such-model"))
         assert unknown.status == 404 and not unknown.comments
         assert "sim-model" in unknown.json()["error"]["message"]
