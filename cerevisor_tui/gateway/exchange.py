@@ -114,6 +114,9 @@ class Exchange:
         self.label, self.key = label, key
         self.headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         self.streamed = self.body.get("stream") is True
+        # the prompt's size in characters, read once (a harness's late turn is ~560 KB): the prefill's estimate and
+        # the endpoint's tokens per character both take it
+        self.prompt_chars = apis.prompt_chars(api, self.body)
         self.started = False  # the response's headers went out
         self.done = False  # its last byte went out
         self.gone = False  # the client went away
@@ -277,7 +280,7 @@ class Exchange:
             changes["return_progress"] = True
             self.hide_progress = True
         elif ep.kind != "hosted":  # no progress told: the prefill estimated from the endpoint's measured rate
-            e.attempts.estimate(st, att, apis.prompt_chars(self.api, self.body))
+            e.attempts.estimate(st, att, self.prompt_chars)
         if self.api == "chat" and self.streamed and not _asks_usage(self.body):
             # the answer's usage, for the meters and the figures; this client did not ask: it never sees it
             changes["stream_options"] = {**(self.body.get("stream_options") or {}), "include_usage": True}
@@ -461,7 +464,7 @@ class Exchange:
         session.recorded[self.conversation] = session.recorded.get(self.conversation, 0) + (r.items or 1)
         await e.attempts.finished(
             st, att, _answer_of(r, streamed_text, thinking, prompt, completion,
-                                 apis.prompt_chars(self.api, self.body)),
+                                 self.prompt_chars),
             turns=0, limit_wait_s=CONTEXT_LIMIT_WAIT_S)
 
     # ---- transcripts ---------------------------------------------------------------------------------------
