@@ -96,10 +96,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.engine import auto_feed, connections, conversation, monitor, pools, watchdog
-from cerevisor_tui.engine import engine as engine_module
+from cerevisor_tui.engine import connections, conversation, monitor, watchdog
+from cerevisor_tui.engine.clock import MONOTONIC, Clock
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import ProfileError, SimServer, resolve
 
@@ -248,7 +250,8 @@ def fits(sc: Scenario, shape: Shape) -> tuple[int, int, int]:
 
 # ---- the engine on the simulator's clock -------------------------------------------------------------
 class _ServerClock:
-    """Stands in for the `time` module inside the engine: `monotonic()` reads the simulator's clock."""
+    """The engine's clock (`Engine(clock=...)`) on the simulator's: `now()` reads it, waits stay anyio's; and the
+    `time` module inside the parts that still read it directly: `monotonic()` reads the same."""
 
     def __init__(self, sim: Any) -> None:
         self._sim = sim
@@ -257,12 +260,16 @@ class _ServerClock:
     def monotonic(self) -> float:
         return self._base + self._sim.now
 
+    now = monotonic
+    move_on_after = staticmethod(anyio.move_on_after)
+    sleep = staticmethod(anyio.sleep)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
 
 
-# the engine and its parts: each reads the clock through its own module's `time`
-_CLOCKED_MODULES = (engine_module, auto_feed, pools, connections, conversation, monitor, watchdog)
+# the engine's parts that read the clock through their own module's `time` (the rest take the engine's clock)
+_CLOCKED_MODULES = (connections, conversation, monitor, watchdog)
 
 
 def server_clock_works() -> bool:
@@ -271,11 +278,10 @@ def server_clock_works() -> bool:
 
 
 @contextlib.contextmanager
-def _engine_clock(sim: Any, on_server_clock: bool) -> Iterator[None]:
-    if not on_server_clock:
+def _engine_clock(clock: Clock) -> Iterator[None]:
+    if not isinstance(clock, _ServerClock):
         yield
         return
-    clock = _ServerClock(sim)
     for module in _CLOCKED_MODULES:
         module.time = clock
     try:
@@ -300,7 +306,8 @@ async def run_once(sc: Scenario, shape: Shape, agents: list[dict[str, Any]], *, 
                            "max_concurrency": max(cap, len(agents))}],
             "agents": agents,
         })
-        engine = Engine(config, run_dir="")
+        clock = _ServerClock(sim) if server_clock else MONOTONIC
+        engine = Engine(config, run_dir="", clock=clock)
         changes: list[tuple[float, int, str]] = []
         sampled = [0, 0.0]  # /metrics samples the engine took, the most requests waiting in one
 
@@ -330,7 +337,7 @@ async def run_once(sc: Scenario, shape: Shape, agents: list[dict[str, Any]], *, 
         watcher = asyncio.create_task(watch())
         started = time.monotonic()
         try:
-            with _engine_clock(sim, server_clock):
+            with _engine_clock(clock):
                 await engine.run()
         finally:
             watcher.cancel()

@@ -27,7 +27,7 @@ def test_a_nudge_past_the_largest_cap_stops_there_and_one_below_the_least_stops_
     told = [e for e in seen if e.kind == "ConcurrencyChanged"]
     assert told and all(e.total_cap <= cmd.MAX_CAP and (e.ceiling or 0) <= cmd.MAX_CAP for e in told)
     if mode == "auto":
-        assert engine.auto_ceiling == cmd.MAX_CAP
+        assert engine.caps.ceiling == cmd.MAX_CAP
     else:
         assert engine.scheduler.max_concurrency == cmd.MAX_CAP
     assert engine.handle(cmd.NudgeCap(delta=-cmd.MAX_CAP)) == 1

@@ -62,7 +62,7 @@ async def test_a_first_byte_kill_after_a_long_busy_check_names_the_silence_and_t
 
     async with RawServer(silent) as srv:
         engine = engine_for(srv.base_url, False, first_byte_timeout_s=0.3)
-        engine.busy_check = slow_busy_check
+        engine.watchdog.busy_check = slow_busy_check
         seen = recorder(engine)
         assert await engine.run() == 1
     killed = next(e for e in seen if e.kind == "AgentKilled")

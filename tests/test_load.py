@@ -55,7 +55,7 @@ async def test_the_server_reported_capacity_replaces_the_estimate_and_the_cap_wa
         assert await engine.run() == 0
     est = engine.load["e"]
     assert est is not None and est.source == "server" and est.kv_capacity_tokens == 4096 and est.conversations_fit == 4
-    warning = engine.cap_warning()
+    warning = engine.load_teller.cap_warning()
     assert warning and "cap 8 on e" in warning and "4 conversations" in warning
     engine.handle(cmd.SetConcurrency(cap=4))
-    assert engine.cap_warning() is None
+    assert engine.load_teller.cap_warning() is None

@@ -187,4 +187,4 @@ async def test_a_subscriber_that_raises_never_ends_the_run_it_is_said_once_and_k
     assert any("dead_pipe failed on AgentQueued (BrokenPipeError" in n and "dropped" in n for n in notices)
     assert kept.count("TokenDelta") > 2 and kept[-1] == "RunFinished"  # kept: it heard the run to its end
     assert gone.count("AgentQueued") == 1 and "RunFinished" not in gone  # dropped at its first failure
-    assert engine.subscriber_failures[id(fussy)] > 3  # counted, said once
+    assert engine.bus.failures[id(fussy)] > 3  # counted, said once

@@ -166,7 +166,7 @@ def test_a_key_in_an_event_field_is_scrubbed_by_emit(monkeypatch):
     engine = Engine(validate({"endpoints": [{"name": "e", "base_url": "http://127.0.0.1:1/v1", "api_key_env": KEY_ENV}],
                               "agents": [{"name": "a", "prompt": "p"}]}))
     seen: list[ev.Event] = []
-    engine._subscribers = [seen.append]  # only this one: the report wants a whole run
+    engine.bus.subscribers[:] = [seen.append]  # only this one: the report wants a whole run
     engine.emit(ev.AgentFinished(1.0, "a", "failed", f"echo {key}", f"out {key}"))
     engine.emit(ev.WaveFinished(1.0, 0, {"a": f"status {key}"}))
     assert all(key not in json.dumps(e.to_dict()) for e in seen)

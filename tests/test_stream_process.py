@@ -149,7 +149,7 @@ async def test_a_worker_that_cannot_start_leaves_the_run_reading_in_process(monk
         monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
         assert await engine.run() == 0
     assert engine.stream_worker is None and engine.agents["a0"].output
-    assert "stream worker process did not start" in engine.stream_process_problem
+    assert "stream worker process did not start" in engine.connections.stream_process_problem
 
 
 def test_auto_means_the_console_on_a_machine_with_a_second_cpu(monkeypatch):

@@ -126,7 +126,7 @@ async def test_tool_calls_come_through_the_stream_worker_process_too(tmp_path):
     seen: list = []
     engine.subscribe(seen.append)
     assert await engine.run() == 0
-    assert engine.stream_process and not engine.stream_process_problem  # its streams were read by the worker
+    assert engine.connections.stream_process and not engine.connections.stream_process_problem  # its streams were read by the worker
     assert [(e.outcome, e.result) for e in kinds(seen, "ToolCallFinished")] == [("ok", "3")]
     assert json.loads(engine.agents["a0"].messages[1]["tool_calls"][0]["function"]["arguments"]) == {"a": 1, "b": 2}
 

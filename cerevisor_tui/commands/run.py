@@ -199,9 +199,9 @@ def main(args: Any) -> int:
         if server is None and detached:
             return 1
         if not detached:  # no one may press `p` past a spent budget but a console attached to the socket
-            engine.consoles_attached = (lambda: server.clients) if server is not None else (lambda: 0)
+            engine.spending.consoles_attached = (lambda: server.clients) if server is not None else (lambda: 0)
             if server is not None:  # one that leaves without resuming it leaves no one: the run may end then
-                server.on_client_gone = engine.end_if_budget_spent
+                server.on_client_gone = engine.spending.end_if_spent
         gateway = None
         if config.gateway is not None:
             from cerevisor_tui.gateway import GatewayError, serve_gateway

@@ -14,21 +14,25 @@ admission, the attempt records and their watchdog, and the events that tell them
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
 
-from cerevisor_tui.config.models import AgentConfig
+from cerevisor_tui.config.models import AgentConfig, Config, ResolvedStall
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.attempt import Attempts
+from cerevisor_tui.engine.clock import Clock
+from cerevisor_tui.engine.pools import Pools
+from cerevisor_tui.engine.roster import Roster, RunLife
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.status import move
+from cerevisor_tui.engine.watchdog import Watchdog
 from cerevisor_tui.kinds import FINAL, FORGOTTEN
 
 if TYPE_CHECKING:
-    from cerevisor_tui.engine.engine import Engine
     from cerevisor_tui.engine.resume import SessionBefore
 
 
@@ -89,10 +93,24 @@ class Session:
 
 
 class Sessions:
-    """The run's external sessions (`engine.sessions`): opened by the gateway as they arrive."""
+    """The run's external sessions (`engine.sessions`): opened by the gateway as they arrive. Handed its ports:
+    the roster and the run's life, admission (the pools' scheduler, placement and load), the attempt owner and
+    the watchdog, the budget's refusal, the config's pools, emit and the clock."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, config: Config, roster: Roster, life: RunLife, pools: Pools, attempts: Attempts,
+                 watchdog: Watchdog, policies: Mapping[str, ResolvedStall], budget_refusal: Callable[[], str],
+                 request_prefix: str, emit: Callable[[ev.Event], None], clock: Clock) -> None:
+        self.config = config
+        self.roster = roster
+        self.life = life
+        self.pools = pools
+        self.attempts = attempts
+        self.watchdog = watchdog
+        self.policies = policies
+        self.budget_refusal = budget_refusal
+        self.request_prefix = request_prefix
+        self.emit = emit
+        self.clock = clock
         self.by_name: dict[str, Session] = {}
         self.release_after_s = 60.0
         self.forget_after_s = 3600.0  # 0: never
@@ -122,30 +140,26 @@ class Sessions:
         found = self.by_name.get(name)
         if found is not None:
             return found
-        e = self.engine
         if sum(1 for s in self.by_name.values() if s.key == key) >= self.max_per_key:
             raise TooManySessions(f"{'client key ' + key if key else 'the gateway'} has {self.max_per_key} sessions "
                                   "open, its most ([gateway] max_sessions_per_key); an idle one is forgotten after "
                                   f"{self.forget_after_s:g} s ([gateway] forget_after_s)")
-        pool = e.config.pool(endpoint)
+        pool = self.config.pool(endpoint)
         where = pool.endpoints[0] if pool is not None else endpoint
-        st = AgentState(AgentConfig(name=name, endpoint=endpoint, prompt="", retries=0), where, 0,
-                        pool=pool.name if pool is not None else "", on_status=e._tell_status)
-        e.agents[name] = st
-        if not st.pool:
-            e.agents_on.setdefault(where, []).append(st)
-        session = self.by_name[name] = Session(st, source, harness, api, key, last_end=e.clock.now())
+        st = self.roster.add(AgentState(AgentConfig(name=name, endpoint=endpoint, prompt="", retries=0), where, 0,
+                                        pool=pool.name if pool is not None else ""))
+        session = self.by_name[name] = Session(st, source, harness, api, key, last_end=self.clock.now())
         before = self.before.get(name)
         if before is not None:  # its requests numbered on, its cost counted on (the report keeps its figures)
-            e.attempts.resumed(st, before.requests, before.cost_usd)
+            self.attempts.resumed(st, before.requests, before.cost_usd)
             session.requests = before.requests
             session.resumed = True
         done = self._gone.get(name)
         if done is not None:  # forgotten, and back: a new row, its figures its own, its numbering and transcript on
-            e.attempts.resumed(st, done, 0.0)
+            self.attempts.resumed(st, done, 0.0)
             session.requests = done
             session.resumed = True
-        e.emit(ev.SessionOpened(e.clock.now(), name, source, harness, api, endpoint, key))
+        self.emit(ev.SessionOpened(self.clock.now(), name, source, harness, api, endpoint, key))
         return session
 
     def own_name(self, name: str, key: str) -> str:
@@ -157,7 +171,7 @@ class Sessions:
             found = self.by_name.get(candidate)
             if found is not None and found.key == key:
                 return candidate
-            if found is None and candidate not in self.engine.agents:
+            if found is None and candidate not in self.roster.agents:
                 return candidate
             n += 1
             candidate = f"{name}@{owner}" if n == 2 else f"{name}@{owner}-{n - 1}"
@@ -170,7 +184,7 @@ class Sessions:
 
     async def _forget_idle(self) -> None:
         """Forget each session idle (no request, no slot) for `forget_after_s`, looking a few times in that span."""
-        clock = self.engine.clock
+        clock = self.clock
         while True:
             await clock.sleep(self.forget_after_s / 4)
             now = clock.now()
@@ -181,20 +195,16 @@ class Sessions:
     def _forget(self, session: Session) -> None:
         """`session`'s row ends (completed, or killed as its last request was) and the run lets go of it: a later
         request under its name opens a new session, and the report keeps both."""
-        e = self.engine
         st = session.st
         if st.status not in FINAL:
             why = f"{FORGOTTEN}{self.forget_after_s:g} s without a request"
             if session.last_kill:
-                e._finish(st, "killed", f"{why} (its last request: {session.last_kill})")
+                self.roster.finish(st, "killed", f"{why} (its last request: {session.last_kill})")
             else:
-                e._finish(st, "completed", why)
+                self.roster.finish(st, "completed", why)
         del self.by_name[st.name]
         self._gone[st.name] = session.requests
-        if e.agents.get(st.name) is st:
-            del e.agents[st.name]
-        if st.endpoint in e.agents_on:
-            e.agents_on[st.endpoint] = [a for a in e.agents_on[st.endpoint] if a is not st]
+        self.roster.remove(st)
         self.forgotten += 1
 
     @asynccontextmanager
@@ -202,9 +212,8 @@ class Sessions:
         """One request of `session`: waits for the session's slot (queued), then yields its attempt, watched
         by the run's watchdog from now on (the first-byte deadline runs from here: time queued is not
         silence). The attempt's `scope` is the caller's to set: a deadline or the operator cancels it."""
-        e = self.engine
         st = session.st
-        clock = e.clock
+        clock, life = self.clock, self.life
         queued_at = clock.now()
         session.queued += 1
         session.poke()
@@ -213,16 +222,16 @@ class Sessions:
         try:
             with wait:
                 await self.ready.wait()
-                refusal = e.budget_refusal()
+                refusal = self.budget_refusal()
                 if refusal:
                     raise BudgetSpent(refusal)
                 if not session.holding:
                     if not session.in_flight:
                         move(st, "queued")
-                    e.emit(ev.AgentQueued(clock.now(), st.name, st.wave))
+                    self.emit(ev.AgentQueued(clock.now(), st.name, st.wave))
                 while not session.holding:
-                    if e.stopping or e.ended:
-                        raise RunStopping(e.stopping or "the run has ended")
+                    if life.stopping or life.ended:
+                        raise RunStopping(life.stopping or "the run has ended")
                     if session.holder is None:
                         assert self.group is not None
                         self.group.start_soon(self._hold, session)
@@ -238,20 +247,20 @@ class Sessions:
         st.attempts += 1
         st.turn += 1
         number = st.attempts
-        policy = e.policies[st.endpoint]
-        att = e.attempts.begin(st, number, f"{e.conversations.request_prefix}.{st.name}.r{number}", turns=0,
+        policy = self.policies[st.endpoint]
+        att = self.attempts.begin(st, number, f"{self.request_prefix}.{st.name}.r{number}", turns=0,
                                queued_s=clock.now() - queued_at, model_asked=model_asked, model_sent=model_sent)
         session.in_flight[number] = att
         try:
             async with anyio.create_task_group() as group:
-                group.start_soon(e.watchdog.watch, st, att, policy)
+                group.start_soon(self.watchdog.watch, st, att, policy)
                 try:
                     yield att
                 finally:
                     group.cancel_scope.cancel()
         finally:
             if not att.answered:  # killed, broken off, its client gone: what it said is kept, a kill told
-                e.attempts.ended(st, att, "".join(att.parts), "".join(att.thinking))
+                self.attempts.ended(st, att, "".join(att.parts), "".join(att.thinking))
             del session.in_flight[number]
             session.last_end = clock.now()
             session.poke()
@@ -259,7 +268,7 @@ class Sessions:
             if att.kill_reason and not att.answered:  # a stop while its answered request did its meters: no kill
                 session.kills.append(att.kill_reason)
                 session.last_kill = att.why_killed
-                session.last_by_stop = bool(e.stopping)
+                session.last_by_stop = bool(life.stopping)
             rest = list(session.in_flight.values())
             st.current = rest[-1] if rest else None
             if st.current is None:
@@ -269,35 +278,41 @@ class Sessions:
 
     async def _hold(self, session: Session) -> None:
         """Hold `session`'s slot while it has requests, and `release_after_s` past its last one."""
-        e = self.engine
-        st = session.st
+        st, pools, clock = session.st, self.pools, self.clock
         with anyio.CancelScope() as scope:
             session.holder = scope
             try:
                 # a pool's session is placed once, and comes back to that member (its prefix cache) each time
-                async with e.scheduler.slot(st.name, st.endpoint if session.placed or not st.pool else st.pool) \
+                async with pools.scheduler.slot(st.name, st.endpoint if session.placed or not st.pool else st.pool) \
                         as where:
                     if st.pool and not session.placed:
                         session.placed = True
-                        e.pools.placed(st, where)
+                        pools.placed(st, where)
                     session.hold(True)
-                    e.refresh_load(st.endpoint)
+                    pools.refresh_load(st.endpoint)
                     while True:
                         session.wake = anyio.Event()
                         if session.in_flight or session.queued:
                             await session.wake.wait()
                             continue
-                        left = session.last_end + self.release_after_s - e.clock.now()
+                        left = session.last_end + self.release_after_s - clock.now()
                         if left <= 0:
                             break
-                        with e.clock.move_on_after(left):
+                        with clock.move_on_after(left):
                             await session.wake.wait()
             finally:
                 session.holder = None
                 session.hold(False)  # requests waiting for it start another holder
                 if not session.in_flight:
                     move(st, "released")
-                e.refresh_load(st.endpoint)
+                pools.refresh_load(st.endpoint)
+
+    def open_attempts(self, st: AgentState) -> list[Attempt]:
+        """The agent's attempts open now: a session's every request in flight, else its current attempt."""
+        session = self.by_name.get(st.name)
+        if session is not None:
+            return list(session.in_flight.values())
+        return [st.current] if st.current is not None else []
 
     def kill(self, name: str, reason: str) -> bool:
         """The operator's kill of a session: each of its requests in flight is ended, and each one queued is
@@ -313,7 +328,7 @@ class Sessions:
     def extend(self, name: str, seconds: float | None) -> bool:
         session = self.by_name[name]
         for att in list(session.in_flight.values()):
-            self.engine.watchdog.extend(session.st, att, seconds)
+            self.watchdog.extend(session.st, att, seconds)
         return bool(session.in_flight)
 
     def stop(self, reason: str) -> None:
@@ -333,8 +348,8 @@ class Sessions:
             if st.status in FINAL:
                 continue
             if session.last_kill and not session.last_by_stop:
-                self.engine._finish(st, "killed", session.last_kill)
+                self.roster.finish(st, "killed", session.last_kill)
             elif session.last_kill:
-                self.engine._finish(st, "cancelled", session.last_kill)
+                self.roster.finish(st, "cancelled", session.last_kill)
             else:
-                self.engine._finish(st, "completed", "")
+                self.roster.finish(st, "completed", "")

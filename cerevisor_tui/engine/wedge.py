@@ -24,22 +24,24 @@ request was sent, so its thresholds are tested on explicit sequences:
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from cerevisor_tui.config.models import ResolvedStall, StallConfig
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.metrics import ServerStatus
+from cerevisor_tui.engine.attempt import TurnFigures
+from cerevisor_tui.engine.caps import Caps
+from cerevisor_tui.engine.clock import Clock
+from cerevisor_tui.engine.monitor import ServerMonitor
+from cerevisor_tui.engine.placement import Placement
+from cerevisor_tui.engine.roster import Roster
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.status import move, phase_of
 from cerevisor_tui.engine.warmup import Warming
 from cerevisor_tui.engine.watchdog import fmt_s
 from cerevisor_tui.kinds import WedgeRule
-
-if TYPE_CHECKING:
-    from cerevisor_tui.engine.engine import Engine
 
 HISTORY = 2048  # readings kept per endpoint: over an hour at the default 2 s interval
 PREFILL_MARGIN = 2.0
@@ -194,10 +196,28 @@ def preempt_loop(samples: Sequence[Progress], since: float, limit: int, prompt_t
 
 class WedgeWatch:
     """The run's wedge rules, applied after each server sample; `wedged` holds the endpoints judged frozen or
-    hung until their counters move again."""
+    hung until their counters move again. Handed its ports: the stall settings, the server monitor (its
+    statuses), the roster and each agent's open attempts (a gateway session may have several), the measured
+    figures, the placement and a pool member's notice, the caps (auto's answer to a preemption loop), emit and
+    the clock."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, stall: StallConfig, policies: Mapping[str, ResolvedStall], monitor: ServerMonitor,
+                 roster: Roster, figures: Mapping[str, TurnFigures], placement: Placement,
+                 tell_down: Callable[[str], None], caps: Caps, emit: Callable[[ev.Event], None],
+                 clock: Clock) -> None:
+        self.stall = stall
+        self.policies = policies
+        self.monitor = monitor
+        self.roster = roster
+        self.figures = figures
+        self.placement = placement
+        self.tell_down = tell_down
+        self.caps = caps
+        self.emit = emit
+        self.clock = clock
+        # an agent's attempts open now: its current one; a gateway session's, each in flight (engine/sessions.py)
+        self.open_attempts: Callable[[AgentState], list[Attempt]] = \
+            lambda st: [st.current] if st.current is not None else []
         self.samples: dict[str, deque[Progress]] = {}
         self.wedged: dict[str, tuple[WedgeRule, tuple[float | None, ...]]] = {}  # rule, motion at the wedge
         self._preempt_kill: dict[str, float] = {}  # when a preemption loop was last ended there
@@ -221,21 +241,20 @@ class WedgeWatch:
         preemption loop ended a moment ago."""
         return (
             endpoint in self.wedged
-            or time.monotonic() < self._preempt_kill.get(endpoint, -math.inf) + PREEMPT_DOWN_S
+            or self.clock.now() < self._preempt_kill.get(endpoint, -math.inf) + PREEMPT_DOWN_S
         )
 
     def on_sample(self, endpoint: str) -> None:
         """After each of the monitor's samples of `endpoint`: judge it, and act."""
-        e = self.engine
-        status = e.monitor.status.get(endpoint)
+        status = self.monitor.status.get(endpoint)
         if status is None:
             return
-        reading = progress_of(status, e.monitor.status_at.get(endpoint, time.monotonic()))
+        reading = progress_of(status, self.monitor.status_at.get(endpoint, self.clock.now()))
         if reading is None:
             return
         history = self.samples.setdefault(endpoint, deque(maxlen=HISTORY))
         history.append(reading)
-        stall = e.config.stall
+        stall = self.stall
         opened = self._open(endpoint)
         warmup = self.warmups.get(endpoint)
         if warmup is not None and warmup.kill_reason:
@@ -268,7 +287,7 @@ class WedgeWatch:
             return
         if stall.wedge_timeout_s > 0:
             since = min([att.sent_at for _, att in waiting] + ([warmup.sent_at] if warmup else []) + unanswered)
-            reason = decode_stalled(history, since, e.policies[endpoint].idle_timeout_s)
+            reason = decode_stalled(history, since, self.policies[endpoint].idle_timeout_s)
             if reason is not None:
                 self._wedge(endpoint, "hung", reason, waiting, reading, warmup)
                 return
@@ -283,12 +302,9 @@ class WedgeWatch:
 
     def _open(self, endpoint: str) -> list[tuple[AgentState, Attempt]]:
         """Our attempts open on `endpoint` now, not already being killed (a gateway session's every request)."""
-        sessions = self.engine.sessions.by_name
         opened = []
-        for st in self.engine.agents_on.get(endpoint, ()):
-            session = sessions.get(st.name)
-            attempts = list(session.in_flight.values()) if session is not None else [st.current]
-            opened += [(st, att) for att in attempts if att is not None and not att.kill_reason]
+        for st in self.roster.on.get(endpoint, ()):
+            opened += [(st, att) for att in self.open_attempts(st) if not att.kill_reason]
         return opened
 
     def _prefill_end(self, st: AgentState, att: Attempt) -> float:
@@ -298,14 +314,14 @@ class WedgeWatch:
         if est is not None:
             return prefill_end(est.sent_at, est.total, est.cached, est.rate_tok_s)
         total = self._prompt_tokens(st)
-        rate = self.engine.figures[st.endpoint].prefill_rate()
+        rate = self.figures[st.endpoint].prefill_rate()
         return prefill_end(att.sent_at, total, min(total, st.context_tokens), rate)
 
     def _prompt_tokens(self, st: AgentState) -> int:
         """The agent's prompt as the server will count it: its conversation's characters at the endpoint's
         measured tokens per character."""
         chars = sum(len(m.get("content") or "") for m in st.messages if isinstance(m.get("content"), str))
-        return round(chars * self.engine.figures[st.endpoint].tokens_per_char())
+        return round(chars * self.figures[st.endpoint].tokens_per_char())
 
     def _wedge(
         self,
@@ -316,29 +332,27 @@ class WedgeWatch:
         reading: Progress,
         warmup: Warming | None = None,
     ) -> None:
-        e = self.engine
-        now = time.monotonic()
+        now = self.clock.now()
         if rule != "preempt_loop":
             self.wedged[endpoint] = (rule, reading.motion)
-        e.emit(ev.ServerWedged(now, endpoint, rule, reason, list(dict.fromkeys(st.name for st, _ in opened))))
+        self.emit(ev.ServerWedged(now, endpoint, rule, reason, list(dict.fromkeys(st.name for st, _ in opened))))
         if warmup is not None:  # its failure is told as a warm-up's, with this reason
             warmup.kill(reason)
         for st, att in opened:
             move(st, "wedged")
             att.kill("wedge", reason)
-        if e.placement.pools_of(endpoint):
+        if self.placement.pools_of(endpoint):
             until = now + PREEMPT_DOWN_S if rule == "preempt_loop" else math.inf
-            if e.placement.mark_down(endpoint, f"is wedged ({reason})", until=until):
-                e.pools.tell_down(endpoint)
-        if rule == "preempt_loop" and e.scheduler.mode == "auto":
-            change = e.auto[endpoint].preempt_loop(reason)
+            if self.placement.mark_down(endpoint, f"is wedged ({reason})", until=until):
+                self.tell_down(endpoint)
+        if rule == "preempt_loop" and self.caps.scheduler.mode == "auto":
+            change = self.caps.auto[endpoint].preempt_loop(reason)
             if change is not None:
-                e.auto_feed.apply(endpoint, change)
+                self.caps.apply(endpoint, change)
 
     def _over(self, endpoint: str, rule: WedgeRule) -> None:
-        e = self.engine
         del self.wedged[endpoint]
-        e.emit(ev.ServerWedged(time.monotonic(), endpoint, rule, f"{endpoint} moves again", over=True))
+        self.emit(ev.ServerWedged(self.clock.now(), endpoint, rule, f"{endpoint} moves again", over=True))
         for st, att in self._open(endpoint):
             move(st, phase_of(att.first_token_at, wedge=True))
         # a pool member marked down for it is up again at its next healthy sample (Pools.on_sample)

@@ -68,7 +68,7 @@ async def test_a_deferred_request_has_its_first_byte_deadline_extended(llama: Se
         await until(lambda: llama.metric("llamacpp:requests_processing") >= 4,
                     lambda: f"the blockers to fill the slots: {llama.metrics()}", timeout=60, interval=0.2)
         checks: list[tuple[float, str | None]] = []  # (seconds, answer) of each busy check at a deadline
-        engine.busy_check = timed_busy_check(engine, checks)
+        engine.watchdog.busy_check = timed_busy_check(engine, checks)
         code, seen = await run_engine(engine)
     finally:
         for blocker in blockers:

@@ -127,7 +127,7 @@ async def test_kv_pressure_is_seen_and_a_waiting_agent_is_extended_not_killed(vl
                     "max_tokens": 1500, "retries": 0} for i in range(8)],
     })
     checks: list[tuple[float, str | None]] = []  # (seconds, answer) of each busy check at a deadline
-    engine.busy_check = timed_busy_check(engine, checks)
+    engine.watchdog.busy_check = timed_busy_check(engine, checks)
     preempted_before = vllm_pressure.metric("vllm:num_preemptions_total")
 
     code, seen = await run_engine(engine, lambda event: None, timeout_s=600)

@@ -67,10 +67,10 @@ class Driver:
     def run_started(self) -> None:
         e = self.engine
         e.started_at = T0
-        e.wave = 0
+        e.life.wave = 0
         # without the mode's note: its notification would cover the load pane in the pictures
         self.emit(msgspec.structs.replace(e.started_event(T0), note=""))
-        self.emit(msgspec.structs.replace(e.load_event("sim"), t=T0))
+        self.emit(msgspec.structs.replace(e.load_teller.event("sim"), t=T0))
         self.emit(ev.WaveStarted(T0, 0, [a.name for a in e.waves[0]]))
         for a in e.waves[0]:
             move(e.agents[a.name], "queued")
@@ -83,14 +83,14 @@ class Driver:
         kv_tokens = values.get("kv_cache_tokens")
         if kv_tokens:  # as the engine does: the server's own capacity replaces the estimate
             e.load["sim"] = load.from_server(kv_tokens, e.endpoints["sim"].capacity.context_tokens, e.load["sim"])
-        self.emit(msgspec.structs.replace(e.load_event("sim"), t=t))  # the engine's judgement of the load, as it sends it
+        self.emit(msgspec.structs.replace(e.load_teller.event("sim"), t=t))  # the engine's judgement of the load, as it sends it
 
     def auto_change(self, t: float, cap: int, reason: str) -> None:
         """What the engine does when sim's auto controller moves its cap: the scheduler's live cap, then the event."""
         e = self.engine
         e.scheduler.set_endpoint_cap("sim", cap)
         self.emit(ev.ConcurrencyChanged(t, e.scheduler.max_concurrency, cap, e.scheduler.paused, endpoint="sim",
-                                        reason=reason, ceiling=e.auto_ceiling, total_cap=e.scheduler.effective_cap))
+                                        reason=reason, ceiling=e.caps.ceiling, total_cap=e.scheduler.effective_cap))
 
     def start(self, name: str, t: float, turn: int = 1) -> Attempt:
         st = self.engine.agents[name]

@@ -59,9 +59,9 @@ async def test_m_to_auto_shows_the_sum_of_live_caps_and_plus_minus_move_the_ceil
         line = header_lines(app)[1]
         assert line.startswith(f" AUTO {engine_of(app).scheduler.effective_cap} ")
         assert "1 running" in line and "0 failed" in line and "tok/s" in line  # counters keep their place at 80
-        ceiling = engine_of(app).auto_ceiling
+        ceiling = engine_of(app).caps.ceiling
         await pilot.press("plus", "plus", "minus")
-        assert engine_of(app).auto_ceiling == ceiling + 1
+        assert engine_of(app).caps.ceiling == ceiling + 1
         assert engine_of(app).scheduler.max_concurrency == 2  # the parallel cap did not move
         assert f"ceiling {ceiling + 1}" in header_lines(app)[1]
         await pilot.press("a")

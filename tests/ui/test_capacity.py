@@ -103,7 +103,7 @@ async def test_load_pane_zone_follows_the_running_count_and_the_cap_warning_mark
         await pilot.press("plus")  # a console key skips the offer and does its job
         assert isinstance(app.screen, MainScreen)
         assert engine_of(app).scheduler.max_concurrency == 3
-        await until(lambda: cap_notices(notices) == [engine_of(app).cap_warning()])
+        await until(lambda: cap_notices(notices) == [engine_of(app).load_teller.cap_warning()])
         assert "cap 3 > fit 2" in header(app)
         await until(lambda: engine_of(app).scheduler.running_by_endpoint["sim"] == 3)
         main_screen(app).refresh_status()
@@ -132,13 +132,13 @@ async def test_load_pane_zones_and_why_there_is_no_estimate():
                  (LoadEstimate(0, 4096, 8192, cpu_conversations=1), "OVERFLOW 2 of 0", "error")]
         for estimate, shown, role in cases:
             engine.load["sim"] = estimate
-            engine.emit(engine.load_event("sim"))  # the engine judges the zone; the pane shows its word
+            engine.emit(engine.load_teller.event("sim"))  # the engine judges the zone; the pane shows its word
             pane.sync(app.mirror, 1012.0)
             text = kv_text(app)
             assert shown in str(text)
             assert any(app.colour(role) in str(span.style) for span in text.spans)
         engine.load["sim"], engine.load_notes["sim"] = None, "no [endpoints.capacity] model configured"
-        engine.emit(engine.load_event("sim"))
+        engine.emit(engine.load_teller.event("sim"))
         pane.sync(app.mirror, 1012.0)
         assert "capacity.context_tokens" in str(kv_text(app))  # the server reports its KV: say what is missing
         app.mirror.servers["sim"].kv_cache_tokens = None

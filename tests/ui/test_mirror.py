@@ -98,7 +98,7 @@ async def test_a_mirror_fed_a_runs_events_ends_with_the_engines_own_state_and_a_
     assert sim.model == engine.models["sim"] and sim.base_url == engine.base_urls["sim"] and sim.kind == "simulated"
     assert sim.stall == engine.policies["sim"]
     assert sim.warn_at == engine.policies["sim"].warn_at
-    now = engine.load_event("sim")  # the load as the engine judges it at the end, the last it sent
+    now = engine.load_teller.event("sim")  # the load as the engine judges it at the end, the last it sent
     assert sim.load is not None and msgspec.structs.replace(sim.load, t=now.t) == now and sim.load.cap == 1
     assert live.effective_cap == engine.scheduler.effective_cap and not live.paused
 
