@@ -20,12 +20,14 @@ import anyio
 import httpx
 import msgspec
 
-from cerevisor_tui.config.models import EndpointConfig, GatewayConfig, ResolvedStall
+from cerevisor_tui.config.models import Config, EndpointConfig, GatewayConfig, ResolvedStall
+from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import is_refused
 from cerevisor_tui.engine.attempt import Answer, Attempts
 from cerevisor_tui.engine.clock import Clock
 from cerevisor_tui.engine.connections import Connections
+from cerevisor_tui.engine.placement import Placement
 from cerevisor_tui.engine.sessions import (
     BudgetSpent,
     Dropped,
@@ -80,7 +82,7 @@ class Upstreams:
 
 @dataclass(frozen=True, slots=True)
 class RunPorts:
-    """What an exchange uses of the run that serves it."""
+    """What the gateway uses of the run that serves it (made by gateway/serve.py from the run's parts)."""
 
     sessions: Sessions
     attempts: Attempts
@@ -90,6 +92,9 @@ class RunPorts:
     connections: Connections
     clock: Clock
     upstreams: Upstreams
+    scrub: Scrubber  # the run's keys, taken out of every byte to a client and every log line
+    config: Config  # its endpoints and pools: where a request may go
+    placement: Placement  # which pool members are down or degraded
 
 
 class Front(Protocol):

@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from cerevisor_tui.config.models import GatewayConfig, is_loopback, split_listen
+from cerevisor_tui.gateway.exchange import RunPorts, Upstreams
 from cerevisor_tui.gateway.listener import Listener, bounded_protocol
 from cerevisor_tui.gateway.server import Gateway, GatewayError
 from cerevisor_tui.sim.server import bind_socket
 
 if TYPE_CHECKING:
-    from cerevisor_tui.engine.engine import Engine
+    from cerevisor_tui.engine.parts import RunParts
 
 
 class _Uvicorn(uvicorn.Server):
@@ -49,9 +50,15 @@ class GatewayServer:
             await self._task
 
 
-async def serve_gateway(engine: Engine, settings: GatewayConfig, *, model: str = "") -> GatewayServer:
+def ports(run: RunParts, settings: GatewayConfig) -> RunPorts:
+    """What the gateway is handed of the run that serves it: its ports, never the engine."""
+    return RunPorts(run.sessions, run.attempts, run.emit, run.endpoints, run.policies, run.connections, run.clock,
+                    Upstreams(settings.down_after_s), run.scrub, run.config, run.placement)
+
+
+async def serve_gateway(run: RunParts, settings: GatewayConfig, *, model: str = "") -> GatewayServer:
     """Bind `settings.listen` and serve the run's gateway. Raises GatewayError (one line) when it cannot."""
-    gateway = Gateway(engine, settings, model=model)
+    gateway = Gateway(ports(run, settings), settings, model=model)
     host, port = split_listen(settings.listen)
     try:
         sock = bind_socket(host, port)

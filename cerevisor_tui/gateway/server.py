@@ -12,8 +12,7 @@ import contextlib
 import fnmatch
 import hmac
 import os
-import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import httpx
@@ -32,13 +31,11 @@ from cerevisor_tui.gateway.edge import (
     problem_of,
     upstream_headers,
 )
-from cerevisor_tui.gateway.exchange import Exchange, RunPorts, Upstreams
+from cerevisor_tui.gateway.exchange import Exchange, RunPorts
 from cerevisor_tui.gateway.outbound import ClientSend, log_line
 from cerevisor_tui.gateway.paths import PathProblem, check_path
 from cerevisor_tui.text import control_char, printable
 
-if TYPE_CHECKING:
-    from cerevisor_tui.engine.engine import Engine
 
 class GatewayError(Exception):
     """The gateway cannot start: one line says why."""
@@ -57,17 +54,15 @@ def client_keys(settings: GatewayConfig) -> list[tuple[str, bytes]]:
 
 
 class Gateway:
-    """The ASGI app. `engine` is the run that governs it; `model` (`--model`) sends every request to one model."""
+    """The ASGI app. `run`: the ports of the run that governs it (gateway/serve.py); `model` (`--model`) sends every request to one model."""
 
-    def __init__(self, engine: Engine, settings: GatewayConfig, *, model: str = "") -> None:
-        self.engine = engine
-        self.run = RunPorts(engine.sessions, engine.attempts, engine.emit, engine.endpoints, engine.policies,
-                            engine.connections, engine.clock, Upstreams(settings.down_after_s))
+    def __init__(self, run: RunPorts, settings: GatewayConfig, *, model: str = "") -> None:
+        self.run = run
         self.settings = settings
         self.model = model
         self.keys = client_keys(settings)
         self.max_body = int(settings.max_body_mib * (1 << 20))
-        self.upstream = settings.upstream or engine.config.endpoints[0].name
+        self.upstream = settings.upstream or run.config.endpoints[0].name
         self.passed = 0  # other /v1/* requests passed through ungoverned
         self.refused = 0  # requests the gateway answered itself (401, 400, 404, 405, 413, 503)
         self.failed = 0  # requests that met an error nobody foresaw (answered 500 in the API's shape, logged)
@@ -76,15 +71,15 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan, websockets: nothing to serve
             return
-        await self.engine.sessions.ready.wait()  # the run's connections are open (a request may come before)
-        client = ClientSend(send, self.engine.scrub)  # every byte to the client goes through it: no run key in it
+        await self.run.sessions.ready.wait()  # the run's connections are open (a request may come before)
+        client = ClientSend(send, self.run.scrub)  # every byte to the client goes through it: no run key in it
         raw = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
         api: Api | None = next((a for suffix, a in apis.PATHS.items() if raw.endswith(suffix.encode())), None)
         try:
             try:  # the one path rule, before any routing: what is routed on is what the upstream is sent
                 path, label = check_path(raw)
             except PathProblem as exc:
-                log_line(self.engine.scrub, f"refused {scope['method']} {raw[:200]!r}: {exc}")
+                log_line(self.run.scrub, f"refused {scope['method']} {raw[:200]!r}: {exc}")
                 raise Refusal(400, f"cerevisor gateway: {exc}") from None
             if not path.startswith("/v1/"):
                 raise Refusal(404, f"no such path {path!r}: the gateway serves /v1/*")
@@ -103,7 +98,7 @@ class Gateway:
                 await answer(client, exc.status, apis.error_body(api, exc.status, exc.message), exc.headers)
         except Exception as exc:  # an error nobody foresaw: an answer in the API's shape and a line in the log
             self.failed += 1
-            log_line(self.engine.scrub, f"{scope['method']} {raw[:200]!r} failed: {type(exc).__name__}: {exc}")
+            log_line(self.run.scrub, f"{scope['method']} {raw[:200]!r} failed: {type(exc).__name__}: {exc}")
             with contextlib.suppress(Exception):  # the client may be gone: nothing more to tell it
                 await client.error(api, 500, "cerevisor gateway: the request met an internal error (the run's log "
                                              "says which); nothing more was sent upstream")
@@ -158,7 +153,7 @@ class Gateway:
             problem = "the request body must be a JSON object" if not isinstance(body, dict) else \
                 apis.request_problem(api, body)
         if problem is not None:
-            log_line(self.engine.scrub, f"refused a {api} request: {problem}")
+            log_line(self.run.scrub, f"refused a {api} request: {problem}")
             raise Refusal(400, f"the request is not one of the {api} API: {problem}")
         assert isinstance(body, dict)
         return raw, body
@@ -166,13 +161,13 @@ class Gateway:
     # ---- models and routes --------------------------------------------------------------------------------
     def served_models(self) -> dict[str, str]:
         """Each model the run's endpoints serve, with the endpoint (or the pool) that serves it."""
-        e = self.engine
+        models = self.run.connections.models
         served: dict[str, str] = {}
-        for pool in e.config.pools:
+        for pool in self.run.config.pools:
             for member in pool.endpoints:
-                if member in e.models:
-                    served.setdefault(e.models[member], pool.name)
-        for name, model in e.models.items():
+                if member in models:
+                    served.setdefault(models[member], pool.name)
+        for name, model in models.items():
             served.setdefault(model, name)
         return served
 
@@ -188,7 +183,7 @@ class Gateway:
         served = self.served_models()
         if model in served:
             return model, served[model]
-        default_known = any(name in self.engine.models for name in self._members(self.upstream))
+        default_known = any(name in self.run.connections.models for name in self._members(self.upstream))
         if not default_known:  # its model is not known yet (a server still loading): it goes there as asked
             return model, self.upstream
         listed = ", ".join(sorted(served)) or "none"
@@ -203,7 +198,7 @@ class Gateway:
         """Which models the gateway sends requests to (its --model, its model_map) the upstream does not serve, once
         the upstream has said what it serves; "" when it serves them all (or has not answered yet)."""
         served = self.served_models()
-        known = any(name in self.engine.models for name in self._members(self.upstream))
+        known = any(name in self.run.connections.models for name in self._members(self.upstream))
         targets = sorted({self.model} if self.model else set(self.settings.model_map.values()))
         missing = [target for target in targets if target not in served]
         if not known or not missing:
@@ -213,23 +208,23 @@ class Gateway:
                 "gateway is restarted with one of those")
 
     def _members(self, name: str) -> list[str]:
-        pool = self.engine.config.pool(name)
+        pool = self.run.config.pool(name)
         return list(pool.endpoints) if pool is not None else [name]
 
     def _pass_order(self) -> list[str]:
         """The members a pass-through request is offered to, in turn while each refuses the connection: those up
         and not degraded first, then those degraded, then those down (engine/placement.py), each in pool order."""
-        placement, now = self.engine.placement, time.monotonic()
+        placement, now = self.run.placement, self.run.clock.now()
         return sorted(self._members(self.upstream),
                       key=lambda m: (placement.is_down(m, now), placement.is_degraded(m, now)))
 
     async def resolve_models(self) -> None:
         """Ask each endpoint once which model it serves (those the config does not name), so routes know."""
-        e = self.engine
-        for ep in e.config.endpoints:
-            if ep.name not in e.models:
+        connections = self.run.connections
+        for ep in self.run.config.endpoints:
+            if ep.name not in connections.models:
                 with contextlib.suppress(Exception), anyio.move_on_after(5):
-                    await e.connections.model(ep)
+                    await connections.model(ep)
 
     # ---- everything else under /v1 -------------------------------------------------------------------------
     async def _pass(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
@@ -237,7 +232,7 @@ class Gateway:
         and back as it is, as it comes (a streamed /v1/completions streams), counted; a client that goes away
         ends it."""
         self.passed += 1
-        e = self.engine
+        connections = self.run.connections
         chunks = []
         while True:
             message = await receive()
@@ -263,8 +258,8 @@ class Gateway:
             group.start_soon(watch_client)
             response: httpx.Response | None = None
             for endpoint in self._pass_order():
-                url = e.connections.base_urls[endpoint].rstrip("/") + path[3:]
-                client = e.connections.clients[endpoint]
+                url = connections.base_urls[endpoint].rstrip("/") + path[3:]
+                client = connections.clients[endpoint]
                 request = client.build_request(scope["method"], url + (f"?{query}" if query else ""),
                                                content=b"".join(chunks), headers=headers)
                 try:

@@ -121,7 +121,9 @@ async def test_an_upstream_that_never_ends_its_frame_is_ended_over_the_limit_wit
         if sent < 4 * FRAME_LIMIT_BYTES:
             closed.set()
 
-    async with RawServer(endless) as raw, served(endpoints=[_raw(raw.base_url)]) as s, \
+    # a long keepalive_s: the first comment goes only after it, and reading 8 MiB on a loaded machine may take longer
+    # than this suite's 0.2 s, which would send the headers (200) before the error
+    async with RawServer(endless) as raw, served(endpoints=[_raw(raw.base_url)], gateway={"keepalive_s": 60}) as s, \
             httpx.AsyncClient(timeout=60) as client:
         for path, body, shape in (("/chat/completions", chat(model="m"), "error"),):
             answer = await post(client, s.url + path, body, headers={"X-Session-ID": "long"})
