@@ -66,7 +66,7 @@ async def test_auto_grows_from_one_to_what_fits_and_keeps_the_prefixes_that_para
     assert 8 <= top <= 10  # 16,000 x 0.9 / ~1,600
     assert server["max_running"] <= top and server["preemptions"] == 0
     # the load pane's KV line: the server's capacity over the agents' own conversation length, no config needed
-    fit_line = engine.load["e"]
+    fit_line = engine.monitor.load["e"]
     assert fit_line is not None and fit_line.source == "server" and fit_line.kv_capacity_tokens == 16_000
     assert 1_300 <= fit_line.context_tokens <= 1_900 and fit_line.conversations_fit == 16_000 // fit_line.context_tokens
     caps = engine.report.to_dict()["caps"]["e"]

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.endpoints.latency import (
     Buckets,
     LatencyScrape,
@@ -358,7 +359,7 @@ async def test_a_run_on_the_simulator_tells_its_latency_panel_from_vllms_histogr
 
         def told(e) -> None:
             if e.kind == "LatencySample" and engine.scheduler.paused:
-                engine.resume()
+                engine.handle(cmd.Resume())
             if e.kind == "LatencySample" and e.ttft is not None and e.ttft.count >= 3 and e.queue is not None:
                 engine.stop("seen")
 

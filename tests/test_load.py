@@ -51,9 +51,9 @@ async def test_the_server_reported_capacity_replaces_the_estimate_and_the_cap_wa
             "endpoints": [{"name": "e", "base_url": srv.base_url, "capacity": {"context_tokens": 1024}}],
             "agents": [{"name": "a", "prompt": "p", "max_tokens": 40}],
         }))
-        assert engine.load["e"] is None
+        assert engine.monitor.load["e"] is None
         assert await engine.run() == 0
-    est = engine.load["e"]
+    est = engine.monitor.load["e"]
     assert est is not None and est.source == "server" and est.kv_capacity_tokens == 4096 and est.conversations_fit == 4
     warning = engine.load_teller.cap_warning()
     assert warning and "cap 8 on e" in warning and "4 conversations" in warning

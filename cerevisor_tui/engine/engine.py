@@ -292,11 +292,11 @@ class Engine(RunParts):
 
     def endpoint_summaries(self) -> list[ev.EndpointSummary]:
         """Endpoints as consoles and the report show them: never the key, only the variable's name."""
+        base_urls, models = self.connections.base_urls, self.connections.models  # the simulator's, resolved ones
         return [
-            ev.EndpointSummary(ep.name, ep.kind, self.base_urls.get(ep.name, ep.base_url),
-                               self.models.get(ep.name, ep.model), ep.max_concurrency, ep.api_key_env,
-                               self.policies[ep.name], ep.price_in_per_mtok if ep.priced else 0.0,
-                               ep.price_out_per_mtok if ep.priced else 0.0)
+            ev.EndpointSummary(ep.name, ep.kind, base_urls.get(ep.name, ep.base_url), models.get(ep.name, ep.model),
+                               ep.max_concurrency, ep.api_key_env, self.policies[ep.name],
+                               ep.price_in_per_mtok if ep.priced else 0.0, ep.price_out_per_mtok if ep.priced else 0.0)
             for ep in self.config.endpoints
         ]
 

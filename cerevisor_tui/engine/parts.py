@@ -76,19 +76,15 @@ class RunParts:
             config.run.mode, config.run.max_concurrency, {ep.name: ep.max_concurrency for ep in config.endpoints},
             pools={p.name: list(p.endpoints) for p in config.pools}, place=lambda agent, pool: self.pools.place(agent, pool))
         self.connections = Connections(config, emit, stream_process=stream_process)
-        self.base_urls = self.connections.base_urls  # the simulator's, once it is started
-        self.models = self.connections.models  # configured, or resolved from /v1/models
         # what each endpoint's turns measured (rejections, TTFTs, tokens per character and per answer): auto's figures
         self.figures: dict[str, TurnFigures] = {ep.name: TurnFigures() for ep in config.endpoints}
         self.monitor = ServerMonitor(config, self.connections, emit,
                                      functools.partial(projected_context, roster, self.figures, self.life))
-        # KV load per endpoint: the configured estimate, replaced by the server's own capacity when it reports one
-        self.load, self.load_notes, self.last_sample = self.monitor.load, self.monitor.load_notes, self.monitor.last_sample
         self.load_teller = LoadTeller(self.endpoints, self.scheduler, self.monitor, emit, clock)
         self.refresh_load = self.load_teller.refresh
         self.caps = Caps(config, self.scheduler, emit, self.refresh_load, clock)
-        self.pools = Pools(self.placement, self.scheduler, roster, self.endpoints, self.last_sample, self.refresh_load,
-                           emit, clock)
+        self.pools = Pools(self.placement, self.scheduler, roster, self.endpoints, self.monitor.last_sample,
+                           self.refresh_load, emit, clock)
         self.auto_feed = AutoFeed(self.caps, roster, self.life, self.figures, self.monitor, self.endpoints,
                                   config.run.metrics_interval_s / 2, clock)
         self.probes = ConsoleProbes(self.connections, self.endpoints, roster, self.life, self.caps, emit, clock)

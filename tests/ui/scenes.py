@@ -78,11 +78,11 @@ class Driver:
 
     def server(self, t: float, **values) -> None:
         e = self.engine
-        e.last_sample["sim"] = sample = ev.ServerSample(t, "sim", True, "vllm", **values)
+        e.monitor.last_sample["sim"] = sample = ev.ServerSample(t, "sim", True, "vllm", **values)
         self.emit(sample)
         kv_tokens = values.get("kv_cache_tokens")
         if kv_tokens:  # as the engine does: the server's own capacity replaces the estimate
-            e.load["sim"] = load.from_server(kv_tokens, e.endpoints["sim"].capacity.context_tokens, e.load["sim"])
+            e.monitor.load["sim"] = load.from_server(kv_tokens, e.endpoints["sim"].capacity.context_tokens, e.monitor.load["sim"])
         self.emit(msgspec.structs.replace(e.load_teller.event("sim"), t=t))  # the engine's judgement of the load, as it sends it
 
     def auto_change(self, t: float, cap: int, reason: str) -> None:
@@ -182,7 +182,7 @@ def build(scene: str) -> CerevisorApp:
         return build_auto()
     config = scene_config()
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
-    engine.models["sim"] = "sim-model"
+    engine.connections.models["sim"] = "sim-model"
     handle = run_handle(engine)
     app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW,
                        themes=load_themes(None))
@@ -237,7 +237,7 @@ def build_auto() -> CerevisorApp:
     stepped back when requests waited in the server's queue."""
     config = scene_config(mode="auto")
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
-    engine.models["sim"] = "sim-model"
+    engine.connections.models["sim"] = "sim-model"
     handle = run_handle(engine)
     app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW,
                        themes=load_themes(None))
@@ -357,7 +357,7 @@ def build_gateway(*, sessions: bool = True) -> CerevisorApp:
     slot; without, none has come yet."""
     config = gateway_config()
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
-    engine.models["sim"] = "sim-model"
+    engine.connections.models["sim"] = "sim-model"
     handle = run_handle(engine)
     app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW, themes=load_themes(None))
     d = GatewayDriver(engine, app)

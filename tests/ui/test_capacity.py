@@ -131,13 +131,13 @@ async def test_load_pane_zones_and_why_there_is_no_estimate():
                  (LoadEstimate(1, 8192, 8192, cpu_conversations=4), "CLIFF 2 of 1", "warning"),
                  (LoadEstimate(0, 4096, 8192, cpu_conversations=1), "OVERFLOW 2 of 0", "error")]
         for estimate, shown, role in cases:
-            engine.load["sim"] = estimate
+            engine.monitor.load["sim"] = estimate
             engine.emit(engine.load_teller.event("sim"))  # the engine judges the zone; the pane shows its word
             pane.sync(app.mirror, 1012.0)
             text = kv_text(app)
             assert shown in str(text)
             assert any(app.colour(role) in str(span.style) for span in text.spans)
-        engine.load["sim"], engine.load_notes["sim"] = None, "no [endpoints.capacity] model configured"
+        engine.monitor.load["sim"], engine.monitor.load_notes["sim"] = None, "no [endpoints.capacity] model configured"
         engine.emit(engine.load_teller.event("sim"))
         pane.sync(app.mirror, 1012.0)
         assert "capacity.context_tokens" in str(kv_text(app))  # the server reports its KV: say what is missing

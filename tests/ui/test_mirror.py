@@ -95,7 +95,7 @@ async def test_a_mirror_fed_a_runs_events_ends_with_the_engines_own_state_and_a_
     assert live.waves == [[a.name for a in level] for level in engine.waves]
     sim = live.endpoints["sim"]
     # the model the run resolved from /v1/models after it started, and the simulator's URL
-    assert sim.model == engine.models["sim"] and sim.base_url == engine.base_urls["sim"] and sim.kind == "simulated"
+    assert sim.model == engine.connections.models["sim"] and sim.base_url == engine.connections.base_urls["sim"] and sim.kind == "simulated"
     assert sim.stall == engine.policies["sim"]
     assert sim.warn_at == engine.policies["sim"].warn_at
     now = engine.load_teller.event("sim")  # the load as the engine judges it at the end, the last it sent
@@ -112,7 +112,7 @@ async def test_a_mirror_fed_a_runs_events_ends_with_the_engines_own_state_and_a_
     for name, st in engine.agents.items():  # the tokens are the server's count of each turn's answer
         assert replayed.agents[name].tokens == st.completion_tokens
     assert replayed.finished is not None and replayed.finished.exit_code == 1
-    assert replayed.endpoints["sim"].model == engine.models["sim"]
+    assert replayed.endpoints["sim"].model == engine.connections.models["sim"]
     assert replayed.notes["never"] == "killed by operator" and replayed.notes["doomed"] == "dependency never killed"
 
 
