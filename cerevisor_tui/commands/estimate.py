@@ -53,7 +53,8 @@ def main(args: argparse.Namespace) -> int:
             **_optional(args),
         )
     except UnknownPresetError as exc:
-        print(f"{PROG}: error: {_sim_model(exc) if (exc.kind, exc.name.strip().lower()) == ('model', SIM_MODEL) else exc}", file=sys.stderr)
+        simulated = (exc.kind, exc.name.strip().lower()) == ("model", SIM_MODEL)
+        print(f"{PROG}: error: {_sim_model(exc) if simulated else exc}", file=sys.stderr)
         return 2
     except CapacityError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
