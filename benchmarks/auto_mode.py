@@ -17,14 +17,14 @@ Progress goes to stderr, the markdown tables to stdout.
     .venv/bin/python benchmarks/auto_mode.py --profile qwen3.6-35b-a3b@2xh100 --agents 64 --caps 32,64 --scale 1
 
 The agents have the shape of the agentic-coding conversations of vLLM's tiered-offloading write-up,
-which README's KV-cliff table (benchmarks/sim_kv_curve.py) reproduces: a 12,288-token first prompt, 8
+which docs/performance.md's KV-cliff table (benchmarks/sim_kv_curve.py) reproduces: a 12,288-token first prompt, 8
 follow-up turns of 4,096 tokens, 256 output tokens per turn, the whole conversation resent each turn
 (the engine does that from an agent's `prompt` and `turns`). Every prompt is unique (a header, then
 random hex; the simulator counts 4 characters per token and hashes prompt blocks in a chain), so the
 prefix cache only ever serves a conversation its own earlier turns.
 
 Scenarios (both by default; `--profile` or `--cpu-offload-gib` runs one of your choosing instead):
-- `qwen3.6-35b-a3b@2xh100`, no CPU tier, README's table: about 77 conversations fit, throughput peaks
+- `qwen3.6-35b-a3b@2xh100`, no CPU tier, docs/performance.md's table: about 77 conversations fit, throughput peaks
   at 64 and collapses by 96. 192 agents; caps 16, 32, 64, 96, 192.
 - `qwen3.6-35b-a3b@4xa100-40gb`, the same model on smaller GPUs with 45% of the KV cache: about 34 fit,
   the knee sits at 32. 96 agents; caps 16, 32, 48, 96.
@@ -39,7 +39,7 @@ the prompts and the answers. The model's per-token times (a decode step, prefill
 so each turn takes a quarter of the time while the conversations that fit, the batch sizes, the hit
 rates and the output tokens per second stay those of full size: 64 agents at caps 32 and 64 give
 2,599 and 3,246 tok/s at 1/4 scale against 2,735 and 3,291 at full size, and the first scenario is
-within 4% of README's table where the two measure the same thing. What scaling does change: requests
+within 4% of docs/performance.md's table where the two measure the same thing. What scaling does change: requests
 arrive 4x as often, and one that arrives during a scheduler step waits for the step's end (vLLM's
 scheduler also admits at step boundaries), so below the cliff the waiting gauge reads about 3x its
 full-size value (a mean of 1.5-2.1 requests against 0.5-0.6 at caps 32 and 64).

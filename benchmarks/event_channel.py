@@ -21,7 +21,7 @@ JSON lines.
 
 Measured (2 cores, 60,000 events, 5 rounds, medians): before the contract package, when events were
 dataclasses and only TokenDelta lines took msgspec, the socket cost 14.5 us of CPU an event (server and
-client together). The figures of the contract package are in the README's benchmark table.
+client together). The figures of the contract package are in docs/performance.md's benchmark table.
 """
 
 from __future__ import annotations

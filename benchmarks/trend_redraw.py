@@ -1,7 +1,7 @@
 """What one redraw of the load pane's trend costs: our line-API strip chart against a textual-plotext plot.
 
 The trend (cap, output tokens/s, requests waiting, KV use of one endpoint, 240 points each) is redrawn
-once per server sample, in the event loop every key press waits on (README: key to screen p95 < 100 ms
+once per server sample, in the event loop every key press waits on (docs/performance.md: key to screen p95 < 100 ms
 at 256 agents). Each widget runs in a headless app at --width columns; a redraw is a new point set as
 the load pane sets it, then the widget's lines rendered as the compositor asks for them. Median and p95
 of --rounds redraws, interleaved. ThroughputBars (the throughput sparkline, 1 row) is there for scale.

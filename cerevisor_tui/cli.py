@@ -22,7 +22,7 @@ examples:
   cerevisor-tui --config team.toml            console on your endpoints and agents
   cerevisor-tui run workflow.toml --report out.json
   cerevisor-tui run workflow.toml --detach     a run that outlives the terminal; then: attach, ls, stop
-  cerevisor-tui gateway --upstream http://127.0.0.1:8000/v1 --model qwen3-coder
+  cerevisor-tui gateway --upstream http://127.0.0.1:8000/v1 --model sim-model
                                               govern Claude Code, Codex, aider, ... pointed at :8100
   cerevisor-tui sim --port 8000               a simulated vLLM-like server on loopback
   cerevisor-tui probe http://127.0.0.1:8000/v1
@@ -105,15 +105,14 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "without a console (for systemd): a line per event, ended by SIGTERM or `stop`, its report written.",
         epilog="examples:\n"
         "  cerevisor-tui gateway --upstream http://127.0.0.1:8000/v1            the whole set-up\n"
-        "  cerevisor-tui gateway --upstream http://127.0.0.1:8000/v1 --model qwen3-coder   every request to one model\n"
+        "  cerevisor-tui gateway --upstream http://127.0.0.1:8000/v1 --model sim-model     every request to one model\n"
         "  cerevisor-tui gateway --config box.toml --headless --report gw.json   [gateway] and [[endpoints]] from a file\n\n"
         "then, e.g.:\n"
         "  ANTHROPIC_BASE_URL=http://127.0.0.1:8100 claude          Claude Code\n"
         "  OPENAI_BASE_URL=http://127.0.0.1:8100/v1 python agent.py   anything on the openai SDK\n"
         "  http://127.0.0.1:8100/a/NAME/v1                            a base URL whose path names the session\n\n"
         "Without --upstream or endpoints in the config it serves the built-in simulator (model sim-model).\n"
-        "A non-loopback --listen needs [gateway] keys_env (client keys); see README \"Governing agents you did "
-        "not write\".",
+        "A non-loopback --listen needs [gateway] keys_env (client keys); see docs/gateway.md (\"Security\").",
         formatter_class=_formatter,
     )
     gateway.add_argument("--config", dest="gateway_config", metavar="FILE",
@@ -241,7 +240,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "  cerevisor-tui replay import conversation_trace.jsonl --format mooncake -o mooncake.jsonl\n"
         "  cerevisor-tui replay run agentx.jsonl --sim llama-3.1-8b@h100 --speed 10\n\n"
         "Each prints what the file holds: turns a session, first context, new and output tokens a turn, gaps,\n"
-        "the whole prompt a turn, the prefix share and subagents (--json: as one object). README: \"Agentic replay\".",
+        "the whole prompt a turn, the prefix share and subagents (--json: as one object). See docs/replay.md.",
         formatter_class=_formatter,
     )
     replay_sub = replay.add_subparsers(dest="replay_command", metavar="ACTION", parser_class=_Parser, required=True)
@@ -335,7 +334,7 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "  cerevisor-tui estimate --model qwen3-32b --gpu h100 --cpu-offload-gib 200 --context 16384\n"
         "  cerevisor-tui estimate --list\n\n"
         "--kv-memory-gib is per GPU, as vLLM logs it ('Available KV cache memory: X GiB'); the tokens printed\n"
-        "then match vLLM's own 'GPU KV cache size: N tokens'. README's \"Capacity\" section explains the zones.",
+        "then match vLLM's own 'GPU KV cache size: N tokens'. docs/guide.md (\"Capacity\") explains the zones.",
         formatter_class=_formatter,
     )
     model = est.add_mutually_exclusive_group(required=True)

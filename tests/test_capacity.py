@@ -216,7 +216,8 @@ REQUIRED_GPUS = ["l4", "a10g", "a100-40gb", "a100-80gb", "h100", "h200", "b200",
 REQUIRED_MODELS = ["llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b",
                    "qwen2.5-72b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-235b-a22b", "qwen3-30b-a3b",
                    "mistral-7b", "mixtral-8x7b", "deepseek-v3", "deepseek-r1", "gpt-oss-20b", "gpt-oss-120b",
-                   "gemma-3-27b"]
+                   "gemma-3-27b",
+                   "qwen3.6-35b-a3b"]  # the simulator's profiles and the README name it
 
 
 def test_presets_cover_the_required_models_and_gpus_with_sources():
@@ -237,6 +238,19 @@ def test_presets_cover_the_required_models_and_gpus_with_sources():
 )
 def test_models_found_by_repo_id_and_alias(name, preset):
     assert get_model(name).name == preset
+
+
+def test_a_hybrids_linear_layers_hold_no_kv_in_its_config_and_its_preset_alike():
+    # Qwen3.6-35B-A3B: 40 layers, every 4th full attention (2 KV heads x 256), the rest Gated DeltaNet
+    config = {"num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+              "max_position_embeddings": 262144, "torch_dtype": "bfloat16",
+              "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10}
+    from_config = model_from_hf_config({"text_config": config, "architectures": ["Qwen3_5MoeForConditionalGeneration"]})
+    preset = get_model("Qwen/Qwen3.6-35B-A3B")
+    assert from_config.num_layers == preset.num_layers == 10
+    assert kv_layout(from_config).bytes_per_token_all_gpus == kv_layout(preset).bytes_per_token_all_gpus == 20_480
+    with pytest.raises(ModelConfigError, match="every layer linear"):
+        model_from_hf_config({**config, "layer_types": ["linear_attention"] * 40})
 
 
 def test_gpu_memory_is_what_the_driver_reports():

@@ -160,3 +160,11 @@ def test_bad_config_json_exits_2_without_traceback(tmp_path):
                            "--kv-memory-gib", "1"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "not valid JSON" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_simulators_model_is_explained_not_guessed_at(capsys):
+    # the README's examples serve sim-model; estimate says what it is instead of "did you mean qwen3-8b?"
+    assert cli_main(["estimate", "--model", "sim-model", "--gpu", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert "the simulator's own model" in err and "--profile MODEL@GPU" in err and "did you mean" not in err
+    assert cli_main(["estimate", "--model", "qwen3.6-35b-a3b", "--gpu", "h100", "--gpus", "2"]) == 0

@@ -279,6 +279,20 @@ async def test_messages_errors_in_anthropics_shape():
         assert srv.state.requests_total == 0 and srv.state.rejected_total == 3
 
 
+async def test_messages_take_a_system_message_among_the_turns():
+    # Claude Code 2.1 sends ['user', 'system']: the README's `claude` against the simulator got a 400
+    async with SimServer(SimSettings(**FAST)) as srv, httpx.AsyncClient() as c:
+        path, body = body_for("messages")
+        body["messages"] = [{"role": "user", "content": "hi"},
+                            {"role": "system", "content": [{"type": "text", "text": "Answer briefly."}]}]
+        r = await c.post(srv.root_url + path, json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["content"][0]["text"]
+        body["messages"] = [{"role": "tool", "content": "x"}]
+        r = await c.post(srv.root_url + path, json=body)
+        assert r.status_code == 400 and "got 'tool'" in r.json()["error"]["message"]
+
+
 def test_anthropic_sdk_reads_messages():
     settings = SimSettings(**FAST, seed=5, max_tokens_default=16, tool_args={"get_time": {"tz": "UTC"}})
     with start_in_thread(settings) as sim:

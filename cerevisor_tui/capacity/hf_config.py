@@ -3,7 +3,8 @@
 Handled: MHA/GQA (`head_dim`, or `hidden_size / num_attention_heads` when absent), MLA
 (`kv_lora_rank` + `qk_rope_head_dim`), sliding windows (`layer_types`, Gemma-3's
 `sliding_window_pattern`, Gemma-2's alternation, Mistral-style all-layer windows unless
-`use_sliding_window` is false), multimodal configs that nest the language model under `text_config`
+`use_sliding_window` is false), hybrids whose linear-attention layers keep a fixed-size state instead of a KV
+cache (`layer_types` naming `linear_attention`: Qwen3.5/3.6, Qwen3-Next), multimodal configs that nest the language model under `text_config`
 (also `llm_config`, `language_config`), and `torch_dtype`/`dtype` for the `auto` KV dtype.
 
 Note: `auto` here means the dtype config.json names. vLLM's `--dtype auto` runs float32 checkpoints
@@ -68,6 +69,17 @@ def _sliding(config: Mapping[str, Any], num_layers: int) -> tuple[int | None, in
     return window, num_layers
 
 
+def _linear_layers(config: Mapping[str, Any], num_layers: int) -> int:
+    """How many layers hold a fixed-size state (linear attention), not a KV cache that grows with the tokens."""
+    layer_types = config.get("layer_types")
+    if not isinstance(layer_types, list):
+        return 0
+    linear = sum(1 for t in layer_types if isinstance(t, str) and "linear" in t)
+    if linear >= num_layers:
+        raise ModelConfigError("layer_types names every layer linear attention: no KV cache to size")
+    return linear
+
+
 def _weight_dtype(config: Mapping[str, Any], dtype: str) -> str:
     quant = config.get("quantization_config")
     if not isinstance(quant, Mapping):
@@ -126,7 +138,7 @@ def model_from_hf_config(config: Any, name: str = "config.json", source: str = "
     window, sliding_layers = _sliding(flat, layers)
     common: dict[str, Any] = dict(
         name=name,
-        num_layers=layers,
+        num_layers=layers - _linear_layers(flat, layers),
         max_context_tokens=max_context,
         dtype=dtype,
         sliding_window_tokens=window,

@@ -32,7 +32,7 @@ def _model(name: str, entry: Mapping[str, Any]) -> ModelSpec:
     head_dim = int(entry.get("head_dim") or (entry["hidden_size"] // entry["num_attention_heads"]))
     return ModelSpec(
         name=name,
-        num_layers=int(entry["num_hidden_layers"]),
+        num_layers=int(entry["num_hidden_layers"]) - int(entry.get("linear_layers", 0)),
         num_kv_heads=heads,
         head_dim=head_dim,
         max_context_tokens=entry.get("max_position_embeddings"),

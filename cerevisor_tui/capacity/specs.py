@@ -73,7 +73,8 @@ def kv_dtype_bytes(kv_dtype: str, model_dtype: str) -> int:
 class ModelSpec:
     """A model's shape as far as the KV cache and the weights are concerned.
 
-    `num_layers` counts every attention layer; `sliding_layers` of them attend only to the last
+    `num_layers` counts every layer with a KV cache (a hybrid's linear-attention layers, whose state does not
+    grow with the tokens, are left out); `sliding_layers` of them attend only to the last
     `sliding_window_tokens` tokens (gpt-oss: 12 of 24 with 128; Gemma-3-27B: 52 of 62 with 1024).
     MLA models (DeepSeek-V3/R1) cache one latent of `kv_lora_rank + qk_rope_head_dim` values per
     token and layer instead of K and V heads.

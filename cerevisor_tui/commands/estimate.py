@@ -13,6 +13,7 @@ from cerevisor_tui.capacity import (
     CapacityError,
     KvEstimate,
     ModelSpec,
+    UnknownPresetError,
     bytes_per_token,
     duration_text,
     estimate,
@@ -24,6 +25,14 @@ from cerevisor_tui.capacity import (
 )
 
 PROG = "cerevisor-tui estimate"
+SIM_MODEL = "sim-model"  # what `cerevisor-tui sim` serves; the README's examples name it
+
+
+def _sim_model(exc: UnknownPresetError) -> str:
+    """The simulator's model has no architecture to size: say where its KV cache comes from instead."""
+    return (f"{exc.name!r} is the simulator's own model, not a preset: its KV cache is what `cerevisor-tui sim` is "
+            "given (--kv-cache-tokens, or --profile MODEL@GPU, e.g. qwen3.6-35b-a3b@2xh100, sized by this estimate "
+            "for MODEL); estimate MODEL itself, e.g. --model qwen3.6-35b-a3b (see `cerevisor-tui estimate --list`)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -43,6 +52,10 @@ def main(args: argparse.Namespace) -> int:
             cpu_offload_gib=args.cpu_offload_gib,
             **_optional(args),
         )
+    except UnknownPresetError as exc:
+        simulated = (exc.kind, exc.name.strip().lower()) == ("model", SIM_MODEL)
+        print(f"{PROG}: error: {_sim_model(exc) if simulated else exc}", file=sys.stderr)
+        return 2
     except CapacityError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ the environment, so `proxy_mounts` reads them as httpx would and gives each one 
 
 Why not httpcore's `AsyncConnectionPool`: 1.0.9 walks all its connections and all its requests at every
 request's start and end (`_assign_requests_to_connections`), so with n streams open each costs O(n) and the
-gateway's 256 streams cost O(n^2); it collapsed there (README, Performance: the gateway). `_Pool` keeps, per
+gateway's 256 streams cost O(n^2); it collapsed there (docs/performance.md: the gateway). `_Pool` keeps, per
 origin, its idle connections most recent last and, over all origins, the order they went idle in: taking,
 returning, expiring and evicting one is O(1). Each connection is httpcore's own `AsyncHTTPConnection`
 (connect, TLS, HTTP/1.1 with h11), so the wire behaviour is httpcore's.

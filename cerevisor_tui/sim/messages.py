@@ -86,8 +86,8 @@ def _add_message(messages: list[dict[str, Any]], m: dict[str, Any]) -> None:
     """One Anthropic message onto the chat-form conversation: tool_use blocks become the assistant's
     tool_calls, tool_result blocks tool messages (before the user's text, where Anthropic puts them)."""
     role, content = m.get("role"), m.get("content")
-    if role not in ("user", "assistant"):
-        raise ApiError(400, f"messages: role must be 'user' or 'assistant', got {role!r}", "messages")
+    if role not in ("user", "assistant", "system"):  # Claude Code 2.1 sends its reminders as system messages
+        raise ApiError(400, f"messages: role must be 'user', 'assistant' or 'system', got {role!r}", "messages")
     if isinstance(content, str):
         messages.append({"role": role, "content": content})
         return
@@ -102,6 +102,8 @@ def _add_message(messages: list[dict[str, Any]], m: dict[str, Any]) -> None:
                              "content": content_text(b.get("content"), ("text",))})
     if role == "assistant":
         messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+    elif role == "system":
+        messages.append({"role": "system", "content": text})
     elif text or not any(b.get("type") == "tool_result" for b in content):
         messages.append({"role": "user", "content": text})
 

@@ -11,19 +11,8 @@ from __future__ import annotations
 
 import re
 
-from cerevisor_tui.capacity import CapacityError, ModelSpec, UnknownPresetError, estimate, get_gpu, get_model
+from cerevisor_tui.capacity import CapacityError, UnknownPresetError, estimate, get_gpu, get_model
 from cerevisor_tui.sim.profiles import ProfileError, ProfileNumbers
-
-# The model of vLLM's tiered-offloading write-up (2x H100, 12K + 8x4K-token conversations). It is a
-# hybrid: of its 40 layers only 10 are full attention with a KV cache (2 KV heads x 256); the other 30
-# are Gated DeltaNet layers with a fixed-size state, which takes no room per token.
-_EXTRA_MODELS = {
-    "qwen3.6-35b-a3b": ModelSpec(
-        name="qwen3.6-35b-a3b", num_layers=10, num_kv_heads=2, head_dim=256, max_context_tokens=262144,
-        params=35e9, active_params=3e9, weight_dtype="bfloat16",
-        source="Qwen3.5/3.6-35B-A3B config.json: 40 layers, full attention every 4th, 2 KV heads x 256",
-    ),
-}
 
 # HBM bandwidth in TB/s, for decode speed only (public datasheets).
 _HBM_TB_S = {"l4": 0.3, "a10g": 0.6, "a100-40gb": 1.55, "a100-80gb": 2.0, "h100": 3.35, "h200": 4.8,
@@ -35,9 +24,9 @@ _NAME = re.compile(r"^(?P<model>[^@]+)@(?:(?P<n>\d+)x)?(?P<gpu>.+)$")
 
 
 # The two studies' set-ups, calibrated so that a replay of their workloads lands on their published figures
-# (benchmarks/study_calibration.py prints both side by side; the README's calibration table names each source).
+# (benchmarks/study_calibration.py prints both side by side; docs/replay.md's calibration table names each source).
 _TIERED_TOKENS = 64 * 28_672  # the study's 64 conversations of 12K + 7 x 2K prompt + 8 x 200 answer tokens
-_TIERED_BYTES = 20_480  # qwen3.6-35b-a3b: 10 attention layers x 2 KV heads x 256 x (K, V) x 2 bytes
+_TIERED_BYTES = 20_480  # qwen3.6-35b-a3b (a capacity preset): 10 attention layers x 2 KV heads x 256 x (K, V) x 2 bytes
 
 
 def _tiered(cpu_offload_gib: float, description: str) -> ProfileNumbers:
@@ -72,12 +61,6 @@ def names() -> list[str]:
             *STUDIES]
 
 
-def _model(name: str) -> ModelSpec:
-    if name in _EXTRA_MODELS:
-        return _EXTRA_MODELS[name]
-    return get_model(name)
-
-
 def lookup(name: str) -> ProfileNumbers:
     if name.strip().lower() in STUDIES:
         return STUDIES[name.strip().lower()]
@@ -86,7 +69,7 @@ def lookup(name: str) -> ProfileNumbers:
         raise ProfileError(f"profile {name!r} is not MODEL@GPU or MODEL@NxGPU (e.g. qwen3.6-35b-a3b@2xh100)")
     gpus = int(found["n"] or 1)
     try:
-        model = _model(found["model"])
+        model = get_model(found["model"])
         gpu = get_gpu(found["gpu"])
         est = estimate(model, gpu=gpu, gpus=gpus, context_tokens=min(model.max_context_tokens or 32768, 32768))
     except UnknownPresetError as exc:

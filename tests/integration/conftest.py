@@ -112,7 +112,7 @@ def vllm_pressure(pool: Pool) -> ServerProcess:
 
 # llama-server answers HTTP with max(np + 2, cores - 1) threads by default, and every open request, a
 # deferred one too, holds one: with more requests open than that, /health and /metrics wait until a
-# stream ends, and the watchdog cannot see the queue. README ("Connecting to your server") says to raise it; so do we.
+# stream ends, and the watchdog cannot see the queue. docs/servers.md (llama.cpp) says to raise it; so do we.
 LLAMA_ARGS = ["--threads-http", "32"]
 
 
