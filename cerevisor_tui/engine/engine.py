@@ -24,7 +24,7 @@ import anyio
 import msgspec
 
 from cerevisor_tui.config.graph import OUTPUT_REF, wave_levels
-from cerevisor_tui.config.models import Config, EndpointConfig, ResolvedStall, resolve_stall
+from cerevisor_tui.config.models import Config, EndpointConfig, GatewayConfig, ResolvedStall, resolve_stall
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
@@ -45,6 +45,7 @@ from cerevisor_tui.engine.conversation import (
     Subscriber,
     request_id,
 )
+from cerevisor_tui.engine.endpoint_state import EndpointStates
 from cerevisor_tui.engine.monitor import ServerMonitor
 from cerevisor_tui.engine.placement import Placement
 from cerevisor_tui.engine.pools import Pools
@@ -172,7 +173,11 @@ class Engine:
         self.connections = Connections(config, self.emit, stream_process=stream_process)
         self.base_urls = self.connections.base_urls  # the simulator's, once it is started
         self.models = self.connections.models  # configured, or resolved from /v1/models
-        self.monitor = ServerMonitor(config, self.connections, self.emit, self.auto_feed.projected_context)
+        # each endpoint's state (up, loading, down, wedged), one owner fed by the monitor, requests and the wedge rules
+        self.endpoint_states = EndpointStates(self.emit, clock, self.connections.base_urls,
+                                              (config.gateway or GatewayConfig()).down_after_s)
+        self.monitor = ServerMonitor(config, self.connections, self.emit, self.auto_feed.projected_context,
+                                     states=self.endpoint_states)
         # KV load per endpoint: the configured estimate, replaced by the server's own capacity when it reports one
         self.load = self.monitor.load
         self.load_notes = self.monitor.load_notes
@@ -187,6 +192,7 @@ class Engine:
                                  subscriber_failed=self.subscriber_failed, scrub=self.scrub, budget=self.budget,
                                  context_limit=self.connections.context_limit, clock=clock)
         self.attempts.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
+        self.attempts.on_refused = self.endpoint_states.refused
         self.conversations = Conversations(
             run_id=self.run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, attempts=self.attempts, emit=self.emit, scrub=self.scrub,

@@ -320,6 +320,7 @@ class WedgeWatch:
         now = time.monotonic()
         if rule != "preempt_loop":
             self.wedged[endpoint] = (rule, reading.motion)
+            e.endpoint_states.wedged(endpoint, reason)
         e.emit(ev.ServerWedged(now, endpoint, rule, reason, list(dict.fromkeys(st.name for st, _ in opened))))
         if warmup is not None:  # its failure is told as a warm-up's, with this reason
             warmup.kill(reason)
@@ -338,6 +339,7 @@ class WedgeWatch:
     def _over(self, endpoint: str, rule: WedgeRule) -> None:
         e = self.engine
         del self.wedged[endpoint]
+        e.endpoint_states.moves_again(endpoint)
         e.emit(ev.ServerWedged(time.monotonic(), endpoint, rule, f"{endpoint} moves again", over=True))
         for st, att in self._open(endpoint):
             move(st, phase_of(att.first_token_at, wedge=True))

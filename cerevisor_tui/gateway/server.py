@@ -32,7 +32,7 @@ from cerevisor_tui.gateway.edge import (
     problem_of,
     upstream_headers,
 )
-from cerevisor_tui.gateway.exchange import Exchange, RunPorts, Upstreams
+from cerevisor_tui.gateway.exchange import Exchange, RunPorts
 from cerevisor_tui.gateway.outbound import ClientSend, log_line
 from cerevisor_tui.gateway.paths import PathProblem, check_path
 from cerevisor_tui.text import control_char, printable
@@ -62,7 +62,7 @@ class Gateway:
     def __init__(self, engine: Engine, settings: GatewayConfig, *, model: str = "") -> None:
         self.engine = engine
         self.run = RunPorts(engine.sessions, engine.attempts, engine.emit, engine.endpoints, engine.policies,
-                            engine.connections, engine.clock, Upstreams(settings.down_after_s))
+                            engine.connections, engine.clock, engine.endpoint_states)
         self.settings = settings
         self.model = model
         self.keys = client_keys(settings)
