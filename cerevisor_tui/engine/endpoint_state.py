@@ -82,13 +82,13 @@ class EndpointStates:
         if told is None or told.state == "down" and endpoint not in self.failed_looks:
             self._up(endpoint, self.clock.now())
 
-    def refused(self, endpoint: str, problem: str) -> float | None:
-        """A request's connection to `endpoint` was refused. Returns how long it has refused once it is down for
-        having never answered (a request then gets told so at once); None while it is not."""
+    def refused(self, endpoint: str) -> float | None:
+        """A request's connection to `endpoint` was refused (its port is closed). Returns how long it has refused
+        once it is down for having never answered (a request then gets told so at once); None while it is not."""
         now = self.clock.now()
         if endpoint in self.answered_ever:
             return None  # seen answering: a restart, judged by the monitor's looks
-        since = self._refusing(endpoint, self._where(problem, endpoint), now)
+        since = self._refusing(endpoint, self._where("connection refused", endpoint), now)
         return now - since if now - since >= self.down_after_s else None
 
     def down_at(self, endpoint: str) -> float | None:

@@ -308,7 +308,7 @@ class Exchange:
                     await self.fail(503, f"cerevisor gateway: upstream {endpoint} is not answering: {problem_of(exc)}",
                                     {"retry-after": str(RETRY_AFTER_S)})
                     return None
-                down = states.refused(endpoint, problem_of(exc))
+                down = states.refused(endpoint)
                 if down is not None:
                     where = self.run_ports.connections.base_urls.get(endpoint, "")
                     await self.fail(503, f"cerevisor gateway: upstream {endpoint} at {where} is down: it has refused "
