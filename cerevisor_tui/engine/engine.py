@@ -46,6 +46,7 @@ from cerevisor_tui.engine.conversation import (
     request_id,
 )
 from cerevisor_tui.engine.endpoint_state import EndpointStates
+from cerevisor_tui.engine.gateway_settings import apply_gateway
 from cerevisor_tui.engine.monitor import ServerMonitor
 from cerevisor_tui.engine.placement import Placement
 from cerevisor_tui.engine.pools import Pools
@@ -305,6 +306,11 @@ class Engine:
                 return self.deny(self._named_agent(agent), call_id)
             case cmd.SetStall(endpoint=endpoint, policy=policy):
                 return self.set_stall_policy(self._named_endpoint(endpoint), policy)
+            case cmd.SetGateway() as live:
+                if self.config.gateway is None:
+                    raise ValueError("this run serves no gateway")
+                return apply_gateway(live, self.config.gateway, self.sessions, self.endpoint_states, self.emit,
+                                     self.clock)
             case cmd.Stop(reason=reason):
                 return self.stop(reason)
             case cmd.Probe(endpoint=endpoint, max_concurrency=cap):
