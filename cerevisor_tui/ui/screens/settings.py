@@ -205,8 +205,10 @@ class SettingsScreen(Screen):
         with Vertical(id="settings-head"):
             yield Static(Text.assemble(("Settings", "bold"), f"  saving to {target}"), id="settings-target")
             # the footer shows ctrl+s and esc; this line fits 80 columns
-            yield Static("Saved mode, cap, stall deadlines and gateway keys so marked apply at once; the rest "
-                         "from the next run.", id="settings-hint")
+            yield Static("Mode, cap, deadlines, live [gateway] keys apply when saved; the rest next run."
+                         if config.gateway is not None else
+                         "Saved mode, cap and stall deadlines apply at once; the rest from the next run.",
+                         id="settings-hint", markup=False)
         with VerticalScroll(id="settings-form"):
             yield Static("[run]", classes="section-title", markup=False)
             for spec in field_specs(config):
