@@ -509,7 +509,8 @@ class Engine:
                 # each endpoint's agents are admitted when its own warm-up ends; the waves start now
                 await background.start(functools.partial(warm_up, self.config, self.connections, self.policies,
                                                          self.emit, self.conversations.request_prefix,
-                                                         self.scheduler, self.wedges, reused=self.completed_before))
+                                                         self.scheduler, self.wedges, reused=self.completed_before,
+                                                         states=self.endpoint_states))
                 for wave, level in enumerate(self.waves):
                     if self.stopping:
                         self._cancel_rest(wave)

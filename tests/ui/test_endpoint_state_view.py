@@ -28,7 +28,8 @@ def header_text(app) -> str:
 async def test_a_gateway_whose_upstream_never_opened_says_503_in_its_grace_and_the_header_says_down(tmp_path):
     port = free_port()  # nothing listens there, ever
     config = validate({
-        "run": {"run_dir": str(tmp_path / "runs"), "metrics_interval_s": 0.2, "warmup": "off"},
+        # the warm-up (on for a local endpoint) holds requests no longer than the grace either
+        "run": {"run_dir": str(tmp_path / "runs"), "metrics_interval_s": 0.2},
         "endpoints": [{"name": "vllm0", "kind": "local", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"}],
         "gateway": {"listen": "127.0.0.1:0", "down_after_s": GRACE_S, "keepalive_s": 30},
     })
