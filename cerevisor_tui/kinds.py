@@ -36,6 +36,10 @@ WedgeRule = Literal["frozen", "hung", "preempt_loop"]
 """Which wedge a server is in (engine/wedge.py): nothing moves at all behind a /health of 200; requests run
 and nothing is generated server-wide (a hung kernel); a prompt preempted again and again before its first token."""
 
+EndpointStateName = Literal["up", "loading", "down", "wedged"]
+"""What an endpoint is, as the header and the load pane say it (engine/endpoint_state.py): answering and ready; saying
+it is loading; refusing (or failing its health check) past the grace; answering while nothing in it moves."""
+
 # What a chat stream yields: (kind, payload). Plain ints at run time: they are compared once a token, and
 # the stream worker's pipe (`marshal`) carries them, which takes no IntEnum.
 StreamItemKind = NewType("StreamItemKind", int)

@@ -137,3 +137,26 @@ def test_merge_adds_missing_endpoints_and_agents_for_a_saved_demo():
     assert doc["ui"] == {"theme": "cerevisor-contrast"}
     assert doc["endpoints"][0]["name"] == "vllm" and doc["endpoints"][0]["base_url"].startswith("http://")
     assert [a["name"] for a in doc["agents"]] == ["a", "b"]
+
+
+def test_gateway_numbers_are_saved_and_a_new_file_gets_the_whole_gateway_table(tmp_path):
+    gateway = {"listen": "127.0.0.1:8101", "upstream": "box", "model_map": {"claude-*": "m"}}
+    config = validate({"endpoints": [{"name": "box", "kind": "local", "base_url": "http://127.0.0.1:8000/v1"}],
+                       "gateway": {**gateway, "release_after_s": 5.0}})
+    new = tmp_path / "gw.toml"
+    assert save_settings(new, config).created
+    assert tomllib.loads(new.read_text())["gateway"] == {**gateway, "release_after_s": 5.0}
+    # a file that has a [gateway] table keeps what the screen does not edit; a default never added is not added
+    kept = tmp_path / "kept.toml"
+    kept.write_text('[gateway]\nlisten = "127.0.0.1:8100"\nmodel_map = { "gpt-*" = "m" }\n\n'
+                    '[[endpoints]]\nname = "box"\nkind = "local"\nbase_url = "http://127.0.0.1:8000/v1"\n')
+    save_settings(kept, config)
+    assert tomllib.loads(kept.read_text())["gateway"] == {"listen": "127.0.0.1:8100", "model_map": {"gpt-*": "m"},
+                                                          "release_after_s": 5.0}
+
+
+def test_a_config_without_a_gateway_never_gets_one(tmp_path):
+    config = validate({"endpoints": [{"name": "box", "kind": "local", "base_url": "http://127.0.0.1:8000/v1"}]})
+    path = tmp_path / "plain.toml"
+    save_settings(path, config)
+    assert "gateway" not in tomllib.loads(path.read_text())

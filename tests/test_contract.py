@@ -31,6 +31,7 @@ SAMPLES = [
     ev.WarmupStarted(0.5, ["box"]),
     ev.EndpointWarmed(0.9, "box", None, "HTTP 500"),
     ev.LatencySample(4.0, "box", "histograms", 60.0, ttft=ev.Quantiles(0.12, 0.41, 30.0), decode_stall_s=4.0),
+    ev.EndpointState(4.0, "box", "down", "connection refused at 127.0.0.1:8399; it has never answered", 1.5),
 ]
 
 
@@ -87,7 +88,8 @@ def test_every_command_reads_back_from_its_line_under_its_snake_case_name() -> N
                cmd.Pause(), cmd.Resume(), cmd.Kill(agent="a"), cmd.Extend(agent="a", seconds=30.0),
                cmd.Retry(agent="a"), cmd.Approve(agent="a", call_id="c", scope="run"), cmd.Deny(agent="a", call_id="c"),
                cmd.SetStall(endpoint="box", policy=ev.StallPolicy(**POLICY)), cmd.Stop(), cmd.Probe(endpoint="box"),
-               cmd.CancelProbe(endpoint="box")]
+               cmd.CancelProbe(endpoint="box"),
+               cmd.SetGateway(release_after_s=0.0, max_sessions_per_key=3, keepalive_s=10.0, down_after_s=30.0)]
     assert {type(c) for c in samples} == set(cmd.COMMAND_TYPES)
     for command in samples:
         message = wire.read_client(wire.command_line(7, command))

@@ -595,7 +595,7 @@ class GatewayConfig(_Section):
     max_body_mib: float = Field(default=32.0, gt=0, le=1024)
     """Largest request body accepted, in MiB (a larger one gets 413)."""
     down_after_s: float = Field(default=30.0, gt=0, le=86400)
-    """A local upstream that has never answered and has refused its port this long is down: a request then gets 503 with Retry-After, naming it, instead of waiting out its first-byte window."""
+    """A local upstream that has never answered and has refused its port this long is down: a request then gets 503 with Retry-After, naming it, instead of waiting out its first-byte window, and the header says it is down. A run without [gateway] uses this default for the header."""
     model_map: dict[str, str] = {}
     """Glob of a model name a harness asks for = the served model sent instead, e.g. "claude-*" = "qwen3-coder"; the first glob that matches wins."""
     header_timeout_s: float = Field(default=10.0, gt=0, le=600)

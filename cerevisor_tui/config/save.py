@@ -1,7 +1,8 @@
 """Save the settings the console edits back into the TOML file, keeping everything else.
 
-Only the managed keys change: every `[run]` and `[stall]` key, and each endpoint's base_url, model,
-kind, max_concurrency and timeouts (endpoints matched by name). Agents, other tables, unknown
+Only the managed keys change: every `[run]` and `[stall]` key, each endpoint's base_url, model,
+kind, max_concurrency and timeouts (endpoints matched by name), and the numbers of `[gateway]` (a run that serves
+one: a new file gets its whole table). Agents, other tables, unknown
 tables and `api_key_env` names stay as they were. The file is written atomically (a temp file in the
 same folder, fsynced, then renamed over the original) with tomli-w, which cannot keep comments: the
 caller must allow that explicitly, and the original is then kept next to it as FILE.bak. The text is
@@ -24,10 +25,14 @@ import tomli_w
 
 from cerevisor_tui.config.errors import ConfigError
 from cerevisor_tui.config.load import validate
-from cerevisor_tui.config.models import Config
+from cerevisor_tui.config.models import Config, GatewayConfig
 
 ENDPOINT_KEYS = ("base_url", "model", "kind", "max_concurrency", "first_byte_timeout_s", "idle_timeout_s")
 """The endpoint keys the settings screen edits; every other endpoint key is left as the file has it."""
+GATEWAY_KEYS = ("release_after_s", "max_sessions_per_key", "keepalive_s", "down_after_s", "forget_after_s",
+                "max_body_mib", "header_timeout_s", "body_timeout_s", "max_connections", "max_connections_per_peer")
+"""The `[gateway]` keys the settings screen edits (its numbers; where it listens, its upstream, keys and model_map
+are left as the file has them)."""
 
 
 class SaveError(Exception):
@@ -117,6 +122,15 @@ def merge_settings(document: dict[str, Any], config: Config) -> dict[str, Any]:
             if key not in table and value == type(ep).model_fields[key].default:
                 continue  # still the default: do not add a key the file never had
             _set_or_drop(table, key, value)
+    if config.gateway is not None:
+        if not isinstance(doc.get("gateway"), dict):  # a new file for a gateway's run: its whole table
+            doc["gateway"] = config.gateway.model_dump(exclude_defaults=True)
+        gateway = doc["gateway"]
+        for key in GATEWAY_KEYS:
+            value = getattr(config.gateway, key)
+            if key not in gateway and value == GatewayConfig.model_fields[key].default:
+                continue
+            gateway[key] = value
     if not doc.get("agents") and config.agents:
         doc["agents"] = [a.model_dump(exclude_defaults=True) for a in config.agents]
     return doc

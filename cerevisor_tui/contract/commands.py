@@ -116,6 +116,16 @@ class SetStall(Command, frozen=True):
     policy: StallPolicy
 
 
+class SetGateway(Command, frozen=True):
+    """The `[gateway]` keys that apply live (the settings screen), each bounded as the config bounds it; returns the
+    names of those that changed, comma-separated ("" when none did)."""
+
+    release_after_s: Annotated[float, msgspec.Meta(ge=0, le=86400)]
+    max_sessions_per_key: Annotated[int, msgspec.Meta(ge=1, le=100000)]
+    keepalive_s: Annotated[float, msgspec.Meta(gt=0, le=300)]
+    down_after_s: Annotated[float, msgspec.Meta(gt=0, le=86400)]
+
+
 class Stop(Command, frozen=True):
     """Stop the run: no more admissions; running and queued agents are cancelled (RunStopping, then RunFinished)."""
 

@@ -17,7 +17,16 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 import msgspec
 
 # An agent's statuses and the run's modes are defined in cerevisor_tui/kinds.py; the console reads them here.
-from cerevisor_tui.kinds import ACTIVE, FINAL, STATUSES, FinalStatus, Mode, Status, WedgeRule  # noqa: F401
+from cerevisor_tui.kinds import (  # noqa: F401
+    ACTIVE,
+    FINAL,
+    STATUSES,
+    EndpointStateName,
+    FinalStatus,
+    Mode,
+    Status,
+    WedgeRule,
+)
 
 Severity = Literal["information", "warning", "error"]
 Zone = Literal["fits", "cliff", "overflow"]
@@ -610,6 +619,19 @@ class ServerWedged(Event, frozen=True):
     reason: str  # "server wedged: no progress on any request for 45 s"
     agents: list[str] = msgspec.field(default_factory=list)  # whose attempts it killed
     over: bool = False
+
+
+class EndpointState(Event, frozen=True):
+    """An endpoint's state changed, as the run's one owner of it judges (engine/endpoint_state.py): "up" (it
+    answers and is ready), "loading" (it says so: /health 503, llama.cpp's "Loading model"), "down" (its port
+    refuses, or its health check fails, past the rules' grace) or "wedged" (engine/wedge.py). Told only on a
+    change; `since` is when this state began (a down endpoint's: its first refusal), `why` says it in words
+    ("connection refused at 127.0.0.1:8399")."""
+
+    endpoint: str
+    state: EndpointStateName
+    why: str = ""
+    since: float = 0.0
 
 
 class GpuSample(Event, frozen=True):

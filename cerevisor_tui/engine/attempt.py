@@ -114,6 +114,8 @@ class Attempts:
         self.now = clock.now
         # told each request's llama.cpp `timings` with its TTFT (the monitor's latency panel); None: not told
         self.on_timings: Callable[[str, Timings], None] | None = None
+        # told each refused connection's endpoint: its state (engine/endpoint_state.py); None: not told
+        self.on_refused: Callable[[str], object] | None = None
 
     # ---- begin ---------------------------------------------------------------------------------------------
     @staticmethod
@@ -145,6 +147,8 @@ class Attempts:
     def refused(self, st: AgentState, att: Attempt, endpoint: str, problem: str, wait_s: float) -> None:
         """A local endpoint refuses its port (loading its model): the attempt waits within its first-byte window."""
         move(st, "refused")
+        if self.on_refused is not None:
+            self.on_refused(endpoint)
         self.emit(ev.EndpointWaiting(self.now(), st.name, att.number, endpoint, problem, wait_s))
 
     # ---- while it streams ----------------------------------------------------------------------------------

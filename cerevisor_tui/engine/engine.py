@@ -31,6 +31,7 @@ from cerevisor_tui.engine.conversation import (
     Subscriber,
     request_id,
 )
+from cerevisor_tui.engine.gateway_settings import apply_gateway
 from cerevisor_tui.engine.parts import RunParts
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.status import move
@@ -116,6 +117,11 @@ class Engine(RunParts):
                 return self.tools.deny(self._named_agent(agent), call_id)
             case cmd.SetStall(endpoint=endpoint, policy=policy):
                 return self.set_stall_policy(self._named_endpoint(endpoint), policy)
+            case cmd.SetGateway() as live:
+                if self.config.gateway is None:
+                    raise ValueError("this run serves no gateway")
+                return apply_gateway(live, self.config.gateway, self.sessions, self.endpoint_states, self.emit,
+                                     self.clock)
             case cmd.Stop(reason=reason):
                 return self.stop(reason)
             case cmd.Probe(endpoint=endpoint, max_concurrency=cap):
@@ -249,7 +255,8 @@ class Engine(RunParts):
                 # each endpoint's agents are admitted when its own warm-up ends; the waves start now
                 await background.start(functools.partial(warm_up, self.config, self.connections, self.policies,
                                                          self.emit, self.conversations.request_prefix,
-                                                         self.scheduler, self.wedges, reused=self.completed_before))
+                                                         self.scheduler, self.wedges, reused=self.completed_before,
+                                                         states=self.endpoint_states))
                 for wave, level in enumerate(self.waves):
                     if self.life.stopping:
                         self._cancel_rest(wave)

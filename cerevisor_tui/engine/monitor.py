@@ -31,6 +31,7 @@ from cerevisor_tui.endpoints.metrics import (
 from cerevisor_tui.endpoints.tiers import TierSnapshot, idle_tier_warning
 from cerevisor_tui.engine import load
 from cerevisor_tui.engine.connections import Connections
+from cerevisor_tui.engine.endpoint_state import EndpointStates
 from cerevisor_tui.engine.gpus import watch_gpus
 
 KV_SEEN = 64  # samples of KV use kept per endpoint (at the default interval, about a minute)
@@ -41,8 +42,9 @@ class ServerMonitor:
     (the configured one, replaced by the server's own capacity when it reports one)."""
 
     def __init__(self, config: Config, connections: Connections, emit: Callable[[ev.Event], None],
-                 projected_context: Callable[[str], float | None]) -> None:
+                 projected_context: Callable[[str], float | None], *, states: EndpointStates | None = None) -> None:
         self.config = config
+        self.states = states  # the endpoints' states, told each look (engine/endpoint_state.py)
         self.endpoints = {ep.name: ep for ep in config.endpoints}
         self.connections = connections
         self.emit = emit
@@ -126,6 +128,8 @@ class ServerMonitor:
         while True:
             status, workers = await self.look(endpoint)
             self.status[endpoint] = status
+            if self.states is not None:
+                self.states.looked(endpoint, status)
             if status.kind != "unknown":  # what serves it: its requests ask for prefill progress on llama.cpp
                 self.connections.server_kinds[endpoint] = status.kind
             # when it answered: a swamped vLLM answers /metrics seconds after it was asked, with its state then

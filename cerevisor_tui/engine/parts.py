@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from cerevisor_tui.config.graph import OUTPUT_REF, wave_levels
-from cerevisor_tui.config.models import Config, ResolvedStall, resolve_stall
+from cerevisor_tui.config.models import Config, GatewayConfig, ResolvedStall, resolve_stall
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.engine import resume
 from cerevisor_tui.engine.attempt import Attempts, Budget, TurnFigures
@@ -23,6 +23,7 @@ from cerevisor_tui.engine.clock import Clock
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.console_probe import ConsoleProbes
 from cerevisor_tui.engine.conversation import Conversations
+from cerevisor_tui.engine.endpoint_state import EndpointStates
 from cerevisor_tui.engine.load_teller import LoadTeller
 from cerevisor_tui.engine.monitor import ServerMonitor
 from cerevisor_tui.engine.placement import Placement
@@ -78,8 +79,12 @@ class RunParts:
         self.connections = Connections(config, emit, stream_process=stream_process)
         # what each endpoint's turns measured (rejections, TTFTs, tokens per character and per answer): auto's figures
         self.figures: dict[str, TurnFigures] = {ep.name: TurnFigures() for ep in config.endpoints}
+        # each endpoint's state (up, loading, down, wedged), one owner fed by the monitor, requests and the wedge rules
+        self.endpoint_states = EndpointStates(emit, clock, self.connections.base_urls,
+                                              (config.gateway or GatewayConfig()).down_after_s)
         self.monitor = ServerMonitor(config, self.connections, emit,
-                                     functools.partial(projected_context, roster, self.figures, self.life))
+                                     functools.partial(projected_context, roster, self.figures, self.life),
+                                     states=self.endpoint_states)
         self.load_teller = LoadTeller(self.endpoints, self.scheduler, self.monitor, emit, clock)
         self.refresh_load = self.load_teller.refresh
         self.caps = Caps(config, self.scheduler, emit, self.refresh_load, clock)
@@ -99,6 +104,7 @@ class RunParts:
                                  subscribers=self.bus.subscribers, subscriber_failed=self.bus.failed, scrub=self.scrub,
                                  budget=self.budget, context_limit=self.connections.context_limit, clock=clock)
         self.attempts.on_timings = self.monitor.add_timings  # llama.cpp's timings: its latency panel
+        self.attempts.on_refused = self.endpoint_states.refused
         # MCP tool servers, those an agent lists: started when the run opens, ended with it (tools/manager.py).
         # `ask`: what a tool call its server's rules `ask` about gets: the operator's answer, or headless, deny
         # or approve. A resumed run takes its earlier calls' results and "for the run" approvals from the journal.
@@ -120,7 +126,7 @@ class RunParts:
             self.sessions.forget_after_s = config.gateway.forget_after_s
             self.sessions.max_per_key = config.gateway.max_sessions_per_key
         self.wedges = WedgeWatch(config.stall, self.policies, self.monitor, roster, self.figures, self.placement,
-                                 self.pools.tell_down, self.caps, emit, clock)  # wedged servers, after each sample
+                                 self.pools.tell_down, self.caps, self.endpoint_states, emit, clock)  # wedged servers, after each sample
         self.wedges.open_attempts = self.sessions.open_attempts
         self.pools.keeps_down = self.wedges.keeps_down
         # Agents a resumed run already completed: their answers are reused, they are never sent again, unless

@@ -24,6 +24,7 @@ from cerevisor_tui.config.models import Config, EndpointConfig, ResolvedStall, i
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
 from cerevisor_tui.engine.connections import Connections
+from cerevisor_tui.engine.endpoint_state import EndpointStates
 from cerevisor_tui.kinds import DELTA, FINISH, USAGE
 
 PROMPT = "Reply with one word: ready."
@@ -98,11 +99,12 @@ class Judge(Protocol):
 
 async def warm_up(config: Config, connections: Connections, policies: Mapping[str, ResolvedStall],
                   emit: Callable[[ev.Event], None], request_prefix: str, admission: Admission, judge: Judge,
-                  reused: Collection[str] = (), *,
+                  reused: Collection[str] = (), *, states: EndpointStates | None = None,
                   task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Warm each endpoint `to_warm` names, all at once, each held for admission until its own warm-up ends,
     answered or failed. Started with `TaskGroup.start`: the endpoints are held, and WarmupStarted told, when that
-    returns; cancelled, it admits what it held."""
+    returns; cancelled, it admits what it held. `states`: the endpoints' states, told each refusal; a port that
+    never answered and is down by their rule ends its warm-up there (its requests are told so, not held)."""
     eps = to_warm(config, reused)
     if not eps:
         task_status.started()
@@ -115,22 +117,24 @@ async def warm_up(config: Config, connections: Connections, policies: Mapping[st
         async with anyio.create_task_group() as warming:
             for ep in eps:
                 warming.start_soon(_warm, ep, connections, policies[ep.name], emit, request_prefix, admission, judge,
-                                   config.run.warmup_timeout_s)
+                                   config.run.warmup_timeout_s, states)
     finally:
         for ep in eps:
             admission.admit(ep.name)
 
 
 async def _warm(ep: EndpointConfig, connections: Connections, policy: ResolvedStall, emit: Callable[[ev.Event], None],
-                request_prefix: str, admission: Admission, judge: Judge, timeout_s: float) -> None:
+                request_prefix: str, admission: Admission, judge: Judge, timeout_s: float,
+                states: EndpointStates | None) -> None:
     try:
-        await _request(ep, connections, policy, emit, request_prefix, judge, timeout_s)
+        await _request(ep, connections, policy, emit, request_prefix, judge, timeout_s, states)
     finally:
         admission.admit(ep.name)  # its agents go now, whatever came of it
 
 
 async def _request(ep: EndpointConfig, connections: Connections, policy: ResolvedStall,
-                   emit: Callable[[ev.Event], None], request_prefix: str, judge: Judge, timeout_s: float) -> None:
+                   emit: Callable[[ev.Event], None], request_prefix: str, judge: Judge, timeout_s: float,
+                   states: EndpointStates | None = None) -> None:
     sent = time.monotonic()
     first: float | None = None
     error = waited_for = ""
@@ -163,7 +167,16 @@ async def _request(ep: EndpointConfig, connections: Connections, policy: Resolve
                         error = exc.problem
                         break
                     waited_for = exc.problem
-                    await anyio.sleep(wait_s)
+                    down_at = None
+                    if states is not None and isinstance(exc, EndpointUnreachable):
+                        down_s = states.refused(ep.name)
+                        if down_s is not None:
+                            error = f"it has refused connections for {down_s:.0f} s and has never answered"
+                            break
+                        down_at = states.down_at(ep.name)
+                    # asked again when its grace ends, not a backoff later: what it holds is let go at once
+                    await anyio.sleep(max(0.0, min(wait_s, down_at - states.clock.now())) if states is not None
+                                      and down_at is not None else wait_s)
                     wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
     finally:
         judge.warmed(request)

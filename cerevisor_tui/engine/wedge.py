@@ -34,6 +34,7 @@ from cerevisor_tui.endpoints.metrics import ServerStatus
 from cerevisor_tui.engine.attempt import TurnFigures
 from cerevisor_tui.engine.caps import Caps
 from cerevisor_tui.engine.clock import Clock
+from cerevisor_tui.engine.endpoint_state import EndpointStates
 from cerevisor_tui.engine.monitor import ServerMonitor
 from cerevisor_tui.engine.placement import Placement
 from cerevisor_tui.engine.roster import Roster
@@ -198,13 +199,13 @@ class WedgeWatch:
     """The run's wedge rules, applied after each server sample; `wedged` holds the endpoints judged frozen or
     hung until their counters move again. Handed its ports: the stall settings, the server monitor (its
     statuses), the roster and each agent's open attempts (a gateway session may have several), the measured
-    figures, the placement and a pool member's notice, the caps (auto's answer to a preemption loop), emit and
+    figures, the placement and a pool member's notice, the endpoints' states, the caps (auto's answer to a preemption loop), emit and
     the clock."""
 
     def __init__(self, stall: StallConfig, policies: Mapping[str, ResolvedStall], monitor: ServerMonitor,
                  roster: Roster, figures: Mapping[str, TurnFigures], placement: Placement,
-                 tell_down: Callable[[str], None], caps: Caps, emit: Callable[[ev.Event], None],
-                 clock: Clock) -> None:
+                 tell_down: Callable[[str], None], caps: Caps, states: EndpointStates,
+                 emit: Callable[[ev.Event], None], clock: Clock) -> None:
         self.stall = stall
         self.policies = policies
         self.monitor = monitor
@@ -213,6 +214,7 @@ class WedgeWatch:
         self.placement = placement
         self.tell_down = tell_down
         self.caps = caps
+        self.states = states  # each endpoint's state: a wedged one is said so there too
         self.emit = emit
         self.clock = clock
         # an agent's attempts open now: its current one; a gateway session's, each in flight (engine/sessions.py)
@@ -335,6 +337,7 @@ class WedgeWatch:
         now = self.clock.now()
         if rule != "preempt_loop":
             self.wedged[endpoint] = (rule, reading.motion)
+            self.states.wedged(endpoint, reason)
         self.emit(ev.ServerWedged(now, endpoint, rule, reason, list(dict.fromkeys(st.name for st, _ in opened))))
         if warmup is not None:  # its failure is told as a warm-up's, with this reason
             warmup.kill(reason)
@@ -352,6 +355,7 @@ class WedgeWatch:
 
     def _over(self, endpoint: str, rule: WedgeRule) -> None:
         del self.wedged[endpoint]
+        self.states.moves_again(endpoint)
         self.emit(ev.ServerWedged(self.clock.now(), endpoint, rule, f"{endpoint} moves again", over=True))
         for st, att in self._open(endpoint):
             move(st, phase_of(att.first_token_at, wedge=True))

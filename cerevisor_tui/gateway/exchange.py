@@ -27,6 +27,7 @@ from cerevisor_tui.endpoints.client import is_refused
 from cerevisor_tui.engine.attempt import Answer, Attempts
 from cerevisor_tui.engine.clock import Clock
 from cerevisor_tui.engine.connections import Connections
+from cerevisor_tui.engine.endpoint_state import EndpointStates
 from cerevisor_tui.engine.placement import Placement
 from cerevisor_tui.engine.sessions import (
     BudgetSpent,
@@ -58,28 +59,6 @@ if TYPE_CHECKING:
     from cerevisor_tui.engine.state import Attempt
 
 
-class Upstreams:
-    """What the gateway has seen of its upstreams' ports: which ever answered, and since when one that never has
-    refuses. A local upstream that refuses past `down_after_s` without ever answering is down, said at once (a
-    dead or mistyped upstream otherwise holds every harness silently for its whole first-byte window)."""
-
-    def __init__(self, down_after_s: float) -> None:
-        self.down_after_s = down_after_s
-        self.answered: set[str] = set()
-        self.refused_since: dict[str, float] = {}
-
-    def answer(self, endpoint: str) -> None:
-        self.answered.add(endpoint)
-        self.refused_since.pop(endpoint, None)
-
-    def down_for(self, endpoint: str, now: float) -> float | None:
-        """Seconds it has refused, once past `down_after_s` with no answer ever; None while it is not down."""
-        if endpoint in self.answered:
-            return None
-        since = self.refused_since.setdefault(endpoint, now)
-        return now - since if now - since >= self.down_after_s else None
-
-
 @dataclass(frozen=True, slots=True)
 class RunPorts:
     """What the gateway uses of the run that serves it (made by gateway/serve.py from the run's parts)."""
@@ -91,7 +70,7 @@ class RunPorts:
     policies: Mapping[str, ResolvedStall]
     connections: Connections
     clock: Clock
-    upstreams: Upstreams
+    states: EndpointStates  # each endpoint's state: a port that never answered and refuses past its grace is down
     scrub: Scrubber  # the run's keys, taken out of every byte to a client and every log line
     config: Config  # its endpoints and pools: where a request may go
     placement: Placement  # which pool members are down or degraded
@@ -322,11 +301,11 @@ class Exchange:
         st = session.st
         endpoint = st.endpoint
         wait_s = WAIT_BACKOFF_S[0]
-        upstreams = self.run_ports.upstreams
+        states = self.run_ports.states
         while True:
             try:
                 response = await client.send(request, stream=True)
-                upstreams.answer(endpoint)
+                states.answered(endpoint)
                 return response
             except httpx.HTTPError as exc:
                 if self.run_ports.endpoints[endpoint].kind == "hosted" or not is_refused(exc):
@@ -334,7 +313,7 @@ class Exchange:
                     await self.fail(503, f"cerevisor gateway: upstream {endpoint} is not answering: {problem_of(exc)}",
                                     {"retry-after": str(RETRY_AFTER_S)})
                     return None
-                down = upstreams.down_for(endpoint, self.now())
+                down = states.refused(endpoint)
                 if down is not None:
                     where = self.run_ports.connections.base_urls.get(endpoint, "")
                     await self.fail(503, f"cerevisor gateway: upstream {endpoint} at {where} is down: it has refused "
@@ -342,7 +321,10 @@ class Exchange:
                                          "is it running, and is that its address?", {"retry-after": str(RETRY_AFTER_S)})
                     return None
                 self.run_ports.attempts.refused(st, att, endpoint, problem_of(exc), wait_s)
-                await self.run_ports.clock.sleep(wait_s)
+                # asked again when its grace ends, not a backoff later: the client is told within a moment of it
+                down_at = states.down_at(endpoint)
+                until_down = down_at - self.now() if down_at is not None else wait_s
+                await self.run_ports.clock.sleep(max(0.0, min(wait_s, until_down)))
                 wait_s = min(wait_s * 2, WAIT_BACKOFF_S[1])
 
     async def _upstream_error(self, response: httpx.Response) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from cerevisor_tui.config.models import GatewayConfig, is_loopback, split_listen
-from cerevisor_tui.gateway.exchange import RunPorts, Upstreams
+from cerevisor_tui.gateway.exchange import RunPorts
 from cerevisor_tui.gateway.listener import Listener, bounded_protocol
 from cerevisor_tui.gateway.server import Gateway, GatewayError
 from cerevisor_tui.sim.server import bind_socket
@@ -53,7 +53,7 @@ class GatewayServer:
 def ports(run: RunParts, settings: GatewayConfig) -> RunPorts:
     """What the gateway is handed of the run that serves it: its ports, never the engine."""
     return RunPorts(run.sessions, run.attempts, run.emit, run.endpoints, run.policies, run.connections, run.clock,
-                    Upstreams(settings.down_after_s), run.scrub, run.config, run.placement)
+                    run.endpoint_states, run.scrub, run.config, run.placement)
 
 
 async def serve_gateway(run: RunParts, settings: GatewayConfig, *, model: str = "") -> GatewayServer:

@@ -62,6 +62,21 @@ def fmt_clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+def fmt_for(seconds: int) -> str:
+    """How long a state has held: 42 s, 3:05 past two minutes, 1:02:03 past an hour."""
+    return f"{seconds} s" if seconds < 120 else fmt_clock(seconds)
+
+
+ENDPOINT_STATE_ROLES = {"up": "success", "loading": "warning", "down": "error", "wedged": "error"}
+"""The theme colour of each endpoint state (contract/events.py EndpointState), in the header and the load pane."""
+
+
+def endpoint_state_text(state: str, seconds: int | None) -> str:
+    """An endpoint's state as shown beside its name: "down 42 s"; "up" alone (how long it is up is no news), and
+    any state alone where how long is not known."""
+    return state if state == "up" or seconds is None else f"{state} {fmt_for(seconds)}"
+
+
 def fmt_count(n: float) -> str:
     """Token counts: 812, 12.4k, 3.1M."""
     if n < 1000:

@@ -257,6 +257,7 @@ class UiModel:
     notes: dict[str, str] = field(default_factory=dict)
     keepalive_at: dict[str, float] = field(default_factory=dict)
     servers: dict[str, ServerView] = field(default_factory=dict)
+    endpoint_states: dict[str, ev.EndpointState] = field(default_factory=dict)  # each endpoint's, as the run says it
     notices: list[Notice] = field(default_factory=list)
     throughput: deque[float] = field(default_factory=lambda: deque(maxlen=SPARKLINE_SAMPLES))
     tokens_total: int = 0
@@ -445,6 +446,22 @@ class UiModel:
                                               e.prefix_hit_rate, e.detail, e.slots_busy, e.slots_total,
                                               e.kv_cache_tokens)
         self._add_point(e.endpoint, e.t, e.waiting, e.kv_cache_usage)
+
+    def _on_EndpointState(self, e: ev.EndpointState) -> None:
+        self.endpoint_states[e.endpoint] = e
+
+    def state_of(self, endpoint: str, now: float) -> tuple[str, str, int | None] | None:
+        """An endpoint's state as shown: (state, why, whole seconds in it); None before anything says one. A run
+        from before EndpointState (its journal): the last sample's health stands in, for how long not known."""
+        told = self.endpoint_states.get(endpoint)
+        if told is not None:
+            return told.state, told.why, max(0, int(now - told.since))
+        sample = self.servers.get(endpoint)
+        if sample is None or sample.healthy is None:
+            return None
+        if sample.healthy:
+            return "up", "", None
+        return ("loading" if "load" in sample.detail.lower() else "down"), sample.detail, None
 
     def _on_ModeChanged(self, e: ev.ModeChanged) -> None:
         self.mode = e.mode

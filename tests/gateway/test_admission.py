@@ -96,6 +96,25 @@ async def test_parallel_cap_raised_live_admits_the_queued_session():
         assert answers["b"].status == 200 and s.session("a").holding
 
 
+async def test_release_after_shortened_live_gives_an_idle_sessions_slot_to_the_waiting_one_at_once():
+    # the settings screen's set_gateway: the idle session's hold reads the new release time now, not in 30 s
+    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 30}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        await _request(client, s.url + "/chat/completions", "idle", answers, stream=False)
+        await until(lambda: s.session("idle").st.status == "idle", "the first session idle, holding its slot")
+        group.start_soon(_request, client, s.url + "/chat/completions", "next", answers)
+        await until(lambda: "next" in s.engine.sessions.by_name and s.session("next").queued == 1, "next queued")
+        live = {"release_after_s": 0.0, "max_sessions_per_key": 1024, "keepalive_s": 0.2, "down_after_s": 30.0}
+        assert s.engine.handle(cmd.SetGateway(**live)) == "release_after_s"
+        assert s.engine.handle(cmd.SetGateway(**live)) == ""  # nothing changed the second time
+        await until(lambda: "next" in answers, "the waiting session's answer", timeout=10)
+        assert answers["next"].status == 200
+        assert _status_at(s, "idle", "released") < _index(s, ev.AgentStarted, "next")
+        [notice] = [e for e in s.of(ev.RunNotice) if "gateway settings applied" in e.message]
+        assert notice.message == "gateway settings applied: release_after_s 0"
+
+
 async def test_release_after_zero_admits_each_request_on_its_own():
     async with served(run={"mode": "sequential"}, gateway={"release_after_s": 0}) as s, \
             httpx.AsyncClient(timeout=30) as client:

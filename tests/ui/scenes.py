@@ -351,10 +351,10 @@ class GatewayDriver(Driver):
         move(st, "idle")
 
 
-def build_gateway(*, sessions: bool = True) -> CerevisorApp:
+def build_gateway(*, sessions: bool = True, down: bool = False) -> CerevisorApp:
     """A gateway run twelve seconds in (no workflow of its own): with `sessions`, four of them, one streaming its
     second request, one whose request was killed (it goes on, idle), one that gave its slot back, one waiting for a
-    slot; without, none has come yet."""
+    slot; without, none has come yet. `down`: its upstream's port never opened, and it is down past its grace."""
     config = gateway_config()
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
     engine.connections.models["sim"] = "sim-model"
@@ -393,6 +393,9 @@ def build_gateway(*, sessions: bool = True) -> CerevisorApp:
         d.open("ses-9c1e", T0 + 9.5, "openai-python 1.99.0", source="fingerprint")
         d.ask("ses-9c1e", T0 + 9.5, ("user", "Summarise the diff."))
         d.queued("ses-9c1e", T0 + 9.5)
+    if down:
+        d.emit(ev.EndpointState(T0 + 10.1, "sim", "down", "connection refused at 127.0.0.1:8399; it has never "
+                                "answered", T0 + 0.1))
     handle.mirror.notices.clear()  # the pictures show the rows, not the toasts (tests read the notices)
     d.advance(NOW)
     return app

@@ -148,3 +148,74 @@ async def test_settings_esc_with_unsaved_changes_asks_and_keeps_the_file(tmp_pat
         await pilot.press("escape", "y")
         assert isinstance(app.screen, MainScreen)
     assert path.read_text() == before
+
+
+@pytest.mark.anyio
+async def test_a_gateways_settings_without_a_config_file_ask_where_to_save_and_apply_at_once(tmp_path):
+    from cerevisor_tui.config import validate
+    from cerevisor_tui.ui.screens.save_to import SaveToScreen
+
+    config = validate({
+        "run": {"mode": "sequential", "run_dir": str(tmp_path / "runs"), "warmup": "off"},
+        "endpoints": [{"name": "sim", "kind": "simulated", "model": "sim-model", "sim": {"seed": 3}}],
+        "gateway": {"listen": "127.0.0.1:0", "upstream": "sim", "model_map": {"claude-*": "sim-model"}},
+    })
+    app = console(config)  # as `gateway` started from the command line: no config file
+    engine = engine_of(app)
+    log = EventLog(engine)
+    target = tmp_path / "conf" / "gw.toml"
+    async with app.run_test(size=(100, 40)) as pilot:
+        await log.wait(kind("RunStarted"))
+        await pilot.press("s")
+        screen = app.screen
+        assert isinstance(screen, SettingsScreen)
+        assert "nowhere" in str(screen.query_one("#settings-target").render())
+        field = screen.field("gateway", "release_after_s")
+        assert field.control.value == "60" and "Applies at once" in field.spec.help
+        assert "From the next run" in screen.field("gateway", "max_body_mib").spec.help
+        await paste_into(pilot, screen, "gateway", "release_after_s", "-1")
+        assert "greater than or equal to 0" in screen.field("gateway", "release_after_s").error
+        await paste_into(pilot, screen, "gateway", "release_after_s", "2.5")
+        await paste_into(pilot, screen, "gateway", "down_after_s", "9")
+        await pilot.press("ctrl+s")
+        assert isinstance(app.screen, SaveToScreen)
+        app.screen.query_one("#save-to-path").value = str(tmp_path)  # a folder is refused, nothing written
+        await pilot.press("enter")
+        assert isinstance(app.screen, SaveToScreen) and "is a folder" in str(
+            app.screen.query_one("#save-to-problem").render())
+        app.screen.query_one("#save-to-path").value = str(target)
+        await pilot.press("enter")
+        await log.wait(lambda e: kind("RunNotice")(e) and "gateway settings applied" in e.message)
+        assert isinstance(app.screen, MainScreen)
+        assert engine.sessions.release_after_s == 2.5 and engine.endpoint_states.down_after_s == 9.0
+        assert engine.config.gateway.release_after_s == 2.5
+        assert app.save_path == target
+
+    saved = tomllib.loads(target.read_text())
+    assert saved["gateway"]["release_after_s"] == 2.5 and saved["gateway"]["down_after_s"] == 9.0
+    assert saved["gateway"]["upstream"] == "sim" and saved["gateway"]["model_map"] == {"claude-*": "sim-model"}
+    reread = load_config(target)
+    assert reread.gateway is not None and reread.gateway.listen == "127.0.0.1:0" and reread.run.mode == "sequential"
+
+
+@pytest.mark.anyio
+async def test_settings_applied_without_saving_write_nothing(tmp_path):
+    from cerevisor_tui.config import validate
+
+    config = validate({
+        "run": {"run_dir": str(tmp_path / "runs"), "warmup": "off"},
+        "endpoints": [{"name": "sim", "kind": "simulated", "model": "sim-model", "sim": {"seed": 3}}],
+        "gateway": {"listen": "127.0.0.1:0"},
+    })
+    app = console(config)
+    engine = engine_of(app)
+    log = EventLog(engine)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await log.wait(kind("RunStarted"))
+        await pilot.press("s")
+        await paste_into(pilot, app.screen, "gateway", "max_sessions_per_key", "3")
+        await pilot.press("ctrl+s")
+        await pilot.click("#apply")
+        await log.wait(lambda e: kind("RunNotice")(e) and "max_sessions_per_key 3" in e.message)
+        assert isinstance(app.screen, MainScreen) and engine.sessions.max_per_key == 3 and app.save_path is None
+    assert not [p for p in tmp_path.rglob("*.toml")]

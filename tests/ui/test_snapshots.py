@@ -53,6 +53,12 @@ def test_gateway_sessions(snap_compare):
     assert snap_compare(build_gateway(), terminal_size=(120, 30))
 
 
+def test_gateway_whose_upstream_is_down(snap_compare):
+    """A gateway whose upstream's port never opened: the header and the load pane say it is down, for how long and
+    why, in the error colour."""
+    assert snap_compare(build_gateway(sessions=False, down=True), terminal_size=(120, 30))
+
+
 def test_gateway_waiting_for_sessions_80x24(snap_compare):
     """A gateway run before its first session: where to point a harness, in the agents pane and the stream."""
     assert snap_compare(build_gateway(sessions=False), terminal_size=(80, 24))

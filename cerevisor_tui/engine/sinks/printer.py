@@ -202,6 +202,10 @@ class Printer:
         return f"{e.endpoint}: WEDGED ({e.rule}): {e.reason}{killed if e.agents else ''}"
 
     @staticmethod
+    def _line_EndpointState(e: ev.EndpointState) -> str:
+        return f"{e.endpoint}: {e.state.upper()}" + (f": {e.why}" if e.why else "")
+
+    @staticmethod
     def _line_AgentRetrying(e: ev.AgentRetrying) -> str:
         return f"{e.agent}: retrying as attempt {e.attempt} in {fmt_s(e.delay_s)}: {e.cause}"
 

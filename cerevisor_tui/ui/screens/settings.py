@@ -1,7 +1,9 @@
-"""The settings screen: every [run], [run.auto] and [stall] key and each endpoint's url, model, kind, cap
-and timeouts. Each value is checked by the config's own pydantic models as it is typed, and refused
-inline with the reason; save writes the file through `config.save`, and mode, cap and the stall
-deadlines (`[stall]` and each endpoint's timeouts) apply at once.
+"""The settings screen: every [run], [run.auto] and [stall] key, each endpoint's url, model, kind, cap
+and timeouts, and, for a run that serves a gateway, the numbers of [gateway]. Each value is checked by the
+config's own pydantic models as it is typed, and refused inline with the reason; save writes the file through
+`config.save`, and mode, cap, the stall deadlines (`[stall]` and each endpoint's timeouts) and the gateway's
+live keys (release_after_s, ...: `SetGateway`) apply at once. With no config file it asks where to save (a new
+file), or applies without saving.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import types
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
@@ -28,28 +31,39 @@ from cerevisor_tui.config.models import (
     AutoConfig,
     Config,
     EndpointConfig,
+    GatewayConfig,
     RunConfig,
     StallConfig,
     resolve_stall,
 )
-from cerevisor_tui.config.save import ENDPOINT_KEYS, CommentsWouldBeLost, SaveError, save_settings
+from cerevisor_tui.config.paths import user_config_file
+from cerevisor_tui.config.save import (
+    ENDPOINT_KEYS,
+    GATEWAY_KEYS,
+    CommentsWouldBeLost,
+    SaveError,
+    save_settings,
+)
 from cerevisor_tui.contract import commands as cmd
 
 if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp
+
+GATEWAY_LIVE: tuple[str, ...] = cmd.SetGateway.__struct_fields__
+"""The [gateway] keys that apply at once (the run's `set_gateway`); the others from the next run."""
 
 OPTIONAL_EMPTY = {("stall", "first_byte_timeout_s"), ("endpoint", "first_byte_timeout_s"),
                   ("endpoint", "idle_timeout_s")}
 """Fields where an empty value means "use the default" (or, on an endpoint, the [stall] value)."""
 
 
-SECTION_TABLES = {"run": "[run]", "auto": "[run.auto]", "stall": "[stall]"}
+SECTION_TABLES = {"run": "[run]", "auto": "[run.auto]", "stall": "[stall]", "gateway": "[gateway]"}
 """The TOML table of each section of the form (an endpoint's is `[[endpoints]] NAME`)."""
 
 
 @dataclass(frozen=True)
 class FieldSpec:
-    section: str  # "run" | "auto" | "stall" | "endpoint"
+    section: str  # "run" | "auto" | "stall" | "endpoint" | "gateway"
     index: int  # the endpoint's position; 0 otherwise
     key: str
     model: type[BaseModel]
@@ -63,6 +77,8 @@ class FieldSpec:
         text = self.model.model_fields[self.key].description or ""
         if (self.section, self.key) in OPTIONAL_EMPTY:
             text += " Empty: the default." if self.section == "stall" else " Empty: the [stall] value."
+        if self.section == "gateway":
+            text += " Applies at once." if self.key in GATEWAY_LIVE else " From the next run."
         return text
 
     @property
@@ -86,6 +102,8 @@ def field_specs(config: Config) -> list[FieldSpec]:
     specs += [FieldSpec("stall", 0, key, StallConfig) for key in StallConfig.model_fields]
     for i, _ in enumerate(config.endpoints):
         specs += [FieldSpec("endpoint", i, key, EndpointConfig) for key in ENDPOINT_KEYS]
+    if config.gateway is not None:
+        specs += [FieldSpec("gateway", 0, key, GatewayConfig) for key in GATEWAY_KEYS]
     return specs
 
 
@@ -187,12 +205,15 @@ class SettingsScreen(Screen):
         with Vertical(id="settings-head"):
             yield Static(Text.assemble(("Settings", "bold"), f"  saving to {target}"), id="settings-target")
             # the footer shows ctrl+s and esc; this line fits 80 columns
-            yield Static("Saved mode, cap and stall deadlines apply at once; the rest from the next run.",
-                         id="settings-hint")
+            yield Static("Mode, cap, deadlines, live [gateway] keys apply when saved; the rest next run."
+                         if config.gateway is not None else
+                         "Saved mode, cap and stall deadlines apply at once; the rest from the next run.",
+                         id="settings-hint", markup=False)
         with VerticalScroll(id="settings-form"):
             yield Static("[run]", classes="section-title", markup=False)
             for spec in field_specs(config):
-                if spec.section in ("auto", "stall") and spec.key == next(iter(spec.model.model_fields)):
+                if spec.section in ("auto", "stall") and spec.key == next(iter(spec.model.model_fields)) or \
+                        spec.section == "gateway" and spec.key == GATEWAY_KEYS[0]:
                     yield Static(SECTION_TABLES[spec.section], classes="section-title", markup=False)
                 if spec.section == "endpoint" and spec.key == ENDPOINT_KEYS[0]:
                     ep = config.endpoints[spec.index]
@@ -214,6 +235,8 @@ class SettingsScreen(Screen):
             return getattr(config.run.auto, spec.key)
         if spec.section == "stall":
             return getattr(config.stall, spec.key)
+        if spec.section == "gateway":
+            return getattr(config.gateway, spec.key)
         return getattr(config.endpoints[spec.index], spec.key)
 
     def on_mount(self) -> None:
@@ -244,6 +267,9 @@ class SettingsScreen(Screen):
             model, data = AutoConfig, values
         elif section == "stall":
             model, data = StallConfig, values
+        elif section == "gateway":
+            gateway = self.app.config.gateway
+            model, data = GatewayConfig, {**(gateway.model_dump() if gateway else {}), **values}
         else:
             model = EndpointConfig
             data = {**self.app.config.endpoints[index].model_dump(), **values}
@@ -298,6 +324,8 @@ class SettingsScreen(Screen):
         data["stall"] = results[("stall", 0)].model_dump()  # type: ignore[union-attr]
         for i in range(len(config.endpoints)):
             data["endpoints"][i] = results[("endpoint", i)].model_dump()  # type: ignore[union-attr]
+        if ("gateway", 0) in results:
+            data["gateway"] = results[("gateway", 0)].model_dump()  # type: ignore[union-attr]
         try:
             return validate(data, file=str(self.app.save_path or "settings"))
         except ConfigError as exc:
@@ -310,9 +338,31 @@ class SettingsScreen(Screen):
         if new is None:
             return
         if self.app.save_path is None:
-            self.notify("No config file to save to.", severity="error")
+            self._ask_where(new)
             return
         self._save(new, allow_comment_loss=False)
+
+    def _ask_where(self, new: Config) -> None:
+        """No config file: ask where to save (a new file, or one to merge into), or apply without saving."""
+        from cerevisor_tui.ui.screens.save_to import SaveToScreen
+
+        def answer(choice: str | None) -> None:
+            if choice is None:
+                return
+            if choice == "":
+                self._applied(new, "Not saved.")
+                return
+            self.app.save_path = Path(choice).expanduser()
+            self.query_one("#settings-target", Static).update(
+                Text.assemble(("Settings", "bold"), f"  saving to {self.app.save_path}"))
+            self._save(new, allow_comment_loss=False)
+
+        if new.gateway is not None:  # not where every console looks: each would serve a gateway
+            suggested = Path.cwd() / "cerevisor-gateway.toml"
+            note = f"`cerevisor-tui gateway --config {suggested.name}` serves with it."
+        else:
+            suggested, note = user_config_file(), "There, every `cerevisor-tui` reads it when no --config is given."
+        self.app.push_screen(SaveToScreen(str(suggested), note), answer)
 
     def _save(self, new: Config, *, allow_comment_loss: bool) -> None:
         app = self.app
@@ -335,14 +385,19 @@ class SettingsScreen(Screen):
         except SaveError as exc:
             self.notify(str(exc), title="Not saved", severity="error", timeout=10)
             return
-        applied = self._apply_live(new)
-        app.config = new
         note = f"Saved to {result.path}."
         if result.backup:
             note += f" Original kept as {result.backup.name}."
+        self._applied(new, note)
+
+    def _applied(self, new: Config, note: str) -> None:
+        """Apply what applies at once, take `new` as the config in force, say so and go back."""
+        app = self.app
+        applied = self._apply_live(new)
+        app.config = new
         if applied:
             note += f" Applied now: {', '.join(applied)}."
-        app.notify(note, title="Settings saved", timeout=6)
+        app.notify(note, title="Settings saved" if note.startswith("Saved") else "Settings", timeout=6)
         app.pop_screen()
 
     def _apply_live(self, new: Config) -> list[str]:
@@ -365,6 +420,12 @@ class SettingsScreen(Screen):
             changed.append(ep.name)
         if changed:
             applied.append(f"stall deadlines ({', '.join(changed)})")
+        old = app.config.gateway
+        if new.gateway is not None and old is not None:
+            live = [key for key in GATEWAY_LIVE if getattr(new.gateway, key) != getattr(old, key)]
+            if live:
+                app.command(cmd.SetGateway(**{key: getattr(new.gateway, key) for key in GATEWAY_LIVE}))
+                applied.append(f"gateway {', '.join(live)}")
         return applied
 
     def action_back(self) -> None:

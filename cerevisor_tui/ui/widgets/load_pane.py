@@ -14,7 +14,15 @@ from textual.containers import Container, Vertical
 from textual.widgets import Static
 
 from cerevisor_tui.contract import events as ev
-from cerevisor_tui.ui.format import fmt_count, fmt_number, fmt_percent, fmt_rate, fmt_seconds
+from cerevisor_tui.ui.format import (
+    ENDPOINT_STATE_ROLES,
+    endpoint_state_text,
+    fmt_count,
+    fmt_number,
+    fmt_percent,
+    fmt_rate,
+    fmt_seconds,
+)
 from cerevisor_tui.ui.mirror import ACTIVE, RunMirror
 from cerevisor_tui.ui.model import UiModel
 from cerevisor_tui.ui.widgets.throughput_bars import ThroughputBars
@@ -105,7 +113,7 @@ class FleetRow:
     """One line of the fleet table: an endpoint, a worker behind a router (`worker`), or the totals."""
 
     name: str
-    health: str  # up | down | loading | "" (not polled, or no sample yet)
+    health: str  # up | loading | down | wedged | "" (no state said yet)
     running: float | None
     waiting: float | None
     kv: float | None
@@ -128,7 +136,7 @@ def _worker_name(url: str) -> str:
     return url.split("://", 1)[-1].rstrip("/")
 
 
-def fleet_rows(mirror: RunMirror) -> tuple[FleetRow, ...]:
+def fleet_rows(mirror: RunMirror, now: float | None = None) -> tuple[FleetRow, ...]:
     """A row per endpoint and, under a router, per worker; then the totals (running and waiting summed, KV the
     fullest server's, prefix hits weighed by the lookups each made). Empty when there is one endpoint and no
     workers: the pane then keeps its one-line form."""
@@ -143,11 +151,17 @@ def fleet_rows(mirror: RunMirror) -> tuple[FleetRow, ...]:
     for name in mirror.endpoints:
         s = samples.get(name)
         agents = running_on.get(name, 0)
+        # the run's word on its state where it said one (engine/endpoint_state.py), with how long and why
+        told = mirror.state_of(name, now if now is not None else (mirror.finished.t if mirror.finished else 0.0))
+        health = told[0] if told is not None else ""
+        detail = ""
+        if told is not None and told[0] != "up" and told[1]:
+            detail = told[1] if told[2] is None else f"{endpoint_state_text(told[0], told[2])}: {told[1]}"
         if s is None:
-            rows.append(FleetRow(name, "", None, None, None, None, agents))
+            rows.append(FleetRow(name, health, None, None, None, None, agents, detail))
             continue
-        rows.append(FleetRow(name, _health(s.healthy, s.detail), s.running, s.waiting, s.kv_cache_usage,
-                             s.prefix_hit_rate, agents, s.detail))
+        rows.append(FleetRow(name, health, s.running, s.waiting, s.kv_cache_usage,
+                             s.prefix_hit_rate, agents, detail or s.detail))
         for w in s.workers:
             rows.append(FleetRow(_worker_name(w.url), _health(w.healthy, w.detail), w.running, w.waiting,
                                  w.kv_cache_usage, w.prefix_hit_rate, None, w.detail, worker=True))
@@ -312,8 +326,8 @@ class LoadPane(Vertical):
         model = mirror
         self._sync_gpus(mirror)
         self._sync_latency(mirror)
-        fleet = fleet_rows(mirror)
-        lines = () if fleet else self._server_lines(mirror)
+        fleet = fleet_rows(mirror, mirror.finished.t if mirror.finished else now)
+        lines = () if fleet else self._server_lines(mirror, mirror.finished.t if mirror.finished else now)
         if (fleet or lines) != self._servers_shown:
             self._servers_shown = fleet or lines
             self.query_one("#servers", Static).update(self._fleet_text(fleet) if fleet else self._lines_text(lines))
@@ -364,23 +378,32 @@ class LoadPane(Vertical):
         pane.update(text)
 
     @staticmethod
-    def _server_lines(mirror: RunMirror) -> tuple[tuple[Any, ...], ...]:
+    def _server_lines(mirror: RunMirror, now: float) -> tuple[tuple[Any, ...], ...]:
         rows = []
         for name in mirror.endpoints:
             sv = mirror.servers.get(name)
             slots = f"{sv.slots_busy}/{sv.slots_total}" if sv and sv.slots_total else ""
-            rows.append((name, *((sv.running, sv.waiting, sv.kv_cache_usage, sv.prefix_hit_rate, slots, sv.detail)
-                                  if sv else (None, None, None, None, "", ""))))
+            told = mirror.state_of(name, now)
+            state = (told[0], endpoint_state_text(told[0], told[2]), told[1]) if told and told[0] != "up" else None
+            rows.append((name, state, *((sv.running, sv.waiting, sv.kv_cache_usage, sv.prefix_hit_rate, slots,
+                                         "" if state and state[2] else sv.detail)
+                                        if sv else (None, None, None, None, "", ""))))
         return tuple(rows)
 
     def _lines_text(self, rows: tuple[tuple[Any, ...], ...]) -> Text:
-        """One endpoint's line: `sim running 2  waiting 0  KV 41%  prefix hit 93%`."""
+        """One endpoint's line: `sim running 2  waiting 0  KV 41%  prefix hit 93%`; an endpoint not up says so
+        first: `vllm0 down 42 s: connection refused at 127.0.0.1:8399  running -  ...`."""
         text = Text(no_wrap=True, overflow="ellipsis")
-        muted = self.app.colour("text-muted")  # type: ignore[attr-defined]
-        for i, (name, running, waiting, kv, prefix, slots, detail) in enumerate(rows):
+        colour = self.app.colour  # type: ignore[attr-defined]
+        muted = colour("text-muted")
+        for i, (name, state, running, waiting, kv, prefix, slots, detail) in enumerate(rows):
             if i:
                 text.append("\n")
             text.append(f"{name} ", style="bold")
+            if state is not None:
+                role = ENDPOINT_STATE_ROLES.get(state[0], "warning")
+                text.append(state[1], style=f"bold {colour(role)}")
+                text.append(f": {state[2]}  " if state[2] else "  ", style=muted)
             text.append("running ", style=muted)
             text.append(f"{fmt_number(running)}  ")
             text.append("waiting ", style=muted)
@@ -436,7 +459,8 @@ class LoadPane(Vertical):
         """The fleet as a table: a header, a row per endpoint (its workers indented under it), the totals."""
         colour = self.app.colour  # type: ignore[attr-defined]
         muted = colour("text-muted")
-        health_style = {"up": colour("success"), "down": f"bold {colour('error')}", "loading": colour("warning")}
+        health_style = {state: f"bold {colour(role)}" if role == "error" else colour(role)
+                        for state, role in ENDPOINT_STATE_ROLES.items()}
         width = min(28, max(len("endpoint"), *(len(r.name) + (2 if r.worker else 0) for r in rows)))
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(f"{'endpoint':<{width}}  health   running  waiting    KV  prefix  agents", style=muted)

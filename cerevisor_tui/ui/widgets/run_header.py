@@ -1,4 +1,4 @@
-"""The header: endpoints and their health, the mode badge, the cap, agent counts, throughput, wave; in auto
+"""The header: endpoints and their states (up, or loading, down or wedged with how long and why), the mode badge, the cap, agent counts, throughput, wave; in auto
 mode the badge carries the live cap (`AUTO 32`) and, where the line has room, auto's ceiling and its last
 reason (`a` lists them all).
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from rich.text import Text
 from textual.widgets import Static
 
-from cerevisor_tui.ui.format import fmt_clock, fmt_rate
+from cerevisor_tui.ui.format import ENDPOINT_STATE_ROLES, endpoint_state_text, fmt_clock, fmt_rate
 from cerevisor_tui.ui.mirror import ACTIVE, FINAL, RunMirror
 
 MODE_ROLES = {"sequential": "secondary", "parallel": "primary", "auto": "accent"}
@@ -43,7 +43,7 @@ class HeaderState:
     wave: int
     waves: int
     elapsed_s: int
-    health: tuple[tuple[str, bool | None], ...]
+    health: tuple[tuple[str, tuple[str, str, int | None] | None], ...]  # each endpoint's state, why, seconds in it
     models: tuple[str, ...]
     wheres: tuple[str, ...]  # each endpoint's URL, or its kind where that says more ("simulated")
     simulated: bool
@@ -135,7 +135,7 @@ class RunHeader(Static):
             running=sum(counts[s] for s in ACTIVE), queued=counts["queued"], done=counts["completed"],
             failed=counts["failed"], killed=counts["killed"], tokens_per_s=round(mirror.tokens_per_s(now), 1),
             wave=mirror.wave, waves=len(mirror.waves), elapsed_s=int(elapsed),
-            health=tuple((ep.name, mirror.servers[ep.name].healthy if ep.name in mirror.servers else None)
+            health=tuple((ep.name, mirror.state_of(ep.name, mirror.finished.t if mirror.finished else now))
                          for ep in endpoints),
             models=tuple(ep.model for ep in endpoints),
             wheres=tuple(ep.kind if ep.kind == "simulated" else ep.base_url for ep in endpoints),
@@ -163,19 +163,27 @@ class RunHeader(Static):
         return self.app.colour(name)  # type: ignore[attr-defined]
 
     def _endpoints(self, s: HeaderState, detail: str) -> Text:
-        """Each endpoint's health dot, with `detail` "full" its name, URL (or kind) and model, "names" its name."""
+        """Each endpoint's state dot, with `detail` "full" its name and URL (or kind) and model, or, when it is not
+        up, its state, since when and why (`vllm0 down 42 s: connection refused at 127.0.0.1:8399`); "names" its
+        name and a state other than up."""
         text = Text()
         if detail == "dots":
             text.append(" ")
-        for (name, healthy), model_id, where in zip(s.health, s.models, s.wheres, strict=True):
-            dot, colour = ("●", "success") if healthy else ("●", "error") if healthy is False else ("○", "text-muted")
+        for (name, told), model_id, where in zip(s.health, s.models, s.wheres, strict=True):
+            role = ENDPOINT_STATE_ROLES.get(told[0], "text-muted") if told is not None else "text-muted"
+            dot = "●" if told is not None else "○"
             if detail == "dots":
-                text.append(dot, style=self._c(colour))
+                text.append(dot, style=self._c(role))
                 continue
             text.append("  ")
-            text.append(dot, style=self._c(colour))
+            text.append(dot, style=self._c(role))
             text.append(f" {name}", style="bold")
-            if detail == "full":
+            if told is not None and told[0] != "up":
+                state, why, seconds = told
+                text.append(f" {endpoint_state_text(state, seconds)}", style=f"bold {self._c(role)}")
+                if detail == "full" and why:
+                    text.append(f": {why}", style=self._c("text-muted"))
+            elif detail == "full":
                 text.append(f" {where}" + (f" · {model_id}" if model_id else ""), style=self._c("text-muted"))
         if detail == "dots":
             text.append(f" {len(s.health)} endpoints", style=self._c("text-muted"))
