@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TextIO
 
 from cerevisor_tui.replay.trace import TraceError, TraceTurn, write_trace
 
@@ -150,10 +151,12 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 async def through_gateway(turns: list[TraceTurn], upstream: str, settings: ReplaySettings, mode: Mode,
-                          cap: int, *, api_key_env: str = "") -> ReplayReport:
+                          cap: int, *, api_key_env: str = "", sections: Mapping[str, Mapping[str, Any]] = {},
+                          endpoint: Mapping[str, Any] = {}) -> ReplayReport:
     """The replay's sessions through a gateway of a run of their own in front of `upstream`, as harness traffic
     arrives: every session is sent when its trace says (the run, not the client, admits them), each a row under the
-    run's `mode` and `cap`; the report adds the run's cap changes and kills."""
+    run's `mode` and `cap`; the report adds the run's cap changes and kills. `sections` adds to the run's config
+    tables ("run", "stall", ...) and `endpoint` to its endpoint's, e.g. deadlines scaled to a sped-up simulator."""
     import dataclasses
 
     import anyio
@@ -165,10 +168,11 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
     from cerevisor_tui.replay.run import replay
 
     config = validate({
-        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off"},
+        **sections,
+        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off", **sections.get("run", {})},
         "endpoints": [{"name": "upstream", "kind": "local", "base_url": upstream,
                        **({"model": settings.model} if settings.model else {}),
-                       **({"api_key_env": api_key_env} if api_key_env else {})}],
+                       **({"api_key_env": api_key_env} if api_key_env else {}), **endpoint}],
         # a session keeps its slot across its own gaps (tools, a person), and not long past its last turn: the
         # trace's longest gap, at the replay's speed
         "gateway": {"listen": "127.0.0.1:0", "release_after_s": max(0.1, 2 * max(
