@@ -211,3 +211,39 @@ async def test_with_a_cpu_tier_the_report_counts_what_came_back_from_it_beside_t
     assert report.prefix_hit_rate is not None and report.prefix_hit_rate < 0.1  # evicted turn after turn
     assert report.cpu_hit_rate is not None
     assert report.prefix_hit_rate + report.cpu_hit_rate == pytest.approx(sum(previous) / sum(prompts), abs=0.05)
+
+
+@pytest.mark.anyio
+async def test_session_admission_through_the_gateway_keeps_the_prefix_hits_each_session_gets_alone():
+    """Issue 31 item 5 on a tiny agentx file: the gateway admits whole sessions (a session keeps its slot across
+    its gaps), so the server sees each conversation's turns back to back and keeps their prefixes; its hit rate
+    through the gateway is at least 95% of the file replayed one session at a time."""
+    from cerevisor_tui.commands.replay import through_gateway
+
+    fast = 200.0  # the gaps and the gateway's release (twice the longest gap) at this speed: seconds, not minutes
+    turns = [t for t in generate("agentx", sessions=3, seed=3) if t.parent is None and t.turn <= 3]
+    async with SimServer(SimSettings(profile="agentx-slice", speed=fast)) as sim:
+        alone = await replay(turns, sim.base_url, ReplaySettings(concurrency=1, speed=fast,
+                                                                 clock=sim.state.engine.clock_s))
+    async with SimServer(SimSettings(profile="agentx-slice", speed=fast)) as sim:
+        through = await through_gateway(turns, sim.base_url, ReplaySettings(speed=fast,
+                                                                            clock=sim.state.engine.clock_s),
+                                        "parallel", 2)
+    assert alone.turns_completed == through.turns_completed == len(turns) == 9
+    assert alone.prefix_hit_rate is not None and alone.prefix_hit_rate > 0.5
+    assert through.prefix_hit_rate is not None and through.prefix_hit_rate >= 0.95 * alone.prefix_hit_rate
+
+
+@pytest.mark.anyio
+async def test_through_a_gateway_in_auto_mode_the_cap_given_is_autos_ceiling():
+    """`--mode auto --concurrency N`: Auto grows by slow start (1, then x4 while the KV fit allows) and never past
+    N, as `run --mode auto --concurrency N` has it (before, the endpoint's default ceiling let it reach 64)."""
+    from cerevisor_tui.commands.replay import through_gateway
+
+    turns = generate("tiered-offload", sessions=6, seed=1)
+    async with SimServer(SimSettings(speed=10.0)) as sim:
+        report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=10.0,
+                                                                           clock=sim.state.engine.clock_s),
+                                       "auto", 2, sections={"run": {"metrics_interval_s": 0.2}})
+    assert report.turns_completed == report.turns == 48
+    assert report.caps and max(change["cap"] for change in report.caps) <= 2

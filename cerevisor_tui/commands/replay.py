@@ -169,7 +169,9 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
 
     config = validate({
         **sections,
-        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off", **sections.get("run", {})},
+        # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it
+        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off",
+                **({"auto": {"max_cap": cap}} if mode == "auto" else {}), **sections.get("run", {})},
         "endpoints": [{"name": "upstream", "kind": "local", "base_url": upstream,
                        **({"model": settings.model} if settings.model else {}),
                        **({"api_key_env": api_key_env} if api_key_env else {}), **endpoint}],
