@@ -163,8 +163,9 @@ async def main() -> int:
                    makespan_best_fixed_s=best.makespan_s, prefix_hit_rate_alone=hits_alone,
                    prefix_hit_rate_kept=kept, runs=[vars(r) for r in rows])
     if args.skip != "b":
-        log(f"(b) a fresh box: {args.cold_start_s:g} s of cold start, then an empty prefix cache")
         first_turns = window(generate("agentx", sessions=sessions, seed=args.seed), 2)
+        log(f"(b) a fresh box: {args.cold_start_s:g} s of cold start, then an empty prefix cache; each session's "
+            f"first 2 turns ({len(first_turns)} turns), every session at once")
         generic = await gateway_run(
             first_turns, "parallel", sessions, args.speed, cold_start_s=args.cold_start_s, label="generic timer",
             stall=_scaled_stall(args.speed, first_byte_timeout_s=GENERIC_TIMER_S, idle_timeout_s=GENERIC_TIMER_S,
