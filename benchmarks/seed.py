@@ -18,8 +18,8 @@ time is the simulator's own (BatchEngine.clock_s), so a host that cannot keep pa
     and the busy-server extension. Deadlines are the run's wall seconds: here divided by the speed, so that
     they mean simulated seconds. Targets: the generic timer's kills counted, the two deadlines' kills 0.
 
-    python benchmarks/seed.py            # 48 sessions x 8 turns (about 15 minutes on 2 shared cores)
-    python benchmarks/seed.py --quick    # 32 sessions x 4 turns, fewer caps (a few minutes)
+    python benchmarks/seed.py            # 48 sessions x 8 turns, caps 8 to 48 (not yet run to its end here)
+    python benchmarks/seed.py --quick    # 32 sessions x 4 turns, caps 8 to 32: 16 minutes on 2 cores at load 10-17
     python benchmarks/seed.py --json     # the figures as one JSON object
 """
 

@@ -13,7 +13,7 @@ request beside it, and the attached consumer's event delay (the time a line reac
 time: both are this host's CLOCK_MONOTONIC) and the bytes it was sent. The console's key latency under a
 256-agent load is console_load.py's figure (the same control socket); here the consumer is headless.
 
-    python benchmarks/seed_scale.py                   # 256 sessions x 2 turns at speed 20 (a few minutes)
+    python benchmarks/seed_scale.py                   # 256 sessions x 2 turns at speed 20 (7 minutes at load 17)
     python benchmarks/seed_scale.py --sessions 64 --json
 """
 
@@ -188,6 +188,8 @@ def main() -> int:
           f"{f['sim_cpu_ms_per_request']:.1f} ms")
     print(f"attached consumer: {f['consumer_events']:,} events, {f['consumer_mib']:.0f} MiB; delay p50 "
           f"{f['consumer_delay_p50_s']:.3f} s, p95 {f['consumer_delay_p95_s']:.3f} s, max {f['consumer_delay_max_s']:.3f} s")
+    if f["first_error"]:
+        print(f"{f['turns'] - f['turns_completed']} turns failed; the first: {f['first_error']}")
     return 0
 
 
