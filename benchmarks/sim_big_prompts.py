@@ -71,7 +71,7 @@ async def keep_up(sessions: int, speed: float) -> None:
         engine = srv.state.engine
         start_sim, start_wall = engine.now, time.monotonic()
         report = await replay(big_trace(sessions), srv.base_url,
-                              ReplaySettings(concurrency=sessions, speed=speed, time_scale=speed))
+                              ReplaySettings(concurrency=sessions, speed=speed, clock=engine.clock_s))
         wall_s, sim_s = time.monotonic() - start_wall, engine.now - start_sim
         log = srv.state.requests
         held = sum(entry["body_bytes"] for entry in log if entry["messages"] is not None)

@@ -11,8 +11,8 @@
    sessions against `--sim agentx-12xgb300`, each session's first `--agentx-turns` turns (and the subagents they
    spawn): the whole file (~13,000 turns of up to a million tokens) does not fit 2 cores in minutes. Interactivity
    (output tokens per second after the first, per request) is taken on the simulator's clock, as each request
-   ends: the replay client, sharing 2 cores with 256 streams, would blur it. TTFT is the client's, scaled by the
-   simulator's pace over the run (engine seconds per wall second).
+   ends: the replay client, sharing 2 cores with 256 streams, would blur it. TTFT is the client's, timed on the
+   simulator's clock (BatchEngine.clock_s).
 
     python benchmarks/study_calibration.py            # both (about 8 minutes on 2 shared cores)
     python benchmarks/study_calibration.py --quick    # fewer levels, 2 turns of agentx (about 4 minutes)
@@ -61,7 +61,7 @@ async def tiered_level(profile: str, sessions: int, speed: float, seed: int) -> 
     async with SimServer(SimSettings(profile=profile, speed=speed)) as srv:
         engine, kv = srv.state.engine, srv.state.kv
         start_sim, start_wall = engine.now, time.monotonic()
-        await replay(turns, srv.base_url, ReplaySettings(concurrency=sessions, speed=speed, time_scale=speed))
+        await replay(turns, srv.base_url, ReplaySettings(concurrency=sessions, speed=speed, clock=engine.clock_s))
         sim_s = engine.now - start_sim
         return Level(profile, sessions, engine.generation_tokens_total / sim_s,
                      engine.computed_prompt_tokens_total / max(1, engine.prompt_tokens_total), kv.cpu_hits_tokens,
@@ -99,11 +99,12 @@ async def agentx(sessions: int, per_session: int, speed: float, seed: int) -> di
     async with SimServer(SimSettings(profile="agentx-12xgb300", speed=speed)) as srv:
         engine = srv.state.engine
         start_sim, start_wall = engine.now, time.monotonic()
-        report = await replay(turns, srv.base_url, ReplaySettings(concurrency=sessions, speed=speed, time_scale=1.0))
+        report = await replay(turns, srv.base_url, ReplaySettings(concurrency=sessions, speed=speed,
+                                                                  clock=engine.clock_s))
         sim_s, wall_s = engine.now - start_sim, time.monotonic() - start_wall
         pace = sim_s / wall_s  # engine seconds per wall second over the run
-        rates = list(engine.decode_rates)  # on the engine's clock: a busy client would blur them
-        ttfts = [(r.first_at - r.sent_at) * pace for r in report.turn_log if not r.error and r.first_at is not None]
+        rates = list(engine.decode_rates)  # on the engine's clock, per token: a busy client would blur them
+        ttfts = [r.first_at - r.sent_at for r in report.turn_log if not r.error and r.first_at is not None]
         total = engine.prompt_tokens_total + engine.generation_tokens_total
         return {"sessions": sessions, "turns": len(turns), "turns_completed": report.turns_completed,
                 "interactivity_p50": percentile(rates, 50), "interactivity_p90": percentile(rates, 90),

@@ -295,7 +295,8 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "text, so the server's prefix cache sees the file's own sharing; max_tokens is the turn's output_length.\n\n"
         "Without --endpoint it starts a simulator (--sim PROFILE picks its model and GPU; --speed scales its "
         "clock too, and the times shown are its own). It prints turns completed, TTFT and interactivity (output "
-        "tokens/s per user) p50/p90 and the prefix-cache hit rate from the server's /metrics counters.\n"
+        "tokens/s per user) p50/p90, goodput (turns meeting --slo-interactivity and --slo-ttft-s, and how many a "
+        "minute) and the prefix-cache hit rate from the server's /metrics counters.\n"
         "exit codes: 0 every turn answered; 1 some failed (the first error is shown); 2 usage or file error.",
         epilog="examples:\n"
         "  cerevisor-tui replay run tiered.jsonl --sim --speed 20 --concurrency 32\n"
@@ -321,6 +322,10 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
                             help="with --through-gateway: the run's mode (default parallel)")
     run_replay.add_argument("--speed", type=float, default=1.0, metavar="X",
                             help="divide the gaps between turns by X (and run the simulator X times faster)")
+    run_replay.add_argument("--slo-interactivity", type=float, default=50.0, metavar="TOK_S",
+                            help="goodput counts turns with at least this many output tokens/s per user (default 50)")
+    run_replay.add_argument("--slo-ttft-s", type=float, default=30.0, metavar="S",
+                            help="and, past a session's first turn, a TTFT of at most S seconds (default 30)")
     run_replay.add_argument("--report", metavar="PATH", help="also write the report, with each session's figures, "
                             "as JSON here")
     run_replay.add_argument("--json", action="store_true", help="print the report as one JSON object")

@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
+import anyio
 import pytest
 
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.endpoints.client import build_client
 from cerevisor_tui.replay.generate import generate
-from cerevisor_tui.replay.run import BLOCK_CHARS, ReplaySettings, block_text, prompt_text, replay
+from cerevisor_tui.replay.run import BLOCK_CHARS, ReplaySettings, Slo, block_text, prompt_text, replay
 from cerevisor_tui.replay.trace import TraceTurn, whole_prompts, write_trace
 from cerevisor_tui.sim import SimServer
 
@@ -45,7 +47,7 @@ async def test_the_servers_prefix_hits_are_the_traces_sharing():
     previous = [whole for t, whole in whole_prompts(turns) if t.turn < 8]
     expected = sum(previous) / sum(prompts)
     async with SimServer(SimSettings(speed=SPEED)) as sim:
-        report = await replay(turns, sim.base_url, ReplaySettings(concurrency=3, speed=SPEED, time_scale=SPEED))
+        report = await replay(turns, sim.base_url, ReplaySettings(concurrency=3, speed=SPEED, clock=sim.state.engine.clock_s))
     assert report.turns_completed == report.turns == 24 and report.turns_failed == 0
     assert report.sessions_completed == 3
     assert report.prefix_hit_rate == pytest.approx(expected, abs=0.01)
@@ -77,6 +79,49 @@ async def test_a_turn_goes_out_only_after_the_answer_and_its_gap_and_subagents_a
 
 
 @pytest.mark.anyio
+async def test_on_the_simulators_clock_a_host_that_falls_behind_stretches_no_time_and_idle_gaps_still_count():
+    """The bug this guards: times taken on the wall and multiplied by --speed grew with every moment the host
+    could not keep pace. Here the host stops for 0.4 s (20 engine seconds at speed 50) in the middle of a
+    10 tokens/s decode; on the simulator's clock the turn still decodes at 10 tokens/s, and the 5 s gap before
+    the next turn, when the server sat idle, is in the makespan."""
+    settings = SimSettings(speed=SPEED, tokens_per_s=10.0, ttft_s=0.0)
+    turns = [turn("s", 1, 1000, 60, [1, 2]), turn("s", 2, 100, 2, [1, 2, 3], delay_ms=5000.0)]
+    async with SimServer(settings) as sim, anyio.create_task_group() as group:
+        engine = sim.state.engine
+
+        async def busy_host() -> None:
+            while engine.generation_tokens_total < 10:  # wait for the decode to be under way
+                await anyio.sleep(0.005)
+            time.sleep(0.4)  # the whole event loop held, as a loaded machine would
+
+        group.start_soon(busy_host)
+        report = await replay(turns, sim.base_url, ReplaySettings(concurrency=1, speed=SPEED, clock=engine.clock_s,
+                                                                  slo=Slo(min_interactivity_tokens_s=8.0)))
+    assert report.turns_completed == 2
+    first = next(r for r in report.turn_log if r.turn == 1)
+    rate = (first.output_tokens - 1) / (first.ended_at - first.first_at)
+    assert rate == pytest.approx(10.0, rel=0.2)  # on the wall x speed: under 3 tokens/s
+    assert 5.0 <= report.makespan_s < 5.0 + 6.0 + 5.0  # the gap, the decode, and far from the stop's 20 s
+    assert report.goodput["turns"] == 2 and report.goodput["share"] == 1.0
+    assert report.goodput["turns_per_min"] == pytest.approx(2 / report.makespan_s * 60)
+
+
+@pytest.mark.anyio
+async def test_goodput_counts_only_the_turns_that_meet_the_slo():
+    """A server whose decode is 10 tokens/s per user meets an SLO of 8 and misses one of 50 (the default)."""
+    turns = [turn("s", 1, 500, 20, [1]), turn("s", 2, 100, 20, [1, 2], delay_ms=100.0)]
+    async with SimServer(SimSettings(speed=SPEED, tokens_per_s=10.0, ttft_s=0.0)) as sim:
+        strict = await replay(turns, sim.base_url, ReplaySettings(concurrency=1, speed=SPEED,
+                                                                  clock=sim.state.engine.clock_s))
+        lenient = await replay(turns, sim.base_url, ReplaySettings(concurrency=1, speed=SPEED,
+                                                                   clock=sim.state.engine.clock_s,
+                                                                   slo=Slo(min_interactivity_tokens_s=8.0)))
+    assert strict.turns_completed == lenient.turns_completed == 2
+    assert strict.goodput["turns"] == 0 and strict.goodput["min_interactivity_tokens_s"] == 50.0
+    assert lenient.goodput["turns"] == 2 and lenient.goodput["max_ttft_s"] == 30.0
+
+
+@pytest.mark.anyio
 async def test_concurrency_bounds_the_sessions_under_way():
     turns = generate("tiered-offload", sessions=5, seed=2)
     async with SimServer(SimSettings(speed=SPEED)) as sim, build_client(4) as client:
@@ -101,6 +146,7 @@ def test_the_command_prints_one_json_report(tmp_path):
     assert report["turns_completed"] == 16 and report["simulated"] is True
     assert 0.8 < report["prefix_hit_rate"] < 0.85
     assert {"p50_s", "p90_s"} <= report["ttft"].keys() and "p90_tokens_per_s" in report["interactivity"]
+    assert report["goodput"]["turns"] <= 16 and report["goodput"]["max_ttft_s"] == 30.0
     written = json.loads((tmp_path / "r.json").read_text())
     assert [row["session_id"] for row in written["per_session"]] == ["s00001", "s00002"]
     assert all(row["turns_completed"] == 8 and row["ttft"]["p50_s"] > 0 for row in written["per_session"])
@@ -134,7 +180,7 @@ async def test_through_a_gateway_every_session_is_a_row_of_the_run_under_its_cap
     prompts = [whole for _, whole in whole_prompts(turns)]
     previous = [whole for t, whole in whole_prompts(turns) if t.turn < 8]
     async with SimServer(SimSettings(speed=SPEED)) as sim:
-        report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=SPEED, time_scale=SPEED),
+        report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=SPEED, clock=sim.state.engine.clock_s),
                                        "sequential", 1)
         seen = {request["headers"].get("x-session-id") for request in sim.state.requests}
     assert report.turns_completed == report.turns == 24 and not report.kills
@@ -160,8 +206,44 @@ async def test_with_a_cpu_tier_the_report_counts_what_came_back_from_it_beside_t
     previous = [whole for t, whole in whole_prompts(turns) if t.turn < 8]
     settings = SimSettings(speed=SPEED, kv_cache_tokens=40_000, cpu_offload_gib=20.0)
     async with SimServer(settings) as sim:
-        report = await replay(turns, sim.base_url, ReplaySettings(concurrency=4, speed=SPEED, time_scale=SPEED))
+        report = await replay(turns, sim.base_url, ReplaySettings(concurrency=4, speed=SPEED, clock=sim.state.engine.clock_s))
     assert report.turns_completed == report.turns == 32
     assert report.prefix_hit_rate is not None and report.prefix_hit_rate < 0.1  # evicted turn after turn
     assert report.cpu_hit_rate is not None
     assert report.prefix_hit_rate + report.cpu_hit_rate == pytest.approx(sum(previous) / sum(prompts), abs=0.05)
+
+
+@pytest.mark.anyio
+async def test_session_admission_through_the_gateway_keeps_the_prefix_hits_each_session_gets_alone():
+    """Issue 31 item 5 on a tiny agentx file: the gateway admits whole sessions (a session keeps its slot across
+    its gaps), so the server sees each conversation's turns back to back and keeps their prefixes; its hit rate
+    through the gateway is at least 95% of the file replayed one session at a time."""
+    from cerevisor_tui.commands.replay import through_gateway
+
+    fast = 200.0  # the gaps and the gateway's release (twice the longest gap) at this speed: seconds, not minutes
+    turns = [t for t in generate("agentx", sessions=3, seed=3) if t.parent is None and t.turn <= 3]
+    async with SimServer(SimSettings(profile="agentx-slice", speed=fast)) as sim:
+        alone = await replay(turns, sim.base_url, ReplaySettings(concurrency=1, speed=fast,
+                                                                 clock=sim.state.engine.clock_s))
+    async with SimServer(SimSettings(profile="agentx-slice", speed=fast)) as sim:
+        through = await through_gateway(turns, sim.base_url, ReplaySettings(speed=fast,
+                                                                            clock=sim.state.engine.clock_s),
+                                        "parallel", 2)
+    assert alone.turns_completed == through.turns_completed == len(turns) == 9
+    assert alone.prefix_hit_rate is not None and alone.prefix_hit_rate > 0.5
+    assert through.prefix_hit_rate is not None and through.prefix_hit_rate >= 0.95 * alone.prefix_hit_rate
+
+
+@pytest.mark.anyio
+async def test_through_a_gateway_in_auto_mode_the_cap_given_is_autos_ceiling():
+    """`--mode auto --concurrency N`: Auto grows by slow start (1, then x4 while the KV fit allows) and never past
+    N, as `run --mode auto --concurrency N` has it (before, the endpoint's default ceiling let it reach 64)."""
+    from cerevisor_tui.commands.replay import through_gateway
+
+    turns = generate("tiered-offload", sessions=6, seed=1)
+    async with SimServer(SimSettings(speed=10.0)) as sim:
+        report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=10.0,
+                                                                           clock=sim.state.engine.clock_s),
+                                       "auto", 2, sections={"run": {"metrics_interval_s": 0.2}})
+    assert report.turns_completed == report.turns == 48
+    assert report.caps and max(change["cap"] for change in report.caps) <= 2

@@ -24,6 +24,14 @@ def test_study_presets_hold_the_studies_conversations_and_explicit_settings_win(
     assert set(STUDIES) <= set(names())
 
 
+def test_the_agentx_slice_is_a_sixteenth_of_the_agentx_box_with_its_point_at_16_sessions():
+    box, slice_ = resolve(SimSettings(profile="agentx-12xgb300")), resolve(SimSettings(profile="agentx-slice"))
+    assert slice_.kv_cache_tokens * 16 == box.kv_cache_tokens and slice_.block_size == box.block_size
+    assert slice_.params.prefill_tokens_per_s * 16 == box.params.prefill_tokens_per_s
+    per_user_at_16 = slice_.params.tokens_per_s / (1 + slice_.params.batch_slowdown * 15)
+    assert per_user_at_16 == pytest.approx(58.3)  # the AgentX point's p90 interactivity, at 16 sessions not 256
+
+
 @pytest.mark.anyio
 async def test_the_request_log_keeps_recent_bodies_and_drops_old_560kb_prompts():
     text = prompt_text(list(range(300)), 140_000, "s")  # a turn-43 agent prompt: 140K tokens, 560 KB

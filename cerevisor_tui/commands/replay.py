@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TextIO
 
 from cerevisor_tui.replay.trace import TraceError, TraceTurn, write_trace
 
@@ -77,16 +78,20 @@ def _tokens(value: float) -> str:
 def _replay(args: argparse.Namespace) -> int:
     """`replay run`: the file closed loop against --endpoint, or a built-in simulator; exit 1 when turns failed."""
     import asyncio
+    import dataclasses
     import os
 
     from cerevisor_tui.endpoints.errors import EndpointError
-    from cerevisor_tui.replay.run import ReplaySettings, replay
+    from cerevisor_tui.replay.run import ReplaySettings, Slo, replay
     from cerevisor_tui.replay.trace import read_trace
     from cerevisor_tui.sim import ProfileError
 
     where = f"{PROG} run"
     if args.concurrency < 1 or args.speed <= 0:
         print(f"{where}: error: --concurrency must be at least 1 and --speed above 0", file=sys.stderr)
+        return 2
+    if not (args.slo_interactivity >= 0 and args.slo_ttft_s > 0):  # (not NaN either)
+        print(f"{where}: error: --slo-interactivity must be at least 0 and --slo-ttft-s above 0", file=sys.stderr)
         return 2
     try:
         turns = read_trace(args.file)
@@ -104,11 +109,10 @@ def _replay(args: argparse.Namespace) -> int:
             return 2
         headers["Authorization"] = f"Bearer {key}"
     simulated = args.endpoint is None
-    settings = ReplaySettings(concurrency=args.concurrency, speed=args.speed,
-                              time_scale=args.speed if simulated else 1.0, model=args.model or "",
-                              extra_headers=headers)
+    settings = ReplaySettings(concurrency=args.concurrency, speed=args.speed, model=args.model or "",
+                              slo=Slo(args.slo_interactivity, args.slo_ttft_s), extra_headers=headers)
 
-    async def to(base_url: str) -> ReplayReport:
+    async def to(base_url: str, settings: ReplaySettings = settings) -> ReplayReport:
         if args.through_gateway:
             return await through_gateway(turns, base_url, settings, args.mode, args.concurrency,
                                          api_key_env=args.api_key_env or "")
@@ -119,7 +123,9 @@ def _replay(args: argparse.Namespace) -> int:
         from cerevisor_tui.sim import SimServer
 
         async with SimServer(SimSettings(profile=args.sim or "", speed=args.speed)) as sim:
-            return await to(sim.base_url)
+            # timed on the simulator's own clock: on a host that cannot keep pace with --speed, the wall times
+            # --speed would overstate every time
+            return await to(sim.base_url, dataclasses.replace(settings, clock=sim.state.engine.clock_s))
 
     try:
         report = asyncio.run(against_sim() if simulated else to(args.endpoint))
@@ -145,10 +151,12 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 async def through_gateway(turns: list[TraceTurn], upstream: str, settings: ReplaySettings, mode: Mode,
-                          cap: int, *, api_key_env: str = "") -> ReplayReport:
+                          cap: int, *, api_key_env: str = "", sections: Mapping[str, Mapping[str, Any]] = {},
+                          endpoint: Mapping[str, Any] = {}) -> ReplayReport:
     """The replay's sessions through a gateway of a run of their own in front of `upstream`, as harness traffic
     arrives: every session is sent when its trace says (the run, not the client, admits them), each a row under the
-    run's `mode` and `cap`; the report adds the run's cap changes and kills."""
+    run's `mode` and `cap`; the report adds the run's cap changes and kills. `sections` adds to the run's config
+    tables ("run", "stall", ...) and `endpoint` to its endpoint's, e.g. deadlines scaled to a sped-up simulator."""
     import dataclasses
 
     import anyio
@@ -160,10 +168,13 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
     from cerevisor_tui.replay.run import replay
 
     config = validate({
-        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off"},
+        **sections,
+        # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it
+        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off",
+                **({"auto": {"max_cap": cap}} if mode == "auto" else {}), **sections.get("run", {})},
         "endpoints": [{"name": "upstream", "kind": "local", "base_url": upstream,
                        **({"model": settings.model} if settings.model else {}),
-                       **({"api_key_env": api_key_env} if api_key_env else {})}],
+                       **({"api_key_env": api_key_env} if api_key_env else {}), **endpoint}],
         # a session keeps its slot across its own gaps (tools, a person), and not long past its last turn: the
         # trace's longest gap, at the replay's speed
         "gateway": {"listen": "127.0.0.1:0", "release_after_s": max(0.1, 2 * max(
@@ -206,6 +217,12 @@ def _print_report(report: ReplayReport, simulated: bool, out: TextIO) -> None:
 
     out.write(f"TTFT p50 {shown(ttft['p50_s'], ' s')}, p90 {shown(ttft['p90_s'], ' s')}; interactivity p50 "
               f"{shown(rate['p50_tokens_per_s'], '')}, p90 {shown(rate['p90_tokens_per_s'], '')} tokens/s per user\n")
+    good = report.goodput
+    share = "-" if good["share"] is None else f"{good['share']:.0%}"
+    per_min = "-" if good["turns_per_min"] is None else f"{good['turns_per_min']:.1f}"
+    out.write(f"goodput {good['turns']:,} turns ({share}, {per_min} a minute) met the SLO: interactivity at least "
+              f"{good['min_interactivity_tokens_s']:g} tokens/s and TTFT at most {good['max_ttft_s']:g} s past "
+              "a session's first turn\n")
     hits = "-" if report.prefix_hit_rate is None else f"{report.prefix_hit_rate:.1%}"
     if report.cpu_hit_rate is not None:
         hits += f" in GPU memory, {report.cpu_hit_rate:.1%} more from the CPU tier"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -51,12 +52,33 @@ def prompt_text(hash_ids: list[int], tokens: int, session_id: str = "") -> str:
 
 
 @dataclass(frozen=True)
+class Slo:
+    """What a turn must meet to count in goodput: its own interactivity (output tokens/s after the first) at least
+    `min_interactivity_tokens_s`, and, past a session's first turn (whose whole prompt is new), a TTFT of at most
+    `max_ttft_s`. AgentX's bar: 50 tokens/s per user; 30 s to the first token of a turn."""
+
+    min_interactivity_tokens_s: float = 50.0
+    max_ttft_s: float = 30.0
+
+    def met(self, result: TurnResult) -> bool:
+        if result.error or result.first_at is None or result.ended_at is None:
+            return False
+        if result.turn > 1 and result.first_at - result.sent_at > self.max_ttft_s:
+            return False
+        rate = _rate(result)
+        return rate is None or rate >= self.min_interactivity_tokens_s
+
+
+@dataclass(frozen=True)
 class ReplaySettings:
     """How a replay runs."""
 
     concurrency: int = 8  # top-level sessions under way at once (a subagent runs in its parent's)
     speed: float = 1.0  # gaps between turns are divided by this
-    time_scale: float = 1.0  # measured times are multiplied by this: a simulator's speed, to give its own time
+    # what turns are timed on, in the server's seconds: the wall for a real server, a simulator's own clock
+    # (BatchEngine.clock_s) for one whose sped-up clock the host may not keep pace with
+    clock: Callable[[], float] = time.monotonic
+    slo: Slo = field(default_factory=Slo)
     model: str = ""  # empty: the first of /v1/models
     request_timeout_s: float = 600.0
     extra_headers: dict[str, str] = field(default_factory=dict)
@@ -93,10 +115,11 @@ class ReplayReport:
     ttft: dict[str, float | None]
     interactivity: dict[str, float | None]
     prefix_hit_rate: float | None  # of the GPU's prefix cache
+    # turns that met the SLO: how many, their share of the file's turns, and per minute of the makespan
+    goodput: dict[str, Any]
     makespan_s: float
     concurrency: int
     speed: float
-    time_scale: float
     first_error: str = ""
     # prompt tokens served from the CPU tier over those asked of the GPU's cache; None: the server has no CPU tier
     cpu_hit_rate: float | None = None
@@ -121,7 +144,7 @@ class ReplayReport:
             by_session.setdefault(result.session_id, []).append(result)
         rows = []
         for session_id, results in by_session.items():
-            ttfts, rates = _timings([r for r in results if not r.error], self.time_scale)
+            ttfts, rates = _timings([r for r in results if not r.error])
             rows.append({"session_id": session_id, "turns_completed": sum(1 for r in results if not r.error),
                          "turns_failed": sum(1 for r in results if r.error),
                          "ttft": {"p50_s": percentile(ttfts, 50), "p90_s": percentile(ttfts, 90)},
@@ -182,7 +205,8 @@ async def _run(plan: _Plan, client: httpx.AsyncClient, base_url: str, model: str
     url = base_url.rstrip("/") + "/chat/completions"
     results: list[TurnResult] = []
     slots = anyio.Semaphore(settings.concurrency)
-    started = time.monotonic()
+    started = time.monotonic()  # the gaps run on the wall, divided by the speed
+    clock_started = settings.clock()
 
     async def conversation(session_id: str, spawned: TaskGroup) -> None:
         for turn, whole in plan.turns[session_id]:
@@ -204,7 +228,7 @@ async def _run(plan: _Plan, client: httpx.AsyncClient, base_url: str, model: str
     async with anyio.create_task_group() as group:
         for session_id in plan.top_level:
             group.start_soon(session, session_id)
-    return results, time.monotonic() - started
+    return results, settings.clock() - clock_started
 
 
 async def _send(client: httpx.AsyncClient, url: str, model: str, turn: TraceTurn, whole: int,
@@ -214,18 +238,19 @@ async def _send(client: httpx.AsyncClient, url: str, model: str, turn: TraceTurn
             "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max(1, turn.output_length)}
     headers = {**settings.extra_headers, "X-Session-ID": turn.session_id,
                "X-Request-ID": f"{turn.session_id}-{turn.turn}"}
-    result = TurnResult(turn.session_id, turn.turn, sent_at=time.monotonic())
+    clock = settings.clock
+    result = TurnResult(turn.session_id, turn.turn, sent_at=clock())
     stream = ChatStream(client, url, url, body, headers)
     with anyio.move_on_after(settings.request_timeout_s) as scope:
         try:
             async for kind, _ in stream.events():
                 if kind == DELTA and result.first_at is None:
-                    result.first_at = time.monotonic()
+                    result.first_at = clock()
         except EndpointError as exc:
             result.error = exc.problem
     if scope.cancelled_caught:
         result.error = f"no complete answer within {settings.request_timeout_s:g} s"
-    result.ended_at = time.monotonic()
+    result.ended_at = clock()
     result.prompt_tokens, result.output_tokens = stream.usage or (0, stream.tokens)
     return result
 
@@ -234,14 +259,16 @@ def _report(plan: _Plan, results: list[TurnResult], base_url: str, model: str, s
             before: MetricsSnapshot | None, after: MetricsSnapshot | None, makespan_s: float) -> ReplayReport:
     done = [r for r in results if not r.error]
     failed = [r for r in results if r.error]
-    ttfts, rates = _timings(done, settings.time_scale)
+    ttfts, rates = _timings(done)
+    good = sum(1 for r in done if settings.slo.met(r))
+    turns = sum(len(turns) for turns in plan.turns.values())
     completed_turns: dict[str, int] = defaultdict(int)
     for r in done:
         completed_turns[r.session_id] += 1
     return ReplayReport(
         base_url=base_url, model=model,
         sessions=len(plan.top_level),
-        turns=sum(len(turns) for turns in plan.turns.values()),
+        turns=turns,
         turns_completed=len(done), turns_failed=len(failed),
         sessions_completed=sum(1 for name in plan.top_level
                                if completed_turns[name] == len(plan.turns[name])),
@@ -250,11 +277,13 @@ def _report(plan: _Plan, results: list[TurnResult], base_url: str, model: str, s
         interactivity={"p50_tokens_per_s": percentile(rates, 50), "p90_tokens_per_s": percentile(rates, 90)},
         prefix_hit_rate=prefix_hit_rate(before, after) if after is not None else None,
         cpu_hit_rate=_cpu_hit_rate(before, after),
-        makespan_s=makespan_s * settings.time_scale, concurrency=settings.concurrency, speed=settings.speed,
-        time_scale=settings.time_scale,
+        goodput={"turns": good, "share": good / turns if turns else None,
+                 "turns_per_min": good / makespan_s * 60 if makespan_s > 0 else None,
+                 "min_interactivity_tokens_s": settings.slo.min_interactivity_tokens_s,
+                 "max_ttft_s": settings.slo.max_ttft_s},
+        makespan_s=makespan_s, concurrency=settings.concurrency, speed=settings.speed,
         first_error=failed[0].error if failed else "", turn_log=results,
     )
-
 
 
 def _cpu_hit_rate(before: MetricsSnapshot | None, after: MetricsSnapshot | None) -> float | None:
@@ -271,9 +300,17 @@ def _cpu_hit_rate(before: MetricsSnapshot | None, after: MetricsSnapshot | None)
     return min(1.0, max(0.0, hits / queries)) if queries > 0 else None
 
 
-def _timings(done: list[TurnResult], scale: float) -> tuple[list[float], list[float]]:
-    """Answered turns' TTFTs (s) and interactivity (output tokens/s after the first), in the server's time."""
-    ttfts = [(r.first_at - r.sent_at) * scale for r in done if r.first_at is not None]
-    rates = [(r.output_tokens - 1) / ((r.ended_at - r.first_at) * scale) for r in done
-             if r.first_at is not None and r.ended_at is not None and r.output_tokens > 1 and r.ended_at > r.first_at]
+def _rate(result: TurnResult) -> float | None:
+    """A turn's interactivity: output tokens per second after its first; None with one token or none."""
+    if result.first_at is None or result.ended_at is None or result.output_tokens < 2:
+        return None
+    if result.ended_at <= result.first_at:
+        return None
+    return (result.output_tokens - 1) / (result.ended_at - result.first_at)
+
+
+def _timings(done: list[TurnResult]) -> tuple[list[float], list[float]]:
+    """Answered turns' TTFTs (s) and interactivity (output tokens/s after the first), on the settings' clock."""
+    ttfts = [r.first_at - r.sent_at for r in done if r.first_at is not None]
+    rates = [rate for r in done if (rate := _rate(r)) is not None]
     return ttfts, rates

@@ -52,6 +52,15 @@ STUDIES: dict[str, ProfileNumbers] = {
         max_num_seqs=512, batch_slowdown=0.006, ttft_s=0.02, max_num_batched_tokens=65_536,
         block_size=64,  # FlashMLA's KV block
         description="vLLM AgentX study: a DeepSeek-V4-class model on 12 GB300, 256 agentic sessions"),
+    # A sixteenth of that box, for what a 2-core replay cannot reach at 256 sessions (benchmarks/seed.py): a 16th
+    # of its KV, prefill and batch budget, and a decode that slows 16x as fast with the batch, so its AgentX point
+    # (58.3 tokens/s per user) falls at 16 sessions and its knee of goodput near 20, not 256 and 320
+    "agentx-slice": ProfileNumbers(
+        kv_cache_tokens=20 * 150_000, bytes_per_token=46_080, max_model_len=1_048_576,
+        tokens_per_s=90.0, prefill_tokens_per_s=600_000.0 / 16, reload_tokens_per_s=2e6 / 16,
+        max_num_seqs=32, batch_slowdown=(90.0 / 58.3 - 1) / 15, ttft_s=0.02, max_num_batched_tokens=65_536 // 16,
+        block_size=64,
+        description="a sixteenth of the AgentX box: KV for 20 agentic sessions, 58 tokens/s per user at 16"),
 }
 
 

@@ -154,6 +154,9 @@ class BatchEngine:
         self._wake = asyncio.Event()
         self._anchor_real = time.monotonic()
         self._anchor_sim = 0.0
+        self._idle_since: float | None = self._anchor_real  # real time the engine went idle; None: serving
+        self._idle_s = 0.0  # engine seconds spent idle before that, at `speed`
+        self._clock_high = 0.0  # the latest clock_s() read: it never runs backwards
         self._task: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -223,6 +226,18 @@ class BatchEngine:
             return self.now
         return self._clock()
 
+    def clock_s(self) -> float:
+        """Engine seconds since the server started, idle time counted at `speed` too: what a client of the
+        modelled server would measure. While the host keeps pace it runs at `speed` times the wall; while the
+        host falls behind it slows with the engine (see module doc), so a replay timed on it measures the server,
+        not the machine. It never runs backwards (a step that ended late moves it forward no further)."""
+        if self._idle_since is not None:  # until the loop takes up its work, the engine clock is `now`
+            at = self.now + self._idle_s + (time.monotonic() - self._idle_since) * self.p.speed
+        else:
+            at = self.sim_time() + self._idle_s
+        self._clock_high = max(self._clock_high, at)
+        return self._clock_high
+
     def prompt_progress(self, seq: Sequence) -> int | None:
         """Prompt tokens of `seq` processed so far, cache included (llama's `processed`), while it prefills.
 
@@ -247,16 +262,25 @@ class BatchEngine:
         at = self.step_start + (tokens - before) / seq.step_chunk * (self.step_end - self.step_start)
         return max(0.0, (at - self.sim_time()) / self.p.speed)
 
+    def _served(self) -> None:
+        """The idle time that just ended, into clock_s's count."""
+        if self._idle_since is not None:
+            self._idle_s += (time.monotonic() - self._idle_since) * self.p.speed
+            self._idle_since = None
+
     def _wedge_due(self) -> bool:
         return self.p.wedge_after_s >= 0 and self.now >= self.p.wedge_after_s
 
     async def _loop(self) -> None:
+        self._served()
         self._reanchor()
         while not self._closed:  # closed: it ends even if a cancel was lost on the way
             if not self.waiting and not self.running:
                 # Idle: the clock stands still, so engine time is time spent serving (see module doc).
                 self._wake.clear()
+                self._idle_since = time.monotonic()
                 await self._wake.wait()
+                self._served()
                 self._reanchor()
                 continue
             if self._wedge_due():
