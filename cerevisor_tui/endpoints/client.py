@@ -126,6 +126,9 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 _UNSET = msgspec.UNSET
 
 
+KEEPALIVE_EXPIRY_S = 4.0
+
+
 def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncClient:
     """An httpx client sized for the run: no pool cap below the concurrency, no pool or read timeout.
 
@@ -133,9 +136,11 @@ def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncCli
     would never fire on a wedged model behind keep-alives.
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    # an idle connection is kept a minute (httpx's default: 5 s), so an agent's next turn, after its tool calls or
-    # the other agents' answers, usually finds its connection still open
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 10), keepalive_expiry=60.0)
+    # an idle connection is kept until a little before the servers close theirs (uvicorn's default, vLLM's and
+    # SGLang's, and llama-server's: 5 s): one kept longer meets the server's close as a request goes out on it, a
+    # "connection reset" the gateway cannot retry (the request may have reached the server)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(concurrency, 10),
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     return httpx.AsyncClient(
         # reads without a loop trip when data is already there (endpoints/transport.py, endpoints/network.py)
         transport=AsyncioTransport(limits),
