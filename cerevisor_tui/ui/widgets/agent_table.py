@@ -233,14 +233,15 @@ def deadline_at(st: AgentView) -> float:
 def sort_key(sort: Sort, st: AgentView, warn_at: tuple[float, ...], now: float, order: int) -> tuple:
     """Where the agent goes under `sort`; `order` (its place in wave order) breaks ties, so rows that are equal
     keep still."""
-    if sort == "deadline":
-        return (deadline_at(st), order)
+    if sort == "deadline":  # to the second the row shows: deadlines a token's arrival apart are equal
+        deadline = deadline_at(st)
+        return (math.floor(deadline) if math.isfinite(deadline) else deadline, order)
     if sort == "status":
         look = STATUS_LOOK.get(st.status)  # type: ignore[call-overload]
         return (look.rank if look is not None else len(STATUS_LOOK), order)
     if sort == "rate":
         rate = live_rate(st, now) if st.status in ACTIVE or st.status == "completed" else st.output_tokens_per_s
-        return (-rate if rate is not None else math.inf, order)
+        return (-round(rate) if rate is not None else math.inf, order)  # whole tokens/s: near rates tie
     return (order,)
 
 
@@ -451,15 +452,12 @@ class AgentTable(ScrollView, can_focus=True):
         self.refresh()
 
     def set_sort(self, sort: Sort, mirror: RunMirror, now: float) -> None:
-        """Sort by `sort` (an id of SORTS) now, the cursor on the first row: the agent the sort puts first."""
+        """Sort by `sort` (an id of SORTS) now; the cursor stays on its agent, and the pane shows the top of the
+        new order (what the sort puts first) unless that would scroll the cursor's row out of view."""
         self.sort = sort
         self._order_rows(mirror, now)
-        self.scroll_to(0, 0, animate=False, immediate=True)
-        if self.names and self.cursor_row != 0:
-            self.refresh_line(self.cursor_row + 1)
-            self.cursor_row = 0
-            self.refresh_line(1)
-            self.post_message(self.Highlighted(self, self.names[0]))
+        if self.cursor_row < max(1, self.size.height - 1):
+            self.scroll_to(0, 0, animate=False, immediate=True)
 
     def set_filter(self, text: str, mirror: RunMirror, now: float) -> None:
         """Show only the agents whose name or status contains `text` (any case); "" shows them all."""
@@ -589,7 +587,8 @@ class AgentTable(ScrollView, can_focus=True):
         cached = self._strips.get(name)
         if cached is not None and cached[0] == drawn_from:
             return cached[1]
-        base = self.get_component_rich_style("agent-table--cursor") if cursor else Style()
+        # every cell on the pane's own background: a segment without one shows the terminal's default
+        base = self.get_component_rich_style("agent-table--cursor") if cursor else self.rich_style
         if row is None:
             texts, styles = [name, *[""] * (len(COLUMNS) - 1)], [Style()] * len(COLUMNS)
         else:
@@ -631,4 +630,4 @@ class AgentTable(ScrollView, can_focus=True):
         cursor = index == self.cursor_row
         strip = self._row_strip(name, self._rows.get(name), cursor)
         return strip.crop_extend(scroll_x, scroll_x + width,
-                                 self.get_component_rich_style("agent-table--cursor") if cursor else None)
+                                 self.get_component_rich_style("agent-table--cursor") if cursor else self.rich_style)
