@@ -348,7 +348,7 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
 
     def notify(message: str, severity: str) -> None:
         if apps:
-            apps[0].notify(message, severity=severity, timeout=10)
+            apps[0].notice(message, severity=severity, timeout=10)
 
     def resume(config: Config) -> Any:
         """Go on with the last run in a process of its own, and follow it (the app stops this one first)."""
@@ -372,7 +372,7 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
     def on_app(app: Any) -> None:
         apps.append(app)
         if live_before:
-            app.call_later(lambda: app.notify(live_before, title="Also running", severity="warning", timeout=20))
+            app.call_later(lambda: app.notice(live_before, title="Also running", severity="warning", timeout=20))
 
     code = open_console(run_dir, live=True, args=args, config=setup.config, config_path=setup.config_path,
                         save_path=setup.save_path, save_template=setup.save_template,

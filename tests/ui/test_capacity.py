@@ -52,15 +52,16 @@ def header(app) -> str:
 
 
 def record_notices(app) -> list[str]:
-    """Every notification's message, kept (the app drops them when they time out)."""
+    """Every notice the console gives, kept (the app drops them when they time out, and shows one said again while
+    it is still shown once)."""
     seen: list[str] = []
-    notify = app.notify
+    notice = app.notice
 
     def recording(message: str, **kwargs) -> None:
         seen.append(message)
-        notify(message, **kwargs)
+        notice(message, **kwargs)
 
-    app.notify = recording
+    app.notice = recording
     return seen
 
 

@@ -259,7 +259,7 @@ class SettingsScreen(Screen):
                 if key in by_key:
                     problems.setdefault(key, _message(err))
                 else:
-                    self.notify(f"{section}: {key}: {_message(err)}", severity="error")
+                    self.app.notice(f"{section}: {key}: {_message(err)}", severity="error")
         for key, f in by_key.items():
             f.show_error(problems.get(key, ""))
         return result if not problems else None
@@ -290,7 +290,7 @@ class SettingsScreen(Screen):
             if bad:
                 bad[0].control.focus()
                 bad[0].scroll_visible()
-            self.notify(f"{len(bad) or 1} value(s) refused; see the reasons in red.", severity="error")
+            self.app.notice(f"{len(bad) or 1} value(s) refused; see the reasons in red.", severity="error")
             return None
         data = config.model_dump()
         data["run"] = results[("run", 0)].model_dump()  # type: ignore[union-attr]
@@ -301,7 +301,7 @@ class SettingsScreen(Screen):
         try:
             return validate(data, file=str(self.app.save_path or "settings"))
         except ConfigError as exc:
-            self.notify(str(exc), title="Not saved", severity="error", timeout=10)
+            self.app.notice(str(exc), title="Not saved", severity="error", timeout=10)
             return None
 
     # ---- saving -----------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ class SettingsScreen(Screen):
         if new is None:
             return
         if self.app.save_path is None:
-            self.notify("No config file to save to.", severity="error")
+            self.app.notice("No config file to save to.", severity="error")
             return
         self._save(new, allow_comment_loss=False)
 
@@ -333,7 +333,7 @@ class SettingsScreen(Screen):
                 f"{path.name}.bak. Save anyway?", yes="Save", no="Cancel"), answer)
             return
         except SaveError as exc:
-            self.notify(str(exc), title="Not saved", severity="error", timeout=10)
+            self.app.notice(str(exc), title="Not saved", severity="error", timeout=10)
             return
         applied = self._apply_live(new)
         app.config = new
@@ -342,7 +342,7 @@ class SettingsScreen(Screen):
             note += f" Original kept as {result.backup.name}."
         if applied:
             note += f" Applied now: {', '.join(applied)}."
-        app.notify(note, title="Settings saved", timeout=6)
+        app.notice(note, title="Settings saved", timeout=6)
         app.pop_screen()
 
     def _apply_live(self, new: Config) -> list[str]:
