@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual.app import App
 from textual.notifications import SeverityLevel
@@ -28,10 +29,14 @@ from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.colours import resolve_colour
 from cerevisor_tui.ui.control import RunControl
 from cerevisor_tui.ui.inbox import AttentionItem, terminal_alert
-from cerevisor_tui.ui.keys import BINDING_IDS
+from cerevisor_tui.ui.keys import BINDING_IDS, MAIN_BINDINGS
 from cerevisor_tui.ui.mirror import FINAL, RunMirror
 from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.theme_files import DEFAULT_THEME, ThemeSet
+
+if TYPE_CHECKING:
+    from textual.actions import ActionParseResult
+    from textual.dom import DOMNode
 
 STOP_WAIT_S = 5.0
 """How long quitting waits for the engine to cancel its agents and close its connections."""
@@ -40,6 +45,7 @@ SIGNAL_STOP_WAIT_S = 2.5
 after (commands/terminal_watch.py), so the clean stop has to be done well before."""
 LOST_TERMINAL_EXIT = 128 + signal.SIGHUP
 GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections in the console (see _tune_gc)
+_BINDING_OF_ACTION = {b.action: b.id for b in MAIN_BINDINGS if b.id}
 
 
 Runner = Callable[[], Awaitable[int]]
@@ -91,6 +97,7 @@ class CerevisorApp(App[int]):
         resume_offer: ResumeOffer | None = None,
         tune_gc: bool = False,
         attached: bool = False,
+        tour: bool = False,
     ) -> None:
         """`clock` is what countdowns and rates are computed against (tests freeze it); `save_path` is
         where the settings screen saves, `save_template` the TOML it starts from when that file does not
@@ -99,7 +106,8 @@ class CerevisorApp(App[int]):
         `tune_gc`: set the process's garbage collector for a console (see `_tune_gc`; the console sets it,
         tests that start many apps in one process do not); `attached`: the run lives in a process of its own
         (`run` follows it over its control socket): leaving, a lost terminal or a signal detach from it, and
-        `q` asks whether to detach or stop it."""
+        `q` asks whether to detach or stop it; `tour`: the built-in demo, whose first screen names the keys to
+        try."""
         super().__init__(driver_class=_console_driver())
         self.control = control
         self.mirror = mirror
@@ -122,6 +130,7 @@ class CerevisorApp(App[int]):
         self.probe_offered = False  # the probe is offered once per run, at the first switch to parallel/auto
         self._tune_gc_wanted = tune_gc
         self.attached = attached
+        self.tour = tour
         self._gc_threshold: tuple[int, int, int] | None = None
         self.on_terminal_lost: Callable[[str], None] | None = None
         """Told (from Textual's output thread) when a write to the terminal failed; the console (commands/console.py,
@@ -231,6 +240,13 @@ class CerevisorApp(App[int]):
         self.rung.append(alert)
         if not self.is_headless and self._driver is not None:
             self._driver.write(alert)
+
+    async def run_action(self, action: str | ActionParseResult, default_namespace: DOMNode | None = None) -> bool:
+        """Every key's action comes here: one of the demo's suggested keys leaves its hint."""
+        binding_id = _BINDING_OF_ACTION.get(action) if isinstance(action, str) else None
+        if binding_id is not None and self.tour and isinstance(self.screen, MainScreen):
+            self.screen.tried(binding_id)
+        return await super().run_action(action, default_namespace)
 
     def colour(self, name: str) -> str:
         """A theme variable as a concrete colour for Rich styles ("" when it is not one)."""

@@ -12,13 +12,13 @@ from textual.app import ComposeResult
 from textual.binding import BindingType
 from textual.containers import Container, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import Footer, Static
 
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.commands import ConsoleCommands
 from cerevisor_tui.ui.format import fmt_clock, session_status, status_label, tool_countdown
 from cerevisor_tui.ui.inbox import HINTS
-from cerevisor_tui.ui.keys import MAIN_BINDINGS
+from cerevisor_tui.ui.keys import MAIN_BINDINGS, TOUR, effective_keys
 from cerevisor_tui.ui.mirror import FINAL, AgentView, RunMirror
 from cerevisor_tui.ui.widgets.agent_filter import AgentFilter
 from cerevisor_tui.ui.widgets.agent_table import SORT_LABELS, SORTS, AgentTable
@@ -67,6 +67,9 @@ class MainScreen(Screen):
         self._cap_warning = ""  # the cap warning last notified
         self._jumped_seq = 0  # the inbox item `n` went to last
         self._cap_warned_at = 0  # the effective cap it was notified at
+        self.untried: list[str] = []
+        """The demo's suggested keys (binding ids) not yet pressed: the hint line names them."""
+        self._hint = ""  # what the hint line says ("": hidden)
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -76,6 +79,7 @@ class MainScreen(Screen):
                 yield AgentFilter(id="agents-filter")
             yield StreamPane(id="stream-pane")
             yield LoadPane(id="load-pane")
+        yield Static(id="hint", markup=False)
         yield Footer(show_command_palette=False)
 
     # ---- parts ------------------------------------------------------------------------------------
@@ -97,6 +101,7 @@ class MainScreen(Screen):
         self.query_one("#load-pane").border_title = "3 load"
         self.table.build(app.mirror)
         self._update_agents_subtitle()
+        self.untried = [binding_id for binding_id, _ in TOUR] if app.tour else []
         hz = app.config.ui.refresh_hz
         self.set_interval(1 / hz, self.flush_streams, name="stream-flush")
         self.set_interval(1 / min(hz, STATUS_HZ_MAX), self.refresh_status, name="status-refresh")
@@ -167,6 +172,7 @@ class MainScreen(Screen):
             app.notice(f"{len(approvals)} tool calls wait for you: n goes to each, i lists them.",
                        title="Needs approval", severity="warning", timeout=8)
         self._notify_cap_warning()
+        self._update_hint(mirror)
 
     def _update_empty(self, mirror: RunMirror) -> None:
         """A run of gateway sessions alone calls its pane "sessions"; with none yet, the stream pane says where the
@@ -265,7 +271,8 @@ class MainScreen(Screen):
         self.app.command(cmd.CycleMode(), switched)
 
     def _offer_probe(self) -> None:
-        """Once per run: an endpoint not probed yet (and not hosted), with agents still to start."""
+        """Once per run: an endpoint not probed yet (and not hosted), with agents still to start, offered on the
+        hint line above the footer (`P` opens it); a dialog over the table unasked would take the next key."""
         app = self.app
         mirror = app.mirror
         if app.probe_offered or not app.run_open:
@@ -278,10 +285,59 @@ class MainScreen(Screen):
                       if name in used and ep.kind != "hosted" and name not in probed]
         if not candidates:
             return
+        app.probe_offered = True
+        self.probe_offer = candidates[0]
+        self._update_hint(mirror)
+
+    probe_offer = ""
+    """The endpoint the hint line offers to probe ("" none): until `P`, the run back in sequential mode, or
+    nothing left to start."""
+
+    def action_probe_offer(self) -> None:
+        """`P`: the probe of the offered endpoint (else the first), asking first with what it will send."""
+        app = self.app
+        name = self.probe_offer or next(iter(app.mirror.endpoints), "")
+        self.probe_offer = ""
+        self._update_hint(app.mirror)
+        if not app.run_open or name not in app.mirror.endpoints:
+            self.app.notice("The run is not open: probe an endpoint with `cerevisor-tui probe URL`.",
+                            severity="warning")
+            return
         from cerevisor_tui.ui.screens.probe import ProbeScreen
 
         app.probe_offered = True
-        app.push_screen(ProbeScreen(candidates[0], offer=True))
+        app.push_screen(ProbeScreen(name, offer=True))
+
+    def tried(self, binding_id: str) -> None:
+        """A key of the demo's hint was pressed: the hint names the others."""
+        if binding_id in self.untried or (binding_id == "cap_down" and "cap_up" in self.untried):
+            self.untried = [b for b in self.untried if b not in (binding_id, "cap_up")]
+            self._update_hint(self.app.mirror)
+
+    def _update_hint(self, mirror: RunMirror) -> None:
+        """The line above the footer: the probe on offer, else the demo's keys not tried yet; hidden when neither."""
+        app = self.app
+        offer = self.probe_offer
+        if offer and (mirror.mode == "sequential" or not app.run_open
+                      or not any(a.status in ("pending", "queued") for a in mirror.agents.values())):
+            offer = self.probe_offer = ""
+        if offer:
+            text = (f"Probe {offer} before more agents run at once? P shows what it sends and measures the cap "
+                    "it carries")
+        elif self.untried:
+            keymap = app.keymap
+            bindings = {b.id: b for b in MAIN_BINDINGS}
+            what = dict(TOUR)
+            keys = [f"{effective_keys(bindings[b], keymap)}{'/-' if b == 'cap_up' else ''} {what[b]}"
+                    for b in self.untried]
+            text = "Try: " + " · ".join(keys) + " · q quit"
+        else:
+            text = ""
+        if text != self._hint:
+            self._hint = text
+            hint = self.query_one("#hint", Static)
+            hint.update(text)
+            hint.display = bool(text)
 
     def action_probe(self, endpoint: str = "") -> None:
         """Sweep an endpoint now and offer its recommended cap (the palette's "Probe endpoint")."""
