@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -241,12 +241,13 @@ class CerevisorApp(App[int]):
         if not self.is_headless and self._driver is not None:
             self._driver.write(alert)
 
-    async def run_action(self, action: str | ActionParseResult, default_namespace: DOMNode | None = None) -> bool:
+    async def run_action(self, action: str | ActionParseResult, default_namespace: DOMNode | None = None,
+                         namespaces: Mapping[str, DOMNode] | None = None) -> bool:
         """Every key's action comes here: one of the demo's suggested keys leaves its hint."""
         binding_id = _BINDING_OF_ACTION.get(action) if isinstance(action, str) else None
         if binding_id is not None and self.tour and isinstance(self.screen, MainScreen):
             self.screen.tried(binding_id)
-        return await super().run_action(action, default_namespace)
+        return await super().run_action(action, default_namespace, namespaces)
 
     def colour(self, name: str) -> str:
         """A theme variable as a concrete colour for Rich styles ("" when it is not one)."""
