@@ -18,7 +18,7 @@ class ConsoleCommands(Provider):
         keymap = getattr(app, "keymap", {})
         commands = [
             (PALETTE_NAMES.get(b.id or "", b.description), b.action, f"{b.tooltip}  (key: {effective_keys(b, keymap)})")
-            for b in MAIN_BINDINGS if b.id != "probe"  # the palette names each endpoint to probe (below)
+            for b in MAIN_BINDINGS
         ]
         mirror = getattr(app, "mirror", None)
         for name, ep in (mirror.endpoints.items() if mirror is not None else ()):

@@ -75,6 +75,7 @@ PALETTE_NAMES: dict[str, str] = {
     "answer_approval": "Answer the selected agent's approval",
     "cycle_sort": "Sort agents (wave / deadline / status / tokens/s)",
     "filter": "Filter agents by name or status",
+    "probe": "Probe the offered endpoint (asks first)",
     "settings": "Settings",
     "open_stream": "Open stream of selected agent",
     "leave_stream": "Back to agents",

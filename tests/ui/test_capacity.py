@@ -206,7 +206,7 @@ async def test_palette_probe_runs_at_once_and_esc_cancels_it_closing_its_request
             await log.wait(kind("FirstToken"))
             await pilot.press("ctrl+p")
             assert isinstance(app.screen, CommandPalette)
-            await pilot.press(*"probe")
+            await pilot.press(*"endpoint sim")  # not the offered probe's entry, which asks first
             await until(lambda: palette_offers(app, "Probe endpoint sim"))
             await pilot.press("enter")
             await until(lambda: isinstance(app.screen, ProbeScreen))
