@@ -47,6 +47,24 @@ def demo_text() -> str:
     return resources.files("cerevisor_tui.config").joinpath("example.toml").read_text(encoding="utf-8")
 
 
+DEMO_TOKENS_PER_S = 8.0
+DEMO_MAX_TOKENS_TIMES = 3
+"""The demo's pace: each answer three times as long, streamed at 8 tokens/s a request, so its two waves take
+about three and a half minutes, time to try every key on agents still running (at the example's 40 tokens/s it was over in
+15 s)."""
+
+
+def demo_workflow() -> dict[str, Any]:
+    """The demo's endpoints and agents as the console runs them: the example's, at the demo's pace."""
+    demo = tomllib.loads(demo_text())
+    for endpoint in demo["endpoints"]:
+        if endpoint.get("kind") == "simulated":
+            endpoint.setdefault("sim", {})["tokens_per_s"] = DEMO_TOKENS_PER_S
+    for agent in demo["agents"]:
+        agent["max_tokens"] = agent.get("max_tokens", 256) * DEMO_MAX_TOKENS_TIMES
+    return demo
+
+
 @dataclass(frozen=True)
 class ConsoleSetup:
     """What the console runs, where its config came from and where the settings screen saves."""
@@ -66,13 +84,12 @@ def resolve_config(explicit: str | None) -> ConsoleSetup:
     """The config in force, or the demo; raises ConfigError naming the file and the key."""
     path = find_config(explicit)
     if path is None:
-        text = demo_text()
-        return ConsoleSetup(validate(tomllib.loads(text), file=DEMO), None, user_config_file(), text, True)
+        return ConsoleSetup(validate(demo_workflow(), file=DEMO), None, user_config_file(), demo_text(), True)
     config = load_config(path)
     if not config.endpoints:
         # A config with no endpoint (only [ui] or [run], say) keeps its settings and runs the demo's workflow.
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-        demo = tomllib.loads(demo_text())
+        demo = demo_workflow()
         data["endpoints"], data["agents"] = demo["endpoints"], demo["agents"]
         return ConsoleSetup(validate(data, file=f"{path} (with the {DEMO})"), path, path, None, True)
     if not config.agents:
@@ -256,8 +273,8 @@ def main(args: Any) -> int:
     from cerevisor_tui.commands.terminal_watch import TerminalWatch
 
     if engine is None:
-        return detached_console(setup, runs, last, args, theme=theme, themes=themes)
-    app = build_app(setup, runs, engine, last, theme=theme, themes=themes, tune_gc=True)
+        return detached_console(setup, runs, last, args, theme=theme, themes=themes, tour=setup.demo)
+    app = build_app(setup, runs, engine, last, theme=theme, themes=themes, tune_gc=True, tour=setup.demo)
     watch = TerminalWatch(app.stop_from_thread, lambda code, reason: runs.abandon(f"{reason}; forced exit"))
     app.on_terminal_lost = watch.lost
     watch.start()
@@ -312,13 +329,13 @@ def workflow_file(setup: ConsoleSetup, run_dir: Path) -> Path:
         return setup.config_path
     import tomli_w
 
+    demo = demo_workflow()
     if setup.config_path is None:
-        text = demo_text()
+        data = demo
     else:  # the user's settings with the demo's endpoints and agents (resolve_config)
         data = tomllib.loads(setup.config_path.read_text(encoding="utf-8"))
-        demo = tomllib.loads(demo_text())
         data["endpoints"], data["agents"] = demo["endpoints"], demo["agents"]
-        text = tomli_w.dumps(data)
+    text = tomli_w.dumps(data)
     path = run_dir / WORKFLOW_FILE
     path.write_text(text, encoding="utf-8")
     return path
@@ -348,7 +365,7 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
 
     def notify(message: str, severity: str) -> None:
         if apps:
-            apps[0].notify(message, severity=severity, timeout=10)
+            apps[0].notice(message, severity=severity, timeout=10)
 
     def resume(config: Config) -> Any:
         """Go on with the last run in a process of its own, and follow it (the app stops this one first)."""
@@ -372,7 +389,7 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
     def on_app(app: Any) -> None:
         apps.append(app)
         if live_before:
-            app.call_later(lambda: app.notify(live_before, title="Also running", severity="warning", timeout=20))
+            app.call_later(lambda: app.notice(live_before, title="Also running", severity="warning", timeout=20))
 
     code = open_console(run_dir, live=True, args=args, config=setup.config, config_path=setup.config_path,
                         save_path=setup.save_path, save_template=setup.save_template,

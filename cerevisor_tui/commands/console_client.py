@@ -115,7 +115,7 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app
 
     def notify(message: str, severity: SeverityLevel = "warning") -> None:
         if apps:
-            apps[0].notify(message, title="Not done" if severity == "warning" else "Detached", severity=severity,
+            apps[0].notice(message, title="Not done" if severity == "warning" else "Detached", severity=severity,
                            timeout=6 if severity == "warning" else 30)
 
     starting = app_options.pop("starting", None)

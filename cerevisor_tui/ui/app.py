@@ -15,9 +15,10 @@ import os
 import signal
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from textual.app import App
 from textual.notifications import SeverityLevel
@@ -28,10 +29,14 @@ from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.colours import resolve_colour
 from cerevisor_tui.ui.control import RunControl
 from cerevisor_tui.ui.inbox import AttentionItem, terminal_alert
-from cerevisor_tui.ui.keys import BINDING_IDS
+from cerevisor_tui.ui.keys import BINDING_IDS, MAIN_BINDINGS
 from cerevisor_tui.ui.mirror import FINAL, RunMirror
 from cerevisor_tui.ui.screens.main import MainScreen
 from cerevisor_tui.ui.theme_files import DEFAULT_THEME, ThemeSet
+
+if TYPE_CHECKING:
+    from textual.actions import ActionParseResult
+    from textual.dom import DOMNode
 
 STOP_WAIT_S = 5.0
 """How long quitting waits for the engine to cancel its agents and close its connections."""
@@ -40,6 +45,7 @@ SIGNAL_STOP_WAIT_S = 2.5
 after (commands/terminal_watch.py), so the clean stop has to be done well before."""
 LOST_TERMINAL_EXIT = 128 + signal.SIGHUP
 GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections in the console (see _tune_gc)
+_BINDING_OF_ACTION = {b.action: b.id for b in MAIN_BINDINGS if b.id}
 
 
 Runner = Callable[[], Awaitable[int]]
@@ -91,6 +97,7 @@ class CerevisorApp(App[int]):
         resume_offer: ResumeOffer | None = None,
         tune_gc: bool = False,
         attached: bool = False,
+        tour: bool = False,
     ) -> None:
         """`clock` is what countdowns and rates are computed against (tests freeze it); `save_path` is
         where the settings screen saves, `save_template` the TOML it starts from when that file does not
@@ -99,7 +106,8 @@ class CerevisorApp(App[int]):
         `tune_gc`: set the process's garbage collector for a console (see `_tune_gc`; the console sets it,
         tests that start many apps in one process do not); `attached`: the run lives in a process of its own
         (`run` follows it over its control socket): leaving, a lost terminal or a signal detach from it, and
-        `q` asks whether to detach or stop it."""
+        `q` asks whether to detach or stop it; `tour`: the built-in demo, whose first screen names the keys to
+        try."""
         super().__init__(driver_class=_console_driver())
         self.control = control
         self.mirror = mirror
@@ -122,12 +130,14 @@ class CerevisorApp(App[int]):
         self.probe_offered = False  # the probe is offered once per run, at the first switch to parallel/auto
         self._tune_gc_wanted = tune_gc
         self.attached = attached
+        self.tour = tour
         self._gc_threshold: tuple[int, int, int] | None = None
         self.on_terminal_lost: Callable[[str], None] | None = None
         """Told (from Textual's output thread) when a write to the terminal failed; the console (commands/console.py,
         console_client.py) sets its terminal watch here. Unset, the app stops itself (`stop_from_thread`)."""
         self._console_loop: asyncio.AbstractEventLoop | None = None
         self._pending_stop: tuple[int, str] | None = None  # a stop asked for before the app was mounted
+        self._notices_shown: dict[tuple[str, str, str], float] = {}  # (title, text, severity) -> shown until
         self.rung: deque[str] = deque(maxlen=100)
         """The terminal alerts this console sent, newest last (what `ring` wrote, or would have written to a
         headless terminal)."""
@@ -156,10 +166,10 @@ class CerevisorApp(App[int]):
             self.register_theme(theme)
         self.theme = self._theme_name if self.get_theme(self._theme_name) else DEFAULT_THEME
         for problem in self._themes.problems:
-            self.notify(problem, title="Theme skipped", severity="warning", timeout=8)
+            self.notice(problem, title="Theme skipped", severity="warning", timeout=8)
         unknown = sorted(set(self.keymap) - BINDING_IDS)
         if unknown:
-            self.notify(f"[ui.keys]: unknown binding id {', '.join(unknown)} (known: {', '.join(sorted(BINDING_IDS))})",
+            self.notice(f"[ui.keys]: unknown binding id {', '.join(unknown)} (known: {', '.join(sorted(BINDING_IDS))})",
                         title="Key remap ignored", severity="warning", timeout=10)
         self.set_keymap({k: v for k, v in self.keymap.items() if k in BINDING_IDS})
         if self._run is not None:
@@ -168,7 +178,7 @@ class CerevisorApp(App[int]):
             self.call_after_refresh(self._tune_gc)
         if self.resume_offer is not None:
             offer = self.resume_offer
-            self.notify(f"Last run {offer.run_id} did not complete ({offer.completed} of {offer.total} agents done): "
+            self.notice(f"Last run {offer.run_id} did not complete ({offer.completed} of {offer.total} agents done): "
                         "ctrl+p → Resume last run", title="Resume?", severity="warning", timeout=20)
         self._console_loop = asyncio.get_running_loop()
         if self._pending_stop is not None:
@@ -231,6 +241,14 @@ class CerevisorApp(App[int]):
         if not self.is_headless and self._driver is not None:
             self._driver.write(alert)
 
+    async def run_action(self, action: str | ActionParseResult, default_namespace: DOMNode | None = None,
+                         namespaces: Mapping[str, DOMNode] | None = None) -> bool:
+        """Every key's action comes here: one of the demo's suggested keys leaves its hint."""
+        binding_id = _BINDING_OF_ACTION.get(action) if isinstance(action, str) else None
+        if binding_id is not None and self.tour and isinstance(self.screen, MainScreen):
+            self.screen.tried(binding_id)
+        return await super().run_action(action, default_namespace, namespaces)
+
     def colour(self, name: str) -> str:
         """A theme variable as a concrete colour for Rich styles ("" when it is not one)."""
         if self._colours_of is not self.theme_variables:  # the theme's CSS was refreshed
@@ -246,10 +264,44 @@ class CerevisorApp(App[int]):
             if isinstance(screen, MainScreen) and screen.is_mounted:
                 screen.recolour()
 
-    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
-               timeout: float | None = None, markup: bool = True) -> None:
-        """Our messages carry agent names, paths and reasons verbatim: they are never read as markup."""
-        super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
+    def notice(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
+               timeout: float | None = None) -> None:
+        """A toast of ours. Our messages carry agent names, paths and reasons verbatim: they are never read as
+        markup (Textual's own toasts go through `notify` and keep theirs). The same notice again while the first
+        is still shown is not shown twice: a key held down or a status said at every refresh makes one toast."""
+        key = (title, message, severity)
+        now = time.monotonic()
+        if self._notices_shown.get(key, 0.0) > now:
+            return
+        shown_s = self.NOTIFICATION_TIMEOUT if timeout is None else timeout
+        self._notices_shown = {k: until for k, until in self._notices_shown.items() if until > now}
+        self._notices_shown[key] = now + shown_s
+        self.notify(message, title=title, severity=severity, timeout=shown_s, markup=False)
+
+    def clear_notifications(self) -> None:
+        self._notices_shown.clear()
+        super().clear_notifications()
+
+    def deliver_screenshot(self, filename: str | None = None, path: str | None = None,
+                           time_format: str | None = None) -> str | None:
+        """The palette's Screenshot: an SVG of the screen, saved in the run's directory (the current directory
+        when that is not on this machine), and the notice says where. Textual's own saves to ~/Downloads, which
+        a GPU box seldom has, and then neither saves nor says anything."""
+        directory = path or self._screenshot_dir()
+        try:
+            saved = self.save_screenshot(filename, directory, time_format)
+        except OSError as exc:
+            self.notice(f"Not saved in {directory}: {exc.strerror or exc}", title="Screenshot", severity="error",
+                        timeout=8)
+            return None
+        self.notice(f"Saved {saved}", title="Screenshot", timeout=8)
+        return None
+
+    def _screenshot_dir(self) -> str:
+        run_dir = self.mirror.run_dir
+        if run_dir and os.path.isdir(run_dir) and os.access(run_dir, os.W_OK):
+            return run_dir
+        return os.getcwd()
 
     # ---- the run ----------------------------------------------------------------------------------
     def command(self, command: cmd.Command, then: Callable[[cmd.AnswerValue], None] | None = None) -> None:
@@ -258,7 +310,7 @@ class CerevisorApp(App[int]):
 
         def answered(answer: cmd.Answer) -> None:
             if answer.refused:
-                self.notify(answer.error, title="Not done", severity="warning", timeout=6)
+                self.notice(answer.error, title="Not done", severity="warning", timeout=6)
             elif then is not None:
                 then(answer.value)
 
@@ -296,7 +348,7 @@ class CerevisorApp(App[int]):
         """Stop this run and go on with the last run of this config, which did not complete (palette only)."""
         offer = self.resume_offer
         if offer is None:
-            self.notify("No earlier run of this config is waiting to be resumed.", severity="warning")
+            self.notice("No earlier run of this config is waiting to be resumed.", severity="warning")
             return
         if not self.run_active:
             self._begin_resume(offer)
@@ -316,7 +368,7 @@ class CerevisorApp(App[int]):
         try:
             handle = offer.open(self.config)
         except Exception as exc:  # noqa: BLE001 - an unusable run directory: say so, keep this run
-            self.notify(str(exc) or type(exc).__name__, title="Cannot resume", severity="error", timeout=10)
+            self.notice(str(exc) or type(exc).__name__, title="Cannot resume", severity="error", timeout=10)
             return
         self.resume_offer = None
         self.run_worker(self._swap_run(handle, offer.run_id, f"replaced by the resumed run {offer.run_id}"),
@@ -344,13 +396,13 @@ class CerevisorApp(App[int]):
             main.show_run()
         if self._run is not None:
             self._start_engine_worker()
-        self.notify(f"Resuming run {run_id}.", timeout=4)
+        self.notice(f"Resuming run {run_id}.", timeout=4)
 
     def on_worker_state_changed(self, event: Worker.StateChanged) -> None:
         if event.worker is self._engine_worker and event.state == WorkerState.ERROR:
             error = event.worker.error
             self.engine_error = str(error) or type(error).__name__
-            self.notify(self.engine_error, title="Engine stopped", severity="error", timeout=15)
+            self.notice(self.engine_error, title="Engine stopped", severity="error", timeout=15)
 
     @property
     def run_active(self) -> bool:

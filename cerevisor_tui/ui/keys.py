@@ -40,6 +40,9 @@ MAIN_BINDINGS: list[Binding] = [
     Binding("slash", "filter", "Filter", key_display="/", id="filter", show=False,
             tooltip="Filter the agents by name or status as you type (e.g. fail, stall, approval); enter keeps "
                     "the filter, esc in the filter line clears it."),
+    Binding("P", "probe_offer", "Probe", id="probe", show=False,
+            tooltip="Probe an endpoint (the one offered on the line above the footer, else the first): what it "
+                    "sends, then the sweep and the cap it recommends."),
     Binding("s", "settings", "Settings", id="settings",
             tooltip="Edit run, stall and endpoint settings, and save them to the config file."),
     Binding("enter", "open_stream", "Stream", id="open_stream", show=False,
@@ -72,6 +75,7 @@ PALETTE_NAMES: dict[str, str] = {
     "answer_approval": "Answer the selected agent's approval",
     "cycle_sort": "Sort agents (wave / deadline / status / tokens/s)",
     "filter": "Filter agents by name or status",
+    "probe": "Probe the offered endpoint (asks first)",
     "settings": "Settings",
     "open_stream": "Open stream of selected agent",
     "leave_stream": "Back to agents",
@@ -82,6 +86,12 @@ PALETTE_NAMES: dict[str, str] = {
     "quit": "Quit",
 }
 """What the command palette calls each action."""
+
+TOUR: tuple[tuple[str, str], ...] = (
+    ("toggle_mode", "mode"), ("cap_up", "cap"), ("extend", "extend"), ("kill", "kill"), ("cycle_sort", "sort"),
+    ("maximize_load", "load"), ("help", "help"),
+)
+"""The keys the demo's first screen suggests, by binding id, with what each does; a key tried leaves the hint."""
 
 BINDING_IDS = frozenset(b.id for b in MAIN_BINDINGS if b.id)
 

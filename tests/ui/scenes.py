@@ -351,48 +351,60 @@ class GatewayDriver(Driver):
         move(st, "idle")
 
 
-def build_gateway(*, sessions: bool = True, down: bool = False) -> CerevisorApp:
+LONG_NAMES = {"claude-main": "226c5305-4664-4f2a-9b1e-5d0c3a7bc9e1", "codex-7f3a": "0199a6f2-3c41-7d2e-b6a8-1f04e7c2d5aa",
+              "aider": "aider", "ses-9c1e": "ses_dca4bc70bff2e1c9a3d6f0b8e4"}
+"""The scene's sessions as harnesses name them when no path label does (Claude Code, Codex, opencode)."""
+
+
+def build_gateway(*, sessions: bool = True, long_names: bool = False, theme: str | None = None,
+                  down: bool = False) -> CerevisorApp:
     """A gateway run twelve seconds in (no workflow of its own): with `sessions`, four of them, one streaming its
     second request, one whose request was killed (it goes on, idle), one that gave its slot back, one waiting for a
-    slot; without, none has come yet. `down`: its upstream's port never opened, and it is down past its grace."""
+    slot; without, none has come yet. `long_names`: the sessions named as harnesses name them (session UUIDs, an
+    opencode id), with the kill's reason at length: what the console has to fit in 80 columns. `down`: its
+    upstream's port never opened, and it is down past its grace."""
     config = gateway_config()
     engine = Engine(config, run_id=RUN_ID, run_dir=f"/runs/{RUN_ID}")
     engine.connections.models["sim"] = "sim-model"
     handle = run_handle(engine)
-    app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW, themes=load_themes(None))
+    app = CerevisorApp(handle.control, handle.mirror, config, clock=lambda: NOW, themes=load_themes(None),
+                       theme=theme)
     d = GatewayDriver(engine, app)
     engine.started_at = T0
     d.emit(msgspec.structs.replace(engine.started_event(T0), note=""))
     d.emit(ev.GatewayServing(T0 + 0.1, GATEWAY_URL, ["sim-model"], {"claude-*": "sim-model"}))
     d.emit(ev.RunNotice(T0 + 0.1, GATEWAY_NOTICE, "information", "Gateway"))
+    n = LONG_NAMES if long_names else {name: name for name in LONG_NAMES}
+    killed = ("killed by operator: the request ran past the budget the operator set for this harness"
+              if long_names else "killed by operator")
     if sessions:
-        d.open("claude-main", T0 + 1, "claude-code 2.0.14")
-        d.ask("claude-main", T0 + 1, ("user", "Read README.md and list the commands."))
-        d.send("claude-main", T0 + 1)
-        d.tokens("claude-main", 30, T0 + 1.4, T0 + 3.0)
-        d.answered("claude-main", T0 + 3.0)
+        d.open(n["claude-main"], T0 + 1, "claude-code 2.0.14")
+        d.ask(n["claude-main"], T0 + 1, ("user", "Read README.md and list the commands."))
+        d.send(n["claude-main"], T0 + 1)
+        d.tokens(n["claude-main"], 30, T0 + 1.4, T0 + 3.0)
+        d.answered(n["claude-main"], T0 + 3.0)
 
-        d.open("codex-7f3a", T0 + 2, "codex_exec 0.46.0", source="prompt_cache_key", api="responses")
-        d.ask("codex-7f3a", T0 + 2, ("user", "Fix the failing test in tests/test_cli.py."))
-        d.queued("codex-7f3a", T0 + 2)
-        d.send("codex-7f3a", T0 + 4.3, queued_s=2.3, asked="gpt-5-codex", sent="sim-model")
-        d.tokens("codex-7f3a", 8, T0 + 5.0, T0 + 6.0)
-        d.request_killed("codex-7f3a", T0 + 9.0, "killed by operator")
+        d.open(n["codex-7f3a"], T0 + 2, "codex_exec 0.46.0", source="prompt_cache_key", api="responses")
+        d.ask(n["codex-7f3a"], T0 + 2, ("user", "Fix the failing test in tests/test_cli.py."))
+        d.queued(n["codex-7f3a"], T0 + 2)
+        d.send(n["codex-7f3a"], T0 + 4.3, queued_s=2.3, asked="gpt-5-codex", sent="sim-model")
+        d.tokens(n["codex-7f3a"], 8, T0 + 5.0, T0 + 6.0)
+        d.request_killed(n["codex-7f3a"], T0 + 9.0, killed)
 
-        d.open("aider", T0 + 3, "aider 0.86.1", source="path")
-        d.ask("aider", T0 + 3, ("user", "Add type hints to utils.py"))
-        d.send("aider", T0 + 3, asked="sim-model")
-        d.tokens("aider", 20, T0 + 3.3, T0 + 4.0)
-        d.answered("aider", T0 + 4.0, status="released")
+        d.open(n["aider"], T0 + 3, "aider 0.86.1", source="path")
+        d.ask(n["aider"], T0 + 3, ("user", "Add type hints to utils.py"))
+        d.send(n["aider"], T0 + 3, asked="sim-model")
+        d.tokens(n["aider"], 20, T0 + 3.3, T0 + 4.0)
+        d.answered(n["aider"], T0 + 4.0, status="released")
 
-        d.ask("claude-main", T0 + 6, ("tool", "README.md: run, attach, ls, stop, sim, probe, estimate, gateway"),
+        d.ask(n["claude-main"], T0 + 6, ("tool", "README.md: run, attach, ls, stop, sim, probe, estimate, gateway"),
               ("user", "Now sort them by how often they are used."))
-        d.send("claude-main", T0 + 6)
-        d.tokens("claude-main", 50, T0 + 6.5, NOW - 0.1)
+        d.send(n["claude-main"], T0 + 6)
+        d.tokens(n["claude-main"], 50, T0 + 6.5, NOW - 0.1)
 
-        d.open("ses-9c1e", T0 + 9.5, "openai-python 1.99.0", source="fingerprint")
-        d.ask("ses-9c1e", T0 + 9.5, ("user", "Summarise the diff."))
-        d.queued("ses-9c1e", T0 + 9.5)
+        d.open(n["ses-9c1e"], T0 + 9.5, "openai-python 1.99.0", source="fingerprint")
+        d.ask(n["ses-9c1e"], T0 + 9.5, ("user", "Summarise the diff."))
+        d.queued(n["ses-9c1e"], T0 + 9.5)
     if down:
         d.emit(ev.EndpointState(T0 + 10.1, "sim", "down", "connection refused at 127.0.0.1:8399; it has never "
                                 "answered", T0 + 0.1))

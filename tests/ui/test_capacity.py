@@ -52,15 +52,16 @@ def header(app) -> str:
 
 
 def record_notices(app) -> list[str]:
-    """Every notification's message, kept (the app drops them when they time out)."""
+    """Every notice the console gives, kept (the app drops them when they time out, and shows one said again while
+    it is still shown once)."""
     seen: list[str] = []
-    notify = app.notify
+    notice = app.notice
 
     def recording(message: str, **kwargs) -> None:
         seen.append(message)
-        notify(message, **kwargs)
+        notice(message, **kwargs)
 
-    app.notify = recording
+    app.notice = recording
     return seen
 
 
@@ -97,10 +98,10 @@ async def test_load_pane_zone_follows_the_running_count_and_the_cap_warning_mark
         assert any(app.colour("success") in str(span.style) for span in text.spans)  # the zone in its colour
         assert "> fit" not in header(app) and not cap_notices(notices)  # sequential: one at a time fits
 
-        await pilot.press("m")  # parallel at cap 2: still within the fit; the probe is offered
+        await pilot.press("m")  # parallel at cap 2: still within the fit; the probe is offered, on the hint line
         assert engine_of(app).scheduler.mode == "parallel"
-        assert isinstance(app.screen, ProbeScreen)
-        await pilot.press("plus")  # a console key skips the offer and does its job
+        await until(lambda: main_screen(app).probe_offer == "sim")
+        await pilot.press("plus")  # no dialog in the way: the key does its job
         assert isinstance(app.screen, MainScreen)
         assert engine_of(app).scheduler.max_concurrency == 3
         await until(lambda: cap_notices(notices) == [engine_of(app).load_teller.cap_warning()])
@@ -158,9 +159,14 @@ async def test_first_switch_to_parallel_offers_the_probe_which_measures_and_appl
     async with app.run_test(size=(80, 24)) as pilot:
         await log.wait(kind("FirstToken"))
         await pilot.press("m")
-        assert engine_of(app).scheduler.mode == "parallel"  # the switch did not wait for the dialog
+        assert engine_of(app).scheduler.mode == "parallel"
+        assert isinstance(app.screen, MainScreen)  # offered on the hint line, not in a dialog over the table
+        hint = str(app.screen.query_one("#hint").render())
+        assert hint.startswith("Probe sim before more agents run at once? P ")
+        await pilot.press("P")
         offer = app.screen
         assert isinstance(offer, ProbeScreen) and offer.state == "offer"
+        assert not main_screen(app).query_one("#hint").display
         assert "Probe sim before going parallel?" in str(offer.query_one("#probe-title").render())
         assert "concurrency 1, 2, 4, ... up to 4" in str(offer.query_one("#probe-body").render())
 
@@ -200,7 +206,7 @@ async def test_palette_probe_runs_at_once_and_esc_cancels_it_closing_its_request
             await log.wait(kind("FirstToken"))
             await pilot.press("ctrl+p")
             assert isinstance(app.screen, CommandPalette)
-            await pilot.press(*"probe")
+            await pilot.press(*"endpoint sim")  # not the offered probe's entry, which asks first
             await until(lambda: palette_offers(app, "Probe endpoint sim"))
             await pilot.press("enter")
             await until(lambda: isinstance(app.screen, ProbeScreen))

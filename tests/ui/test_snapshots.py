@@ -6,6 +6,8 @@ tests/ui/__snapshots__/ before committing them.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.ui.scenes import build, build_gateway, select
 
 
@@ -62,3 +64,12 @@ def test_gateway_whose_upstream_is_down(snap_compare):
 def test_gateway_waiting_for_sessions_80x24(snap_compare):
     """A gateway run before its first session: where to point a harness, in the agents pane and the stream."""
     assert snap_compare(build_gateway(sessions=False), terminal_size=(80, 24))
+
+
+@pytest.mark.parametrize("theme", ["cerevisor-dark", "cerevisor-light"])
+@pytest.mark.parametrize("size", [(80, 24), (160, 48)])
+def test_sessions_with_long_names_and_notes(snap_compare, theme, size):
+    """Sessions named as harnesses name them (UUIDs, an opencode id) and a long kill reason: the names cut in their
+    middle, no wave column (every row is a session), the note in what the other columns leave; every cell on the
+    theme's own background."""
+    assert snap_compare(build_gateway(long_names=True, theme=theme), terminal_size=size)

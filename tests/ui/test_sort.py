@@ -55,7 +55,7 @@ async def test_nearest_deadline_sort_puts_the_agent_nearest_its_deadline_on_scre
         assert not on_screen(app, URGENT)
         await pilot.press("o")
         await until(lambda: table.sort == "deadline" and table.names[0] == URGENT and on_screen(app, URGENT))
-        assert table.selected_agent == URGENT
+        assert table.selected_agent == "a000" and table.cursor_row == 1  # the cursor kept its agent
         assert table.row_texts(URGENT)[-2].startswith("first 1:30")  # 90 s left, amber
         assert table.amber == 1 and "by nearest deadline" in str(app.screen.query_one("#agents-pane").border_subtitle)
         # the next agents are the ones sent first, in order
@@ -69,7 +69,7 @@ async def test_the_cursor_stays_on_its_agent_as_the_rows_move(tmp_path):
         await pilot.press("o")
         await pilot.pause()
         table = app.screen.table
-        await pilot.press("down", "down", "down", "down", "down")
+        await pilot.press("down", "down", "down", "down")  # from a000, which the sort put on row 1
         chosen = table.names[5]
         assert table.selected_agent == chosen == "a004"
         # a later agent's first token comes: its idle window (60 s) ends before every first-byte deadline
@@ -118,3 +118,40 @@ async def test_slash_filters_by_name_or_status_and_esc_clears(tmp_path):
         await until(lambda: table.names == AGENTS and table.has_focus)
         assert table.filter == ""
         assert table.selected_agent == URGENT  # the cursor kept its agent while the rows came back
+
+
+@pytest.mark.anyio
+async def test_sorting_keeps_the_cursor_on_its_agent(tmp_path):
+    app, _ = crowd(tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        table = app.screen.table
+        await pilot.press("down", "down", "down")
+        await until(lambda: table.selected_agent == "a003")
+        await pilot.press("o")  # nearest deadline: URGENT goes first, a003 one row down
+        await until(lambda: table.sort == "deadline" and table.names[0] == URGENT)
+        assert table.selected_agent == "a003" and table.cursor_row == 4
+        assert app.screen.stream_pane.agent == "a003"
+        await pilot.press("o", "o", "o")  # status, rate, and back to wave order
+        await until(lambda: table.sort == "wave" and table.names == AGENTS)
+        assert table.selected_agent == "a003" and table.cursor_row == 3
+
+
+@pytest.mark.anyio
+async def test_deadlines_a_token_apart_keep_their_rows_still(tmp_path):
+    """Two streaming agents whose idle deadlines fall in the same second keep wave order whichever got the later
+    token, however often the pane is redrawn: the rows do not swap as each token moves its deadline."""
+    app, engine = crowd(tmp_path)
+    emit_as_engine(engine, ev.FirstToken(NOW - 1.2, "a002", 1, 1, 5.0))  # idle deadline NOW + 58.8
+    emit_as_engine(engine, ev.FirstToken(NOW - 1.6, "a100", 1, 1, 5.0))  # NOW + 58.4: nearer, in the same second
+    async with app.run_test(size=(80, 24)) as pilot:
+        table = app.screen.table
+        await pilot.press("o")
+        await until(lambda: table.sort == "deadline" and table.names[:2] == ["a002", "a100"])
+        for t in (NOW - 1.1, NOW - 1.3, NOW - 1.15):  # a100's deadline passes a002's and back, within the second
+            engine.emit(ev.TokenDelta(t, "a100", 1, "x "))
+            app.screen.refresh_status()
+            await pilot.pause()
+            assert table.names[:2] == ["a002", "a100"]
+        engine.emit(ev.TokenDelta(NOW - 0.1, "a002", 1, "x "))  # a whole second later: a002's deadline is farther
+        app.screen.refresh_status()
+        await until(lambda: table.names[:2] == ["a100", "a002"])

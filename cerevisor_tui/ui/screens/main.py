@@ -12,13 +12,13 @@ from textual.app import ComposeResult
 from textual.binding import BindingType
 from textual.containers import Container, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import Footer, Static
 
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.commands import ConsoleCommands
 from cerevisor_tui.ui.format import fmt_clock, session_status, status_label, tool_countdown
 from cerevisor_tui.ui.inbox import HINTS
-from cerevisor_tui.ui.keys import MAIN_BINDINGS
+from cerevisor_tui.ui.keys import MAIN_BINDINGS, TOUR, effective_keys
 from cerevisor_tui.ui.mirror import FINAL, AgentView, RunMirror
 from cerevisor_tui.ui.widgets.agent_filter import AgentFilter
 from cerevisor_tui.ui.widgets.agent_table import SORT_LABELS, SORTS, AgentTable
@@ -67,6 +67,9 @@ class MainScreen(Screen):
         self._cap_warning = ""  # the cap warning last notified
         self._jumped_seq = 0  # the inbox item `n` went to last
         self._cap_warned_at = 0  # the effective cap it was notified at
+        self.untried: list[str] = []
+        """The demo's suggested keys (binding ids) not yet pressed: the hint line names them."""
+        self._hint = ""  # what the hint line says ("": hidden)
 
     def compose(self) -> ComposeResult:
         yield RunHeader(id="header")
@@ -76,6 +79,7 @@ class MainScreen(Screen):
                 yield AgentFilter(id="agents-filter")
             yield StreamPane(id="stream-pane")
             yield LoadPane(id="load-pane")
+        yield Static(id="hint", markup=False)
         yield Footer(show_command_palette=False)
 
     # ---- parts ------------------------------------------------------------------------------------
@@ -97,6 +101,7 @@ class MainScreen(Screen):
         self.query_one("#load-pane").border_title = "3 load"
         self.table.build(app.mirror)
         self._update_agents_subtitle()
+        self.untried = [binding_id for binding_id, _ in TOUR] if app.tour else []
         hz = app.config.ui.refresh_hz
         self.set_interval(1 / hz, self.flush_streams, name="stream-flush")
         self.set_interval(1 / min(hz, STATUS_HZ_MAX), self.refresh_status, name="status-refresh")
@@ -155,18 +160,19 @@ class MainScreen(Screen):
         self._update_stream_title()
         self._update_empty(mirror)
         for notice in mirror.take_notices():
-            app.notify(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
+            app.notice(notice.message, title=notice.title, severity=notice.severity,  # type: ignore[arg-type]
                        timeout=8 if notice.severity == "error" else 4)
         fresh = [item for item in mirror.inbox.take_new() if now - item.t <= RING_FRESH_S]
         app.ring(fresh)
         approvals = [item for item in fresh if item.kind == "approval"]
         if len(approvals) == 1:
-            app.notify(f"{approvals[0].agent}: {approvals[0].text}  (y answers, n goes to it)",
+            app.notice(f"{approvals[0].agent}: {approvals[0].text}  (y answers, n goes to it)",
                        title="Needs approval", severity="warning", timeout=8)
         elif approvals:
-            app.notify(f"{len(approvals)} tool calls wait for you: n goes to each, i lists them.",
+            app.notice(f"{len(approvals)} tool calls wait for you: n goes to each, i lists them.",
                        title="Needs approval", severity="warning", timeout=8)
         self._notify_cap_warning()
+        self._update_hint(mirror)
 
     def _update_empty(self, mirror: RunMirror) -> None:
         """A run of gateway sessions alone calls its pane "sessions"; with none yet, the stream pane says where the
@@ -189,7 +195,7 @@ class MainScreen(Screen):
         if warning == self._cap_warning:
             return
         if warning and not (self._cap_warning and cap < self._cap_warned_at):
-            self.app.notify(warning, title="Cap past the KV fit", severity="warning", timeout=8)
+            self.app.notice(warning, title="Cap past the KV fit", severity="warning", timeout=8)
         self._cap_warning, self._cap_warned_at = warning, cap
 
     def _show_plan(self, *, keep: bool = True) -> None:
@@ -258,14 +264,15 @@ class MainScreen(Screen):
         def switched(mode: cmd.AnswerValue) -> None:  # the mode the run switched to, told back by the run
             self.refresh_status()
             if mode == "sequential":
-                self.notify("Sequential: one agent at a time; running agents finish first.", timeout=3)
+                self.app.notice("Sequential: one agent at a time; running agents finish first.", timeout=3)
             else:
                 self._offer_probe()
 
         self.app.command(cmd.CycleMode(), switched)
 
     def _offer_probe(self) -> None:
-        """Once per run: an endpoint not probed yet (and not hosted), with agents still to start."""
+        """Once per run: an endpoint not probed yet (and not hosted), with agents still to start, offered on the
+        hint line above the footer (`P` opens it); a dialog over the table unasked would take the next key."""
         app = self.app
         mirror = app.mirror
         if app.probe_offered or not app.run_open:
@@ -278,10 +285,59 @@ class MainScreen(Screen):
                       if name in used and ep.kind != "hosted" and name not in probed]
         if not candidates:
             return
+        app.probe_offered = True
+        self.probe_offer = candidates[0]
+        self._update_hint(mirror)
+
+    probe_offer = ""
+    """The endpoint the hint line offers to probe ("" none): until `P`, the run back in sequential mode, or
+    nothing left to start."""
+
+    def action_probe_offer(self) -> None:
+        """`P`: the probe of the offered endpoint (else the first), asking first with what it will send."""
+        app = self.app
+        name = self.probe_offer or next(iter(app.mirror.endpoints), "")
+        self.probe_offer = ""
+        self._update_hint(app.mirror)
+        if not app.run_open or name not in app.mirror.endpoints:
+            self.app.notice("The run is not open: probe an endpoint with `cerevisor-tui probe URL`.",
+                            severity="warning")
+            return
         from cerevisor_tui.ui.screens.probe import ProbeScreen
 
         app.probe_offered = True
-        app.push_screen(ProbeScreen(candidates[0], offer=True))
+        app.push_screen(ProbeScreen(name, offer=True))
+
+    def tried(self, binding_id: str) -> None:
+        """A key of the demo's hint was pressed: the hint names the others."""
+        if binding_id in self.untried or (binding_id == "cap_down" and "cap_up" in self.untried):
+            self.untried = [b for b in self.untried if b not in (binding_id, "cap_up")]
+            self._update_hint(self.app.mirror)
+
+    def _update_hint(self, mirror: RunMirror) -> None:
+        """The line above the footer: the probe on offer, else the demo's keys not tried yet; hidden when neither."""
+        app = self.app
+        offer = self.probe_offer
+        if offer and (mirror.mode == "sequential" or not app.run_open
+                      or not any(a.status in ("pending", "queued") for a in mirror.agents.values())):
+            offer = self.probe_offer = ""
+        if offer:
+            text = (f"Probe {offer} before more agents run at once? P shows what it sends and measures the cap "
+                    "it carries")
+        elif self.untried:
+            keymap = app.keymap
+            bindings = {b.id: b for b in MAIN_BINDINGS}
+            what = dict(TOUR)
+            keys = [f"{effective_keys(bindings[b], keymap)}{'/-' if b == 'cap_up' else ''} {what[b]}"
+                    for b in self.untried]
+            text = "Try: " + " · ".join(keys) + " · q quit"
+        else:
+            text = ""
+        if text != self._hint:
+            self._hint = text
+            hint = self.query_one("#hint", Static)
+            hint.update(text)
+            hint.display = bool(text)
 
     def action_probe(self, endpoint: str = "") -> None:
         """Sweep an endpoint now and offer its recommended cap (the palette's "Probe endpoint")."""
@@ -289,10 +345,10 @@ class MainScreen(Screen):
         endpoints = app.mirror.endpoints
         name = endpoint or next(iter(endpoints), "")
         if name not in endpoints:
-            self.notify(f"No endpoint named {name}.", severity="warning")
+            self.app.notice(f"No endpoint named {name}.", severity="warning")
             return
         if not app.run_open:
-            self.notify(f"The run is not open: probe {name} with `cerevisor-tui probe URL`.", severity="warning")
+            self.app.notice(f"The run is not open: probe {name} with `cerevisor-tui probe URL`.", severity="warning")
             return
         from cerevisor_tui.ui.screens.probe import ProbeScreen
 
@@ -306,9 +362,9 @@ class MainScreen(Screen):
         def nudged(value: cmd.AnswerValue) -> None:  # the cap (or ceiling) in force now, told back by the run
             self.refresh_status()
             if mirror.mode == "sequential":
-                self.notify(f"Cap {value}: it applies in parallel mode (m to switch).", timeout=3)
+                self.app.notice(f"Cap {value}: it applies in parallel mode (m to switch).", timeout=3)
             elif mirror.mode == "auto":
-                self.notify(f"Auto ceiling {value}: no endpoint's cap goes above it.", timeout=3)
+                self.app.notice(f"Auto ceiling {value}: no endpoint's cap goes above it.", timeout=3)
 
         self.app.command(cmd.NudgeCap(delta=delta), nudged)
 
@@ -321,10 +377,10 @@ class MainScreen(Screen):
         app = self.app
         if app.mirror.paused:
             app.command(cmd.Resume())
-            self.notify("Admissions resumed.", timeout=3)
+            self.app.notice("Admissions resumed.", timeout=3)
         else:
             app.command(cmd.Pause())
-            self.notify("Paused: queued agents wait; running agents go on.", timeout=3)
+            self.app.notice("Paused: queued agents wait; running agents go on.", timeout=3)
         self.refresh_status()
 
     def _catch_up(self) -> None:
@@ -338,7 +394,7 @@ class MainScreen(Screen):
         name = self.selected
         agent = self.app.mirror.agents.get(name) if name is not None else None
         if agent is None:
-            self.notify(f"No agent selected to {verb}.", severity="warning")
+            self.app.notice(f"No agent selected to {verb}.", severity="warning")
         return agent
 
     def action_kill(self) -> None:
@@ -349,14 +405,14 @@ class MainScreen(Screen):
             self._kill_request(st)
             return
         if st.status in FINAL or st.status == "pending":
-            self.notify(f"{st.name} is {status_label(st.status)}: nothing to kill.",
-                        severity="warning")
+            self.app.notice(f"{st.name} is {status_label(st.status)}: nothing to kill.",
+                            severity="warning")
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
         def killed(done: cmd.AnswerValue) -> None:
             if done is False:
-                self.notify(f"{st.name} has already ended: nothing to kill.", severity="warning")
+                self.app.notice(f"{st.name} has already ended: nothing to kill.", severity="warning")
 
         def answer(yes: bool | None) -> None:
             if yes:
@@ -374,13 +430,13 @@ class MainScreen(Screen):
         """`k` on a gateway session ends its requests in flight; the session goes on (its harness decides)."""
         if st.attempt is None:
             waiting = " (its next request waits for a slot)" if st.status == "queued" else ""
-            self.notify(f"{st.name} has no request in flight{waiting}: nothing to kill.", severity="warning")
+            self.app.notice(f"{st.name} has no request in flight{waiting}: nothing to kill.", severity="warning")
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
         def killed(done: cmd.AnswerValue) -> None:
             if done is False:
-                self.notify(f"{st.name}'s request has already ended.", severity="warning")
+                self.app.notice(f"{st.name}'s request has already ended.", severity="warning")
 
         def answer(yes: bool | None) -> None:
             if yes:
@@ -396,13 +452,13 @@ class MainScreen(Screen):
         if st is None:
             return
         if st.session is not None and st.attempt is None:  # (an attached console gets no False back)
-            self.notify(f"{st.name} has no request in flight to extend.", severity="warning")
+            self.app.notice(f"{st.name} has no request in flight to extend.", severity="warning")
             return
 
         def extended(done: cmd.AnswerValue) -> None:
             if done is False:
                 what = "request in flight" if st.session is not None else "running attempt"
-                self.notify(f"{st.name} has no {what} to extend.", severity="warning")
+                self.app.notice(f"{st.name} has no {what} to extend.", severity="warning")
             self.refresh_status()
 
         self.app.command(cmd.Extend(agent=st.name), extended)
@@ -414,7 +470,7 @@ class MainScreen(Screen):
 
         def retried(outcome: cmd.AnswerValue) -> None:
             if outcome:
-                self.notify(f"{st.name}: {outcome}", timeout=6 if st.session is not None else 4)
+                self.app.notice(f"{st.name}: {outcome}", timeout=6 if st.session is not None else 4)
 
         self.app.command(cmd.Retry(agent=st.name), retried)
 
@@ -423,7 +479,7 @@ class MainScreen(Screen):
         table = self.table
         table.set_sort(ids[(ids.index(table.sort) + 1) % len(ids)], self.app.mirror, self.app.clock())
         self._update_agents_subtitle()
-        self.notify(f"Agents sorted by {SORT_LABELS[table.sort]}.", timeout=2)
+        self.app.notice(f"Agents sorted by {SORT_LABELS[table.sort]}.", timeout=2)
 
     def action_filter(self) -> None:
         if self.maximized is not None and self.maximized is not self.query_one("#agents-pane"):
@@ -448,7 +504,7 @@ class MainScreen(Screen):
         """The next inbox item, newest first, wrapping round: go to its agent and act on it."""
         items = self.app.mirror.inbox.newest_first()
         if not items:
-            self.notify("Nothing needs you now.", timeout=2)
+            self.app.notice("Nothing needs you now.", timeout=2)
             return
         item = next((i for i in items if i.seq < self._jumped_seq), items[0])
         self._jumped_seq = item.seq
@@ -475,7 +531,7 @@ class MainScreen(Screen):
             return
         item = app.mirror.inbox.items.get(agent)
         if item is not None:
-            self.notify(f"{agent} {item.label}: {item.text}  ({HINTS[item.kind]})", timeout=5)
+            self.app.notice(f"{agent} {item.label}: {item.text}  ({HINTS[item.kind]})", timeout=5)
 
     def action_answer_approval(self) -> None:
         st = self._selected_state("answer")
@@ -483,7 +539,7 @@ class MainScreen(Screen):
             return
         request = st.approval
         if request is None:
-            self.notify(f"{st.name} has no tool call waiting for approval.", severity="warning")
+            self.app.notice(f"{st.name} has no tool call waiting for approval.", severity="warning")
             return
         from cerevisor_tui.ui.screens.approval import ApprovalScreen, Decision
 

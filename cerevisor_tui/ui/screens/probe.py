@@ -208,13 +208,13 @@ class ProbeScreen(ModalScreen[None]):
         if app.mirror.mode != mode:
             app.command(cmd.SetMode(mode=mode))
         self.dismiss(None)
-        app.notify(f"{self.endpoint}: {mode}, cap {cap} (from the probe)", timeout=4)
+        app.notice(f"{self.endpoint}: {mode}, cap {cap} (from the probe)", timeout=4)
 
     def action_close(self) -> None:
         if self.state == RUNNING:
             self.app.command(cmd.CancelProbe(endpoint=self.endpoint))  # closes the probe's requests
             self.state = "closed"
-            self.app.notify(f"Probe of {self.endpoint} cancelled.", timeout=3)
+            self.app.notice(f"Probe of {self.endpoint} cancelled.", timeout=3)
         self.dismiss(None)
 
     def on_key(self, event: events.Key) -> None:

@@ -285,7 +285,7 @@ class SettingsScreen(Screen):
                 if key in by_key:
                     problems.setdefault(key, _message(err))
                 else:
-                    self.notify(f"{section}: {key}: {_message(err)}", severity="error")
+                    self.app.notice(f"{section}: {key}: {_message(err)}", severity="error")
         for key, f in by_key.items():
             f.show_error(problems.get(key, ""))
         return result if not problems else None
@@ -316,7 +316,7 @@ class SettingsScreen(Screen):
             if bad:
                 bad[0].control.focus()
                 bad[0].scroll_visible()
-            self.notify(f"{len(bad) or 1} value(s) refused; see the reasons in red.", severity="error")
+            self.app.notice(f"{len(bad) or 1} value(s) refused; see the reasons in red.", severity="error")
             return None
         data = config.model_dump()
         data["run"] = results[("run", 0)].model_dump()  # type: ignore[union-attr]
@@ -329,7 +329,7 @@ class SettingsScreen(Screen):
         try:
             return validate(data, file=str(self.app.save_path or "settings"))
         except ConfigError as exc:
-            self.notify(str(exc), title="Not saved", severity="error", timeout=10)
+            self.app.notice(str(exc), title="Not saved", severity="error", timeout=10)
             return None
 
     # ---- saving -----------------------------------------------------------------------------------
@@ -383,7 +383,7 @@ class SettingsScreen(Screen):
                 f"{path.name}.bak. Save anyway?", yes="Save", no="Cancel"), answer)
             return
         except SaveError as exc:
-            self.notify(str(exc), title="Not saved", severity="error", timeout=10)
+            self.app.notice(str(exc), title="Not saved", severity="error", timeout=10)
             return
         note = f"Saved to {result.path}."
         if result.backup:
@@ -397,7 +397,7 @@ class SettingsScreen(Screen):
         app.config = new
         if applied:
             note += f" Applied now: {', '.join(applied)}."
-        app.notify(note, title="Settings saved" if note.startswith("Saved") else "Settings", timeout=6)
+        app.notice(note, title="Settings saved" if note.startswith("Saved") else "Settings", timeout=6)
         app.pop_screen()
 
     def _apply_live(self, new: Config) -> list[str]:

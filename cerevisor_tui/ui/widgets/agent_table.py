@@ -63,8 +63,8 @@ COLUMNS: tuple[tuple[str, str, int | None], ...] = (
 column fits the longest name (up to 24 cells); the note takes what is left of the pane's width."""
 
 STATUS_WIDTH, STATUS_WIDTH_MAX = 9, 20
-"""The status column is 9 cells until a longer status shows (`needs approval`, `tool: NAME 3.2s`), then as
-wide as that, up to 20 where the pane has room, for the rest of the run: the columns never jump back and forth."""
+"""The status column is 9 cells, or as wide as the longest status a row shows now (`needs approval`,
+`tool: NAME 3.2s`), up to 20 where the pane has room: what it does not use goes to the note."""
 STATUS_WANTED = {"approval": len("needs approval"), "tool": STATUS_WIDTH_MAX}
 
 SESSION_WAVE = "gw"
@@ -72,9 +72,10 @@ SESSION_WAVE = "gw"
 
 STATUS_COLUMN = [key for key, _, _ in COLUMNS].index("status")
 RIGHT = frozenset({"wave", "turn", "ttft", "rate", "tokens", "stall"})
-NAME_MIN = 16
-"""In a narrow pane the agent column gives up cells down to this (names are cut with an ellipsis) so
-that the note keeps NOTE_WANTED; below that the note gets what is left, and then the pane's edge cuts."""
+NAME_MIN = 12
+"""In a narrow pane the agent column gives up cells down to this (names are cut in the middle, where a session
+id's two ends tell it apart: `226c53…4c9e1`) so that the note keeps NOTE_WANTED; below that the note gets what
+is left, and then the pane's edge cuts."""
 NOTE_WANTED = 20
 
 Sort = Literal["wave", "deadline", "status", "rate"]
@@ -233,14 +234,15 @@ def deadline_at(st: AgentView) -> float:
 def sort_key(sort: Sort, st: AgentView, warn_at: tuple[float, ...], now: float, order: int) -> tuple:
     """Where the agent goes under `sort`; `order` (its place in wave order) breaks ties, so rows that are equal
     keep still."""
-    if sort == "deadline":
-        return (deadline_at(st), order)
+    if sort == "deadline":  # to the second the row shows: deadlines a token's arrival apart are equal
+        deadline = deadline_at(st)
+        return (math.floor(deadline) if math.isfinite(deadline) else deadline, order)
     if sort == "status":
         look = STATUS_LOOK.get(st.status)  # type: ignore[call-overload]
         return (look.rank if look is not None else len(STATUS_LOOK), order)
     if sort == "rate":
         rate = live_rate(st, now) if st.status in ACTIVE or st.status == "completed" else st.output_tokens_per_s
-        return (-rate if rate is not None else math.inf, order)
+        return (-round(rate) if rate is not None else math.inf, order)  # whole tokens/s: near rates tie
     return (order,)
 
 
@@ -254,17 +256,30 @@ def matches(text: str, st: AgentView) -> bool:
 _CONTROL = re.compile("[\x00-\x1f\x7f]+")
 
 
-def _fit(text: str, width: int, right: bool) -> str:
+def _fit(text: str, width: int, right: bool, middle: bool = False) -> str:
     """`text` in exactly `width` cells on one line: control characters (a server's error may carry a
-    newline) become a space, too long is cut with an ellipsis, short is padded on the side it is not
-    aligned to."""
+    newline) become a space, too long is cut with an ellipsis (at its end, or with `middle` in its middle,
+    keeping both ends), short is padded on the side it is not aligned to."""
     if not text.isprintable():
         text = _CONTROL.sub(" ", text)
     length = cell_len(text)
     if length > width:
+        if middle and width > 2:
+            head = width // 2
+            return set_cell_size(text, head) + "…" + _tail(text, width - head - 1)
         return set_cell_size(text, width - 1) + "…" if width > 1 else set_cell_size(text, width)
     pad = " " * (width - length)
     return pad + text if right else text + pad
+
+
+def _tail(text: str, cells: int) -> str:
+    """The end of `text` in exactly `cells` cells (a wide character cut in two is padded)."""
+    taken = 0
+    for i in range(len(text) - 1, -1, -1):
+        taken += cell_len(text[i])
+        if taken >= cells:
+            return set_cell_size(text[i:], cells) if taken == cells else " " + text[i + 1:]
+    return text.rjust(cells)
 
 
 class AgentTable(ScrollView, can_focus=True):
@@ -344,8 +359,9 @@ class AgentTable(ScrollView, can_focus=True):
         self._strips: dict[str, tuple[object, Strip]] = {}  # name -> (what it was drawn from, strip)
         self._widths: list[int] = []
         self._name_width = 5
-        self._status_width = STATUS_WIDTH  # grows (up to STATUS_WIDTH_MAX) to the longest status shown
+        self._status_width = STATUS_WIDTH  # the longest status a row shows (up to STATUS_WIDTH_MAX)
         self._turn_width = TURN_WIDTH  # wider once a session shows
+        self._hidden: frozenset[str] = frozenset()  # columns not drawn: the wave while every row is a session
         self.empty_hint = ""  # what the pane says while it has no rows (a gateway waiting for sessions)
         self._hint_lines: list[str] = []  # that, wrapped to the pane
         self._status_cells = STATUS_WIDTH  # what the pane's width leaves it of that
@@ -375,6 +391,7 @@ class AgentTable(ScrollView, can_focus=True):
     def sync(self, mirror: RunMirror, now: float) -> int:
         """Bring every row up to date, then their order; returns how many rows changed."""
         changed = amber = red = 0
+        status_width, sessions = STATUS_WIDTH, 0
         top = self.scroll_offset.y
         visible = range(top, top + max(0, self.size.height - 1))
         endpoints = mirror.endpoints
@@ -391,14 +408,9 @@ class AgentTable(ScrollView, can_focus=True):
             row = agent_row(st, ep.warn_at if ep is not None else (), note, now, mirror.keepalive_at.get(name),
                             positions.get(name))
             wanted = min(STATUS_WIDTH_MAX, max(STATUS_WANTED.get(st.status, 0), cell_len(row.status)))
-            if wanted > self._status_width:
-                self._status_width = wanted
-                self._layout()
-                self.refresh()
-            if st.session is not None and self._turn_width < TURN_WIDTH_SESSIONS:
-                self._turn_width = TURN_WIDTH_SESSIONS
-                self._layout()
-                self.refresh()
+            status_width = max(status_width, wanted)
+            if st.session is not None:
+                sessions += 1
             if row.level == WARN:
                 amber += 1
             elif row.level == CRITICAL:
@@ -412,8 +424,12 @@ class AgentTable(ScrollView, can_focus=True):
                 self.refresh_line(index + 1)
         self.amber, self.red = amber, red
         hint = empty_hint(mirror) if not mirror.agents else ""
-        if hint != self.empty_hint:
-            self.empty_hint = hint
+        # a session's cell says which request it is on (`req 12`); every row a session: no wave to show
+        turn_width = TURN_WIDTH_SESSIONS if sessions else TURN_WIDTH
+        hidden = frozenset({"wave"}) if sessions and sessions == len(mirror.agents) else frozenset()
+        if (hint, status_width, turn_width, hidden) != (self.empty_hint, self._status_width, self._turn_width,
+                                                        self._hidden):
+            self.empty_hint, self._status_width, self._turn_width, self._hidden = hint, status_width, turn_width, hidden
             self._layout()
             self.refresh()
         if self.sort != "wave" or self.filter or len(self.names) != len(self.all_names):
@@ -451,15 +467,12 @@ class AgentTable(ScrollView, can_focus=True):
         self.refresh()
 
     def set_sort(self, sort: Sort, mirror: RunMirror, now: float) -> None:
-        """Sort by `sort` (an id of SORTS) now, the cursor on the first row: the agent the sort puts first."""
+        """Sort by `sort` (an id of SORTS) now; the cursor stays on its agent, and the pane shows the top of the
+        new order (what the sort puts first) unless that would scroll the cursor's row out of view."""
         self.sort = sort
         self._order_rows(mirror, now)
-        self.scroll_to(0, 0, animate=False, immediate=True)
-        if self.names and self.cursor_row != 0:
-            self.refresh_line(self.cursor_row + 1)
-            self.cursor_row = 0
-            self.refresh_line(1)
-            self.post_message(self.Highlighted(self, self.names[0]))
+        if self.cursor_row < max(1, self.size.height - 1):
+            self.scroll_to(0, 0, animate=False, immediate=True)
 
     def set_filter(self, text: str, mirror: RunMirror, now: float) -> None:
         """Show only the agents whose name or status contains `text` (any case); "" shows them all."""
@@ -553,16 +566,19 @@ class AgentTable(ScrollView, can_focus=True):
     def _layout(self) -> None:
         """Column widths for the pane's width: every column but the note as wide as it needs, the note the
         rest; a narrow pane cuts long names first (to NAME_MIN), then the note."""
-        others = sum(width or 0 for key, _, width in COLUMNS if key not in ("agent", "note", "status", "turn"))
+        hidden = self._hidden
+        others = sum(width or 0 for key, _, width in COLUMNS
+                     if key not in ("agent", "note", "status", "turn") and key not in hidden)
         others += self._turn_width
-        others += len(COLUMNS)  # a space before each cell
+        others += len(COLUMNS) - len(hidden)  # a space before each cell
         # a wide status gives way before the countdown does: the name keeps its minimum, the note goes first
         room = self.size.width - others - min(self._name_width, NAME_MIN)
         self._status_cells = max(STATUS_WIDTH, min(self._status_width, room))
         others += self._status_cells
         name = max(min(self._name_width, NAME_MIN), min(self._name_width, self.size.width - others - NOTE_WANTED))
         widths = [name if key == "agent" else self._status_cells if key == "status"
-                  else self._turn_width if key == "turn" else (width or 0) for key, _, width in COLUMNS]
+                  else self._turn_width if key == "turn" else 0 if key in hidden else (width or 0)
+                  for key, _, width in COLUMNS]
         widths[-1] = max(0, self.size.width - others - name)
         if widths != self._widths:
             self._widths = widths
@@ -580,16 +596,20 @@ class AgentTable(ScrollView, can_focus=True):
 
     def _segments(self, texts: list[str], styles: list[Style], base: Style) -> Strip:
         segments = []
+        hidden = self._hidden
         for (key, _, _), width, text, style in zip(COLUMNS, self._widths, texts, styles, strict=True):
-            segments.append(Segment(" " + _fit(text, width, key in RIGHT), base + style if style else base))
-        return Strip(segments, sum(self._widths) + len(COLUMNS))
+            if key not in hidden:
+                segments.append(Segment(" " + _fit(text, width, key in RIGHT, key == "agent"),
+                                        base + style if style else base))
+        return Strip(segments, sum(self._widths) + len(COLUMNS) - len(hidden))
 
     def _row_strip(self, name: str, row: AgentRow | None, cursor: bool) -> Strip:
         drawn_from = (row, cursor)
         cached = self._strips.get(name)
         if cached is not None and cached[0] == drawn_from:
             return cached[1]
-        base = self.get_component_rich_style("agent-table--cursor") if cursor else Style()
+        # every cell on the pane's own background: a segment without one shows the terminal's default
+        base = self.get_component_rich_style("agent-table--cursor") if cursor else self.rich_style
         if row is None:
             texts, styles = [name, *[""] * (len(COLUMNS) - 1)], [Style()] * len(COLUMNS)
         else:
@@ -631,4 +651,4 @@ class AgentTable(ScrollView, can_focus=True):
         cursor = index == self.cursor_row
         strip = self._row_strip(name, self._rows.get(name), cursor)
         return strip.crop_extend(scroll_x, scroll_x + width,
-                                 self.get_component_rich_style("agent-table--cursor") if cursor else None)
+                                 self.get_component_rich_style("agent-table--cursor") if cursor else self.rich_style)
