@@ -91,7 +91,7 @@ async def test_load_pane_zone_follows_the_running_count_and_the_cap_warning_mark
     log = EventLog(engine_of(app))
     async with app.run_test(size=(80, 24)) as pilot:
         await log.wait(kind("ServerSample"))
-        await until(lambda: engine_of(app).load["sim"] is not None)
+        await until(lambda: engine_of(app).monitor.load["sim"] is not None)
         main_screen(app).refresh_status()
         text = kv_text(app)
         assert "sim FITS 1 of 2 conversations fit (server)" in str(text)
