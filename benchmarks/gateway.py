@@ -362,6 +362,7 @@ class Load:
         self.error_sample = ""
         self.reconnects = 0
         self.ttft: list[tuple[float, float]] = []  # (sent at, seconds to the first content chunk)
+        self.gaps: list[tuple[float, float]] = []  # (at, seconds since the answer's frame before): a frame's delay
 
 
 class SseCount:
@@ -369,10 +370,12 @@ class SseCount:
 
     def __init__(self) -> None:
         self.rest = b""
+        self.framed = False  # the last read completed at least one frame
 
     def feed(self, payload: bytes) -> int:
         data = self.rest + payload if self.rest else payload
         end = data.rfind(b"\n\n")
+        self.framed = end >= 0
         if end < 0:
             self.rest = data
             return 0
@@ -407,6 +410,7 @@ class RawStream(asyncio.Protocol):
         self.tokens = 0
         self.sent_at = 0.0
         self.first = False
+        self.frame_at = 0.0  # when the answer's last frame came (0: none yet)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -416,6 +420,7 @@ class RawStream(asyncio.Protocol):
     def send(self) -> None:
         assert self.transport is not None
         self.buf, self.state, self.tokens, self.first, self.count = b"", "head", 0, False, SseCount()
+        self.frame_at = 0.0
         self.sent_at = time.perf_counter()
         self.transport.write(self.request)
 
@@ -465,6 +470,11 @@ class RawStream(asyncio.Protocol):
             self.load.error_sample = self.load.error_sample or payload[:300].decode("utf-8", "replace")
             return
         n = self.count.feed(payload)
+        if self.count.framed:
+            now = time.perf_counter()
+            if self.frame_at:
+                self.load.gaps.append((now, now - self.frame_at))
+            self.frame_at = now
         if n:
             if not self.first:
                 self.first = True
@@ -560,8 +570,7 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     host, port, path = _split_url(args.url)
     body = json.dumps({"model": MODEL, "stream": True, "max_tokens": args.tokens,
-                       "messages": [{"role": "system", "content": "You are a terse assistant."},
-                                    {"role": "user", "content": "Write a long story about a fox."}]}).encode()
+                       "messages": conversation(args.body_kb)}).encode()
     pids = {name: int(pid) for name, pid in (p.split("=") for p in args.pids.split(",") if p)}
     streams: list[Any] = []
     tasks: list[asyncio.Task[None]] = []
@@ -611,6 +620,7 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
             open_raw(-i, ramp + args.probe_every_s * i / args.probes)
     await asyncio.sleep(ramp + args.warmup_s)
     t0, tok0, own0, probe0 = time.perf_counter(), load.tokens, time.process_time(), load.probe_tokens
+    done0 = load.completed
     cpu0 = {name: tree_cpu_s(pid) for name, pid in pids.items()}
     wait0 = {name: cpu_wait_s(pid) for name, pid in pids.items()}
     per_second: list[int] = []
@@ -620,6 +630,7 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
         per_second.append(load.tokens - last)
         last = load.tokens
     t1, tok1, own1, probe1 = time.perf_counter(), load.tokens, time.process_time(), load.probe_tokens
+    done1 = load.completed
     cpu1 = {name: tree_cpu_s(pid) for name, pid in pids.items()}
     wait1 = {name: cpu_wait_s(pid) for name, pid in pids.items()}
     # the requests sent in the window get --grace-s more for their first token; those still waiting then count
@@ -641,7 +652,9 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
     bounds = [d for _, d in waiting]
     p50, p50_bound = censored_percentile(ttft, bounds, 0.5)
     p99, p99_bound = censored_percentile(ttft, bounds, 0.99)
-    return {"tokens": tok1 - tok0, "probe_tokens": probe1 - probe0, "wall_s": t1 - t0,
+    gaps = [g for at, g in load.gaps if t0 <= at <= t1]
+    return {"tokens": tok1 - tok0, "probe_tokens": probe1 - probe0, "wall_s": t1 - t0, "requests": done1 - done0,
+            "gap_max_ms": max(gaps, default=float("nan")) * 1e3, "gap_p99_ms": _percentile(gaps, 0.99) * 1e3,
             "tok_per_s": (tok1 - tok0) / (t1 - t0), "cpu_wait_s": {name: wait1[name] - wait0[name] for name in pids},
             "per_second_median": statistics.median(per_second), "per_second_min": min(per_second),
             "ttft_p50_ms": p50 * 1e3, "ttft_p99_ms": p99 * 1e3, "ttft_p50_bound": p50_bound,
@@ -649,6 +662,33 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
             "completed": load.completed, "short": load.short, "errors": load.errors,
             "error_sample": load.error_sample, "reconnects": load.reconnects, "client_cpu_s": own1 - own0,
             "cpu_s": {name: cpu1[name] - cpu0[name] for name in pids}, "load1": os.getloadavg()[0]}
+
+
+PROSE = ("the agent read the failing test again and traced the call through the parser, where a buffer was "
+         "reused before its last reader had finished with it; it wrote a smaller case, ran it, and saw the same "
+         "stale bytes come back, so it moved the copy up one frame and ran the whole suite once more while the "
+         "log scrolled past with every module named in turn and nothing red among them ").split()
+
+
+def conversation(body_kb: float) -> list[dict[str, str]]:
+    """The request's messages: a short question (0), or a conversation of about `body_kb` KB of prose, as an
+    agent's late turn sends it (a 142K-token conversation at turn 43 is ~560 KB: 86 messages of ~6.5 KB)."""
+    messages = [{"role": "system", "content": "You are a terse assistant."}]
+    if body_kb <= 0:
+        return [*messages, {"role": "user", "content": "Write a long story about a fox."}]
+    rng = random.Random(43)
+    turns = 43
+    per_message = int(body_kb * 1000 / (2 * turns))
+    for turn in range(turns):
+        for role in ("user", "assistant"):
+            words: list[str] = []
+            size = 0
+            while size < per_message:
+                word = rng.choice(PROSE)
+                words.append(word)
+                size += len(word) + 1
+            messages.append({"role": role, "content": f"turn {turn}: " + " ".join(words)})
+    return messages
 
 
 def _split_url(url: str) -> tuple[str, int, str]:
@@ -765,7 +805,7 @@ def run_load(url: str, streams: int, args: argparse.Namespace, pids: dict[str, i
     cmd = [sys.executable, __file__, "client", "--url", url, "--streams", str(streams), "--tokens", str(args.tokens),
            "--seconds", str(seconds), "--warmup-s", str(warmup_s), "--ramp-s", str(args.ramp_s), "--impl", args.client,
            "--probes", str(args.probes), "--probe-every-s", str(args.probe_every_s),
-           "--probe-tokens", str(args.events_per_write), "--grace-s", str(args.grace_s),
+           "--probe-tokens", str(args.events_per_write), "--grace-s", str(args.grace_s), "--body-kb", str(args.body_kb),
            "--pids", ",".join(f"{k}={v}" for k, v in pids.items())]
     limit = seconds + warmup_s + args.ramp_s + 120
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
@@ -907,7 +947,27 @@ def cost_figures(by_path: dict[str, list[dict[str, Any]]], path: str) -> dict[st
     ours = by_path.get("relay-ourpool")
     out["vs_relay_ours"] = (_median([per_mtok(r) / per_mtok(x) for r, x in zip(runs, ours, strict=True)])
                             if ours and path != "relay-ourpool" else float("nan"))
+    out["cpu_req_ms"] = _median([per_request_ms(r) for r in runs])
+    out["gap_max"] = _median([r["gap_max_ms"] for r in runs])
+    out["gap_p99"] = _median([r["gap_p99_ms"] for r in runs])
     return out
+
+
+def per_request_ms(res: dict[str, Any], name: str = "proxy") -> float:
+    """CPU milliseconds of process `name` per request completed in the window (nan: no such process)."""
+    cpu = res["cpu_s"].get(name)
+    return cpu / res["requests"] * 1e3 if cpu is not None and res.get("requests") else float("nan")
+
+
+def against_relay(by_path: dict[str, list[dict[str, Any]]], figures: dict[str, dict[str, Any]],
+                  path: str) -> dict[str, float]:
+    """`path`'s request figures over the bare relay on our pool's: added TTFT p50 (a ratio of the medians: one
+    round's added TTFT can be near 0), CPU per request and the longest frame gap (medians of per-round ratios)."""
+    ours, runs = by_path["relay-ourpool"], by_path[path]
+    f, o = figures[path], figures["relay-ourpool"]
+    return {"ttft": f["added_p50"] / o["added_p50"] if o["added_p50"] > 0 else float("nan"),
+            "cpu": _median([per_request_ms(r) / per_request_ms(x) for r, x in zip(runs, ours, strict=True)]),
+            "gap": _median([r["gap_max_ms"] / x["gap_max_ms"] for r, x in zip(runs, ours, strict=True)])}
 
 
 def print_cost(args: argparse.Namespace, data: dict[str, Any]) -> list[str]:
@@ -959,6 +1019,38 @@ def print_cost(args: argparse.Namespace, data: dict[str, Any]) -> list[str]:
                         f"({share:.1%}); console {g['console']:.2f} cores" + (
                             ": target >= 95% " + ("met" if share >= 0.95 else "MISSED") if full else
                             " (the issue's >= 95% target is for 256 streams at --rate 325)"))
+    return lines + [""] + verdicts + request_table(args, data)
+
+
+REQUEST_TARGET = 1.2  # the gateway's added TTFT, CPU per request and longest frame gap over the relay's (issue 28)
+
+
+def request_table(args: argparse.Namespace, data: dict[str, Any]) -> list[str]:
+    """Each request's cost beside the bare relay on our pool: added TTFT p50, CPU per request, the longest gap
+    between two frames a client got (and the gaps' p99), with the gateway's ratios to the relay's."""
+    paths, results = data["paths"], data["results"]
+    if "relay-ourpool" not in paths:
+        return []
+    body = f"{args.body_kb:g} KB conversations" if args.body_kb > 0 else "short requests"
+    lines = ["", f"Per request ({body}), against the bare relay on our pool:", "",
+             "| streams | path | added TTFT p50, ms | vs relay | CPU per request, ms | vs relay "
+             "| longest frame gap (p99), ms | vs relay |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    verdicts = []
+    for streams, by_path in results.items():
+        figures = {path: cost_figures(by_path, path) for path in paths}
+        for path in paths:
+            if path == "direct":
+                continue
+            f = figures[path]
+            vs = against_relay(by_path, figures, path) if path != "relay-ourpool" else None
+            ratio = {key: f"{vs[key]:.2f}x" if vs else "-" for key in ("ttft", "cpu", "gap")}
+            lines.append(f"| {streams} | {LABELS[path]} | {_ms(f['added_p50'], f['p50_bound'])} | {ratio['ttft']} | "
+                         f"{f['cpu_req_ms']:.2f} | {ratio['cpu']} | {_ms(f['gap_max'])} ({_ms(f['gap_p99'])}) | "
+                         f"{ratio['gap']} |")
+            if path == "gateway" and vs:
+                verdicts.append(f"{streams} streams, {body}: gateway/relay added TTFT p50 {vs['ttft']:.2f}x, CPU per "
+                                f"request {vs['cpu']:.2f}x, longest frame gap {vs['gap']:.2f}x (target <= "
+                                f"{REQUEST_TARGET}x each): " + ("met" if max(vs.values()) <= REQUEST_TARGET else "MISSED"))
     return lines + [""] + verdicts
 
 
@@ -1171,6 +1263,7 @@ def main(argv: list[str] | None = None) -> int:
     client.add_argument("--probe-every-s", type=float, default=0.1)
     client.add_argument("--probe-tokens", type=int, default=8)
     client.add_argument("--grace-s", type=float, default=3.0)
+    client.add_argument("--body-kb", type=float, default=0.0)
     client.add_argument("--pids", default="")
 
     parser.add_argument("--part", default="cost,admission", help="cost, admission or both (default both)")
@@ -1194,6 +1287,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--probe-every-s", type=float, default=0.1, help="a probe's pause between answers (default 0.1)")
     g.add_argument("--grace-s", type=float, default=3.0,
                    help="how long past the window a request sent in it may wait for its first token (default 3)")
+    g.add_argument("--body-kb", type=float, default=0.0,
+                   help="each request's body: 0 a short question (default), else a conversation of about this many KB "
+                   "of prose (560: a 142K-token conversation, as an agent's turn 43 sends)")
     g.add_argument("--no-console", action="store_true", help="the gateway without an attached console")
     g.add_argument("--litellm", default="", help="LiteLLM's `litellm` executable, or the venv that has it")
     g.add_argument("--install-litellm", action="store_true",

@@ -285,7 +285,7 @@ class Exchange:
             # the answer's usage, for the meters and the figures; this client did not ask: it never sees it
             changes["stream_options"] = {**(self.body.get("stream_options") or {}), "include_usage": True}
             self.hide_usage = True
-        content = msgspec.json.encode({**self.body, **changes}) if changes else self.raw
+        content = apis.sent_body(self.raw, self.body, changes)
         request = client.build_request("POST", url, content=content, headers=headers)
         response = await self._connect(session, att, client, request)
         if response is None:
