@@ -259,16 +259,15 @@ class Reading:
         chat = self.api == "chat"
         decode = chunks.decode_chunk if chat else _frame.decode
         read = self._chunk if chat else self._frame
-        for line in data.splitlines():
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if not payload or payload == b"[DONE]":
+        for line in data.split(b"\n"):  # (a \r left at a line's end is JSON's whitespace)
+            if line[:5] != b"data:":
                 continue
             try:
-                frame = decode(payload)
+                frame = decode(line[5:])
             except (msgspec.DecodeError, RecursionError):  # (ValidationError is a DecodeError)
-                self.unreadable += 1  # (nested past msgspec's depth: not a frame of any API)
+                payload = line[5:].strip()
+                if payload and payload != b"[DONE]":
+                    self.unreadable += 1  # (nested past msgspec's depth: not a frame of any API)
                 continue
             t, r, k = read(frame)
             if t or r or k:

@@ -408,10 +408,13 @@ class Exchange:
             if hide_usage and b'"usage"' in frames:
                 frames = without_usage_chunks(frames)
             if frames:
-                async with self.lock:
-                    if not self.started:
-                        await self.start(*head)
+                if self.started:  # the lock only keeps a first write and a keep-alive from both starting the answer
                     await self.write(frames)
+                else:
+                    async with self.lock:
+                        if not self.started:
+                            await self.start(*head)
+                        await self.write(frames)
             if chunks:
                 delta(text, reasoning, tool, chunks)
             elif att.first_token_at is None or by_bytes:
