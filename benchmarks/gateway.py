@@ -98,7 +98,8 @@ PATHS = {"direct": "direct (no proxy)", "gateway": "cerevisor gateway + console"
 # the gateway on other connection pools, for --paths (not measured by default): httpcore's own, whole or split
 POOLS = {"gateway-httpcore": ("httpcore", 1), "gateway-sharded": ("httpcore", 32)}
 LABELS = {**PATHS, "gateway-httpcore": "gateway on httpcore's pool", "gateway-sharded": "gateway on 32 httpcore pools",
-          "relay-ourpool": "bare relay on our pool"}
+          "gateway-httptools": "gateway + console, httptools (no listener bounds)",
+          "relay-ourpool": "bare relay on our pool", "relay-httptools": "bare relay on our pool, httptools"}
 SIM_MODEL = "sim-model"
 
 
@@ -270,11 +271,18 @@ def httpcore_transport(limits: Any, shards: int) -> Any:
     return HttpcoreTransport()
 
 
-def gateway_on_main(shards: int, cli_args: list[str]) -> int:
+def gateway_on_main(shards: int, cli_args: list[str], http: str = "") -> int:
     import cerevisor_tui.endpoints.client as client_module
     from cerevisor_tui.cli import main as cli_main
 
-    client_module.AsyncioTransport = lambda limits: httpcore_transport(limits, shards)  # what build_client makes
+    if shards:
+        client_module.AsyncioTransport = lambda limits: httpcore_transport(limits, shards)  # what build_client makes
+    if http == "httptools":  # uvicorn's httptools protocol, without the listener's bounds (gateway/listener.py is h11's)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        import cerevisor_tui.gateway.serve as serve
+
+        serve.bounded_protocol = lambda listener: HttpToolsProtocol
     return cli_main(cli_args)
 
 
@@ -314,7 +322,7 @@ def relay_app(upstream: str, our_pool: bool = False) -> Any:
     return Starlette(routes=[Route("/v1/{path:path}", relay, methods=["GET", "POST"])])
 
 
-def relay_main(upstream: str, our_pool: bool = False) -> int:
+def relay_main(upstream: str, our_pool: bool = False, http: str = "h11") -> int:
     import uvicorn
 
     from cerevisor_tui.sim.server import bind_socket
@@ -322,8 +330,8 @@ def relay_main(upstream: str, our_pool: bool = False) -> int:
     sock = bind_socket("127.0.0.1", 0)
     print(sock.getsockname()[1], flush=True)
     # as serve_gateway configures uvicorn for the gateway
-    config = uvicorn.Config(relay_app(upstream, our_pool), log_level="warning", access_log=False, lifespan="off", ws="none",
-                            timeout_keep_alive=75)
+    config = uvicorn.Config(relay_app(upstream, our_pool), http=http, log_level="warning", access_log=False,
+                            lifespan="off", ws="none", timeout_keep_alive=75)
     asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     return 0
 
@@ -757,14 +765,15 @@ class GatewayRun:
     """`cerevisor-tui gateway --headless` in a process of its own, and optionally `attach --jsonl` beside it."""
 
     def __init__(self, workdir: Path, name: str, upstream: str, model: str, *, concurrency: int,
-                 release_after_s: float = 60.0, console: bool = True, shards: int = 0) -> None:
+                 release_after_s: float = 60.0, console: bool = True, shards: int = 0, http: str = "") -> None:
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         config = self.dir / "gateway-bench.toml"
         config.write_text(gateway_toml(upstream, model, concurrency, release_after_s))
         run_dir = self.dir / "run"
         # shards: on that many httpcore pools instead of our own (gateway_on_main)
-        cli = [sys.executable, __file__, "gateway-on", "--shards", str(shards), "--"] if shards else CLI
+        cli = [sys.executable, __file__, "gateway-on", "--shards", str(shards), "--http", http, "--"] \
+            if shards or http else CLI
         self.proc = Proc(f"gateway ({name})", [*cli, "gateway", "--config", str(config), "--headless", "--run-dir",
                                                 str(run_dir)], self.dir / "gateway.log", cwd=self.dir)
         self.url = self._wait_url(self.proc.log)
@@ -848,10 +857,21 @@ def cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                                       workdir / "relay-ourpool.log", stdout=subprocess.PIPE)
                 urls["relay-ourpool"] = f"http://127.0.0.1:{relay.port()}/v1"
                 wait_http(urls["relay-ourpool"] + "/models", relay)
+            if "relay-httptools" in paths:  # uvicorn's httptools protocol (the `httptools` extra) in place of h11
+                relay = procs["relay-httptools"] = Proc(
+                    "relay-httptools", [sys.executable, __file__, "relay", "--upstream", server.base_url, "--our-pool",
+                                        "--http", "httptools"], workdir / "relay-httptools.log", stdout=subprocess.PIPE)
+                urls["relay-httptools"] = f"http://127.0.0.1:{relay.port()}/v1"
+                wait_http(urls["relay-httptools"] + "/models", relay)
             if "gateway" in paths:
                 gw = procs["gateway"] = GatewayRun(workdir, "cost", server.base_url, MODEL,
                                                    concurrency=max(levels) * 2, console=not args.no_console)
                 urls["gateway"] = gw.url
+            if "gateway-httptools" in paths:
+                gw = procs["gateway-httptools"] = GatewayRun(workdir, "gateway-httptools", server.base_url, MODEL,
+                                                             concurrency=max(levels) * 2, console=not args.no_console,
+                                                             http="httptools")
+                urls["gateway-httptools"] = gw.url
             for path in (p for p in paths if p in POOLS):
                 gw = procs[path] = GatewayRun(workdir, path, server.base_url, MODEL, concurrency=max(levels) * 2,
                                               console=not args.no_console, shards=POOLS[path][1])
@@ -1246,8 +1266,10 @@ def main(argv: list[str] | None = None) -> int:
     relay = sub.add_parser("relay", help="(internal) the bare relay; prints its port")
     relay.add_argument("--upstream", required=True)
     relay.add_argument("--our-pool", action="store_true")
+    relay.add_argument("--http", default="h11", help="uvicorn's HTTP protocol: h11 (the gateway's) or httptools")
     gateway_on = sub.add_parser("gateway-on", help="(internal) cerevisor-tui on httpcore's pool, split --shards ways")
     gateway_on.add_argument("--shards", type=int, required=True)
+    gateway_on.add_argument("--http", default="", help="httptools: uvicorn's httptools protocol")
     gateway_on.add_argument("cli_args", nargs=argparse.REMAINDER)
     sim = sub.add_parser("sim", help="(internal) the simulator; prints its port")
     sim.add_argument("--settings", required=True)
@@ -1311,9 +1333,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "relay":
-        return relay_main(args.upstream, args.our_pool)
+        return relay_main(args.upstream, args.our_pool, args.http)
     if args.command == "gateway-on":
-        return gateway_on_main(args.shards, args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args)
+        return gateway_on_main(args.shards, args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args,
+                               args.http)
     if args.command == "sim":
         return sim_main(args.settings)
     if args.command == "client":

@@ -431,4 +431,4 @@ def sent_body(raw: bytes, body: dict[str, Any], changes: dict[str, Any]) -> byte
     end = raw.rstrip(b" \t\r\n")
     if any(name in body for name in changes) or not end.endswith(b"}"):
         return _json.encode({**body, **changes})
-    return end[:-1] + (b"," if body else b"") + _json.encode(changes)[1:]
+    return b"".join((memoryview(end)[:-1], b"," if body else b"", _json.encode(changes)[1:]))  # one copy
