@@ -24,6 +24,10 @@ and, named in --paths only, to weigh connection pools side by side:
   gateway-sharded   the same split into 32 pools, a request to the pool of its X-Session-ID
   relay-ourpool     the bare relay with endpoints/transport.py's transport under its httpx client: a relay whose
                     pool does not grow its cost with the streams, the fairer baseline at 256 of them
+  relay-httptools   relay-ourpool under uvicorn's httptools protocol in place of h11 (`pip install httptools`)
+  gateway-httptools the gateway under httptools, without gateway/listener.py's bounds (they are h11's)
+  gateway-base      the gateway as installed in another venv (--base-python): a change measured beside the code
+                    before it, in the same rounds
 
 For each path: the proxy's CPU seconds per million tokens (/proc utime+stime of its process tree, reaped
 children included, over the window), the share of the window it was runnable but waiting for a CPU (schedstat:
@@ -32,6 +36,12 @@ written to first content token, of the requests sent in the window; those still 
 count as lower bounds, shown with >=), and tokens/s delivered against what the server offers (streams x rate).
 The window starts --warmup-s after the streams' ramp and lasts --seconds; each level is warmed on each path
 first. Medians over --repeats rounds; ratios to the bare relay are per round, then their median.
+
+**Per request**, with relay-ourpool among the paths: the proxy's CPU per request completed in the window, the TTFT
+it adds over direct's, and the longest gap between two frames of one answer that the client got (and the gaps'
+p99: a proxy busy with another request delays every stream's frames), each as a ratio to relay-ourpool's (target
+1.2x, issue 28). --body-kb 560 sends each request as an agent's late turn does: a 142K-token conversation of 86
+messages of prose; 0 (default) a short question. Short answers (--tokens 64 --rate 320) give many requests a second.
 
 The client reads raw sockets: an httpx client per stream costs 4-5 times as much CPU (0.67 against 0.15 of a
 core at 256 x 80 tokens/s direct, `--client httpx`) and adds its own 7 ms to the TTFT p50 on this 2-core box.
@@ -57,6 +67,8 @@ time is the clients', and the simulator's own clock stands still while it idles)
     python benchmarks/gateway.py --part admission --resident 8 --oversubscribe 3
     python benchmarks/gateway.py --install-litellm                 # make the LiteLLM venv under the cache dir
     python benchmarks/gateway.py --part cost --streams 256 --paths direct,gateway,gateway-httpcore,gateway-sharded,relay-ourpool
+    python benchmarks/gateway.py --part cost --paths direct,relay-ourpool,gateway --streams 1,8 --tokens 64 --rate 320 \
+        --body-kb 560 --repeats 3                                   # per request, 560 KB bodies (issue 28's target)
 
 Targets (issue 20): the gateway's CPU per token <= 1.5x the bare relay's, and ahead of LiteLLM on every figure;
 added TTFT p50 <= 2 ms; 256 streams x 325 tokens/s (83,200 offered) delivered at >= 95% through the gateway
@@ -99,6 +111,7 @@ PATHS = {"direct": "direct (no proxy)", "gateway": "cerevisor gateway + console"
 POOLS = {"gateway-httpcore": ("httpcore", 1), "gateway-sharded": ("httpcore", 32)}
 LABELS = {**PATHS, "gateway-httpcore": "gateway on httpcore's pool", "gateway-sharded": "gateway on 32 httpcore pools",
           "gateway-httptools": "gateway + console, httptools (no listener bounds)",
+          "gateway-base": "gateway + console as of --base-python's install (before a change)",
           "relay-ourpool": "bare relay on our pool", "relay-httptools": "bare relay on our pool, httptools"}
 SIM_MODEL = "sim-model"
 
@@ -765,15 +778,17 @@ class GatewayRun:
     """`cerevisor-tui gateway --headless` in a process of its own, and optionally `attach --jsonl` beside it."""
 
     def __init__(self, workdir: Path, name: str, upstream: str, model: str, *, concurrency: int,
-                 release_after_s: float = 60.0, console: bool = True, shards: int = 0, http: str = "") -> None:
+                 release_after_s: float = 60.0, console: bool = True, shards: int = 0, http: str = "",
+                 python: str = "") -> None:
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         config = self.dir / "gateway-bench.toml"
         config.write_text(gateway_toml(upstream, model, concurrency, release_after_s))
         run_dir = self.dir / "run"
         # shards: on that many httpcore pools instead of our own (gateway_on_main)
+        # python: another interpreter whose cerevisor_tui is another version of the code (its own venv)
         cli = [sys.executable, __file__, "gateway-on", "--shards", str(shards), "--http", http, "--"] \
-            if shards or http else CLI
+            if shards or http else [python, "-m", "cerevisor_tui"] if python else CLI
         self.proc = Proc(f"gateway ({name})", [*cli, "gateway", "--config", str(config), "--headless", "--run-dir",
                                                 str(run_dir)], self.dir / "gateway.log", cwd=self.dir)
         self.url = self._wait_url(self.proc.log)
@@ -867,6 +882,13 @@ def cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                 gw = procs["gateway"] = GatewayRun(workdir, "cost", server.base_url, MODEL,
                                                    concurrency=max(levels) * 2, console=not args.no_console)
                 urls["gateway"] = gw.url
+            if "gateway-base" in paths:
+                if not args.base_python:
+                    raise SystemExit("--paths gateway-base needs --base-python")
+                gw = procs["gateway-base"] = GatewayRun(workdir, "gateway-base", server.base_url, MODEL,
+                                                        concurrency=max(levels) * 2, console=not args.no_console,
+                                                        python=args.base_python)
+                urls["gateway-base"] = gw.url
             if "gateway-httptools" in paths:
                 gw = procs["gateway-httptools"] = GatewayRun(workdir, "gateway-httptools", server.base_url, MODEL,
                                                              concurrency=max(levels) * 2, console=not args.no_console,
@@ -1067,6 +1089,10 @@ def request_table(args: argparse.Namespace, data: dict[str, Any]) -> list[str]:
             lines.append(f"| {streams} | {LABELS[path]} | {_ms(f['added_p50'], f['p50_bound'])} | {ratio['ttft']} | "
                          f"{f['cpu_req_ms']:.2f} | {ratio['cpu']} | {_ms(f['gap_max'])} ({_ms(f['gap_p99'])}) | "
                          f"{ratio['gap']} |")
+            if path == "gateway" and "gateway-base" in figures:
+                verdicts.append(f"{streams} streams, {body}: gateway CPU per request {f['cpu_req_ms']:.2f} ms against "
+                                f"{figures['gateway-base']['cpu_req_ms']:.2f} ms before (--base-python): "
+                                f"{f['cpu_req_ms'] / figures['gateway-base']['cpu_req_ms']:.2f}x")
             if path == "gateway" and vs:
                 verdicts.append(f"{streams} streams, {body}: gateway/relay added TTFT p50 {vs['ttft']:.2f}x, CPU per "
                                 f"request {vs['cpu']:.2f}x, longest frame gap {vs['gap']:.2f}x (target <= "
@@ -1312,6 +1338,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--body-kb", type=float, default=0.0,
                    help="each request's body: 0 a short question (default), else a conversation of about this many KB "
                    "of prose (560: a 142K-token conversation, as an agent's turn 43 sends)")
+    g.add_argument("--base-python", default="",
+                   help="for --paths gateway-base: the python of a venv where another version of cerevisor-tui is "
+                   "installed (e.g. a checkout of the commit before a change), measured beside this one")
     g.add_argument("--no-console", action="store_true", help="the gateway without an attached console")
     g.add_argument("--litellm", default="", help="LiteLLM's `litellm` executable, or the venv that has it")
     g.add_argument("--install-litellm", action="store_true",
