@@ -7,6 +7,7 @@ gateway says itself, each in the API's own shape (an error body, a mid-stream er
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
@@ -257,7 +258,7 @@ class Reading:
         chunks that carried any)."""
         text, reasoning, tools, signs = [], [], [], 0
         chat = self.api == "chat"
-        decode = chunks.decode_chunk if chat else _frame.decode
+        decode: Callable[[bytes], Any] = chunks.decode_chunk if chat else _frame.decode  # (read takes its type)
         read = self._chunk if chat else self._frame
         for line in data.split(b"\n"):  # (a \r left at a line's end is JSON's whitespace)
             if line[:5] != b"data:":
