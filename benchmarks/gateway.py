@@ -25,8 +25,8 @@ and, named in --paths only, to weigh connection pools side by side:
   relay-ourpool     the bare relay with endpoints/transport.py's transport under its httpx client: a relay whose
                     pool does not grow its cost with the streams, the fairer baseline at 256 of them
   relay-httptools   relay-ourpool under uvicorn's httptools protocol in place of h11 (`pip install httptools`)
-  gateway-h11       the gateway on uvicorn's h11 protocol, as it runs without httptools installed (gateway: with
-                    it, where it is)
+  gateway-httptools the gateway under httptools, without gateway/listener.py's bounds (they are h11's): what it
+                    would save (measured: 2-5% CPU per short request, not worth a second bounded protocol)
   gateway-base      the gateway as installed in another venv (--base-python): a change measured beside the code
                     before it, in the same rounds
 
@@ -111,7 +111,7 @@ PATHS = {"direct": "direct (no proxy)", "gateway": "cerevisor gateway + console"
 # the gateway on other connection pools, for --paths (not measured by default): httpcore's own, whole or split
 POOLS = {"gateway-httpcore": ("httpcore", 1), "gateway-sharded": ("httpcore", 32)}
 LABELS = {**PATHS, "gateway-httpcore": "gateway on httpcore's pool", "gateway-sharded": "gateway on 32 httpcore pools",
-          "gateway-h11": "gateway + console on h11 (without httptools)",
+          "gateway-httptools": "gateway + console on httptools (no listener bounds)",
           "gateway-base": "gateway + console as of --base-python's install (before a change)",
           "relay-ourpool": "bare relay on our pool", "relay-httptools": "bare relay on our pool, httptools"}
 SIM_MODEL = "sim-model"
@@ -291,10 +291,12 @@ def gateway_on_main(shards: int, cli_args: list[str], http: str = "") -> int:
 
     if shards:
         client_module.AsyncioTransport = lambda limits: httpcore_transport(limits, shards)  # what build_client makes
-    if http:  # uvicorn's protocol for the gateway's clients, whatever is installed (gateway/listener.py)
+    if http == "httptools":  # uvicorn's httptools protocol, without the listener's bounds (gateway/listener.py is h11's)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
         import cerevisor_tui.gateway.serve as serve
 
-        serve.http_protocol = lambda: http
+        serve.bounded_protocol = lambda listener: HttpToolsProtocol
     return cli_main(cli_args)
 
 
@@ -888,11 +890,11 @@ def cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                                         concurrency=max(levels) * 2, console=not args.no_console,
                                                         python=args.base_python)
                 urls["gateway-base"] = gw.url
-            if "gateway-h11" in paths:
-                gw = procs["gateway-h11"] = GatewayRun(workdir, "gateway-h11", server.base_url, MODEL,
-                                                       concurrency=max(levels) * 2, console=not args.no_console,
-                                                       http="h11")
-                urls["gateway-h11"] = gw.url
+            if "gateway-httptools" in paths:
+                gw = procs["gateway-httptools"] = GatewayRun(workdir, "gateway-httptools", server.base_url, MODEL,
+                                                             concurrency=max(levels) * 2, console=not args.no_console,
+                                                             http="httptools")
+                urls["gateway-httptools"] = gw.url
             for path in (p for p in paths if p in POOLS):
                 gw = procs[path] = GatewayRun(workdir, path, server.base_url, MODEL, concurrency=max(levels) * 2,
                                               console=not args.no_console, shards=POOLS[path][1])
@@ -1294,7 +1296,7 @@ def main(argv: list[str] | None = None) -> int:
     relay.add_argument("--http", default="h11", help="uvicorn's HTTP protocol: h11 (the gateway's) or httptools")
     gateway_on = sub.add_parser("gateway-on", help="(internal) cerevisor-tui on httpcore's pool, split --shards ways")
     gateway_on.add_argument("--shards", type=int, required=True)
-    gateway_on.add_argument("--http", default="", help="h11 or httptools: uvicorn's protocol for the gateway")
+    gateway_on.add_argument("--http", default="", help="httptools: uvicorn's httptools protocol, unbounded")
     gateway_on.add_argument("cli_args", nargs=argparse.REMAINDER)
     sim = sub.add_parser("sim", help="(internal) the simulator; prints its port")
     sim.add_argument("--settings", required=True)

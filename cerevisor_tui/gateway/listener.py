@@ -1,9 +1,7 @@
 """The gateway's listener bounds: a deadline on reading each request's header and body, and a cap on open client
-connections (per client address on a network listen), at the transport edge, under uvicorn's own HTTP protocol:
-h11, or httptools where it is installed (the `fast` extra: the same requests for ~10% less CPU).
+connections (per client address on a network listen), at the transport edge, under uvicorn's own HTTP protocol.
 
-uvicorn bounds a header's size (h11's 16 KiB incomplete-event limit; under httptools, MAX_HEADER_BYTES here) and an
-idle keep-alive connection
+uvicorn bounds a header's size (h11's 16 KiB incomplete-event limit) and an idle keep-alive connection
 (`timeout_keep_alive`), but a request that has begun to arrive has no deadline, and its `limit_concurrency` answers
 503 only once a whole request has come: connections that send half a request line and stop are held for ever, and
 enough of them take every descriptor until accept() fails for everyone, keyed clients included. So each connection
@@ -15,10 +13,9 @@ serving a request is the new one closed at once.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import resource
 from collections import Counter
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -30,16 +27,6 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 _CONNECTIONS_SHARE = 4
 _BACKLOG_SHARE = 16
 _BACKLOG_MAX = 2048  # uvicorn's own
-MAX_HEADER_BYTES = 16 << 10
-"""The longest request line and headers read under httptools (which has no bound of its own): h11's limit."""
-
-
-HTTPTOOLS = importlib.util.find_spec("httptools") is not None
-
-
-def http_protocol() -> str:
-    """uvicorn's HTTP protocol for the gateway: httptools when it is installed, else h11."""
-    return "httptools" if HTTPTOOLS else "h11"
 
 
 class Listener:
@@ -56,14 +43,14 @@ class Listener:
         self.max_connections = max(1, min(max_connections, soft // _CONNECTIONS_SHARE))
         self.backlog = max(1, min(_BACKLOG_MAX, soft // _BACKLOG_SHARE))  # uvicorn's `backlog`: see above
         self.max_connections_per_peer = max_connections_per_peer  # None: one global cap (a loopback listen)
-        self.open: set[_Bounded] = set()
+        self.open: set[BoundedH11] = set()
         self.per_peer: Counter[str] = Counter()
-        self.waiting: dict[_Bounded, None] = {}  # those waiting for a request, oldest first
+        self.waiting: dict[BoundedH11, None] = {}  # those waiting for a request, oldest first
         self.closed_late = 0  # closed at their header or body deadline
         self.evicted = 0  # closed to make room for a new connection while waiting for a request
         self.refused = 0  # closed at once: every open connection was serving a request
 
-    def admit(self, conn: _Bounded) -> bool:
+    def admit(self, conn: BoundedH11) -> bool:
         """Count `conn` in, making room by closing the oldest waiting connection (of its peer, when that is what is
         full); False when there is no room to make."""
         per_peer = self.max_connections_per_peer
@@ -83,7 +70,7 @@ class Listener:
         self.per_peer[conn.peer] += 1
         return True
 
-    def gone(self, conn: _Bounded) -> None:
+    def gone(self, conn: BoundedH11) -> None:
         if conn in self.open:
             self.open.discard(conn)
             self.per_peer[conn.peer] -= 1
@@ -92,22 +79,13 @@ class Listener:
         self.waiting.pop(conn, None)
 
 
-class _Bounded:
-    """A connection under a `Listener`'s bounds, whichever of uvicorn's protocols reads it (mixed in before it); each
-    protocol says where its request stands (`_where`)."""
+class BoundedH11(H11Protocol):
+    """uvicorn's h11 protocol under a `Listener`'s bounds (a subclass per gateway names its `listener`)."""
 
     listener: ClassVar[Listener]
-    transport: asyncio.Transport
-    loop: asyncio.AbstractEventLoop
-    client: tuple[str, int] | None
-    timeout_keep_alive_task: asyncio.TimerHandle | None
 
-    def _where(self) -> tuple[bool, bool]:
-        """(waiting for a request: none begun, or its header not whole yet; reading its body)."""
-        raise NotImplementedError
-
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
         self._deadline: asyncio.TimerHandle | None = None
         self._reading = ""  # "header" or "body" while a deadline runs
         self.peer = self.client[0] if self.client else ""
@@ -117,17 +95,17 @@ class _Bounded:
         self._follow()
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)  # type: ignore[misc]
+        super().data_received(data)
         self._follow()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()  # type: ignore[misc]
+        super().on_response_complete()
         self._follow()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         self.listener.gone(self)
-        super().connection_lost(exc)  # type: ignore[misc]
+        super().connection_lost(exc)
 
     def close(self) -> None:
         self._disarm()
@@ -136,17 +114,18 @@ class _Bounded:
             self.transport.close()
 
     def _follow(self) -> None:
-        """Arm or drop the read deadline for where the request stands."""
+        """Arm or drop the read deadline for where the request stands in h11's reading of it."""
         if self.transport.is_closing():
             return
-        waiting, body = self._where()
+        state = self.conn.their_state
+        waiting = state is h11.IDLE
         if waiting:
             self.listener.waiting.setdefault(self, None)
         else:
             self.listener.waiting.pop(self, None)
         if waiting and self.timeout_keep_alive_task is None:  # a request begun, or none yet on a new connection
             self._arm("header", self.listener.header_timeout_s)
-        elif body:
+        elif state is h11.SEND_BODY:
             self._arm("body", self.listener.body_timeout_s)
         else:  # read whole (the app's turn), or idle between requests under uvicorn's keep-alive timer
             self._disarm()
@@ -169,56 +148,6 @@ class _Bounded:
         self.close()  # a body cut short is the app's disconnect: its request ends there
 
 
-class BoundedH11(_Bounded, H11Protocol):  # type: ignore[misc]  # (uvicorn's connection_made takes a Transport)
-    """uvicorn's h11 protocol under a `Listener`'s bounds."""
-
-    def _where(self) -> tuple[bool, bool]:
-        state = self.conn.their_state  # IDLE until a request's header is whole
-        return state is h11.IDLE, state is h11.SEND_BODY
-
-
-if HTTPTOOLS:
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    class BoundedHttpTools(_Bounded, HttpToolsProtocol):
-        """uvicorn's httptools protocol under a `Listener`'s bounds, a request's line and headers bounded as h11
-        bounds them (MAX_HEADER_BYTES read before the header is whole: a 400, and the connection closed)."""
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            self._stage = "idle"  # idle, header (a request begun), body (its header whole), app (read whole)
-            self._header_bytes = 0  # read since the last request ended
-            super().connection_made(transport)
-
-        def _where(self) -> tuple[bool, bool]:
-            return self._stage in ("idle", "header"), self._stage == "body"
-
-        def data_received(self, data: bytes) -> None:
-            if self._stage in ("idle", "header"):
-                self._header_bytes += len(data)
-            super().data_received(data)
-            if self._stage in ("idle", "header") and self._header_bytes > MAX_HEADER_BYTES \
-                    and not self.transport.is_closing():
-                self._disarm()
-                self.send_400_response(f"Request header over {MAX_HEADER_BYTES >> 10} KiB.")
-
-        def on_message_begin(self) -> None:
-            self._stage = "header"
-            super().on_message_begin()
-
-        def on_headers_complete(self) -> None:
-            self._stage = "body"
-            super().on_headers_complete()
-
-        def on_message_complete(self) -> None:
-            self._stage = "app"
-            super().on_message_complete()
-
-        def on_response_complete(self) -> None:
-            self._stage, self._header_bytes = "idle", 0
-            super().on_response_complete()
-
-
-def bounded_protocol(listener: Listener, http: str = "h11") -> type[Any]:
-    """The protocol class uvicorn builds each connection with (`http`: h11 or httptools), bound to `listener`."""
-    base: type[Any] = BoundedHttpTools if http == "httptools" and HTTPTOOLS else BoundedH11
-    return type("GatewayProtocol", (base,), {"listener": listener})
+def bounded_protocol(listener: Listener) -> type[BoundedH11]:
+    """The protocol class uvicorn builds each connection with, bound to `listener`."""
+    return type("GatewayProtocol", (BoundedH11,), {"listener": listener})

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from cerevisor_tui.config.models import GatewayConfig, is_loopback, split_listen
-from cerevisor_tui.gateway.listener import Listener, bounded_protocol, http_protocol
+from cerevisor_tui.gateway.listener import Listener, bounded_protocol
 from cerevisor_tui.gateway.server import Gateway, GatewayError
 from cerevisor_tui.sim.server import bind_socket
 
@@ -60,9 +60,8 @@ async def serve_gateway(engine: Engine, settings: GatewayConfig, *, model: str =
     listener = Listener(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
                         max_connections=settings.max_connections,
                         max_connections_per_peer=None if is_loopback(host) else settings.max_connections_per_peer)
-    # uvicorn's own bounds kept: an idle keep-alive connection closed after 75 s, a header over 16 KiB refused
-    config = uvicorn.Config(gateway, http=bounded_protocol(listener, http_protocol()), log_level="warning",
-                            access_log=False,
+    # uvicorn's own bounds kept: an idle keep-alive connection closed after 75 s, a header over h11's 16 KiB refused
+    config = uvicorn.Config(gateway, http=bounded_protocol(listener), log_level="warning", access_log=False,
                             lifespan="off", ws="none", timeout_graceful_shutdown=2, timeout_keep_alive=75,
                             backlog=listener.backlog)
     server = _Uvicorn(config)
