@@ -24,6 +24,11 @@ and, named in --paths only, to weigh connection pools side by side:
   gateway-sharded   the same split into 32 pools, a request to the pool of its X-Session-ID
   relay-ourpool     the bare relay with endpoints/transport.py's transport under its httpx client: a relay whose
                     pool does not grow its cost with the streams, the fairer baseline at 256 of them
+  relay-httptools   relay-ourpool under uvicorn's httptools protocol in place of h11 (`pip install httptools`)
+  gateway-httptools the gateway under httptools, without gateway/listener.py's bounds (they are h11's): what it
+                    would save (measured: 2-5% CPU per short request, not worth a second bounded protocol)
+  gateway-base      the gateway as installed in another venv (--base-python): a change measured beside the code
+                    before it, in the same rounds
 
 For each path: the proxy's CPU seconds per million tokens (/proc utime+stime of its process tree, reaped
 children included, over the window), the share of the window it was runnable but waiting for a CPU (schedstat:
@@ -32,6 +37,12 @@ written to first content token, of the requests sent in the window; those still 
 count as lower bounds, shown with >=), and tokens/s delivered against what the server offers (streams x rate).
 The window starts --warmup-s after the streams' ramp and lasts --seconds; each level is warmed on each path
 first. Medians over --repeats rounds; ratios to the bare relay are per round, then their median.
+
+**Per request**, with relay-ourpool among the paths: the proxy's CPU per request completed in the window, the TTFT
+it adds over direct's, and the longest gap between two frames of one answer that the client got (and the gaps'
+p99: a proxy busy with another request delays every stream's frames), each as a ratio to relay-ourpool's (target
+1.2x, issue 28). --body-kb 560 sends each request as an agent's late turn does: a 142K-token conversation of 86
+messages of prose; 0 (default) a short question. Short answers (--tokens 64 --rate 320) give many requests a second.
 
 The client reads raw sockets: an httpx client per stream costs 4-5 times as much CPU (0.67 against 0.15 of a
 core at 256 x 80 tokens/s direct, `--client httpx`) and adds its own 7 ms to the TTFT p50 on this 2-core box.
@@ -57,11 +68,16 @@ time is the clients', and the simulator's own clock stands still while it idles)
     python benchmarks/gateway.py --part admission --resident 8 --oversubscribe 3
     python benchmarks/gateway.py --install-litellm                 # make the LiteLLM venv under the cache dir
     python benchmarks/gateway.py --part cost --streams 256 --paths direct,gateway,gateway-httpcore,gateway-sharded,relay-ourpool
+    python benchmarks/gateway.py --part cost --paths direct,relay-ourpool,gateway --streams 1,8 --tokens 64 --rate 320 \
+        --body-kb 560 --repeats 3                                   # per request, 560 KB bodies (issue 28's target)
 
 Targets (issue 20): the gateway's CPU per token <= 1.5x the bare relay's, and ahead of LiteLLM on every figure;
 added TTFT p50 <= 2 ms; 256 streams x 325 tokens/s (83,200 offered) delivered at >= 95% through the gateway
 with a console attached, on a quiet machine. Session admission >= 85% prefix hits where the other two are
-< 50%, and the shortest makespan.
+< 50%, and the shortest makespan. Per request (issue 28): the gateway's added TTFT p50, CPU per request and longest
+frame gap <= 1.2x relay-ourpool's, at 1 and 8 streams, short and 560 KB requests. Measured 2026-12-02 (load ~15
+on 2 cores, 3 rounds): CPU per request 1.6-1.7x (it was 1.8-2.0x), the engine's side of each request (its events,
+the journal's line per event, the server monitor) most of what remains.
 """
 
 from __future__ import annotations
@@ -98,7 +114,9 @@ PATHS = {"direct": "direct (no proxy)", "gateway": "cerevisor gateway + console"
 # the gateway on other connection pools, for --paths (not measured by default): httpcore's own, whole or split
 POOLS = {"gateway-httpcore": ("httpcore", 1), "gateway-sharded": ("httpcore", 32)}
 LABELS = {**PATHS, "gateway-httpcore": "gateway on httpcore's pool", "gateway-sharded": "gateway on 32 httpcore pools",
-          "relay-ourpool": "bare relay on our pool"}
+          "gateway-httptools": "gateway + console on httptools (no listener bounds)",
+          "gateway-base": "gateway + console as of --base-python's install (before a change)",
+          "relay-ourpool": "bare relay on our pool", "relay-httptools": "bare relay on our pool, httptools"}
 SIM_MODEL = "sim-model"
 
 
@@ -270,11 +288,18 @@ def httpcore_transport(limits: Any, shards: int) -> Any:
     return HttpcoreTransport()
 
 
-def gateway_on_main(shards: int, cli_args: list[str]) -> int:
+def gateway_on_main(shards: int, cli_args: list[str], http: str = "") -> int:
     import cerevisor_tui.endpoints.client as client_module
     from cerevisor_tui.cli import main as cli_main
 
-    client_module.AsyncioTransport = lambda limits: httpcore_transport(limits, shards)  # what build_client makes
+    if shards:
+        client_module.AsyncioTransport = lambda limits: httpcore_transport(limits, shards)  # what build_client makes
+    if http == "httptools":  # uvicorn's httptools protocol, without the listener's bounds (gateway/listener.py is h11's)
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        import cerevisor_tui.gateway.serve as serve
+
+        serve.bounded_protocol = lambda listener: HttpToolsProtocol
     return cli_main(cli_args)
 
 
@@ -314,7 +339,7 @@ def relay_app(upstream: str, our_pool: bool = False) -> Any:
     return Starlette(routes=[Route("/v1/{path:path}", relay, methods=["GET", "POST"])])
 
 
-def relay_main(upstream: str, our_pool: bool = False) -> int:
+def relay_main(upstream: str, our_pool: bool = False, http: str = "h11") -> int:
     import uvicorn
 
     from cerevisor_tui.sim.server import bind_socket
@@ -322,8 +347,8 @@ def relay_main(upstream: str, our_pool: bool = False) -> int:
     sock = bind_socket("127.0.0.1", 0)
     print(sock.getsockname()[1], flush=True)
     # as serve_gateway configures uvicorn for the gateway
-    config = uvicorn.Config(relay_app(upstream, our_pool), log_level="warning", access_log=False, lifespan="off", ws="none",
-                            timeout_keep_alive=75)
+    config = uvicorn.Config(relay_app(upstream, our_pool), http=http, log_level="warning", access_log=False,
+                            lifespan="off", ws="none", timeout_keep_alive=75)
     asyncio.run(uvicorn.Server(config).serve(sockets=[sock]))
     return 0
 
@@ -362,6 +387,7 @@ class Load:
         self.error_sample = ""
         self.reconnects = 0
         self.ttft: list[tuple[float, float]] = []  # (sent at, seconds to the first content chunk)
+        self.gaps: list[tuple[float, float]] = []  # (at, seconds since the answer's frame before): a frame's delay
 
 
 class SseCount:
@@ -369,10 +395,12 @@ class SseCount:
 
     def __init__(self) -> None:
         self.rest = b""
+        self.framed = False  # the last read completed at least one frame
 
     def feed(self, payload: bytes) -> int:
         data = self.rest + payload if self.rest else payload
         end = data.rfind(b"\n\n")
+        self.framed = end >= 0
         if end < 0:
             self.rest = data
             return 0
@@ -407,6 +435,7 @@ class RawStream(asyncio.Protocol):
         self.tokens = 0
         self.sent_at = 0.0
         self.first = False
+        self.frame_at = 0.0  # when the answer's last frame came (0: none yet)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -416,6 +445,7 @@ class RawStream(asyncio.Protocol):
     def send(self) -> None:
         assert self.transport is not None
         self.buf, self.state, self.tokens, self.first, self.count = b"", "head", 0, False, SseCount()
+        self.frame_at = 0.0
         self.sent_at = time.perf_counter()
         self.transport.write(self.request)
 
@@ -465,6 +495,11 @@ class RawStream(asyncio.Protocol):
             self.load.error_sample = self.load.error_sample or payload[:300].decode("utf-8", "replace")
             return
         n = self.count.feed(payload)
+        if self.count.framed:
+            now = time.perf_counter()
+            if self.frame_at:
+                self.load.gaps.append((now, now - self.frame_at))
+            self.frame_at = now
         if n:
             if not self.first:
                 self.first = True
@@ -560,8 +595,7 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     host, port, path = _split_url(args.url)
     body = json.dumps({"model": MODEL, "stream": True, "max_tokens": args.tokens,
-                       "messages": [{"role": "system", "content": "You are a terse assistant."},
-                                    {"role": "user", "content": "Write a long story about a fox."}]}).encode()
+                       "messages": conversation(args.body_kb)}).encode()
     pids = {name: int(pid) for name, pid in (p.split("=") for p in args.pids.split(",") if p)}
     streams: list[Any] = []
     tasks: list[asyncio.Task[None]] = []
@@ -611,6 +645,7 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
             open_raw(-i, ramp + args.probe_every_s * i / args.probes)
     await asyncio.sleep(ramp + args.warmup_s)
     t0, tok0, own0, probe0 = time.perf_counter(), load.tokens, time.process_time(), load.probe_tokens
+    done0 = load.completed
     cpu0 = {name: tree_cpu_s(pid) for name, pid in pids.items()}
     wait0 = {name: cpu_wait_s(pid) for name, pid in pids.items()}
     per_second: list[int] = []
@@ -620,6 +655,7 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
         per_second.append(load.tokens - last)
         last = load.tokens
     t1, tok1, own1, probe1 = time.perf_counter(), load.tokens, time.process_time(), load.probe_tokens
+    done1 = load.completed
     cpu1 = {name: tree_cpu_s(pid) for name, pid in pids.items()}
     wait1 = {name: cpu_wait_s(pid) for name, pid in pids.items()}
     # the requests sent in the window get --grace-s more for their first token; those still waiting then count
@@ -641,7 +677,9 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
     bounds = [d for _, d in waiting]
     p50, p50_bound = censored_percentile(ttft, bounds, 0.5)
     p99, p99_bound = censored_percentile(ttft, bounds, 0.99)
-    return {"tokens": tok1 - tok0, "probe_tokens": probe1 - probe0, "wall_s": t1 - t0,
+    gaps = [g for at, g in load.gaps if t0 <= at <= t1]
+    return {"tokens": tok1 - tok0, "probe_tokens": probe1 - probe0, "wall_s": t1 - t0, "requests": done1 - done0,
+            "gap_max_ms": max(gaps, default=float("nan")) * 1e3, "gap_p99_ms": _percentile(gaps, 0.99) * 1e3,
             "tok_per_s": (tok1 - tok0) / (t1 - t0), "cpu_wait_s": {name: wait1[name] - wait0[name] for name in pids},
             "per_second_median": statistics.median(per_second), "per_second_min": min(per_second),
             "ttft_p50_ms": p50 * 1e3, "ttft_p99_ms": p99 * 1e3, "ttft_p50_bound": p50_bound,
@@ -649,6 +687,33 @@ async def client_main(args: argparse.Namespace) -> dict[str, Any]:
             "completed": load.completed, "short": load.short, "errors": load.errors,
             "error_sample": load.error_sample, "reconnects": load.reconnects, "client_cpu_s": own1 - own0,
             "cpu_s": {name: cpu1[name] - cpu0[name] for name in pids}, "load1": os.getloadavg()[0]}
+
+
+PROSE = ("the agent read the failing test again and traced the call through the parser, where a buffer was "
+         "reused before its last reader had finished with it; it wrote a smaller case, ran it, and saw the same "
+         "stale bytes come back, so it moved the copy up one frame and ran the whole suite once more while the "
+         "log scrolled past with every module named in turn and nothing red among them ").split()
+
+
+def conversation(body_kb: float) -> list[dict[str, str]]:
+    """The request's messages: a short question (0), or a conversation of about `body_kb` KB of prose, as an
+    agent's late turn sends it (a 142K-token conversation at turn 43 is ~560 KB: 86 messages of ~6.5 KB)."""
+    messages = [{"role": "system", "content": "You are a terse assistant."}]
+    if body_kb <= 0:
+        return [*messages, {"role": "user", "content": "Write a long story about a fox."}]
+    rng = random.Random(43)
+    turns = 43
+    per_message = int(body_kb * 1000 / (2 * turns))
+    for turn in range(turns):
+        for role in ("user", "assistant"):
+            words: list[str] = []
+            size = 0
+            while size < per_message:
+                word = rng.choice(PROSE)
+                words.append(word)
+                size += len(word) + 1
+            messages.append({"role": role, "content": f"turn {turn}: " + " ".join(words)})
+    return messages
 
 
 def _split_url(url: str) -> tuple[str, int, str]:
@@ -717,14 +782,17 @@ class GatewayRun:
     """`cerevisor-tui gateway --headless` in a process of its own, and optionally `attach --jsonl` beside it."""
 
     def __init__(self, workdir: Path, name: str, upstream: str, model: str, *, concurrency: int,
-                 release_after_s: float = 60.0, console: bool = True, shards: int = 0) -> None:
+                 release_after_s: float = 60.0, console: bool = True, shards: int = 0, http: str = "",
+                 python: str = "") -> None:
         self.dir = workdir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         config = self.dir / "gateway-bench.toml"
         config.write_text(gateway_toml(upstream, model, concurrency, release_after_s))
         run_dir = self.dir / "run"
         # shards: on that many httpcore pools instead of our own (gateway_on_main)
-        cli = [sys.executable, __file__, "gateway-on", "--shards", str(shards), "--"] if shards else CLI
+        # python: another interpreter whose cerevisor_tui is another version of the code (its own venv)
+        cli = [sys.executable, __file__, "gateway-on", "--shards", str(shards), "--http", http, "--"] \
+            if shards or http else [python, "-m", "cerevisor_tui"] if python else CLI
         self.proc = Proc(f"gateway ({name})", [*cli, "gateway", "--config", str(config), "--headless", "--run-dir",
                                                 str(run_dir)], self.dir / "gateway.log", cwd=self.dir)
         self.url = self._wait_url(self.proc.log)
@@ -765,7 +833,7 @@ def run_load(url: str, streams: int, args: argparse.Namespace, pids: dict[str, i
     cmd = [sys.executable, __file__, "client", "--url", url, "--streams", str(streams), "--tokens", str(args.tokens),
            "--seconds", str(seconds), "--warmup-s", str(warmup_s), "--ramp-s", str(args.ramp_s), "--impl", args.client,
            "--probes", str(args.probes), "--probe-every-s", str(args.probe_every_s),
-           "--probe-tokens", str(args.events_per_write), "--grace-s", str(args.grace_s),
+           "--probe-tokens", str(args.events_per_write), "--grace-s", str(args.grace_s), "--body-kb", str(args.body_kb),
            "--pids", ",".join(f"{k}={v}" for k, v in pids.items())]
     limit = seconds + warmup_s + args.ramp_s + 120
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
@@ -808,10 +876,28 @@ def cost(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                                                       workdir / "relay-ourpool.log", stdout=subprocess.PIPE)
                 urls["relay-ourpool"] = f"http://127.0.0.1:{relay.port()}/v1"
                 wait_http(urls["relay-ourpool"] + "/models", relay)
+            if "relay-httptools" in paths:  # uvicorn's httptools protocol (the `httptools` extra) in place of h11
+                relay = procs["relay-httptools"] = Proc(
+                    "relay-httptools", [sys.executable, __file__, "relay", "--upstream", server.base_url, "--our-pool",
+                                        "--http", "httptools"], workdir / "relay-httptools.log", stdout=subprocess.PIPE)
+                urls["relay-httptools"] = f"http://127.0.0.1:{relay.port()}/v1"
+                wait_http(urls["relay-httptools"] + "/models", relay)
             if "gateway" in paths:
                 gw = procs["gateway"] = GatewayRun(workdir, "cost", server.base_url, MODEL,
                                                    concurrency=max(levels) * 2, console=not args.no_console)
                 urls["gateway"] = gw.url
+            if "gateway-base" in paths:
+                if not args.base_python:
+                    raise SystemExit("--paths gateway-base needs --base-python")
+                gw = procs["gateway-base"] = GatewayRun(workdir, "gateway-base", server.base_url, MODEL,
+                                                        concurrency=max(levels) * 2, console=not args.no_console,
+                                                        python=args.base_python)
+                urls["gateway-base"] = gw.url
+            if "gateway-httptools" in paths:
+                gw = procs["gateway-httptools"] = GatewayRun(workdir, "gateway-httptools", server.base_url, MODEL,
+                                                             concurrency=max(levels) * 2, console=not args.no_console,
+                                                             http="httptools")
+                urls["gateway-httptools"] = gw.url
             for path in (p for p in paths if p in POOLS):
                 gw = procs[path] = GatewayRun(workdir, path, server.base_url, MODEL, concurrency=max(levels) * 2,
                                               console=not args.no_console, shards=POOLS[path][1])
@@ -907,7 +993,27 @@ def cost_figures(by_path: dict[str, list[dict[str, Any]]], path: str) -> dict[st
     ours = by_path.get("relay-ourpool")
     out["vs_relay_ours"] = (_median([per_mtok(r) / per_mtok(x) for r, x in zip(runs, ours, strict=True)])
                             if ours and path != "relay-ourpool" else float("nan"))
+    out["cpu_req_ms"] = _median([per_request_ms(r) for r in runs])
+    out["gap_max"] = _median([r["gap_max_ms"] for r in runs])
+    out["gap_p99"] = _median([r["gap_p99_ms"] for r in runs])
     return out
+
+
+def per_request_ms(res: dict[str, Any], name: str = "proxy") -> float:
+    """CPU milliseconds of process `name` per request completed in the window (nan: no such process)."""
+    cpu = res["cpu_s"].get(name)
+    return cpu / res["requests"] * 1e3 if cpu is not None and res.get("requests") else float("nan")
+
+
+def against_relay(by_path: dict[str, list[dict[str, Any]]], figures: dict[str, dict[str, Any]],
+                  path: str) -> dict[str, float]:
+    """`path`'s request figures over the bare relay on our pool's: added TTFT p50 (a ratio of the medians: one
+    round's added TTFT can be near 0), CPU per request and the longest frame gap (medians of per-round ratios)."""
+    ours, runs = by_path["relay-ourpool"], by_path[path]
+    f, o = figures[path], figures["relay-ourpool"]
+    return {"ttft": f["added_p50"] / o["added_p50"] if o["added_p50"] > 0 else float("nan"),
+            "cpu": _median([per_request_ms(r) / per_request_ms(x) for r, x in zip(runs, ours, strict=True)]),
+            "gap": _median([r["gap_max_ms"] / x["gap_max_ms"] for r, x in zip(runs, ours, strict=True)])}
 
 
 def print_cost(args: argparse.Namespace, data: dict[str, Any]) -> list[str]:
@@ -959,6 +1065,42 @@ def print_cost(args: argparse.Namespace, data: dict[str, Any]) -> list[str]:
                         f"({share:.1%}); console {g['console']:.2f} cores" + (
                             ": target >= 95% " + ("met" if share >= 0.95 else "MISSED") if full else
                             " (the issue's >= 95% target is for 256 streams at --rate 325)"))
+    return lines + [""] + verdicts + request_table(args, data)
+
+
+REQUEST_TARGET = 1.2  # the gateway's added TTFT, CPU per request and longest frame gap over the relay's (issue 28)
+
+
+def request_table(args: argparse.Namespace, data: dict[str, Any]) -> list[str]:
+    """Each request's cost beside the bare relay on our pool: added TTFT p50, CPU per request, the longest gap
+    between two frames a client got (and the gaps' p99), with the gateway's ratios to the relay's."""
+    paths, results = data["paths"], data["results"]
+    if "relay-ourpool" not in paths:
+        return []
+    body = f"{args.body_kb:g} KB conversations" if args.body_kb > 0 else "short requests"
+    lines = ["", f"Per request ({body}), against the bare relay on our pool:", "",
+             "| streams | path | added TTFT p50, ms | vs relay | CPU per request, ms | vs relay "
+             "| longest frame gap (p99), ms | vs relay |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    verdicts = []
+    for streams, by_path in results.items():
+        figures = {path: cost_figures(by_path, path) for path in paths}
+        for path in paths:
+            if path == "direct":
+                continue
+            f = figures[path]
+            vs = against_relay(by_path, figures, path) if path != "relay-ourpool" else None
+            ratio = {key: f"{vs[key]:.2f}x" if vs else "-" for key in ("ttft", "cpu", "gap")}
+            lines.append(f"| {streams} | {LABELS[path]} | {_ms(f['added_p50'], f['p50_bound'])} | {ratio['ttft']} | "
+                         f"{f['cpu_req_ms']:.2f} | {ratio['cpu']} | {_ms(f['gap_max'])} ({_ms(f['gap_p99'])}) | "
+                         f"{ratio['gap']} |")
+            if path == "gateway" and "gateway-base" in figures:
+                verdicts.append(f"{streams} streams, {body}: gateway CPU per request {f['cpu_req_ms']:.2f} ms against "
+                                f"{figures['gateway-base']['cpu_req_ms']:.2f} ms before (--base-python): "
+                                f"{f['cpu_req_ms'] / figures['gateway-base']['cpu_req_ms']:.2f}x")
+            if path == "gateway" and vs:
+                verdicts.append(f"{streams} streams, {body}: gateway/relay added TTFT p50 {vs['ttft']:.2f}x, CPU per "
+                                f"request {vs['cpu']:.2f}x, longest frame gap {vs['gap']:.2f}x (target <= "
+                                f"{REQUEST_TARGET}x each): " + ("met" if max(vs.values()) <= REQUEST_TARGET else "MISSED"))
     return lines + [""] + verdicts
 
 
@@ -1154,8 +1296,10 @@ def main(argv: list[str] | None = None) -> int:
     relay = sub.add_parser("relay", help="(internal) the bare relay; prints its port")
     relay.add_argument("--upstream", required=True)
     relay.add_argument("--our-pool", action="store_true")
+    relay.add_argument("--http", default="h11", help="uvicorn's HTTP protocol: h11 (the gateway's) or httptools")
     gateway_on = sub.add_parser("gateway-on", help="(internal) cerevisor-tui on httpcore's pool, split --shards ways")
     gateway_on.add_argument("--shards", type=int, required=True)
+    gateway_on.add_argument("--http", default="", help="httptools: uvicorn's httptools protocol, unbounded")
     gateway_on.add_argument("cli_args", nargs=argparse.REMAINDER)
     sim = sub.add_parser("sim", help="(internal) the simulator; prints its port")
     sim.add_argument("--settings", required=True)
@@ -1171,6 +1315,7 @@ def main(argv: list[str] | None = None) -> int:
     client.add_argument("--probe-every-s", type=float, default=0.1)
     client.add_argument("--probe-tokens", type=int, default=8)
     client.add_argument("--grace-s", type=float, default=3.0)
+    client.add_argument("--body-kb", type=float, default=0.0)
     client.add_argument("--pids", default="")
 
     parser.add_argument("--part", default="cost,admission", help="cost, admission or both (default both)")
@@ -1194,6 +1339,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--probe-every-s", type=float, default=0.1, help="a probe's pause between answers (default 0.1)")
     g.add_argument("--grace-s", type=float, default=3.0,
                    help="how long past the window a request sent in it may wait for its first token (default 3)")
+    g.add_argument("--body-kb", type=float, default=0.0,
+                   help="each request's body: 0 a short question (default), else a conversation of about this many KB "
+                   "of prose (560: a 142K-token conversation, as an agent's turn 43 sends)")
+    g.add_argument("--base-python", default="",
+                   help="for --paths gateway-base: the python of a venv where another version of cerevisor-tui is "
+                   "installed (e.g. a checkout of the commit before a change), measured beside this one")
     g.add_argument("--no-console", action="store_true", help="the gateway without an attached console")
     g.add_argument("--litellm", default="", help="LiteLLM's `litellm` executable, or the venv that has it")
     g.add_argument("--install-litellm", action="store_true",
@@ -1215,9 +1366,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "relay":
-        return relay_main(args.upstream, args.our_pool)
+        return relay_main(args.upstream, args.our_pool, args.http)
     if args.command == "gateway-on":
-        return gateway_on_main(args.shards, args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args)
+        return gateway_on_main(args.shards, args.cli_args[1:] if args.cli_args[:1] == ["--"] else args.cli_args,
+                               args.http)
     if args.command == "sim":
         return sim_main(args.settings)
     if args.command == "client":

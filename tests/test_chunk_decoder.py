@@ -9,10 +9,20 @@ import types
 import pytest
 
 from cerevisor_tui.config import validate
-from cerevisor_tui.endpoints import client
-from cerevisor_tui.endpoints.client import DELTA, FINISH, KEEPALIVE, TOOL_CALLS, USAGE, ChatStream
+from cerevisor_tui.endpoints import chunks, client
+from cerevisor_tui.endpoints.client import (
+    DELTA,
+    FINISH,
+    KEEPALIVE,
+    PROGRESS,
+    TIMINGS,
+    TOOL_CALLS,
+    USAGE,
+    ChatStream,
+)
 from cerevisor_tui.endpoints.errors import EndpointHTTPError, ProtocolError
 from cerevisor_tui.engine.engine import Engine
+from cerevisor_tui.gateway import apis
 from tests.conftest import RawServer, chunk, http_head
 
 VLLM_ID = {"id": "chatcmpl-b3c9", "object": "chat.completion.chunk", "created": 1767225600, "model": "m"}
@@ -181,7 +191,7 @@ def test_ordinary_chunks_take_the_typed_decoder_alone(monkeypatch):
                 event({**VLLM_ID, "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}],
                        "usage": None, "system_fingerprint": None})):
         chunk_read = s._read(client._data_value(raw.rstrip(b"\n")), False)
-        assert isinstance(chunk_read, client._Chunk)
+        assert isinstance(chunk_read, chunks.Chunk)
 
 
 @pytest.mark.anyio
@@ -218,3 +228,121 @@ async def test_a_last_event_without_its_blank_line_still_counts():
     items, s, error = await read_all(vllm({"content": "a"}) + vllm({}, "stop").rstrip(b"\n"))
     assert error is None
     assert items == [(DELTA, ("a", "", "", 1)), (FINISH, "stop")] and s.finish_reason == "stop"
+
+
+# ---- one decoder, two readers: the streaming client and the gateway's copy of a relayed chat stream ----------
+# Chunk text as the servers send it (field order, nulls and extras as recorded from vLLM 0.11 and llama-server
+# b6097): what a sign of life is, and what usage and timings say, must read the same on both paths.
+VLLM_RECORDED = (
+    b'data: {"id":"chatcmpl-9f1","object":"chat.completion.chunk","created":1767225600,"model":"Qwen/Qwen3-8B",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+    b'"prompt_token_ids":null}\n\n'
+    b'data: {"id":"chatcmpl-9f1","object":"chat.completion.chunk","created":1767225600,"model":"Qwen/Qwen3-8B",'
+    b'"choices":[{"index":0,"delta":{"reasoning_content":"The user"},"logprobs":null,"finish_reason":null}]}\n\n'
+    b'data: {"id":"chatcmpl-9f1","object":"chat.completion.chunk","created":1767225600,"model":"Qwen/Qwen3-8B",'
+    b'"choices":[{"index":0,"delta":{"reasoning_content":" wants"},"logprobs":null,"finish_reason":null}]}\n\n'
+    b'data: {"id":"chatcmpl-9f1","object":"chat.completion.chunk","created":1767225600,"model":"Qwen/Qwen3-8B",'
+    b'"choices":[{"index":0,"delta":{"tool_calls":[{"id":"chatcmpl-tool-4e2","type":"function","index":0,'
+    b'"function":{"name":"get_weather","arguments":""}}]},"logprobs":null,"finish_reason":null}]}\n\n'
+    b'data: {"id":"chatcmpl-9f1","object":"chat.completion.chunk","created":1767225600,"model":"Qwen/Qwen3-8B",'
+    b'"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\\"city\\": \\"Oslo\\"}"}}]},'
+    b'"logprobs":null,"finish_reason":null}]}\n\n'
+    b'data: {"id":"chatcmpl-9f1","object":"chat.completion.chunk","created":1767225600,"model":"Qwen/Qwen3-8B",'
+    b'"choices":[{"index":0,"delta":{"content":""},"logprobs":null,"finish_reason":"tool_calls","stop_reason":null}]}'
+    b'\n\n'
+    b'data: {"id":"chatcmpl-9f1","object":"chat.completion.chunk","created":1767225600,"model":"Qwen/Qwen3-8B",'
+    b'"choices":[],"usage":{"prompt_tokens":412,"total_tokens":440,"completion_tokens":28,'
+    b'"prompt_tokens_details":{"cached_tokens":384}}}\n\n'
+    b'data: [DONE]\n\n')
+
+LLAMA_RECORDED = (
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role":"assistant","content":null}}],'
+    b'"created":1754523863,"id":"chatcmpl-X6ur","model":"gpt-oss:20b","system_fingerprint":"b6097-9515c613",'
+    b'"object":"chat.completion.chunk","prompt_progress":{"total":1085,"cache":64,"processed":1085,"time_ms":203}}\n\n'
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"reasoning_content":"User wrote"}}],'
+    b'"created":1754523863,"id":"chatcmpl-X6ur","model":"gpt-oss:20b","system_fingerprint":"b6097-9515c613",'
+    b'"object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"Hello"}}],"created":1754523863,'
+    b'"id":"chatcmpl-X6ur","model":"gpt-oss:20b","system_fingerprint":"b6097-9515c613",'
+    b'"object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"! \\ud83d\\udc4b"}}],"created":1754523863,'
+    b'"id":"chatcmpl-X6ur","model":"gpt-oss:20b","system_fingerprint":"b6097-9515c613",'
+    b'"object":"chat.completion.chunk"}\n\n'
+    b'data: {"choices":[{"finish_reason":"stop","index":0,"delta":{}}],"created":1754524122,"id":"chatcmpl-X6ur",'
+    b'"model":"gpt-oss:20b","system_fingerprint":"b6097-9515c613","object":"chat.completion.chunk",'
+    b'"usage":{"completion_tokens":247,"prompt_tokens":1085,"total_tokens":1332},'
+    b'"timings":{"cache_n":64,"prompt_n":1021,"prompt_ms":203.378,"prompt_per_token_ms":0.18744516129032257,'
+    b'"prompt_per_second":5334.893646313762,"predicted_n":247,"predicted_ms":933.63,'
+    b'"predicted_per_token_ms":3.7798785425101213,"predicted_per_second":264.5587652496171}}\n\n'
+    b'data: [DONE]\n\n')
+
+
+async def both_readers(recorded: bytes) -> tuple[list, ChatStream, apis.Reading]:
+    """What the client yields for a recorded stream (in reads of 97 bytes, cut anywhere) and what the gateway's
+    Reading makes of the same frames (in two reads, cut at a frame end)."""
+    reads = [recorded[i:i + 97] for i in range(0, len(recorded), 97)]
+    items, s, error = await read_all(*reads)
+    assert error is None
+    reading = apis.Reading("chat")
+    half = recorded.index(b"\n\n", len(recorded) // 2) + 2
+    reading.frames(recorded[:half])
+    reading.frames(recorded[half:])
+    return items, s, reading
+
+
+def joined(items: list, slot: int) -> str:
+    return "".join(value[slot] for kind, value in items if kind == DELTA)
+
+
+@pytest.mark.anyio
+async def test_a_recorded_vllm_stream_reads_the_same_through_the_client_and_the_gateway():
+    items, s, reading = await both_readers(VLLM_RECORDED)
+    assert joined(items, 0) == reading.answer == ""
+    assert joined(items, 1) == "".join(reading.reasoning) == "The user wants"
+    assert joined(items, 2) == "".join(reading.tools) == 'get_weather{"city": "Oslo"}'
+    assert s.tokens == reading.chunks == 4  # two reasoning pieces, two tool-call pieces: each a sign of life
+    assert (TOOL_CALLS, ((0, "chatcmpl-tool-4e2", "get_weather", ""),)) in items
+    assert s.finish_reason == reading.finish == "tool_calls"
+    assert (USAGE, (412, 28, 384)) in items
+    assert (reading.prompt_tokens, reading.completion_tokens, reading.cached_tokens) == (412, 28, 384)
+    assert reading.unreadable == 0
+
+
+@pytest.mark.anyio
+async def test_a_recorded_llama_server_stream_reads_the_same_through_the_client_and_the_gateway():
+    items, s, reading = await both_readers(LLAMA_RECORDED)
+    assert items[0] == (PROGRESS, (1085, 64, 1085, 203))  # the role-only chunk's prefill progress
+    assert joined(items, 0) == reading.answer == "Hello! \N{WAVING HAND SIGN}"
+    assert joined(items, 1) == "".join(reading.reasoning) == "User wrote"
+    assert s.tokens == reading.chunks == 3
+    assert s.finish_reason == reading.finish == "stop"
+    assert s.usage == (reading.prompt_tokens, reading.completion_tokens) == (1085, 247)
+    # llama.cpp's timings: the latency panel's figures on both paths, and the prompt's tokens where usage is absent
+    assert (TIMINGS, (203.378, 3.7798785425101213)) in items
+    assert s.timings == reading.timings == (203.378, 3.7798785425101213)
+    assert reading.timings_prompt_tokens == 1085
+
+
+@pytest.mark.anyio
+async def test_figures_that_cannot_be_true_are_believed_by_neither_reader():
+    stream_text = (event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": None}}],
+                          "prompt_progress": {"total": 10, "cache": 0, "processed": 11, "time_ms": 1}})
+                   + event({"choices": [{"index": 0, "delta": {"content": "a"}}]})
+                   + event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                            "timings": {"prompt_ms": -5.0, "predicted_per_token_ms": 1e300, "prompt_n": -1}})
+                   + b"data: [DONE]\n\n")
+    items, s, reading = await both_readers(stream_text)
+    assert [kind for kind, _ in items] == [KEEPALIVE, DELTA, FINISH]  # no progress past the prompt, no timings
+    assert s.timings is None and reading.timings is None and reading.timings_prompt_tokens == 0
+    assert s.tokens == reading.chunks == 1
+
+
+@pytest.mark.anyio
+async def test_a_tool_call_piece_that_carries_no_text_is_a_sign_of_life_on_both_paths():
+    stream_text = (event({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": None}]}}]})
+                   + event({"choices": [{"index": 1, "delta": {"content": "another choice's"}}]})
+                   + event({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+                   + b"data: [DONE]\n\n")
+    items, s, reading = await both_readers(stream_text)
+    assert s.tokens == reading.chunks == 1  # the other choice (n > 1) is no part of the answer on either path
+    assert joined(items, 2) == "".join(reading.tools) == " " and reading.answer == ""

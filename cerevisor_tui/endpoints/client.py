@@ -6,9 +6,9 @@ arrival time (`liveness = "bytes"`), and a bound on line length so a server that
 line cannot exhaust memory. The framing rules are the SSE spec's: `data:` lines joined until a blank
 line, `:` comments, an optional `event:` name.
 
-Each event's JSON is decoded by one reused `msgspec.json.Decoder` into a `_Chunk`, a Struct that holds only
-the fields we read; msgspec skips the rest (id, model, logprobs...) without building them. This runs once a
-token, so what it builds is what the client costs.
+Each event's JSON is decoded by one reused `msgspec.json.Decoder` into a `Chunk` (endpoints/chunks.py), a Struct
+that holds only the fields we read; msgspec skips the rest (id, model, logprobs...) without building them. This
+runs once a token, so what it builds is what the client costs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,17 @@ import httpx
 import msgspec
 
 from cerevisor_tui.config.secrets import Scrubber
-from cerevisor_tui.endpoints import bounds
+from cerevisor_tui.endpoints import chunks
+from cerevisor_tui.endpoints.chunks import (
+    Chunk,
+    answer_choice,
+    has_text,
+    progress_of,
+    signs,
+    timings_of,
+    tool_pieces,
+    usage_of,
+)
 from cerevisor_tui.endpoints.errors import (
     RETRYABLE_STATUS,
     EndpointError,
@@ -43,87 +53,11 @@ MAX_LINE_BYTES = 1 << 20  # one SSE line longer than this is a protocol error, n
 MAX_ERROR_BODY_BYTES = 64 << 10
 
 # What the stream yields: (kind, payload), the kinds as cerevisor_tui/kinds.py defines them (KEEPALIVE, DELTA,
-# USAGE, FINISH, PROGRESS); imported from here by the worker, the probe and the engine
+# USAGE, FINISH, PROGRESS); imported from here by the worker, the probe and the engine. What a chunk is, and what
+# in it is a sign of life, is endpoints/chunks.py's (the gateway reads relayed chat chunks by the same rules).
 
-
-# The chunk's shape as the decoder reads it. Each level is a Struct of the fields we read; msgspec skips
-# every other field (id, model, logprobs...) without building it.
-
-
-class _ToolFunction(msgspec.Struct, gc=False):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class _ToolCall(msgspec.Struct, gc=False):
-    index: int | None = None
-    id: str | None = None
-    function: _ToolFunction | None = None
-
-
-class _Delta(msgspec.Struct, gc=False):
-    """A choice's `delta` (in a whole `chat.completion`, its `message`)."""
-
-    content: str | None = None
-    reasoning_content: str | None = None  # vLLM's, llama.cpp's and SGLang's name
-    reasoning: str | None = None  # Ollama's and OpenRouter's
-    tool_calls: list[_ToolCall | None] | None = None
-
-
-class _Choice(msgspec.Struct, gc=False):
-    index: int | None = None  # 0 is the answer; a server asked for several (n, best_of) streams others beside it
-    delta: _Delta | None = None
-    message: _Delta | None = None
-    finish_reason: str | None = None
-
-
-class _PromptDetails(msgspec.Struct, gc=False):
-    cached_tokens: int | float | None = None  # prompt tokens served from the prefix cache
-
-
-class _Usage(msgspec.Struct, gc=False):
-    prompt_tokens: int | float | None = None
-    completion_tokens: int | float | None = None
-    prompt_tokens_details: _PromptDetails | None = None  # vLLM with --enable-prompt-tokens-details, OpenAI
-
-
-class _Timings(msgspec.Struct, gc=False):
-    """llama.cpp's per-request `timings`, in its last chunk: the latency panel's figures for that server."""
-
-    prompt_ms: float | None = None
-    predicted_per_token_ms: float | None = None
-
-
-class _PromptProgress(msgspec.Struct, gc=False):
-    """llama-server's `prompt_progress` (asked with `"return_progress": true`): prompt tokens in all, from its
-    cache, processed so far (the cached ones included), and the milliseconds its prefill has taken."""
-
-    total: int | float = 0
-    cache: int | float = 0
-    processed: int | float = 0
-    time_ms: int | float = 0
-
-
-class _Chunk(msgspec.Struct, gc=False):
-    """What we read of one `chat.completion.chunk` (or of a whole `chat.completion`); other fields are skipped.
-
-    Every field may be absent or null. A field of another type is refused by the decoder, and the chunk is
-    then read by `_lenient_chunk`, which names what is wrong. gc=False: a chunk never takes part in a
-    reference cycle, and untracked chunks do not push the collector into running.
-    """
-
-    choices: list[_Choice] | None = None
-    usage: _Usage | None = None
-    timings: _Timings | None = None  # llama.cpp
-    prompt_progress: _PromptProgress | None = None  # llama-server's, beside a role-only delta
-    error: Any = msgspec.UNSET  # there at all, even null: the server says the stream failed
-    # Not read: "object". vLLM's older mid-stream error is {"object": "error", "message": ...} without choices,
-    # and a chunk without choices that says "error" anywhere goes to _lenient_chunk, which looks; decoding
-    # "chat.completion.chunk" into a string for every chunk would cost the hot path for nothing.
-
-
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
-_UNSET = msgspec.UNSET
+_decode_chunk = chunks.decode_chunk
+_UNSET = chunks.UNSET
 
 
 KEEPALIVE_EXPIRY_S = 4.0
@@ -265,6 +199,7 @@ class ChatStream:
                         self._done = True
                         return
                     chunk = None
+                # (chunks.says_error, inlined: a call per token is measurable here)
                 if chunk is None or is_error or chunk.error is not unset or (
                         not chunk.choices and b'"error"' in payload):
                     try:
@@ -273,11 +208,12 @@ class ChatStream:
                         if pend:  # what came before a bad chunk is the partial answer
                             yield _merged(pend, pend_slot)
                         raise
-                # the common chunk: one piece of content or of reasoning, and nothing else
+                # the common chunk: one piece of content or of reasoning, and nothing else (chunks.signs, inlined
+                # for it; any other chunk goes to _items)
                 choices = chunk.choices
                 if choices and chunk.usage is None:
                     first = choices[0]
-                    choice = _answer_choice(choices) if first.index else first
+                    choice = answer_choice(choices) if first.index else first
                     if (choice is not None and (delta := choice.delta) is not None and choice.finish_reason is None
                             and not delta.tool_calls):
                         text = delta.content
@@ -324,21 +260,21 @@ class ChatStream:
                 endpoint, f"stream ended without [DONE] and without a finish reason after {self.tokens} tokens"
             )
 
-    def _read(self, payload: bytes, is_error: bool) -> _Chunk:
+    def _read(self, payload: bytes, is_error: bool) -> Chunk:
         """The chunk in one event's data; raises the EndpointError it stands for (a server error, bad JSON)."""
         try:
             chunk = _decode_chunk(payload)
         except (msgspec.DecodeError, RecursionError):  # not JSON msgspec takes, a field of another type, too deep
             return self._lenient_chunk(payload, is_error)
-        if is_error or chunk.error is not _UNSET or (not chunk.choices and b'"error"' in payload):
+        if is_error or chunks.says_error(chunk, payload):
             return self._lenient_chunk(payload, is_error)  # raises, with the server's own message
         return chunk
 
-    def _lenient_chunk(self, payload: bytes, is_error: bool) -> _Chunk:
+    def _lenient_chunk(self, payload: bytes, is_error: bool) -> Chunk:
         """An event the typed decoder refused, or an error event: the EndpointError it stands for, or the chunk.
 
         json.loads takes what msgspec refuses and a server may still send: NaN and Infinity (a Python server's
-        logprobs), lone surrogates in escapes. Its object becomes a `_Chunk` by the same rules, so a field of
+        logprobs), lone surrogates in escapes. Its object becomes a `Chunk` by the same rules, so a field of
         the wrong type is an error that says where, never an exception from deep in the engine.
         """
         try:
@@ -356,7 +292,7 @@ class ChatStream:
         if is_error or "error" in obj or obj.get("object") == "error":
             raise _stream_error(self.endpoint, obj, self.tokens, self.scrubber())
         try:
-            return msgspec.convert(obj, _Chunk)
+            return msgspec.convert(obj, Chunk)
         except msgspec.ValidationError as exc:
             # msgspec names the field: "Expected `str | null`, got `int` - at `$.choices[0].delta.content`"
             raise ProtocolError(self.endpoint, f"unexpected chunk in stream after {self.tokens} tokens ({exc}): "
@@ -367,45 +303,41 @@ class ChatStream:
         would pass the scrubber."""
         return self.scrubber()(payload.decode("utf-8", "replace"))[:80]
 
-    def _items(self, chunk: _Chunk) -> list[tuple[int, Any]]:
+    def _items(self, chunk: Chunk) -> list[tuple[int, Any]]:
         """What any chunk yields: its delta, its finish reason, its usage, or a keep-alive when it has none."""
         out: list[tuple[int, Any]] = []
-        choice = _answer_choice(chunk.choices) if chunk.choices else None
+        choice = answer_choice(chunk.choices) if chunk.choices else None
         if choice is not None:
             delta = choice.delta
-            if choice.message is not None and (delta is None or not _has_text(delta)):
+            if choice.message is not None and (delta is None or not has_text(delta)):
                 delta = choice.message  # a whole chat.completion (a server that ignored stream: true)
             if delta is not None:
-                content = delta.content or ""
-                reasoning = delta.reasoning_content or delta.reasoning or ""
-                tool = _tool_text(delta.tool_calls) if delta.tool_calls else ""
+                content, reasoning, tool = signs(delta)
                 if content or reasoning or tool:
                     self.tokens += 1
                     out.append((DELTA, (content, reasoning, tool, 1)))
-                pieces = _tool_pieces(delta.tool_calls) if delta.tool_calls else ()
+                pieces = tool_pieces(delta.tool_calls) if delta.tool_calls else ()
                 if pieces:  # the pieces, for the agent loop to put each call together
                     out.append((TOOL_CALLS, pieces))
             if choice.finish_reason:
                 self.finish_reason = choice.finish_reason
                 out.append((FINISH, choice.finish_reason))
-        usage = chunk.usage
-        if usage is not None and (usage.prompt_tokens is not None or usage.completion_tokens is not None):
-            self.usage = (int(usage.prompt_tokens or 0), int(usage.completion_tokens or 0))
-            details = usage.prompt_tokens_details
-            if details is not None and details.cached_tokens is not None:
-                self.cached_tokens = int(details.cached_tokens)
-                out.append((USAGE, (*self.usage, self.cached_tokens)))
+        usage = usage_of(chunk.usage) if chunk.usage is not None else None
+        if usage is not None:
+            prompt, completion, cached = usage
+            self.usage = (prompt, completion)
+            if cached is not None:
+                self.cached_tokens = cached
+                out.append((USAGE, usage))
             else:
                 out.append((USAGE, self.usage))
-        timings = chunk.timings
-        if timings is not None and (timings.prompt_ms is not None or timings.predicted_per_token_ms is not None):
-            self.timings = (timings.prompt_ms, timings.predicted_per_token_ms)
-            out.append((TIMINGS, self.timings))
-        progress = chunk.prompt_progress
+        timings = timings_of(chunk.timings) if chunk.timings is not None else None
+        if timings is not None:
+            self.timings = timings
+            out.append((TIMINGS, timings))
+        progress = progress_of(chunk.prompt_progress) if chunk.prompt_progress is not None else None
         if progress is not None:  # a sign of life of the prefill, not a token (when its numbers can be true)
-            told = bounds.prompt_progress(progress.total, progress.cache, progress.processed, progress.time_ms)
-            if told is not None:
-                out.append((PROGRESS, told))
+            out.append((PROGRESS, progress))
         if not out:
             out.append((KEEPALIVE, None))
         return out
@@ -426,15 +358,6 @@ class ChatStream:
         for item in self._items(self._read(raw, False)):
             yield item
         self._done = True
-
-
-def _answer_choice(choices: list[_Choice]) -> _Choice | None:
-    """The chunk's choice of index 0 (or of none given): the answer. Another choice's pieces are never joined
-    into it, whatever the request asked for."""
-    for choice in choices:
-        if not choice.index:
-            return choice
-    return None
 
 
 async def _lines(response: httpx.Response, stream: ChatStream, endpoint: str) -> AsyncIterator[list[bytes]]:
@@ -479,34 +402,6 @@ async def _read_bounded(response: httpx.Response, limit: int) -> bytes:
         if len(out) >= limit:
             break
     return bytes(out[:limit])
-
-
-def _has_text(delta: _Delta) -> bool:
-    return bool(delta.content or delta.reasoning_content or delta.reasoning or delta.tool_calls)
-
-
-def _tool_text(tool_calls: list[_ToolCall | None]) -> str:
-    """The text of a delta's tool calls (names and argument pieces); a space when they carry none, as a tool
-    call is a sign of life all the same."""
-    parts = []
-    for call in tool_calls:
-        fn = call.function if call is not None else None
-        if fn is not None:
-            parts.append((fn.name or "") + (fn.arguments or ""))
-    return "".join(parts) or " "
-
-
-def _tool_pieces(tool_calls: list[_ToolCall | None]) -> tuple[tuple[int, str | None, str | None, str | None], ...]:
-    """A delta's tool calls as (index, id, name, arguments piece): a call's later pieces carry only its index
-    (OpenAI's streaming form); a whole message's calls carry no index and are numbered in order."""
-    pieces = []
-    for i, call in enumerate(tool_calls):
-        fn = call.function if call is not None else None
-        if call is None or not (call.id or (fn and (fn.name or fn.arguments))):
-            continue  # a piece that carries nothing opens no call
-        pieces.append((call.index if call.index is not None else i, call.id, fn.name if fn else None,
-                       fn.arguments if fn else None))
-    return tuple(pieces)
 
 
 def _reason(exc: BaseException) -> str:

@@ -7,13 +7,15 @@ gateway says itself, each in the API's own shape (an error body, a mid-stream er
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast, get_args
 
 import msgspec
 
 from cerevisor_tui.contract.events import Role
-from cerevisor_tui.endpoints import bounds
+from cerevisor_tui.endpoints import chunks
+from cerevisor_tui.endpoints.chunks import Chunk, Timings
 
 Api = Literal["chat", "responses", "messages"]
 PATHS: dict[str, Api] = {"/chat/completions": "chat", "/responses": "responses", "/messages": "messages"}
@@ -182,43 +184,14 @@ class _Usage(msgspec.Struct):
     cache_read_input_tokens: int | None = None
 
 
-class _Timings(msgspec.Struct):
-    """llama.cpp's per-request `timings`, in its last chunk: prompt tokens computed and from the cache (where no
-    usage is said), and the latency panel's figures."""
-
-    prompt_n: int | float | None = None
-    cache_n: int | float | None = None
-    prompt_ms: float | None = None
-    predicted_per_token_ms: float | None = None
-
-
-class _ToolFunction(msgspec.Struct):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class _ToolCall(msgspec.Struct):
-    function: _ToolFunction | None = None
-
-
 class _Delta(msgspec.Struct):
-    content: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[_ToolCall] | None = None
-    # messages' content_block_delta
+    """messages' content_block_delta and message_delta (chat's deltas are endpoints/chunks.py's)."""
+
     type: str = ""
     text: str | None = None
     thinking: str | None = None
     partial_json: str | None = None
     stop_reason: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    index: int | None = None  # 0 is the answer; a client that asks for several (n) gets the others beside it
-    delta: _Delta | None = None
-    message: _Delta | None = None
-    finish_reason: str | None = None
 
 
 class _Message(msgspec.Struct):
@@ -234,16 +207,16 @@ class _Response(msgspec.Struct):
 
 
 class _Frame(msgspec.Struct):
-    """The fields of a chunk or event that the gateway reads, for every API at once (the rest is skipped)."""
+    """The fields of a responses or messages event that the gateway reads, for both at once (the rest is skipped);
+    a chat chunk is read as the streaming client reads it (endpoints/chunks.py)."""
 
     type: str = ""
-    choices: list[_Choice] = []
     usage: _Usage | None = None
     error: Any = None
     delta: _Delta | str | None = None  # a _Delta in chat/messages, a string in responses' *.delta events
     message: _Message | str | None = None  # messages' message_start; responses' flat error event's text
     response: _Response | None = None  # responses' response.completed / response.failed
-    timings: _Timings | None = None  # llama.cpp's, in its last chunk
+    timings: Timings | None = None  # llama.cpp's, in its last chunk
 
 
 _frame = msgspec.json.Decoder(_Frame)
@@ -283,21 +256,23 @@ class Reading:
     def frames(self, data: bytes) -> tuple[str, str, str, int]:
         """Read the complete SSE frames in `data`; returns what they added (content, reasoning, tool-call text,
         chunks that carried any)."""
-        text, reasoning, tools, chunks = [], [], [], 0
-        for line in data.splitlines():
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if not payload or payload == b"[DONE]":
+        text, reasoning, tools, signs = [], [], [], 0
+        chat = self.api == "chat"
+        decode: Callable[[bytes], Any] = chunks.decode_chunk if chat else _frame.decode  # (read takes its type)
+        read = self._chunk if chat else self._frame
+        for line in data.split(b"\n"):  # (a \r left at a line's end is JSON's whitespace)
+            if line[:5] != b"data:":
                 continue
             try:
-                frame = _frame.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-                self.unreadable += 1  # (nested past msgspec's depth: not a frame of any API)
+                frame = decode(line[5:])
+            except (msgspec.DecodeError, RecursionError):  # (ValidationError is a DecodeError)
+                payload = line[5:].strip()
+                if payload and payload != b"[DONE]":
+                    self.unreadable += 1  # (nested past msgspec's depth: not a frame of any API)
                 continue
-            t, r, k = self._frame(frame)
+            t, r, k = read(frame)
             if t or r or k:
-                chunks += 1
+                signs += 1
                 if t:
                     text.append(t)
                 if r:
@@ -311,8 +286,27 @@ class Reading:
             self.reasoning.append(got[1])
         if got[2]:
             self.tools.append(got[2])
-        self.chunks += chunks
-        return (*got, chunks)
+        self.chunks += signs
+        return (*got, signs)
+
+    def _chunk(self, c: Chunk) -> tuple[str, str, str]:
+        """A chat chunk: its signs of life, by the streaming client's rules (endpoints/chunks.py)."""
+        if c.timings is not None:
+            self._timings(c.timings)
+        if c.error is not chunks.UNSET and c.error is not None:
+            self.error = _error_text(c.error)
+        if c.usage is not None and (usage := chunks.usage_of(c.usage)) is not None:
+            self.prompt_tokens = usage[0] or self.prompt_tokens
+            self.completion_tokens = usage[1] or self.completion_tokens
+            if usage[2] is not None:
+                self.cached_tokens = usage[2]
+        # choice 0 only: the others (n > 1) go to the client as they came, and are not the session's answer
+        choice = chunks.answer_choice(c.choices) if c.choices else None
+        if choice is None:
+            return "", "", ""
+        if choice.finish_reason:
+            self.finish = choice.finish_reason
+        return chunks.signs(choice.delta) if choice.delta is not None else ("", "", "")
 
     def _frame(self, f: _Frame) -> tuple[str, str, str]:
         if f.timings is not None:
@@ -321,20 +315,6 @@ class Reading:
             self.error = _error_text(f.error)
         elif f.type == "error" and isinstance(f.message, str):  # responses' flat error event
             self.error = f.message[:500]
-        if self.api == "chat":
-            self.usage(f.usage)
-            # choice 0 only: the others (n > 1) go to the client as they came, and are not the session's answer
-            choice = next((c for c in f.choices if not c.index), None)
-            if choice is None:
-                return "", "", ""
-            if choice.finish_reason:
-                self.finish = choice.finish_reason
-            d = choice.delta
-            if d is None:
-                return "", "", ""
-            tool = "".join((c.function.name or "") + (c.function.arguments or "")
-                           for c in d.tool_calls or () if c.function is not None)
-            return d.content or "", d.reasoning_content or d.reasoning or "", tool
         if self.api == "messages":
             if f.type == "message_start" and isinstance(f.message, _Message):
                 self.usage(f.message.usage)
@@ -364,15 +344,11 @@ class Reading:
                 self.error = _error_text(f.response.error)
         return "", "", ""
 
-    def _timings(self, t: _Timings) -> None:
-        prompt_ms = bounds.metric(t.prompt_ms) if t.prompt_ms is not None else None
-        per_token_ms = bounds.metric(t.predicted_per_token_ms) if t.predicted_per_token_ms is not None else None
-        if prompt_ms is not None or per_token_ms is not None:
-            self.timings = (prompt_ms, per_token_ms)
-        computed = bounds.metric(t.prompt_n) if t.prompt_n is not None else None
-        cached = bounds.metric(t.cache_n) if t.cache_n is not None else 0.0
-        if computed is not None and cached is not None and computed + cached <= bounds.MAX_PROMPT_TOKENS:
-            self.timings_prompt_tokens = int(computed + cached)
+    def _timings(self, t: Timings) -> None:
+        self.timings = chunks.timings_of(t) or self.timings
+        prompt_tokens = chunks.timings_prompt_tokens(t)
+        if prompt_tokens is not None:
+            self.timings_prompt_tokens = prompt_tokens
 
     def whole(self, data: bytes) -> None:
         """Read a response that was not streamed: its text and usage. What is not of the API's shape is left
@@ -387,7 +363,7 @@ class Reading:
             return
         try:
             self.usage(msgspec.convert(body.get("usage"), _Usage | None))
-            timings = msgspec.convert(body.get("timings"), _Timings | None)
+            timings = msgspec.convert(body.get("timings"), Timings | None)
         except msgspec.ValidationError:
             timings = None
         if timings is not None:
@@ -446,6 +422,14 @@ def _error_text(error: Any) -> str:
     return str(error)[:500]
 
 
-def set_model(body: dict[str, Any], model: str) -> dict[str, Any]:
-    """The request as sent upstream: its `model` replaced (model_map, --model); nothing else changes."""
-    return {**body, "model": model} if body.get("model") != model else body
+def sent_body(raw: bytes, body: dict[str, Any], changes: dict[str, Any]) -> bytes:
+    """The request's bytes as sent upstream: as the client sent them, with `changes` made (the model mapped,
+    usage or progress asked for the gateway's meters). A field the body lacks is added after its last one, the rest
+    of its bytes untouched (a late turn's ~560 KB is not encoded again for it); changing a field it has encodes the
+    whole body anew."""
+    if not changes:
+        return raw
+    end = raw.rstrip(b" \t\r\n")
+    if any(name in body for name in changes) or not end.endswith(b"}"):
+        return _json.encode({**body, **changes})
+    return b"".join((memoryview(end)[:-1], b"," if body else b"", _json.encode(changes)[1:]))  # one copy

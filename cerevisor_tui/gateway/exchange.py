@@ -269,7 +269,7 @@ class Exchange:
             # the answer's usage, for the meters and the figures; this client did not ask: it never sees it
             changes["stream_options"] = {**(self.body.get("stream_options") or {}), "include_usage": True}
             self.hide_usage = True
-        content = msgspec.json.encode({**self.body, **changes}) if changes else self.raw
+        content = apis.sent_body(self.raw, self.body, changes)
         request = client.build_request("POST", url, content=content, headers=headers)
         response = await self._connect(session, att, client, request)
         if response is None:
@@ -395,10 +395,13 @@ class Exchange:
             if hide_usage and b'"usage"' in frames:
                 frames = without_usage_chunks(frames)
             if frames:
-                async with self.lock:
-                    if not self.started:
-                        await self.start(*head)
+                if self.started:  # the lock only keeps a first write and a keep-alive from both starting the answer
                     await self.write(frames)
+                else:
+                    async with self.lock:
+                        if not self.started:
+                            await self.start(*head)
+                        await self.write(frames)
             if chunks:
                 delta(text, reasoning, tool, chunks)
             elif att.first_token_at is None or by_bytes:

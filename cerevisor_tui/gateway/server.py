@@ -71,7 +71,8 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan, websockets: nothing to serve
             return
-        await self.run.sessions.ready.wait()  # the run's connections are open (a request may come before)
+        if not self.run.sessions.ready.is_set():  # (a set anyio Event's wait still yields a loop turn)
+            await self.run.sessions.ready.wait()  # the run's connections are open (a request may come before)
         client = ClientSend(send, self.run.scrub)  # every byte to the client goes through it: no run key in it
         raw = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
         api: Api | None = next((a for suffix, a in apis.PATHS.items() if raw.endswith(suffix.encode())), None)

@@ -48,6 +48,16 @@ async def test_a_body_that_stops_coming_is_closed_at_the_body_deadline():
         assert not s.of(ev.SessionOpened)  # nothing of it reached the run
 
 
+async def test_a_header_past_16_kib_is_refused_and_its_connection_closed():
+    async with served() as s:
+        stream = await anyio.connect_tcp(s.server.host, s.server.port)
+        await stream.send(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + b"x-long: " + b"a" * (20 << 10))
+        assert (await _closed(stream)).startswith(b"HTTP/1.1 400 ")
+        assert not s.of(ev.SessionOpened)
+        async with httpx.AsyncClient(timeout=30) as client:  # and the gateway serves on
+            assert (await post(client, s.url + "/chat/completions", chat())).status == 200
+
+
 async def test_a_keep_alive_connection_gets_a_fresh_header_deadline_for_each_request():
     async with served(gateway={"header_timeout_s": 0.5}) as s, httpx.AsyncClient(timeout=30) as client:
         for _ in range(3):  # one connection, requests one after another: none is cut

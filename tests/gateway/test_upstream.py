@@ -138,3 +138,22 @@ async def test_a_request_ends_with_its_last_byte_even_when_the_upstream_never_li
         assert s.session("m").st.status == "idle" and not s.of(ev.AgentKilled)
         [meters] = s.of(ev.AgentMeters, "m")
         assert meters.max_model_len == 0  # not known: the server did not say
+
+
+async def test_the_request_goes_upstream_as_the_client_wrote_it_with_the_gateways_fields_added():
+    """A late turn's body is ~560 KB: the usage the gateway asks for is added after the client's last field, every
+    byte before it as the client sent it (its spacing, its escapes, its numbers); only a field the client set itself
+    is changed by encoding the body anew."""
+    written = (b'{ "model" : "m", "stream": true, "max_tokens": 1e2,\n "messages": [{"role": "user", '
+               b'"content": "caf\\u00e9 \\/ ok"}], "temperature": 0.50 }\n')
+    async with FakeApi() as api, served(endpoints=[{"name": "up", "kind": "hosted", "base_url": api.base_url,
+                                                    "model": "m"}]) as s, httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + "/chat/completions", content=written,
+                            headers={"content-type": "application/json", "X-Session-ID": "bytes"})
+        assert answer.status == 200, answer.raw
+        mine = {"model": "m", "stream": True, "stream_options": {"include_usage": False}, "messages": []}
+        await post(client, s.url + "/chat/completions", mine, headers={"X-Session-ID": "bytes"})
+    sent, changed = api.seen[0].raw, api.seen[1]
+    assert sent.startswith(written.rstrip()[:-1]), sent
+    assert sent[len(written.rstrip()) - 1:] == b',"stream_options":{"include_usage":true}}'
+    assert changed.body["stream_options"] == {"include_usage": True} and changed.raw.count(b'"stream_options"') == 1

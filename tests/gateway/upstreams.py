@@ -89,6 +89,7 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: dict[str, Any]
+    raw: bytes = b""  # the body's bytes as they came
 
 
 @dataclass
@@ -127,7 +128,8 @@ class FakeApi:
             method, path, _ = lines[0].split(" ", 2)
             headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
             length = int(headers.get("content-length", "0"))
-            body = json.loads(await reader.readexactly(length)) if length else {}
+            raw = await reader.readexactly(length) if length else b""
+            body = json.loads(raw) if length else {}
             if method != "POST" and self.silent_gets:
                 await reader.read(1)  # until the client gives up
                 return
@@ -135,7 +137,7 @@ class FakeApi:
                 writer.write(http_head(404, "application/json", "connection: close\r\n", length=2) + b"{}")
                 await writer.drain()
                 return
-            self.seen.append(Seen(path, headers, body))
+            self.seen.append(Seen(path, headers, body, raw))
             if self.hold is not None:
                 waiting = asyncio.ensure_future(self.hold.wait())
                 closed = asyncio.ensure_future(reader.read(1))  # b"": the client went away
