@@ -214,13 +214,17 @@ class TierSample(Payload, frozen=True):
     warning: str = ""
 
 
-class Quantiles(Payload, frozen=True):
+class Quantiles(Payload, omit_defaults=True, frozen=True):
     """One latency figure over a window: its median and 95th percentile in seconds, and how many observations
-    (requests, or tokens for inter-token latency) they stand for."""
+    (requests, or tokens for inter-token latency) they stand for. A quantile a histogram cannot place closer than
+    a bound is that bound, and says which side of it the quantile lies: "below" (in the first bucket: under its
+    upper bound) or "above" (in the +Inf bucket: over the highest finite bound); "" when it was interpolated."""
 
     p50_s: float
     p95_s: float
     count: float
+    p50_bound: Literal["", "below", "above"] = ""
+    p95_bound: Literal["", "below", "above"] = ""
 
 
 class GpuReading(Payload, frozen=True):

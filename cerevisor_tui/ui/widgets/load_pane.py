@@ -186,13 +186,24 @@ def gpu_lines(sample: ev.GpuSample | None) -> tuple[str, ...]:
     return tuple(lines)
 
 
+BOUND_SIGNS = {"": "", "below": "<", "above": ">"}
+
+
 def fmt_pair(q: ev.Quantiles | None) -> str:
-    """A figure's p50/p95: `120/410 ms`, `1.2/3.4 s`; `-` when nothing was observed."""
+    """A figure's p50/p95: `120/410 ms`, `1.2/3.4 s`; `-` when nothing was observed. A quantile the server's
+    histogram only bounds shows as the bound: both in its first bucket `< 300 ms`, one of them `<300/410 ms`,
+    past its last finite bucket `> 60 s`."""
     if q is None:
         return "-"
-    if q.p95_s < 1:
-        return f"{q.p50_s * 1000:.0f}/{q.p95_s * 1000:.0f} ms"
-    return f"{q.p50_s:.1f}/{q.p95_s:.1f} s"
+    in_ms = q.p95_s < 1
+    unit = "ms" if in_ms else "s"
+
+    def one(value_s: float) -> str:
+        return f"{value_s * 1000:.0f}" if in_ms else f"{value_s:.1f}"
+
+    if q.p50_bound and q.p50_bound == q.p95_bound and q.p50_s == q.p95_s:
+        return f"{BOUND_SIGNS[q.p50_bound]} {one(q.p50_s)} {unit}"
+    return f"{BOUND_SIGNS[q.p50_bound]}{one(q.p50_s)}/{BOUND_SIGNS[q.p95_bound]}{one(q.p95_s)} {unit}"
 
 
 def latency_lines(mirror: RunMirror) -> tuple[str, ...]:
