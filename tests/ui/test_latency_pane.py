@@ -121,3 +121,27 @@ async def test_a_run_where_nothing_queued_shows_its_queue_time_under_the_first_b
         sample = await log.wait(lambda e: kind("LatencySample")(e) and e.queue is not None)
         assert (sample.queue.p50_bound, sample.queue.p95_bound) == ("below", "below")
         await until(lambda: "queue < 300 ms" in latency_text(app), lambda: latency_text(app))
+
+
+@pytest.mark.anyio
+async def test_once_the_run_has_finished_the_load_pane_says_finished_and_shows_no_live_figure(tmp_path):
+    from cerevisor_tui.ui.widgets.load_pane import LoadPane
+    from tests.ui.conftest import EventLog, console, kind, sim_config
+
+    config = sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 40}],
+                        run={"metrics_interval_s": 0.05, "warmup": "off"})
+    app = console(config)
+    log = EventLog(app.control.engine)  # type: ignore[attr-defined]
+    async with app.run_test(size=(140, 40)):
+        pane = app.screen.query_one(LoadPane)
+
+        def shown(part: str) -> str:
+            return str(pane.query_one(part).content)
+
+        await until(lambda: "running" in shown("#servers"), lambda: shown("#servers"))  # live while it runs
+        await log.wait(kind("RunFinished"))
+        await until(lambda: shown("#servers") == "sim finished", lambda: shown("#servers"))
+        await until(lambda: shown("#throughput-label").startswith("finished  peak "), lambda: shown("#throughput-label"))
+        assert "tok/s" not in shown("#throughput-label") and "total 40" in shown("#throughput-label")
+        kv = shown("#kv-estimate")
+        assert " of " not in kv and "FITS" not in kv and "conversations fit" in kv, kv
