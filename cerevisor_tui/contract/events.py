@@ -21,6 +21,10 @@ from cerevisor_tui.kinds import ACTIVE, FINAL, STATUSES, FinalStatus, Mode, Stat
 
 Severity = Literal["information", "warning", "error"]
 Zone = Literal["fits", "cliff", "overflow"]
+ChangedBy = Literal["", "operator", "auto"]
+"""Who changed a mode or a cap: an operator's command (a console's key, the control socket), auto mode's
+controller; "" where it is not a change of the cap (a pause, the budget's, a probe's) or not said (an older
+journal)."""
 """fits (all in GPU memory), cliff (evictions are recomputed or reloaded), overflow (a CPU tier full too)."""
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 StallDeadline = Literal["first_byte", "idle"]  # contract/deadlines.py Phase
@@ -569,6 +573,7 @@ class ModeChanged(Event, frozen=True):
     mode: Mode
     effective_cap: int
     note: str = ""
+    by: ChangedBy = ""
 
 
 class ConcurrencyChanged(Event, frozen=True):
@@ -579,6 +584,7 @@ class ConcurrencyChanged(Event, frozen=True):
     reason: str = ""  # why, e.g. "auto: 24 -> 32 (throughput +18% at 24, nothing waiting, KV 61%)"
     ceiling: int = 0  # auto mode's ceiling (what `+`/`-` move there); 0 in an event not about auto
     total_cap: int = 0  # what the whole run may run now (auto: the sum of the live caps); 0: not said
+    by: ChangedBy = ""
 
 
 class ServerSample(Event, frozen=True):

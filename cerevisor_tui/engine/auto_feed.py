@@ -89,5 +89,5 @@ class AutoFeed:
         s.set_endpoint_cap(endpoint, change.cap)
         e.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, change.cap, s.paused,
                                      endpoint=endpoint, reason=change.reason, ceiling=e.auto_ceiling,
-                                     total_cap=s.effective_cap))
+                                     total_cap=s.effective_cap, by="auto"))
         e.refresh_load(endpoint)

@@ -326,7 +326,8 @@ class Engine:
             raise ValueError(f"unknown mode {mode!r}")
         entering_auto = mode == "auto" and self.scheduler.mode != "auto"
         self.scheduler.set_mode(mode)
-        self.emit(ev.ModeChanged(time.monotonic(), mode, self.scheduler.effective_cap, self._mode_note(mode)))
+        self.emit(ev.ModeChanged(time.monotonic(), mode, self.scheduler.effective_cap, self._mode_note(mode),
+                                 by="operator"))
         if entering_auto and self.started_at:
             for name, ctl in self.auto.items():
                 self.auto_feed.apply(name, ctl.resume())
@@ -339,8 +340,10 @@ class Engine:
 
     def set_concurrency(self, cap: int) -> None:
         """Move the parallel cap; lowering it only holds admissions until fewer are running."""
+        before = self.scheduler.max_concurrency
         self.scheduler.set_cap(cap)
-        self._emit_cap()
+        after = self.scheduler.max_concurrency
+        self._emit_cap(f"cap {before} -> {after}" if after != before else "", by="operator")
 
     def set_auto_ceiling(self, ceiling: int) -> None:
         """Auto mode's ceiling: no endpoint's live cap goes above it (nor above the endpoint's own max_cap)."""
@@ -352,7 +355,7 @@ class Engine:
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused,
                                         reason=f"auto ceiling {self.auto_ceiling} (operator)",
-                                        ceiling=self.auto_ceiling, total_cap=s.effective_cap))
+                                        ceiling=self.auto_ceiling, total_cap=s.effective_cap, by="operator"))
         self.refresh_load()
 
     def nudge_cap(self, delta: int) -> int:
@@ -722,10 +725,10 @@ class Engine:
             for ep in self.config.endpoints
         ]
 
-    def _emit_cap(self) -> None:
+    def _emit_cap(self, reason: str = "", by: ev.ChangedBy = "") -> None:
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(time.monotonic(), s.max_concurrency, s.effective_cap, s.paused,
-                                        total_cap=s.effective_cap))
+                                        reason=reason, total_cap=s.effective_cap, by=by))
         self.refresh_load()
 
     @staticmethod

@@ -141,13 +141,15 @@ class ServerView:
 
 @dataclass(frozen=True, slots=True)
 class CapChange:
-    """One ConcurrencyChanged that says why: an endpoint's auto cap, or a run-wide change (endpoint "")."""
+    """One change of the cap that says why (a ConcurrencyChanged with a reason, or a ModeChanged): an endpoint's
+    auto cap, or a run-wide change (endpoint ""), and who made it."""
 
     t: float  # monotonic, as the event's
     endpoint: str
     cap: int  # the endpoint's new live cap; for a run-wide change, what the run may run now
     ceiling: int  # auto's ceiling, as the event carries it
     reason: str
+    by: str = ""  # "operator", "auto"; "" not said (an older journal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -450,6 +452,7 @@ class UiModel:
         self.mode = e.mode
         if e.note:
             self.notices.append(Notice(e.note + _mode_hint(e.mode)))
+        self._record_cap_change(CapChange(e.t, "", e.effective_cap, self.auto_ceiling or 0, f"mode {e.mode}", e.by))
 
     def _on_ConcurrencyChanged(self, e: ev.ConcurrencyChanged) -> None:
         if e.ceiling:
@@ -458,12 +461,15 @@ class UiModel:
             self.track(e.endpoint).auto_cap = e.effective_cap
         else:
             self.run_cap = e.max_concurrency
-        if e.reason:  # auto's changes and the operator's moves of its ceiling; not every + or pause
-            change = CapChange(e.t, e.endpoint, e.effective_cap, e.ceiling or e.max_concurrency, e.reason)
-            self.cap_changes.append(change)
-            self.cap_changes_total += 1
+        if e.reason:  # auto's changes and the operator's moves of a cap or auto's ceiling; not a pause
+            change = CapChange(e.t, e.endpoint, e.effective_cap, e.ceiling or e.max_concurrency, e.reason, e.by)
+            self._record_cap_change(change)
             if e.endpoint:
                 self.track(e.endpoint).last_change = change
+
+    def _record_cap_change(self, change: CapChange) -> None:
+        self.cap_changes.append(change)
+        self.cap_changes_total += 1
 
     @property
     def last_cap_change(self) -> CapChange | None:
