@@ -68,7 +68,7 @@ def attached_handle(run_dir: Path, notify: Callable[[str, SeverityLevel], None],
     from cerevisor_tui.ui.app import RunHandle
     from cerevisor_tui.ui.mirror import RunMirror
 
-    mirror = RunMirror()
+    mirror = RunMirror(replaying=True)  # the run's past comes first, then `live`
     control = RemoteControl(lambda message: notify(message, "warning"))
 
     async def follow() -> int:
@@ -83,7 +83,7 @@ def attached_handle(run_dir: Path, notify: Callable[[str, SeverityLevel], None],
             return 1
         control.bind(client)
         try:
-            why = await client.run(mirror, on_unreadable=lambda problem: notify(
+            why = await client.run(mirror, on_live=mirror.replayed, on_unreadable=lambda problem: notify(
                 f"the run sent an event this console cannot read ({problem}); it is left out. Is this "
                 "console an older version than the run's?", "warning"))
         finally:
@@ -131,9 +131,10 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app
         except JournalError as exc:
             print(f"cerevisor-tui attach: {exc}", file=sys.stderr)
             return 1
-        mirror = RunMirror()
+        mirror = RunMirror(replaying=True)
         for event in events:
             mirror(event)
+        mirror.replayed()
         if unreadable:
             lines = "line" if unreadable == 1 else "lines"
             mirror.notices.append(Notice(f"{unreadable} {lines} of {run_dir / 'events.jsonl'} could not be read "

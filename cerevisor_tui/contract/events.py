@@ -722,6 +722,14 @@ class ToolCallWarning(Event, frozen=True):
     remaining_s: float
 
 
+class RunTally(Event, frozen=True):
+    """The run's totals that its journal cannot give back (token deltas are not journaled), as the run counted
+    them: sent by the control socket to a console after its replay, so one that attaches late shows what the run
+    has done, not what it saw since. Never journaled."""
+
+    output_tokens: int  # streamed so far by this run's process, every agent and session
+
+
 class RunFinished(Event, frozen=True):
     run_id: str
     exit_code: int

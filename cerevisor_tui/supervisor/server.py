@@ -85,7 +85,9 @@ class ControlServer:
 
     `dispatch(command)` carries out a command (`Engine.handle`) and returns a JSON-able value, or raises
     ValueError (or any exception) whose text goes back as the reply's error. `in_flight()` gives each running attempt's answer so
-    far as events (`Engine.in_flight`): what a client attaching mid-answer gets after the journal.
+    far as events (`Engine.in_flight`): what a client attaching mid-answer gets after the journal. Then it gets
+    the run's totals the journal does not hold (RunTally: the output tokens, counted here from every token delta
+    the run emits), so a console that attaches late shows the run's figures, not the ones since it came.
     """
 
     def __init__(self, run_dir: Path, run_id: str, dispatch: Dispatch, *, config_path: str = "",
@@ -107,6 +109,7 @@ class ControlServer:
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.output_tokens = 0  # streamed by the run so far (its token deltas' counts): the RunTally a client gets
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> Path:
@@ -165,6 +168,8 @@ class ControlServer:
 
     # ---- events -----------------------------------------------------------------------------------
     def __call__(self, event: ev.Event) -> None:
+        if type(event) is ev.TokenDelta:
+            self.output_tokens += event.tokens
         if not self._clients:
             return
         line = event_line(event)
@@ -220,7 +225,7 @@ class ControlServer:
 
     async def _send_past(self, client: _Client, end: int, snapshot: list[bytes]) -> None:
         """The journal's first `end` bytes, a chunk at a time as the client takes them in, then `snapshot` (each
-        running agent's answer so far). Live events meanwhile wait in the client's `pending`."""
+        running agent's answer so far, and the run's tally). Live events meanwhile wait in the client's `pending`."""
         writer = client.writer
         try:
             fh = open(self.events_path, "rb")
@@ -278,6 +283,7 @@ class ControlServer:
                 with contextlib.suppress(OSError):
                     end = os.stat(self.events_path).st_size
                 snapshot = [event_line(delta) for delta in self.in_flight()]
+                snapshot.append(event_line(ev.RunTally(time.monotonic(), self.output_tokens)))
                 client.replaying = True
             self._clients.append(client)
             if client.replaying:
