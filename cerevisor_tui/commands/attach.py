@@ -91,4 +91,9 @@ def main(args: Any) -> int:
         print(problem, file=sys.stderr)
         return 2
 
-    return open_console(run_dir, live=live, args=args, state=info.state if info else "")
+    code = open_console(run_dir, live=live, args=args, state=info.state if info else "")
+    if live:  # the run goes on, or this console stopped it (or saw it end): say which, and where its report is
+        from cerevisor_tui.commands.console_client import after_console
+
+        print(after_console(run_dir), file=sys.stderr)
+    return code

@@ -97,6 +97,28 @@ def attached_handle(run_dir: Path, notify: Callable[[str, SeverityLevel], None],
     return RunHandle(control, mirror, follow)
 
 
+def after_console(run_dir: Path, what: str = "run", report: str | None = None) -> str:
+    """What the terminal says once a console on a run in a process of its own has closed: the run goes on (and
+    how to reach it), or how it ended and where its report is. `report`: a `--report` path besides its own."""
+    from cerevisor_tui.commands.run import how_to_reach
+    from cerevisor_tui.supervisor.runs import run_info
+
+    info = run_info(run_dir)
+    if info is None:
+        return f"{what} in {run_dir} left no journal"
+    if info.state == "live":
+        return f"{what} {info.run_id} goes on without this console; {how_to_reach(run_dir, info.run_id)}"
+    how = f"stopped ({info.stopped})" if info.stopped else "finished"
+    if info.state == "crashed":
+        how = f"ended without its last event (crashed; `cerevisor-tui run FILE --resume {run_dir}` goes on with it)"
+    elif info.exit_code is not None:
+        how += f", exit code {info.exit_code}"
+    reports = [str(path) for path in (run_dir / "report.json", Path(report) if report else None)
+               if path is not None and path.is_file()]
+    return f"{what} {info.run_id} {how}; " + (f"report: {' and '.join(reports)}" if reports else
+                                              f"no report was written (see {run_dir / 'run.log'})")
+
+
 def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app_options: Any) -> int:
     """The console on the run in `run_dir` (live: attached; else read-only from its journal) until the operator
     leaves or the terminal goes away; returns the console's exit code. `app_options` go to the app (the

@@ -75,7 +75,10 @@ def test_two_consoles_share_one_run_and_either_may_stop_it(tmp_path: Path):
         two.keys("q")
         two.wait(lambda s: "Detach (d)" in s and "Stop run (s)" in s, 5.0, "the leave dialog")
         two.keys("s")  # stop the run, for every console
-        two.wait(lambda s: "EXIT:1" in s, 15.0, "the second console to exit with the run's code")
+        left = two.wait(lambda s: "EXIT:1" in s, 15.0, "the second console to exit with the run's code")
+        # it says what happened and where the report is
+        said = left.replace("\n", "")
+        assert f"stopped (stopped from an attached console), exit code 1; report: {run_dir / 'report.json'}" in said, left
         one.wait(lambda s: "FINISHED" in s, 15.0, "the first console to see the run end")
         report = json.loads((run_dir / "report.json").read_text())
         assert report["totals"]["cancelled"] >= 1
@@ -99,3 +102,28 @@ def test_stop_from_the_command_line_ends_the_run_for_an_attached_console(tmp_pat
         term.wait(lambda s: "EXIT:1" in s, 10.0, "the console to exit")
     finally:
         term.close()
+
+
+def test_stopping_a_gateway_from_its_console_says_it_stopped_and_where_its_report_is(tmp_path: Path):
+    """It used to leave `... it goes on without this terminal` on the screen, though it had stopped, and no report."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    run_dir = tmp_path / "gw"
+    term = Terminal(tmp_path)
+    try:
+        term.start(f"{SCRIPT} gateway --listen 127.0.0.1:{port} --run-dir {run_dir}", env(tmp_path))
+        term.wait(lambda s: f"127.0.0.1:{port}" in s and "GATEWAY" in s.upper() and "sessions" in s, 30.0,
+                  "the gateway's console")
+        term.keys("q")
+        term.wait(lambda s: "Stop run (s)" in s, 10.0, "the leave dialog")
+        term.keys("s")
+        left = term.wait(lambda s: "EXIT:" in s, 30.0, "the console to exit")
+    finally:
+        term.close()
+    said = left.replace("\n", "")
+    assert "goes on without this" not in said, left
+    assert "gateway run " in said and "stopped (stopped from an attached console)" in said, left
+    assert f"report: {run_dir / 'report.json'}" in said, left
