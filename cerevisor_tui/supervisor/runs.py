@@ -7,6 +7,7 @@ or unreadable (its supervisor.json does not check: `problem` says why).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +21,7 @@ from cerevisor_tui.contract.wire import PROTOCOL, Hello, Welcome, WireError, enc
 from cerevisor_tui.engine.sinks.journal import EVENTS_FILE
 from cerevisor_tui.supervisor.protocol import (
     SOCKET_NAME,
+    SUPERVISOR_FILE,
     SupervisorFile,
     check_server,
     check_user,
@@ -45,6 +47,13 @@ class RunInfo:
     resumed: float = 0.0  # when it was last taken up again (0: never)
     problem: str = ""  # why it is unreadable, or why its socket is not its own
     stopped: str = ""  # why it was stopped (its last RunStopping), "" when it was not
+    uid: int | None = None  # whose it is: the owner of its supervisor.json (its journal's, before it has one)
+    by: str = ""  # who started it, as supervisor.json says (`alice from 10.0.0.5`)
+
+    @property
+    def mine(self) -> bool:
+        """Started by this user (the same uid; on a shared account `by` is what tells people apart)."""
+        return self.uid == os.getuid()
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -140,7 +149,7 @@ def run_info(run_dir: Path) -> RunInfo | None:
         supervisor = supervisor_file(run_dir)
     except ValueError as exc:
         return RunInfo(run_id, run_dir, "unreadable", done, agents, _started(run_dir, run_id, None), None, finished,
-                       len(sessions), problem=str(exc), stopped=stopped)
+                       len(sessions), problem=str(exc), stopped=stopped, uid=_owner(run_dir))
     problem = identify(run_dir, Path(supervisor.socket) if supervisor else run_dir / SOCKET_NAME)
     if problem == "":
         state = "live"
@@ -150,7 +159,16 @@ def run_info(run_dir: Path) -> RunInfo | None:
         state = "finished" if done >= agents else "resumable"
     pid = supervisor.pid if state == "live" and supervisor is not None else None
     return RunInfo(run_id, run_dir, state, done, agents, _started(run_dir, run_id, supervisor), pid, finished,
-                   len(sessions), supervisor.resumed_at if supervisor else 0.0, problem or "", stopped)
+                   len(sessions), supervisor.resumed_at if supervisor else 0.0, problem or "", stopped,
+                   _owner(run_dir), supervisor.by if supervisor else "")
+
+
+def _owner(run_dir: Path) -> int | None:
+    """The uid that owns a run: of the supervisor.json its process wrote, else of its journal."""
+    for name in (SUPERVISOR_FILE, EVENTS_FILE):
+        with contextlib.suppress(OSError):
+            return (run_dir / name).stat().st_uid
+    return None
 
 
 def list_runs(runs_dir: Path) -> list[RunInfo]:
@@ -180,7 +198,7 @@ def find(run: str | None, runs_dir: Path, *, live: bool = False) -> Path:
         return path
     runs = list_runs(runs_dir)
     for info in runs:
-        if info.state == "live":
+        if info.state == "live" and info.mine:
             return info.path
     if not runs:
         raise LookupError(f"no runs under {runs_dir}")

@@ -36,6 +36,7 @@ from cerevisor_tui.supervisor.protocol import (
     SUPERVISOR_FILE,
     peer_credentials,
     socket_path_for,
+    started_by,
     supervisor_file,
 )
 
@@ -134,7 +135,8 @@ class ControlServer:
             self.started_at, self.resumed_at = before.started_at, self.started_at  # a resumed run: its first start
         write_json_atomic(self.run_dir / SUPERVISOR_FILE, {
             "pid": os.getpid(), "socket": str(path), "run_id": self.run_id, "protocol": PROTOCOL,
-            "config": self.config_path, "started_at": self.started_at, "resumed_at": self.resumed_at})
+            "config": self.config_path, "started_at": self.started_at, "resumed_at": self.resumed_at,
+            "by": started_by()})
         return path
 
     async def close(self, reason: str = "the run ended") -> None:

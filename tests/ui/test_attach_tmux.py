@@ -127,3 +127,31 @@ def test_stopping_a_gateway_from_its_console_says_it_stopped_and_where_its_repor
     assert "goes on without this" not in said, left
     assert "gateway run " in said and "stopped (stopped from an attached console)" in said, left
     assert f"report: {run_dir / 'report.json'}" in said, left
+
+
+def test_stop_and_attach_without_a_run_ask_which_when_several_of_yours_are_live(tmp_path: Path):
+    older = detached_run(tmp_path, agents=4, tokens_per_s=5.0, max_tokens=400)
+    newer = detached_run(tmp_path, agents=4, tokens_per_s=5.0, max_tokens=400)
+    runs = tmp_path / "runs"
+    term = Terminal(tmp_path)
+    try:
+        term.start(f"{SCRIPT} stop --runs-dir {runs}", env(tmp_path))
+        screen = term.wait(lambda s: "Stop which? [1-2, Enter: none]" in s, 30.0, "the question")
+        assert f"1  {newer.name} (" in screen and f"2  {older.name} (" in screen
+        term.keys("2", "Enter")
+        screen = term.wait(lambda s: "EXIT:" in s, 60.0, "stop to end")
+        assert "EXIT:0" in screen and f"run {older.name} stopped" in screen.replace("\n", "")
+    finally:
+        term.close()
+    attach_term = Terminal(tmp_path)
+    try:  # one left: attach names it and opens it, no question
+        attach_term.start(f"{SCRIPT} attach --runs-dir {runs}", env(tmp_path))
+        attach_term.wait(lambda s: "streaming" in s, 30.0, "the console on the run left")
+        attach_term.keys("q")
+        attach_term.wait(lambda s: "Detach (d)" in s, 10.0, "the leave dialog")
+        attach_term.keys("d")
+        left = attach_term.wait(lambda s: "EXIT:" in s, 30.0, "the console to leave").replace("\n", "")
+        assert f"attaching to run {newer.name} (" in left and f"run {newer.name} goes on without this console" in left
+    finally:
+        attach_term.close()
+        subprocess.run([sys.executable, "-m", "cerevisor_tui", "stop", str(newer)], capture_output=True, timeout=60)
