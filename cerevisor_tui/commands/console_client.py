@@ -89,6 +89,8 @@ def attached_handle(run_dir: Path, notify: Callable[[str, SeverityLevel], None],
         finally:
             control.bind(None, f"the connection to run {run_dir.name} has ended")
             await client.close()
+            if mirror.replaying:  # let go before its past was all sent: what it had is shown as it stands
+                mirror.replayed()
         if mirror.finished is not None:
             return mirror.finished.exit_code
         notify(f"{why}; `cerevisor-tui attach {run_dir}` tries again", "error")
@@ -97,10 +99,35 @@ def attached_handle(run_dir: Path, notify: Callable[[str, SeverityLevel], None],
     return RunHandle(control, mirror, follow)
 
 
+GONE_WAIT_S = 10.0
+"""How long `after_console` waits for an ended run's process to exit (it writes the last report on its way out)."""
+
+
+def _gone(pid: object, timeout_s: float = GONE_WAIT_S) -> None:
+    """Wait until process `pid` has exited (or `timeout_s` has passed)."""
+    import os
+    import time
+
+    if not isinstance(pid, int) or pid <= 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:  # our own child (the console started it): exited, and reaped
+                return
+        except ChildProcessError:  # not ours (`attach`): there until it has exited
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                return
+        time.sleep(0.05)
+
+
 def after_console(run_dir: Path, what: str = "run", report: str | None = None) -> str:
     """What the terminal says once a console on a run in a process of its own has closed: the run goes on (and
     how to reach it), or how it ended and where its report is. `report`: a `--report` path besides its own."""
     from cerevisor_tui.commands.run import how_to_reach
+    from cerevisor_tui.supervisor.protocol import read_supervisor
     from cerevisor_tui.supervisor.runs import run_info
 
     info = run_info(run_dir)
@@ -108,6 +135,9 @@ def after_console(run_dir: Path, what: str = "run", report: str | None = None) -
         return f"{what} in {run_dir} left no journal"
     if info.state == "live":
         return f"{what} {info.run_id} goes on without this console; {how_to_reach(run_dir, info.run_id)}"
+    # its socket closed at its end, and its last report is written after that: read it once its process is gone
+    _gone(read_supervisor(run_dir).get("pid"))
+    info = run_info(run_dir) or info
     how = f"stopped ({info.stopped})" if info.stopped else "finished"
     if info.state == "crashed":
         how = f"ended without its last event (crashed; `cerevisor-tui run FILE --resume {run_dir}` goes on with it)"
