@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from cerevisor_tui.text import printable
+
 
 def runs_dir_of(args: Any) -> Path:
     """--runs-dir, else the config's [run] run_dir (when a config is found and sets it), else the user state dir."""
@@ -35,7 +37,7 @@ def describe(info: Any) -> str:
     what = f"{info.done}/{info.total} agents done" if info.total or not info.sessions else ""
     if info.sessions:
         what += f"{', ' if what else 'gateway: '}{info.sessions} session{'s' * (info.sessions != 1)}"
-    by = f" by {info.by}" if info.by else ""
+    by = f" by {printable(info.by)}" if info.by else ""  # as supervisor.json says it: never a terminal's escape
     return f"{info.run_id} ({what}; started {age(info.started)}{by})"
 
 
@@ -83,12 +85,13 @@ def main(args: Any) -> int:
         print(f"no runs under {runs_dir}", file=sys.stderr)
         return 0
     width = max(len(r.run_id) for r in runs)
-    print(f"{'RUN':<{width}}  {'STATE':<10}  {'AGENTS':>9}  STARTED")
+    print(f"{'RUN':<{width}}  {'STATE':<10}  {'AGENTS':>9}  {'STARTED':<12}  BY")
     for r in runs:
         agents = f"{r.done}/{r.total}" if r.total or not r.sessions else ""
         if r.sessions:  # a gateway's run: its sessions after its agents
             agents += f"{' + ' if agents else ''}{r.sessions} session{'s' * (r.sessions != 1)}"
-        print(f"{r.run_id:<{width}}  {r.state:<10}  {agents:>9}  {age(r.started)}")
+        # who started it: on a shared account, what tells one person's runs from another's
+        print(f"{r.run_id:<{width}}  {r.state:<10}  {agents:>9}  {age(r.started):<12}  {printable(r.by) or '-'}")
     for r in runs:
         if r.state == "unreadable":
             print(f"cerevisor-tui ls: {r.path}: {r.problem}", file=sys.stderr)

@@ -7,7 +7,8 @@ directory asked for (check_server). What goes over it is contract/wire.py.
 Times in events are the run host's CLOCK_MONOTONIC (`time.monotonic()`): a client on the same host (every
 client of a Unix socket is) compares them with its own clock, so deadlines are absolute times. The replay
 is events.jsonl as it stands when the client says hello (token deltas are not journaled: each agent's
-answer so far in its current attempt comes as one TokenDelta after it), then every event live. The replay
+answer so far in its current attempt comes as one TokenDelta after it, then the run's totals the journal cannot
+give back as one RunTally), then every event live. The replay
 is sent as the client reads it (a long run's journal is tens of MB); the events of the meantime wait for it,
 and a client that lets more of them pile up than its buffer allows is sent a bye.
 """
