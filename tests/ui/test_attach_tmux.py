@@ -155,3 +155,19 @@ def test_stop_and_attach_without_a_run_ask_which_when_several_of_yours_are_live(
     finally:
         attach_term.close()
         subprocess.run([sys.executable, "-m", "cerevisor_tui", "stop", str(newer)], capture_output=True, timeout=60)
+
+
+def test_a_finished_run_opened_read_only_shows_its_total_from_its_report(tmp_path: Path):
+    """Its journal has no token deltas: the load pane's total is the one the run's end told (0 before)."""
+    wf = workflow(tmp_path, agents=2, tokens_per_s=200.0, max_tokens=20, name="agent")
+    run_dir = tmp_path / "runs" / "done"
+    proc = subprocess.run([sys.executable, "-m", "cerevisor_tui", "run", str(wf), "--run-dir", str(run_dir)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **env(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    output = json.loads((run_dir / "report.json").read_text())["totals"]["output_tokens"]
+    term = attach(tmp_path, run_dir)
+    try:
+        term.wait(lambda s: f"finished  peak 0.0  total {output}" in s and "sim finished" in s, 20.0,
+                  "the read-only console's load pane")
+    finally:
+        term.close()
