@@ -727,7 +727,7 @@ class RunTally(Event, frozen=True):
     them: sent by the control socket to a console after its replay, so one that attaches late shows what the run
     has done, not what it saw since. Never journaled."""
 
-    output_tokens: int  # streamed so far by this run's process, every agent and session
+    output_tokens: Annotated[int, msgspec.Meta(ge=0)]  # streamed so far by this run's process, every agent and session
 
 
 class RunFinished(Event, frozen=True):
