@@ -63,6 +63,7 @@ CLOSE_WAIT_S = 2.0
 (one that reads nothing would otherwise hold its socket and buffer until the run ends)."""
 
 Dispatch = Callable[[Command], Any]
+_TOKEN_DELTA = ev.TokenDelta
 
 
 class _Client:
@@ -170,7 +171,7 @@ class ControlServer:
 
     # ---- events -----------------------------------------------------------------------------------
     def __call__(self, event: ev.Event) -> None:
-        if type(event) is ev.TokenDelta:
+        if type(event) is _TOKEN_DELTA:  # (the class bound once: this runs for every token of the run)
             self.output_tokens += event.tokens
         if not self._clients:
             return
