@@ -141,11 +141,12 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "goes on when the console closes or its terminal goes away (an SSH drop is a detach); several consoles "
         "may attach to one run, and each sees and may do the same. A finished or crashed run opens read-only "
         "from its journal.",
-        epilog="examples:\n  cerevisor-tui attach                      the newest live run\n"
+        epilog="examples:\n  cerevisor-tui attach                      your live run (asks which, with several)\n"
         "  cerevisor-tui attach 20261201-031250-ab12\n  cerevisor-tui attach ~/runs/nightly --jsonl   its events as JSON lines, no console",
         formatter_class=_formatter,
     )
-    attach.add_argument("run", nargs="?", metavar="RUN", help="run id or run directory (default: the newest live run)")
+    attach.add_argument("run", nargs="?", metavar="RUN",
+                        help="run id or run directory (default: your live run; with several, it asks which)")
     attach.add_argument("--jsonl", action="store_true",
                         help="no console: print the run's events as JSON lines (past ones first) until it ends")
     attach.add_argument("--runs-dir", metavar="DIR", help="where runs are (default: [run] run_dir of the config, "
@@ -171,7 +172,11 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         "journal and report are written, every attached console is told. Returns when the run has ended.",
         formatter_class=_formatter,
     )
-    stop.add_argument("run", nargs="?", metavar="RUN", help="run id or run directory (default: the newest live run)")
+    stop.add_argument("run", nargs="?", metavar="RUN",
+                      help="run id or run directory (default: your live run, named before it is stopped; with "
+                           "several, it asks which)")
+    stop.add_argument("--yes", action="store_true",
+                      help="without RUN and with several live runs of yours: stop the newest without asking")
     stop.add_argument("--runs-dir", metavar="DIR", help="where runs are (default: [run] run_dir of the config, "
                       "else the user state dir)")
 

@@ -242,3 +242,43 @@ def test_a_detach_that_loses_the_run_directory_says_so_as_the_foreground_does(tm
     assert (run_dir / "lock").read_text() == f"{pid}\n"  # the run's own process holds the lock it was handed
     stopped = cli("stop", str(run_dir))
     assert stopped.returncode == 0, stopped
+
+
+def test_stop_without_a_run_names_the_one_it_stops_and_with_several_refuses_to_guess_unless_yes(tmp_path: Path):
+    """On a shared account `stop` picked the newest live run, a colleague's maybe, and said nothing first."""
+    wf = workflow(tmp_path, agents=4, tokens_per_s=5, max_tokens=400)
+    older, _ = started(cli("run", str(wf), "--detach"))
+    newer, _ = started(cli("run", str(wf), "--detach"))
+    runs = str(tmp_path / "runs")
+    asked = subprocess.run([sys.executable, "-m", "cerevisor_tui", "stop", "--runs-dir", runs],
+                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert asked.returncode == 1 and "2 live runs of yours" in asked.stderr and "--yes" in asked.stderr, asked.stderr
+    listed = [line.split()[1] for line in asked.stderr.splitlines() if line.startswith("  ")]
+    assert listed == [newer, older]  # newest first, each named
+    assert "started " in asked.stderr and " by " in asked.stderr  # who started it: what tells people apart
+    assert {ls(tmp_path)[r]["state"] for r in (older, newer)} == {"live"}  # nothing was stopped
+    newest = cli("stop", "--yes", "--runs-dir", runs)
+    assert newest.returncode == 0, newest.stderr
+    assert f"stopping run {newer} (" in newest.stderr and "1 other live run(s) of yours go on" in newest.stderr
+    assert f"run {newer} stopped" in newest.stdout
+    last = cli("stop", "--runs-dir", runs)  # one left: named, then stopped, no question
+    assert last.returncode == 0 and f"stopping run {older} (" in last.stderr and f"run {older} stopped" in last.stdout
+
+
+def test_a_run_is_its_owners_by_the_uid_of_its_files_and_says_who_started_it(tmp_path: Path):
+    import pytest
+
+    from cerevisor_tui.supervisor.runs import run_info
+
+    wf = workflow(tmp_path, agents=1, max_tokens=5)
+    proc = cli("run", str(wf), "--run-dir", str(tmp_path / "runs" / "r"))
+    assert proc.returncode == 0, proc.stderr
+    run_dir = tmp_path / "runs" / "r"
+    info = run_info(run_dir)
+    assert info is not None and info.mine and info.uid == os.getuid() and info.by  # `root`, `alice from 10.0.0.5`
+    if os.getuid() != 0:
+        pytest.skip("giving the files to another user needs root")
+    for name in ("supervisor.json", "events.jsonl"):
+        os.chown(run_dir / name, 65534, 65534)
+    other = run_info(run_dir)
+    assert other is not None and not other.mine and other.uid == 65534

@@ -20,9 +20,11 @@ from cerevisor_tui.endpoints.latency import (
     LatencyScrape,
     LatencyWindow,
     Timings,
+    bounded_quantile,
     histogram_quantile,
     parse_latency,
     percentile,
+    quantiles_of,
 )
 from cerevisor_tui.endpoints.metrics import read_server
 from cerevisor_tui.engine.engine import Engine
@@ -45,6 +47,19 @@ def test_quantiles_interpolate_within_the_bucket_the_rank_falls_in_as_prometheus
     assert histogram_quantile(0.95, B) == 1.0
     # a rank exactly at a bucket's count is that bucket's upper bound
     assert histogram_quantile(0.6, B) == pytest.approx(0.5)
+
+
+def test_a_quantile_in_the_first_or_the_inf_bucket_is_told_as_the_bound_it_is_under_or_over():
+    # rank 1 of 10 is in le=0.1: all the histogram says is "under 100 ms", not the 50 ms Prometheus interpolates
+    assert bounded_quantile(0.1, B) == (0.1, "below")
+    assert bounded_quantile(0.95, B) == (1.0, "above")
+    assert bounded_quantile(0.5, B) == (pytest.approx(0.4), "")
+    # vLLM's queue time where nothing queued: every observation 0, all in its first bucket, le="0.3"
+    idle = Buckets((0.3, 0.5, 0.8, INF), (30.0, 30.0, 30.0, 30.0))
+    assert histogram_quantile(0.5, idle) == pytest.approx(0.15)  # the interpolation the panel used to show
+    q = quantiles_of(idle)
+    assert q is not None and (q.p50_s, q.p50_bound, q.p95_s, q.p95_bound) == (0.3, "below", 0.3, "below")
+    assert bounded_quantile(0.5, Buckets((0.0, 1.0, INF), (5.0, 5.0, 5.0))) == (0.0, "")  # le="0": exact
 
 
 def test_an_empty_histogram_or_one_without_inf_has_no_quantile():
@@ -152,7 +167,9 @@ def test_the_window_reaches_back_to_the_scrape_nearest_its_age():
     assert figures.source == "histograms" and figures.window_s == 30.0
     assert figures.ttft is not None and figures.ttft.count == 8.0
     assert (figures.ttft.p50_s, figures.ttft.p95_s) == (pytest.approx(0.5), 1.0)
-    assert figures.queue is not None and figures.queue.p95_s == pytest.approx(0.1 * 7.6 / 8)
+    assert figures.ttft.p95_bound == "above"  # the last is past every finite bucket: over 1 s
+    # all 8 queued under 0.1 s: bounded by the first bucket, not interpolated in it (0.1 * 7.6/8)
+    assert figures.queue is not None and (figures.queue.p95_s, figures.queue.p95_bound) == (0.1, "below")
     assert figures.prefill is None  # nothing observed in the window
     # at 95 s the 0 s scrape is more than the window behind: the 30 s one is the start, and nothing came since
     figures = window.sample(95.0, second)
@@ -236,8 +253,12 @@ async def test_the_simulators_histograms_over_http_give_the_figures_worked_by_ha
         q = getattr(figures, figure)
         assert q is not None and q.count == 6.0, figure
         # (as the panel's event carries them: to 0.1 ms)
-        assert q.p50_s == pytest.approx(by_hand(0.5, diff), abs=5e-5), figure
-        assert q.p95_s == pytest.approx(by_hand(0.95, diff), abs=5e-5), figure
+        for quantile, value, bound in ((0.5, q.p50_s, q.p50_bound), (0.95, q.p95_s, q.p95_bound)):
+            # a rank in the first bucket is that bucket's bound, said as one; elsewhere Prometheus' interpolation
+            first = diff[0][1] >= quantile * diff[-1][1] and diff[0][0] > 0
+            assert bound == ("below" if first else "" if not math.isinf(next(
+                le for le, n in diff if n >= quantile * diff[-1][1])) else "above"), figure
+            assert value == pytest.approx(diff[0][0] if first else by_hand(quantile, diff), abs=5e-5), figure
 
 
 # ---- llama.cpp, end to end ---------------------------------------------------------------------------------

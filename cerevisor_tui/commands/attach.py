@@ -72,11 +72,11 @@ def print_journal(run_dir: Path) -> int:
 
 
 def main(args: Any) -> int:
-    from cerevisor_tui.commands.ls import runs_dir_of
+    from cerevisor_tui.commands.ls import choose_live, runs_dir_of
     from cerevisor_tui.supervisor.runs import find, run_info
 
     try:
-        run_dir = find(args.run, runs_dir_of(args))
+        run_dir = find(args.run, runs_dir_of(args)) if args.run else choose_live(args, "attach to")
     except LookupError as exc:
         print(f"cerevisor-tui attach: {exc}", file=sys.stderr)
         return 1
@@ -91,4 +91,9 @@ def main(args: Any) -> int:
         print(problem, file=sys.stderr)
         return 2
 
-    return open_console(run_dir, live=live, args=args, state=info.state if info else "")
+    code = open_console(run_dir, live=live, args=args, state=info.state if info else "")
+    if live:  # the run goes on, or this console stopped it (or saw it end): say which, and where its report is
+        from cerevisor_tui.commands.console_client import after_console
+
+        print(after_console(run_dir), file=sys.stderr)
+    return code

@@ -345,7 +345,7 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
     """The console's run in a process of its own, and the console attached to it: the run survives the
     terminal (an SSH drop is a detach; `cerevisor-tui attach` comes back to it)."""
     from cerevisor_tui.commands.console_client import attached_handle, open_console
-    from cerevisor_tui.commands.run import DetachError, how_to_reach, spawn_detached, start_detached
+    from cerevisor_tui.commands.run import DetachError, spawn_detached, start_detached
     from cerevisor_tui.engine.engine import new_run_id
     from cerevisor_tui.supervisor.runs import run_info
     from cerevisor_tui.ui.app import ResumeOffer
@@ -367,9 +367,12 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
         if apps:
             apps[0].notice(message, severity=severity, timeout=10)
 
+    resumed: list[Path] = []
+
     def resume(config: Config) -> Any:
         """Go on with the last run in a process of its own, and follow it (the app stops this one first)."""
         assert last is not None
+        resumed.append(last.run_dir)
         write_run_file(last.run_dir, last.run_id, runs.config_key)
         try:
             spawn_detached(str(config_file), last.run_dir, resume=True)
@@ -394,11 +397,10 @@ def detached_console(setup: ConsoleSetup, runs: ConsoleRuns, last: LastRun | Non
     code = open_console(run_dir, live=True, args=args, config=setup.config, config_path=setup.config_path,
                         save_path=setup.save_path, save_template=setup.save_template,
                         resume_offer=offer, on_app=on_app, starting=starting, **app_options)
-    for followed in [run_dir] if last is None else [run_dir, last.run_dir]:
-        info = run_info(followed)
-        if info is not None and info.state == "live":
-            print(f"run {info.run_id} goes on without this console; {how_to_reach(followed, info.run_id)}",
-                  file=sys.stderr)
+    from cerevisor_tui.commands.console_client import after_console
+
+    for followed in [run_dir, *resumed]:
+        print(after_console(followed), file=sys.stderr)
     return code
 
 

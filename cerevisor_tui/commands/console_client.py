@@ -68,7 +68,7 @@ def attached_handle(run_dir: Path, notify: Callable[[str, SeverityLevel], None],
     from cerevisor_tui.ui.app import RunHandle
     from cerevisor_tui.ui.mirror import RunMirror
 
-    mirror = RunMirror()
+    mirror = RunMirror(replaying=True)  # the run's past comes first, then `live`
     control = RemoteControl(lambda message: notify(message, "warning"))
 
     async def follow() -> int:
@@ -83,18 +83,70 @@ def attached_handle(run_dir: Path, notify: Callable[[str, SeverityLevel], None],
             return 1
         control.bind(client)
         try:
-            why = await client.run(mirror, on_unreadable=lambda problem: notify(
+            why = await client.run(mirror, on_live=mirror.replayed, on_unreadable=lambda problem: notify(
                 f"the run sent an event this console cannot read ({problem}); it is left out. Is this "
                 "console an older version than the run's?", "warning"))
         finally:
             control.bind(None, f"the connection to run {run_dir.name} has ended")
             await client.close()
+            if mirror.replaying:  # let go before its past was all sent: what it had is shown as it stands
+                mirror.replayed()
         if mirror.finished is not None:
             return mirror.finished.exit_code
         notify(f"{why}; `cerevisor-tui attach {run_dir}` tries again", "error")
         return 1
 
     return RunHandle(control, mirror, follow)
+
+
+GONE_WAIT_S = 10.0
+"""How long `after_console` waits for an ended run's process to exit (it writes the last report on its way out)."""
+
+
+def _gone(pid: object, timeout_s: float = GONE_WAIT_S) -> None:
+    """Wait until process `pid` has exited (or `timeout_s` has passed)."""
+    import os
+    import time
+
+    if not isinstance(pid, int) or pid <= 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:  # our own child (the console started it): exited, and reaped
+                return
+        except ChildProcessError:  # not ours (`attach`): there until it has exited
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                return
+        time.sleep(0.05)
+
+
+def after_console(run_dir: Path, what: str = "run", report: str | None = None) -> str:
+    """What the terminal says once a console on a run in a process of its own has closed: the run goes on (and
+    how to reach it), or how it ended and where its report is. `report`: a `--report` path besides its own."""
+    from cerevisor_tui.commands.run import how_to_reach
+    from cerevisor_tui.supervisor.protocol import read_supervisor
+    from cerevisor_tui.supervisor.runs import run_info
+
+    info = run_info(run_dir)
+    if info is None:
+        return f"{what} in {run_dir} left no journal"
+    if info.state == "live":
+        return f"{what} {info.run_id} goes on without this console; {how_to_reach(run_dir, info.run_id)}"
+    # its socket closed at its end, and its last report is written after that: read it once its process is gone
+    _gone(read_supervisor(run_dir).get("pid"))
+    info = run_info(run_dir) or info
+    how = f"stopped ({info.stopped})" if info.stopped else "finished"
+    if info.state == "crashed":
+        how = f"ended without its last event (crashed; `cerevisor-tui run FILE --resume {run_dir}` goes on with it)"
+    elif info.exit_code is not None:
+        how += f", exit code {info.exit_code}"
+    reports = [str(path) for path in (run_dir / "report.json", Path(report) if report else None)
+               if path is not None and path.is_file()]
+    return f"{what} {info.run_id} {how}; " + (f"report: {' and '.join(reports)}" if reports else
+                                              f"no report was written (see {run_dir / 'run.log'})")
 
 
 def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app_options: Any) -> int:
@@ -131,9 +183,10 @@ def open_console(run_dir: Path, *, live: bool, args: Any, state: str = "", **app
         except JournalError as exc:
             print(f"cerevisor-tui attach: {exc}", file=sys.stderr)
             return 1
-        mirror = RunMirror()
+        mirror = RunMirror(replaying=True)
         for event in events:
             mirror(event)
+        mirror.replayed()
         if unreadable:
             lines = "line" if unreadable == 1 else "lines"
             mirror.notices.append(Notice(f"{unreadable} {lines} of {run_dir / 'events.jsonl'} could not be read "

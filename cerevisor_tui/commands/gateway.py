@@ -159,13 +159,10 @@ def main(args: Any) -> int:
     except DetachError as exc:
         print(f"cerevisor-tui gateway: {exc}", file=sys.stderr)
         return 1
-    from cerevisor_tui.commands.console_client import open_console
+    from cerevisor_tui.commands.console_client import after_console, open_console
 
-    print(f"gateway run {run_id} serving on {listen}; it goes on without this terminal", file=sys.stderr)
+    # said before the console and left on the terminal after it: no claim on what happens meanwhile
+    print(f"gateway run {run_id} serving on {listen} (run dir {run_dir})", file=sys.stderr)
     code = open_console(run_dir, live=True, args=args, starting=starting)
-    from cerevisor_tui.supervisor.runs import run_info
-
-    info = run_info(run_dir)
-    if info is not None and info.state == "live":
-        print(f"gateway run {run_id} goes on without this console; {how_to_reach(run_dir, run_id)}", file=sys.stderr)
+    print(after_console(run_dir, "gateway run", args.report), file=sys.stderr)
     return code

@@ -1,4 +1,6 @@
-"""`cerevisor-tui stop [RUN]`: stop a live run through its control socket and wait until it has ended."""
+"""`cerevisor-tui stop [RUN] [--yes]`: stop a live run through its control socket and wait until it has ended.
+Without RUN: this user's live run, named before it is stopped; with several, the operator is asked which
+(`--yes`: the newest), and without a terminal to ask on, nothing is stopped and the runs are listed."""
 
 from __future__ import annotations
 
@@ -41,11 +43,12 @@ async def _stop(run_dir: Any) -> tuple[int, str]:
 
 
 def main(args: Any) -> int:
-    from cerevisor_tui.commands.ls import runs_dir_of
+    from cerevisor_tui.commands.ls import choose_live, runs_dir_of
     from cerevisor_tui.supervisor.runs import find
 
     try:
-        run_dir = find(args.run, runs_dir_of(args), live=True)
+        run_dir = (find(args.run, runs_dir_of(args), live=True) if args.run else
+                   choose_live(args, "stop", yes=getattr(args, "yes", False)))
     except LookupError as exc:
         print(f"cerevisor-tui stop: {exc}", file=sys.stderr)
         return 1

@@ -30,6 +30,10 @@ from cerevisor_tui.kinds import (  # noqa: F401
 
 Severity = Literal["information", "warning", "error"]
 Zone = Literal["fits", "cliff", "overflow"]
+ChangedBy = Literal["", "operator", "auto"]
+"""Who changed a mode or a cap: an operator's command (a console's key, the control socket), auto mode's
+controller; "" where it is not a change of the cap (a pause, the budget's, a probe's) or not said (an older
+journal)."""
 """fits (all in GPU memory), cliff (evictions are recomputed or reloaded), overflow (a CPU tier full too)."""
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 StallDeadline = Literal["first_byte", "idle"]  # contract/deadlines.py Phase
@@ -223,13 +227,17 @@ class TierSample(Payload, frozen=True):
     warning: str = ""
 
 
-class Quantiles(Payload, frozen=True):
+class Quantiles(Payload, omit_defaults=True, frozen=True):
     """One latency figure over a window: its median and 95th percentile in seconds, and how many observations
-    (requests, or tokens for inter-token latency) they stand for."""
+    (requests, or tokens for inter-token latency) they stand for. A quantile a histogram cannot place closer than
+    a bound is that bound, and says which side of it the quantile lies: "below" (in the first bucket: under its
+    upper bound) or "above" (in the +Inf bucket: over the highest finite bound); "" when it was interpolated."""
 
     p50_s: float
     p95_s: float
     count: float
+    p50_bound: Literal["", "below", "above"] = ""
+    p95_bound: Literal["", "below", "above"] = ""
 
 
 class GpuReading(Payload, frozen=True):
@@ -574,6 +582,7 @@ class ModeChanged(Event, frozen=True):
     mode: Mode
     effective_cap: int
     note: str = ""
+    by: ChangedBy = ""
 
 
 class ConcurrencyChanged(Event, frozen=True):
@@ -584,6 +593,7 @@ class ConcurrencyChanged(Event, frozen=True):
     reason: str = ""  # why, e.g. "auto: 24 -> 32 (throughput +18% at 24, nothing waiting, KV 61%)"
     ceiling: int = 0  # auto mode's ceiling (what `+`/`-` move there); 0 in an event not about auto
     total_cap: int = 0  # what the whole run may run now (auto: the sum of the live caps); 0: not said
+    by: ChangedBy = ""
 
 
 class ServerSample(Event, frozen=True):
@@ -732,6 +742,14 @@ class ToolCallWarning(Event, frozen=True):
     call_id: str
     fraction: float
     remaining_s: float
+
+
+class RunTally(Event, frozen=True):
+    """The run's totals that its journal cannot give back (token deltas are not journaled), as the run counted
+    them: sent by the control socket to a console after its replay, so one that attaches late shows what the run
+    has done, not what it saw since. Never journaled."""
+
+    output_tokens: Annotated[int, msgspec.Meta(ge=0)]  # streamed so far by this run's process, every agent and session
 
 
 class RunFinished(Event, frozen=True):

@@ -7,6 +7,7 @@ Client to server:
 Server to client:
   {"type": "hello", "protocol": 2, "run_id": ..., "run_dir": ..., "pid": ..., "config": ..., "started_at": ...}
   {"type": "event", "event": {"event": "AgentStarted", "t": ..., ...}}   the event's line, as events.jsonl has it
+                          (the replay ends with each running answer so far and the run's RunTally)
   {"type": "live"}        after the replay: what follows happens now
   {"type": "reply", "id": 7, "ok": true, "value": ...}   or "ok": false, "error": "one line"
   {"type": "bye", "reason": "..."}   the server closes the connection after it

@@ -5,7 +5,8 @@ Where they come from:
 - vLLM: its histograms (`vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds` (older:
   `vllm:time_per_output_token_seconds`), `vllm:request_queue_time_seconds`, `vllm:request_prefill_time_seconds`).
   The window's figures are quantiles of the difference between two scrapes' buckets, interpolated within a
-  bucket as Prometheus' `histogram_quantile` does.
+  bucket as Prometheus' `histogram_quantile` does; one in the first bucket or the +Inf one is only a bound
+  (`< 300 ms`, `> 60 s`), and is told as one.
 - SGLang: its TTFT histogram (`sglang:time_to_first_token_seconds`; its inter-token one where it has it).
 - llama.cpp: no latency histograms; each of our requests' `timings` (`prompt_ms`, `predicted_per_token_ms`, in
   its last stream chunk) with the TTFT we measured ourselves, kept for the window (`TimingsWindow`).
@@ -22,6 +23,7 @@ import re
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from cerevisor_tui.contract.events import LatencySample, Quantiles
 from cerevisor_tui.endpoints import bounds
@@ -30,6 +32,7 @@ WINDOW_S = 60.0
 """How far back the panel's figures reach: the scrape nearest this age is the window's start."""
 
 QUANTILES = (0.5, 0.95)
+Bound = Literal["", "below", "above"]
 
 # Each figure's histogram, by server kind; the first name found wins (vLLM renamed its inter-token histogram).
 HISTOGRAMS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -76,17 +79,27 @@ class Buckets:
         return self if any(d < 0 for d in diff) else Buckets(self.bounds, diff)
 
 
+def _rank_bucket(q: float, buckets: Buckets) -> tuple[int, list[float], float] | None:
+    """The bucket the q-quantile's rank falls in, the counts (a dip between two bucket updates evened out, as
+    Prometheus does) and the rank; None for an empty histogram or one without +Inf."""
+    bounds, counts = buckets.bounds, list(buckets.counts)
+    if len(bounds) < 2 or not math.isinf(bounds[-1]) or not counts or counts[-1] <= 0 or not 0 <= q <= 1:
+        return None
+    for i in range(1, len(counts)):
+        counts[i] = max(counts[i], counts[i - 1])
+    rank = q * counts[-1]
+    return bisect.bisect_left(counts, rank), counts, rank
+
+
 def histogram_quantile(q: float, buckets: Buckets) -> float | None:
     """The q-quantile (0..1) of a histogram, as Prometheus' histogram_quantile computes it: the bucket the rank
     falls in, and linear interpolation between its lower and upper bounds (the first bucket's lower bound 0).
     A rank in the +Inf bucket is the highest finite bound. None for an empty histogram or one without +Inf."""
-    bounds, counts = buckets.bounds, list(buckets.counts)
-    if len(bounds) < 2 or not math.isinf(bounds[-1]) or not counts or counts[-1] <= 0 or not 0 <= q <= 1:
+    found = _rank_bucket(q, buckets)
+    if found is None:
         return None
-    for i in range(1, len(counts)):  # a scrape between two bucket updates can dip: Prometheus evens it out
-        counts[i] = max(counts[i], counts[i - 1])
-    rank = q * counts[-1]
-    b = bisect.bisect_left(counts, rank)
+    b, counts, rank = found
+    bounds = buckets.bounds
     if b >= len(bounds) - 1:
         return bounds[-2]
     if b == 0 and bounds[0] <= 0:
@@ -97,6 +110,22 @@ def histogram_quantile(q: float, buckets: Buckets) -> float | None:
     if in_bucket <= 0:
         return bounds[b]
     return start + (bounds[b] - start) * (rank - below) / in_bucket
+
+
+def bounded_quantile(q: float, buckets: Buckets) -> tuple[float | None, Bound]:
+    """The q-quantile as the panel shows it: `histogram_quantile`, unless the histogram can only bound it. A rank
+    in the first bucket is somewhere under that bucket's upper bound ("below": vLLM's queue time, whose first
+    bucket is `le="0.3"`, would interpolate to 150 ms where nothing queued at all); one in the +Inf bucket is
+    somewhere over the highest finite bound ("above"). The value is then that bound."""
+    found = _rank_bucket(q, buckets)
+    if found is None:
+        return None, ""
+    b, bounds = found[0], buckets.bounds
+    if b >= len(bounds) - 1:
+        return bounds[-2], "above"
+    if b == 0 and bounds[0] > 0:
+        return bounds[0], "below"
+    return histogram_quantile(q, buckets), ""
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -110,16 +139,17 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
-def _quantiles(p50: float | None, p95: float | None, count: float) -> Quantiles | None:
+def _quantiles(p50: float | None, p95: float | None, count: float, bounds: tuple[Bound, Bound] = ("", "")
+               ) -> Quantiles | None:
     """One figure over the window as the panel's event carries it (milliseconds matter: rounded to 0.1 ms)."""
-    return None if p50 is None or p95 is None else Quantiles(round(p50, 4), round(p95, 4), count)
+    return None if p50 is None or p95 is None else Quantiles(round(p50, 4), round(p95, 4), count, *bounds)
 
 
 def quantiles_of(buckets: Buckets | None) -> Quantiles | None:
     if buckets is None or buckets.total <= 0:
         return None
-    p50, p95 = (histogram_quantile(q, buckets) for q in QUANTILES)
-    return _quantiles(p50, p95, buckets.total)
+    (p50, p50_bound), (p95, p95_bound) = (bounded_quantile(q, buckets) for q in QUANTILES)
+    return _quantiles(p50, p95, buckets.total, (p50_bound, p95_bound))
 
 
 def quantiles_of_values(values: Sequence[float]) -> Quantiles | None:

@@ -40,7 +40,7 @@ class Caps:
             raise ValueError(f"unknown mode {mode!r}")
         entering_auto = mode == "auto" and self.scheduler.mode != "auto"
         self.scheduler.set_mode(mode)
-        self.emit(ev.ModeChanged(self.clock.now(), mode, self.scheduler.effective_cap, mode_note(mode)))
+        self.emit(ev.ModeChanged(self.clock.now(), mode, self.scheduler.effective_cap, mode_note(mode), by="operator"))
         if entering_auto and self.running:
             for name, ctl in self.auto.items():
                 self.apply(name, ctl.resume())
@@ -60,8 +60,10 @@ class Caps:
 
     def set_cap(self, cap: int) -> None:
         """Move the parallel cap; lowering it only holds admissions until fewer are running."""
+        before = self.scheduler.max_concurrency
         self.scheduler.set_cap(cap)
-        self.tell()
+        after = self.scheduler.max_concurrency
+        self.tell(f"cap {before} -> {after}" if after != before else "", by="operator")
 
     def set_ceiling(self, ceiling: int) -> None:
         """Auto mode's ceiling: no endpoint's live cap goes above it (nor above the endpoint's own max_cap)."""
@@ -73,7 +75,7 @@ class Caps:
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(self.clock.now(), s.max_concurrency, s.effective_cap, s.paused,
                                         reason=f"auto ceiling {self.ceiling} (operator)",
-                                        ceiling=self.ceiling, total_cap=s.effective_cap))
+                                        ceiling=self.ceiling, total_cap=s.effective_cap, by="operator"))
         self.refresh_load(None)
 
     def nudge(self, delta: int) -> int:
@@ -94,13 +96,13 @@ class Caps:
         s.set_endpoint_cap(endpoint, change.cap)
         self.emit(ev.ConcurrencyChanged(self.clock.now(), s.max_concurrency, change.cap, s.paused,
                                         endpoint=endpoint, reason=change.reason, ceiling=self.ceiling,
-                                        total_cap=s.effective_cap))
+                                        total_cap=s.effective_cap, by="auto"))
         self.refresh_load(endpoint)
 
-    def tell(self) -> None:
+    def tell(self, reason: str = "", by: ev.ChangedBy = "") -> None:
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(self.clock.now(), s.max_concurrency, s.effective_cap, s.paused,
-                                        total_cap=s.effective_cap))
+                                        reason=reason, total_cap=s.effective_cap, by=by))
         self.refresh_load(None)
 
 

@@ -7,7 +7,8 @@ directory asked for (check_server). What goes over it is contract/wire.py.
 Times in events are the run host's CLOCK_MONOTONIC (`time.monotonic()`): a client on the same host (every
 client of a Unix socket is) compares them with its own clock, so deadlines are absolute times. The replay
 is events.jsonl as it stands when the client says hello (token deltas are not journaled: each agent's
-answer so far in its current attempt comes as one TokenDelta after it), then every event live. The replay
+answer so far in its current attempt comes as one TokenDelta after it, then the run's totals the journal cannot
+give back as one RunTally), then every event live. The replay
 is sent as the client reads it (a long run's journal is tens of MB); the events of the meantime wait for it,
 and a client that lets more of them pile up than its buffer allows is sent a bye.
 """
@@ -29,6 +30,7 @@ import msgspec
 
 from cerevisor_tui.contract.commands import plain
 from cerevisor_tui.contract.wire import Welcome
+from cerevisor_tui.text import printable
 
 SOCKET_NAME = "control.sock"
 SUPERVISOR_FILE = "supervisor.json"
@@ -56,6 +58,21 @@ class SupervisorFile(msgspec.Struct, frozen=True):
     """The run's first start (a resumed run keeps its original one)."""
     resumed_at: Annotated[float, msgspec.Meta(ge=0, le=WALL_MAX)] = 0.0
     """When this process took the run up again (0: it is the run's first)."""
+    by: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    """Who started it, as `started_by` says: on a shared account, what tells one person's runs from another's."""
+
+
+def started_by() -> str:
+    """Who starts a run, for `stop` and `attach` to name it by: the user and, over SSH, the address they came from
+    (`alice from 10.0.0.5`): on an account several people share, the user alone does not tell them apart."""
+    import pwd
+
+    try:
+        user = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        user = f"uid {os.getuid()}"
+    came_from = (os.environ.get("SSH_CONNECTION") or os.environ.get("SSH_CLIENT") or "").split()[:1]
+    return printable(f"{user} from {came_from[0]}" if came_from else user)[:200]
 
 
 _supervisor_decoder = msgspec.json.Decoder(SupervisorFile)

@@ -7,6 +7,7 @@ or unreadable (its supervisor.json does not check: `problem` says why).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import time
 from dataclasses import asdict, dataclass
@@ -20,6 +21,7 @@ from cerevisor_tui.contract.wire import PROTOCOL, Hello, Welcome, WireError, enc
 from cerevisor_tui.engine.sinks.journal import EVENTS_FILE
 from cerevisor_tui.supervisor.protocol import (
     SOCKET_NAME,
+    SUPERVISOR_FILE,
     SupervisorFile,
     check_server,
     check_user,
@@ -44,6 +46,14 @@ class RunInfo:
     sessions: int = 0  # a gateway's sessions (not among the agents)
     resumed: float = 0.0  # when it was last taken up again (0: never)
     problem: str = ""  # why it is unreadable, or why its socket is not its own
+    stopped: str = ""  # why it was stopped (its last RunStopping), "" when it was not
+    uid: int | None = None  # whose it is: the owner of its supervisor.json (its journal's, before it has one)
+    by: str = ""  # who started it, as supervisor.json says (`alice from 10.0.0.5`)
+
+    @property
+    def mine(self) -> bool:
+        """Started by this user (the same uid; on a shared account `by` is what tells people apart)."""
+        return self.uid == os.getuid()
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -111,21 +121,23 @@ def run_info(run_dir: Path) -> RunInfo | None:
         fh = open(path, "rb")
     except OSError:
         return None
-    run_id, agents, finished = run_dir.name, 0, None
+    run_id, agents, finished, stopped = run_dir.name, 0, None, ""
     status: dict[str, str] = {}
     sessions: set[str] = set()
     with fh:
         for raw in fh:
             # only the lines that matter here are parsed: a long run's journal is mostly other events
             if (b'"RunStarted"' not in raw and b'"AgentFinished"' not in raw and b'"RunFinished"' not in raw
-                    and b'"SessionOpened"' not in raw):
+                    and b'"SessionOpened"' not in raw and b'"RunStopping"' not in raw):
                 continue
             try:
                 event = decode_event(raw)  # checked as this version's event: a line that is not one is passed over
             except (EventError, RecursionError):
                 continue
-            if isinstance(event, ev.RunStarted):
-                run_id, agents, finished = event.run_id or run_id, sum(map(len, event.waves)), None
+            if isinstance(event, ev.RunStarted):  # (again, when it was resumed)
+                run_id, agents, finished, stopped = event.run_id or run_id, sum(map(len, event.waves)), None, ""
+            elif isinstance(event, ev.RunStopping):
+                stopped = event.reason
             elif isinstance(event, ev.SessionOpened):
                 sessions.add(event.agent)
             elif isinstance(event, ev.AgentFinished):
@@ -137,7 +149,7 @@ def run_info(run_dir: Path) -> RunInfo | None:
         supervisor = supervisor_file(run_dir)
     except ValueError as exc:
         return RunInfo(run_id, run_dir, "unreadable", done, agents, _started(run_dir, run_id, None), None, finished,
-                       len(sessions), problem=str(exc))
+                       len(sessions), problem=str(exc), stopped=stopped, uid=_owner(run_dir))
     problem = identify(run_dir, Path(supervisor.socket) if supervisor else run_dir / SOCKET_NAME)
     if problem == "":
         state = "live"
@@ -147,7 +159,16 @@ def run_info(run_dir: Path) -> RunInfo | None:
         state = "finished" if done >= agents else "resumable"
     pid = supervisor.pid if state == "live" and supervisor is not None else None
     return RunInfo(run_id, run_dir, state, done, agents, _started(run_dir, run_id, supervisor), pid, finished,
-                   len(sessions), supervisor.resumed_at if supervisor else 0.0, problem or "")
+                   len(sessions), supervisor.resumed_at if supervisor else 0.0, problem or "", stopped,
+                   _owner(run_dir), supervisor.by if supervisor else "")
+
+
+def _owner(run_dir: Path) -> int | None:
+    """The uid that owns a run: of the supervisor.json its process wrote, else of its journal."""
+    for name in (SUPERVISOR_FILE, EVENTS_FILE):
+        with contextlib.suppress(OSError):
+            return (run_dir / name).stat().st_uid
+    return None
 
 
 def list_runs(runs_dir: Path) -> list[RunInfo]:
@@ -177,7 +198,7 @@ def find(run: str | None, runs_dir: Path, *, live: bool = False) -> Path:
         return path
     runs = list_runs(runs_dir)
     for info in runs:
-        if info.state == "live":
+        if info.state == "live" and info.mine:
             return info.path
     if not runs:
         raise LookupError(f"no runs under {runs_dir}")

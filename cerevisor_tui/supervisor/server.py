@@ -36,6 +36,7 @@ from cerevisor_tui.supervisor.protocol import (
     SUPERVISOR_FILE,
     peer_credentials,
     socket_path_for,
+    started_by,
     supervisor_file,
 )
 
@@ -62,6 +63,7 @@ CLOSE_WAIT_S = 2.0
 (one that reads nothing would otherwise hold its socket and buffer until the run ends)."""
 
 Dispatch = Callable[[Command], Any]
+_TOKEN_DELTA = ev.TokenDelta
 
 
 class _Client:
@@ -85,7 +87,9 @@ class ControlServer:
 
     `dispatch(command)` carries out a command (`Engine.handle`) and returns a JSON-able value, or raises
     ValueError (or any exception) whose text goes back as the reply's error. `in_flight()` gives each running attempt's answer so
-    far as events (`Engine.in_flight`): what a client attaching mid-answer gets after the journal.
+    far as events (`Engine.in_flight`): what a client attaching mid-answer gets after the journal. Then it gets
+    the run's totals the journal does not hold (RunTally: the output tokens, counted here from every token delta
+    the run emits), so a console that attaches late shows the run's figures, not the ones since it came.
     """
 
     def __init__(self, run_dir: Path, run_id: str, dispatch: Dispatch, *, config_path: str = "",
@@ -107,6 +111,7 @@ class ControlServer:
         self._flush_pending = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.output_tokens = 0  # streamed by the run so far (its token deltas' counts): the RunTally a client gets
 
     # ---- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> Path:
@@ -131,7 +136,8 @@ class ControlServer:
             self.started_at, self.resumed_at = before.started_at, self.started_at  # a resumed run: its first start
         write_json_atomic(self.run_dir / SUPERVISOR_FILE, {
             "pid": os.getpid(), "socket": str(path), "run_id": self.run_id, "protocol": PROTOCOL,
-            "config": self.config_path, "started_at": self.started_at, "resumed_at": self.resumed_at})
+            "config": self.config_path, "started_at": self.started_at, "resumed_at": self.resumed_at,
+            "by": started_by()})
         return path
 
     async def close(self, reason: str = "the run ended") -> None:
@@ -165,6 +171,8 @@ class ControlServer:
 
     # ---- events -----------------------------------------------------------------------------------
     def __call__(self, event: ev.Event) -> None:
+        if type(event) is _TOKEN_DELTA:  # (the class bound once: this runs for every token of the run)
+            self.output_tokens += event.tokens
         if not self._clients:
             return
         line = event_line(event)
@@ -220,7 +228,7 @@ class ControlServer:
 
     async def _send_past(self, client: _Client, end: int, snapshot: list[bytes]) -> None:
         """The journal's first `end` bytes, a chunk at a time as the client takes them in, then `snapshot` (each
-        running agent's answer so far). Live events meanwhile wait in the client's `pending`."""
+        running agent's answer so far, and the run's tally). Live events meanwhile wait in the client's `pending`."""
         writer = client.writer
         try:
             fh = open(self.events_path, "rb")
@@ -278,6 +286,7 @@ class ControlServer:
                 with contextlib.suppress(OSError):
                     end = os.stat(self.events_path).st_size
                 snapshot = [event_line(delta) for delta in self.in_flight()]
+                snapshot.append(event_line(ev.RunTally(time.monotonic(), self.output_tokens)))
                 client.replaying = True
             self._clients.append(client)
             if client.replaying:

@@ -16,7 +16,7 @@ MAIN_BINDINGS: list[Binding] = [
             tooltip="Lower the parallel cap (in auto mode, the ceiling) by one; running agents go on."),
     # not in the footer, which has no room left at 80 columns; the help, the palette and the switch to auto name it
     Binding("a", "cap_history", "Caps", id="cap_history", show=False,
-            tooltip="Every cap change of the run and its reason, newest first (auto mode at work)."),
+            tooltip="Every cap change of the run, who made it (you or auto) and why, newest first."),
     Binding("p", "pause", "Pause", id="pause",
             tooltip="Pause or resume admissions: queued agents wait, running ones go on."),
     Binding("k", "kill", "Kill", id="kill",

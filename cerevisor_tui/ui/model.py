@@ -24,6 +24,8 @@ STREAM_MAX_CHARS = 200_000
 THROUGHPUT_BUCKET_S = 0.5
 THROUGHPUT_WINDOW_S = 2.0
 SPARKLINE_SAMPLES = 240
+NOTICE_QUOTED = 160
+"""Characters of the newest past notice the summary of a replay's notices quotes."""
 CAP_HISTORY_MAX = 2000
 """Cap changes kept for the history screen (`a`); older ones are dropped (the journal keeps them all)."""
 TREND_POINTS = 240
@@ -141,13 +143,15 @@ class ServerView:
 
 @dataclass(frozen=True, slots=True)
 class CapChange:
-    """One ConcurrencyChanged that says why: an endpoint's auto cap, or a run-wide change (endpoint "")."""
+    """One change of the cap that says why (a ConcurrencyChanged with a reason, or a ModeChanged): an endpoint's
+    auto cap, or a run-wide change (endpoint ""), and who made it."""
 
     t: float  # monotonic, as the event's
     endpoint: str
     cap: int  # the endpoint's new live cap; for a run-wide change, what the run may run now
     ceiling: int  # auto's ceiling, as the event carries it
     reason: str
+    by: str = ""  # "operator", "auto"; "" not said (an older journal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,8 +264,11 @@ class UiModel:
     endpoint_states: dict[str, ev.EndpointState] = field(default_factory=dict)  # each endpoint's, as the run says it
     notices: list[Notice] = field(default_factory=list)
     throughput: deque[float] = field(default_factory=lambda: deque(maxlen=SPARKLINE_SAMPLES))
-    tokens_total: int = 0
+    tokens_total: int = 0  # output tokens the run streamed: counted here, or as the run told them (RunTally)
     samples_taken: int = 0
+    # the run's past is being fed (an attached console's replay, a finished run's journal): its token deltas are no
+    # rate of now, and its notices are no news (one line sums them up when it is over: `replayed`)
+    replaying: bool = False
     run_id: str = ""
     run_dir: str = ""
     finished: ev.RunFinished | None = None
@@ -305,6 +312,8 @@ class UiModel:
                 stream.append(CONTENT, event.text)
             if event.tool:
                 stream.append(TOOL, event.tool)
+            if self.replaying:  # an answer so far, streamed over seconds: not a rate of now (RunTally counts it)
+                return
             self._count(event.t, event.tokens)
             track = self._agent_track.get(event.agent)
             if track is not None:
@@ -467,6 +476,7 @@ class UiModel:
         self.mode = e.mode
         if e.note:
             self.notices.append(Notice(e.note + _mode_hint(e.mode)))
+        self._record_cap_change(CapChange(e.t, "", e.effective_cap, self.auto_ceiling or 0, f"mode {e.mode}", e.by))
 
     def _on_ConcurrencyChanged(self, e: ev.ConcurrencyChanged) -> None:
         if e.ceiling:
@@ -475,12 +485,15 @@ class UiModel:
             self.track(e.endpoint).auto_cap = e.effective_cap
         else:
             self.run_cap = e.max_concurrency
-        if e.reason:  # auto's changes and the operator's moves of its ceiling; not every + or pause
-            change = CapChange(e.t, e.endpoint, e.effective_cap, e.ceiling or e.max_concurrency, e.reason)
-            self.cap_changes.append(change)
-            self.cap_changes_total += 1
+        if e.reason:  # auto's changes and the operator's moves of a cap or auto's ceiling; not a pause
+            change = CapChange(e.t, e.endpoint, e.effective_cap, e.ceiling or e.max_concurrency, e.reason, e.by)
+            self._record_cap_change(change)
             if e.endpoint:
                 self.track(e.endpoint).last_change = change
+
+    def _record_cap_change(self, change: CapChange) -> None:
+        self.cap_changes.append(change)
+        self.cap_changes_total += 1
 
     @property
     def last_cap_change(self) -> CapChange | None:
@@ -508,8 +521,13 @@ class UiModel:
         cap = self.cap_of(endpoint)
         track.trend.add(TrendPoint(t, None if cap is None else float(cap), rate, waiting, kv))
 
+    def _on_RunTally(self, e: ev.RunTally) -> None:
+        self.tokens_total = e.output_tokens  # the run's count, not this console's since it came
+
     def _on_RunFinished(self, e: ev.RunFinished) -> None:
         self.finished = e
+        # a finished run's journal read back has no token deltas: its report's count (the server's) stands
+        self.tokens_total = max(self.tokens_total, e.totals.output_tokens)
 
     # ---- throughput -------------------------------------------------------------------------------
     def _count(self, t: float, tokens: int) -> None:
@@ -540,5 +558,27 @@ class UiModel:
                     self._add_point(name, now, None, None)
 
     def take_notices(self) -> list[Notice]:
+        """The notices to show now; none while the run's past is fed (see `replayed`)."""
+        if self.replaying:
+            return []
         notices, self.notices = self.notices, []
         return notices
+
+    def replayed(self) -> None:
+        """The run's past has been fed: what follows happens now. Its notices, each a toast when it was news, are
+        one line now, so that attaching to a long run does not bury the screen under its history."""
+        self.replaying = False
+        past, self.notices = self.notices, []
+        if not past:
+            return
+        counts = [f"{n} {label}{'s' * (n != 1)}" for label, n in (
+            ("error", sum(1 for p in past if p.severity == "error")),
+            ("warning", sum(1 for p in past if p.severity == "warning"))) if n]
+        newest = past[-1]
+        said = printable(f"{newest.title}: {newest.message}" if newest.title else newest.message)
+        said = said if len(said) <= NOTICE_QUOTED else said[:NOTICE_QUOTED - 1] + "…"
+        where = f" (all in {self.run_dir}/events.jsonl)" if self.run_dir else ""
+        self.notices.append(Notice(
+            f"{len(past)} earlier notice{'s' * (len(past) != 1)} of this run"
+            + (f" ({', '.join(counts)})" if counts else "") + f"{where}; the newest: {said}", "information",
+            "Before this console"))

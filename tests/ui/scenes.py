@@ -90,7 +90,8 @@ class Driver:
         e = self.engine
         e.scheduler.set_endpoint_cap("sim", cap)
         self.emit(ev.ConcurrencyChanged(t, e.scheduler.max_concurrency, cap, e.scheduler.paused, endpoint="sim",
-                                        reason=reason, ceiling=e.caps.ceiling, total_cap=e.scheduler.effective_cap))
+                                        reason=reason, ceiling=e.caps.ceiling, total_cap=e.scheduler.effective_cap,
+                                        by="auto"))
 
     def start(self, name: str, t: float, turn: int = 1) -> Attempt:
         st = self.engine.agents[name]

@@ -74,6 +74,30 @@ async def test_m_to_auto_shows_the_sum_of_live_caps_and_plus_minus_move_the_ceil
         assert app.model.cap_changes_total >= 3
 
 
+@pytest.mark.anyio
+async def test_a_lists_the_operators_mode_and_cap_changes_beside_autos_each_with_who_made_it(tmp_path):
+    """The report holds every cap change, manual ones included; so does `a`, each saying who made it."""
+    app = console(sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 400}], sim=SLOW))
+    log = EventLog(engine_of(app))
+    async with app.run_test(size=(140, 30)) as pilot:
+        await log.wait(kind("FirstToken", "a"))
+        await pilot.press("plus")  # parallel: the cap, 2 -> 3
+        await log.wait(kind("ConcurrencyChanged", reason="cap 2 -> 3"))
+        await pilot.press("m")  # auto: the controller starts
+        await log.wait(kind("ConcurrencyChanged", endpoint="sim"))
+        await pilot.press("a")
+        rows = [line for line in history_text(app).split("\n") if " -> " in line or "mode " in line or "auto:" in line]
+        by_reason = {reason: line for line in rows for reason in ("cap 2 -> 3", "mode auto", "auto: start at")
+                     if reason in line}
+        assert " operator " in by_reason["cap 2 -> 3"] and " all " in by_reason["cap 2 -> 3"], rows
+        assert " operator " in by_reason["mode auto"], rows
+        assert " auto " in by_reason["auto: start at"] and " sim " in by_reason["auto: start at"], rows
+        assert rows.index(by_reason["auto: start at"]) < rows.index(by_reason["mode auto"]) < rows.index(
+            by_reason["cap 2 -> 3"])  # newest first
+    reasons = [h["reason"] for h in engine_of(app).report.to_dict()["caps"]["sim"]["history"]]
+    assert "cap 2 -> 3" in reasons and "auto: start at 1" in " ".join(reasons)  # the report names the same changes
+
+
 # ---- fixed scenes -------------------------------------------------------------------------------------
 @pytest.mark.anyio
 async def test_header_keeps_mode_cap_and_counters_at_80_columns_and_adds_the_last_reason_where_it_fits():

@@ -95,3 +95,53 @@ def test_the_panel_reads_the_same_from_the_journal_form():
     assert skipped == 0
     assert latency_lines(attached) == latency_lines(app.mirror)
     assert latency_lines(attached)[0].endswith("cold start 2.31s")
+
+
+def test_a_bound_reads_as_one_where_the_histogram_cannot_place_a_quantile_closer():
+    mirror = RunMirror()
+    queue = ev.Quantiles(0.3, 0.3, 30, "below", "below")
+    ttft = ev.Quantiles(0.3, 0.41, 30, "below")
+    slow = ev.Quantiles(20.0, 60.0, 30, p95_bound="above")
+    mirror(ev.LatencySample(T0, "vllm", "histograms", 60.0, ttft=ttft, queue=queue, prefill=slow))
+    assert latency_lines(mirror) == ("vllm latency p50/p95  TTFT <300/410 ms  ITL -  queue < 300 ms  "
+                                     "prefill 20.0/>60.0 s",)
+
+
+@pytest.mark.anyio
+async def test_a_run_where_nothing_queued_shows_its_queue_time_under_the_first_bucket_not_an_interpolation(tmp_path):
+    """The simulator keeps vLLM's queue-time buckets (the first `le="0.3"`); with room for every request nothing
+    waits, and the console says `queue < 300 ms` where it used to interpolate 150/285 ms."""
+    from tests.ui.conftest import EventLog, console, kind, sim_config
+
+    config = sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 40}],
+                        run={"metrics_interval_s": 0.05, "warmup": "off"})
+    app = console(config)
+    log = EventLog(app.control.engine)  # type: ignore[attr-defined]
+    async with app.run_test(size=(140, 40)):
+        sample = await log.wait(lambda e: kind("LatencySample")(e) and e.queue is not None)
+        assert (sample.queue.p50_bound, sample.queue.p95_bound) == ("below", "below")
+        await until(lambda: "queue < 300 ms" in latency_text(app), lambda: latency_text(app))
+
+
+@pytest.mark.anyio
+async def test_once_the_run_has_finished_the_load_pane_says_finished_and_shows_no_live_figure(tmp_path):
+    from cerevisor_tui.ui.widgets.load_pane import LoadPane
+    from tests.ui.conftest import EventLog, console, kind, sim_config
+
+    config = sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 40}],
+                        run={"metrics_interval_s": 0.05, "warmup": "off"})
+    app = console(config)
+    log = EventLog(app.control.engine)  # type: ignore[attr-defined]
+    async with app.run_test(size=(140, 40)):
+        pane = app.screen.query_one(LoadPane)
+
+        def shown(part: str) -> str:
+            return str(pane.query_one(part).content)
+
+        await until(lambda: "running" in shown("#servers"), lambda: shown("#servers"))  # live while it runs
+        await log.wait(kind("RunFinished"))
+        await until(lambda: shown("#servers") == "sim finished", lambda: shown("#servers"))
+        await until(lambda: shown("#throughput-label").startswith("finished  peak "), lambda: shown("#throughput-label"))
+        assert "tok/s" not in shown("#throughput-label") and "total 40" in shown("#throughput-label")
+        kv = shown("#kv-estimate")
+        assert " of " not in kv and "FITS" not in kv and "conversations fit" in kv, kv

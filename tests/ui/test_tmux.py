@@ -91,11 +91,14 @@ def test_fresh_console_streams_switches_mode_and_quits_cleanly(tmp_path):
         # the terminal is restored: main screen, cursor shown, no mouse reporting, nothing of the app left
         flags = term.tmux("display", "-p", "-t", "t", "#{alternate_on} #{cursor_flag} #{mouse_any_flag}").split()
         assert flags == ["0", "1", "0"]
-        assert [line for line in screen.splitlines() if line.strip()] == ["EXIT:1"]
+        # nothing of the app left, only what became of its run: stopped, and where its report is
+        said = "".join(line for line in screen.splitlines() if line.strip())
+        runs = list((tmp_path / "state" / "cerevisor-tui" / "runs").iterdir())
+        assert said == (f"run {runs[0].name} stopped (stopped from an attached console), exit code 1; report: "
+                        f"{runs[0] / 'report.json'}EXIT:1"), screen
     finally:
         term.close()
 
-    runs = list((tmp_path / "state" / "cerevisor-tui" / "runs").iterdir())
     assert len(runs) == 1
     assert (runs[0] / "events.jsonl").stat().st_size > 0 and (runs[0] / "report.json").is_file()
     assert json.loads((runs[0] / "events.jsonl").read_text().splitlines()[-1])["event"] == "RunFinished"

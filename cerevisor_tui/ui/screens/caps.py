@@ -1,5 +1,5 @@
-"""The cap history (`a`): every cap change of the run that says why, newest first, with its run time,
-endpoint and reason: auto mode's controllers at work, and the operator's moves of auto's ceiling.
+"""The cap history (`a`): every cap change of the run, newest first, with its run time, endpoint, who made it and
+why: auto mode's controllers at work, and the operator's changes of mode, of the cap and of auto's ceiling.
 
 It reads the run's mirror of ConcurrencyChanged events, and redraws while open
 when a change arrives.
@@ -30,20 +30,23 @@ POLL_S = 0.5
 
 
 def history_table(model: UiModel, *, muted: str = "", accent: str = "") -> Table | Text:
-    """The changes as rows (time since the run started, endpoint, cap, reason), newest first."""
+    """The changes as rows (time since the run started, endpoint, cap, who, reason), newest first."""
     if not model.cap_changes:
-        return Text("No cap changes yet. In auto mode (m) each endpoint's controller sets its cap from what "
-                    "its server sustains, and every change is listed here with its reason.", style=muted)
+        return Text("No cap changes yet. Each change of the mode (m) or the cap (+/-) is listed here with who made "
+                    "it; in auto mode each endpoint's controller sets its cap from what its server sustains, and "
+                    "every change it makes is listed with its reason.", style=muted)
     table = Table.grid(padding=(0, 2))
     table.add_column(style=muted, no_wrap=True, justify="right")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(style=f"bold {accent}", no_wrap=True, justify="right")
+    table.add_column(no_wrap=True)
     table.add_column(ratio=1)
-    table.add_row(Text("time"), Text("endpoint"), Text("cap"), Text("reason"), style=muted)
+    table.add_row(Text("time"), Text("endpoint"), Text("cap"), Text("by"), Text("reason"), style=muted)
     start = model.started_at
     for change in islice(reversed(model.cap_changes), SHOWN_MAX):
         when = fmt_clock(int(change.t - start)) if start is not None else "-"  # run time, as the header counts it
-        table.add_row(Text(when), Text(change.endpoint or "all"), Text(str(change.cap)), Text(change.reason))
+        table.add_row(Text(when), Text(change.endpoint or "all"), Text(str(change.cap)), Text(change.by or "-"),
+                      Text(change.reason))
     return table
 
 

@@ -47,13 +47,16 @@ class KvRow:
     server_kv_tokens: int | None
 
 
-def kv_rows(mirror: RunMirror) -> tuple[KvRow, ...]:
+def kv_rows(mirror: RunMirror, *, finished: bool = False) -> tuple[KvRow, ...]:
+    """`finished`: the run has ended, nothing is in flight: each endpoint's estimate without a zone or a cap."""
     rows = []
     for name, ep in mirror.endpoints.items():
         sv = mirror.servers.get(name)
         kv_tokens = int(sv.kv_cache_tokens) if sv and sv.kv_cache_tokens else None
         load = ep.load
-        if load is None:
+        if load is not None and finished:
+            rows.append(KvRow(name, 0, 0, "", load.estimate, load.note, False, kv_tokens))
+        elif load is None:
             rows.append(KvRow(name, 0, 0, "", None, "", False, kv_tokens))
         else:
             rows.append(KvRow(name, load.conversations, load.cap, load.zone, load.estimate, load.note,
@@ -200,13 +203,24 @@ def gpu_lines(sample: ev.GpuSample | None) -> tuple[str, ...]:
     return tuple(lines)
 
 
+BOUND_SIGNS = {"": "", "below": "<", "above": ">"}
+
+
 def fmt_pair(q: ev.Quantiles | None) -> str:
-    """A figure's p50/p95: `120/410 ms`, `1.2/3.4 s`; `-` when nothing was observed."""
+    """A figure's p50/p95: `120/410 ms`, `1.2/3.4 s`; `-` when nothing was observed. A quantile the server's
+    histogram only bounds shows as the bound: both in its first bucket `< 300 ms`, one of them `<300/410 ms`,
+    past its last finite bucket `> 60 s`."""
     if q is None:
         return "-"
-    if q.p95_s < 1:
-        return f"{q.p50_s * 1000:.0f}/{q.p95_s * 1000:.0f} ms"
-    return f"{q.p50_s:.1f}/{q.p95_s:.1f} s"
+    in_ms = q.p95_s < 1
+    unit = "ms" if in_ms else "s"
+
+    def one(value_s: float) -> str:
+        return f"{value_s * 1000:.0f}" if in_ms else f"{value_s:.1f}"
+
+    if q.p50_bound and q.p50_bound == q.p95_bound and q.p50_s == q.p95_s:
+        return f"{BOUND_SIGNS[q.p50_bound]} {one(q.p50_s)} {unit}"
+    return f"{BOUND_SIGNS[q.p50_bound]}{one(q.p50_s)}/{BOUND_SIGNS[q.p95_bound]}{one(q.p95_s)} {unit}"
 
 
 def latency_lines(mirror: RunMirror) -> tuple[str, ...]:
@@ -232,7 +246,7 @@ def latency_lines(mirror: RunMirror) -> tuple[str, ...]:
         if warm:
             parts.append(warm)
         lines.append("  ".join(parts))
-        if lat is not None and lat.decode_stall_s:
+        if lat is not None and lat.decode_stall_s and mirror.finished is None:
             running = f"{lat.running:g} running" if lat.running else "requests running"
             lines.append(f"{name} decode stalled {fmt_seconds(lat.decode_stall_s)}: {running}, no token generated")
     return tuple(lines)
@@ -262,7 +276,8 @@ class LoadPane(Vertical):
     """Server numbers from ServerSample events (`-` until a server reports one), one endpoint's trend over
     the run (shown in the wide layout, in auto mode, and maximized), throughput over time, and per
     endpoint the KV estimate: the zone of the conversations in flight, how many fit, and whether the cap
-    lets more run than fit; then a row per GPU of the run's box, once the run has read them (GpuSample)."""
+    lets more run than fit; then a row per GPU of the run's box, once the run has read them (GpuSample). Once the
+    run has finished, each endpoint says `finished` and nothing live is shown (no server, GPU or rate figure)."""
 
     ALLOW_MAXIMIZE = True
     DEFAULT_CSS = """
@@ -324,13 +339,21 @@ class LoadPane(Vertical):
     def sync(self, mirror: RunMirror, now: float, *, endpoint: str | None = None) -> None:
         """`endpoint`: whose trend to draw (the selected agent's); None: the first endpoint's."""
         model = mirror
+        finished = mirror.finished is not None
         self._sync_gpus(mirror)
         self._sync_latency(mirror)
-        fleet = fleet_rows(mirror, mirror.finished.t if mirror.finished else now)
-        lines = () if fleet else self._server_lines(mirror, mirror.finished.t if mirror.finished else now)
-        if (fleet or lines) != self._servers_shown:
-            self._servers_shown = fleet or lines
-            self.query_one("#servers", Static).update(self._fleet_text(fleet) if fleet else self._lines_text(lines))
+        if finished:  # no server is read any more: its last sample is not the present
+            ended = tuple(mirror.endpoints)
+            if ended != self._servers_shown:
+                self._servers_shown = ended
+                self.query_one("#servers", Static).update(self._finished_text(ended))
+        else:
+            fleet = fleet_rows(mirror, now)
+            lines = () if fleet else self._server_lines(mirror, now)
+            if (fleet or lines) != self._servers_shown:
+                self._servers_shown = fleet or lines
+                self.query_one("#servers", Static).update(self._fleet_text(fleet) if fleet else
+                                                          self._lines_text(lines))
         if model.samples_taken != self._samples_shown:
             self._samples_shown = model.samples_taken
             # a fixed time window, oldest on the left, so the line does not stretch while it fills
@@ -338,7 +361,8 @@ class LoadPane(Vertical):
             self.query_one("#throughput", ThroughputBars).values = [0.0] * (window - len(model.throughput)) + list(
                 model.throughput)
         peak = max(model.throughput, default=0.0)
-        label = f"{fmt_rate(model.tokens_per_s(now))} tok/s  peak {fmt_rate(peak)}  total {fmt_count(model.tokens_total)}"
+        rate = "finished" if finished else f"{fmt_rate(model.tokens_per_s(now))} tok/s"
+        label = f"{rate}  peak {fmt_rate(peak)}  total {fmt_count(model.tokens_total)}"
         if label.rstrip() != self._label_shown.rstrip():
             # Width auto, the sparkline takes the rest. The label only ever widens: a width that changed with
             # every figure would lay the row out again and redraw the whole sparkline 4 times a second.
@@ -346,7 +370,7 @@ class LoadPane(Vertical):
             self._label_shown = label.ljust(len(self._label_shown))
             self.query_one("#throughput-label", Static).update(self._label_shown, layout=grows)
         self._sync_trend(model, endpoint if endpoint in model.tracks else next(iter(model.tracks), None))
-        kv = kv_rows(mirror)
+        kv = kv_rows(mirror, finished=finished)
         if kv != self._kv_shown:
             self._kv_shown = kv
             self.set_kv_estimate(self._kv_text(kv))
@@ -389,6 +413,17 @@ class LoadPane(Vertical):
                                          "" if state and state[2] else sv.detail)
                                         if sv else (None, None, None, None, "", ""))))
         return tuple(rows)
+
+    def _finished_text(self, endpoints: tuple[str, ...]) -> Text:
+        """`sim finished`: the run has ended and its servers are no longer read."""
+        text = Text(no_wrap=True, overflow="ellipsis")
+        muted = self.app.colour("text-muted")  # type: ignore[attr-defined]
+        for i, name in enumerate(endpoints):
+            if i:
+                text.append("\n")
+            text.append(f"{name} ", style="bold")
+            text.append("finished", style=muted)
+        return text
 
     def _lines_text(self, rows: tuple[tuple[Any, ...], ...]) -> Text:
         """One endpoint's line: `sim running 2  waiting 0  KV 41%  prefix hit 93%`; an endpoint not up says so
@@ -439,7 +474,7 @@ class LoadPane(Vertical):
         pane.update(text)
 
     def _sync_gpus(self, mirror: RunMirror) -> None:
-        lines = gpu_lines(mirror.gpus)
+        lines = gpu_lines(mirror.gpus) if mirror.finished is None else ()  # no longer read once the run ended
         if lines == self._gpus_shown:
             return
         self._gpus_shown = lines
@@ -505,8 +540,11 @@ class LoadPane(Vertical):
                 elif row.note:
                     text.append(f"  {row.note}", style=muted)
                 continue
-            text.append(f"{row.zone.upper()} ", style=f"bold {colour(ZONE_ROLES.get(row.zone, 'warning'))}")
-            text.append(f"{row.conversations} of {est.conversations_fit} conversations fit ({est.source})")
+            if not row.zone:  # the run has ended: what fits, with nothing in flight to place against it
+                text.append(f"{est.conversations_fit} conversations fit ({est.source})")
+            else:
+                text.append(f"{row.zone.upper()} ", style=f"bold {colour(ZONE_ROLES.get(row.zone, 'warning'))}")
+                text.append(f"{row.conversations} of {est.conversations_fit} conversations fit ({est.source})")
             if row.cap_past_fit:
                 text.append(f"  cap {row.cap} > fit", style=f"bold {colour('warning')}")
             more = f"  {fmt_count(est.kv_capacity_tokens)} KV tokens, {fmt_count(est.context_tokens)} per conversation"
