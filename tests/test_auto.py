@@ -282,3 +282,39 @@ def test_an_idle_gap_between_waves_is_not_measured_as_a_slow_cap():
     box.queue = 200  # the next wave
     later = drive(ctl, box, 30)
     assert all(c >= cap for c in caps(later)), later
+
+
+def drive_with_rates(ctl: AutoController, box: Box, seconds: int) -> list[tuple[float, int, str]]:
+    """`drive`, each look carrying the answers that ended that second and how fast each user's streamed: the
+    box's throughput shared by the agents running."""
+    changes = []
+    for _ in range(seconds):
+        s = box.look(ctl.cap)
+        s = replace(s, rates=((s.t, box.rate(box.running) / max(1, box.running)),))
+        change = ctl.update(s)
+        if change is not None:
+            changes.append((box.t, change.cap, change.reason))
+    return changes
+
+
+def test_a_floor_on_each_users_interactivity_stops_auto_at_the_knee_of_goodput_not_of_throughput():
+    # total throughput keeps rising (x1.6 a doubling) while each user's stream slows: 264 tok/s each at 4 agents,
+    # 214 at 8, 190 at 12, 174 at 16, 141 at 32; 180 each holds up to 14 agents
+    def rising(n: int) -> float:
+        return 400.0 * n ** 0.7
+
+    free = AutoController(max_cap=64)
+    drive_with_rates(free, Box(rising), 200)
+    assert free.cap >= 32  # throughput alone grows past where users get 180 tok/s
+
+    held = AutoController(max_cap=64, min_interactivity=180.0)
+    changes = drive_with_rates(held, Box(rising), 200)
+    assert 12 <= held.cap <= 14  # the most agents whose answers still stream at 180 tok/s each, within a probe's step
+    assert any("under the 180 floor" in why for _, _, why in changes)
+    assert max(caps(changes)) <= 16  # it tried 16, saw users slow under the floor, came back and probed up to it
+
+
+def test_without_answers_in_a_window_the_floor_decides_nothing():
+    ctl = AutoController(max_cap=256, min_interactivity=1e6)
+    changes = drive(ctl, Box(linear_then_flat(16)), 120)  # no rates carried: throughput alone, as before
+    assert caps(changes)[:5] == [2, 4, 8, 16, 32]

@@ -170,8 +170,12 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
     config = validate({
         **sections,
         # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it
+        # and Auto keeps each user at the SLO's interactivity: its floor, in the run's seconds (the wall, where a
+        # simulator's sped-up clock streams `speed` times faster)
         "run": {"mode": mode, "max_concurrency": cap, "warmup": "off",
-                **({"auto": {"max_cap": cap}} if mode == "auto" else {}), **sections.get("run", {})},
+                **({"auto": {"max_cap": cap, "min_interactivity_tokens_s":
+                             settings.slo.min_interactivity_tokens_s * settings.speed}} if mode == "auto" else {}),
+                **sections.get("run", {})},
         "endpoints": [{"name": "upstream", "kind": "local", "base_url": upstream,
                        **({"model": settings.model} if settings.model else {}),
                        **({"api_key_env": api_key_env} if api_key_env else {}), **endpoint}],

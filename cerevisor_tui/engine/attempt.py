@@ -42,6 +42,9 @@ class TurnFigures:
     answers: int = 0
     prefill_tokens: float = 0.0  # the measured prefill rate: prompt tokens not from the cache over their TTFTs
     prefill_s: float = 0.0
+    # each recent answer's interactivity, (when it ended, its output tokens a second from its first token): what a
+    # user of the endpoint sees, Auto's floor (`[run.auto] min_interactivity_tokens_s`)
+    rates: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=64))
 
     def tokens_per_char(self) -> float:
         return self.prompt_tokens / self.prompt_chars if self.prompt_chars else 0.25
@@ -272,9 +275,11 @@ class Attempts:
         st.prompt_tokens += prompt_tokens
         st.completion_tokens += completion_tokens
         ttft = att.first_token_at - att.sent_at if att.first_token_at is not None else None
+        figures = self.figures[st.endpoint]
         if att.first_token_at is not None:
             st.decode_s += end - att.first_token_at
-        figures = self.figures[st.endpoint]
+            if completion_tokens > 1 and end > att.first_token_at:
+                figures.rates.append((end, (completion_tokens - 1) / (end - att.first_token_at)))
         if prompt_tokens and answer.prompt_chars:
             figures.prompt_tokens += prompt_tokens
             figures.prompt_chars += answer.prompt_chars

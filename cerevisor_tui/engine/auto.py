@@ -72,6 +72,7 @@ class Signals:
     slots: int | None = None  # llama.cpp's slot count
     context_tokens: float | None = None  # projected full length of this endpoint's conversations (mean)
     turn_tokens: float | None = None  # output tokens per turn (measured, else the agents' max_tokens)
+    rates: tuple[tuple[float, float], ...] = ()  # recent answers' (when each ended, its output tokens/s per user)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +128,13 @@ class AutoController:
     """The live cap of one endpoint. `update()` at every look; apply what it returns."""
 
     def __init__(self, *, min_cap: int = 1, max_cap: int = 64, start_cap: int = 0, start_why: str = "",
-                 kv_target: float = 0.95) -> None:
+                 kv_target: float = 0.95, min_interactivity: float = 0.0) -> None:
         self.min_cap = max(1, min_cap)
         self.max_cap = max(self.min_cap, max_cap)
         self.ceiling = self.max_cap  # moved by the operator (`+`/`-` in auto mode)
         self.kv_target = kv_target
+        self.min_interactivity = min_interactivity  # tokens/s per user the median answer keeps; 0: no floor
+        self.interactivity: dict[int, float] = {}  # cap -> the median answer's tokens/s in its last full window
         self.slow_start = not start_cap
         self.cap = self._clamp(start_cap or self.min_cap)
         self.start_reason = (f"auto: start at {self.cap} ({start_why})" if start_cap and start_why
@@ -269,6 +272,9 @@ class AutoController:
             self.ttft_best = s.ttft_p50 if self.ttft_best is None else min(self.ttft_best, s.ttft_p50)
         if s.queued == 0:
             return None  # nobody waits for a slot: a cap moved now would change nothing
+        slow = self._under_floor(s, w)
+        if slow is not None:
+            return slow
         fit = self._fit(s)
         upper = min(self.ceiling, fit if fit is not None else self.max_cap, s.slots or self.max_cap)
         kv = f", KV {pct(w.kv)}" if w.kv is not None else ""
@@ -325,6 +331,25 @@ class AutoController:
             return self._to(new, f"probing upward: {tp:,.0f} tok/s at {cap}, {w.queue_text()}{kv}"
                                  + self._fit_note(s, fit, new))
         return None
+
+    def _under_floor(self, s: Signals, w: _Window) -> Change | None:
+        """With a floor on each user's interactivity: the answers that ended in this window streamed, at their
+        median, under it: back to the largest cap measured above it (else three quarters of this one). Throughput
+        alone grows a cap for as long as the total rises, while each user's stream slows under the others'
+        prefills: the knee of goodput at an SLO sits below the knee of throughput."""
+        rates = sorted(rate for t, rate in s.rates if t >= w.t0)
+        if not self.min_interactivity or not rates:
+            return None
+        per_user = rates[len(rates) // 2]
+        cap, floor = self.cap, self.min_interactivity
+        self.interactivity[cap] = per_user
+        if per_user >= floor or cap <= self.min_cap:
+            return None
+        self.slow_start, self._probe_from = False, None
+        good = [c for c, rate in self.interactivity.items() if c < cap and rate >= floor]
+        back = max(good) if good else max(self.min_cap, min(cap - 1, cap * 3 // 4))
+        return self._to(back, f"answers stream at {per_user:.0f} tok/s per user at {cap}, under the {floor:g} floor "
+                              "([run.auto] min_interactivity_tokens_s)")
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _fit(self, s: Signals) -> int | None:

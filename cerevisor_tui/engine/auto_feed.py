@@ -65,7 +65,7 @@ class AutoFeed:
             prefix_hit_rate=sample.prefix_hit_rate if sample else None, kv_tokens=kv_tokens,
             slots=sample.slots_total if sample else None,
             context_tokens=projected_context(self.roster, self.figures, self.life, endpoint),
-            turn_tokens=figures.answer_length(),
+            turn_tokens=figures.answer_length(), rates=tuple(figures.rates),
         )
 
 

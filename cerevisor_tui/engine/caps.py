@@ -30,7 +30,8 @@ class Caps:
         for ep in config.endpoints:
             start, why = (auto.start_cap, "[run.auto] start_cap") if auto.start_cap else _saved_probe_cap(ep)
             self.auto[ep.name] = AutoController(min_cap=auto.min_cap, max_cap=auto.max_cap or ep.max_concurrency,
-                                                start_cap=start, start_why=why, kv_target=auto.kv_target)
+                                                start_cap=start, start_why=why, kv_target=auto.kv_target,
+                                                min_interactivity=auto.min_interactivity_tokens_s)
             scheduler.auto_caps[ep.name] = self.auto[ep.name].cap
         self.ceiling = max((c.max_cap for c in self.auto.values()), default=1)
 
