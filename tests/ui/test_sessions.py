@@ -126,7 +126,10 @@ def test_two_requests_in_flight_each_keep_their_tokens_and_clock():
     m(ev.TokenDelta(T0 + 4, "s1", 2, "side "))
     a = m.agents["s1"]
     assert a.in_flight[1].tokens == 2 and a.in_flight[2].tokens == 1 and a.tokens == 3
-    assert "2 requests in flight" in agent_row(a, (), "", T0 + 5).note
+    # one row: it describes its oldest request (the main turn: its clock, its mapping), the count shows the other
+    assert a.attempt is a.in_flight[1] and a.model_mapping == ""
+    m(ev.AgentStatus(T0 + 4, "s1", "streaming"))
+    assert agent_row(a, (), "", T0 + 5).status == "streaming ×2"
     m(ev.TurnFinished(T0 + 5, "s1", 2, 2, 0, 5, 1, "stop", 2.0, 3.0))  # the side request ends first
     assert a.attempt is a.in_flight[1] and a.attempt.last_alive == T0 + 3  # the main one runs on, its clock kept
     m(ev.TokenDelta(T0 + 6, "s1", 1, "end"))
@@ -260,7 +263,8 @@ async def test_keys_on_a_session_kill_its_request_extend_it_and_r_says_the_harne
         # e extends it (the engine's watchdog takes it); with nothing in flight, the console says so
         await pilot.press("down")  # codex-7f3a: idle, its request killed
         await pilot.press("k")
-        await until(lambda: any("codex-7f3a has no request in flight: nothing to kill" in m for m in notified(app)))
+        await until(lambda: any("codex-7f3a is idle: no request in flight to kill" in m and "l gives it back now" in m
+                                for m in notified(app)))
         assert not isinstance(app.screen, ConfirmScreen)
         await pilot.press("e")
         await until(lambda: any("codex-7f3a has no request in flight to extend" in m for m in notified(app)))
