@@ -292,11 +292,13 @@ def gateway_config() -> Config:
 class GatewayDriver(Driver):
     """Plays the engine's and the gateway's part for a gateway's sessions (engine/sessions.py's events)."""
 
-    def open(self, name: str, t: float, harness: str, *, source: str = "X-Session-ID", api: str = "chat") -> None:
+    def open(self, name: str, t: float, harness: str, *, source: str = "X-Session-ID", api: str = "chat",
+             **shown: str) -> None:
         """The engine opens the session (its record, so commands find it) and tells it: SessionOpened carries the
-        engine's clock, which nothing on screen shows."""
+        engine's clock, which nothing on screen shows. `shown`: its title, topic and own id, as the gateway reads
+        them from its first request."""
         self.advance(t)
-        self.engine.sessions.open(name, source=source, harness=harness, api=api, endpoint="sim")
+        self.engine.sessions.open(name, source=source, harness=harness, api=api, endpoint="sim", **shown)
 
     def ask(self, name: str, t: float, *messages: tuple[str, str]) -> None:
         """The request's new messages, as its client sent them (before it is admitted)."""
@@ -379,7 +381,7 @@ def build_gateway(*, sessions: bool = True) -> CerevisorApp:
         d.tokens("codex-7f3a", 8, T0 + 5.0, T0 + 6.0)
         d.request_killed("codex-7f3a", T0 + 9.0, "killed by operator")
 
-        d.open("aider", T0 + 3, "aider 0.86.1", source="path")
+        d.open("aider", T0 + 3, "aider", source="path")
         d.ask("aider", T0 + 3, ("user", "Add type hints to utils.py"))
         d.send("aider", T0 + 3, asked="sim-model")
         d.tokens("aider", 20, T0 + 3.3, T0 + 4.0)
@@ -390,7 +392,8 @@ def build_gateway(*, sessions: bool = True) -> CerevisorApp:
         d.send("claude-main", T0 + 6)
         d.tokens("claude-main", 50, T0 + 6.5, NOW - 0.1)
 
-        d.open("ses-9c1e", T0 + 9.5, "openai-python 1.99.0", source="fingerprint")
+        d.open("ses-9c1e", T0 + 9.5, "openai-python 1.99.0", source="fingerprint", title="openai-python 9c1e",
+               topic='"Summarise the diff." · in …/work/shop')
         d.ask("ses-9c1e", T0 + 9.5, ("user", "Summarise the diff."))
         d.queued("ses-9c1e", T0 + 9.5)
     handle.mirror.notices.clear()  # the pictures show the rows, not the toasts (tests read the notices)
