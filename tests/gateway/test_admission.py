@@ -200,3 +200,29 @@ async def test_sequential_releasing_an_idle_session_admits_the_next_one_at_once(
         s.engine.handle(cmd.Release(agent="second"))
         await until(lambda: "first again" in answers, "the first session's next answer", timeout=30)
         assert answers["first again"].status == 200
+
+
+async def test_a_side_request_beside_the_main_turn_leaves_the_row_on_the_main_turn():
+    """Claude Code's small request while its turn streams: one row, whose status and clock stay the main turn's
+    (the oldest request in flight) while the side request runs and after it ends."""
+    async with served(sim={"speed": 1.0, "tokens_per_s": 20}, gateway={"release_after_s": 30}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        group.start_soon(functools.partial(_request, client, s.url + "/chat/completions", "cc", answers,
+                                           key="main", max_tokens=60))
+        await until(lambda: "cc" in s.engine.sessions.by_name and s.session("cc").st.status == "streaming",
+                    "the main turn streaming")
+        session = s.session("cc")
+        [main] = session.in_flight.values()
+        group.start_soon(functools.partial(_request, client, s.url + "/chat/completions", "cc", answers,
+                                           key="side", max_tokens=2, stream=False))
+        await until(lambda: len(session.in_flight) == 2, "the side request in flight")
+        assert session.st.current is main and session.st.status == "streaming"
+        await until(lambda: "side" in answers, "the side request's answer")
+        assert answers["side"].status == 200 and "main" not in answers
+        assert session.st.current is main and session.st.status == "streaming"
+        side = _index(s, ev.AgentStarted, "cc", lambda e: e.attempt == 2)
+        assert [e.status for e in s.events[side:] if isinstance(e, ev.AgentStatus)][-1] == "streaming"
+        await until(lambda: "main" in answers, "the main turn's answer")
+        await until(lambda: session.st.status == "idle", "the session idle")
+        assert session.st.current is None
