@@ -181,14 +181,13 @@ class Exchange:
             await self.fail(exc.status, exc.message, exc.headers)
             return
         name, source, own = identify(self.api, self.headers, self.body, label=self.label, key=self.key)
+        # who it is and what its row shows are read from a session's first request only (a body may be ~560 KB)
+        first = e.sessions.own_name(name, self.key) not in e.sessions.by_name
+        who = harness_of(self.headers.get("user-agent", ""), self.api, self.body) if first else ""
         try:
-            if e.sessions.own_name(name, self.key) in e.sessions.by_name:  # what a row shows: read from its first
-                session = e.sessions.open(name, source=source, harness="", api=self.api, endpoint=where, key=self.key)
-            else:
-                who = harness_of(self.headers.get("user-agent", ""), self.api, self.body)
-                session = e.sessions.open(name, source=source, harness=who, api=self.api, endpoint=where,
-                                          key=self.key, title=title(name, source, who), topic=topic(self.api, self.body, who),
-                                          own_id=own)
+            session = e.sessions.open(name, source=source, harness=who, api=self.api, endpoint=where, key=self.key,
+                                      title=title(name, source, who) if first else "",
+                                      topic=topic(self.api, self.body, who) if first else "", own_id=own)
         except TooManySessions as exc:
             gw.refused += 1
             await self.fail(429, f"cerevisor gateway: {exc}", {"retry-after": str(RETRY_AFTER_S)})
