@@ -42,7 +42,8 @@ class AgentsPane(Vertical):
 def session_subtitle(st: AgentView, now: float) -> str:
     """The stream pane's corner for a gateway session: its status and request, how long that request waited in
     the gateway's queue (not model silence: its stall clock starts when it is sent), and the model mapping."""
-    parts = [session_status(st.status), f"request {st.turn}" if st.turn else "no request yet"]
+    number = st.attempt.turn if st.attempt is not None else st.turn  # the request its row describes (its oldest)
+    parts = [session_status(st.status), f"request {number}" if number else "no request yet"]
     if st.status == "queued" and st.queued_at is not None:
         parts.append(f"next waiting for a slot {fmt_clock(now - st.queued_at)}")
     elif st.queued_s is not None:

@@ -160,8 +160,9 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         note = f"{note} · {quiet}" if note else quiet
     if st.turns:
         turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
-    else:  # a gateway session: no number of turns, the request it is on
-        turn = f"req {st.turn}" if st.turn else "req -"
+    else:  # a gateway session: no number of turns, the request it is on (with several in flight, its oldest)
+        number = st.attempt.turn if st.attempt is not None else st.turn
+        turn = f"req {number}" if number else "req -"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
     label = "tool" if call is not None else session_status(status) if st.session is not None else status_label(status)
     att = st.attempt
