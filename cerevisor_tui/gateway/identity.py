@@ -154,13 +154,13 @@ def topic(api: Api, body: dict[str, Any], harness_name: str = "") -> str:
     users = [m.get("content") for m in messages if role_of(m) == "user"]
     users = users[-1:] if harness_name == "aider" else users[:TOPIC_MESSAGES]
     words = ""
-    for part in (part for content in users for part in _parts(content)):
-        plain = part.split()
-        if plain:
-            words = " ".join(plain[:TOPIC_WORDS])
-            cut = len(plain) > TOPIC_WORDS or len(words) > TOPIC_CHARS
-            words = f"\"{words[:TOPIC_CHARS].rstrip()}{'…' if cut else ''}\""
-            break
+    parts = [part for content in users for part in _parts(content) if part]
+    # a lead-in ("Generate a title for this conversation:", opencode's title request) says what follows is the topic
+    plain = next((part for part in parts if not part.endswith(":")), parts[0] if parts else "").strip('"“”').split()
+    if plain:
+        words = " ".join(plain[:TOPIC_WORDS])
+        cut = len(plain) > TOPIC_WORDS or len(words) > TOPIC_CHARS
+        words = f"\"{words[:TOPIC_CHARS].rstrip()}{'…' if cut else ''}\""
     where = ""
     texts = [system, *map(text_of, users)]
     for rule in _CWD:

@@ -87,7 +87,10 @@ async def test_a_row_named_by_a_generated_id_shows_its_harness_a_short_id_and_wh
                                                     "model": "up-model"}]) as s, \
             httpx.AsyncClient(timeout=30) as client:
         await post(client, s.url + "/messages", claude_body, headers={"User-Agent": "claude-cli/2.0.14 (external)"})
-        await post(client, s.url + "/chat/completions", chat("Name three colours.", model="up-model"),
+        # opencode's first request is its title request: a lead-in, then the user's words quoted
+        title_request = chat('"Name three colours."', model="up-model", system="You are a title generator.",
+                             history=[{"role": "user", "content": "Generate a title for this conversation:\n"}])
+        await post(client, s.url + "/chat/completions", title_request,
                    headers={"User-Agent": "opencode/1.0.2", "X-Session-ID": "ses_dca4bc70bffe1A2b3C4d5E6f7G"})
         claude, opencode = s.of(ev.SessionOpened)
     assert claude.agent == session and claude.title == f"claude-code {session[:8]}"
