@@ -85,7 +85,7 @@ def test_a_value_with_no_json_number_is_written_as_null_and_reads_back_as_not_re
 
 def test_every_command_reads_back_from_its_line_under_its_snake_case_name() -> None:
     samples = [cmd.SetMode(mode="auto"), cmd.CycleMode(), cmd.SetConcurrency(cap=8), cmd.NudgeCap(delta=-1),
-               cmd.Pause(), cmd.Resume(), cmd.Kill(agent="a"), cmd.Extend(agent="a", seconds=30.0),
+               cmd.Pause(), cmd.Resume(), cmd.Kill(agent="a"), cmd.Release(agent="a"), cmd.Extend(agent="a", seconds=30.0),
                cmd.Retry(agent="a"), cmd.Approve(agent="a", call_id="c", scope="run"), cmd.Deny(agent="a", call_id="c"),
                cmd.SetStall(endpoint="box", policy=ev.StallPolicy(**POLICY)), cmd.Stop(), cmd.Probe(endpoint="box"),
                cmd.CancelProbe(endpoint="box"),

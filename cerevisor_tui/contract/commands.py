@@ -78,6 +78,14 @@ class Kill(Command, frozen=True):
     reason: Reason = "killed by operator"
 
 
+class Release(Command, frozen=True):
+    """Give an idle gateway session's slot back now, not `release_after_s` after its last request: the next one
+    waiting is admitted, and its own next request waits for a slot again. Refused for a workflow agent and for a
+    session with a request in flight or queued; returns False when it held no slot."""
+
+    agent: Name
+
+
 class Extend(Command, frozen=True):
     """Move the running attempt's deadline later (`seconds`, default [stall].extend_s), or the running tool
     call's tool deadline. Returns False when nothing runs."""

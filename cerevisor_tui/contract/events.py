@@ -381,6 +381,12 @@ class SessionOpened(Event, frozen=True):
     api: str  # its first request's API: "chat", "responses" or "messages"
     endpoint: str  # the endpoint or pool that serves it
     key: str = ""  # the name of the environment variable whose client key it sent (`[gateway] keys_env`)
+    # what its row shows a person: the harness and a short id where its name is a generated id or a fingerprint
+    # ("claude-code 226c5305"; "": its name), what it is about ('"fix the login bug…" · in …/shop/api'), and the
+    # harness's own session id where a path label named it instead
+    title: str = ""
+    topic: str = ""
+    own_id: str = ""
 
 
 class AgentStatus(Event, frozen=True):

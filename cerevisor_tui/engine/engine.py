@@ -106,6 +106,8 @@ class Engine(RunParts):
                 return caps.pause(False)
             case cmd.Kill(agent=agent, reason=reason):
                 return self.kill(self._named_agent(agent), reason)
+            case cmd.Release(agent=agent):
+                return self.sessions.release(self._named_agent(agent))
             case cmd.Extend(agent=agent, seconds=seconds):
                 return self.extend(self._named_agent(agent), seconds)
             case cmd.Retry(agent=agent):

@@ -130,7 +130,8 @@ class Sessions:
             self._ready = anyio.Event()
         return self._ready
 
-    def open(self, name: str, *, source: str, harness: str, api: str, endpoint: str, key: str = "") -> Session:
+    def open(self, name: str, *, source: str, harness: str, api: str, endpoint: str, key: str = "", title: str = "",
+             topic: str = "", own_id: str = "") -> Session:
         """The session named `name` of the client key named `key`, opened (and told as SessionOpened) the first
         time it is seen. A session belongs to the key that opened it, and its name is never a workflow agent's:
         a request under another key, or named like an agent, gets a session of its own (`own_name`), never
@@ -159,7 +160,7 @@ class Sessions:
             self.attempts.resumed(st, done, 0.0)
             session.requests = done
             session.resumed = True
-        self.emit(ev.SessionOpened(self.clock.now(), name, source, harness, api, endpoint, key))
+        self.emit(ev.SessionOpened(self.clock.now(), name, source, harness, api, endpoint, key, title, topic, own_id))
         return session
 
     def own_name(self, name: str, key: str) -> str:
@@ -250,6 +251,9 @@ class Sessions:
         policy = self.policies[st.endpoint]
         att = self.attempts.begin(st, number, f"{self.request_prefix}.{st.name}.r{number}", turns=0,
                                queued_s=clock.now() - queued_at, model_asked=model_asked, model_sent=model_sent)
+        if session.in_flight:  # the row goes on describing its oldest request (a harness's main turn), not a side one
+            main = st.current = next(iter(session.in_flight.values()))
+            move(st, "token" if main.first_token_at is not None else "sent")
         session.in_flight[number] = att
         try:
             async with anyio.create_task_group() as group:
@@ -269,8 +273,7 @@ class Sessions:
                 session.kills.append(att.kill_reason)
                 session.last_kill = att.why_killed
                 session.last_by_stop = bool(life.stopping)
-            rest = list(session.in_flight.values())
-            st.current = rest[-1] if rest else None
+            st.current = next(iter(session.in_flight.values()), None)
             if st.current is None:
                 move(st, "idle" if session.holding else "released")
             else:
@@ -324,6 +327,22 @@ class Sessions:
             session.waiting[wait] = reason
             wait.cancel()
         return bool(session.in_flight or session.waiting)
+
+    def release(self, name: str) -> bool:
+        """The operator gives an idle session's slot back now (its holder ends as `release_after_s` would end it):
+        the next one waiting is admitted. False when it holds none; ValueError (one line, for the client) for a
+        workflow agent, or a session with a request in flight or queued (its slot is its work's)."""
+        session = self.by_name.get(name)
+        if session is None:
+            raise ValueError(f"{name} is not a gateway session: only a session holds a slot between its requests")
+        busy = len(session.in_flight) + session.queued
+        if busy:
+            raise ValueError(f"{name} has {busy} request{'s' if busy > 1 else ''} in flight or queued: it gives its "
+                             "slot back once it is idle")
+        if session.holder is None:
+            return False
+        session.holder.cancel()
+        return True
 
     def extend(self, name: str, seconds: float | None) -> bool:
         session = self.by_name[name]

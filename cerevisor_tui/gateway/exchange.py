@@ -52,7 +52,7 @@ from cerevisor_tui.gateway.edge import (
     problem_of,
     upstream_headers,
 )
-from cerevisor_tui.gateway.identity import harness, identify
+from cerevisor_tui.gateway.identity import harness_of, identify, title, topic
 from cerevisor_tui.gateway.sse import Frames, FrameTooLong, frame_progress, split_frames, without_usage_chunks
 
 if TYPE_CHECKING:
@@ -164,10 +164,14 @@ class Exchange:
             gw.refused += 1
             await self.fail(exc.status, exc.message, exc.headers)
             return
-        name, source = identify(self.api, self.headers, self.body, label=self.label, key=self.key)
+        name, source, own = identify(self.api, self.headers, self.body, label=self.label, key=self.key)
+        # who it is and what its row shows are read from a session's first request only (a body may be ~560 KB)
+        first = e.sessions.own_name(name, self.key) not in e.sessions.by_name
+        who = harness_of(self.headers.get("user-agent", ""), self.api, self.body) if first else ""
         try:
-            session = e.sessions.open(name, source=source, harness=harness(self.headers.get("user-agent", "")),
-                                      api=self.api, endpoint=where, key=self.key)
+            session = e.sessions.open(name, source=source, harness=who, api=self.api, endpoint=where, key=self.key,
+                                      title=title(name, source, who) if first else "",
+                                      topic=topic(self.api, self.body, who) if first else "", own_id=own)
         except TooManySessions as exc:
             gw.refused += 1
             await self.fail(429, f"cerevisor gateway: {exc}", {"retry-after": str(RETRY_AFTER_S)})

@@ -21,6 +21,10 @@ MAIN_BINDINGS: list[Binding] = [
             tooltip="Pause or resume admissions: queued agents wait, running ones go on."),
     Binding("k", "kill", "Kill", id="kill",
             tooltip="Kill the selected agent (asks first): its request is closed, no retry follows."),
+    # in the footer on a gateway session's row only (MainScreen.check_action): only a session holds a slot when idle
+    Binding("l", "release", "Release", id="release",
+            tooltip="Give the selected idle gateway session's slot back now (asks first): the next session waiting "
+                    "runs, and its own next request waits for a slot again."),
     Binding("e", "extend", "Extend", id="extend",
             tooltip="Move the selected agent's stall deadline later by stall.extend_s (default 300 s)."),
     Binding("r", "retry", "Retry", id="retry",
@@ -68,6 +72,7 @@ PALETTE_NAMES: dict[str, str] = {
     "cap_history": "Cap changes and their reasons (auto)",
     "pause": "Pause / resume admissions",
     "kill": "Kill selected agent",
+    "release": "Release selected session's slot",
     "extend": "Extend selected agent's deadline",
     "retry": "Retry selected agent",
     "inbox": "Attention inbox",

@@ -118,6 +118,11 @@ class AgentView:
     queued_since: float | None = None  # a workflow agent waiting for a running slot since (AgentQueued)
 
     @property
+    def label(self) -> str:
+        """What its row is called: a session's title where its name is a harness's generated id, else its name."""
+        return self.session.title if self.session is not None and self.session.title else self.name
+
+    @property
     def model_mapping(self) -> str:
         """`claude-sonnet-4 → qwen3-coder` when a session's request went upstream under another model, else ""."""
         if self.model_asked and self.model_sent and self.model_asked != self.model_sent:
@@ -132,10 +137,10 @@ class AgentView:
         return self.in_flight.get(number)
 
     def end_attempt(self, number: int) -> None:
-        """An attempt ended: the running one is a session's newest request still in flight, or none."""
+        """An attempt ended: the running one is a session's oldest request still in flight, or none."""
         if self.in_flight:
             self.in_flight.pop(number, None)
-            self.attempt = next(reversed(self.in_flight.values()), None)
+            self.attempt = next(iter(self.in_flight.values()), None)
         else:
             self.attempt = None
 
@@ -397,12 +402,15 @@ class RunMirror(UiModel):
         if a.started_at is None:
             a.started_at = e.t
         ep = self.endpoints.get(e.endpoint)
-        a.attempt = AttemptView(e.attempt, e.turn, e.t, e.first_byte_deadline_s, e.idle_deadline_s, e.t,
-                                ep.by_bytes if ep is not None else False)
-        if a.session is not None:
-            a.in_flight[e.attempt] = a.attempt
-            a.queued_at, a.queued_s, a.killed_request = None, e.queued_s, None
-            a.model_asked, a.model_sent = e.model_asked, e.model_sent
+        att = AttemptView(e.attempt, e.turn, e.t, e.first_byte_deadline_s, e.idle_deadline_s, e.t,
+                          ep.by_bytes if ep is not None else False)
+        if a.session is None:
+            a.attempt = att
+            return
+        a.queued_at, a.killed_request = None, None
+        a.in_flight[e.attempt] = att
+        if len(a.in_flight) == 1:  # the row describes its oldest request in flight (the main turn, not a side one)
+            a.attempt, a.queued_s, a.model_asked, a.model_sent = att, e.queued_s, e.model_asked, e.model_sent
 
     def _see_PrefillProgress(self, e: ev.PrefillProgress) -> None:
         att = self._agent(e.agent).attempt_of(e.attempt)

@@ -359,6 +359,9 @@ class UiModel:
         stream = self.stream(e.agent)
         harness = f" from {e.harness}" if e.harness else ""
         stream.append(META, f"▌ gateway session{harness} · named by {e.source} · {e.api} API · on {e.endpoint}\n")
+        about = " · ".join(p for p in (e.topic, f"its own session id {e.own_id}" if e.own_id else "") if p)
+        if about:
+            stream.append(META, f"▌ {printable(about)}\n")
 
     def _on_MessageRecorded(self, e: ev.MessageRecorded) -> None:
         if e.raw:  # a message a gateway session's client sent (new in this request): whatever its role

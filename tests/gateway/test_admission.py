@@ -3,6 +3,8 @@ back after release_after_s; a new session's first request waits for one; and the
 
 from __future__ import annotations
 
+import functools
+
 import anyio
 import httpx
 import pytest
@@ -186,3 +188,60 @@ async def test_statuses_of_a_session_queued_prefill_streaming_idle_released():
         await post(client, s.url + "/chat/completions", chat("again"), headers={"X-Session-ID": "one"})
         await until(lambda: s.statuses("one")[-1] == "released", "released again")
         assert s.statuses("one")[5:] == ["queued", "prefill", "streaming", "idle", "released"]
+
+
+async def test_sequential_releasing_an_idle_session_admits_the_next_one_at_once():
+    """The operator's release (`l`): an idle session holding the one slot gives it back now, not release_after_s
+    (here 600 s) after its last request, and the session waiting for it is admitted."""
+    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 600}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        await _request(client, s.url + "/chat/completions", "first", answers, stream=False)
+        await until(lambda: s.session("first").st.status == "idle", "the first request's end told")
+        with pytest.raises(ValueError, match="no agent named"):
+            s.engine.handle(cmd.Release(agent="nobody"))
+        group.start_soon(_request, client, s.url + "/chat/completions", "second", answers)
+        await until(lambda: "second" in s.engine.sessions.by_name and s.session("second").queued == 1,
+                    "the second session's request queued")
+        with pytest.raises(ValueError, match="1 request in flight or queued"):  # its slot is its request's
+            s.engine.handle(cmd.Release(agent="second"))
+        assert s.session("first").holding and not s.of(ev.AgentStarted, "second")
+        assert s.engine.handle(cmd.Release(agent="first")) is True
+        await until(lambda: "second" in answers, "the second session's answer", timeout=30)
+        assert answers["second"].status == 200 and answers["second"].text
+        assert _status_at(s, "first", "released") < _index(s, ev.AgentStarted, "second")
+        assert not s.session("first").holding and s.session("first").st.status == "released"
+        assert s.engine.handle(cmd.Release(agent="first")) is False  # it holds none now
+        # its harness comes back: its request waits for the slot again, as any new session's does
+        group.start_soon(functools.partial(_request, client, s.url + "/chat/completions", "first", answers,
+                                           key="first again"))
+        await until(lambda: s.session("first").queued == 1, "the first session queued again")
+        s.engine.handle(cmd.Release(agent="second"))
+        await until(lambda: "first again" in answers, "the first session's next answer", timeout=30)
+        assert answers["first again"].status == 200
+
+
+async def test_a_side_request_beside_the_main_turn_leaves_the_row_on_the_main_turn():
+    """Claude Code's small request while its turn streams: one row, whose status and clock stay the main turn's
+    (the oldest request in flight) while the side request runs and after it ends."""
+    async with served(sim={"speed": 1.0, "tokens_per_s": 20}, gateway={"release_after_s": 30}) as s, \
+            httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
+        answers: dict[str, Answer] = {}
+        group.start_soon(functools.partial(_request, client, s.url + "/chat/completions", "cc", answers,
+                                           key="main", max_tokens=60))
+        await until(lambda: "cc" in s.engine.sessions.by_name and s.session("cc").st.status == "streaming",
+                    "the main turn streaming")
+        session = s.session("cc")
+        [main] = session.in_flight.values()
+        group.start_soon(functools.partial(_request, client, s.url + "/chat/completions", "cc", answers,
+                                           key="side", max_tokens=2, stream=False))
+        await until(lambda: len(session.in_flight) == 2, "the side request in flight")
+        assert session.st.current is main and session.st.status == "streaming"
+        await until(lambda: "side" in answers, "the side request's answer")
+        assert answers["side"].status == 200 and "main" not in answers
+        assert session.st.current is main and session.st.status == "streaming"
+        side = _index(s, ev.AgentStarted, "cc", lambda e: e.attempt == 2)
+        assert [e.status for e in s.events[side:] if isinstance(e, ev.AgentStatus)][-1] == "streaming"
+        await until(lambda: "main" in answers, "the main turn's answer")
+        await until(lambda: session.st.status == "idle", "the session idle")
+        assert session.st.current is None

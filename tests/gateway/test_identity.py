@@ -36,21 +36,80 @@ async def test_a_session_header_names_the_session(header):
 async def test_session_headers_are_believed_in_their_order():
     body = chat(prompt_cache_key="cache-key", user="someone")
     opened = await _sessions_of([
-        ("/a/label/v1/chat/completions", body, {"session_id": "third", "x-session-affinity": "second",
-                                                "X-Session-ID": "first"}),
-        ("/a/label/v1/chat/completions", body, {"session_id": "third", "x-session-affinity": "second"}),
-        ("/a/label/v1/chat/completions", body, {"session_id": "third"}),
+        ("/v1/chat/completions", body, {"session_id": "third", "x-session-affinity": "second",
+                                        "X-Session-ID": "first"}),
+        ("/v1/chat/completions", body, {"session_id": "third", "x-session-affinity": "second"}),
+        ("/v1/chat/completions", body, {"session_id": "third"}),
     ])
     assert opened == [("first", "x-session-id"), ("second", "x-session-affinity"), ("third", "session_id")]
 
 
-async def test_openai_body_fields_prompt_cache_key_then_user_before_the_path_label():
+async def test_openai_body_fields_prompt_cache_key_then_user_then_the_fingerprint():
     opened = await _sessions_of([
-        ("/a/label/v1/chat/completions", chat(prompt_cache_key="pck-1", user="u-1"), {}),
-        ("/a/label/v1/chat/completions", chat(user="u-2"), {}),
-        ("/a/label/v1/chat/completions", chat(), {}),
+        ("/v1/chat/completions", chat(prompt_cache_key="pck-1", user="u-1"), {}),
+        ("/v1/chat/completions", chat(user="u-2"), {}),
+        ("/v1/chat/completions", chat(), {}),
     ])
-    assert opened == [("pck-1", "prompt_cache_key"), ("u-2", "user"), ("label", "path")]
+    assert opened[:2] == [("pck-1", "prompt_cache_key"), ("u-2", "user")] and opened[2][1] == "fingerprint"
+
+
+async def test_the_path_label_wins_over_the_harness_own_session_id_which_is_kept_beside_it():
+    """The operator's own name for a harness (`/a/NAME/v1`) names its row, whatever id the harness sends; that id
+    is kept (SessionOpened.own_id: the row's note), and every request of the label lands in its one row."""
+    claude_code = f"user_{'ab' * 32}_account_{uuid.uuid4()}_session_{uuid.uuid4()}"
+    messages = {"model": "up-model", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                "metadata": {"user_id": claude_code}}
+    async with FakeApi() as api, served(endpoints=[{"name": "up", "kind": "hosted", "base_url": api.base_url,
+                                                    "model": "up-model"}]) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        for path, body, headers in (
+                ("/a/reviewer/v1/chat/completions", chat(prompt_cache_key="pck-1", model="up-model"), {"X-Session-ID": "sid-1"}),
+                ("/a/reviewer/v1/chat/completions", chat("another", model="up-model"), {"X-Session-ID": "sid-2"}),
+                ("/a/claude/v1/messages", messages, {})):
+            assert (await post(client, s.root + path, body, headers=headers)).status == 200
+        assert s.opened() == [("reviewer", "path"), ("claude", "path")]
+        reviewer, claude = s.of(ev.SessionOpened)
+        assert reviewer.own_id == "sid-1" and reviewer.title == ""  # its name reads as it is
+        assert claude.own_id == claude_code.rsplit("_session_", 1)[1]
+        assert s.session("reviewer").requests == 2
+
+
+async def test_a_row_named_by_a_generated_id_shows_its_harness_a_short_id_and_what_it_is_about():
+    """Claude Code's session uuid, opencode's `ses_…`: the row is called by the harness and a short id, and the
+    conversation's first words (a harness's tagged context left out) and working directory go beside it."""
+    session = str(uuid.uuid4())
+    claude_body = {"model": "up-model", "max_tokens": 8, "system": "You are Claude Code.\n<env>\nWorking directory: "
+                   "/home/me/shop/api\n</env>", "metadata": {"user_id": f"user_x_account_y_session_{session}"},
+                   "messages": [{"role": "user", "content": [
+                       {"type": "text", "text": "<system-reminder>\nAs you answer, use the context.\n</system-reminder>"},
+                       {"type": "text", "text": "Fix the login bug in the auth module, it fails on empty passwords"}]}]}
+    async with FakeApi() as api, served(endpoints=[{"name": "up", "kind": "hosted", "base_url": api.base_url,
+                                                    "model": "up-model"}]) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        await post(client, s.url + "/messages", claude_body, headers={"User-Agent": "claude-cli/2.0.14 (external)"})
+        # opencode's first request is its title request: a lead-in, then the user's words quoted
+        title_request = chat('"Name three colours."', model="up-model", system="You are a title generator.",
+                             history=[{"role": "user", "content": "Generate a title for this conversation:\n"}])
+        await post(client, s.url + "/chat/completions", title_request,
+                   headers={"User-Agent": "opencode/1.0.2", "X-Session-ID": "ses_dca4bc70bffe1A2b3C4d5E6f7G"})
+        claude, opencode = s.of(ev.SessionOpened)
+    assert claude.agent == session and claude.title == f"claude-code {session[:8]}"
+    assert claude.topic == '"Fix the login bug in the auth module,…" · in …/shop/api'
+    assert opencode.title == "opencode dca4bc70" and opencode.topic == '"Name three colours."'
+
+
+async def test_aider_is_known_by_its_own_words():
+    """aider speaks through litellm and the openai SDK, whose User-Agent is all it sends; its files' context, said
+    as the user in every request, tells it (as captured from aider 0.86 against a dumping server)."""
+    aider = chat("Name three colours.", history=[
+        {"role": "user", "content": "I am not sharing any files that you can edit yet."},
+        {"role": "assistant", "content": "Ok."}])
+    async with served(run={"max_concurrency": 8}) as s, httpx.AsyncClient(timeout=30) as client:
+        for body in (aider, chat("plain script")):
+            await post(client, s.url + "/chat/completions", body, headers={"User-Agent": "OpenAI/Python 2.20.0"})
+        opened = s.of(ev.SessionOpened)
+        assert [o.harness for o in opened] == ["aider", "openai-python 2.20.0"]
+        assert opened[0].topic == '"Name three colours."'  # its request, not the worked example it opens with
 
 
 async def test_a_path_label_names_the_session_and_the_request_still_goes_through():

@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from cerevisor_tui.contract import events as ev
+from cerevisor_tui.ui.mirror import RunMirror
+from cerevisor_tui.ui.widgets.agent_table import agent_row
 from tests.gateway.conftest import Headless
 from tests.integration import servers
 from tests.integration.servers import PEERS_DIR, ServerProcess
@@ -123,46 +126,75 @@ def node_harness(name: str, args: list[str], env: dict[str, str], cwd: Path, tim
 
 
 def test_claude_code_through_the_gateway(gateway: Gateway, tmp_path: Path):
+    """Its row is named by its path label (README: ANTHROPIC_BASE_URL=…/a/NAME), its own session id kept beside it;
+    a side request it sends while its turn streams is a request of that one row, shown apart from the turn."""
     root = gateway.url.removesuffix("/v1")
     proc = node_harness("claude", ["-p", "Name three colours.", "--bare", "--tools", "", "--system-prompt",
                                    "You are a terse assistant.", "--model", "claude-sonnet-4-5"],
-                        {"ANTHROPIC_BASE_URL": root, "ANTHROPIC_API_KEY": "unused-client-key",
+                        {"ANTHROPIC_BASE_URL": root + "/a/claude-1", "ANTHROPIC_API_KEY": "unused-client-key",
                          "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
                          "DISABLE_AUTOUPDATER": "1"}, tmp_path)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert proc.stdout.strip()
-    opened = [e for e in gateway.events("SessionOpened") if e["harness"].startswith("claude-code")]
-    assert opened and opened[0]["api"] == "messages", [e["harness"] for e in gateway.events("SessionOpened")]
-    started = [e for e in gateway.events("AgentStarted") if e["agent"] == opened[0]["agent"]]
+    opened = gateway.session("claude-1")
+    assert opened["source"] == "path" and opened["harness"].startswith("claude-code") and opened["api"] == "messages"
+    assert opened["own_id"], opened  # Claude Code's own session id, beside the row
+    assert "Name three colours" in opened["topic"], opened
+    started = [e for e in gateway.events("AgentStarted") if e["agent"] == "claude-1"]
     assert started and {e["model_sent"] for e in started} == {servers.SMOLLM2}
+    assert_requests_apart(gateway, "claude-1")
+
+
+def assert_requests_apart(gateway: Gateway, name: str) -> None:
+    """Each request of the session is an attempt of its own, ended on its own; where two overlapped (a side request
+    while the turn streamed), the console's mirror, fed the run's journal, kept its row on the older one and counted
+    both."""
+    lines = (gateway.run_dir / "events.jsonl").read_bytes().splitlines()
+    mirror, overlapped = RunMirror(), 0
+    for line in lines:
+        event = ev.decode_event(line)
+        mirror(event)
+        agent = mirror.agents.get(name)
+        if agent is not None and len(agent.in_flight) > 1:
+            overlapped += 1
+            assert agent.attempt is next(iter(agent.in_flight.values()))  # the row describes the oldest
+            assert agent_row(agent, (), "", event.t).status.endswith(f"×{len(agent.in_flight)}")
+    started = [e["attempt"] for e in gateway.events("AgentStarted") if e["agent"] == name]
+    ended = [e["attempt"] for e in gateway.events("TurnFinished") + gateway.events("AgentKilled") if e["agent"] == name]
+    assert sorted(started) == sorted(set(ended)) == list(range(1, len(started) + 1)), (started, ended)
+    print(f"{name}: {len(started)} request(s), {overlapped} event(s) with two or more in flight")
 
 
 def test_codex_cli_through_the_gateway(gateway: Gateway, tmp_path: Path):
     (tmp_path / ".codex").mkdir()
-    provider = f'{{name="cerevisor gateway", base_url="{gateway.url}", wire_api="responses", env_key="GW_KEY"}}'
+    labelled = gateway.url.replace("/v1", "/a/codex-1/v1")
+    provider = f'{{name="cerevisor gateway", base_url="{labelled}", wire_api="responses", env_key="GW_KEY"}}'
     proc = node_harness("codex", ["exec", "--skip-git-repo-check", "-c", 'model_provider="cerevisor"',
                                   "-c", f"model_providers.cerevisor={provider}", "-c", 'model="gpt-5-codex"',
                                   "Name three colours."],
                         {"GW_KEY": "unused-client-key", "CODEX_HOME": str(tmp_path / ".codex")}, tmp_path)
-    opened = [e for e in gateway.events("SessionOpened") if e["harness"].startswith("codex")]
-    assert opened and opened[0]["api"] == "responses", (proc.stdout[-2000:], proc.stderr[-2000:])
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    opened = gateway.session("codex-1")  # named by its path label, not its own session id
+    assert opened["source"] == "path" and opened["harness"].startswith("codex") and opened["api"] == "responses"
+    assert_requests_apart(gateway, "codex-1")
 
 
 def test_opencode_through_the_gateway(gateway: Gateway, tmp_path: Path):
     config = {"$schema": "https://opencode.ai/config.json", "model": "cerevisor/qwen3-coder",
               "provider": {"cerevisor": {"npm": "@ai-sdk/openai-compatible", "name": "cerevisor gateway",
-                                         "options": {"baseURL": gateway.url}, "models": {"qwen3-coder": {}}}}}
+                                         "options": {"baseURL": gateway.url.replace("/v1", "/a/opencode-1/v1")},
+                                         "models": {"qwen3-coder": {}}}}}
     (tmp_path / "opencode.json").write_text(json.dumps(config))
     # named outright: run from pytest's temp dir, opencode read no opencode.json from its working directory
     proc = node_harness("opencode", ["run", "Name three colours."],
                         {"OPENCODE_CONFIG": str(tmp_path / "opencode.json")}, tmp_path)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    opened = [e for e in gateway.events("SessionOpened") if e["harness"].startswith("opencode")]
-    assert opened and opened[0]["api"] == "chat" and opened[0]["source"] == "x-session-id", \
-        [e["harness"] for e in gateway.events("SessionOpened")]
-    done = [e for e in gateway.events("TurnFinished") if e["agent"] == opened[0]["agent"]]
+    opened = gateway.session("opencode-1")  # its path label wins over the x-session-id it sends, kept beside it
+    assert opened["source"] == "path" and opened["harness"].startswith("opencode") and opened["api"] == "chat"
+    assert opened["own_id"].startswith("ses_"), opened
+    done = [e for e in gateway.events("TurnFinished") if e["agent"] == "opencode-1"]
     assert done and all(e["completion_tokens"] > 0 for e in done)  # its title request and its answer, one row
+    assert_requests_apart(gateway, "opencode-1")
 
 
 def test_aider_one_shot_through_the_gateway(gateway: Gateway, tmp_path: Path):
@@ -176,6 +208,7 @@ def test_aider_one_shot_through_the_gateway(gateway: Gateway, tmp_path: Path):
                           env={**os.environ, "HOME": str(tmp_path), "OPENAI_API_KEY": "unused-client-key",
                                "LITELLM_LOCAL_MODEL_COST_MAP": "True"})
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
-    assert gateway.session("aider-1")["source"] == "path"  # the path label named its row
+    opened = gateway.session("aider-1")
+    assert opened["source"] == "path" and opened["harness"] == "aider"  # its label named its row; its words, it
     done = [e for e in gateway.events("TurnFinished") if e["agent"] == "aider-1"]
     assert done and done[0]["completion_tokens"] > 0

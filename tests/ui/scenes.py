@@ -293,11 +293,13 @@ def gateway_config() -> Config:
 class GatewayDriver(Driver):
     """Plays the engine's and the gateway's part for a gateway's sessions (engine/sessions.py's events)."""
 
-    def open(self, name: str, t: float, harness: str, *, source: str = "X-Session-ID", api: str = "chat") -> None:
+    def open(self, name: str, t: float, harness: str, *, source: str = "X-Session-ID", api: str = "chat",
+             **shown: str) -> None:
         """The engine opens the session (its record, so commands find it) and tells it: SessionOpened carries the
-        engine's clock, which nothing on screen shows."""
+        engine's clock, which nothing on screen shows. `shown`: its title, topic and own id, as the gateway reads
+        them from its first request."""
         self.advance(t)
-        self.engine.sessions.open(name, source=source, harness=harness, api=api, endpoint="sim")
+        self.engine.sessions.open(name, source=source, harness=harness, api=api, endpoint="sim", **shown)
 
     def ask(self, name: str, t: float, *messages: tuple[str, str]) -> None:
         """The request's new messages, as its client sent them (before it is admitted)."""
@@ -392,7 +394,7 @@ def build_gateway(*, sessions: bool = True, long_names: bool = False, theme: str
         d.tokens(n["codex-7f3a"], 8, T0 + 5.0, T0 + 6.0)
         d.request_killed(n["codex-7f3a"], T0 + 9.0, killed)
 
-        d.open(n["aider"], T0 + 3, "aider 0.86.1", source="path")
+        d.open(n["aider"], T0 + 3, "aider", source="path")
         d.ask(n["aider"], T0 + 3, ("user", "Add type hints to utils.py"))
         d.send(n["aider"], T0 + 3, asked="sim-model")
         d.tokens(n["aider"], 20, T0 + 3.3, T0 + 4.0)
@@ -403,7 +405,8 @@ def build_gateway(*, sessions: bool = True, long_names: bool = False, theme: str
         d.send(n["claude-main"], T0 + 6)
         d.tokens(n["claude-main"], 50, T0 + 6.5, NOW - 0.1)
 
-        d.open(n["ses-9c1e"], T0 + 9.5, "openai-python 1.99.0", source="fingerprint")
+        d.open(n["ses-9c1e"], T0 + 9.5, "openai-python 1.99.0", source="fingerprint", title="openai-python 9c1e",
+               topic='"Summarise the diff." · in …/work/shop')
         d.ask(n["ses-9c1e"], T0 + 9.5, ("user", "Summarise the diff."))
         d.queued(n["ses-9c1e"], T0 + 9.5)
     if down:

@@ -219,7 +219,7 @@ def test_every_command_has_a_case_in_the_engine(tmp_path):
                cmd.Extend: cmd.Extend(agent="steady"), cmd.Retry: cmd.Retry(agent="steady"),
                cmd.Approve: cmd.Approve(agent="steady", call_id="c"), cmd.Deny: cmd.Deny(agent="steady", call_id="c"),
                cmd.SetStall: cmd.SetStall(endpoint="sim", policy=engine.policies["sim"]),
-               cmd.Probe: None, cmd.CancelProbe: cmd.CancelProbe(endpoint="sim"),
+               cmd.Probe: None, cmd.CancelProbe: cmd.CancelProbe(endpoint="sim"), cmd.Release: cmd.Release(agent="steady"),
                cmd.SetGateway: cmd.SetGateway(release_after_s=1, max_sessions_per_key=2, keepalive_s=1,
                                               down_after_s=1)}  # refused with "serves no gateway": a case, taken
     for cls in cmd.COMMAND_TYPES:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import anyio
 import pytest
 
 from cerevisor_tui.contract import commands as cmd
@@ -21,7 +22,7 @@ from cerevisor_tui.ui.widgets.agent_table import agent_row
 from cerevisor_tui.ui.widgets.run_header import session_counts
 from tests.conftest import until
 from tests.ui.conftest import engine_of
-from tests.ui.scenes import GATEWAY_NOTICE, GATEWAY_URL, NOW, T0, build_gateway
+from tests.ui.scenes import GATEWAY_NOTICE, GATEWAY_URL, NOW, T0, build, build_gateway
 
 
 def opened(name: str, harness: str = "claude-code 2.0.14") -> ev.SessionOpened:
@@ -126,7 +127,11 @@ def test_two_requests_in_flight_each_keep_their_tokens_and_clock():
     m(ev.TokenDelta(T0 + 4, "s1", 2, "side "))
     a = m.agents["s1"]
     assert a.in_flight[1].tokens == 2 and a.in_flight[2].tokens == 1 and a.tokens == 3
-    assert "2 requests in flight" in agent_row(a, (), "", T0 + 5).note
+    # one row: it describes its oldest request (the main turn: its clock, its mapping), the count shows the other
+    assert a.attempt is a.in_flight[1] and a.model_mapping == ""
+    m(ev.AgentStatus(T0 + 4, "s1", "streaming"))
+    row = agent_row(a, (), "", T0 + 5)
+    assert row.status == "streaming ×2" and row.turn == "req 1"
     m(ev.TurnFinished(T0 + 5, "s1", 2, 2, 0, 5, 1, "stop", 2.0, 3.0))  # the side request ends first
     assert a.attempt is a.in_flight[1] and a.attempt.last_alive == T0 + 3  # the main one runs on, its clock kept
     m(ev.TokenDelta(T0 + 6, "s1", 1, "end"))
@@ -171,8 +176,11 @@ async def test_sessions_on_screen_rows_header_and_the_selected_sessions_stream()
         assert main[8] == "claude-code 2.0.14 · claude-sonnet-4 → sim-model"
         codex = table.row_texts("codex-7f3a")
         assert codex[2:4] == ["idle", "req 1"] and codex[7] == "" and codex[8] == "request 1 killed: killed by operator"
-        assert table.row_texts("aider")[2] == "released" and table.row_texts("aider")[8] == "aider 0.86.1"
-        assert table.row_texts("ses-9c1e")[8] == "waiting for a slot 0:03 · openai-python 1.99.0"
+        assert table.row_texts("aider")[2] == "released" and table.row_texts("aider")[8] == "aider"
+        # a row named by a generated id (a fingerprint here) reads as its harness, a short id and what it is about
+        late = table.row_texts("ses-9c1e")
+        assert late[0] == "openai-python 9c1e"
+        assert late[8] == 'waiting for a slot 0:03 · "Summarise the diff." · in …/work/shop · openai-python 1.99.0'
 
         pane = app.screen.stream_pane
         assert pane.border_title == "2 stream · claude-main · claude-code 2.0.14"
@@ -260,7 +268,8 @@ async def test_keys_on_a_session_kill_its_request_extend_it_and_r_says_the_harne
         # e extends it (the engine's watchdog takes it); with nothing in flight, the console says so
         await pilot.press("down")  # codex-7f3a: idle, its request killed
         await pilot.press("k")
-        await until(lambda: any("codex-7f3a has no request in flight: nothing to kill" in m for m in notified(app)))
+        await until(lambda: any("codex-7f3a is idle: no request in flight to kill" in m and "l gives it back now" in m
+                                for m in notified(app)))
         assert not isinstance(app.screen, ConfirmScreen)
         await pilot.press("e")
         await until(lambda: any("codex-7f3a has no request in flight to extend" in m for m in notified(app)))
@@ -274,6 +283,49 @@ async def test_keys_on_a_session_kill_its_request_extend_it_and_r_says_the_harne
         await until(lambda: any("refused: Retry" in m for m in notified(app)))
         await pilot.press("home", "e")  # claude-main: its request in flight
         await until(lambda: any("refused: Extend" in m for m in notified(app)))
+
+
+def offers_release(app) -> bool:
+    """The main screen's keys now (what its footer draws) include l, Release."""
+    return any(b.binding.action == "release" for b in app.screen.active_bindings.values())
+
+
+@pytest.mark.anyio
+async def test_l_releases_an_idle_sessions_slot_after_asking_and_only_a_sessions_row_offers_it():
+    app = build_gateway()
+    engine = engine_of(app)
+    async with app.run_test(size=(140, 30)) as pilot:
+        await until(lambda: offers_release(app))  # a session's row: the footer names l
+        # l on a request in flight: its slot is its request's
+        await pilot.press("l")
+        await until(lambda: any("claude-main has 1 request(s) in flight: it gives its slot back once idle" in m
+                                for m in notified(app)))
+        assert not isinstance(app.screen, ConfirmScreen)
+        # l on the idle one: asks, then the run gives its slot back (its holder ends, as release_after_s would)
+        await pilot.press("down")
+        holder = engine.sessions.by_name["codex-7f3a"].holder = anyio.CancelScope()
+        await pilot.press("l")
+        await until(lambda: isinstance(app.screen, ConfirmScreen))
+        question = str(app.screen.query_one("#dialog-question").render())
+        assert "Give codex-7f3a's slot back now? The next session waiting runs" in question
+        await pilot.press("y")
+        await until(lambda: holder.cancel_called and any("codex-7f3a gave its slot back" in m for m in notified(app)))
+        # one that holds none says so, and asks nothing
+        await pilot.press("down")
+        await pilot.press("l")
+        await until(lambda: any("aider is released: it holds no slot" in m for m in notified(app)))
+        assert not isinstance(app.screen, ConfirmScreen)
+
+
+@pytest.mark.anyio
+async def test_a_workflow_runs_footer_has_no_release_key():
+    app = build("mid_run")
+    async with app.run_test(size=(140, 30)) as pilot:
+        await pilot.pause()
+        assert not offers_release(app) and any(b.binding.action == "kill" for b in app.screen.active_bindings.values())
+        await pilot.press("l")  # not a session: the key does nothing there
+        await pilot.pause()
+        assert not isinstance(app.screen, ConfirmScreen) and not notified(app)
 
 
 @pytest.mark.anyio

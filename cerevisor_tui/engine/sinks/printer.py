@@ -103,7 +103,9 @@ class Printer:
     @staticmethod
     def _line_SessionOpened(e: ev.SessionOpened) -> str:
         by = f" ({e.harness})" if e.harness else ""
-        return f"{e.agent}: session opened{by}, named by {e.source}, {e.api} API, on {e.endpoint}"
+        own = f" (its own id {e.own_id})" if e.own_id else ""
+        about = f": {e.topic}" if e.topic else ""
+        return f"{e.agent}: session opened{by}, named by {e.source}{own}, {e.api} API, on {e.endpoint}{about}"
 
     @staticmethod
     def _line_AgentStarted(e: ev.AgentStarted) -> str:

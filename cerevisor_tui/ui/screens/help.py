@@ -30,9 +30,13 @@ PANES = (
                  "needs approval (y answers). o sorts (wave order, nearest deadline, status, tokens/s), / "
                  "filters by name or status; the pane's corner says which. A gateway's sessions come after the "
                  "workflow's agents, gw in their wave column: req N is the request they are on, idle between "
-                 "requests (holding a slot), released once it is given back; the note names the harness and the "
-                 "model mapping. k ends a session's request in flight; the session goes on, and its harness, not "
-                 "the gateway, decides whether to retry."),
+                 "requests (holding a slot), released once it is given back. A path label (/a/NAME/v1) names its "
+                 "row; a harness's generated id reads as the harness and a short id. The note says what it is about "
+                 "(its first words, its working directory), the harness and the model mapping. A session with "
+                 "several requests in flight (a side request beside its main turn) shows streaming ×2: the row "
+                 "follows the oldest, the stream shows each. k ends a session's requests in flight; the session goes "
+                 "on, and its harness, not the gateway, decides whether to retry. l gives an idle session's slot "
+                 "back now (the next one waiting runs) instead of after [gateway] release_after_s."),
     ("2 stream", "The selected agent's conversation: your prompts, its answer as it streams (reasoning "
                  "dimmed), each tool call with its arguments and its result on a line (the corner: the call in "
                  "flight, its time and deadline). A session's: each request's new messages, then its answer; the "

@@ -42,7 +42,8 @@ class AgentsPane(Vertical):
 def session_subtitle(st: AgentView, now: float) -> str:
     """The stream pane's corner for a gateway session: its status and request, how long that request waited in
     the gateway's queue (not model silence: its stall clock starts when it is sent), and the model mapping."""
-    parts = [session_status(st.status), f"request {st.turn}" if st.turn else "no request yet"]
+    number = st.attempt.turn if st.attempt is not None else st.turn  # the request its row describes (its oldest)
+    parts = [session_status(st.status), f"request {number}" if number else "no request yet"]
     if st.status == "queued" and st.queued_at is not None:
         parts.append(f"next waiting for a slot {fmt_clock(now - st.queued_at)}")
     elif st.queued_s is not None:
@@ -109,7 +110,17 @@ class MainScreen(Screen):
         self.refresh_status()
         self.table.focus()
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """`l` (release) is a key of a gateway session's row only: shown in the footer while one is selected."""
+        if action == "release":
+            tables = self.query(AgentTable)
+            name = tables.first().selected_agent if tables else None
+            st = self.app.mirror.agents.get(name) if name is not None else None
+            return st is not None and st.session is not None
+        return True
+
     def on_agent_table_highlighted(self, event: AgentTable.Highlighted) -> None:
+        self.refresh_bindings()
         self.stream_pane.show(event.agent, self.app.mirror)
         self._update_stream_title()
         self._update_agents_subtitle()
@@ -229,7 +240,7 @@ class MainScreen(Screen):
             title, subtitle = "2 stream", ""
         else:
             st = self.app.mirror.agents.get(name)
-            title = f"2 stream · {name}"
+            title = f"2 stream · {st.label if st is not None else name}"
             subtitle = f"{status_label(st.status)} · turn {st.turn or '-'}/{st.turns}" if st else ""
             call = st.tool if st is not None and st.status == "tool" else None
             if st is not None and st.session is not None:
@@ -429,8 +440,12 @@ class MainScreen(Screen):
     def _kill_request(self, st: AgentView) -> None:
         """`k` on a gateway session ends its requests in flight; the session goes on (its harness decides)."""
         if st.attempt is None:
+            if st.status == "idle":
+                self.app.notice(f"{st.label} is idle: no request in flight to kill. It keeps its slot until "
+                            "[gateway] release_after_s passes; l gives it back now.", severity="warning")
+                return
             waiting = " (its next request waits for a slot)" if st.status == "queued" else ""
-            self.app.notice(f"{st.name} has no request in flight{waiting}: nothing to kill.", severity="warning")
+            self.app.notice(f"{st.label} has no request in flight{waiting}: nothing to kill.", severity="warning")
             return
         from cerevisor_tui.ui.screens.confirm import ConfirmScreen
 
@@ -446,6 +461,39 @@ class MainScreen(Screen):
         question = (f"End {st.name}'s {what}? Its harness gets an error and decides what follows; the session "
                     "goes on.")
         self.app.push_screen(ConfirmScreen("Kill request", question, yes="Kill", no="Keep"), answer)
+
+    def action_release(self) -> None:
+        """`l` on an idle gateway session: its slot is given back now (asked first), so the next one waiting runs."""
+        st = self._selected_state("release")
+        if st is None:
+            return
+        if st.session is None:
+            self.app.notice(f"{st.name} is a workflow agent: only a gateway session keeps a slot between its requests.",
+                        severity="warning")
+            return
+        if st.in_flight:
+            self.app.notice(f"{st.label} has {len(st.in_flight)} request(s) in flight: it gives its slot back once idle "
+                        "(k ends them).", severity="warning")
+            return
+        if st.status != "idle":
+            self.app.notice(f"{st.label} is {session_status(st.status)}: it holds no slot.", severity="warning")
+            return
+        from cerevisor_tui.ui.screens.confirm import ConfirmScreen
+
+        def released(done: cmd.AnswerValue) -> None:
+            if done is False:
+                self.app.notice(f"{st.label} holds no slot any more.", severity="warning")
+            else:
+                self.app.notice(f"{st.label} gave its slot back.", timeout=3)
+            self.refresh_status()
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self.app.command(cmd.Release(agent=st.name), released)
+
+        question = (f"Give {st.label}'s slot back now? The next session waiting runs; its own next request waits "
+                    "for a slot again.")
+        self.app.push_screen(ConfirmScreen("Release session", question, yes="Release", no="Keep"), answer)
 
     def action_extend(self) -> None:
         st = self._selected_state("extend")

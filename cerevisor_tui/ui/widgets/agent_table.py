@@ -161,8 +161,9 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         note = f"{note} · {quiet}" if note else quiet
     if st.turns:
         turn = f"{st.turn}/{st.turns}" if st.turn else f"-/{st.turns}"
-    else:  # a gateway session: no number of turns, the request it is on
-        turn = f"req {st.turn}" if st.turn else "req -"
+    else:  # a gateway session: no number of turns, the request it is on (with several in flight, its oldest)
+        number = st.attempt.turn if st.attempt is not None else st.turn
+        turn = f"req {number}" if number else "req -"
     rate = live_rate(st, now) if status in ACTIVE or status == "completed" else st.output_tokens_per_s
     label = "tool" if call is not None else session_status(status) if st.session is not None else status_label(status)
     att = st.attempt
@@ -170,8 +171,10 @@ def agent_row(st: AgentView, warn_at: tuple[float, ...], note: str, now: float,
         label = prefill_status(att.prefill, now)
     elif status == "queued" and queue_position is not None:
         label = f"queued #{queue_position}"
+    if len(st.in_flight) > 1:  # a session's side requests beside the one its row describes (its oldest)
+        label += f" ×{len(st.in_flight)}"
     return AgentRow(
-        agent=st.name, wave=SESSION_WAVE if st.session is not None else str(st.wave + 1), status=label, turn=turn,
+        agent=st.label, wave=SESSION_WAVE if st.session is not None else str(st.wave + 1), status=label, turn=turn,
         ttft=fmt_seconds(st.ttft_s), rate=fmt_rate(rate), tokens=fmt_count(st.tokens) if st.tokens else "-",
         stall=clock.label if clock else "", note=note, status_role=role, level=level,
         tool=(call.tool, now - call.t) if call is not None else None, note_role=note_role,
@@ -192,18 +195,20 @@ def session_note(st: AgentView, note: str, now: float) -> tuple[str, str]:
         role = "error"
     elif note:
         parts.append(note)
-    if len(st.in_flight) > 1:
-        parts.append(f"{len(st.in_flight)} requests in flight")
     return " · ".join(parts), role
 
 
 def session_identity(st: AgentView, note: str, meters: str) -> str:
-    """What a session's row notes while nothing else is noted: the run's note of it, else its harness and the
-    model mapping with its meters ("claude-code 2.0.14 · claude-sonnet-4 → qwen3-coder · cache 82% · ctx 9%")."""
+    """What a session's row notes while nothing else is noted: the run's note of it, else what it is about, the
+    harness's own session id where a path label named the row, its harness and the model mapping with its meters
+    ('"fix the login bug" · in …/shop/api · claude-code 2.0.14 · claude-sonnet-4 → qwen3-coder · cache 82%')."""
     if note:
         return note
     session = st.session
-    parts = [session.harness if session is not None and session.harness else "", st.model_mapping, meters]
+    if session is None:
+        return meters
+    parts = [session.topic, f"session {session.own_id}" if session.own_id else "", session.harness,
+             st.model_mapping, meters]
     return " · ".join(p for p in parts if p)
 
 
@@ -247,10 +252,11 @@ def sort_key(sort: Sort, st: AgentView, warn_at: tuple[float, ...], now: float, 
 
 
 def matches(text: str, st: AgentView) -> bool:
-    """The filter: `text` (lower case) is part of the agent's name, or of its status as shown or as the engine
-    names it ("fail", "stall", "approval")."""
-    return (text in st.name.lower() or text in status_label(st.status).lower()
-            or text in st.status)
+    """The filter: `text` (lower case) is part of the agent's name (a session's title or topic too), or of its
+    status as shown or as the engine names it ("fail", "stall", "approval")."""
+    session = st.session
+    return (text in st.name.lower() or text in status_label(st.status).lower() or text in st.status
+            or (session is not None and (text in session.title.lower() or text in session.topic.lower())))
 
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]+")
@@ -377,7 +383,7 @@ class AgentTable(ScrollView, can_focus=True):
         self._index = {name: i for i, name in enumerate(self.names)}
         self._rows = {}
         self._strips = {}
-        self._name_width = min(max([5, *(cell_len(name) for name in self.names)]), 24)
+        self._name_width = min(max([5, *(cell_len(mirror.agents[name].label) for name in self.names)]), 24)
         self.cursor_row = 0
         self._layout()
         self.scroll_to(0, 0, animate=False, immediate=True)
