@@ -17,6 +17,30 @@ import pytest
 
 T = TypeVar("T")
 
+SLOW_TEST_S = 5.0
+"""A test of the fast suite takes less than this (setup, call and teardown together), unless it is marked
+`end_to_end`: those few drive real processes (a detached run, tmux, a SIGKILL and a resume) on purpose. The
+others are listed at the end of a run; a machine's load decides wall-clock times, so the list is a report,
+never a failure."""
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """List the tests over SLOW_TEST_S that are not marked `end_to_end`, slowest first (with xdist too: the
+    workers' reports carry their durations and keywords)."""
+    took: dict[str, float] = {}
+    named: set[str] = set()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                took[report.nodeid] = took.get(report.nodeid, 0.0) + report.duration
+                if "end_to_end" in report.keywords:
+                    named.add(report.nodeid)
+    slow = sorted(((s, node) for node, s in took.items() if s > SLOW_TEST_S and node not in named), reverse=True)
+    if slow:
+        terminalreporter.write_sep("-", f"{len(slow)} tests over {SLOW_TEST_S:g} s not marked end_to_end")
+        for seconds, node in slow:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {node}")
+
 
 @pytest.fixture
 def anyio_backend() -> str:
