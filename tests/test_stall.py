@@ -12,7 +12,7 @@ from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
-from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk
+from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk, until
 
 DONE = sse_chunk("", finish="stop") + sse_chunk(usage={"prompt_tokens": 1, "completion_tokens": 2}) + b"data: [DONE]\n\n"
 
@@ -176,7 +176,7 @@ async def test_a_kill_closes_the_connection_on_the_server_side(stream_process):
         engine = engine_for(srv.base_url, stream_process, idle_timeout_s=0.6)
         seen = recorder(engine)
         assert await engine.run() == 1
-        await anyio.sleep(0.2)
+        await until(lambda: closed_at and srv.open_connections == 0, "the server to see the connection closed")
         killed = next(e for e in seen if e.kind == "AgentKilled")
         assert closed_at and closed_at[0] - killed.t < 1.0
         assert srv.open_connections == 0
