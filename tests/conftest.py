@@ -129,11 +129,12 @@ def wait_until(condition: Callable[[], T], what: str | Callable[[], str] = "", t
         return done.value
 
 
-@pytest.fixture
-def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Retries after a fiftieth of the engine's backoff (0.01 s, 0.02 s, 0.04 s ... instead of 0.5 s, 1 s, 2 s ...,
-    each times 0.5 to 1.5): for tests of whether, how often and why an agent is retried, not of how long it
-    waits in between."""
+@pytest.fixture(autouse=True)
+def _quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test's own engines retry after a fiftieth of the engine's backoff (0.01 s, 0.02 s, 0.04 s ... instead of
+    0.5 s, 1 s, 2 s ..., each times 0.5 to 1.5): the tests ask whether, how often and why an agent is retried, not
+    how long it waits in between (agents retry twice by default, so every failure in a test waited ~1.5 s). A
+    server's retry-after is still honoured in full; commands a test starts as processes back off as a user's do."""
     from cerevisor_tui.engine import conversation
 
     monkeypatch.setattr(conversation, "BACKOFF_BASE_S", conversation.BACKOFF_BASE_S / 50)

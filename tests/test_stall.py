@@ -183,7 +183,7 @@ async def test_a_kill_closes_the_connection_on_the_server_side(stream_process):
 
 
 @pytest.mark.anyio
-async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry(stream_process, quick_backoff):
+async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry(stream_process):
     async with RawServer(keepalives_after_tokens(5.0)) as srv:
         engine = engine_for(srv.base_url, stream_process, retries=3, idle_timeout_s=1.0)
         seen = recorder(engine)
