@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import socket
 import ssl as ssl_module
+import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator
@@ -144,6 +145,21 @@ def _quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
 def stream_process(request: pytest.FixtureRequest) -> bool:
     """Run the test both ways: the engine reading its streams itself, and through its stream worker process."""
     return request.param
+
+
+def cli_here(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """The command line's own entry (`cerevisor_tui.cli.main`) run in this process, answered as `subprocess.run`
+    would: for a command that ends before it starts anything (a refusal, `--help`), without an interpreter's
+    start and imports (~0.5 s on a quiet machine, several seconds on a loaded one). What starts processes, runs
+    or outlives a signal stays a subprocess."""
+    from cerevisor_tui.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exit:  # argparse's refusal of the command line itself
+        code = int(exit.code or 0)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(argv), code, out, err)
 
 
 def free_port() -> int:

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cerevisor_tui.cli import main as cli_main
 from cerevisor_tui.config.secrets import MASK, MIN_SECRET_CHARS, Scrubber, key_problem
+from tests.conftest import cli_here
 from tests.secret_echo import BEHAVIOURS, OUTCOMES, EchoServer, leaks, outputs, workflow
 
 KEY_ENV = "CEREVISOR_CANARY"
@@ -91,15 +91,11 @@ def test_a_key_that_cannot_go_in_a_header_is_refused_by_run_console_and_probe(tm
              "leading space": " " + key}[how]
     monkeypatch.setenv(KEY_ENV, value)
 
-    def here(*argv: str) -> subprocess.CompletedProcess[str]:  # refused before anything starts: in this process
-        code = cli_main(list(argv))
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(argv, code, out, err)
-
-    with EchoServer() as srv:
+    with EchoServer() as srv:  # refused before anything starts: in this process
         cfg = workflow(tmp_path / "w.toml", srv.base_url, behaviours=("clean",))
-        runs = [here("run", str(cfg), "--run-dir", str(tmp_path / "run")), here("--config", str(cfg)),
-                here("probe", srv.base_url, "--api-key-env", KEY_ENV, "--max-seconds", "5")]
+        runs = [cli_here(capsys, "run", str(cfg), "--run-dir", str(tmp_path / "run")),
+                cli_here(capsys, "--config", str(cfg)),
+                cli_here(capsys, "probe", srv.base_url, "--api-key-env", KEY_ENV, "--max-seconds", "5")]
         assert srv.seen == []  # nothing was sent
     for proc in runs:
         assert proc.returncode == 2, proc.stderr
