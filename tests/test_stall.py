@@ -80,7 +80,7 @@ async def test_with_byte_liveness_keepalives_keep_the_stream_alive(stream_proces
 async def test_a_slow_but_alive_stream_is_never_killed(stream_process):
     async def slow(reader, writer):
         writer.write(http_head(200, "text/event-stream"))
-        for i in range(5):
+        for i in range(3):  # 3 s in all, past either deadline: only each token's sign of life keeps it
             await asyncio.sleep(1.0)  # half the idle (and first-byte) deadline
             writer.write(chunk(sse_chunk(f"t{i} ")))
             await writer.drain()
@@ -93,7 +93,7 @@ async def test_a_slow_but_alive_stream_is_never_killed(stream_process):
         seen = recorder(engine)
         assert await engine.run() == 0
     assert not [e for e in seen if e.kind == "AgentKilled"]
-    assert engine.agents["a1"].output == "t0 t1 t2 t3 t4 "
+    assert engine.agents["a1"].output == "t0 t1 t2 "
     # only the first warning fraction (0.5) can pass between tokens half the deadline apart
     assert {e.fraction for e in seen if e.kind == "StallWarning"} <= {0.5}
 
