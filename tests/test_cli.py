@@ -140,11 +140,11 @@ BAD_CONFIGS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
-def test_config_errors_exit_2_with_one_clear_line(tmp_path, case):
+def test_config_errors_exit_2_with_one_clear_line(tmp_path, capsys, case):
     text, expected = BAD_CONFIGS[case]
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    proc = cli("run", str(path))
+    proc = cli_here(capsys, "run", str(path))
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert str(path) in proc.stderr and expected in proc.stderr, proc.stderr

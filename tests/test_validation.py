@@ -127,10 +127,10 @@ def test_usual_agent_names_are_fine(name):
     validate({"endpoints": [{"name": "e", "base_url": "http://127.0.0.1:1/v1"}], "agents": [{"name": name, "prompt": "p"}]})
 
 
-def test_a_bad_agent_name_through_the_cli(tmp_path):
+def test_a_bad_agent_name_through_the_cli(tmp_path, capsys):
     cfg = tmp_path / "w.toml"
     cfg.write_text(_agent_toml("../../etc/x"))
-    assert "path separators" in one_line_exit_2(cli("run", str(cfg)))
+    assert "path separators" in one_line_exit_2(cli_main(["run", str(cfg)]), capsys.readouterr().err)
 
 
 # ---- URLs and ports ----------------------------------------------------------------------------------
