@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import socket
 import ssl as ssl_module
+import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator
@@ -16,6 +17,30 @@ from typing import TypeVar
 import pytest
 
 T = TypeVar("T")
+
+SLOW_TEST_S = 5.0
+"""A test of the fast suite takes less than this (setup, call and teardown together), unless it is marked
+`end_to_end`: those few drive real processes (a detached run, tmux, a SIGKILL and a resume) on purpose. The
+others are listed at the end of a run; a machine's load decides wall-clock times, so the list is a report,
+never a failure."""
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """List the tests over SLOW_TEST_S that are not marked `end_to_end`, slowest first (with xdist too: the
+    workers' reports carry their durations and keywords)."""
+    took: dict[str, float] = {}
+    named: set[str] = set()
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                took[report.nodeid] = took.get(report.nodeid, 0.0) + report.duration
+                if "end_to_end" in report.keywords:
+                    named.add(report.nodeid)
+    slow = sorted(((s, node) for node, s in took.items() if s > SLOW_TEST_S and node not in named), reverse=True)
+    if slow:
+        terminalreporter.write_sep("-", f"{len(slow)} tests over {SLOW_TEST_S:g} s not marked end_to_end")
+        for seconds, node in slow:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {node}")
 
 
 @pytest.fixture
@@ -105,11 +130,12 @@ def wait_until(condition: Callable[[], T], what: str | Callable[[], str] = "", t
         return done.value
 
 
-@pytest.fixture
-def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Retries after a fiftieth of the engine's backoff (0.01 s, 0.02 s, 0.04 s ... instead of 0.5 s, 1 s, 2 s ...,
-    each times 0.5 to 1.5): for tests of whether, how often and why an agent is retried, not of how long it
-    waits in between."""
+@pytest.fixture(autouse=True)
+def _quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test's own engines retry after a fiftieth of the engine's backoff (0.01 s, 0.02 s, 0.04 s ... instead of
+    0.5 s, 1 s, 2 s ..., each times 0.5 to 1.5): the tests ask whether, how often and why an agent is retried, not
+    how long it waits in between (agents retry twice by default, so every failure in a test waited ~1.5 s). A
+    server's retry-after is still honoured in full; commands a test starts as processes back off as a user's do."""
     from cerevisor_tui.engine import conversation
 
     monkeypatch.setattr(conversation, "BACKOFF_BASE_S", conversation.BACKOFF_BASE_S / 50)
@@ -119,6 +145,21 @@ def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
 def stream_process(request: pytest.FixtureRequest) -> bool:
     """Run the test both ways: the engine reading its streams itself, and through its stream worker process."""
     return request.param
+
+
+def cli_here(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.CompletedProcess[str]:
+    """The command line's own entry (`cerevisor_tui.cli.main`) run in this process, answered as `subprocess.run`
+    would: for a command that ends before it starts anything (a refusal, `--help`), without an interpreter's
+    start and imports (~0.5 s on a quiet machine, several seconds on a loaded one). What starts processes, runs
+    or outlives a signal stays a subprocess."""
+    from cerevisor_tui.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as exit:  # argparse's refusal of the command line itself
+        code = int(exit.code or 0)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(argv), code, out, err)
 
 
 def free_port() -> int:

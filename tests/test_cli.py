@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import free_port, wait_until
+from tests.conftest import cli_here, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config.example.toml"
@@ -140,23 +140,23 @@ BAD_CONFIGS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
-def test_config_errors_exit_2_with_one_clear_line(tmp_path, case):
+def test_config_errors_exit_2_with_one_clear_line(tmp_path, capsys, case):
     text, expected = BAD_CONFIGS[case]
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    proc = cli("run", str(path))
+    proc = cli_here(capsys, "run", str(path))
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert str(path) in proc.stderr and expected in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_missing_file_and_bad_flags_exit_2(tmp_path):
-    proc = cli("run", str(tmp_path / "nope.toml"))
+def test_missing_file_and_bad_flags_exit_2(tmp_path, capsys):
+    proc = cli_here(capsys, "run", str(tmp_path / "nope.toml"))
     assert proc.returncode == 2 and "file not found" in proc.stderr and "Traceback" not in proc.stderr
-    proc = cli("run", str(EXAMPLE), "--concurrency", "0")
+    proc = cli_here(capsys, "run", str(EXAMPLE), "--concurrency", "0")
     assert proc.returncode == 2 and "max_concurrency" in proc.stderr and "Traceback" not in proc.stderr
-    proc = cli("run")
+    proc = cli_here(capsys, "run")
     assert proc.returncode == 2 and "see cerevisor-tui run --help" in proc.stderr
 
 

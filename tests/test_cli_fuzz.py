@@ -181,7 +181,7 @@ def _check(code: int, out: str, err: str, key: str, *paths: Path) -> None:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data(), key=key_values)
-def test_run_answers_0_1_or_2_and_never_shows_a_key(echo, tmp_path, capsys, quick_backoff, data, key):
+def test_run_answers_0_1_or_2_and_never_shows_a_key(echo, tmp_path, capsys, data, key):
     doc = _bounded(_with_mistake(data.draw(_document(echo.base_url), label="config"), data))
     flags = data.draw(_run_flags(echo.base_url), label="flags")
     n = next(_runs)

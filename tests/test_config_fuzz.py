@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import tomli_w
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cerevisor_tui.config import ConfigError, load_config
+from tests.conftest import cli_here
 
 KEYS = ["run", "stall", "ui", "endpoints", "agents", "mode", "max_concurrency", "name", "base_url", "kind",
         "prompt", "depends_on", "turns", "idle_timeout_s", "warn_at", "liveness", "sim", "keys", "theme", "bogus"]
@@ -73,9 +71,9 @@ def test_loader_raises_only_config_errors_on_arbitrary_bytes(tmp_path, raw):
         assert str(path) in str(exc)
 
 
-def test_cli_answers_a_generated_bad_document_with_one_line(tmp_path):
+def test_cli_answers_a_generated_bad_document_with_one_line(tmp_path, capsys):
     path = tmp_path / "c.toml"
     path.write_text(tomli_w.dumps({"run": {"max_concurrency": [1, 2]}, "agents": [{"name": "a"}]}))
-    proc = subprocess.run([sys.executable, "-m", "cerevisor_tui", "run", str(path)], capture_output=True, text=True, timeout=30)
+    proc = cli_here(capsys, "run", str(path))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
     assert "run.max_concurrency" in proc.stderr

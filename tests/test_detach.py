@@ -13,6 +13,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 from cerevisor_tui.supervisor.protocol import read_supervisor
 from tests.conftest import wait_until
 
@@ -50,6 +52,7 @@ def started(proc: subprocess.CompletedProcess) -> tuple[str, Path]:
     return run_id, run_dir
 
 
+@pytest.mark.end_to_end  # a real detached run, attached, stopped or killed and resumed
 def test_a_detached_run_goes_on_alone_and_stop_ends_it_with_its_report(tmp_path: Path):
     wf = workflow(tmp_path, agents=6, tokens_per_s=10, max_tokens=200)
     t0 = time.monotonic()
@@ -84,6 +87,7 @@ def test_a_detached_run_goes_on_alone_and_stop_ends_it_with_its_report(tmp_path:
     assert newest.returncode == 1 and f"no live run to stop under {tmp_path / 'runs'}" in newest.stderr
 
 
+@pytest.mark.end_to_end  # a real detached run, attached, stopped or killed and resumed
 def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path):
     wf = workflow(tmp_path, agents=3, tokens_per_s=40, max_tokens=40)
     run_id, run_dir = started(cli("run", str(wf), "--detach", "--mode", "sequential"))

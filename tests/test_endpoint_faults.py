@@ -98,7 +98,7 @@ async def test_fault_is_a_clear_per_agent_error(fault, stream_process):
 
 
 @pytest.mark.anyio
-async def test_retryable_faults_are_retried_and_others_are_not(stream_process, quick_backoff):
+async def test_retryable_faults_are_retried_and_others_are_not(stream_process):
     async with RawServer(respond(500, "text/plain", b"oops")) as s500, RawServer(respond(401, "text/plain", b"no")) as s401:
         engine = Engine(config_for(s500.base_url, s401.base_url, retries=2), stream_process=stream_process)
         engine.config.agents[1].retries = 2

@@ -15,7 +15,7 @@ from cerevisor_tui.config.paths import CONFIG_ENV, find_config
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
-from tests.conftest import RawServer, chunk, http_head
+from tests.conftest import RawServer, chunk, http_head, until
 
 
 def data(obj) -> bytes:
@@ -32,11 +32,12 @@ def one_agent(url: str, **stall) -> Engine:
                             "agents": [{"name": "a", "prompt": "p", "retries": 1}]}))
 
 
-async def run_one(handler) -> tuple[Engine, list]:
-    """One agent against a raw server that answers with `handler`: the engine and every event; the run completes."""
+async def run_one(handler, seen: list | None = None) -> tuple[Engine, list]:
+    """One agent against a raw server that answers with `handler`: the engine and every event (into `seen`, which
+    the handler may watch); the run completes."""
     async with RawServer(handler) as srv:
         engine = one_agent(srv.base_url)
-        seen: list = []
+        seen = [] if seen is None else seen
         engine.subscribe(seen.append)
         assert await engine.run() == 0
     return engine, seen
@@ -82,12 +83,14 @@ async def test_the_chunks_of_one_read_become_one_event_per_run_of_a_field():
                  delta(content="d")]
         writer.write(chunk(b"".join(first)))
         await writer.drain()
-        await anyio.sleep(0.2)  # the next write is another read
+        await until(lambda: any(e.kind == "TokenDelta" and e.text == "d" for e in seen),
+                    "the client to read the first write")  # so that the next write is another read
         finish = data({"choices": [{"index": 0, "delta": {"content": "f"}, "finish_reason": "stop"}]})
         writer.write(chunk(delta(content="e") + finish + usage(7) + b"data: [DONE]\n\n") + chunk(b""))
         await writer.drain()
 
-    engine, seen = await run_one(packer)
+    seen: list = []
+    engine, seen = await run_one(packer, seen)
     deltas = [(e.text, e.reasoning, e.tokens) for e in seen if e.kind == "TokenDelta"]
     assert deltas == [("abc", "", 3), ("", "r", 1), ("d", "", 1), ("ef", "", 2)]
     assert engine.agents["a"].output == "abcdef" and engine.agents["a"].tokens == 7  # every chunk, reasoning too

@@ -14,7 +14,7 @@ import pytest
 from cerevisor_tui.config import validate
 from cerevisor_tui.endpoints.client import build_client, list_models
 from cerevisor_tui.engine.engine import Engine
-from tests.conftest import RawServer, chunk, http_head, read_request, sse_chunk
+from tests.conftest import RawServer, chunk, http_head, read_request, sse_chunk, until
 
 DONE = sse_chunk("", finish="stop") + b"data: [DONE]\n\n"
 
@@ -92,6 +92,7 @@ async def test_an_idle_connection_the_server_closed_is_not_reused():
     """A whole answer (content-length) leaves its connection idle in the pool; the server then closes it.
     The next request must open a new connection, not fail on the dead one."""
     connections: list[int] = []
+    closed: list[int] = []
 
     async def serve(reader, writer):
         connections.append(1)
@@ -101,6 +102,8 @@ async def test_an_idle_connection_the_server_closed_is_not_reused():
         await writer.drain()
         await asyncio.sleep(0.05)
         writer.close()  # after the answer, without a "connection: close"
+        await writer.wait_closed()
+        closed.append(1)
 
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1"
@@ -108,7 +111,7 @@ async def test_an_idle_connection_the_server_closed_is_not_reused():
         async with build_client(4) as client:
             for _ in range(3):
                 assert [m["id"] for m in await list_models(client, "box", url)] == ["m"]
-                await asyncio.sleep(0.2)  # the server has closed it by now
+                await until(lambda: len(closed) == len(connections), "the server to close the idle connection")
     finally:
         server.close()
     assert len(connections) == 3

@@ -5,14 +5,12 @@ its streams itself or through its stream worker."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from cerevisor_tui.config import validate
 from cerevisor_tui.engine.engine import Engine
-from tests.conftest import RawServer, chunk, http_head
+from tests.conftest import RawServer, chunk, cli_here, http_head
 
 
 def event(obj: dict) -> bytes:
@@ -21,13 +19,12 @@ def event(obj: dict) -> bytes:
 
 @pytest.mark.parametrize("key", ["n", "best_of"])
 @pytest.mark.parametrize("where", ["endpoints", "agents"])
-def test_a_config_asking_for_several_answers_is_refused_in_one_line(tmp_path, key, where):
+def test_a_config_asking_for_several_answers_is_refused_in_one_line(tmp_path, capsys, key, where):
     path = tmp_path / "run.toml"
     extra = f"extra_body = {{ {key} = 3 }}\n"
     path.write_text('[[endpoints]]\nname = "e"\nkind = "simulated"\n' + (extra if where == "endpoints" else "")
                     + '[[agents]]\nname = "a"\nprompt = "p"\n' + (extra if where == "agents" else ""))
-    proc = subprocess.run([sys.executable, "-m", "cerevisor_tui", "run", str(path)], capture_output=True, text=True,
-                          timeout=120)
+    proc = cli_here(capsys, "run", str(path))
     assert proc.returncode == 2
     assert f"{key}: asks the server for several answers per request" in proc.stderr
     assert "Traceback" not in proc.stderr

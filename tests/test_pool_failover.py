@@ -36,7 +36,7 @@ async def test_an_agent_whose_member_fails_its_requests_moves_to_one_with_room(s
 
 
 @pytest.mark.anyio
-async def test_with_no_other_member_to_go_to_the_agent_retries_where_it_is(quick_backoff):
+async def test_with_no_other_member_to_go_to_the_agent_retries_where_it_is():
     failing = SimSettings(tokens_per_s=2000, ttft_s=0.0, fail_first=1, fail_status=500)
     async with SimServer(failing) as flaky:
         config = fleet({"flaky": flaky.base_url, "down": f"http://127.0.0.1:{free_port()}/v1"}, 1, turns=1)

@@ -18,7 +18,7 @@ from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import start_in_thread
-from tests.conftest import RawServer, chunk, http_head, sse_chunk, wait_until
+from tests.conftest import RawServer, chunk, cli_here, http_head, sse_chunk, wait_until
 
 
 def workflow(path: Path, url: str, *, agents: int = 6, max_tokens: int = 30, extra_ep: str = "", deps: bool = True,
@@ -182,13 +182,13 @@ def test_recorded_turns_are_the_latest_unbroken_chain_of_answered_turns():
     assert recorded_turns([msg(2, "user", "u2"), done(2), msg(2, "assistant", "x")]) == {}  # no turn 1: nothing
 
 
-def test_an_unusable_run_directory_is_an_error_before_any_request(tmp_path):
+def test_an_unusable_run_directory_is_an_error_before_any_request(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with start_in_thread(SimSettings()) as sim:
         cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=1)
-        proc = start_run(str(cfg), "--run-dir", str(blocker / "run"))
-        out, err = proc.communicate(timeout=30)
+        proc = cli_here(capsys, "run", str(cfg), "--run-dir", str(blocker / "run"))
+        err = proc.stderr
         assert proc.returncode == 2
         assert "run directory" in err and "not usable" in err and "Traceback" not in err
         assert sim.state.requests_total == 0

@@ -18,6 +18,7 @@ from cerevisor_tui.replay.generate import generate
 from cerevisor_tui.replay.run import BLOCK_CHARS, ReplaySettings, Slo, block_text, prompt_text, replay
 from cerevisor_tui.replay.trace import TraceTurn, whole_prompts, write_trace
 from cerevisor_tui.sim import SimServer
+from tests.conftest import cli_here
 
 SPEED = 50.0
 
@@ -153,11 +154,10 @@ def test_the_command_prints_one_json_report(tmp_path):
     assert {key: value for key, value in written.items() if key != "per_session"} == report
 
 
-def test_an_unwritable_report_is_refused_before_the_replay(tmp_path):
+def test_an_unwritable_report_is_refused_before_the_replay(tmp_path, capsys):
     path = tmp_path / "tiered.jsonl"
     write_trace(generate("tiered-offload", sessions=1, seed=1), path)
-    done = subprocess.run([sys.executable, "-m", "cerevisor_tui", "replay", "run", str(path), "--report",
-                           str(tmp_path / "no" / "r.json")], capture_output=True, text=True, timeout=120)
+    done = cli_here(capsys, "replay", "run", str(path), "--report", str(tmp_path / "no" / "r.json"))
     assert done.returncode == 2 and "--report: cannot write" in done.stderr and not done.stdout
 
 

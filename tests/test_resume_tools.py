@@ -334,7 +334,7 @@ def test_a_resumed_run_never_sends_an_x_request_id_an_earlier_run_sent(tmp_path)
 
 
 def test_a_cut_off_call_run_to_its_end_by_a_resume_is_reused_by_the_next_resume(tmp_path):
-    notes, run_dir = tmp_path / "notes.txt", tmp_path / "run"
+    notes, run_dir, ends = tmp_path / "notes.txt", tmp_path / "run", tmp_path / "slow_note_may_end"
     hold = threading.Event()
     hold.set()
 
@@ -342,8 +342,9 @@ def test_a_cut_off_call_run_to_its_end_by_a_resume_is_reused_by_the_next_resume(
         done = tool_results(body)
         if not done:
             return {"name": "fake__note", "arguments": {"path": str(notes), "text": "a"}}
-        if len(done) == 1:
-            return {"name": "fake__slow_note", "arguments": {"path": str(notes), "text": "b", "seconds": 8}}
+        if len(done) == 1:  # it sleeps until `ends` exists: through the crash, then not in the resume
+            return {"name": "fake__slow_note", "arguments": {"path": str(notes), "text": "b", "seconds": 600,
+                                                             "until": str(ends)}}
         return None if hold.is_set() else "done"
 
     with scripted(script) as server:
@@ -353,6 +354,7 @@ def test_a_cut_off_call_run_to_its_end_by_a_resume_is_reused_by_the_next_resume(
                      lambda rs: any(r["event"] == "ToolCallStarted" and r["tool"] == "slow_note" for r in rs)
                      and notes.read_text().count("b") == 1)
         # resumed with --approve-all: `a` is reused, `b` runs again to its end; killed waiting for the answer
+        ends.touch()
         killed_after(cerevisor(str(cfg), "--resume", str(run_dir), "--approve-all"), run_dir,
                      lambda rs: sum(r["event"] == "ToolCallFinished" and r["tool"] == "slow_note"
                                     and r["outcome"] == "ok" for r in rs) == 1)

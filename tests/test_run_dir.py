@@ -16,7 +16,7 @@ import pytest
 
 from cerevisor_tui.config import SimSettings
 from cerevisor_tui.sim import start_in_thread
-from tests.conftest import wait_until
+from tests.conftest import cli_here, wait_until
 from tests.test_reliability import start_run, workflow
 
 FAST = SimSettings(tokens_per_s=400, ttft_s=0.01)
@@ -70,11 +70,11 @@ def test_a_run_directory_in_use_or_holding_a_run_is_refused_and_a_killed_run_res
     assert len({e["run_id"] for e in journal(run_dir) if e["event"] == "RunStarted"}) == 1  # one run in it
 
 
-def test_resume_names_a_run_or_is_an_error(tmp_path):
+def test_resume_names_a_run_or_is_an_error(tmp_path, capsys):
     cfg = workflow(tmp_path / "w.toml", "http://127.0.0.1:9/v1", agents=1)
     for value in ("", "  ", str(tmp_path / "nothing-here")):
-        proc = start_run(str(cfg), "--resume", value)
-        line = one_line(finish(proc)[1])
+        proc = cli_here(capsys, "run", str(cfg), "--resume", value)
+        line = one_line(proc.stderr)
         assert proc.returncode == 2 and line.startswith("cerevisor-tui run: --resume: ")
 
 
@@ -183,14 +183,14 @@ def test_resume_reruns_what_changed_and_everything_downstream_and_says_why(tmp_p
 
 
 # ---- disk errors -------------------------------------------------------------------------------------------
-def test_an_unwritable_report_path_is_an_error_before_any_request(tmp_path):
+def test_an_unwritable_report_path_is_an_error_before_any_request(tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with start_in_thread(FAST) as sim:
         cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=1)
         for i, report in enumerate((blocker / "r.json", tmp_path)):
-            proc = start_run(str(cfg), "--run-dir", str(tmp_path / f"run{i}"), "--report", str(report))
-            line = one_line(finish(proc)[1])
+            proc = cli_here(capsys, "run", str(cfg), "--run-dir", str(tmp_path / f"run{i}"), "--report", str(report))
+            line = one_line(proc.stderr)
             assert proc.returncode == 2 and f"report path {report} " in line
         assert sim.state.requests_total == 0
 

@@ -9,6 +9,7 @@ from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
+from tests.conftest import until
 
 FAST = SimSettings(tokens_per_s=60, ttft_s=0.05, max_num_seqs=64)
 
@@ -55,19 +56,15 @@ async def test_endpoint_max_concurrency_caps_parallel():
 async def test_switching_to_parallel_admits_the_waiting_agents_at_once():
     async with SimServer(FAST) as srv:
         engine = make(srv.base_url, 6, mode="sequential", cap=4, max_tokens=60)
-        running_after_switch: list[int] = []
 
         async def switch():
-            while srv.state.running < 1:
-                await anyio.sleep(0.02)
+            await until(lambda: srv.state.running == 1, "the first agent to run")
             engine.handle(cmd.SetMode(mode="parallel"))
-            await anyio.sleep(0.4)
-            running_after_switch.append(srv.state.running)
+            await until(lambda: srv.state.running == 4, "the waiting agents to be admitted")
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(switch)
             assert await engine.run() == 0
-        assert running_after_switch == [4]
         assert srv.state.max_running_seen == 4
 
 

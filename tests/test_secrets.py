@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cerevisor_tui.config.secrets import MASK, MIN_SECRET_CHARS, Scrubber, key_problem
+from tests.conftest import cli_here
 from tests.secret_echo import BEHAVIOURS, OUTCOMES, EchoServer, leaks, outputs, workflow
 
 KEY_ENV = "CEREVISOR_CANARY"
@@ -84,16 +85,17 @@ BAD_VALUES = {"crlf": "\r", "newline inside": "\n", "non-ascii": "é", "leading 
 
 
 @pytest.mark.parametrize("how", list(BAD_VALUES))
-def test_a_key_that_cannot_go_in_a_header_is_refused_by_run_console_and_probe(tmp_path, how):
+def test_a_key_that_cannot_go_in_a_header_is_refused_by_run_console_and_probe(tmp_path, capsys, monkeypatch, how):
     key = canary()
     value = {"crlf": key + "\r", "newline inside": key[:8] + "\n" + key[8:], "non-ascii": key + "é",
              "leading space": " " + key}[how]
-    with EchoServer() as srv:
+    monkeypatch.setenv(KEY_ENV, value)
+
+    with EchoServer() as srv:  # refused before anything starts: in this process
         cfg = workflow(tmp_path / "w.toml", srv.base_url, behaviours=("clean",))
-        env = {KEY_ENV: value}
-        runs = [cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), env=env),
-                cli("--config", str(cfg), env=env),
-                cli("probe", srv.base_url, "--api-key-env", KEY_ENV, "--max-seconds", "5", env=env)]
+        runs = [cli_here(capsys, "run", str(cfg), "--run-dir", str(tmp_path / "run")),
+                cli_here(capsys, "--config", str(cfg)),
+                cli_here(capsys, "probe", srv.base_url, "--api-key-env", KEY_ENV, "--max-seconds", "5")]
         assert srv.seen == []  # nothing was sent
     for proc in runs:
         assert proc.returncode == 2, proc.stderr

@@ -17,6 +17,7 @@ import pytest
 
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.sim import SimServer, start_in_thread
+from tests.conftest import until
 
 pytestmark = pytest.mark.anyio
 
@@ -161,8 +162,7 @@ async def test_stall_keeps_alive_and_holds_the_slot():
         assert len(contents(got)) == 3
         assert got.count(": keep-alive") >= 4
         assert "data: [DONE]" not in got
-        await anyio.sleep(0.1)
-        assert srv.state.running == 0  # closing the stream freed the stalled request
+        await until(lambda: srv.state.running == 0, "closing the stream to free the stalled request")
         assert srv.state.aborted_total == 1
 
 
@@ -171,7 +171,7 @@ async def test_keepalive_while_waiting_in_queue():
     async with SimServer(settings) as srv, httpx.AsyncClient() as c:
         async with anyio.create_task_group() as tg:
             tg.start_soon(stream_lines, c, srv.base_url, chat_body("first", 10))
-            await anyio.sleep(0.02)
+            await until(lambda: srv.state.running == 1, "the first request to run")
             lines = await stream_lines(c, srv.base_url, chat_body("second", 2))
         first_data = next(i for i, line in enumerate(lines) if line.startswith("data:"))
         assert lines[:first_data].count(": keep-alive") >= 2
@@ -219,10 +219,7 @@ async def test_client_disconnect_frees_the_slot_within_a_second():
                 if n >= 3:
                     break
             assert srv.state.running == 1
-        closed = time.monotonic()
-        while srv.state.running and time.monotonic() - closed < 1.0:
-            await anyio.sleep(0.01)
-        assert srv.state.running == 0
+        await until(lambda: srv.state.running == 0, "closing the stream to free the request")
         assert srv.state.aborted_total == 1
         m = (await c.get(srv.root_url + "/metrics")).text
         assert metric(m, "cerevisor_sim:aborted_requests_total") == 1

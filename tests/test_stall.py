@@ -12,7 +12,7 @@ from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
-from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk
+from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk, until
 
 DONE = sse_chunk("", finish="stop") + sse_chunk(usage={"prompt_tokens": 1, "completion_tokens": 2}) + b"data: [DONE]\n\n"
 
@@ -80,7 +80,7 @@ async def test_with_byte_liveness_keepalives_keep_the_stream_alive(stream_proces
 async def test_a_slow_but_alive_stream_is_never_killed(stream_process):
     async def slow(reader, writer):
         writer.write(http_head(200, "text/event-stream"))
-        for i in range(5):
+        for i in range(3):  # 3 s in all, past either deadline: only each token's sign of life keeps it
             await asyncio.sleep(1.0)  # half the idle (and first-byte) deadline
             writer.write(chunk(sse_chunk(f"t{i} ")))
             await writer.drain()
@@ -93,7 +93,7 @@ async def test_a_slow_but_alive_stream_is_never_killed(stream_process):
         seen = recorder(engine)
         assert await engine.run() == 0
     assert not [e for e in seen if e.kind == "AgentKilled"]
-    assert engine.agents["a1"].output == "t0 t1 t2 t3 t4 "
+    assert engine.agents["a1"].output == "t0 t1 t2 "
     # only the first warning fraction (0.5) can pass between tokens half the deadline apart
     assert {e.fraction for e in seen if e.kind == "StallWarning"} <= {0.5}
 
@@ -176,14 +176,14 @@ async def test_a_kill_closes_the_connection_on_the_server_side(stream_process):
         engine = engine_for(srv.base_url, stream_process, idle_timeout_s=0.6)
         seen = recorder(engine)
         assert await engine.run() == 1
-        await anyio.sleep(0.2)
+        await until(lambda: closed_at and srv.open_connections == 0, "the server to see the connection closed")
         killed = next(e for e in seen if e.kind == "AgentKilled")
         assert closed_at and closed_at[0] - killed.t < 1.0
         assert srv.open_connections == 0
 
 
 @pytest.mark.anyio
-async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry(stream_process, quick_backoff):
+async def test_operator_extend_moves_the_deadline_and_kill_ends_without_retry(stream_process):
     async with RawServer(keepalives_after_tokens(5.0)) as srv:
         engine = engine_for(srv.base_url, stream_process, retries=3, idle_timeout_s=1.0)
         seen = recorder(engine)

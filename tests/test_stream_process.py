@@ -12,14 +12,13 @@ import signal
 import sys
 import time
 
-import anyio
 import pytest
 
 from cerevisor_tui.config import ConfigError, SimSettings, validate
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine, wants_stream_process
 from cerevisor_tui.sim import SimServer
-from tests.conftest import RawServer, chunk, http_head, sse_chunk
+from tests.conftest import RawServer, chunk, http_head, sse_chunk, until
 
 
 def _alive(pid: int) -> bool:
@@ -116,8 +115,7 @@ async def test_the_worker_ends_with_the_run_and_a_kill_reaches_the_server():
 
         engine.subscribe(on_event)
         assert await engine.run() == 1
-        await anyio.sleep(0.2)
-        assert len(closed) == 2 and srv.open_connections == 0
+        await until(lambda: len(closed) == 2 and srv.open_connections == 0, "the server to see both connections closed")
     assert {st.status for st in engine.agents.values()} == {"killed"}
     assert len(set(pids)) == 1 and not _alive(pids[0])
 

@@ -127,10 +127,10 @@ def test_usual_agent_names_are_fine(name):
     validate({"endpoints": [{"name": "e", "base_url": "http://127.0.0.1:1/v1"}], "agents": [{"name": name, "prompt": "p"}]})
 
 
-def test_a_bad_agent_name_through_the_cli(tmp_path):
+def test_a_bad_agent_name_through_the_cli(tmp_path, capsys):
     cfg = tmp_path / "w.toml"
     cfg.write_text(_agent_toml("../../etc/x"))
-    assert "path separators" in one_line_exit_2(cli("run", str(cfg)))
+    assert "path separators" in one_line_exit_2(cli_main(["run", str(cfg)]), capsys.readouterr().err)
 
 
 # ---- URLs and ports ----------------------------------------------------------------------------------
@@ -167,13 +167,16 @@ def test_usual_base_urls_are_fine(url):
     validate({"endpoints": [{"name": "e", "base_url": url}]})
 
 
-def test_endpoint_override_and_sim_port_are_checked_through_the_cli(tmp_path):
+def test_endpoint_override_and_sim_port_are_checked_through_the_cli(tmp_path, capsys):
+    def said(*argv: str) -> str:  # the command line's own entry, in this process (nothing starts: no process)
+        return one_line_exit_2(cli_main(list(argv)), capsys.readouterr().err)
+
     cfg = tmp_path / "w.toml"
     cfg.write_text(_agent_toml("a"))
-    assert "1 to 65535" in one_line_exit_2(cli("run", str(cfg), "--endpoint", "http://127.0.0.1:99999/v1"))
+    assert "1 to 65535" in said("run", str(cfg), "--endpoint", "http://127.0.0.1:99999/v1")
     for port in ("70000", "-1"):
-        assert "--port: must be 0-65535" in one_line_exit_2(cli("sim", "--port", port))
-    assert "1 to 65535" in one_line_exit_2(cli("probe", "http://127.0.0.1:70000/v1"))  # was an OverflowError
+        assert "--port: must be 0-65535" in said("sim", "--port", port)
+    assert "1 to 65535" in said("probe", "http://127.0.0.1:70000/v1")  # was an OverflowError
 
 
 # ---- infinities and absurd sizes ---------------------------------------------------------------------

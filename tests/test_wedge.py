@@ -432,12 +432,15 @@ async def test_requests_running_and_nothing_generated_for_the_idle_deadline_is_c
 class _StoppedServer:
     """A vLLM-shaped server on a raw socket: /health 200 throughout; while `stopped`, its /metrics counters and
     KV use stand still and a request gets its headers and nothing more; once started, the counters move at
-    every read and a request is answered."""
+    every read and a request is answered once `answer` is set."""
 
     def __init__(self) -> None:
+        import asyncio
+
         self.stopped = True
         self.reads = 0
         self.moving = 0
+        self.answer = asyncio.Event()
 
     def metrics(self) -> bytes:
         self.reads += 1
@@ -468,6 +471,7 @@ class _StoppedServer:
                 if self.stopped:
                     await reader.read()  # nothing, until the client gives up
                     return
+                await self.answer.wait()
                 writer.write(
                     chunk(sse_chunk("hello"))
                     + chunk(sse_chunk(" again", finish="stop"))
@@ -512,6 +516,8 @@ async def test_a_wedge_is_over_when_the_counters_move_again_and_the_retried_agen
         def start_on_the_kill(event: ev.Event) -> None:  # the engine core goes on, as after a SIGCONT
             if isinstance(event, ev.AgentKilled):
                 server.stopped = False
+            if isinstance(event, ev.ServerWedged) and event.over:  # the retry is answered after, not before, the
+                server.answer.set()  # monitor's next look (however short its backoff)
 
         engine.subscribe(start_on_the_kill)
         assert await engine.run() == 0

@@ -4,7 +4,6 @@ errors it says before anything starts."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import httpx
 
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.sim import start_in_thread
-from tests.conftest import free_port, wait_until
+from tests.conftest import cli_here, free_port, wait_until
 from tests.gateway.conftest import Headless
 
 
@@ -82,28 +81,30 @@ def test_detached_gateway_is_listed_and_stop_ends_it(tmp_path: Path):
         assert [s["name"] for s in report["sessions"]] == ["u1"]
 
 
-def test_gateway_says_what_is_wrong_before_it_starts(tmp_path: Path):
-    exposed = cli("gateway", "--headless", "--listen", "0.0.0.0:8100", "--run-dir", str(tmp_path / "a"))
+def test_gateway_says_what_is_wrong_before_it_starts(tmp_path: Path, capsys, monkeypatch):
+    exposed = cli_here(capsys, "gateway", "--headless", "--listen", "0.0.0.0:8100",
+                       "--run-dir", str(tmp_path / "a"))
     assert exposed.returncode == 2
     assert "gateway: listen '0.0.0.0:8100' is not loopback: set keys_env" in exposed.stderr
     assert "Traceback" not in exposed.stderr
-    bad_url = cli("gateway", "--headless", "--upstream", "127.0.0.1:8000", "--run-dir", str(tmp_path / "b"))
+    bad_url = cli_here(capsys, "gateway", "--headless", "--upstream", "127.0.0.1:8000",
+                       "--run-dir", str(tmp_path / "b"))
     assert bad_url.returncode == 2 and "Traceback" not in bad_url.stderr
     assert "--upstream: '127.0.0.1:8000' is neither a URL (http://HOST:PORT/v1) nor an endpoint" in bad_url.stderr
     unknown = tmp_path / "c.toml"
     unknown.write_text('[[endpoints]]\nname = "box"\nbase_url = "http://127.0.0.1:9/v1"\n[gateway]\nupstream = "nope"\n')
-    proc = cli("gateway", "--headless", "--config", str(unknown), "--run-dir", str(tmp_path / "c"))
+    proc = cli_here(capsys, "gateway", "--headless", "--config", str(unknown), "--run-dir", str(tmp_path / "c"))
     assert proc.returncode == 2 and "gateway.upstream" in proc.stderr and "unknown endpoint or pool 'nope'" in proc.stderr
     missing_key = tmp_path / "d.toml"
     missing_key.write_text('[gateway]\nkeys_env = ["CEREVISOR_TEST_NO_SUCH_KEY"]\n')
-    env_less = {k: v for k, v in os.environ.items() if k != "CEREVISOR_TEST_NO_SUCH_KEY"}
-    proc = subprocess.run([sys.executable, "-m", "cerevisor_tui", "gateway", "--headless", "--config", str(missing_key),
-                           "--listen", "127.0.0.1:0", "--run-dir", str(tmp_path / "d")], capture_output=True,
-                          text=True, timeout=60, env=env_less)
+    monkeypatch.delenv("CEREVISOR_TEST_NO_SUCH_KEY", raising=False)
+    proc = cli_here(capsys, "gateway", "--headless", "--config", str(missing_key), "--listen", "127.0.0.1:0",
+                "--run-dir", str(tmp_path / "d"))
     assert proc.returncode == 2, proc.stderr
     assert "keys_env: environment variable CEREVISOR_TEST_NO_SUCH_KEY is not set" in proc.stderr
     with socket_taken() as port:
-        busy = cli("gateway", "--headless", "--listen", f"127.0.0.1:{port}", "--run-dir", str(tmp_path / "e"))
+        busy = cli_here(capsys, "gateway", "--headless", "--listen", f"127.0.0.1:{port}",
+                        "--run-dir", str(tmp_path / "e"))
     assert busy.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in busy.stderr
 
 

@@ -13,8 +13,9 @@ import pytest
 from tests.ui.test_attach_tmux import env, journal
 from tests.ui.test_tmux import SCRIPT, TMUX, Terminal
 
-pytestmark = pytest.mark.skipif(TMUX is None or not SCRIPT.exists(),
-                                reason="needs tmux (apt-get install tmux) and the installed cerevisor-tui script")
+pytestmark = [pytest.mark.skipif(TMUX is None or not SCRIPT.exists(),
+                                 reason="needs tmux (apt-get install tmux) and the installed cerevisor-tui script"),
+              pytest.mark.end_to_end]  # a real terminal and real processes, on the wall clock
 
 FAKE_MCP = Path(__file__).parents[1] / "fixtures" / "mcp_fake.py"
 

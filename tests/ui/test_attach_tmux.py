@@ -15,8 +15,9 @@ import pytest
 from tests.test_detach import workflow
 from tests.ui.test_tmux import SCRIPT, TMUX, Terminal
 
-pytestmark = pytest.mark.skipif(TMUX is None or not SCRIPT.exists(),
-                                reason="needs tmux (apt-get install tmux) and the installed cerevisor-tui script")
+pytestmark = [pytest.mark.skipif(TMUX is None or not SCRIPT.exists(),
+                                 reason="needs tmux (apt-get install tmux) and the installed cerevisor-tui script"),
+              pytest.mark.end_to_end]  # a real terminal and real processes, on the wall clock
 
 
 def env(tmp_path: Path) -> dict[str, str]:

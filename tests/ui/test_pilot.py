@@ -108,9 +108,10 @@ async def test_k_asks_then_kills_the_selected_agent_and_r_runs_it_again(tmp_path
 
 @pytest.mark.anyio
 async def test_e_moves_the_stalled_agents_deadline_and_the_row_leaves_amber(tmp_path):
-    # the simulator stops sending tokens after 3: the 8 s idle deadline starts counting down (amber at 2 s)
+    # the simulator stops sending tokens after 3: the 8 s idle deadline starts counting down (amber at 0.4 s, the
+    # deadline far enough past it for a loaded machine)
     config = sim_config(tmp_path, agents=[{"name": "a", "prompt": "hi", "max_tokens": 50, "retries": 0}],
-                        sim={"stall_after_tokens": 3}, stall={"idle_timeout_s": 8.0, "warn_at": [0.25, 0.9],
+                        sim={"stall_after_tokens": 3}, stall={"idle_timeout_s": 8.0, "warn_at": [0.05, 0.9],
                                                               "extend_s": 30.0, "extend_when_server_busy": False})
     app = console(config)
     log = EventLog(engine_of(app))

@@ -23,8 +23,9 @@ from tests.conftest import wait_until
 TMUX = shutil.which("tmux")
 SCRIPT = Path(sys.executable).with_name("cerevisor-tui")
 
-pytestmark = pytest.mark.skipif(TMUX is None or not SCRIPT.exists(),
-                                reason="needs tmux (apt-get install tmux) and the installed cerevisor-tui script")
+pytestmark = [pytest.mark.skipif(TMUX is None or not SCRIPT.exists(),
+                                 reason="needs tmux (apt-get install tmux) and the installed cerevisor-tui script"),
+              pytest.mark.end_to_end]  # a real terminal and real processes, on the wall clock
 
 
 class Terminal:
