@@ -167,14 +167,15 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
     from cerevisor_tui.gateway import serve_gateway
     from cerevisor_tui.replay.run import replay
 
+    # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it; and where the run's clock
+    # is the server's (not a sped-up simulator's, which may lag the host), Auto keeps each user at the SLO's
+    # interactivity: its floor
+    auto: dict[str, Any] = {"max_cap": cap}
+    if settings.speed == 1:
+        auto["min_interactivity_tokens_s"] = settings.slo.min_interactivity_tokens_s
     config = validate({
         **sections,
-        # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it
-        # and Auto keeps each user at the SLO's interactivity: its floor, in the run's seconds (the wall, where a
-        # simulator's sped-up clock streams `speed` times faster)
-        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off",
-                **({"auto": {"max_cap": cap, "min_interactivity_tokens_s":
-                             settings.slo.min_interactivity_tokens_s * settings.speed}} if mode == "auto" else {}),
+        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off", **({"auto": auto} if mode == "auto" else {}),
                 **sections.get("run", {})},
         "endpoints": [{"name": "upstream", "kind": "local", "base_url": upstream,
                        **({"model": settings.model} if settings.model else {}),
