@@ -61,7 +61,7 @@ async def test_a_resumed_agent_reuses_its_answered_turns_only_under_the_same_set
 
         cfg = config(srv.base_url)
         if "model" in change:  # an endpoint's setting
-            served = first.models["e"]
+            served = first.connections.models["e"]
             cfg = cfg.model_copy(update={"endpoints": [cfg.endpoints[0].model_copy(update={"model": served})]})
             why = why.format(served=served)
         elif change:
