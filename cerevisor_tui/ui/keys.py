@@ -21,8 +21,10 @@ MAIN_BINDINGS: list[Binding] = [
             tooltip="Pause or resume admissions: queued agents wait, running ones go on."),
     Binding("k", "kill", "Kill", id="kill",
             tooltip="Kill the selected agent (asks first): its request is closed, no retry follows."),
-    # in the footer on a gateway session's row only (MainScreen.check_action): only a session holds a slot when idle
-    Binding("l", "release", "Release", id="release",
+    # a gateway session's row only (MainScreen.check_action): only a session holds a slot when idle. Not in the
+    # footer, which has no room left at 80 columns (it pushed out `? Help` and `q Quit`); the help, the palette and
+    # `k` on an idle session name it
+    Binding("l", "release", "Release", id="release", show=False,
             tooltip="Give the selected idle gateway session's slot back now (asks first): the next session waiting "
                     "runs, and its own next request waits for a slot again."),
     Binding("e", "extend", "Extend", id="extend",

@@ -111,7 +111,7 @@ class MainScreen(Screen):
         self.table.focus()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """`l` (release) is a key of a gateway session's row only: shown in the footer while one is selected."""
+        """`l` (release) is a key of a gateway session's row only."""
         if action == "release":
             tables = self.query(AgentTable)
             name = tables.first().selected_agent if tables else None
