@@ -145,7 +145,7 @@ def test_claude_code_through_the_gateway(gateway: Gateway, tmp_path: Path):
     assert_requests_apart(gateway, "claude-1")
 
 
-def assert_requests_apart(gateway: Gateway, name: str) -> None:
+def assert_requests_apart(gateway: Gateway, name: str) -> int:
     """Each request of the session is an attempt of its own, ended on its own; where two overlapped (a side request
     while the turn streamed), the console's mirror, fed the run's journal, kept its row on the older one and counted
     both."""
@@ -163,6 +163,20 @@ def assert_requests_apart(gateway: Gateway, name: str) -> None:
     ended = [e["attempt"] for e in gateway.events("TurnFinished") + gateway.events("AgentKilled") if e["agent"] == name]
     assert sorted(started) == sorted(set(ended)) == list(range(1, len(started) + 1)), (started, ended)
     print(f"{name}: {len(started)} request(s), {overlapped} event(s) with two or more in flight")
+    return overlapped
+
+
+def test_claude_codes_side_request_shows_apart_from_its_turn(gateway: Gateway, tmp_path: Path):
+    """Without --bare, Claude Code (2.1) asks for its session's title in a side request while its turn goes: two
+    requests of one row in flight, the row counting both (`×2`) and each ended on its own."""
+    root = gateway.url.removesuffix("/v1")
+    proc = node_harness("claude", ["-p", "Name three colours.", "--tools", "", "--model", "claude-sonnet-4-5"],
+                        {"ANTHROPIC_BASE_URL": root + "/a/claude-2", "ANTHROPIC_API_KEY": "unused-client-key",
+                         "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"},
+                        tmp_path)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert gateway.session("claude-2")["source"] == "path"
+    assert assert_requests_apart(gateway, "claude-2") > 0  # the side request overlapped the turn
 
 
 def test_codex_cli_through_the_gateway(gateway: Gateway, tmp_path: Path):
