@@ -175,13 +175,21 @@ def topic(api: Api, body: dict[str, Any], harness_name: str = "") -> str:
 
 def _parts(content: Any) -> list[str]:
     """A user message's texts, each of its blocks apart, without those that are a harness's tagged context
-    (a whole block `<tag>…</tag>`): Claude Code's reminders, Codex's environment."""
+    (a whole block `<tag>…</tag>`): Claude Code's reminders, Codex's environment. A block that opens with a tag and
+    goes on after its close is about the tag's content (Claude Code's title request: `<session>WORDS</session>
+    Write a title…`)."""
     texts = [content] if isinstance(content, str) else [text_of([part]) for part in content] \
         if isinstance(content, list) else []
     kept = []
     for text in texts:
         text = text.strip()
         opening = _TAGGED.match(text)
-        if opening is None or not text.endswith(f"</{opening.group(1)}>"):
-            kept.append(text)
+        if opening is not None:
+            close = f"</{opening.group(1)}>"
+            end = text.find(close)
+            if end + len(close) == len(text):
+                continue  # the whole block is context
+            if end > 0:
+                text = text[opening.end():end].strip()
+        kept.append(text)
     return kept

@@ -206,3 +206,18 @@ def test_session_name_keeps_plain_ids_and_hashes_the_rest():
 def test_harness_without_a_user_agent_is_empty():
     assert harness("") == ""
     assert harness("curl/8.5.0") == "curl 8.5.0"
+
+
+def test_claude_codes_title_request_is_about_the_words_it_wraps():
+    """Claude Code 2.1 (without --bare) opens a session with its title request, before its turn: the topic is the
+    user's words it wraps, not its instruction to the title model."""
+    from cerevisor_tui.gateway.identity import topic
+
+    body = {"model": "m", "max_tokens": 32, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "<session>\nName three colours.\n</session>\n\nWrite a 3-7 word title for this "
+                                 "session."}]}]}
+    assert topic("messages", body, "claude-code 2.1.197") == '"Name three colours."'
+    reminder = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "<system-reminder>\nUse the context.\n</system-reminder>"},
+        {"type": "text", "text": "Fix the bug"}]}]}
+    assert topic("messages", reminder) == '"Fix the bug"'  # a whole tagged block is still context, left out
