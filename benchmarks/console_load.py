@@ -262,7 +262,7 @@ class InProcessRun:
     events = 0  # not counted: the mirror is called by the engine
 
     def other_pids(self) -> list[int]:
-        worker = self.engine.stream_worker
+        worker = self.engine.connections.worker
         return [worker.pid] if worker is not None else []
 
     async def stop(self, mirror: Any) -> None:

@@ -240,7 +240,7 @@ async def test_the_console_mirror_shows_where_each_agent_runs_and_its_meters(tmp
         note = m.meter_note("a0")
         assert note.startswith("on live (moved from dead: prefix lost) · cache ") and "ctx " in note
         assert note.endswith(f"${engine.agents['a0'].cost_usd:.4f}") and engine.agents["a0"].cost_usd > 0
-        assert m.run_cost_usd == pytest.approx(engine.run_cost_usd)
+        assert m.run_cost_usd == pytest.approx(engine.budget.spent_usd)
         assert a0.cached_tokens == engine.agents["a0"].cached_tokens > 0
         shown = "".join("".join(parts) for _, parts in m.stream("a0").pieces)
         assert "↪ moved from dead" in shown  # the agent's stream says where it went on, and why

@@ -88,12 +88,12 @@ async def test_cost_per_agent_and_run_and_a_budget_that_pauses_admissions():
             engine.handle(cmd.Stop(reason="test over"))
     m = meters(seen, "a0")
     assert m[0].cost_usd == m[0].prompt_tokens + 2 * 4
-    assert m[-1].cost_usd == sum(x.prompt_tokens + 8 for x in m) == m[-1].run_cost_usd == engine.run_cost_usd
+    assert m[-1].cost_usd == sum(x.prompt_tokens + 8 for x in m) == m[-1].run_cost_usd == engine.budget.spent_usd
     notices = [e for e in seen if e.kind == "RunNotice" and e.title == "Budget reached"]
     assert len(notices) == 1 and "running agents finish" in notices[0].message
     assert engine.agents["a0"].status == "completed" and engine.agents["a1"].status == "cancelled"
     report = engine.report.to_dict()
-    assert report["totals"]["cost_usd"] == pytest.approx(engine.run_cost_usd)
+    assert report["totals"]["cost_usd"] == pytest.approx(engine.budget.spent_usd)
     assert report["agents"][0]["cost_usd"] == pytest.approx(engine.agents["a0"].cost_usd)
     assert Printer.describe(notices[0]).startswith("WARNING: Budget reached: $")  # a headless run says so too
 
@@ -133,7 +133,7 @@ async def test_a_resumed_run_counts_what_it_spent_before_toward_its_budget(tmp_p
     async with SimServer(FAST) as srv:
         first = Engine(config(1e9), run_id="r1", run_dir=str(tmp_path / "run"))
         await run(first, stop_after="a0")
-        one = first.run_cost_usd  # what one agent costs (same prompt, same answer length)
+        one = first.budget.spent_usd  # what one agent costs (same prompt, same answer length)
         assert one > 0 and first.agents["a0"].status == "completed"
         state = read_journal(tmp_path / "run")
         assert state.spent_usd == pytest.approx(one) and set(state.completed) == {"a0"}
@@ -142,7 +142,7 @@ async def test_a_resumed_run_counts_what_it_spent_before_toward_its_budget(tmp_p
         second = Engine(config(1.5 * one), run_id="r1", run_dir=str(tmp_path / "run"), resumed=state)
         seen = await run(second)
         assert second.agents["a1"].status == "completed" and second.agents["a2"].status == "cancelled"
-        assert second.run_cost_usd == pytest.approx(2 * one)
+        assert second.budget.spent_usd == pytest.approx(2 * one)
         assert second.report.to_dict()["totals"]["cost_usd"] == pytest.approx(2 * one)
         assert [e for e in seen if e.kind == "AgentMeters"][-1].run_cost_usd == pytest.approx(2 * one)
 

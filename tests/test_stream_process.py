@@ -51,7 +51,7 @@ async def test_the_worker_gives_the_same_answers_and_figures_as_in_process():
         async with SimServer(SimSettings(tokens_per_s=400, ttft_s=0.05, seed=7)) as srv:
             engine = _workflow(srv.base_url, stream_process=stream_process)
             assert await engine.run() == 0
-            assert (engine.stream_worker is not None) == stream_process
+            assert (engine.connections.worker is not None) == stream_process
         results.append({name: (st.output, st.completion_tokens, st.tokens, st.turn, len(st.messages))
                         for name, st in engine.agents.items()})
     assert results[0] == results[1]
@@ -79,7 +79,7 @@ async def test_a_worker_that_dies_mid_stream_fails_its_attempts_retryably_and_a_
         def on_event(event) -> None:
             seen.append(event)
             if event.kind == "FirstToken" and not killed:
-                pid = engine.stream_worker.pid
+                pid = engine.connections.worker.pid
                 killed.append(pid)
                 os.kill(pid, signal.SIGKILL)
 
@@ -88,7 +88,7 @@ async def test_a_worker_that_dies_mid_stream_fails_its_attempts_retryably_and_a_
     retrying = [e for e in seen if e.kind == "AgentRetrying"]
     assert len(retrying) == 1 and "stream worker process ended" in retrying[0].cause, retrying
     assert engine.agents["a0"].output == "".join(f"t{i} " for i in range(8))
-    assert engine.stream_worker.restarts == 1 and engine.stream_worker.pid != killed[0]
+    assert engine.connections.worker.restarts == 1 and engine.connections.worker.pid != killed[0]
     assert srv.requests == 3  # the killed attempt, then both turns
 
 
@@ -110,7 +110,7 @@ async def test_the_worker_ends_with_the_run_and_a_kill_reaches_the_server():
 
         def on_event(event) -> None:
             if event.kind == "FirstToken":
-                pids.append(engine.stream_worker.pid)
+                pids.append(engine.connections.worker.pid)
                 engine.handle(cmd.Kill(agent=event.agent))
 
         engine.subscribe(on_event)
@@ -130,7 +130,7 @@ async def test_a_worker_that_will_not_exit_is_killed_and_the_run_still_ends_clea
 
         def on_event(event) -> None:
             if event.kind == "AgentFinished":
-                stopped.append(engine.stream_worker.pid)
+                stopped.append(engine.connections.worker.pid)
                 os.kill(stopped[0], signal.SIGSTOP)
 
         engine.subscribe(on_event)
@@ -146,7 +146,7 @@ async def test_a_worker_that_cannot_start_leaves_the_run_reading_in_process(monk
         engine = _workflow(srv.base_url, stream_process=True, agents=1)
         monkeypatch.setattr(sys, "executable", "/nonexistent/python3")
         assert await engine.run() == 0
-    assert engine.stream_worker is None and engine.agents["a0"].output
+    assert engine.connections.worker is None and engine.agents["a0"].output
     assert "stream worker process did not start" in engine.connections.stream_process_problem
 
 

@@ -73,11 +73,7 @@ class Caps:
             change = ctl.set_ceiling(self.ceiling)
             if change is not None:
                 self.apply(name, change)
-        s = self.scheduler
-        self.emit(ev.ConcurrencyChanged(self.clock.now(), s.max_concurrency, s.effective_cap, s.paused,
-                                        reason=f"auto ceiling {self.ceiling} (operator)",
-                                        ceiling=self.ceiling, total_cap=s.effective_cap, by="operator"))
-        self.refresh_load(None)
+        self.tell(f"auto ceiling {self.ceiling} (operator)", by="operator", ceiling=self.ceiling)
 
     def nudge(self, delta: int) -> int:
         """`+`/`-`: the parallel cap, or in auto mode the ceiling the controllers stay under; returns the new one."""
@@ -100,10 +96,11 @@ class Caps:
                                         total_cap=s.effective_cap, by="auto"))
         self.refresh_load(endpoint)
 
-    def tell(self, reason: str = "", by: ev.ChangedBy = "") -> None:
+    def tell(self, reason: str = "", by: ev.ChangedBy = "", ceiling: int = 0) -> None:
+        """The run's cap as it is now, told (`ceiling`: auto's, when the change is about it)."""
         s = self.scheduler
         self.emit(ev.ConcurrencyChanged(self.clock.now(), s.max_concurrency, s.effective_cap, s.paused,
-                                        reason=reason, total_cap=s.effective_cap, by=by))
+                                        reason=reason, ceiling=ceiling, total_cap=s.effective_cap, by=by))
         self.refresh_load(None)
 
 

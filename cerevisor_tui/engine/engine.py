@@ -11,7 +11,7 @@ import functools
 import secrets
 from contextlib import AsyncExitStack
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
@@ -40,9 +40,6 @@ from cerevisor_tui.engine.warmup import warm_up
 from cerevisor_tui.engine.watchdog import BusyCheck, fmt_s
 from cerevisor_tui.kinds import FINAL, FinalStatus
 
-if TYPE_CHECKING:
-    from cerevisor_tui.endpoints.worker import StreamWorker
-
 # What other modules, tests and benchmarks import from here, wherever it lives now.
 __all__ = [
     "BACKOFF_BASE_S", "BACKOFF_CAP_S", "FINAL", "RETRY_AFTER_CAP_S", "WAIT_BACKOFF_CAP_S", "AgentState", "Attempt",
@@ -66,21 +63,6 @@ class Engine(RunParts):
         self.started_at = 0.0
         self._stop_asked: anyio.Event | None = None
         self._wave_group: anyio.abc.TaskGroup | None = None
-
-    @property
-    def stopping(self) -> str:
-        """Why the run is stopping ("" : it is not)."""
-        return self.life.stopping
-
-    @property
-    def run_cost_usd(self) -> float:
-        """What the run's requests cost so far on priced endpoints, agents' and sessions' alike."""
-        return self.budget.spent_usd
-
-    @property
-    def stream_worker(self) -> StreamWorker | None:
-        """The process reading the agents' streams while a run is going with `stream_process` on."""
-        return self.connections.worker
 
     # ---- commands (live) ----------------------------------------------------------------------
     def handle(self, command: cmd.Command) -> Any:

@@ -45,7 +45,7 @@ async def test_a_sessions_spending_counts_against_the_budget_with_the_notice_the
         assert "budget" in chat_refused.json()["error"]["message"]
         assert messages_refused.json()["type"] == "error"
         assert "budget_usd" in messages_refused.json()["error"]["message"]
-        assert s.engine.run_cost_usd == pytest.approx(12.0)
+        assert s.engine.budget.spent_usd == pytest.approx(12.0)
         assert s.sim.requests_total == 2  # the two answered: nothing refused went upstream
 
 

@@ -230,7 +230,7 @@ def test_every_command_has_a_case_in_the_engine(tmp_path):
             engine.handle(command)
         except ValueError as exc:  # a tool call that is not waiting: refused by the tool layer, not unhandled
             assert "does not take" not in str(exc), cls
-    assert engine.stopping  # Stop was taken
+    assert engine.life.stopping  # Stop was taken
 
 
 def test_a_journal_of_an_older_version_still_loads_and_what_this_version_does_not_know_is_skipped():

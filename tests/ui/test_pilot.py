@@ -156,7 +156,7 @@ async def test_q_asks_while_agents_run_then_stops_the_engine_and_exits_with_the_
     log = EventLog(engine_of(app))
     async with app.run_test() as pilot:
         await log.wait(kind("FirstToken", "a"))
-        worker = engine_of(app).stream_worker
+        worker = engine_of(app).connections.worker
         assert (worker is not None) == stream_process
         pid = worker.pid if worker is not None else None
         await pilot.press("q")
