@@ -114,7 +114,7 @@ async def test_console_offers_the_incomplete_last_run_and_resuming_sends_only_th
                 await until(lambda: app.model.finished is not None)
                 assert app.model.finished.exit_code == 0
                 assert {n: st.status for n, st in resumed.agents.items()} == {"a": "completed", "b": "completed"}
-                assert fresh.stopping and fresh.agents["b"].status == "cancelled"  # the fresh run was stopped
+                assert fresh.life.stopping and fresh.agents["b"].status == "cancelled"  # the fresh run was stopped
                 asked_after = dict(srv.state.requests_by_agent)
                 app.screen.refresh_status()
                 assert app.screen.table.row_texts("b")[2] == "done"  # the console shows the resumed run
