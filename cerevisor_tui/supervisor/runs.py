@@ -1,5 +1,5 @@
 """The runs under a runs directory, as `ls`, `attach` and `stop` see them: live (its control socket
-answers, as this very run), finished (every agent completed), resumable (it ended with agents not completed),
+answers, as this very run, or a process holds its lock: another user's run), finished (every agent completed), resumable (it ended with agents not completed),
 crashed (it ended without its RunFinished: killed, or the machine went down; `run --resume` goes on with it)
 or unreadable (its supervisor.json does not check: `problem` says why).
 """
@@ -7,6 +7,7 @@ or unreadable (its supervisor.json does not check: `problem` says why).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import time
@@ -18,7 +19,7 @@ from typing import Any
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.contract.events import EventError, decode_event
 from cerevisor_tui.contract.wire import PROTOCOL, Hello, Welcome, WireError, encode, read_server
-from cerevisor_tui.engine.sinks.journal import EVENTS_FILE
+from cerevisor_tui.engine.sinks.journal import EVENTS_FILE, LOCK_FILE
 from cerevisor_tui.supervisor.protocol import (
     SOCKET_NAME,
     SUPERVISOR_FILE,
@@ -151,8 +152,8 @@ def run_info(run_dir: Path) -> RunInfo | None:
         return RunInfo(run_id, run_dir, "unreadable", done, agents, _started(run_dir, run_id, None), None, finished,
                        len(sessions), problem=str(exc), stopped=stopped, uid=_owner(run_dir))
     problem = identify(run_dir, Path(supervisor.socket) if supervisor else run_dir / SOCKET_NAME)
-    if problem == "":
-        state = "live"
+    if problem == "" or (finished is None and _running(run_dir)):
+        state = "live"  # (its socket may not be ours to speak to: another user's run in a shared runs dir)
     elif finished is None:
         state = "crashed"
     else:
@@ -161,6 +162,24 @@ def run_info(run_dir: Path) -> RunInfo | None:
     return RunInfo(run_id, run_dir, state, done, agents, _started(run_dir, run_id, supervisor), pid, finished,
                    len(sessions), supervisor.resumed_at if supervisor else 0.0, problem or "", stopped,
                    _owner(run_dir), supervisor.by if supervisor else "")
+
+
+def _running(run_dir: Path) -> bool:
+    """A process holds the run's lock (journal.py RunLock): it runs, though its socket did not answer us (another
+    user's run, whose socket is not ours to connect to, or one still starting)."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # (releases a lock it took)
+    return False
 
 
 def _owner(run_dir: Path) -> int | None:
