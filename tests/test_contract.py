@@ -186,3 +186,33 @@ async def test_a_console_counts_an_event_its_version_does_not_know_and_never_han
         await client.close()
     assert seen == [good] and client.unreadable == 1
     assert len(told) == 1 and "unknown field `priority`" in told[0]
+
+
+@pytest.mark.anyio
+async def test_a_connection_cut_mid_line_is_lost_not_a_line_of_another_version(tmp_path) -> None:
+    """A run aborts a client that fell behind while it still takes in its last lines: the cut line is the
+    connection's end, said so, and not an event "this console cannot read" (an older version's, it would say)."""
+    import asyncio
+
+    from cerevisor_tui.supervisor.client import ControlClient
+
+    good = ev.AgentQueued(1.0, "a", 0)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()  # the client's hello
+        writer.write(wire.encode(wire.Welcome(wire.PROTOCOL, "r1", str(tmp_path), os.getpid())))
+        writer.write(wire.event_line(good))
+        writer.write(wire.event_line(ev.AgentQueued(2.0, "b", 0))[:20])  # aborted here
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(serve, path=str(tmp_path / "control.sock"))
+    (tmp_path / "supervisor.json").write_text(json.dumps({"pid": os.getpid(), "socket": str(tmp_path / "control.sock")}))
+    async with server:
+        client = await ControlClient.connect(tmp_path)
+        seen: list[ev.Event] = []
+        told: list[str] = []
+        ended = await client.run(seen.append, on_unreadable=told.append)
+        await client.close()
+    assert ended.startswith("connection lost mid-event") and seen == [good]
+    assert told == [] and client.unreadable == 0

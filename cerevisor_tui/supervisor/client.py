@@ -96,6 +96,9 @@ class ControlClient:
                 line = await self.reader.readline()
                 if not line:
                     return self.bye or "connection lost"
+                if not line.endswith(b"\n"):  # the end came mid-line: cut off (a run lets a client that fell
+                    # behind go, and aborts it when it takes its last lines in too slowly), not a line of another version
+                    return self.bye or "connection lost mid-event (the run may have let this console go: it fell behind)"
                 try:
                     message = read_server(line)
                 except WireError as exc:
