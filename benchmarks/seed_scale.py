@@ -1,17 +1,20 @@
 """The run itself at agent scale (issue 31 item 7): 256 `agentx` sessions through a gateway with a consumer attached.
 
-Three processes, as an operator runs them: the simulator (`cerevisor-tui sim --profile agentx-12xgb300`, sped up),
-the gateway's run (`cerevisor-tui gateway --detach`, parallel, cap 256) and an attached consumer
-(`cerevisor-tui attach RUN_DIR --jsonl`, what the console is fed: the same control socket and events). This
-process replays the sessions into the gateway. Each session is an `agentx` session taken from its turn
+Four processes, as an operator runs them: the simulator (`cerevisor-tui sim --profile agentx-12xgb300`, sped up),
+the gateway's run (`cerevisor-tui gateway --detach`, parallel, cap 256), an attached consumer
+(`cerevisor-tui attach RUN_DIR --jsonl`, what the console is fed: the same control socket and events) and the
+console itself (the Textual app, headless under its pilot, attached to the run's control socket as
+`cerevisor-tui attach RUN_DIR` opens it). This process replays the sessions into the gateway. Each session is an `agentx` session taken from its turn
 `--from-turn` on (its whole prompt there sent as its first, about 140K tokens: a ~560 KB request body), for
 `--turns` turns; sessions shorter than that are skipped.
 
 Measured: the gateway run's resident memory (before, peak, after; its growth per session), its CPU per request
 (user + system time of its process over the replay, over the requests it forwarded), the simulator's CPU per
-request beside it, and the attached consumer's event delay (the time a line reached it minus the event's own
-time: both are this host's CLOCK_MONOTONIC) and the bytes it was sent. The console's key latency under a
-256-agent load is console_load.py's figure (the same control socket); here the consumer is headless.
+request beside it, the attached consumer's event delay (the time a line reached it minus the event's own
+time: both are this host's CLOCK_MONOTONIC) and the bytes it was sent, and the console's key-press-to-screen
+latency while the sessions run: a `down` (or `up` at the table's last row) every --press-every-s, from the
+press to the first frame whose session table shows the cursor on the row it moved to (console_load.py's
+measure, here with the gateway's sessions as the rows).
 
     python benchmarks/seed_scale.py                   # 256 sessions x 2 turns at speed 20 (7 minutes at load 17)
     python benchmarks/seed_scale.py --sessions 64 --json
@@ -33,10 +36,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cerevisor_tui.endpoints.probe import percentile
-from cerevisor_tui.replay.generate import generate
-from cerevisor_tui.replay.run import ReplaySettings, replay
-from cerevisor_tui.replay.trace import TraceTurn, whole_prompts
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from console_load import FrameCounter  # noqa: E402
+
+from cerevisor_tui.endpoints.probe import percentile  # noqa: E402
+from cerevisor_tui.replay.generate import generate  # noqa: E402
+from cerevisor_tui.replay.run import ReplaySettings, replay  # noqa: E402
+from cerevisor_tui.replay.trace import TraceTurn, whole_prompts  # noqa: E402
 
 CLI = [sys.executable, "-m", "cerevisor_tui"]
 TICKS_S = os.sysconf("SC_CLK_TCK")
@@ -106,6 +113,74 @@ class Consumer:
                     self.delays_s.append(now - t)
 
 
+RESULT = "RESULT "
+READY = "READY"
+ROWS_WAIT_S = 120.0  # the console says READY without its rows past this: the parent must not wait forever
+
+
+async def console_keys(run_dir: Path, press_every_s: float, size: tuple[int, int]) -> dict[str, Any]:
+    """The console attached to the run in `run_dir`, headless: once its session table has two rows it says READY on
+    stdout and presses a key every `press_every_s` until its stdin ends; the key-press-to-screen latencies."""
+    from cerevisor_tui.commands.console_client import attached_handle, ui_config
+    from cerevisor_tui.ui.app import CerevisorApp
+
+    config, config_path = ui_config(run_dir, None)
+    handle = attached_handle(run_dir, lambda message, severity="warning": None)
+    app = CerevisorApp(handle.control, handle.mirror, config, run=handle.run, attached=True, config_path=config_path,
+                       tune_gc=True)
+    ended = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), ended.set()), daemon=True).start()
+    presses: list[tuple[float, int, int]] = []  # (time the key was sent, row it should show, +1 down / -1 up)
+    async with app.run_test(size=size) as pilot:
+        frames = FrameCounter(app)
+        waited_until = time.monotonic() + ROWS_WAIT_S
+        while getattr(app.screen, "table", None) is None or app.screen.table.row_count < 2:
+            if ended.is_set() or time.monotonic() > waited_until:
+                break
+            await asyncio.sleep(0.1)
+        print(READY, flush=True)
+        tasks: list[asyncio.Task[None]] = []
+        while not ended.is_set():
+            table = app.screen.table
+            step = 1 if table.cursor_row + 1 < table.row_count else -1
+            presses.append((time.perf_counter(), table.cursor_row + step, step))
+            tasks.append(asyncio.create_task(pilot.press("down" if step > 0 else "up")))
+            await asyncio.sleep(press_every_s)
+        for task in tasks:
+            await task
+        await pilot.pause()
+    latencies = []
+    for sent_at, row, step in presses:
+        shown = next((t for t, r in frames.frames if t >= sent_at and (r - row) * step >= 0), None)
+        if shown is not None:
+            latencies.append(shown - sent_at)
+    return {"presses": len(presses), "shown": len(latencies), "frames": len(frames.frames),
+            "key_p50_ms": _ms(percentile(latencies, 50)), "key_p95_ms": _ms(percentile(latencies, 95)),
+            "key_max_ms": _ms(max(latencies, default=None))}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+class Console:
+    """`console_keys` in a process of its own (the replay client's work must not share its event loop)."""
+
+    def __init__(self, run_dir: Path, press_every_s: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--console-of", str(run_dir), "--press-every-s",
+                                      str(press_every_s)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.ready = next((line for line in self.proc.stdout if line.strip() == READY), "") != ""
+
+    def figures(self) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        out = self.proc.stdout.read()
+        self.proc.wait(60)
+        line = next((line for line in out.splitlines() if line.startswith(RESULT)), "")
+        return json.loads(line[len(RESULT):]) if line else {"error": f"the console exited {self.proc.returncode}"}
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     turns = from_turn(generate("agentx", sessions=args.sessions * 2, seed=args.seed), args.from_turn, args.turns,
                       args.sessions)
@@ -135,10 +210,15 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
         threading.Thread(target=sample, daemon=True).start()
         wall = consumer.since = time.monotonic()
-        report = await replay(turns, f"http://127.0.0.1:{port}/v1",
-                              ReplaySettings(concurrency=sessions, speed=args.speed, metrics_url=sim_url))
+        sending = asyncio.create_task(replay(turns, f"http://127.0.0.1:{port}/v1",
+                                             ReplaySettings(concurrency=sessions, speed=args.speed,
+                                                            metrics_url=sim_url)))
+        # the console attaches once the replay is under way (it presses keys only while there are rows to move on)
+        console = await asyncio.to_thread(Console, run_dir, args.press_every_s) if args.console else None
+        report = await sending
         wall_s = time.monotonic() - wall
         done.set()
+        keys = await asyncio.to_thread(console.figures) if console is not None else {}
         rss_after, rss_peak, cpu_after = _proc(gateway_pid)
         _, _, sim_cpu_after = _proc(sim.pid)
     finally:
@@ -161,6 +241,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "consumer_delay_p95_s": percentile(consumer.delays_s, 95), "consumer_delay_max_s": max(consumer.delays_s,
                                                                                                default=None),
         "prefix_hit_rate": report.prefix_hit_rate, "first_error": report.first_error,
+        **{f"console_{name}": value for name, value in keys.items()},
     }
 
 
@@ -171,8 +252,16 @@ def main() -> int:
     parser.add_argument("--from-turn", type=int, default=20, help="where each session is taken from (default 20)")
     parser.add_argument("--speed", type=float, default=20.0, help="simulator clock speed (default 20)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-console", dest="console", action="store_false",
+                        help="leave the console out (only the --jsonl consumer attaches)")
+    parser.add_argument("--press-every-s", type=float, default=0.6, help="the console's key presses (default 0.6)")
+    parser.add_argument("--console-of", help=argparse.SUPPRESS)  # the console's own process: its run directory
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args()
+    if args.console_of:
+        figures = asyncio.run(console_keys(Path(args.console_of), args.press_every_s, (160, 50)))
+        print(RESULT + json.dumps(figures), flush=True)
+        return 0
     figures = asyncio.run(measure(args))
     if args.json:
         print(json.dumps(figures))
@@ -188,9 +277,19 @@ def main() -> int:
           f"{f['sim_cpu_ms_per_request']:.1f} ms")
     print(f"attached consumer: {f['consumer_events']:,} events, {f['consumer_mib']:.0f} MiB; delay p50 "
           f"{f['consumer_delay_p50_s']:.3f} s, p95 {f['consumer_delay_p95_s']:.3f} s, max {f['consumer_delay_max_s']:.3f} s")
+    if "console_key_p50_ms" in f:
+        print(f"console attached: key press to screen p50 {_shown_ms(f['console_key_p50_ms'])}, p95 "
+              f"{_shown_ms(f['console_key_p95_ms'])}, max {_shown_ms(f['console_key_max_ms'])} "
+              f"({f['console_shown']} of {f['console_presses']} presses shown)")
+    elif "console_error" in f:
+        print(f"console: {f['console_error']}")
     if f["first_error"]:
         print(f"{f['turns'] - f['turns_completed']} turns failed; the first: {f['first_error']}")
     return 0
+
+
+def _shown_ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} ms"
 
 
 if __name__ == "__main__":
