@@ -33,7 +33,6 @@ from cerevisor_tui.engine.conversation import (
 )
 from cerevisor_tui.engine.gateway_settings import apply_gateway
 from cerevisor_tui.engine.parts import RunParts
-from cerevisor_tui.engine.script import arrived
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.status import move
 from cerevisor_tui.engine.toolcalls import AskPolicy
@@ -348,7 +347,7 @@ class Engine(RunParts):
 
     async def _run_agent(self, st: AgentState) -> None:
         life = self.life
-        if st.script is not None and not await arrived(st, st.script, self.roster):
+        if st.script is not None and not await self.roster.arrived(st):
             return
         if life.stopping:  # spawned in the same instant the run was stopped
             self.roster.finish(st, life.stop_status, life.stopping)
