@@ -43,7 +43,7 @@ from console_load import FrameCounter  # noqa: E402
 from cerevisor_tui.endpoints.probe import percentile  # noqa: E402
 from cerevisor_tui.replay.generate import generate  # noqa: E402
 from cerevisor_tui.replay.run import ReplaySettings, replay  # noqa: E402
-from cerevisor_tui.replay.trace import TraceTurn, whole_prompts  # noqa: E402
+from cerevisor_tui.replay.trace import TraceTurn, whole_prompts, write_trace  # noqa: E402
 
 CLI = [sys.executable, "-m", "cerevisor_tui"]
 TICKS_S = os.sysconf("SC_CLK_TCK")
@@ -125,7 +125,11 @@ async def console_keys(run_dir: Path, press_every_s: float, size: tuple[int, int
     from cerevisor_tui.ui.app import CerevisorApp
 
     config, config_path = ui_config(run_dir, None)
-    handle = attached_handle(run_dir, lambda message, severity="warning": None)
+    # what the console would say on screen (a connection the run let go, a refusal), with when: seconds after READY
+    notices: list[str] = []
+    ready_at = [time.monotonic()]
+    handle = attached_handle(run_dir, lambda message, severity="warning": notices.append(
+        f"at {time.monotonic() - ready_at[0]:.1f} s: {message}"))
     app = CerevisorApp(handle.control, handle.mirror, config, run=handle.run, attached=True, config_path=config_path,
                        tune_gc=True)
     ended = threading.Event()
@@ -139,6 +143,7 @@ async def console_keys(run_dir: Path, press_every_s: float, size: tuple[int, int
                 break
             await asyncio.sleep(0.1)
         print(READY, flush=True)
+        ready_at[0] = time.monotonic()
         tasks: list[asyncio.Task[None]] = []
         while not ended.is_set():
             table = app.screen.table
@@ -149,12 +154,14 @@ async def console_keys(run_dir: Path, press_every_s: float, size: tuple[int, int
         for task in tasks:
             await task
         await pilot.pause()
+        rows = app.screen.table.row_count if getattr(app.screen, "table", None) is not None else 0
     latencies = []
     for sent_at, row, step in presses:
         shown = next((t for t, r in frames.frames if t >= sent_at and (r - row) * step >= 0), None)
         if shown is not None:
             latencies.append(shown - sent_at)
-    return {"presses": len(presses), "shown": len(latencies), "frames": len(frames.frames),
+    return {"presses": len(presses), "shown": len(latencies), "frames": len(frames.frames), "notices": notices,
+            "rows": rows,
             "key_p50_ms": _ms(percentile(latencies, 50)), "key_p95_ms": _ms(percentile(latencies, 95)),
             "key_max_ms": _ms(max(latencies, default=None))}
 
@@ -192,57 +199,91 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     sim_url = next((line.split(" on ", 1)[1].split(" ", 1)[0] for line in sim.stderr if " on http" in line), "")
     threading.Thread(target=sim.stderr.read, daemon=True).start()
     run_dir = Path(tempfile.mkdtemp(prefix="seed-scale-")) / "run"
-    port = _free_port()
-    started = subprocess.run([*CLI, "gateway", "--upstream", sim_url, "--mode", "parallel", "--concurrency",
-                              str(sessions), "--listen", f"127.0.0.1:{port}", "--run-dir", str(run_dir), "--detach"],
-                             capture_output=True, text=True, timeout=60)
-    gateway_pid = int(started.stdout.split("(process ", 1)[1].split(",", 1)[0])
+    if args.as_agents:  # the run is `replay run --as-agents`: it sends the sessions itself
+        trace = run_dir.parent / "trace.jsonl"
+        write_trace(turns, trace)
+        agents = subprocess.Popen([*CLI, "replay", "run", str(trace), "--endpoint", sim_url, "--as-agents", "--mode",
+                                   "parallel", "--concurrency", str(sessions), "--speed", str(args.speed),
+                                   "--run-dir", str(run_dir), "--json"], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+        while not (run_dir / "supervisor.json").is_file() and agents.poll() is None:
+            time.sleep(0.1)  # (a benchmark's wait for another process's file)
+        run_pid = agents.pid
+    else:
+        port = _free_port()
+        started = subprocess.run([*CLI, "gateway", "--upstream", sim_url, "--mode", "parallel", "--concurrency",
+                                  str(sessions), "--listen", f"127.0.0.1:{port}", "--run-dir", str(run_dir),
+                                  "--detach"], capture_output=True, text=True, timeout=60)
+        run_pid = int(started.stdout.split("(process ", 1)[1].split(",", 1)[0])
     try:
         consumer = Consumer(run_dir)
-        rss_before, _, cpu_before = _proc(gateway_pid)
+        rss_before, _, cpu_before = _proc(run_pid)
         _, _, sim_cpu_before = _proc(sim.pid)
         samples: list[float] = []
+        last = [(rss_before, cpu_before)]  # the run's last (RSS, CPU): an agents' run has exited when it is read
         done = threading.Event()
 
         def sample() -> None:
             while not done.wait(0.2):
-                samples.append(_proc(gateway_pid)[0])
+                try:
+                    rss, _, cpu = _proc(run_pid)
+                except (OSError, IndexError, ValueError):  # it has exited (or is exiting)
+                    continue
+                samples.append(rss)
+                last[0] = (rss, cpu)
 
         threading.Thread(target=sample, daemon=True).start()
         wall = consumer.since = time.monotonic()
-        sending = asyncio.create_task(replay(turns, f"http://127.0.0.1:{port}/v1",
-                                             ReplaySettings(concurrency=sessions, speed=args.speed,
-                                                            metrics_url=sim_url)))
+        if args.as_agents:
+            sending = asyncio.create_task(_figures_of(agents))
+        else:
+            sending = asyncio.create_task(_report_figures(replay(turns, f"http://127.0.0.1:{port}/v1", ReplaySettings(
+                concurrency=sessions, speed=args.speed, metrics_url=sim_url))))
         # the console attaches once the replay is under way (it presses keys only while there are rows to move on)
         console = await asyncio.to_thread(Console, run_dir, args.press_every_s) if args.console else None
         report = await sending
         wall_s = time.monotonic() - wall
         done.set()
         keys = await asyncio.to_thread(console.figures) if console is not None else {}
-        rss_after, rss_peak, cpu_after = _proc(gateway_pid)
+        rss_after, rss_peak, cpu_after = (last[0][0], max(samples, default=rss_before), last[0][1]) \
+            if args.as_agents else _proc(run_pid)  # (the agents' run has ended by now: as last sampled)
         _, _, sim_cpu_after = _proc(sim.pid)
     finally:
-        subprocess.run([*CLI, "stop", str(run_dir)], capture_output=True, timeout=60)
+        if not args.as_agents:
+            subprocess.run([*CLI, "stop", str(run_dir)], capture_output=True, timeout=60)
         sim.terminate()
         sim.wait(10)
     consumer.proc.wait(30)
     consumer.thread.join(10)
-    requests = report.turns_completed + report.turns_failed
+    journal = [run_dir / "events.jsonl", *(run_dir / "transcripts").glob("*.jsonl")]
+    requests = report["turns_completed"] + report["turns_failed"]
     return {
-        "sessions": sessions, "turns": len(turns), "turns_completed": report.turns_completed,
+        "sessions": sessions, "turns": len(turns), "turns_completed": report["turns_completed"],
+        "run": "agents" if args.as_agents else "gateway",
         "body_kb_median": percentile(body_kb, 50), "body_kb_max": max(body_kb), "speed": args.speed,
         "wall_s": wall_s, "gateway_rss_before_mib": rss_before, "gateway_rss_peak_mib": rss_peak,
         "gateway_rss_after_mib": rss_after, "gateway_rss_sampled_max_mib": max(samples, default=rss_after),
         "gateway_rss_growth_per_session_mib": (rss_after - rss_before) / sessions,
         "gateway_cpu_ms_per_request": (cpu_after - cpu_before) * 1000 / max(1, requests),
         "sim_cpu_ms_per_request": (sim_cpu_after - sim_cpu_before) * 1000 / max(1, requests),
+        "journal_kb_per_request": sum(path.stat().st_size for path in journal if path.is_file()) / 1000 / max(1, requests),
         "consumer_events": consumer.events, "consumer_mib": consumer.bytes / 2**20,
         "consumer_delay_p50_s": percentile(consumer.delays_s, 50),
         "consumer_delay_p95_s": percentile(consumer.delays_s, 95), "consumer_delay_max_s": max(consumer.delays_s,
                                                                                                default=None),
-        "prefix_hit_rate": report.prefix_hit_rate, "first_error": report.first_error,
+        "prefix_hit_rate": report["prefix_hit_rate"], "first_error": report["first_error"],
         **{f"console_{name}": value for name, value in keys.items()},
     }
+
+
+async def _report_figures(replaying: Any) -> dict[str, Any]:
+    return (await replaying).to_dict()
+
+
+async def _figures_of(agents: subprocess.Popen[str]) -> dict[str, Any]:
+    out, _ = await asyncio.to_thread(agents.communicate)
+    return json.loads(out) if out.strip() else {"turns_completed": 0, "turns_failed": 0, "prefix_hit_rate": None,
+                                                 "first_error": f"replay run exited {agents.returncode}"}
 
 
 def main() -> int:
@@ -252,6 +293,8 @@ def main() -> int:
     parser.add_argument("--from-turn", type=int, default=20, help="where each session is taken from (default 20)")
     parser.add_argument("--speed", type=float, default=20.0, help="simulator clock speed (default 20)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--as-agents", action="store_true",
+                        help="the run is `replay run --as-agents` (the sessions as its own agents) instead of a gateway")
     parser.add_argument("--no-console", dest="console", action="store_false",
                         help="leave the console out (only the --jsonl consumer attaches)")
     parser.add_argument("--press-every-s", type=float, default=0.6, help="the console's key presses (default 0.6)")
@@ -267,20 +310,23 @@ def main() -> int:
         print(json.dumps(figures))
         return 0
     f = figures
-    print(f"{f['sessions']} agentx sessions x {args.turns} turns through the gateway, bodies median "
+    how = "as the run's own agents" if f["run"] == "agents" else "through the gateway"
+    print(f"{f['sessions']} agentx sessions x {args.turns} turns {how}, bodies median "
           f"{f['body_kb_median']:.0f} KB (max {f['body_kb_max']:.0f}), {f['turns_completed']}/{f['turns']} turns "
           f"in {f['wall_s']:.0f} s wall at speed {f['speed']:g}")
-    print(f"gateway run RSS: {f['gateway_rss_before_mib']:.0f} MiB before, peak {f['gateway_rss_peak_mib']:.0f}, "
+    print(f"{f['run']} run RSS: {f['gateway_rss_before_mib']:.0f} MiB before, peak {f['gateway_rss_peak_mib']:.0f}, "
           f"after {f['gateway_rss_after_mib']:.0f} ({f['gateway_rss_growth_per_session_mib'] * 1024:.0f} KiB a "
           "session kept)")
-    print(f"CPU per request: gateway {f['gateway_cpu_ms_per_request']:.1f} ms, simulator "
+    print(f"CPU per request: {f['run']} run {f['gateway_cpu_ms_per_request']:.1f} ms, simulator "
           f"{f['sim_cpu_ms_per_request']:.1f} ms")
     print(f"attached consumer: {f['consumer_events']:,} events, {f['consumer_mib']:.0f} MiB; delay p50 "
           f"{f['consumer_delay_p50_s']:.3f} s, p95 {f['consumer_delay_p95_s']:.3f} s, max {f['consumer_delay_max_s']:.3f} s")
+    print(f"journal (events and transcripts): {f['journal_kb_per_request']:.0f} KB a request")
     if "console_key_p50_ms" in f:
         print(f"console attached: key press to screen p50 {_shown_ms(f['console_key_p50_ms'])}, p95 "
               f"{_shown_ms(f['console_key_p95_ms'])}, max {_shown_ms(f['console_key_max_ms'])} "
-              f"({f['console_shown']} of {f['console_presses']} presses shown)")
+              f"({f['console_shown']} of {f['console_presses']} presses shown, {f['console_rows']} rows)"
+              + "".join(f"; it said: {notice}" for notice in f["console_notices"]))
     elif "console_error" in f:
         print(f"console: {f['console_error']}")
     if f["first_error"]:

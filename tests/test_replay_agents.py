@@ -145,3 +145,48 @@ def test_mode_without_a_run_is_refused(tmp_path, capsys):
     write_trace(SPAWNING, path)
     done = cli_here(capsys, "replay", "run", str(path), "--mode", "auto")
     assert done.returncode == 2 and "--mode is the run's: add --as-agents" in done.stderr
+
+
+@pytest.mark.anyio
+async def test_a_console_attaches_to_the_replays_run_and_its_kill_ends_a_session_in_its_gap(tmp_path):
+    """The run serves its control socket as any run does: an attached client sees the sessions as agents (their
+    turns the file's), and a kill while a session waits out its gap ends it, and the subagent it had not spawned
+    yet is skipped; the run ends then, without waiting out the gap."""
+    from cerevisor_tui.contract.commands import Kill
+    from cerevisor_tui.supervisor.client import ControlClient
+
+    turns = [turn("p", 1, 200, 8, []), turn("p", 2, 10, 8, [], delay_ms=3_600_000.0),
+             turn("c", 1, 100, 8, [], parent="p"), turn("q", 1, 100, 8, [])]
+    run_dir = tmp_path / "run"
+    opened = anyio.Event()
+    seen: list[ev.Event] = []
+    idle = anyio.Event()
+
+    def on_event(event: ev.Event) -> None:
+        seen.append(event)
+        if isinstance(event, ev.AgentStatus) and event.agent == "p" and event.status == "idle":
+            idle.set()
+
+    async with SimServer(SimSettings(speed=SPEED)) as sim, anyio.create_task_group() as group:
+        async def replaying() -> None:
+            report = await as_agents(turns, sim.base_url, ReplaySettings(speed=1.0), "parallel", 4, run_dir=run_dir,
+                                     on_run=lambda engine: opened.set())
+            reports.append(report)
+
+        reports: list = []
+        group.start_soon(replaying)
+        with anyio.fail_after(60):
+            await opened.wait()
+            client = await ControlClient.connect(run_dir)
+            group.start_soon(client.run, on_event)
+            await idle.wait()
+            assert await client.command(Kill(agent="p", reason="enough")) is True
+            await client.closed.wait()
+        await client.close()
+    [started] = [e for e in seen if isinstance(e, ev.RunStarted)]
+    assert {name: plan.turns for name, plan in started.agents.items()} == {"p": 2, "c": 1, "q": 1}
+    ends = {e.agent: (e.status, e.error) for e in seen if isinstance(e, ev.AgentFinished)}
+    assert ends == {"p": ("killed", "enough"), "c": ("skipped", "its parent p killed before the turn that spawns it"),
+                    "q": ("completed", "")}
+    [report] = reports
+    assert report.turns_completed == 2 and report.turns_failed == 0 and report.sessions_completed == 1
