@@ -190,3 +190,25 @@ async def test_a_console_attaches_to_the_replays_run_and_its_kill_ends_a_session
                     "q": ("completed", "")}
     [report] = reports
     assert report.turns_completed == 2 and report.turns_failed == 0 and report.sessions_completed == 1
+
+
+def test_autos_kv_projection_counts_a_replay_agent_at_its_traces_whole_length():
+    """Auto projects the conversations' length to fit the KV cache: a replay agent's config holds a one-line prompt,
+    so the projection takes its script's last prompt and answer (the trace's), not the config's text."""
+    from cerevisor_tui.config.models import AgentConfig
+    from cerevisor_tui.engine.attempt import TurnFigures
+    from cerevisor_tui.engine.auto_feed import projected_context
+    from cerevisor_tui.engine.clock import MONOTONIC
+    from cerevisor_tui.engine.roster import Roster, RunLife
+    from cerevisor_tui.engine.state import AgentState
+    from cerevisor_tui.replay.agents import ReplaySessions
+    from cerevisor_tui.replay.run import Plan
+
+    sessions = ReplaySessions(Plan.of(SPAWNING), speed=1.0)
+    roster = Roster(lambda event: None, MONOTONIC)
+    for config in sessions.agent_configs():
+        st = roster.add(AgentState(AgentConfig(**config), "e", 0))
+        st.script = sessions.scripts[st.name]
+    whole = {t.session_id: (w, t.output_length) for t, w in whole_prompts(SPAWNING)}  # each session's last turn
+    expected = sum(prompt + answer for prompt, answer in whole.values()) / 2
+    assert projected_context(roster, {"e": TurnFigures()}, RunLife(wave=0), "e") == expected

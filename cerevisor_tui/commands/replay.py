@@ -368,5 +368,10 @@ def _print_report(report: ReplayReport, simulated: bool, out: TextIO) -> None:
         hits += f" in GPU memory, {report.cpu_hit_rate:.1%} more from the CPU tier"
     out.write(f"prefix-cache hits {hits} (the server's own counters over the replay); "
               f"{report.prompt_tokens:,} prompt and {report.output_tokens:,} output tokens\n")
+    if report.caps:
+        caps = " -> ".join(str(change["cap"]) for change in report.caps[-8:])
+        out.write(f"the run's cap: {'... -> ' if len(report.caps) > 8 else ''}{caps}\n")
+    for kill in report.kills:
+        out.write(f"killed: {kill['session']} ({kill['deadline']}): {kill['reason']}\n")
     if report.first_error:
         out.write(f"{report.turns_failed:,} turns failed; the first: {report.first_error}\n")

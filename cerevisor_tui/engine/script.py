@@ -34,6 +34,11 @@ class TurnScript(Protocol):
 
     def max_tokens(self, turn: int) -> int: ...
 
+    def context_tokens(self) -> int:
+        """The conversation's whole length at its end, in tokens (its last prompt and answer): what Auto's KV
+        projection counts for it."""
+        ...
+
     def reference(self, turn: int) -> str:
         """What the journal records as the turn's user message: enough to name the prompt, not its text."""
         ...

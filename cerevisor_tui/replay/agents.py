@@ -65,6 +65,10 @@ class SessionScript:
     def max_tokens(self, turn: int) -> int:
         return max(1, self._turns[turn - 1][0].output_length)
 
+    def context_tokens(self) -> int:
+        line, whole = self._turns[-1]
+        return whole + line.output_length
+
     def reference(self, turn: int) -> str:
         line, whole = self._turns[turn - 1]
         return (f"[replay {line.session_id} turn {line.turn}: a prompt of {whole:,} tokens, blocks "
