@@ -296,7 +296,8 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         help="replay a file closed loop against a server or the built-in simulator",
         description="Send a replay file's sessions to a server, closed loop: each turn only after the previous "
         "answer arrived and its gap passed (divided by --speed), --concurrency sessions at a time (a subagent "
-        "runs within its parent's session, starting after the answer that spawned it). A prompt is its blocks' "
+        "starts after the answer that spawned it, within its parent's session's slot; with --as-agents in one of its "
+        "own). A prompt is its blocks' "
         "text, so the server's prefix cache sees the file's own sharing; max_tokens is the turn's output_length.\n\n"
         "Without --endpoint it starts a simulator (--sim PROFILE picks its model and GPU; --speed scales its "
         "clock too, and the times shown are its own). It prints turns completed, TTFT and interactivity (output "

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any, TextIO
 from cerevisor_tui.replay.trace import TraceError, TraceTurn, write_trace
 
 if TYPE_CHECKING:
+    from cerevisor_tui.contract.events import Event
     from cerevisor_tui.kinds import Mode
-    from cerevisor_tui.replay.run import ReplayReport, ReplaySettings
+    from cerevisor_tui.replay.agents import ReplaySessions
+    from cerevisor_tui.replay.run import ReplayReport, ReplaySettings, TurnResult
     from cerevisor_tui.replay.stats import TraceStats
 
 PROG = "cerevisor-tui replay"
@@ -98,7 +100,7 @@ def _replay(args: argparse.Namespace) -> int:
     if args.run_dir is not None and not args.as_agents:
         print(f"{where}: error: --run-dir is the run's directory with --as-agents", file=sys.stderr)
         return 2
-    mode = args.mode or "parallel"
+    mode: Mode = args.mode or "parallel"
     if args.concurrency < 1 or args.speed <= 0:
         print(f"{where}: error: --concurrency must be at least 1 and --speed above 0", file=sys.stderr)
         return 2
@@ -235,7 +237,7 @@ def _run_config(upstream: str, settings: ReplaySettings, mode: Mode, cap: int, a
     }
 
 
-def _caps_and_kills(report: ReplayReport, events: list[Any], started: float) -> None:
+def _caps_and_kills(report: ReplayReport, events: list[Event], started: float) -> None:
     """The run's cap changes and kills, into the report."""
     from cerevisor_tui.contract import events as ev
 
@@ -264,9 +266,9 @@ async def as_agents(turns: list[TraceTurn], upstream: str, settings: ReplaySetti
     from cerevisor_tui.engine.engine import new_run_id
     from cerevisor_tui.engine.run_setup import open_run
     from cerevisor_tui.replay.agents import ReplaySessions
-    from cerevisor_tui.replay.run import Plan, TurnResult, replay
+    from cerevisor_tui.replay.run import Plan, replay
 
-    events: list[Any] = []
+    events: list[Event] = []
     started: list[float] = []
 
     async def send(plan: Plan, model: str) -> tuple[list[TurnResult], float]:
@@ -305,14 +307,14 @@ class _TurnLog:
     (timed on the replay's clock), failed when its agent ends before that; and each answer or end told to the
     sessions, which start the subagents it spawns (or skip those it never will)."""
 
-    def __init__(self, sessions: Any, clock: Callable[[], float], events: list[Any]) -> None:
+    def __init__(self, sessions: ReplaySessions, clock: Callable[[], float], events: list[Event]) -> None:
         self.sessions = sessions
         self.clock = clock
         self.events = events  # the run's cap changes and kills
-        self.results: list[Any] = []
-        self._open: dict[str, Any] = {}  # agent -> its turn under way
+        self.results: list[TurnResult] = []
+        self._open: dict[str, TurnResult] = {}  # agent -> its turn under way
 
-    def __call__(self, event: Any) -> None:
+    def __call__(self, event: Event) -> None:
         from cerevisor_tui.contract import events as ev
         from cerevisor_tui.replay.run import TurnResult
 
