@@ -18,6 +18,7 @@ measure, here with the gateway's sessions as the rows).
 
     python benchmarks/seed_scale.py                   # 256 sessions x 2 turns at speed 20 (7 minutes at load 17)
     python benchmarks/seed_scale.py --sessions 64 --json
+    python benchmarks/seed_scale.py --as-agents       # the same load as `replay run --as-agents` (about 2 minutes)
 """
 
 from __future__ import annotations

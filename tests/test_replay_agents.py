@@ -123,6 +123,7 @@ async def test_a_subagent_whose_parent_fails_before_spawning_it_is_skipped_and_t
     assert {r.session_id for r in report.turn_log} == {"p", "q"}
 
 
+@pytest.mark.end_to_end  # the command in a process of its own, with its simulator
 def test_the_command_runs_the_sessions_as_agents_and_prints_one_json_report(tmp_path):
     path = tmp_path / "agentx.jsonl"
     write_trace([t for t in generate("agentx", sessions=2, seed=3) if t.parent is None and t.turn <= 2], path)
