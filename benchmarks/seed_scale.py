@@ -4,17 +4,18 @@ Four processes, as an operator runs them: the simulator (`cerevisor-tui sim --pr
 the gateway's run (`cerevisor-tui gateway --detach`, parallel, cap 256), an attached consumer
 (`cerevisor-tui attach RUN_DIR --jsonl`, what the console is fed: the same control socket and events) and the
 console itself (the Textual app, headless under its pilot, attached to the run's control socket as
-`cerevisor-tui attach RUN_DIR` opens it). This process replays the sessions into the gateway. Each session is an `agentx` session taken from its turn
-`--from-turn` on (its whole prompt there sent as its first, about 140K tokens: a ~560 KB request body), for
-`--turns` turns; sessions shorter than that are skipped.
+`cerevisor-tui attach RUN_DIR` opens it, in a process of its own). This process replays the sessions into the
+gateway; with --as-agents the run is `replay run --as-agents` instead, which sends them as its own agents. Each
+session is an `agentx` session taken from its turn `--from-turn` on (its whole prompt there sent as its first,
+about 140K tokens: a ~560 KB request body), for `--turns` turns; sessions shorter than that are skipped.
 
-Measured: the gateway run's resident memory (before, peak, after; its growth per session), its CPU per request
+Measured: the run's resident memory (before, peak, after; its growth per session), its CPU per request
 (user + system time of its process over the replay, over the requests it forwarded), the simulator's CPU per
 request beside it, the attached consumer's event delay (the time a line reached it minus the event's own
 time: both are this host's CLOCK_MONOTONIC) and the bytes it was sent, and the console's key-press-to-screen
 latency while the sessions run: a `down` (or `up` at the table's last row) every --press-every-s, from the
 press to the first frame whose session table shows the cursor on the row it moved to (console_load.py's
-measure, here with the gateway's sessions as the rows).
+measure, here with the sessions as the rows), and what the console said meanwhile (a run that let it go).
 
     python benchmarks/seed_scale.py                   # 256 sessions x 2 turns at speed 20 (7 minutes at load 17)
     python benchmarks/seed_scale.py --sessions 64 --json
