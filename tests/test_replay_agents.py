@@ -213,3 +213,20 @@ def test_autos_kv_projection_counts_a_replay_agent_at_its_traces_whole_length():
     whole = {t.session_id: (w, t.output_length) for t, w in whole_prompts(SPAWNING)}  # each session's last turn
     expected = sum(prompt + answer for prompt, answer in whole.values()) / 2
     assert projected_context(roster, {"e": TurnFigures()}, RunLife(wave=0), "e") == expected
+
+
+@pytest.mark.anyio
+async def test_a_turn_the_run_retries_counts_once_answered_and_is_timed_from_its_first_request(tmp_path):
+    """The server refuses the first request (503): the run retries it as any agent's, after its backoff; the report
+    has the turn answered once, not failed, and its TTFT counts the wait from the first request."""
+    from cerevisor_tui.engine.conversation import BACKOFF_BASE_S
+
+    turns = [turn("r", 1, 300, 8, []), turn("r", 2, 10, 8, [], delay_ms=10.0)]
+    seen: list[ev.Event] = []
+    async with SimServer(SimSettings(speed=SPEED, fail_first=1, fail_status=503)) as sim:
+        report = await as_agents(turns, sim.base_url, ReplaySettings(speed=SPEED), "parallel", 1,
+                                 run_dir=tmp_path / "run", on_run=lambda engine: engine.subscribe(seen.append))
+    assert [e.attempt for e in seen if isinstance(e, ev.AgentRetrying)] == [2]
+    assert report.turns_completed == 2 and report.turns_failed == 0 and not report.first_error
+    first = next(r for r in report.turn_log if r.turn == 1)
+    assert first.first_at is not None and first.first_at - first.sent_at >= BACKOFF_BASE_S * 0.5
