@@ -296,17 +296,23 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
         help="replay a file closed loop against a server or the built-in simulator",
         description="Send a replay file's sessions to a server, closed loop: each turn only after the previous "
         "answer arrived and its gap passed (divided by --speed), --concurrency sessions at a time (a subagent "
-        "runs within its parent's session, starting after the answer that spawned it). A prompt is its blocks' "
+        "starts after the answer that spawned it, within its parent's session's slot; with --as-agents in one of its "
+        "own). A prompt is its blocks' "
         "text, so the server's prefix cache sees the file's own sharing; max_tokens is the turn's output_length.\n\n"
         "Without --endpoint it starts a simulator (--sim PROFILE picks its model and GPU; --speed scales its "
         "clock too, and the times shown are its own). It prints turns completed, TTFT and interactivity (output "
         "tokens/s per user) p50/p90, goodput (turns meeting --slo-interactivity and --slo-ttft-s, and how many a "
-        "minute) and the prefix-cache hit rate from the server's /metrics counters.\n"
+        "minute) and the prefix-cache hit rate from the server's /metrics counters.\n\n"
+        "By default a plain client sends them (the measuring stick: what the server does with the traffic alone). "
+        "--as-agents sends them as the run's own agents and --through-gateway as harness sessions through the "
+        "run's gateway: under the run's --mode, cap, Auto and watchdog, and the report adds its cap changes and "
+        "kills.\n"
         "exit codes: 0 every turn answered; 1 some failed (the first error is shown); 2 usage or file error.",
         epilog="examples:\n"
         "  cerevisor-tui replay run tiered.jsonl --sim --speed 20 --concurrency 32\n"
         "  cerevisor-tui replay run agentx.jsonl --sim llama-3.1-8b@h100 --speed 10 --report replay.json\n"
         "  cerevisor-tui replay run agentx.jsonl --endpoint http://127.0.0.1:8000/v1 --concurrency 16\n"
+        "  cerevisor-tui replay run agentx.jsonl --sim --speed 10 --as-agents --mode auto --concurrency 64\n"
         "  cerevisor-tui replay run agentx.jsonl --sim --speed 10 --through-gateway --mode auto --concurrency 64",
         formatter_class=_formatter,
     )
@@ -318,13 +324,20 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     run_replay.add_argument("--model", metavar="ID", help="model id to request (default: the first of /v1/models)")
     run_replay.add_argument("--api-key-env", metavar="VAR", help="environment variable holding the API key")
     run_replay.add_argument("--concurrency", type=int, default=8, metavar="N",
-                            help="sessions at once (default 8); with --through-gateway the run's cap")
-    run_replay.add_argument("--through-gateway", action="store_true",
-                            help="send the sessions through a gateway of a run of their own, as harness traffic "
-                            "arrives: each session a row under the run's mode, cap, Auto and watchdog; the report "
-                            "adds the run's cap changes and kills")
-    run_replay.add_argument("--mode", choices=MODES, default="parallel",
-                            help="with --through-gateway: the run's mode (default parallel)")
+                            help="sessions at once (default 8); with --as-agents or --through-gateway the run's cap")
+    as_run = run_replay.add_mutually_exclusive_group()
+    as_run.add_argument("--as-agents", action="store_true",
+                        help="the sessions as the run's own agents: each an agent of a run (journal, report, "
+                        "`cerevisor-tui attach` follows it) under its mode, cap, Auto, watchdog and retries; a "
+                        "subagent is an agent of its own, queued after its parent's spawning answer")
+    as_run.add_argument("--through-gateway", action="store_true",
+                        help="send the sessions through a gateway of a run of their own, as harness traffic "
+                        "arrives: each session a row under the run's mode, cap, Auto and watchdog")
+    run_replay.add_argument("--mode", choices=MODES,
+                            help="with --as-agents or --through-gateway: the run's mode (default parallel); the "
+                            "report adds the run's cap changes and kills")
+    run_replay.add_argument("--run-dir", metavar="DIR",
+                            help="with --as-agents: the run's directory (default: a new one under the runs directory)")
     run_replay.add_argument("--speed", type=float, default=1.0, metavar="X",
                             help="divide the gaps between turns by X (and run the simulator X times faster)")
     run_replay.add_argument("--slo-interactivity", type=float, default=50.0, metavar="TOK_S",

@@ -6,14 +6,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from cerevisor_tui.replay.trace import TraceError, TraceTurn, write_trace
 
 if TYPE_CHECKING:
+    from cerevisor_tui.contract.events import Event
     from cerevisor_tui.kinds import Mode
-    from cerevisor_tui.replay.run import ReplayReport, ReplaySettings
+    from cerevisor_tui.replay.agents import ReplaySessions
+    from cerevisor_tui.replay.run import ReplayReport, ReplaySettings, TurnResult
     from cerevisor_tui.replay.stats import TraceStats
 
 PROG = "cerevisor-tui replay"
@@ -81,12 +84,23 @@ def _replay(args: argparse.Namespace) -> int:
     import dataclasses
     import os
 
+    from cerevisor_tui.config import ConfigError
     from cerevisor_tui.endpoints.errors import EndpointError
+    from cerevisor_tui.engine.sinks.journal import JournalError
     from cerevisor_tui.replay.run import ReplaySettings, Slo, replay
     from cerevisor_tui.replay.trace import read_trace
     from cerevisor_tui.sim import ProfileError
 
     where = f"{PROG} run"
+    as_run = args.as_agents or args.through_gateway
+    if args.mode is not None and not as_run:
+        print(f"{where}: error: --mode is the run's: add --as-agents (the sessions as the run's own agents) or "
+              "--through-gateway", file=sys.stderr)
+        return 2
+    if args.run_dir is not None and not args.as_agents:
+        print(f"{where}: error: --run-dir is the run's directory with --as-agents", file=sys.stderr)
+        return 2
+    mode: Mode = args.mode or "parallel"
     if args.concurrency < 1 or args.speed <= 0:
         print(f"{where}: error: --concurrency must be at least 1 and --speed above 0", file=sys.stderr)
         return 2
@@ -114,8 +128,14 @@ def _replay(args: argparse.Namespace) -> int:
 
     async def to(base_url: str, settings: ReplaySettings = settings) -> ReplayReport:
         if args.through_gateway:
-            return await through_gateway(turns, base_url, settings, args.mode, args.concurrency,
+            return await through_gateway(turns, base_url, settings, mode, args.concurrency,
                                          api_key_env=args.api_key_env or "")
+        if args.as_agents:
+            return await as_agents(turns, base_url, settings, mode, args.concurrency,
+                                   run_dir=Path(args.run_dir) if args.run_dir else None,
+                                   api_key_env=args.api_key_env or "", on_run=lambda engine: print(
+                                       f"the run: {engine.run_dir} (`cerevisor-tui attach {engine.run_dir}` follows "
+                                       "it)", file=sys.stderr))
         return await replay(turns, base_url, settings)
 
     async def against_sim() -> ReplayReport:
@@ -134,6 +154,9 @@ def _replay(args: argparse.Namespace) -> int:
         return 2
     except ProfileError as exc:
         print(f"{where}: error: --sim: {exc}", file=sys.stderr)
+        return 2
+    except (ConfigError, JournalError) as exc:  # the run's directory, or a session's name past what a run takes
+        print(f"{where}: error: {exc}", file=sys.stderr)
         return 2
     if args.report:
         try:
@@ -167,24 +190,12 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
     from cerevisor_tui.gateway import serve_gateway
     from cerevisor_tui.replay.run import replay
 
-    # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it; and where the run's clock
-    # is the server's (not a sped-up simulator's, which may lag the host), Auto keeps each user at the SLO's
-    # interactivity: its floor
-    auto: dict[str, Any] = {"max_cap": cap}
-    if settings.speed == 1:
-        auto["min_interactivity_tokens_s"] = settings.slo.min_interactivity_tokens_s
-    config = validate({
-        **sections,
-        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off", **({"auto": auto} if mode == "auto" else {}),
-                **sections.get("run", {})},
-        "endpoints": [{"name": "upstream", "kind": "local", "base_url": upstream,
-                       **({"model": settings.model} if settings.model else {}),
-                       **({"api_key_env": api_key_env} if api_key_env else {}), **endpoint}],
+    config = validate(_run_config(upstream, settings, mode, cap, api_key_env, sections, endpoint, {
         # a session keeps its slot across its own gaps (tools, a person), and not long past its last turn: the
         # trace's longest gap, at the replay's speed
         "gateway": {"listen": "127.0.0.1:0", "release_after_s": max(0.1, 2 * max(
             (t.delay_ms for t in turns if t.turn > 1), default=0.0) / 1000 / settings.speed)},
-    })
+    }))
     assert config.gateway is not None
     engine = Engine(config)
     events: list[ev.Event] = []
@@ -200,13 +211,139 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
         finally:
             engine.stop("the replay ended")
             await server.close()
-    started = engine.started_at
     report.concurrency = cap
+    _caps_and_kills(report, events, engine.started_at)
+    return report
+
+
+def _run_config(upstream: str, settings: ReplaySettings, mode: Mode, cap: int, api_key_env: str,
+                sections: Mapping[str, Mapping[str, Any]], endpoint: Mapping[str, Any],
+                more: Mapping[str, Any]) -> dict[str, Any]:
+    """A replay's run, as config data: its mode and cap, one endpoint (`upstream`), and `more` tables."""
+    # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it; and where the run's clock
+    # is the server's (not a sped-up simulator's, which may lag the host), Auto keeps each user at the SLO's
+    # interactivity: its floor
+    auto: dict[str, Any] = {"max_cap": cap}
+    if settings.speed == 1:
+        auto["min_interactivity_tokens_s"] = settings.slo.min_interactivity_tokens_s
+    return {
+        **sections,
+        "run": {"mode": mode, "max_concurrency": cap, "warmup": "off", **({"auto": auto} if mode == "auto" else {}),
+                **sections.get("run", {})},
+        "endpoints": [{"name": "upstream", "kind": "local", "base_url": upstream,
+                       **({"model": settings.model} if settings.model else {}),
+                       **({"api_key_env": api_key_env} if api_key_env else {}), **endpoint}],
+        **more,
+    }
+
+
+def _caps_and_kills(report: ReplayReport, events: list[Event], started: float) -> None:
+    """The run's cap changes and kills, into the report."""
+    from cerevisor_tui.contract import events as ev
+
     report.caps = [{"t_s": round(e.t - started, 3), "cap": e.total_cap or e.effective_cap, "endpoint": e.endpoint,
                     "reason": e.reason} for e in events if isinstance(e, ev.ConcurrencyChanged)]
     report.kills = [{"session": e.agent, "deadline": e.deadline, "reason": e.reason}
                     for e in events if isinstance(e, ev.AgentKilled)]
+
+
+async def as_agents(turns: list[TraceTurn], upstream: str, settings: ReplaySettings, mode: Mode, cap: int, *,
+                    run_dir: Path | None = None, api_key_env: str = "", sections: Mapping[str, Mapping[str, Any]] = {},
+                    endpoint: Mapping[str, Any] = {}, on_run: Callable[[Any], None] | None = None) -> ReplayReport:
+    """The replay's sessions as the run's own agents against `upstream`: each session an agent of a run of their own
+    (its turns its script's, replay/agents.py), admitted under the run's `mode` and `cap`, its attempts under the
+    watchdog and retried as any agent's, told in the run's journal in `run_dir` (default: a new one under the runs
+    directory) and served on its control socket, so `cerevisor-tui attach` follows it like any run; the report adds
+    the run's cap changes and kills. `sections` and `endpoint` add to the run's config as in `through_gateway`;
+    `on_run(engine)` is told the run once it is put together."""
+    import dataclasses
+
+    import anyio
+
+    from cerevisor_tui.commands.run import serve_control
+    from cerevisor_tui.config import validate
+    from cerevisor_tui.config.paths import default_runs_dir
+    from cerevisor_tui.engine.engine import new_run_id
+    from cerevisor_tui.engine.run_setup import open_run
+    from cerevisor_tui.replay.agents import ReplaySessions
+    from cerevisor_tui.replay.run import Plan, replay
+
+    events: list[Event] = []
+    started: list[float] = []
+
+    async def send(plan: Plan, model: str) -> tuple[list[TurnResult], float]:
+        sessions = ReplaySessions(plan, settings.speed)
+        config = validate(_run_config(upstream, dataclasses.replace(settings, model=model), mode, cap, api_key_env,
+                                      sections, endpoint, {"agents": sessions.agent_configs()}))
+        run_id = new_run_id()
+        engine, journal = open_run(config, run_id, run_dir or default_runs_dir() / run_id, console=False)
+        for name, script in sessions.scripts.items():
+            engine.agents[name].script = script
+        log = _TurnLog(sessions, settings.clock, events)
+        engine.subscribe(log)
+        server = await serve_control(engine, Path(engine.run_dir), run_id, "", required=False)
+        if on_run is not None:
+            on_run(engine)
+        clock_started = settings.clock()
+        try:
+            await engine.run()
+        finally:
+            with anyio.CancelScope(shield=True):
+                if server is not None:
+                    await server.close("the replay ended")
+            journal.write_report()
+            journal.close()
+        started.append(engine.started_at)
+        return log.results, settings.clock() - clock_started
+
+    report = await replay(turns, upstream, settings, send=send)
+    report.concurrency = cap
+    _caps_and_kills(report, events, started[0] if started else 0.0)
     return report
+
+
+class _TurnLog:
+    """The run's events as the replay's turn log: a turn is sent at its first attempt, answered at its TurnFinished
+    (timed on the replay's clock), failed when its agent ends before that; and each answer or end told to the
+    sessions, which start the subagents it spawns (or skip those it never will)."""
+
+    def __init__(self, sessions: ReplaySessions, clock: Callable[[], float], events: list[Event]) -> None:
+        self.sessions = sessions
+        self.clock = clock
+        self.events = events  # the run's cap changes and kills
+        self.results: list[TurnResult] = []
+        self._open: dict[str, TurnResult] = {}  # agent -> its turn under way
+
+    def __call__(self, event: Event) -> None:
+        from cerevisor_tui.contract import events as ev
+        from cerevisor_tui.replay.run import TurnResult
+
+        match event:
+            case ev.AgentStarted(agent=agent, turn=turn) if agent in self.sessions.sessions:
+                result = self._open.get(agent)
+                if result is None or result.turn != turn:
+                    self._open[agent] = TurnResult(self.sessions.sessions[agent], turn, sent_at=self.clock())
+                else:  # a retry: its first token is the new attempt's
+                    result.first_at = None
+            case ev.FirstToken(agent=agent) if agent in self._open:
+                result = self._open[agent]
+                if result.first_at is None:
+                    result.first_at = self.clock()
+            case ev.TurnFinished(agent=agent, turn=turn) if agent in self._open:
+                result = self._open.pop(agent)
+                result.ended_at = self.clock()
+                result.prompt_tokens, result.output_tokens = event.prompt_tokens, event.completion_tokens
+                self.results.append(result)
+                self.sessions.turn_done(agent, turn)
+            case ev.AgentFinished(agent=agent, status=status) if agent in self.sessions.sessions:
+                result = self._open.pop(agent, None)
+                if result is not None:
+                    result.error = event.error or status
+                    result.ended_at = self.clock()
+                    self.results.append(result)
+                self.sessions.ended(agent, status)
+            case ev.ConcurrencyChanged() | ev.AgentKilled():
+                self.events.append(event)
 
 
 def _print_report(report: ReplayReport, simulated: bool, out: TextIO) -> None:
@@ -233,5 +370,10 @@ def _print_report(report: ReplayReport, simulated: bool, out: TextIO) -> None:
         hits += f" in GPU memory, {report.cpu_hit_rate:.1%} more from the CPU tier"
     out.write(f"prefix-cache hits {hits} (the server's own counters over the replay); "
               f"{report.prompt_tokens:,} prompt and {report.output_tokens:,} output tokens\n")
+    if report.caps:
+        caps = " -> ".join(str(change["cap"]) for change in report.caps[-8:])
+        out.write(f"the run's cap: {'... -> ' if len(report.caps) > 8 else ''}{caps}\n")
+    for kill in report.kills:
+        out.write(f"killed: {kill['session']} ({kill['deadline']}): {kill['reason']}\n")
     if report.first_error:
         out.write(f"{report.turns_failed:,} turns failed; the first: {report.first_error}\n")

@@ -81,6 +81,10 @@ def projected_context(roster: Roster, figures_of: Mapping[str, TurnFigures], lif
     for st in roster.on.get(endpoint, ()):
         if st.status in FINAL or st.status == "released" or (st.wave != life.wave and st.status == "pending"):
             continue
+        if st.script is not None:  # a scripted agent knows its whole length (a replay's: its last prompt and answer)
+            total += st.script.context_tokens()
+            count += 1
+            continue
         cfg = st.config
         answer = measured if measured is not None else cfg.max_tokens
         texts = [cfg.prompt, *cfg.turns]

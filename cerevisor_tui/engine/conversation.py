@@ -24,6 +24,7 @@ from cerevisor_tui.endpoints.worker import RemoteStream
 from cerevisor_tui.engine.attempt import Answer, Attempts, Subscriber, TurnFigures
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.resume import RecordedTurn, input_changes, turn_inputs
+from cerevisor_tui.engine.script import TurnScript
 from cerevisor_tui.engine.state import AgentState, Attempt
 from cerevisor_tui.engine.status import move
 from cerevisor_tui.engine.toolcalls import ToolCalls
@@ -112,6 +113,9 @@ class Conversations:
 
     async def run(self, st: AgentState) -> None:
         """The agent's turns in order, each user message after the answer before; its last answer is its output."""
+        if st.script is not None:
+            await self._scripted(st, st.script)
+            return
         cfg = st.config
         messages: list[dict[str, Any]] = []
         st.messages = messages  # the conversation so far, as it grows (the wedge watch sizes its prompt by it)
@@ -141,6 +145,24 @@ class Conversations:
             answer = await self._turn(st, messages)
             messages.append({"role": "assistant", "content": answer})
         st.messages = messages
+        st.output = answer
+
+    async def _scripted(self, st: AgentState, script: TurnScript) -> None:
+        """A scripted agent's turns (engine/script.py): each sent after its gap, its whole request built then and
+        let go after its answer; the journal records the script's reference for the prompt, not its text. Its
+        turns are not taken from an earlier run's journal: a script is a measurement, sent again whole."""
+        inputs = turn_inputs(self.endpoints[st.endpoint], st.config)
+        answer = ""
+        for turn in range(1, script.turns + 1):
+            if turn > 1:
+                move(st, "idle")  # it keeps its slot over the gap, as a session between requests does
+            await script.before(turn)
+            st.turn = turn
+            st.messages = script.messages(turn)
+            self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(turn, 0) + 1, turn, "user",
+                                         script.reference(turn), inputs=inputs))
+            answer = await self._turn(st, st.messages)
+            st.messages = []
         st.output = answer
 
     def _reuse_turns(self, st: AgentState, messages: list[dict[str, Any]], user_turns: list[str],
@@ -269,7 +291,7 @@ class Conversations:
             Answer(answer, "".join(att.thinking), stream.usage if stream else None,
                    stream.cached_tokens if stream else None, stream.finish_reason if stream else "",
                    stream.timings if stream else None, _chars(messages), st.calls),
-            turns=st.turns, following_chars=len(following), max_tokens=st.config.max_tokens)
+            turns=st.turns, following_chars=len(following), max_tokens=_max_tokens(st))
         return answer
 
     async def _stream(self, st: AgentState, att: Attempt, messages: list[dict[str, Any]],
@@ -293,7 +315,7 @@ class Conversations:
                     "messages": messages,
                     "stream": True,
                     "stream_options": {"include_usage": True},
-                    "max_tokens": st.config.max_tokens,
+                    "max_tokens": _max_tokens(st),
                     "temperature": st.config.temperature,
                 }
                 if "return_progress" not in body and await connections.asks_progress(ep):
@@ -335,6 +357,11 @@ class Conversations:
                 wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
             except EndpointError as exc:  # the server's words, or the worker's: never with a key in them
                 raise exc.scrub(self.scrub) from None  # (the unscrubbed original must not ride along as context)
+
+
+def _max_tokens(st: AgentState) -> int:
+    """The turn's completion limit: its script's, or the agent's config's."""
+    return st.script.max_tokens(st.turn) if st.script is not None else st.config.max_tokens
 
 
 def _chars(messages: list[dict[str, Any]], *, text_only: bool = False) -> int:

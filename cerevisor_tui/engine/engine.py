@@ -347,6 +347,8 @@ class Engine(RunParts):
 
     async def _run_agent(self, st: AgentState) -> None:
         life = self.life
+        if st.script is not None and not await self.roster.arrived(st):
+            return
         if life.stopping:  # spawned in the same instant the run was stopped
             self.roster.finish(st, life.stop_status, life.stopping)
             return

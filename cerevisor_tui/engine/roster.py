@@ -69,6 +69,26 @@ class Roster:
         self.emit(ev.AgentFinished(st.finished_at, st.name, status, reason, output, inputs or {}))
         self.after_finish()
 
+    async def arrived(self, st: AgentState) -> bool:
+        """Wait for a scripted agent's arrival (engine/script.py) before it is queued, holding no slot meanwhile;
+        False when it has ended instead: skipped for its script's reason, or killed by the operator while it
+        waited. A run that stops meanwhile is its caller's to say."""
+        assert st.script is not None
+        reason = ""
+        with anyio.CancelScope() as scope:
+            st.scope = scope  # what a stop or a kill cancels
+            reason = await st.script.arrive()
+        st.scope = None
+        if scope.cancelled_caught:
+            if st.end_status is not None and st.end_status != "cancelled":
+                self.finish(st, st.end_status, st.end_reason)
+                return False
+            return True  # the run is stopping: its caller ends the agent as the stop says
+        if reason:
+            self.finish(st, "skipped", reason)
+            return False
+        return True
+
     def reset(self, st: AgentState) -> None:
         """A failed or killed agent, to run again."""
         move(st, "reset")

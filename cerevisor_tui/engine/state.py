@@ -19,6 +19,7 @@ from cerevisor_tui.kinds import FinalStatus, Status
 if TYPE_CHECKING:
     from cerevisor_tui.config.secrets import StreamScrubber
     from cerevisor_tui.engine.prefill import Prefill, PrefillEstimate
+    from cerevisor_tui.engine.script import TurnScript
 
 
 class Reader(Protocol):
@@ -70,6 +71,7 @@ class AgentState:
     toolset: Any = None
     step: int = 0
     calls: list[dict[str, Any]] = field(default_factory=list)
+    script: TurnScript | None = None  # its turns come from a script, not its config's text (engine/script.py)
 
     @property
     def status(self) -> Status:
@@ -82,7 +84,7 @@ class AgentState:
 
     @property
     def turns(self) -> int:
-        return 1 + len(self.config.turns)
+        return self.script.turns if self.script is not None else 1 + len(self.config.turns)
 
     @property
     def output_tokens_per_s(self) -> float | None:

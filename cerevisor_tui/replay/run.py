@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -154,15 +154,16 @@ class ReplayReport:
 
 
 @dataclass
-class _Plan:
-    """The file as sessions: each one's turns and whole prompts, and which turn's answer starts which subagent."""
+class Plan:
+    """The file as sessions: each one's turns and whole prompts, and which turn's answer starts which subagent
+    (`spawns[(parent, turn)]`, in file order)."""
 
     turns: dict[str, list[tuple[TraceTurn, int]]] = field(default_factory=lambda: defaultdict(list))
     top_level: list[str] = field(default_factory=list)
     spawns: dict[tuple[str, int], list[str]] = field(default_factory=lambda: defaultdict(list))
 
     @classmethod
-    def of(cls, turns: list[TraceTurn]) -> _Plan:
+    def of(cls, turns: list[TraceTurn]) -> Plan:
         plan = cls()
         for turn, whole in whole_prompts(turns):
             if turn.turn == 1:
@@ -174,18 +175,27 @@ class _Plan:
         return plan
 
 
+Sender = Callable[[Plan, str], Awaitable[tuple[list[TurnResult], float]]]
+"""What sends a replay's sessions (its plan, the model) and says how each turn went and the makespan: this module's
+closed-loop client, or the run's own agents (commands/replay.py)."""
+
+
 async def replay(turns: list[TraceTurn], base_url: str, settings: ReplaySettings | None = None,
-                 client: httpx.AsyncClient | None = None) -> ReplayReport:
-    """Send `turns` (a replay file's) to `base_url` (…/v1) closed loop and measure what came back."""
+                 client: httpx.AsyncClient | None = None, send: Sender | None = None) -> ReplayReport:
+    """Send `turns` (a replay file's) to `base_url` (…/v1) closed loop and measure what came back; `send`: who sends
+    them (default: this module's client, `settings.concurrency` sessions at a time)."""
     settings = settings or ReplaySettings()
-    plan = _Plan.of(turns)
+    plan = Plan.of(turns)
     own_client = client is None
     client = client or build_client(settings.concurrency)
     try:
         model = settings.model or await _first_model(client, base_url)
         metrics_url = settings.metrics_url or base_url
         before = (await read_server(client, metrics_url)).metrics
-        results, makespan_s = await _run(plan, client, base_url, model, settings)
+        if send is None:
+            results, makespan_s = await _run(plan, client, base_url, model, settings)
+        else:
+            results, makespan_s = await send(plan, model)
         after = (await read_server(client, metrics_url)).metrics
     finally:
         if own_client:
@@ -200,7 +210,7 @@ async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
     return str(listed[0]["id"])
 
 
-async def _run(plan: _Plan, client: httpx.AsyncClient, base_url: str, model: str,
+async def _run(plan: Plan, client: httpx.AsyncClient, base_url: str, model: str,
                settings: ReplaySettings) -> tuple[list[TurnResult], float]:
     url = base_url.rstrip("/") + "/chat/completions"
     results: list[TurnResult] = []
@@ -255,7 +265,7 @@ async def _send(client: httpx.AsyncClient, url: str, model: str, turn: TraceTurn
     return result
 
 
-def _report(plan: _Plan, results: list[TurnResult], base_url: str, model: str, settings: ReplaySettings,
+def _report(plan: Plan, results: list[TurnResult], base_url: str, model: str, settings: ReplaySettings,
             before: MetricsSnapshot | None, after: MetricsSnapshot | None, makespan_s: float) -> ReplayReport:
     done = [r for r in results if not r.error]
     failed = [r for r in results if r.error]
