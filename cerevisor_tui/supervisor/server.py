@@ -93,13 +93,15 @@ class ControlServer:
     """
 
     def __init__(self, run_dir: Path, run_id: str, dispatch: Dispatch, *, config_path: str = "",
-                 in_flight: Callable[[], list[ev.Event]] = list, buffer_max: int = CLIENT_BUFFER_MAX,
+                 in_flight: Callable[[], list[ev.Event]] = list, journal_flush: Callable[[], None] = lambda: None,
+                 buffer_max: int = CLIENT_BUFFER_MAX,
                  buffered_max: int = BUFFERED_MAX, clients_max: int = CLIENTS_MAX) -> None:
         # resolved: a client compares it with the directory it asked for (a copy of a run directory names our socket)
         self.run_dir, self.run_id, self.dispatch = Path(run_dir).resolve(), run_id, dispatch
         self.buffer_max, self.buffered_max, self.clients_max = buffer_max, buffered_max, clients_max
         self.config_path = config_path
         self.in_flight = in_flight
+        self.journal_flush = journal_flush  # the lines the journal gathered this turn, written before a replay reads it
         self.events_path = self.run_dir / EVENTS_FILE
         self.path: Path | None = None
         self.started_at = time.time()
@@ -280,9 +282,10 @@ class ControlServer:
             client = _Client(writer)
             end, snapshot = 0, list[bytes]()
             if hello.replay:
-                # In one step of the loop, no emit in between: the journal as it stands (it is flushed at every
-                # event), each running agent's answer so far, and the client taken in, so that every event
-                # after these goes to its `pending`: nothing is missed or doubled.
+                # In one step of the loop, no emit in between: the journal as it stands (what it gathered this
+                # turn written first), each running agent's answer so far, and the client taken in, so that every
+                # event after these goes to its `pending`: nothing is missed or doubled.
+                self.journal_flush()
                 with contextlib.suppress(OSError):
                     end = os.stat(self.events_path).st_size
                 snapshot = [event_line(delta) for delta in self.in_flight()]
