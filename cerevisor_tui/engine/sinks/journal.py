@@ -314,7 +314,10 @@ class Journal:
             except OSError as exc:
                 self._failed(path, exc)
 
-    def _transcript(self, agent: str, path: Path) -> _Lines:
+    def _transcript_path(self, agent: str) -> Path:
+        return self.dir / "transcripts" / f"{agent}.jsonl"
+
+    def _transcript(self, agent: str) -> _Lines:
         """The agent's transcript, open to append to: the least recently written one is closed first when
         TRANSCRIPTS_OPEN are (written whole lines, unbuffered, it loses nothing; it is fsynced at its agent's end)."""
         fh = self._transcripts.get(agent)
@@ -329,7 +332,7 @@ class Journal:
             finally:
                 self._gathered.pop(oldest, None)
                 old.close()
-        fh = self._transcripts[agent] = _append(path)
+        fh = self._transcripts[agent] = _append(self._transcript_path(agent))
         return fh
 
     def _end_transcript(self, agent: str, path: Path) -> None:
@@ -361,7 +364,7 @@ class Journal:
         kind = event.kind
         if kind in SKIPPED or self._events is None or self.error:
             return
-        path = self.dir / EVENTS_FILE
+        transcript = ""  # the agent whose transcript is written, for a failure's path
         try:
             raw: dict[str, Any] = {}
             if isinstance(event, ev.MessageRecorded) and event.raw:
@@ -370,8 +373,8 @@ class Journal:
             else:
                 self._events.add(ev.encode_event(event) + b"\n")
             if isinstance(event, ev.MessageRecorded):
-                path = self.dir / "transcripts" / f"{event.agent}.jsonl"
-                fh = self._transcript(event.agent, path)
+                transcript = event.agent
+                fh = self._transcript(event.agent)
                 record: dict[str, Any] = {"turn": event.turn, "attempt": event.attempt, "role": event.role,
                                           "content": event.content}
                 if raw:  # a gateway session's message, in its client's own format
@@ -394,10 +397,10 @@ class Journal:
                 if event.agent in self._ran:
                     self._events.flush()
                     os.fsync(self._events.fileno())
-                    path = self.dir / "transcripts" / f"{event.agent}.jsonl"
-                    self._end_transcript(event.agent, path)
+                    transcript = event.agent
+                    self._end_transcript(event.agent, self._transcript_path(event.agent))
         except OSError as exc:
-            self._failed(path, exc)
+            self._failed(self._transcript_path(transcript) if transcript else self.dir / EVENTS_FILE, exc)
             return
         if isinstance(event, ev.WaveFinished | ev.RunFinished):
             # at a wave's end a report that cannot be written stops the run; at its end there is nothing to stop
@@ -418,15 +421,14 @@ class Journal:
         self._flush_due = False
         if self._events is None:
             return
-        path = self.dir / EVENTS_FILE
+        agent = ""
         try:
             self._events.flush()
             while self._gathered:
                 agent, fh = self._gathered.popitem()
-                path = self.dir / "transcripts" / f"{agent}.jsonl"
                 fh.flush()
         except OSError as exc:
-            self._failed(path, exc)
+            self._failed(self._transcript_path(agent) if agent else self.dir / EVENTS_FILE, exc)
 
     def write_report(self, *, stop_on_error: bool = False) -> bool:
         """Rewrite report.json (and --report's copy) atomically; a reader never sees half a file. Returns
