@@ -75,9 +75,10 @@ Targets (issue 20): the gateway's CPU per token <= 1.5x the bare relay's, and ah
 added TTFT p50 <= 2 ms; 256 streams x 325 tokens/s (83,200 offered) delivered at >= 95% through the gateway
 with a console attached, on a quiet machine. Session admission >= 85% prefix hits where the other two are
 < 50%, and the shortest makespan. Per request (issue 28): the gateway's added TTFT p50, CPU per request and longest
-frame gap <= 1.2x relay-ourpool's, at 1 and 8 streams, short and 560 KB requests. Measured 2026-12-02 (load ~15
-on 2 cores, 3 rounds): CPU per request 1.6-1.7x (it was 1.8-2.0x), the engine's side of each request (its events,
-the journal's line per event, the server monitor) most of what remains.
+frame gap <= 1.2x relay-ourpool's, at 1 and 8 streams, short and 560 KB requests. Measured 2026-12-02 (load 1-3.4
+on 2 cores, 3 rounds, docs/performance.md): CPU per request 1.23-1.67x, added TTFT p50 1.0-1.7x; at 1 stream the
+server monitor's looks and the console's writes are ~0.5 ms of a request each, the per-request tasks and events
+most of the rest.
 """
 
 from __future__ import annotations

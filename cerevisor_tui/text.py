@@ -10,6 +10,8 @@ _BREAKING = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
 
 def control_char(text: str) -> str | None:
     """The first character that would break a line or move the cursor (control, format, separator), if any."""
+    if text.isprintable():  # (none of those is printable: a name checked on every request costs 0.1 us, not 2)
+        return None
     return next((ch for ch in text if unicodedata.category(ch) in _BREAKING), None)
 
 

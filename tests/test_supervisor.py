@@ -58,7 +58,8 @@ class Run:
         self.journal = Journal(run_dir, self.engine.report)
         self.journal.open()
         self.engine.subscribe(self.journal)
-        self.server = ControlServer(run_dir, "r1", self.engine.handle, in_flight=self.engine.in_flight)
+        self.server = ControlServer(run_dir, "r1", self.engine.handle, in_flight=self.engine.in_flight,
+                                    journal_flush=self.journal.flush)  # as commands/run.py wires it
         self.run_dir = run_dir
 
     async def __aenter__(self) -> Run:

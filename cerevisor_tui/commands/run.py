@@ -22,6 +22,8 @@ from cerevisor_tui.config.checks import preflight
 from cerevisor_tui.config.paths import default_runs_dir
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from cerevisor_tui.engine.resume import JournalState
     from cerevisor_tui.engine.toolcalls import AskPolicy
 
@@ -195,7 +197,8 @@ def main(args: Any) -> int:
 
     async def body() -> int:
         code = 1
-        server = await serve_control(engine, run_dir, run_id, args.file, required=detached)
+        server = await serve_control(engine, run_dir, run_id, args.file, required=detached,
+                                     journal_flush=journal.flush)
         if server is None and detached:
             return 1
         if not detached:  # no one may press `p` past a spent budget but a console attached to the socket
@@ -263,12 +266,13 @@ async def announce_gateway(engine: Any, gateway: Any) -> None:
         engine.emit(ev.RunNotice(time.monotonic(), f"Gateway: {problem}.", "warning", "Gateway model"))
 
 
-async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: str, *, required: bool) -> Any:
+async def serve_control(engine: Any, run_dir: Path, run_id: str, config_file: str, *, required: bool,
+                        journal_flush: Callable[[], None] = lambda: None) -> Any:
     """The run's control socket (supervisor/server.py), subscribed to the engine; None, with a line on
     stderr, when it cannot be made (a run in the foreground goes on without it, a detached one cannot)."""
     from cerevisor_tui.supervisor.server import ControlServer
 
-    server = ControlServer(run_dir, run_id, engine.handle, in_flight=engine.in_flight,
+    server = ControlServer(run_dir, run_id, engine.handle, in_flight=engine.in_flight, journal_flush=journal_flush,
                            config_path=str(Path(config_file).resolve()))
     try:
         await server.start()

@@ -45,7 +45,9 @@ COMMAND_LINE_LIMIT = 1024 * 1024
 """The longest line a client may send (a hello, a command): what it reads is never a replayed answer."""
 FLUSH_EVERY_S = 0.02
 """Events go to a client in one write at most this often (a reply at once, after the events before it), so
-the attached console wakes once per write, not once per event. Countdowns are absolute times, so nothing drawn
+the attached console wakes once per write, not once per event. Events told when the last write is older than
+this go at the end of the loop's turn that told them: a quiet run (a stream's read every 25 ms) then writes in
+the turn it wakes for, not in a second wake 20 ms later. Countdowns are absolute times, so nothing drawn
 is late by it; the stream pane draws at 12 Hz anyway."""
 CLIENT_BUFFER_MAX = 32 * 1024 * 1024
 """Bytes a client may have waiting in its socket's buffer, or held for it while its replay is sent; past it the
@@ -93,13 +95,15 @@ class ControlServer:
     """
 
     def __init__(self, run_dir: Path, run_id: str, dispatch: Dispatch, *, config_path: str = "",
-                 in_flight: Callable[[], list[ev.Event]] = list, buffer_max: int = CLIENT_BUFFER_MAX,
+                 in_flight: Callable[[], list[ev.Event]] = list, journal_flush: Callable[[], None] = lambda: None,
+                 buffer_max: int = CLIENT_BUFFER_MAX,
                  buffered_max: int = BUFFERED_MAX, clients_max: int = CLIENTS_MAX) -> None:
         # resolved: a client compares it with the directory it asked for (a copy of a run directory names our socket)
         self.run_dir, self.run_id, self.dispatch = Path(run_dir).resolve(), run_id, dispatch
         self.buffer_max, self.buffered_max, self.clients_max = buffer_max, buffered_max, clients_max
         self.config_path = config_path
         self.in_flight = in_flight
+        self.journal_flush = journal_flush  # the lines the journal gathered this turn, written before a replay reads it
         self.events_path = self.run_dir / EVENTS_FILE
         self.path: Path | None = None
         self.started_at = time.time()
@@ -109,6 +113,7 @@ class ControlServer:
         self._clients: list[_Client] = []
         self.on_client_gone: Callable[[], None] | None = None  # told after a client has left (`clients` is one less)
         self._flush_pending = False
+        self._flushed_at = 0.0  # the loop's time of the last flush
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.output_tokens = 0  # streamed by the run so far (its token deltas' counts): the RunTally a client gets
@@ -180,11 +185,17 @@ class ControlServer:
             client.pending.append(line)
         if not self._flush_pending and self._loop is not None:
             self._flush_pending = True
-            self._loop.call_later(FLUSH_EVERY_S, self._flush)
+            wait_s = self._flushed_at + FLUSH_EVERY_S - self._loop.time()
+            if wait_s <= 0:
+                self._loop.call_soon(self._flush)
+            else:
+                self._loop.call_later(wait_s, self._flush)
 
     def _flush(self) -> None:
         """One write per client per FLUSH_EVERY_S at most: what the engine emitted meanwhile."""
         self._flush_pending = False
+        if self._loop is not None:
+            self._flushed_at = self._loop.time()
         for client in list(self._clients):
             if not client.pending:
                 continue
@@ -280,9 +291,10 @@ class ControlServer:
             client = _Client(writer)
             end, snapshot = 0, list[bytes]()
             if hello.replay:
-                # In one step of the loop, no emit in between: the journal as it stands (it is flushed at every
-                # event), each running agent's answer so far, and the client taken in, so that every event
-                # after these goes to its `pending`: nothing is missed or doubled.
+                # In one step of the loop, no emit in between: the journal as it stands (what it gathered this
+                # turn written first), each running agent's answer so far, and the client taken in, so that every
+                # event after these goes to its `pending`: nothing is missed or doubled.
+                self.journal_flush()
                 with contextlib.suppress(OSError):
                     end = os.stat(self.events_path).st_size
                 snapshot = [event_line(delta) for delta in self.in_flight()]

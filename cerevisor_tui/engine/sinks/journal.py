@@ -1,9 +1,12 @@
 """The run directory: `events.jsonl` (append-only), `transcripts/<agent>.jsonl`, `report.json`, and the
 `lock` that keeps it to one process.
 
-Every event but token deltas and keep-alives is appended and flushed as it happens (the transcripts
-hold the text); the file is fsynced when an agent that ran ends, so a crash loses at most the last
-partial line, and the next run that appends starts on a new line. The report is rewritten atomically
+Every event but token deltas and keep-alives is appended (the transcripts hold the text): the lines told in
+one turn of the event loop are gathered and written at its end in one `os.write` per file (a gateway request
+tells about ten events over three or four turns; a write per line was most of the journal's cost), or at once
+when no loop runs. A crash (the process killed) loses the lines of the turn it cut short, never a line
+already written, and the next run that appends starts on a new line after a write it cut part-way; the file
+is fsynced when an agent that ran ends, after what was gathered is written. The report is rewritten atomically
 at every wave end and at the end of the run. A write that fails (a full disk, a file-size limit, a
 read-only remount) does not raise into the run: the journal stops writing, keeps what it wrote, and
 tells its owner once (`on_error`), who stops the run.
@@ -15,6 +18,7 @@ truncated line, invalid UTF-8, a line of the wrong shape) is skipped and counted
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -45,8 +49,9 @@ class JournalError(Exception):
     """The run directory cannot be used (unwritable, full, in use by another run): found before any request is sent."""
 
 
-def _dumps(data: dict[str, Any]) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str)
+def _dumps(data: dict[str, Any]) -> bytes:
+    return (json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=str) + "\n").encode(
+        "utf-8", "surrogatepass")
 
 
 def _cut(text: str) -> str:
@@ -84,16 +89,29 @@ def _ends_mid_line(path: Path) -> bool:
 
 
 class _Lines:
-    """A JSON-lines file appended to a whole line at a time: a write that fails part-way (a full disk, a
-    file-size limit) is taken back, so the file never holds a cut line of ours. Nothing is buffered: a
-    line is in the file when `write` returns, and `flush` has nothing to do."""
+    """A JSON-lines file appended to whole lines at a time: `add` gathers them, `flush` writes what was gathered
+    in one `os.write` (more only if the kernel takes part of it), and a write that fails part-way (a full disk, a
+    file-size limit) is taken back, so the file never holds a cut line of ours."""
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._size = os.lseek(self._fd, 0, os.SEEK_END)
+        self._pending: list[bytes] = []
 
-    def write(self, text: str) -> None:
-        encoded = text.encode("utf-8", "surrogatepass")
+    def add(self, line: bytes) -> None:
+        self._pending.append(line)
+
+    def write(self, line: bytes) -> None:
+        """`line` in the file when it returns (after what was gathered before it). Raises OSError."""
+        self._pending.append(line)
+        self.flush()
+
+    def flush(self) -> None:
+        """What was gathered, written. Raises OSError (with what was gathered dropped)."""
+        if not self._pending:
+            return
+        encoded = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
+        self._pending.clear()
         data = memoryview(encoded)
         try:
             while data:
@@ -104,9 +122,6 @@ class _Lines:
             raise
         self._size += len(encoded)
 
-    def flush(self) -> None:
-        pass
-
     def fileno(self) -> int:
         return self._fd
 
@@ -115,8 +130,10 @@ class _Lines:
         return self._fd < 0
 
     def close(self) -> None:
+        """Closed without writing what was gathered (`flush` first to keep it)."""
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
+            self._pending.clear()
             os.close(fd)
 
 
@@ -125,7 +142,7 @@ def _append(path: Path) -> _Lines:
     a crash: a write that fails is taken back)."""
     fh = _Lines(path)
     if _ends_mid_line(path):
-        fh.write("\n")
+        fh.write(b"\n")
     return fh
 
 
@@ -241,6 +258,8 @@ class Journal:
         self._evicted: set[str] = set()  # transcripts closed to make room, before their agent ended
         self._ran: set[str] = set()  # agents queued in this run: their end is fsynced
         self._lock: RunLock | None = None
+        self._gathered: dict[str, _Lines] = {}  # transcripts with lines gathered, not yet written
+        self._flush_due = False  # a flush is called at the end of this turn of the event loop
 
     def open(self, *, resume: bool = False, lock: RunLock | None = None) -> None:
         """Lock the directory (or take `lock`, already held), refuse one that holds a run unless `resume`,
@@ -287,6 +306,7 @@ class Journal:
                 with contextlib.suppress(OSError):
                     fh.close()  # closes the file even when its last flush fails
         self._transcripts.clear()
+        self._gathered.clear()
         for agent in sorted(self._evicted):  # closed to make room, and their agents never ended
             path = self.dir / "transcripts" / f"{agent}.jsonl"
             try:
@@ -294,7 +314,10 @@ class Journal:
             except OSError as exc:
                 self._failed(path, exc)
 
-    def _transcript(self, agent: str, path: Path) -> _Lines:
+    def _transcript_path(self, agent: str) -> Path:
+        return self.dir / "transcripts" / f"{agent}.jsonl"
+
+    def _transcript(self, agent: str) -> _Lines:
         """The agent's transcript, open to append to: the least recently written one is closed first when
         TRANSCRIPTS_OPEN are (written whole lines, unbuffered, it loses nothing; it is fsynced at its agent's end)."""
         fh = self._transcripts.get(agent)
@@ -304,8 +327,12 @@ class Journal:
         while len(self._transcripts) >= TRANSCRIPTS_OPEN:
             oldest, old = self._transcripts.popitem(last=False)
             self._evicted.add(oldest)
-            old.close()
-        fh = self._transcripts[agent] = _append(path)
+            try:
+                old.flush()
+            finally:
+                self._gathered.pop(oldest, None)
+                old.close()
+        fh = self._transcripts[agent] = _append(self._transcript_path(agent))
         return fh
 
     def _end_transcript(self, agent: str, path: Path) -> None:
@@ -313,6 +340,8 @@ class Journal:
         fh = self._transcripts.pop(agent, None)
         if fh is not None:
             try:
+                self._gathered.pop(agent, None)
+                fh.flush()
                 os.fsync(fh.fileno())
             finally:
                 fh.close()
@@ -335,18 +364,17 @@ class Journal:
         kind = event.kind
         if kind in SKIPPED or self._events is None or self.error:
             return
-        path = self.dir / EVENTS_FILE
+        transcript = ""  # the agent whose transcript is written, for a failure's path
         try:
             raw: dict[str, Any] = {}
             if isinstance(event, ev.MessageRecorded) and event.raw:
                 line, raw = _journalled(event)
-                self._events.write(ev.encode_event(line).decode() + "\n")
+                self._events.add(ev.encode_event(line) + b"\n")
             else:
-                self._events.write(ev.encode_event(event).decode() + "\n")
-            self._events.flush()
+                self._events.add(ev.encode_event(event) + b"\n")
             if isinstance(event, ev.MessageRecorded):
-                path = self.dir / "transcripts" / f"{event.agent}.jsonl"
-                fh = self._transcript(event.agent, path)
+                transcript = event.agent
+                fh = self._transcript(event.agent)
                 record: dict[str, Any] = {"turn": event.turn, "attempt": event.attempt, "role": event.role,
                                           "content": event.content}
                 if raw:  # a gateway session's message, in its client's own format
@@ -359,23 +387,48 @@ class Journal:
                     record["tool_calls"] = event.tool_calls
                 if event.tool_call_id:
                     record["tool_call_id"] = event.tool_call_id
-                fh.write(_dumps(record) + "\n")
-                fh.flush()
+                fh.add(_dumps(record))
+                self._gathered[event.agent] = fh
             elif isinstance(event, ev.AgentQueued):
                 self._ran.add(event.agent)
             elif isinstance(event, ev.AgentFinished):
                 # Only an agent that ran here: a stop that cancels thousands never sent is one write, not
                 # thousands of fsyncs, and a resumed run does not fsync each answer it reuses.
                 if event.agent in self._ran:
+                    self._events.flush()
                     os.fsync(self._events.fileno())
-                    path = self.dir / "transcripts" / f"{event.agent}.jsonl"
-                    self._end_transcript(event.agent, path)
+                    transcript = event.agent
+                    self._end_transcript(event.agent, self._transcript_path(event.agent))
         except OSError as exc:
-            self._failed(path, exc)
+            self._failed(self._transcript_path(transcript) if transcript else self.dir / EVENTS_FILE, exc)
             return
         if isinstance(event, ev.WaveFinished | ev.RunFinished):
             # at a wave's end a report that cannot be written stops the run; at its end there is nothing to stop
+            self.flush()
             self.write_report(stop_on_error=isinstance(event, ev.WaveFinished))
+        elif not self._flush_due:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # told outside the event loop: written at once
+                self.flush()
+            else:
+                self._flush_due = True
+                loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """The lines gathered, written (at the end of the loop's turn that told them, and before anyone reads the
+        file: a console's replay, an fsync, the close); a failure is told as any write's (`on_error`)."""
+        self._flush_due = False
+        if self._events is None:
+            return
+        agent = ""
+        try:
+            self._events.flush()
+            while self._gathered:
+                agent, fh = self._gathered.popitem()
+                fh.flush()
+        except OSError as exc:
+            self._failed(self._transcript_path(agent) if agent else self.dir / EVENTS_FILE, exc)
 
     def write_report(self, *, stop_on_error: bool = False) -> bool:
         """Rewrite report.json (and --report's copy) atomically; a reader never sees half a file. Returns

@@ -1,5 +1,8 @@
 """The headless printer: a readable line per event, or one JSON object per line with --jsonl.
 
+A line is flushed at the end of the event loop's turn that told it, with the others of that turn (a busy
+gateway's streams share a write), or at once outside a loop.
+
 Its output may go away under a running run (`| head` exits, a `tee` dies, the terminal closes): the run
 goes on. The printer then writes its lines on to its `spill` file (a foreground run's `run.log`), or to
 nothing, and the dead output's descriptor is pointed at /dev/null, so no later write or the interpreter's
@@ -8,6 +11,7 @@ last flush fails on it again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import sys
@@ -30,6 +34,7 @@ class Printer:
         self.spill = spill  # where the lines go on when `out` is gone; None: nowhere
         self.lost = ""  # why `out` was given up ("" while it is written)
         self.t0: float | None = None
+        self._flush_due = False  # a flush is called at the end of this turn of the event loop
 
     def __call__(self, event: ev.Event) -> None:
         if self.jsonl:
@@ -46,13 +51,22 @@ class Printer:
             text = f"{event.t - self.t0:8.2f}s  {printable(line)}\n"
         try:
             self.out.write(text)
-            if not self.jsonl:  # (--jsonl's reader takes a buffer at a time)
-                self.out.flush()
         except OSError as exc:  # EPIPE (a closed pipe), EIO (a closed terminal), ENOSPC ...
             self._give_up(exc, text)
+            return
+        if not self.jsonl and not self._flush_due:  # (--jsonl's reader takes a buffer at a time)
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+            else:
+                self._flush_due = True
+                loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """What --jsonl left in the buffer, written at the run's end (its output gone: given up, as in a write)."""
+        """What is left in the buffer, written (at the end of a loop's turn; --jsonl's at the run's end); its output
+        gone: given up, as in a write."""
+        self._flush_due = False
         try:
             self.out.flush()
         except OSError as exc:
