@@ -144,6 +144,24 @@ def fingerprint(model: str, system: str, messages: list[dict[str, Any]]) -> str:
     return hashlib.sha256(f"{model}\0{system}\0{first}".encode()).hexdigest()[:10]
 
 
+MAX_RECORDED_CHARS = 64 * 1024
+"""A session's message is recorded (told to the run: its journal, transcript and every console) up to this many
+characters, a note saying how many more it had: a client may send 32 MiB in one request (an agent's turn 43 sends
+~560 KB), and neither the run's disk nor a console's socket is its to fill (256 sessions' turns at once told whole
+would pass what a console may fall behind, supervisor/server.py CLIENT_BUFFER_MAX)."""
+
+
+def recorded(message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A message a session's client sent, as the run records it: its text and its client form, each at most
+    MAX_RECORDED_CHARS (a form cut short is its role, its cut text and `cut`)."""
+    text = text_of(message.get("content", message.get("output", "")))
+    if len(text) > MAX_RECORDED_CHARS:
+        text = f"{text[:MAX_RECORDED_CHARS]}\n[cerevisor: {len(text) - MAX_RECORDED_CHARS:,} more characters not recorded]"
+    elif len(msgspec.json.encode(message)) <= 2 * MAX_RECORDED_CHARS:
+        return text, message
+    return text, {"role": role_of(message), "content": text, "cut": True}
+
+
 def role_of(message: dict[str, Any]) -> Role:
     """Who said a message, in the journal's words (its transcript keeps the message as the client sent it)."""
     role = message.get("role")

@@ -502,8 +502,9 @@ class Exchange:
             return
         e = self.run_ports
         for message in self.new_inputs:
-            e.emit(ev.MessageRecorded(self.now(), session.name, att.number, att.turn, apis.role_of(message),
-                                      apis.text_of(message.get("content", message.get("output", ""))), raw=message))
+            text, raw = apis.recorded(message)
+            e.emit(ev.MessageRecorded(self.now(), session.name, att.number, att.turn, apis.role_of(message), text,
+                                      raw=raw))
 
 
 class _Upstream:

@@ -227,10 +227,10 @@ async def test_a_resumed_gateway_run_keeps_each_sessions_figures_and_appends_to_
 
 
 async def test_a_requests_text_is_journalled_once_and_cut_at_the_cap(tmp_path):
-    from cerevisor_tui.engine.sinks.journal import MAX_RECORDED_CHARS
+    from cerevisor_tui.gateway.apis import MAX_RECORDED_CHARS
 
     run_dir = tmp_path / "run"
-    big = "x" * (3 * MAX_RECORDED_CHARS)  # 768 Ki characters in one message
+    big = "x" * (3 * MAX_RECORDED_CHARS)  # 192 Ki characters in one message
     async with FakeApi() as api, served(endpoints=[{"name": "up", "kind": "hosted", "base_url": api.base_url,
                                                     "model": "up-model"}], run_dir=run_dir) as s, \
             httpx.AsyncClient(timeout=60) as client:
@@ -242,10 +242,11 @@ async def test_a_requests_text_is_journalled_once_and_cut_at_the_cap(tmp_path):
                                                              {"role": "assistant", "content": small.text}]),
                             headers={"X-Session-ID": "conv"})
         assert answer.status == 200
-        # the run's own subscribers still get the whole message: only what is written is cut
+        # cut where it is told: the run's subscribers (a console's socket among them) get what is written
+        note = f"[cerevisor: {2 * MAX_RECORDED_CHARS:,} more characters not recorded]"
         [told] = [m for m in s.of(ev.MessageRecorded, "conv") if m.role == "user" and m.turn == 2]
-        assert told.content == big
-    note = f"[cerevisor: {2 * MAX_RECORDED_CHARS:,} more characters not recorded]"
+        assert told.content == "x" * MAX_RECORDED_CHARS + "\n" + note
+        assert told.raw == {"role": "user", "content": told.content, "cut": True}
     events = (run_dir / "events.jsonl").read_text()
     assert events.count("x" * 1000) == MAX_RECORDED_CHARS // 1000  # once, and cut: not again as its raw form
     [line] = [json.loads(x) for x in events.splitlines() if '"MessageRecorded"' in x and "x" * 100 in x]

@@ -37,9 +37,6 @@ SKIPPED = frozenset({"TokenDelta", "KeepAlive"})
 TRANSCRIPTS_OPEN = 64
 """Transcripts held open at once, the most recently written: another is opened when written to, and closed at its
 agent's end, so a run of thousands of agents or gateway sessions holds 64 descriptors for them, not thousands."""
-MAX_RECORDED_CHARS = 256 * 1024
-"""A gateway session's message is journalled up to this many characters (a note says how many more it had): a
-client may send 32 MiB in one request, and the run's disk is not its to fill."""
 EVENTS_FILE = "events.jsonl"
 LOCK_FILE = "lock"
 """In each run directory: holds the id of the process running it, locked (flock) while it runs."""
@@ -54,22 +51,11 @@ def _dumps(data: dict[str, Any]) -> bytes:
         "utf-8", "surrogatepass")
 
 
-def _cut(text: str) -> str:
-    """`text` up to MAX_RECORDED_CHARS, with a note of what was left out."""
-    if len(text) <= MAX_RECORDED_CHARS:
-        return text
-    return f"{text[:MAX_RECORDED_CHARS]}\n[cerevisor: {len(text) - MAX_RECORDED_CHARS:,} more characters not recorded]"
-
-
 def _journalled(event: ev.MessageRecorded) -> tuple[ev.MessageRecorded, dict[str, Any]]:
     """A gateway session's message as events.jsonl and its transcript keep it: its text once in each (the event's
-    client form only in the transcript; the event keeps its role as the mark of a session's message), each cut at
-    MAX_RECORDED_CHARS. A message cut short is written in the transcript as its role and its cut text."""
-    line = msgspec.structs.replace(event, content=_cut(event.content), raw={"role": event.role})
-    raw = event.raw
-    if len(event.content) > MAX_RECORDED_CHARS or len(msgspec.json.encode(raw)) > 2 * MAX_RECORDED_CHARS:
-        raw = {"role": event.role, "content": line.content, "cut": True}
-    return line, raw
+    client form only in the transcript; the event keeps its role as the mark of a session's message). The gateway
+    has cut both already (gateway/apis.py `recorded`)."""
+    return msgspec.structs.replace(event, raw={"role": event.role}), event.raw
 
 
 def _why(exc: OSError) -> str:
