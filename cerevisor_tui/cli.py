@@ -337,7 +337,8 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
                             help="with --as-agents or --through-gateway: the run's mode (default parallel); the "
                             "report adds the run's cap changes and kills")
     run_replay.add_argument("--run-dir", metavar="DIR",
-                            help="with --as-agents: the run's directory (default: a new one under the runs directory)")
+                            help="with --as-agents or --through-gateway: the run's directory (default: a new one under the "
+                            "runs directory); `cerevisor-tui attach DIR` follows it")
     run_replay.add_argument("--speed", type=float, default=1.0, metavar="X",
                             help="divide the gaps between turns by X (and run the simulator X times faster)")
     run_replay.add_argument("--slo-interactivity", type=float, default=50.0, metavar="TOK_S",

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from cerevisor_tui.config.models import SimSettings
+from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import build_client
 from cerevisor_tui.replay.generate import generate
 from cerevisor_tui.replay.run import BLOCK_CHARS, ReplaySettings, Slo, block_text, prompt_text, replay
@@ -247,3 +248,34 @@ async def test_through_a_gateway_in_auto_mode_the_cap_given_is_autos_ceiling():
                                        "auto", 2, sections={"run": {"metrics_interval_s": 0.2}})
     assert report.turns_completed == report.turns == 48
     assert report.caps and max(change["cap"] for change in report.caps) <= 2
+
+
+@pytest.mark.anyio
+async def test_through_a_gateway_with_a_run_directory_a_console_attaches_and_the_run_keeps_its_report(tmp_path):
+    """--through-gateway --run-dir: the gateway's run is told in its journal and served on its control socket as
+    any run is, so a console attached meanwhile sees each session open as a row; its report is written at its end."""
+    from cerevisor_tui.commands.replay import through_gateway
+    from cerevisor_tui.supervisor.client import ControlClient
+
+    turns = generate("tiered-offload", sessions=2, seed=1)
+    run_dir = tmp_path / "run"
+    opened = anyio.Event()
+    seen: list[ev.Event] = []
+    reports: list = []
+    async with SimServer(SimSettings(speed=SPEED)) as sim, anyio.create_task_group() as group:
+        async def replaying() -> None:
+            reports.append(await through_gateway(
+                turns, sim.base_url, ReplaySettings(speed=SPEED, clock=sim.state.engine.clock_s), "parallel", 2,
+                run_dir=run_dir, on_run=lambda engine: opened.set()))
+
+        group.start_soon(replaying)
+        with anyio.fail_after(60):
+            await opened.wait()
+            client = await ControlClient.connect(run_dir)
+            ended = await client.run(seen.append)
+        await client.close()
+    assert ended == "the replay ended"
+    assert {e.agent for e in seen if isinstance(e, ev.SessionOpened)} == {"s00001", "s00002"}
+    assert sum(isinstance(e, ev.TurnFinished) for e in seen) == reports[0].turns_completed == 16
+    written = json.loads((run_dir / "report.json").read_text())
+    assert {s["name"] for s in written["sessions"]} == {"s00001", "s00002"}, written["sessions"]

@@ -97,8 +97,9 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"{where}: error: --mode is the run's: add --as-agents (the sessions as the run's own agents) or "
               "--through-gateway", file=sys.stderr)
         return 2
-    if args.run_dir is not None and not args.as_agents:
-        print(f"{where}: error: --run-dir is the run's directory with --as-agents", file=sys.stderr)
+    if args.run_dir is not None and not (args.as_agents or args.through_gateway):
+        print(f"{where}: error: --run-dir is the run's directory with --as-agents or --through-gateway",
+              file=sys.stderr)
         return 2
     mode: Mode = args.mode or "parallel"
     if args.concurrency < 1 or args.speed <= 0:
@@ -126,16 +127,17 @@ def _replay(args: argparse.Namespace) -> int:
     settings = ReplaySettings(concurrency=args.concurrency, speed=args.speed, model=args.model or "",
                               slo=Slo(args.slo_interactivity, args.slo_ttft_s), extra_headers=headers)
 
+    def said(engine: Any) -> None:
+        print(f"the run: {engine.run_dir} (`cerevisor-tui attach {engine.run_dir}` follows it)", file=sys.stderr)
+
     async def to(base_url: str, settings: ReplaySettings = settings) -> ReplayReport:
+        run_dir = Path(args.run_dir) if args.run_dir else None
         if args.through_gateway:
-            return await through_gateway(turns, base_url, settings, mode, args.concurrency,
-                                         api_key_env=args.api_key_env or "")
+            return await through_gateway(turns, base_url, settings, mode, args.concurrency, run_dir=run_dir,
+                                         journal=True, api_key_env=args.api_key_env or "", on_run=said)
         if args.as_agents:
-            return await as_agents(turns, base_url, settings, mode, args.concurrency,
-                                   run_dir=Path(args.run_dir) if args.run_dir else None,
-                                   api_key_env=args.api_key_env or "", on_run=lambda engine: print(
-                                       f"the run: {engine.run_dir} (`cerevisor-tui attach {engine.run_dir}` follows "
-                                       "it)", file=sys.stderr))
+            return await as_agents(turns, base_url, settings, mode, args.concurrency, run_dir=run_dir,
+                                   api_key_env=args.api_key_env or "", on_run=said)
         return await replay(turns, base_url, settings)
 
     async def against_sim() -> ReplayReport:
@@ -174,19 +176,26 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 async def through_gateway(turns: list[TraceTurn], upstream: str, settings: ReplaySettings, mode: Mode,
-                          cap: int, *, api_key_env: str = "", sections: Mapping[str, Mapping[str, Any]] = {},
-                          endpoint: Mapping[str, Any] = {}) -> ReplayReport:
+                          cap: int, *, run_dir: Path | None = None, journal: bool = False, api_key_env: str = "",
+                          sections: Mapping[str, Mapping[str, Any]] = {}, endpoint: Mapping[str, Any] = {},
+                          on_run: Callable[[Any], None] | None = None) -> ReplayReport:
     """The replay's sessions through a gateway of a run of their own in front of `upstream`, as harness traffic
     arrives: every session is sent when its trace says (the run, not the client, admits them), each a row under the
     run's `mode` and `cap`; the report adds the run's cap changes and kills. `sections` adds to the run's config
-    tables ("run", "stall", ...) and `endpoint` to its endpoint's, e.g. deadlines scaled to a sped-up simulator."""
+    tables ("run", "stall", ...) and `endpoint` to its endpoint's, e.g. deadlines scaled to a sped-up simulator.
+    With `journal` (or a `run_dir`) the run is told in its journal in `run_dir` (default: a new one under the runs
+    directory) and served on its control socket, so `cerevisor-tui attach` follows it like any run; `on_run(engine)`
+    is told the run once it is put together."""
     import dataclasses
 
     import anyio
 
+    from cerevisor_tui.commands.run import serve_control
     from cerevisor_tui.config import validate
+    from cerevisor_tui.config.paths import default_runs_dir
     from cerevisor_tui.contract import events as ev
-    from cerevisor_tui.engine.engine import Engine
+    from cerevisor_tui.engine.engine import Engine, new_run_id
+    from cerevisor_tui.engine.run_setup import open_run
     from cerevisor_tui.gateway import serve_gateway
     from cerevisor_tui.replay.run import replay
 
@@ -197,20 +206,38 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
             (t.delay_ms for t in turns if t.turn > 1), default=0.0) / 1000 / settings.speed)},
     }))
     assert config.gateway is not None
-    engine = Engine(config)
+    written = None
+    if journal or run_dir is not None:
+        run_id = new_run_id()
+        engine, written = open_run(config, run_id, run_dir or default_runs_dir() / run_id, console=False)
+    else:
+        engine = Engine(config)
     events: list[ev.Event] = []
     engine.subscribe(lambda e: events.append(e) if isinstance(e, ev.ConcurrencyChanged | ev.AgentKilled) else None)
     sessions = len({t.session_id for t in turns if t.parent is None})
     # the client sends every session when its trace says: admission is the run's
     through = dataclasses.replace(settings, concurrency=max(1, sessions), metrics_url=upstream, extra_headers={})
-    async with anyio.create_task_group() as group:
-        group.start_soon(engine.run)
-        server = await serve_gateway(engine, config.gateway)
-        try:
-            report = await replay(turns, server.url, through)
-        finally:
-            engine.stop("the replay ended")
-            await server.close()
+    control = None
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(engine.run)
+            server = await serve_gateway(engine, config.gateway)
+            if written is not None:
+                control = await serve_control(engine, Path(engine.run_dir), engine.run_id, "", required=False)
+            if on_run is not None and written is not None:
+                on_run(engine)
+            try:
+                report = await replay(turns, server.url, through)
+            finally:
+                engine.stop("the replay ended")
+                await server.close()
+    finally:
+        with anyio.CancelScope(shield=True):
+            if control is not None:
+                await control.close("the replay ended")
+        if written is not None:
+            written.write_report()
+            written.close()
     report.concurrency = cap
     _caps_and_kills(report, events, engine.started_at)
     return report
