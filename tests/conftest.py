@@ -4,19 +4,43 @@ raw socket HTTP server for faults the simulator can't fake."""
 from __future__ import annotations
 
 import asyncio
+import importlib
+import os
+import resource
 import shutil
 import socket
 import ssl as ssl_module
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Generator, Iterator
 from pathlib import Path
-from typing import TypeVar
+from types import ModuleType
+from typing import Any, TypeVar
 
 import pytest
 
 T = TypeVar("T")
+
+# Every xdist worker imports every test module to collect the suite, and pytest rewrites each one's asserts (~8 s
+# of CPU for the suite) unless it may keep the rewritten bytecode: where PYTHONDONTWRITEBYTECODE forbids it, each
+# worker of each run did it again. The caches go to __pycache__ (git ignores them); the interpreters the tests
+# start are left to the environment's choice.
+sys.dont_write_bytecode = False
+
+
+class LazyModule(ModuleType):
+    """A module imported at its first use, not at collection: every worker collects every test module, and the
+    SDKs a few tests read the simulator with (openai, anthropic) take ~2.5 s of CPU to import."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # what collection asks every module-level name (__test__, _pytestfixturefunction)
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self.__name__), attr)
 
 SLOW_TEST_S = 5.0
 """A test of the fast suite takes less than this (setup, call and teardown together), unless it is marked
@@ -36,11 +60,91 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
                 took[report.nodeid] = took.get(report.nodeid, 0.0) + report.duration
                 if "end_to_end" in report.keywords:
                     named.add(report.nodeid)
+    if CPU_REPORT:
+        _cpu_summary(terminalreporter)
     slow = sorted(((s, node) for node, s in took.items() if s > SLOW_TEST_S and node not in named), reverse=True)
     if slow:
         terminalreporter.write_sep("-", f"{len(slow)} tests over {SLOW_TEST_S:g} s not marked end_to_end")
         for seconds, node in slow:
             terminalreporter.write_line(f"{seconds:6.1f} s  {node}")
+
+
+CPU_REPORT = os.environ.get("CEREVISOR_TEST_CPU") == "1"
+"""`CEREVISOR_TEST_CPU=1 pytest ...`: the end of the run also lists where the CPU went, per test (setup, call and
+teardown together: its worker's CPU, and that of the processes it started and waited for, a `python -m
+cerevisor_tui` for one) and per file, and the whole, the workers' start and collection included. On 2 cores the
+suite's CPU, not its parallelism, is its floor. Report only."""
+
+
+def _cpu_s() -> tuple[float, float]:
+    """This process's CPU, and that of its children it has waited for, in seconds."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time(), children.ru_utime + children.ru_stime
+
+
+if CPU_REPORT:
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+        item.stash[_cpu_at] = _cpu_s()
+        yield
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, None, None]:
+        """Each phase's report carries the CPU since the last one (xdist sends user_properties along)."""
+        outcome = yield
+        now = _cpu_s()
+        was = item.stash.get(_cpu_at, now)
+        outcome.get_result().user_properties.append(("cpu_s", (now[0] - was[0], now[1] - was[1])))
+        item.stash[_cpu_at] = now
+
+    def pytest_sessionfinish(session: pytest.Session) -> None:
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:  # an xdist worker: its whole CPU, its start and collection included
+            workeroutput["cpu_s"] = sum(_cpu_s())
+
+    def pytest_testnodedown(node: object, error: object) -> None:
+        _workers_cpu_s.append(getattr(node, "workeroutput", {}).get("cpu_s", 0.0))
+
+_cpu_at = pytest.StashKey[tuple[float, float]]()
+_workers_cpu_s: list[float] = []
+
+
+def _cpu_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The CPU report: the whole, the top 30 tests and every file, each as all (its own, its children's)."""
+    per_test: dict[str, tuple[float, float]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if isinstance(report, pytest.TestReport):
+                for key, value in report.user_properties:
+                    if key == "cpu_s":
+                        own, children = per_test.get(report.nodeid, (0.0, 0.0))
+                        per_test[report.nodeid] = (own + value[0], children + value[1])
+    per_file: dict[str, tuple[float, float]] = {}
+    for node, (own, children) in per_test.items():
+        path = node.split("::")[0]
+        was = per_file.get(path, (0.0, 0.0))
+        per_file[path] = (was[0] + own, was[1] + children)
+    tests_s = sum(own + children for own, children in per_test.values())
+    # the xdist workers are this process's children: each counted once, from what it said of itself
+    here_s = time.process_time() if _workers_cpu_s else sum(_cpu_s())
+    whole_s = here_s + sum(_workers_cpu_s)
+    write = terminalreporter.write_line
+    terminalreporter.write_sep("-", f"CPU: {whole_s:.0f} s in all, {tests_s:.0f} s in tests")
+    write(f"this process {here_s:.1f} s, {len(_workers_cpu_s)} workers {sum(_workers_cpu_s):.1f} s; "
+          f"outside tests (start, collection, this process) {whole_s - tests_s:.1f} s")
+    for name, table, top in (("test", per_test, 30), ("file", per_file, None)):
+        terminalreporter.write_sep("-", f"CPU by {name}: all (own, children's)")
+        for (own, children), key in sorted(((v, k) for k, v in table.items()), key=lambda x: -sum(x[0]))[:top]:
+            write(f"{own + children:6.1f} s ({own:5.1f}, {children:5.1f})  {key}")
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Every test in tests/integration is marked `integration`: where the run deselects exactly those (the fast
+    suite's `-m 'not integration'`), their modules are not imported only to be deselected, by each worker (~3 s
+    of CPU each: the SDKs, the servers' helpers)."""
+    if collection_path == Path(__file__).parent / "integration" and config.getoption("markexpr") == "not integration":
+        return True
+    return None
 
 
 @pytest.fixture
@@ -104,16 +208,19 @@ def _attempts(condition: Callable[[], T], what: str | Callable[[], str], timeout
 
 
 async def until(condition: Callable[[], T], what: str | Callable[[], str] = "", timeout: float = 60.0,
-                interval: float = 0.01) -> T:
+                interval: float = 0.01, longest_interval: float = 0.05) -> T:
     """Wait, letting the event loop run, until `condition()` is truthy; return what it answered. The one way
     tests wait for something: on a condition, never for a fixed time. `condition` may be a block of asserts
     that returns True at its end (an AssertionError is "not yet", and the last one is shown if time runs out);
-    `what` (or a function that says it, asked at the timeout) names what was awaited."""
+    `what` (or a function that says it, asked at the timeout) names what was awaited. It asks every `interval`
+    at first, then less often, up to every `longest_interval`: a condition that draws the screen, asked 100 times
+    a second through a wait of seconds, took a tenth of some tests' CPU."""
     tries = _attempts(condition, what, timeout)
     try:
         while True:
             next(tries)
             await asyncio.sleep(interval)  # the one poll of async tests: the event loop runs meanwhile
+            interval = min(interval * 1.25, max(interval, longest_interval))
     except StopIteration as done:
         return done.value
 

@@ -248,6 +248,7 @@ def test_a_detach_that_loses_the_run_directory_says_so_as_the_foreground_does(tm
     assert stopped.returncode == 0, stopped
 
 
+@pytest.mark.end_to_end  # two real detached runs, stopped
 def test_stop_without_a_run_names_the_one_it_stops_and_with_several_refuses_to_guess_unless_yes(tmp_path: Path):
     """On a shared account `stop` picked the newest live run, a colleague's maybe, and said nothing first."""
     wf = workflow(tmp_path, agents=4, tokens_per_s=5, max_tokens=400)

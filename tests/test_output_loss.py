@@ -25,8 +25,11 @@ CLI = [sys.executable, "-m", "cerevisor_tui"]
 
 def workflow(path: Path, *, agents: int = 2, max_tokens: int = 40, extra: str = "", endless: bool = False,
              tokens_per_s: float = 40.0) -> Path:
-    """A workflow on the built-in simulator; `endless`: its answers take far longer than any test (it is stopped)."""
-    sim = f"[endpoints.sim]\ntokens_per_s = {0.5 if endless else tokens_per_s}\n"
+    """A workflow on the built-in simulator; `endless`: its answers take far longer than any test (it is stopped):
+    200 tokens at 2 a second, the first in half a second."""
+    if endless:
+        tokens_per_s, max_tokens = 2.0, 200
+    sim = f"[endpoints.sim]\ntokens_per_s = {tokens_per_s}\n"
     lines = [f'[run]\nmode = "parallel"\nmax_concurrency = {agents}\n{extra}'
              f'[[endpoints]]\nname = "box"\nkind = "simulated"\n{sim}']
     lines += [f'[[agents]]\nname = "a{i}"\nprompt = "task {i}"\nmax_tokens = {max_tokens}\n' for i in range(agents)]
@@ -63,7 +66,8 @@ def assert_finished(run_dir: Path, *, completed: int | None = None, cancelled: i
 
 
 def test_a_run_piped_into_head_finishes_with_its_report_and_its_lines_go_on_in_run_log(tmp_path):
-    cfg = workflow(tmp_path / "w.toml", tokens_per_s=10)  # seconds of lines after the first: head has long gone
+    # two seconds of lines after the first: head has long gone
+    cfg = workflow(tmp_path / "w.toml", tokens_per_s=10, max_tokens=20)
     run_dir = tmp_path / "runs" / "r1"
     proc = subprocess.run(["bash", "-c", '"$@" | head -1; exit "${PIPESTATUS[0]}"', "run", *CLI, "run", str(cfg),
                            "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)

@@ -241,12 +241,12 @@ async def test_through_a_gateway_in_auto_mode_the_cap_given_is_autos_ceiling():
     N, as `run --mode auto --concurrency N` has it (before, the endpoint's default ceiling let it reach 64)."""
     from cerevisor_tui.commands.replay import through_gateway
 
-    turns = generate("tiered-offload", sessions=6, seed=1)
-    async with SimServer(SimSettings(speed=10.0)) as sim:
-        report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=10.0,
+    turns = generate("tiered-offload", sessions=4, seed=1)
+    async with SimServer(SimSettings(speed=40.0)) as sim:
+        report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=20.0,
                                                                            clock=sim.state.engine.clock_s),
                                        "auto", 2, sections={"run": {"metrics_interval_s": 0.2}})
-    assert report.turns_completed == report.turns == 48
+    assert report.turns_completed == report.turns == 32
     assert report.caps and max(change["cap"] for change in report.caps) <= 2
 
 

@@ -2,7 +2,8 @@
 loopback model server that numbers every tool call `call_1` (as several local tool-call parsers do), a real
 MCP server over stdio, SIGKILL, then `--resume`. A finished call is never run again, a call the crash cut off is
 run again only with an approval ("may already have taken effect"), a damaged call record resumes with a
-notice, and a changed `tools`, `tool_choice` or `max_steps` reruns a completed agent."""
+notice, and a changed `tools`, `tool_choice` or `max_steps` reruns a completed agent (runs nothing kills, in this
+process)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 import tomli_w
 
 from tests.conftest import wait_until
@@ -142,6 +144,7 @@ def killed_after(proc: subprocess.Popen, run_dir: Path, condition: Callable[[lis
         proc.communicate(timeout=30)
 
 
+@pytest.mark.end_to_end  # a real run SIGKILLed, then resumed
 def test_calls_that_share_an_id_are_each_paired_with_their_own_result_and_never_run_again(tmp_path):
     notes, run_dir = tmp_path / "notes.txt", tmp_path / "run"
     crashed = threading.Event()
@@ -202,6 +205,7 @@ async def resumed_with_an_operator(cfg: Path, run_dir: Path) -> Any:
     return asked
 
 
+@pytest.mark.end_to_end  # a real run SIGKILLed, then resumed
 def test_a_call_cut_off_by_a_crash_is_not_run_again_headless_without_approve_all(tmp_path):
     notes = tmp_path / "notes.txt"
 
@@ -243,6 +247,7 @@ def test_a_call_cut_off_by_a_crash_is_not_run_again_headless_without_approve_all
     assert notes.read_text() == "once\nonce\n"
 
 
+@pytest.mark.end_to_end  # a real run SIGKILLed, then resumed
 def test_a_damaged_tool_call_record_resumes_with_a_notice_not_a_traceback(tmp_path):
     notes = tmp_path / "notes.txt"
     crashed = threading.Event()
@@ -278,6 +283,24 @@ def test_a_damaged_tool_call_record_resumes_with_a_notice_not_a_traceback(tmp_pa
     assert [r["outcome"] for r in resumed if r["event"] == "ToolCallFinished"] == ["denied"]
 
 
+async def run_here(cfg: Path, run_dir: Path, resume: bool) -> int:
+    """`cerevisor-tui run CFG --run-dir RUN_DIR` (or `--resume RUN_DIR`) in this process, as the command opens
+    it (headless: a call its rules ask about is denied): for a run nothing kills, without an interpreter's start
+    and imports. Returns what the run returns."""
+    from cerevisor_tui.commands.run import resume_state
+    from cerevisor_tui.config import load_config
+    from cerevisor_tui.engine.engine import new_run_id
+    from cerevisor_tui.engine.run_setup import open_run
+
+    state = resume_state(str(run_dir), run_dir.parent)[1] if resume else None
+    engine, journal = open_run(load_config(str(cfg)), state.run_id if state else new_run_id(), run_dir,
+                               console=False, resume=resume, resumed=state, ask="deny")
+    try:
+        return await engine.run()
+    finally:
+        journal.close()
+
+
 def test_a_completed_agent_is_run_again_when_its_tools_tool_choice_or_max_steps_change(tmp_path):
     def script(body: dict[str, Any]) -> str:
         return "answer"
@@ -285,17 +308,14 @@ def test_a_completed_agent_is_run_again_when_its_tools_tool_choice_or_max_steps_
     with scripted(script) as server:
         run_dir = tmp_path / "run"
         cfg = config(tmp_path, server.base_url)
-        proc = cerevisor(str(cfg), "--run-dir", str(run_dir))
-        assert proc.wait(120) == 0, proc.stderr.read()
+        assert anyio.run(run_here, cfg, run_dir, False) == 0
         sent = len(server.bodies)
         for change, why in [({}, None), ({"max_steps": 4}, "max_steps 10 -> 4"),
                             ({"max_steps": 4, "tool_choice": "required"}, "tool_choice (none) -> required"),
                             ({"max_steps": 4, "tool_choice": "required", "tools": ["fake.echo"]},
                              "tools [fake] -> [fake.echo]")]:
             cfg = config(tmp_path, server.base_url, **change)
-            proc = cerevisor(str(cfg), "--resume", str(run_dir))
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err
+            assert anyio.run(run_here, cfg, run_dir, True) == 0
             reruns = [r["reason"] for r in records(run_dir)[-40:] if r["event"] == "AgentRerun"]
             if why is None:  # nothing changed: reused, never sent again
                 assert len(server.bodies) == sent
@@ -304,6 +324,7 @@ def test_a_completed_agent_is_run_again_when_its_tools_tool_choice_or_max_steps_
                 sent += 1
 
 
+@pytest.mark.end_to_end  # a real run SIGKILLed, then resumed
 def test_a_resumed_run_never_sends_an_x_request_id_an_earlier_run_sent(tmp_path):
     answers = iter([None, "one", "two"])  # the first request is held open until the run is killed
     first_sent = threading.Event()
@@ -333,6 +354,7 @@ def test_a_resumed_run_never_sends_an_x_request_id_an_earlier_run_sent(tmp_path)
     assert server.request_ids[0].endswith(".a0.t1.a1") and server.request_ids[1].endswith(".a0.t1.a1")
 
 
+@pytest.mark.end_to_end  # a real run SIGKILLed, then resumed
 def test_a_cut_off_call_run_to_its_end_by_a_resume_is_reused_by_the_next_resume(tmp_path):
     notes, run_dir, ends = tmp_path / "notes.txt", tmp_path / "run", tmp_path / "slow_note_may_end"
     hold = threading.Event()

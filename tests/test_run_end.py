@@ -26,9 +26,9 @@ CLI = [sys.executable, "-m", "cerevisor_tui"]
 SPENT = re.compile(r"budget reached \(\$\d+\.\d{4} of \$0\.0001\)")
 
 
-def priced_workflow(path: Path, *, tokens_per_s: float = 40.0) -> Path:
+def priced_workflow(path: Path, *, tokens_per_s: float = 40.0, later_tokens: int = 10) -> Path:
     """Three agents, one at a time (a2 after a1), at $10,000 a million prompt tokens: the first turn spends the
-    budget of $0.0001."""
+    budget of $0.0001. a0 answers 10 tokens, a1 and a2 `later_tokens`."""
     path.write_text(f"""
 [run]
 mode = "sequential"
@@ -46,11 +46,11 @@ max_tokens = 10
 [[agents]]
 name = "a1"
 prompt = "second"
-max_tokens = 10
+max_tokens = {later_tokens}
 [[agents]]
 name = "a2"
 prompt = "third"
-max_tokens = 10
+max_tokens = {later_tokens}
 depends_on = ["a1"]
 """)
     return path
@@ -94,12 +94,14 @@ def test_a_foreground_run_whose_budget_is_spent_ends_and_skips_what_it_never_adm
 
 
 @pytest.mark.anyio
+@pytest.mark.end_to_end  # a real run that waits on the wall clock for a console to attach over its socket
 @pytest.mark.parametrize("then", ["resume", "detach"])
 async def test_with_a_console_attached_a_spent_budget_waits_for_it_to_resume_or_leave(tmp_path, then):
     """Resumed (`p`), the run goes on past its budget; left without a word, it has no one left to wait for."""
     run_dir = tmp_path / "runs" / "r1"
-    # a0's answer takes seconds (10 tokens at 2 a second): the console is attached before it spends the budget
-    run = subprocess.Popen([*CLI, "run", str(priced_workflow(tmp_path / "w.toml", tokens_per_s=2)),
+    # a0's answer takes seconds (10 tokens at 2 a second): the console is attached before it spends the budget;
+    # a1's and a2's, once resumed, half a second each
+    run = subprocess.Popen([*CLI, "run", str(priced_workflow(tmp_path / "w.toml", tokens_per_s=2, later_tokens=1)),
                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         await until(lambda: (run_dir / "supervisor.json").exists(), "the run's control socket")
@@ -135,7 +137,7 @@ async def test_with_a_console_attached_a_spent_budget_waits_for_it_to_resume_or_
 def test_a_stopped_chain_counts_its_cancelled_agents_in_the_final_line(tmp_path):
     cfg = tmp_path / "w.toml"
     cfg.write_text('[run]\nmode = "parallel"\n[[endpoints]]\nname = "box"\nkind = "simulated"\n'
-                   '[endpoints.sim]\ntokens_per_s = 0.5\n'
+                   '[endpoints.sim]\ntokens_per_s = 2\n'  # a0's 50 tokens take 25 s: it is cut off
                    + "".join(f'[[agents]]\nname = "a{i}"\nprompt = "p"\nmax_tokens = 50\n'
                              + (f'depends_on = ["a{i - 1}"]\n' if i else "") for i in range(5)))
     run_dir = tmp_path / "runs" / "r1"

@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import anthropic
 import anyio
 import httpx
-import openai
 import pytest
 
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.sim import SimServer, start_in_thread
-from tests.conftest import until
+from tests.conftest import LazyModule, until
 from tests.test_sim import FAST, metric
 
+anthropic, openai = LazyModule("anthropic"), LazyModule("openai")
 pytestmark = pytest.mark.anyio
 
 TOOLS_OPENAI = [{"type": "function", "name": "get_time", "description": "The time in a timezone.",

@@ -1,5 +1,6 @@
 """Start-up stays lazy: `--help` imports neither pydantic, httpx nor Textual, and a headless run never
-imports Textual (checked through what a fresh interpreter has in `sys.modules`, not through timings)."""
+imports Textual nor httpx's command line (checked through what a fresh interpreter has in `sys.modules`, not
+through timings)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def loaded_after(code: str, timeout: float = 60) -> set[str]:
     """Top-level packages imported by a fresh interpreter that runs `code` (which may print)."""
     script = code + textwrap.dedent("""
         import json as _json, sys as _sys
-        print("\\nMODULES " + _json.dumps(sorted({m.split(".")[0] for m in _sys.modules})))
+        print("\\nMODULES " + _json.dumps(sorted({m.split(".")[0] for m, mod in _sys.modules.items()
+                                                  if mod is not None})))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("MODULES ")]
@@ -61,3 +63,4 @@ def test_a_headless_run_never_imports_textual(tmp_path):
     modules = loaded_after(code)
     assert "cerevisor_tui" in modules and "httpx" in modules  # it did run
     assert "textual" not in modules
+    assert not modules & {"rich", "pygments"}  # httpx's own command line, which its import would take along

@@ -4,14 +4,15 @@ gateway's own words on the wire (keep-alive comments, a deadline's error event) 
 
 from __future__ import annotations
 
-import anthropic
 import httpx
-import openai
 import pytest
 
 from cerevisor_tui.contract import events as ev
 
+from ..conftest import LazyModule
 from .conftest import FAST_SIM, gateway_config, served
+
+anthropic, openai = LazyModule("anthropic"), LazyModule("openai")
 
 pytestmark = pytest.mark.anyio
 SIM = [{"name": "sim", "kind": "simulated", "model": "sim-model", "sim": {**FAST_SIM}}]

@@ -7,19 +7,18 @@ from __future__ import annotations
 import asyncio
 import time
 
-import anthropic
 import anyio
 import httpx
-import openai
 import pytest
 
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
 
-from ..conftest import until
+from ..conftest import LazyModule, until
 from .conftest import Answer, chat, post, served
 from .upstreams import WORDS, FakeApi
 
+anthropic, openai = LazyModule("anthropic"), LazyModule("openai")
 pytestmark = pytest.mark.anyio
 
 KEEPALIVE_S = 0.2
