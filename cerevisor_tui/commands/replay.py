@@ -167,12 +167,11 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
     from cerevisor_tui.gateway import serve_gateway
     from cerevisor_tui.replay.run import replay
 
-    # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it; and where the run's clock
-    # is the server's (not a sped-up simulator's, which may lag the host), Auto keeps each user at the SLO's
-    # interactivity: its floor
-    auto: dict[str, Any] = {"max_cap": cap}
-    if settings.speed == 1:
-        auto["min_interactivity_tokens_s"] = settings.slo.min_interactivity_tokens_s
+    # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it, and Auto keeps each
+    # user at the SLO's interactivity: its floor. The floor is in the run's seconds, which a sped-up simulator's
+    # durations (its inter-token histogram, which Auto reads) are given in: `speed` times the SLO's tokens/s.
+    auto: dict[str, Any] = {"max_cap": cap,
+                            "min_interactivity_tokens_s": settings.slo.min_interactivity_tokens_s * settings.speed}
     config = validate({
         **sections,
         "run": {"mode": mode, "max_concurrency": cap, "warmup": "off", **({"auto": auto} if mode == "auto" else {}),

@@ -73,6 +73,9 @@ class Signals:
     context_tokens: float | None = None  # projected full length of this endpoint's conversations (mean)
     turn_tokens: float | None = None  # output tokens per turn (measured, else the agents' max_tokens)
     rates: tuple[tuple[float, float], ...] = ()  # recent answers' (when each ended, its output tokens/s per user)
+    # the gaps between output tokens the server observed since the run began, (seconds, gaps): its inter-token
+    # histogram's _sum and _count; None from a server without one
+    decode_gaps: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,7 @@ class _Window:
     tokens0: int
     sample0: int
     preemptions0: float | None
+    gaps0: tuple[float, float] | None = None  # the server's decode gaps at its start
     waiting: float = 0.0  # summed over its samples
     samples: int = 0
     kv: float | None = None
@@ -120,6 +124,18 @@ class _Window:
         return self.hits / self.hit_samples if self.hit_samples else None
 
 
+def _per_user(s: Signals, w: _Window) -> tuple[float, str] | None:
+    """Each user's output tokens/s through the window, and whose figure it is: the server's (its decode gaps'
+    count over their seconds) when it keeps an inter-token histogram, else the median of the run's answers that
+    ended in it, on the run's clock (which a sped-up simulator's host may lag); None with nothing decoded."""
+    if s.decode_gaps is not None:
+        before = w.gaps0 or (0.0, 0.0)
+        seconds, gaps = s.decode_gaps[0] - before[0], s.decode_gaps[1] - before[1]
+        return (gaps / seconds, "the server's tokens stream at") if gaps > 0 and seconds > 0 else None
+    rates = sorted(rate for t, rate in s.rates if t >= w.t0)
+    return (rates[len(rates) // 2], "answers stream at") if rates else None
+
+
 def pct(x: float) -> str:
     return f"{x:.0%}"
 
@@ -133,8 +149,8 @@ class AutoController:
         self.max_cap = max(self.min_cap, max_cap)
         self.ceiling = self.max_cap  # moved by the operator (`+`/`-` in auto mode)
         self.kv_target = kv_target
-        self.min_interactivity = min_interactivity  # tokens/s per user the median answer keeps; 0: no floor
-        self.interactivity: dict[int, float] = {}  # cap -> the median answer's tokens/s in its last full window
+        self.min_interactivity = min_interactivity  # tokens/s each user keeps (_per_user); 0: no floor
+        self.interactivity: dict[int, float] = {}  # cap -> tokens/s per user in its last full window
         self.slow_start = not start_cap
         self.cap = self._clamp(start_cap or self.min_cap)
         self.start_reason = (f"auto: start at {self.cap} ({start_why})" if start_cap and start_why
@@ -205,7 +221,7 @@ class AutoController:
                 return None
             self._warm = True  # (until the next change: only a change admits a burst)
             # (the sample in hand was taken before the window: only later ones are about this cap)
-            self._window = _Window(s.t, s.tokens, s.sample, s.preemptions, last_sample=s.sample)
+            self._window = _Window(s.t, s.tokens, s.sample, s.preemptions, s.decode_gaps, last_sample=s.sample)
             return None
         w.see(s)
         turn = s.turn_tokens or 256.0
@@ -333,14 +349,17 @@ class AutoController:
         return None
 
     def _under_floor(self, s: Signals, w: _Window) -> Change | None:
-        """With a floor on each user's interactivity: the answers that ended in this window streamed, at their
-        median, under it: back to the largest cap measured above it (else three quarters of this one). Throughput
-        alone grows a cap for as long as the total rises, while each user's stream slows under the others'
-        prefills: the knee of goodput at an SLO sits below the knee of throughput."""
-        rates = sorted(rate for t, rate in s.rates if t >= w.t0)
-        if not self.min_interactivity or not rates:
+        """With a floor on each user's interactivity: the tokens of this window streamed under it, by the server's
+        own clock where it has an inter-token histogram (vLLM), else at the median of the answers that ended in
+        it: back to the largest cap measured above it (else three quarters of this one). Throughput alone grows
+        a cap for as long as the total rises, while each user's stream slows under the others' prefills: the
+        knee of goodput at an SLO sits below the knee of throughput."""
+        if not self.min_interactivity:
             return None
-        per_user = rates[len(rates) // 2]
+        seen = _per_user(s, w)
+        if seen is None:
+            return None
+        per_user, source = seen
         cap, floor = self.cap, self.min_interactivity
         self.interactivity[cap] = per_user
         if per_user >= floor or cap <= self.min_cap:
@@ -348,7 +367,7 @@ class AutoController:
         self.slow_start, self._probe_from = False, None
         good = [c for c, rate in self.interactivity.items() if c < cap and rate >= floor]
         back = max(good) if good else max(self.min_cap, min(cap - 1, cap * 3 // 4))
-        return self._to(back, f"answers stream at {per_user:.0f} tok/s per user at {cap}, under the {floor:g} floor "
+        return self._to(back, f"{source} {per_user:.0f} tok/s per user at {cap}, under the {floor:g} floor "
                               "([run.auto] min_interactivity_tokens_s)")
 
     # ---- helpers ----------------------------------------------------------------------------------
