@@ -63,16 +63,19 @@ class Row:
     sessions_killed: int
     settled_cap: int | None
     wall_s: float
+    interactivity_p50: float | None  # output tokens/s per user, the median turn's
     first_error: str = ""
     caps: list[str] = field(default_factory=list)  # Auto's changes: "t_s: cap (reason)"
 
     def line(self) -> str:
         hits = "-" if self.prefix_hit_rate is None else f"{self.prefix_hit_rate:.1%}"
+        rate = "-" if self.interactivity_p50 is None else f"{self.interactivity_p50:.0f}"
         settled = "" if self.settled_cap is None else f"  settled at {self.settled_cap}"
         failed = f"\n    first failure: {self.first_error}" if self.first_error else ""
         failed += "".join(f"\n    {change}" for change in self.caps)
         return (f"  {self.label:12} {self.goodput_per_min:7.1f} good turns/min  {self.goodput_share:4.0%} met  "
-                f"makespan {self.makespan_s:7.0f} s  {self.turns_completed:4}/{self.turns} turns  hits {hits}  "
+                f"makespan {self.makespan_s:7.0f} s  {self.turns_completed:4}/{self.turns} turns  {rate:>4} tok/s p50  "
+                f"hits {hits}  "
                 f"kills {self.kills}{settled}  ({self.wall_s:.0f} s wall){failed}")
 
 
@@ -81,7 +84,7 @@ def _row(label: str, cap: int, report: ReplayReport, wall_s: float) -> Row:
     return Row(label, cap, report.goodput["turns_per_min"] or 0.0, report.goodput["share"] or 0.0,
                report.makespan_s, report.turns_completed, report.turns, report.prefix_hit_rate, len(report.kills),
                len({k["session"] for k in report.kills}), caps[-1] if label == "auto" and caps else None, wall_s,
-               report.first_error,
+               report.interactivity["p50_tokens_per_s"], report.first_error,
                [f"{c['t_s']:.1f} s: {c['cap']} ({c['reason']})" for c in report.caps] if label == "auto" else [])
 
 

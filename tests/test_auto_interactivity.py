@@ -90,7 +90,7 @@ async def test_on_the_simulator_auto_backs_off_on_the_servers_inter_token_latenc
                     "auto": {"min_interactivity_tokens_s": floor}},
             "endpoints": [{"name": "e", "base_url": srv.base_url, "model": "sim-model", "max_concurrency": 8}],
             "agents": [{"name": f"a{i}", "system": f"agent {i} " + "x" * 800, "prompt": "y" * 400,
-                        "turns": ["z" * 400], "max_tokens": 64} for i in range(8)],
+                        "turns": ["z" * 400], "max_tokens": 64} for i in range(16)],
         }))
         seen: list = []
         engine.subscribe(seen.append)
@@ -100,7 +100,8 @@ async def test_on_the_simulator_auto_backs_off_on_the_servers_inter_token_latenc
     reasons = "; ".join(c.reason for c in changes)
     backs = [c for c in changes if "the server's tokens stream at" in c.reason and f"under the {floor:g} floor" in c.reason]
     assert backs, reasons
-    assert all(c.effective_cap == 1 for c in backs), reasons  # only a user alone kept the floor
+    # back under 4, where the slow start went from 1: each user's share of the steps scaled to the floor
+    assert all(c.effective_cap < 4 for c in backs) and max(c.effective_cap for c in changes) == 4, reasons
     ctl = engine.caps.auto["e"]
     assert ctl.interactivity[1] == pytest.approx(alone, rel=0.01)  # 1 / (0.02 s a token / 50)
     seconds, gaps = engine.monitor.decode_gaps["e"]

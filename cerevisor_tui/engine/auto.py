@@ -48,6 +48,7 @@ WAITING_SHARE = 0.25  # a queue: at least this share of our running agents waiti
 WAITING_MIN = 2.0
 TTFT_QUEUE_RATIO = 2.0  # TTFT this many times its best (and 0.5 s more) means requests queue
 HIT_DROP = 0.20  # prefix hit rate this far below its best, with the KV cache full: prefixes are evicted
+FLOOR_WINDOWS = 2  # windows at one cap before the floor judges it: one can be a burst of new sessions' prefills
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,15 +125,16 @@ class _Window:
         return self.hits / self.hit_samples if self.hit_samples else None
 
 
-def _per_user(s: Signals, w: _Window) -> tuple[float, str] | None:
-    """Each user's output tokens/s through the window, and whose figure it is: the server's (its decode gaps'
-    count over their seconds) when it keeps an inter-token histogram, else the median of the run's answers that
-    ended in it, on the run's clock (which a sped-up simulator's host may lag); None with nothing decoded."""
+def _per_user(s: Signals, t0: float, gaps0: tuple[float, float] | None) -> tuple[float, str] | None:
+    """Each user's output tokens/s since `t0` (the server's decode gaps then: `gaps0`), and whose figure it is:
+    the server's (its decode gaps' count over their seconds) when it keeps an inter-token histogram, else the
+    median of the run's answers that ended since, on the run's clock (which a sped-up simulator's host may lag);
+    None with nothing decoded."""
     if s.decode_gaps is not None:
-        before = w.gaps0 or (0.0, 0.0)
+        before = gaps0 or (0.0, 0.0)
         seconds, gaps = s.decode_gaps[0] - before[0], s.decode_gaps[1] - before[1]
         return (gaps / seconds, "the server's tokens stream at") if gaps > 0 and seconds > 0 else None
-    rates = sorted(rate for t, rate in s.rates if t >= w.t0)
+    rates = sorted(rate for t, rate in s.rates if t >= t0)
     return (rates[len(rates) // 2], "answers stream at") if rates else None
 
 
@@ -172,6 +174,8 @@ class AutoController:
         self._preempt_t: float | None = None
         self._waiting_streak = 0
         self._last_sample = -1
+        # the floor's count at this cap: (cap, when its first window began, the server's decode gaps then, windows)
+        self._floor_since: tuple[int, float, tuple[float, float] | None, int] | None = None
 
     # ---- the operator ---------------------------------------------------------------------------
     def set_ceiling(self, ceiling: int) -> Change | None:
@@ -288,7 +292,8 @@ class AutoController:
             self.ttft_best = s.ttft_p50 if self.ttft_best is None else min(self.ttft_best, s.ttft_p50)
         if s.queued == 0:
             return None  # nobody waits for a slot: a cap moved now would change nothing
-        slow = self._under_floor(s, w)
+        seen, floor_pending = self._per_user_at_cap(s, w) if self.min_interactivity else (None, False)
+        slow = self._under_floor(seen)
         if slow is not None:
             return slow
         fit = self._fit(s)
@@ -317,7 +322,10 @@ class AutoController:
         if self._probe_from is not None:  # judging an upward probe
             base_cap, self._probe_from = self._probe_from, None
             base = self.measured.get(base_cap)
-            if base is not None and (tp < base * PROBE_GAIN or not headroom):
+            # its users kept the floor (else _under_floor sent it back): more of them streaming at the SLO is more
+            # goodput, unless the total fell; without a floor, a probe must raise the total to be worth its risk
+            gain = COLLAPSE if self.min_interactivity else PROBE_GAIN
+            if base is not None and (tp < base * gain or not headroom):
                 return self._to(base_cap, f"probe to {cap}: throughput {self._gain(tp, base)}, back to {base_cap}")
             self._calm = 0
             return None
@@ -332,6 +340,8 @@ class AutoController:
                                         f"{self.prev_cap}")
                 return None
             self._flat = 0
+            if floor_pending:
+                return None
             if headroom and cap < upper:
                 # x4 while that stays within what fits (the fit is the safety, not the throughput test), else x2
                 new = min(cap * 4 if fit is not None and cap * 4 <= fit else cap * 2, upper)
@@ -342,21 +352,37 @@ class AutoController:
         self._calm += 1
         if (self._calm >= PROBE_EVERY and headroom and cap < upper and (w.kv is None or w.kv < KV_HEADROOM)):
             self._calm = 0
+            # not as far as a cap whose users were under the floor: the probe would only come back
+            slow = min((c for c, rate in self.interactivity.items() if c > cap and rate < self.min_interactivity),
+                       default=upper + 1)
+            new = min(upper, slow - 1, cap + max(1, cap // 4))
+            if new <= cap:
+                return None
             self._probe_from = cap
-            new = min(upper, cap + max(1, cap // 4))
             return self._to(new, f"probing upward: {tp:,.0f} tok/s at {cap}, {w.queue_text()}{kv}"
                                  + self._fit_note(s, fit, new))
         return None
 
-    def _under_floor(self, s: Signals, w: _Window) -> Change | None:
-        """With a floor on each user's interactivity: the tokens of this window streamed under it, by the server's
-        own clock where it has an inter-token histogram (vLLM), else at the median of the answers that ended in
-        it: back to the largest cap measured above it (else three quarters of this one). Throughput alone grows
-        a cap for as long as the total rises, while each user's stream slows under the others' prefills: the
-        knee of goodput at an SLO sits below the knee of throughput."""
-        if not self.min_interactivity:
-            return None
-        seen = _per_user(s, w)
+    def _per_user_at_cap(self, s: Signals, w: _Window) -> tuple[tuple[float, str] | None, bool]:
+        """Each user's tokens/s since this cap's first window (_per_user) once FLOOR_WINDOWS have ended at it, and
+        whether the cap waits for that (nothing grows meanwhile): a cap's figure over its windows together, as
+        goodput counts it, not one window's, which the first prefills of the sessions it admits can take."""
+        if self._floor_since is None or self._floor_since[0] != self.cap:
+            self._floor_since = (self.cap, w.t0, w.gaps0, 0)
+        cap, t0, gaps0, windows = self._floor_since
+        self._floor_since = (cap, t0, gaps0, windows + 1)
+        seen = _per_user(s, t0, gaps0)
+        if seen is not None and windows + 1 < FLOOR_WINDOWS:
+            return None, True
+        return seen, False
+
+    def _under_floor(self, seen: tuple[float, str] | None) -> Change | None:
+        """With a floor on each user's interactivity (`seen`: this cap's figure, _per_user_at_cap) under it: back
+        to the cap whose users would stream at the floor if each one's share of the decode steps fell as 1/cap (it
+        falls slower, so this errs low and probes climb back), at least three quarters of this one (a figure is
+        noisy), or to the largest cap measured above it when that is more.
+        Throughput alone grows a cap for as long as the total rises, while each user's stream slows under the
+        others' prefills: the knee of goodput at an SLO sits below the knee of throughput."""
         if seen is None:
             return None
         per_user, source = seen
@@ -365,8 +391,8 @@ class AutoController:
         if per_user >= floor or cap <= self.min_cap:
             return None
         self.slow_start, self._probe_from = False, None
-        good = [c for c, rate in self.interactivity.items() if c < cap and rate >= floor]
-        back = max(good) if good else max(self.min_cap, min(cap - 1, cap * 3 // 4))
+        good = max((c for c, rate in self.interactivity.items() if c < cap and rate >= floor), default=self.min_cap)
+        back = max(self.min_cap, min(cap - 1, max(good, cap * 3 // 4, math.floor(cap * per_user / floor))))
         return self._to(back, f"{source} {per_user:.0f} tok/s per user at {cap}, under the {floor:g} floor "
                               "([run.auto] min_interactivity_tokens_s)")
 
@@ -408,4 +434,5 @@ class AutoController:
         self._window = None
         self._warm, self._cold_looks = False, 0
         self._settling = cap < old  # a decrease takes effect as conversations end: judge nothing until it has
+        self._floor_since = None
         return Change(cap, f"auto: {old} -> {cap} ({why})")
