@@ -109,7 +109,8 @@ async def gateway_run(turns: list[TraceTurn], mode: str, cap: int, speed: float,
                                 "stall": stall or _scaled_stall(speed, wedge_timeout_s=45.0)}
     async with SimServer(SimSettings(profile=PROFILE, speed=speed, cold_start_s=cold_start_s)) as sim:
         started = time.monotonic()
-        report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=speed, clock=sim.state.engine.clock_s),
+        report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=speed, clock=sim.state.engine.clock_s,
+                                                                                 clock_sped_up=True),
                                        mode, cap, sections=sections, endpoint=endpoint or {})  # type: ignore[arg-type]
         return _row(label or f"{mode} {cap}", cap, report, time.monotonic() - started)
 
@@ -122,7 +123,7 @@ async def sequential(turns: list[TraceTurn], speed: float) -> Row:
     async with SimServer(SimSettings(profile=PROFILE, speed=speed)) as sim:
         started = time.monotonic()
         report = await replay(turns, sim.base_url, ReplaySettings(concurrency=1, speed=speed,
-                                                                  clock=sim.state.engine.clock_s))
+                                                                  clock=sim.state.engine.clock_s, clock_sped_up=True))
         return _row("sequential", 1, report, time.monotonic() - started)
 
 

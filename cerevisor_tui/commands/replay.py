@@ -125,7 +125,8 @@ def _replay(args: argparse.Namespace) -> int:
         async with SimServer(SimSettings(profile=args.sim or "", speed=args.speed)) as sim:
             # timed on the simulator's own clock: on a host that cannot keep pace with --speed, the wall times
             # --speed would overstate every time
-            return await to(sim.base_url, dataclasses.replace(settings, clock=sim.state.engine.clock_s))
+            return await to(sim.base_url, dataclasses.replace(settings, clock=sim.state.engine.clock_s,
+                                                              clock_sped_up=True))
 
     try:
         report = asyncio.run(against_sim() if simulated else to(args.endpoint))
