@@ -100,9 +100,20 @@ async def test_on_the_simulator_auto_backs_off_on_the_servers_inter_token_latenc
     reasons = "; ".join(c.reason for c in changes)
     backs = [c for c in changes if "the server's tokens stream at" in c.reason and f"under the {floor:g} floor" in c.reason]
     assert backs, reasons
-    # back under 4, where the slow start went from 1: each user's share of the steps scaled to the floor
-    assert all(c.effective_cap < 4 for c in backs) and max(c.effective_cap for c in changes) == 4, reasons
+    # x4 from 1 (one cap measured: no fit yet), under the floor at 4: back, in proportion to the shortfall
+    assert max(c.effective_cap for c in changes) == 4 and all(c.effective_cap < 4 for c in backs), reasons
     ctl = engine.caps.auto["e"]
     assert ctl.interactivity[1] == pytest.approx(alone, rel=0.01)  # 1 / (0.02 s a token / 50)
     seconds, gaps = engine.monitor.decode_gaps["e"]
     assert 0 < gaps <= server.count and seconds <= server.sum  # counted from the monitor's first scrape
+
+
+def test_the_cap_at_the_floor_comes_from_time_per_token_growing_linearly_with_the_cap():
+    ctl = AutoController(max_cap=64, min_interactivity=50.0)
+    assert ctl._floor_cap() is None  # nothing measured
+    ctl.interactivity = {1: 100.0}
+    assert ctl._floor_cap() is None  # one cap: no slope
+    ctl.interactivity = {1: 100.0, 4: 80.0}  # 10 ms a token alone, +0.83 ms for each more conversation
+    assert ctl._floor_cap() == 13  # 20 ms a token at 13
+    ctl.interactivity = {1: 100.0, 4: 100.0}
+    assert ctl._floor_cap() is None  # the time per token does not grow: no limit from the floor

@@ -346,6 +346,14 @@ class AutoController:
                 # x4 while that stays within what fits (the fit is the safety, not the throughput test), else x2
                 new = min(cap * 4 if fit is not None and cap * 4 <= fit else cap * 2, upper)
                 grew = f"throughput {self._gain(tp, prev)} at {cap}" if prev else f"{tp:,.0f} tok/s at {cap}"
+                if seen is not None:
+                    grew += f", users at {seen[0]:,.0f} tok/s each"
+                    # with a floor, no further than the cap the caps measured so far say it is reached at: a cap
+                    # admitted past the knee of goodput holds its sessions for all their turns
+                    at_floor = self._floor_cap()
+                    if at_floor is not None:
+                        new = min(new, max(cap + 1, at_floor))
+                        grew += f" (the floor at about {at_floor})"
                 return self._to(new, f"slow start: {grew}, {w.queue_text()}{kv}" + self._fit_note(s, fit, new))
             self.slow_start = False
             return None
@@ -395,6 +403,23 @@ class AutoController:
         back = max(self.min_cap, min(cap - 1, max(good, cap * 3 // 4, math.floor(cap * per_user / floor))))
         return self._to(back, f"{source} {per_user:.0f} tok/s per user at {cap}, under the {floor:g} floor "
                               "([run.auto] min_interactivity_tokens_s)")
+
+    def _floor_cap(self) -> int | None:
+        """The cap at which each user's stream reaches the floor, from the caps measured: time per output token
+        grows about linearly with the conversations that share the steps (each adds its decode and its turns'
+        prefills), so 1/rate = a + b x cap, fitted by least squares; None with fewer than two caps measured or a
+        time per token that does not grow."""
+        points = [(c, 1.0 / rate) for c, rate in self.interactivity.items() if rate > 0]
+        if len(points) < 2:
+            return None
+        n = len(points)
+        mean_c = sum(c for c, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        spread = sum((c - mean_c) ** 2 for c, _ in points)
+        slope = sum((c - mean_c) * (t - mean_t) for c, t in points) / spread if spread else 0.0
+        if slope <= 0:
+            return None
+        return max(self.min_cap, math.floor(mean_c + (1.0 / self.min_interactivity - mean_t) / slope + 1e-9))
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _fit(self, s: Signals) -> int | None:
