@@ -17,7 +17,7 @@ time is the simulator's own (BatchEngine.clock_s), so a host that cannot keep pa
     Each session's first 8 turns, also with --quick (which takes fewer sessions and caps): AgentX's sessions run a
     median of 43 turns, one cold first prompt (50K-300K tokens, compute-bound, which no concurrency speeds up) to
     42 warm ones. A 4-turn window made a quarter of the turns cold first prompts, so every cap's goodput was
-    mostly the first prompts' (the best fixed cap reached 4.0x Sequential at 4 turns, 10.5x at 8 with 24 sessions).
+    mostly the first prompts' (the best fixed cap reached 4.0x Sequential at 4 turns, 7.3x at 8).
     8 is as far as a few minutes on 2 cores go; the real traffic's ratio of warm to cold turns is higher still.
 (b) A fresh box: `--cold-start-s` of zero output (/health says loading, requests wait), then an empty prefix cache
     that every session's first prompt must fill (the warm-up). The same sessions under one generic 10-minute
@@ -27,7 +27,7 @@ time is the simulator's own (BatchEngine.clock_s), so a host that cannot keep pa
     they mean simulated seconds. Targets: the generic timer's kills counted, the two deadlines' kills 0.
 
     python benchmarks/seed.py            # 48 sessions x 8 turns, caps 8 to 48 (not yet run to its end here)
-    python benchmarks/seed.py --quick    # 32 sessions x 8 turns, caps 8 to 32: about 10 minutes on 2 cores at load 9
+    python benchmarks/seed.py --quick    # 32 sessions x 8 turns, caps 8 to 32: about 8 minutes on 2 cores at load 2-5
     python benchmarks/seed.py --json     # the figures as one JSON object
 """
 

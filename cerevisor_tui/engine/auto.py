@@ -28,6 +28,10 @@ shows, the damage is done and slow to undo. What we took:
 4. **Re-probing upward now and then** (Envoy's adaptive concurrency re-measures its baseline
    periodically): after `PROBE_EVERY` calm windows with headroom, +25%; kept if throughput rose, else back.
    The best cap moves as conversations grow: the fit ceiling moves with the projection.
+5. **A floor on each user's interactivity** (an SLO's tokens/s per user, read on the server's clock where it has
+   an inter-token histogram): throughput keeps rising past the knee of goodput, so with a floor a cap is judged
+   by its users' stream too. Time per token grows about linearly with the cap; fitted on the caps measured, it
+   says where the floor is reached, and the slow start and the probes go no further.
 """
 
 from __future__ import annotations
