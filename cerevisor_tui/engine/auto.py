@@ -156,7 +156,7 @@ class AutoController:
         self.ceiling = self.max_cap  # moved by the operator (`+`/`-` in auto mode)
         self.kv_target = kv_target
         self.min_interactivity = min_interactivity  # tokens/s each user keeps (_per_user); 0: no floor
-        self.interactivity: dict[int, float] = {}  # cap -> tokens/s per user in its last full window
+        self.interactivity: dict[int, float] = {}  # cap -> tokens/s per user over its windows (_per_user_at_cap)
         self.slow_start = not start_cap
         self.cap = self._clamp(start_cap or self.min_cap)
         self.start_reason = (f"auto: start at {self.cap} ({start_why})" if start_cap and start_why
