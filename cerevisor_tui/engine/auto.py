@@ -334,7 +334,10 @@ class AutoController:
             self._calm = 0
             return None
         if self.slow_start:
-            if prev is not None and self.prev_cap is not None and self.prev_cap < cap and tp < prev * GROWTH:
+            # with a floor its verdict is the test (throughput dips at any raise here, as the sessions it admits
+            # prefill their first prompts, and goodput is what the floor keeps); without one, did the total grow?
+            if (seen is None and prev is not None and self.prev_cap is not None and self.prev_cap < cap
+                    and tp < prev * GROWTH):
                 self._flat += 1
                 if self._flat < 2:
                     return None  # measure this cap once more before judging it: one window can be noise
