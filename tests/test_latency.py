@@ -144,7 +144,9 @@ def library_reading(text: str, kind: str) -> LatencyScrape:
         if name is not None:
             bounds = tuple(sorted(buckets[name]))
             histograms[figure] = Buckets(bounds, tuple(buckets[name][b] for b in bounds))
-    return LatencyScrape(kind, histograms, values.get(PROGRESS_COUNTERS[kind]), values.get(RUNNING_GAUGES[kind]))
+    gaps = next((n for n in HISTOGRAMS[kind].get("inter_token", ()) if f"{n}_count" in values), "")
+    return LatencyScrape(kind, histograms, values.get(PROGRESS_COUNTERS[kind]), values.get(RUNNING_GAUGES[kind]),
+                         values.get(f"{gaps}_sum"), values.get(f"{gaps}_count"))
 
 
 def test_the_hand_reader_reads_what_prometheus_clients_parser_reads():
@@ -389,6 +391,7 @@ async def test_a_run_on_the_simulator_tells_its_latency_panel_from_vllms_histogr
     panel = [e for e in seen if e.kind == "LatencySample" and e.ttft is not None][-1]
     assert panel.source == "histograms" and panel.ttft.count == 3
     assert panel.queue is not None and panel.prefill is not None
-    assert panel.inter_token is None  # the simulator keeps no inter-token histogram
+    # 3 answers of 6 tokens: 15 gaps, each under vLLM's first bucket (10 ms) at speed 20, so only bounded
+    assert panel.inter_token is not None and panel.inter_token.count == 15 and panel.inter_token.p50_bound == "below"
     latency = engine.report.to_dict()["endpoints"][0]["latency"]
     assert latency["ttft"]["count"] == 3 and latency["ttft"]["p50_s"] == panel.ttft.p50_s

@@ -147,7 +147,8 @@ def _replay(args: argparse.Namespace) -> int:
         async with SimServer(SimSettings(profile=args.sim or "", speed=args.speed)) as sim:
             # timed on the simulator's own clock: on a host that cannot keep pace with --speed, the wall times
             # --speed would overstate every time
-            return await to(sim.base_url, dataclasses.replace(settings, clock=sim.state.engine.clock_s))
+            return await to(sim.base_url, dataclasses.replace(settings, clock=sim.state.engine.clock_s,
+                                                              clock_sped_up=True))
 
     try:
         report = asyncio.run(against_sim() if simulated else to(args.endpoint))
@@ -247,12 +248,12 @@ def _run_config(upstream: str, settings: ReplaySettings, mode: Mode, cap: int, a
                 sections: Mapping[str, Mapping[str, Any]], endpoint: Mapping[str, Any],
                 more: Mapping[str, Any]) -> dict[str, Any]:
     """A replay's run, as config data: its mode and cap, one endpoint (`upstream`), and `more` tables."""
-    # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it; and where the run's clock
-    # is the server's (not a sped-up simulator's, which may lag the host), Auto keeps each user at the SLO's
-    # interactivity: its floor
-    auto: dict[str, Any] = {"max_cap": cap}
-    if settings.speed == 1:
-        auto["min_interactivity_tokens_s"] = settings.slo.min_interactivity_tokens_s
+    # in auto mode the cap is Auto's ceiling, as `run --mode auto --concurrency N` makes it, and Auto keeps each
+    # user at the SLO's interactivity: its floor. The floor is in the run's seconds, which a sped-up simulator's
+    # durations (its inter-token histogram, which Auto reads) are given in: `speed` times the SLO's tokens/s there;
+    # a real server's are its own
+    pace = settings.speed if settings.clock_sped_up else 1.0
+    auto: dict[str, Any] = {"max_cap": cap, "min_interactivity_tokens_s": settings.slo.min_interactivity_tokens_s * pace}
     return {
         **sections,
         "run": {"mode": mode, "max_concurrency": cap, "warmup": "off", **({"auto": auto} if mode == "auto" else {}),

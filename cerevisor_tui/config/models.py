@@ -167,7 +167,7 @@ class AutoConfig(_Section):
     kv_target: float = Field(default=0.95, gt=0, le=1)
     """Fraction of the server's KV cache the agents' conversations may fill, at their projected full length."""
     min_interactivity_tokens_s: float = Field(default=0.0, ge=0, le=100000)
-    """Output tokens/s each user must keep (the median answer's, from its first token): Auto backs off below it and grows only above it; 0: throughput alone decides."""
+    """Output tokens/s each user must keep (the server's own time per output token where it exports vLLM's inter-token histogram, else the median answer's from its first token): Auto backs off below it and grows only above it; 0: throughput alone decides."""
 
     @model_validator(mode="after")
     def _order(self) -> AutoConfig:

@@ -166,6 +166,11 @@ class LatencyScrape:
     histograms: dict[str, Buckets] = field(default_factory=dict)
     progress: float | None = None
     running: float | None = None
+    # the inter-token histogram's _sum (seconds) and _count (gaps): their differences between two scrapes give the
+    # mean time per token a user saw, exactly, where its quantiles are only bounds (at a sped-up simulator every
+    # gap falls under vLLM's first bucket, 10 ms)
+    inter_token_sum_s: float | None = None
+    inter_token_count: float | None = None
 
 
 _LE = re.compile(r'[{,]\s*le="([^"]*)"')
@@ -208,6 +213,7 @@ def parse_latency(text: str, kind: str) -> LatencyScrape:
     engines) summed; a text that does not parse gives what could be read, never an exception."""
     buckets: dict[str, dict[float, float]] = {}
     sums: dict[str, float] = {}
+    totals: dict[str, float] = {}  # each histogram's _sum and _count, label sets summed
     for name, le, value in samples_of(text):
         if name.endswith("_bucket"):
             if le is None:
@@ -218,7 +224,9 @@ def parse_latency(text: str, kind: str) -> LatencyScrape:
                 continue
             per = buckets.setdefault(name[: -len("_bucket")], {})
             per[bound] = per.get(bound, 0.0) + value
-        elif not name.endswith(("_created", "_sum", "_count")):
+        elif name.endswith(("_sum", "_count")):
+            totals[name] = totals.get(name, 0.0) + value
+        elif not name.endswith("_created"):
             base = name[: -len("_total")] if name.endswith("_total") else name
             sums[base] = sums.get(base, 0.0) + value
     histograms = {}
@@ -227,8 +235,9 @@ def parse_latency(text: str, kind: str) -> LatencyScrape:
         if found is not None:
             bounds = tuple(sorted(buckets[found]))
             histograms[figure] = Buckets(bounds, tuple(buckets[found][b] for b in bounds))
+    gaps = next((n for n in HISTOGRAMS.get(kind, {}).get("inter_token", ()) if f"{n}_count" in totals), "")
     return LatencyScrape(kind, histograms, sums.get(PROGRESS_COUNTERS.get(kind, "")),
-                         sums.get(RUNNING_GAUGES.get(kind, "")))
+                         sums.get(RUNNING_GAUGES.get(kind, "")), totals.get(f"{gaps}_sum"), totals.get(f"{gaps}_count"))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,10 @@ shows, the damage is done and slow to undo. What we took:
 4. **Re-probing upward now and then** (Envoy's adaptive concurrency re-measures its baseline
    periodically): after `PROBE_EVERY` calm windows with headroom, +25%; kept if throughput rose, else back.
    The best cap moves as conversations grow: the fit ceiling moves with the projection.
+5. **A floor on each user's interactivity** (an SLO's tokens/s per user, read on the server's clock where it has
+   an inter-token histogram): throughput keeps rising past the knee of goodput, so with a floor a cap is judged
+   by its users' stream too. Time per token grows about linearly with the cap; fitted on the caps measured, it
+   says where the floor is reached, and the slow start and the probes go no further.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ WAITING_SHARE = 0.25  # a queue: at least this share of our running agents waiti
 WAITING_MIN = 2.0
 TTFT_QUEUE_RATIO = 2.0  # TTFT this many times its best (and 0.5 s more) means requests queue
 HIT_DROP = 0.20  # prefix hit rate this far below its best, with the KV cache full: prefixes are evicted
+FLOOR_WINDOWS = 2  # windows at one cap before the floor judges it: one can be a burst of new sessions' prefills
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +78,9 @@ class Signals:
     context_tokens: float | None = None  # projected full length of this endpoint's conversations (mean)
     turn_tokens: float | None = None  # output tokens per turn (measured, else the agents' max_tokens)
     rates: tuple[tuple[float, float], ...] = ()  # recent answers' (when each ended, its output tokens/s per user)
+    # the gaps between output tokens the server observed since the run began, (seconds, gaps): its inter-token
+    # histogram's _sum and _count; None from a server without one
+    decode_gaps: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,7 @@ class _Window:
     tokens0: int
     sample0: int
     preemptions0: float | None
+    gaps0: tuple[float, float] | None = None  # the server's decode gaps at its start
     waiting: float = 0.0  # summed over its samples
     samples: int = 0
     kv: float | None = None
@@ -120,6 +129,19 @@ class _Window:
         return self.hits / self.hit_samples if self.hit_samples else None
 
 
+def _per_user(s: Signals, t0: float, gaps0: tuple[float, float] | None) -> tuple[float, str] | None:
+    """Each user's output tokens/s since `t0` (the server's decode gaps then: `gaps0`), and whose figure it is:
+    the server's (its decode gaps' count over their seconds) when it keeps an inter-token histogram, else the
+    median of the run's answers that ended since, on the run's clock (which a sped-up simulator's host may lag);
+    None with nothing decoded."""
+    if s.decode_gaps is not None:
+        before = gaps0 or (0.0, 0.0)
+        seconds, gaps = s.decode_gaps[0] - before[0], s.decode_gaps[1] - before[1]
+        return (gaps / seconds, "the server's tokens stream at") if gaps > 0 and seconds > 0 else None
+    rates = sorted(rate for t, rate in s.rates if t >= t0)
+    return (rates[len(rates) // 2], "answers stream at") if rates else None
+
+
 def pct(x: float) -> str:
     return f"{x:.0%}"
 
@@ -133,8 +155,8 @@ class AutoController:
         self.max_cap = max(self.min_cap, max_cap)
         self.ceiling = self.max_cap  # moved by the operator (`+`/`-` in auto mode)
         self.kv_target = kv_target
-        self.min_interactivity = min_interactivity  # tokens/s per user the median answer keeps; 0: no floor
-        self.interactivity: dict[int, float] = {}  # cap -> the median answer's tokens/s in its last full window
+        self.min_interactivity = min_interactivity  # tokens/s each user keeps (_per_user); 0: no floor
+        self.interactivity: dict[int, float] = {}  # cap -> tokens/s per user over its windows (_per_user_at_cap)
         self.slow_start = not start_cap
         self.cap = self._clamp(start_cap or self.min_cap)
         self.start_reason = (f"auto: start at {self.cap} ({start_why})" if start_cap and start_why
@@ -156,6 +178,8 @@ class AutoController:
         self._preempt_t: float | None = None
         self._waiting_streak = 0
         self._last_sample = -1
+        # the floor's count at this cap: (cap, when its first window began, the server's decode gaps then, windows)
+        self._floor_since: tuple[int, float, tuple[float, float] | None, int] | None = None
 
     # ---- the operator ---------------------------------------------------------------------------
     def set_ceiling(self, ceiling: int) -> Change | None:
@@ -205,7 +229,7 @@ class AutoController:
                 return None
             self._warm = True  # (until the next change: only a change admits a burst)
             # (the sample in hand was taken before the window: only later ones are about this cap)
-            self._window = _Window(s.t, s.tokens, s.sample, s.preemptions, last_sample=s.sample)
+            self._window = _Window(s.t, s.tokens, s.sample, s.preemptions, s.decode_gaps, last_sample=s.sample)
             return None
         w.see(s)
         turn = s.turn_tokens or 256.0
@@ -272,7 +296,8 @@ class AutoController:
             self.ttft_best = s.ttft_p50 if self.ttft_best is None else min(self.ttft_best, s.ttft_p50)
         if s.queued == 0:
             return None  # nobody waits for a slot: a cap moved now would change nothing
-        slow = self._under_floor(s, w)
+        seen, floor_pending = self._per_user_at_cap(s, w) if self.min_interactivity else (None, False)
+        slow = self._under_floor(seen)
         if slow is not None:
             return slow
         fit = self._fit(s)
@@ -301,12 +326,18 @@ class AutoController:
         if self._probe_from is not None:  # judging an upward probe
             base_cap, self._probe_from = self._probe_from, None
             base = self.measured.get(base_cap)
-            if base is not None and (tp < base * PROBE_GAIN or not headroom):
+            # its users kept the floor (else _under_floor sent it back): more of them streaming at the SLO is more
+            # goodput, unless the total fell; without a floor, a probe must raise the total to be worth its risk
+            gain = COLLAPSE if self.min_interactivity else PROBE_GAIN
+            if base is not None and (tp < base * gain or not headroom):
                 return self._to(base_cap, f"probe to {cap}: throughput {self._gain(tp, base)}, back to {base_cap}")
             self._calm = 0
             return None
         if self.slow_start:
-            if prev is not None and self.prev_cap is not None and self.prev_cap < cap and tp < prev * GROWTH:
+            # with a floor its verdict is the test (throughput dips at any raise here, as the sessions it admits
+            # prefill their first prompts, and goodput is what the floor keeps); without one, did the total grow?
+            if (seen is None and prev is not None and self.prev_cap is not None and self.prev_cap < cap
+                    and tp < prev * GROWTH):
                 self._flat += 1
                 if self._flat < 2:
                     return None  # measure this cap once more before judging it: one window can be noise
@@ -316,40 +347,90 @@ class AutoController:
                                         f"{self.prev_cap}")
                 return None
             self._flat = 0
+            if floor_pending:
+                return None
             if headroom and cap < upper:
                 # x4 while that stays within what fits (the fit is the safety, not the throughput test), else x2
                 new = min(cap * 4 if fit is not None and cap * 4 <= fit else cap * 2, upper)
                 grew = f"throughput {self._gain(tp, prev)} at {cap}" if prev else f"{tp:,.0f} tok/s at {cap}"
+                if seen is not None:
+                    grew += f", users at {seen[0]:,.0f} tok/s each"
+                    # with a floor, no further than the cap the caps measured so far say it is reached at: a cap
+                    # admitted past the knee of goodput holds its sessions for all their turns
+                    at_floor = self._floor_cap()
+                    if at_floor is not None:
+                        new = min(new, max(cap + 1, at_floor))
+                        grew += f" (the floor at about {at_floor})"
                 return self._to(new, f"slow start: {grew}, {w.queue_text()}{kv}" + self._fit_note(s, fit, new))
             self.slow_start = False
             return None
         self._calm += 1
         if (self._calm >= PROBE_EVERY and headroom and cap < upper and (w.kv is None or w.kv < KV_HEADROOM)):
             self._calm = 0
+            # not as far as a cap whose users were under the floor: the probe would only come back
+            slow = min((c for c, rate in self.interactivity.items() if c > cap and rate < self.min_interactivity),
+                       default=upper + 1)
+            step = cap + max(1, cap // 4)
+            # with a floor, as far as the caps measured place it, when that is further: caps measured early, in
+            # the first prompts' prefills, place it low, and +25% a probe would take the run to get there
+            at_floor = self._floor_cap() if self.min_interactivity else None
+            new = min(upper, slow - 1, max(step, at_floor or 0))
+            if new <= cap:
+                return None
             self._probe_from = cap
-            new = min(upper, cap + max(1, cap // 4))
             return self._to(new, f"probing upward: {tp:,.0f} tok/s at {cap}, {w.queue_text()}{kv}"
                                  + self._fit_note(s, fit, new))
         return None
 
-    def _under_floor(self, s: Signals, w: _Window) -> Change | None:
-        """With a floor on each user's interactivity: the answers that ended in this window streamed, at their
-        median, under it: back to the largest cap measured above it (else three quarters of this one). Throughput
-        alone grows a cap for as long as the total rises, while each user's stream slows under the others'
-        prefills: the knee of goodput at an SLO sits below the knee of throughput."""
-        rates = sorted(rate for t, rate in s.rates if t >= w.t0)
-        if not self.min_interactivity or not rates:
+    def _per_user_at_cap(self, s: Signals, w: _Window) -> tuple[tuple[float, str] | None, bool]:
+        """Each user's tokens/s since this cap's first window (_per_user) once FLOOR_WINDOWS have ended at it, and
+        whether the cap waits for that (nothing grows meanwhile): a cap's figure over its windows together, as
+        goodput counts it, not one window's, which the first prefills of the sessions it admits can take."""
+        if self._floor_since is None or self._floor_since[0] != self.cap:
+            self._floor_since = (self.cap, w.t0, w.gaps0, 0)
+        cap, t0, gaps0, windows = self._floor_since
+        self._floor_since = (cap, t0, gaps0, windows + 1)
+        seen = _per_user(s, t0, gaps0)
+        if seen is not None and windows + 1 < FLOOR_WINDOWS:
+            return None, True
+        return seen, False
+
+    def _under_floor(self, seen: tuple[float, str] | None) -> Change | None:
+        """With a floor on each user's interactivity (`seen`: this cap's figure, _per_user_at_cap) under it: back
+        to the cap whose users would stream at the floor if each one's share of the decode steps fell as 1/cap (it
+        falls slower, so this errs low and probes climb back), at least three quarters of this one (a figure is
+        noisy), or to the largest cap measured above it when that is more.
+        Throughput alone grows a cap for as long as the total rises, while each user's stream slows under the
+        others' prefills: the knee of goodput at an SLO sits below the knee of throughput."""
+        if seen is None:
             return None
-        per_user = rates[len(rates) // 2]
+        per_user, source = seen
         cap, floor = self.cap, self.min_interactivity
         self.interactivity[cap] = per_user
         if per_user >= floor or cap <= self.min_cap:
             return None
         self.slow_start, self._probe_from = False, None
-        good = [c for c, rate in self.interactivity.items() if c < cap and rate >= floor]
-        back = max(good) if good else max(self.min_cap, min(cap - 1, cap * 3 // 4))
-        return self._to(back, f"answers stream at {per_user:.0f} tok/s per user at {cap}, under the {floor:g} floor "
+        good = max((c for c, rate in self.interactivity.items() if c < cap and rate >= floor), default=self.min_cap)
+        back = max(self.min_cap, min(cap - 1, max(good, cap * 3 // 4, math.floor(cap * per_user / floor))))
+        return self._to(back, f"{source} {per_user:.0f} tok/s per user at {cap}, under the {floor:g} floor "
                               "([run.auto] min_interactivity_tokens_s)")
+
+    def _floor_cap(self) -> int | None:
+        """The cap at which each user's stream reaches the floor, from the caps measured: time per output token
+        grows about linearly with the conversations that share the steps (each adds its decode and its turns'
+        prefills), so 1/rate = a + b x cap, fitted by least squares; None with fewer than two caps measured or a
+        time per token that does not grow."""
+        points = [(c, 1.0 / rate) for c, rate in self.interactivity.items() if rate > 0]
+        if len(points) < 2:
+            return None
+        n = len(points)
+        mean_c = sum(c for c, _ in points) / n
+        mean_t = sum(t for _, t in points) / n
+        spread = sum((c - mean_c) ** 2 for c, _ in points)
+        slope = sum((c - mean_c) * (t - mean_t) for c, t in points) / spread if spread else 0.0
+        if slope <= 0:
+            return None
+        return max(self.min_cap, math.floor(mean_c + (1.0 / self.min_interactivity - mean_t) / slope + 1e-9))
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _fit(self, s: Signals) -> int | None:
@@ -389,4 +470,5 @@ class AutoController:
         self._window = None
         self._warm, self._cold_looks = False, 0
         self._settling = cap < old  # a decrease takes effect as conversations end: judge nothing until it has
+        self._floor_since = None
         return Change(cap, f"auto: {old} -> {cap} ({why})")

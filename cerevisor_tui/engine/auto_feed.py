@@ -66,6 +66,7 @@ class AutoFeed:
             slots=sample.slots_total if sample else None,
             context_tokens=projected_context(self.roster, self.figures, self.life, endpoint),
             turn_tokens=figures.answer_length(), rates=tuple(figures.rates),
+            decode_gaps=self.monitor.decode_gaps.get(endpoint),
         )
 
 

@@ -69,6 +69,10 @@ class ServerMonitor:
         self._latency_sent: dict[str, ev.LatencySample] = {}
         # each endpoint's KV tiers at its first sample, where the hits per tier count from
         self._tiers_first: dict[str, TierSnapshot] = {}
+        # the gaps between output tokens its server observed since the monitor's first scrape, (seconds, gaps),
+        # summed over the differences between scrapes: the time per token its users see, on the server's own
+        # clock, which a sped-up simulator keeps where the host cannot (Auto's interactivity floor)
+        self.decode_gaps: dict[str, tuple[float, float]] = {}
 
     def add_timings(self, endpoint: str, timings: Timings) -> None:
         """A request of ours on `endpoint` ended with llama.cpp's `timings`: the panel's figures for that server."""
@@ -168,6 +172,10 @@ class ServerMonitor:
             self.emit(sample)
             if not workers:  # a router's workers' histograms: not summed yet
                 self._tell_latency(endpoint, m)
+                if m is not None and (gaps := decode_gaps(previous[""].latency if "" in previous else None,
+                                                          m.latency)) is not None:
+                    seconds, count = self.decode_gaps.get(endpoint, (0.0, 0.0))
+                    self.decode_gaps[endpoint] = (seconds + gaps[0], count + gaps[1])
             if m is not None:
                 previous[""] = m
             for w in workers:
@@ -247,6 +255,21 @@ class ServerMonitor:
             return None
         status = await self.read(endpoint)
         return status.busy_reason
+
+
+def decode_gaps(before: LatencyScrape | None, after: LatencyScrape | None) -> tuple[float, float] | None:
+    """(seconds, gaps) the server's inter-token histogram grew by between two scrapes: (0, 0) from a first
+    scrape (what came before the run is not its own), its whole count after a restart (a total went down); None
+    from a server without the histogram."""
+    if after is None or after.inter_token_sum_s is None or after.inter_token_count is None:
+        return None
+    if before is None or before.inter_token_sum_s is None or before.inter_token_count is None:
+        return 0.0, 0.0
+    seconds = after.inter_token_sum_s - before.inter_token_sum_s
+    count = after.inter_token_count - before.inter_token_count
+    if seconds < 0 or count < 0:
+        return after.inter_token_sum_s, after.inter_token_count
+    return seconds, count
 
 
 def _moved(seen: list[tuple[float, float | None]], since: float) -> bool:

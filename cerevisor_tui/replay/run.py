@@ -78,6 +78,9 @@ class ReplaySettings:
     # what turns are timed on, in the server's seconds: the wall for a real server, a simulator's own clock
     # (BatchEngine.clock_s) for one whose sped-up clock the host may not keep pace with
     clock: Callable[[], float] = time.monotonic
+    # `clock` is a simulator's, `speed` times the wall while its host keeps pace: the gaps are slept on it, in its
+    # seconds (else they are the wall's, divided by the speed)
+    clock_sped_up: bool = False
     slo: Slo = field(default_factory=Slo)
     model: str = ""  # empty: the first of /v1/models
     request_timeout_s: float = 600.0
@@ -215,13 +218,12 @@ async def _run(plan: Plan, client: httpx.AsyncClient, base_url: str, model: str,
     url = base_url.rstrip("/") + "/chat/completions"
     results: list[TurnResult] = []
     slots = anyio.Semaphore(settings.concurrency)
-    started = time.monotonic()  # the gaps run on the wall, divided by the speed
     clock_started = settings.clock()
 
     async def conversation(session_id: str, spawned: TaskGroup) -> None:
         for turn, whole in plan.turns[session_id]:
             if turn.turn > 1 or turn.parent is not None:
-                await anyio.sleep(turn.delay_ms / 1000 / settings.speed)
+                await _sleep_until(settings, settings.clock() + _gap(settings, turn.delay_ms))
             result = await _send(client, url, model, turn, whole, settings)
             results.append(result)
             if result.error:
@@ -231,7 +233,7 @@ async def _run(plan: Plan, client: httpx.AsyncClient, base_url: str, model: str,
 
     async def session(session_id: str) -> None:
         first, _ = plan.turns[session_id][0]
-        await anyio.sleep_until(started + first.delay_ms / 1000 / settings.speed)
+        await _sleep_until(settings, clock_started + _gap(settings, first.delay_ms))
         async with slots, anyio.create_task_group() as spawned:  # the slot is held until its subagents end
             await conversation(session_id, spawned)
 
@@ -239,6 +241,20 @@ async def _run(plan: Plan, client: httpx.AsyncClient, base_url: str, model: str,
         for session_id in plan.top_level:
             group.start_soon(session, session_id)
     return results, settings.clock() - clock_started
+
+
+def _gap(settings: ReplaySettings, delay_ms: float) -> float:
+    """A trace's gap in the settings' clock's seconds."""
+    return delay_ms / 1000 if settings.clock_sped_up else delay_ms / 1000 / settings.speed
+
+
+async def _sleep_until(settings: ReplaySettings, at: float) -> None:
+    """Until the settings' clock reads `at`. A sped-up simulator's clock slows while its host cannot keep pace: gaps
+    slept on the wall would then shrink against it, and the more a cap loaded the host, the sooner its sessions
+    would come back (its makespan shorter, its goodput higher, than the simulated box's)."""
+    pace = settings.speed if settings.clock_sped_up else 1.0
+    while (left := at - settings.clock()) > 0:
+        await anyio.sleep(left / pace)
 
 
 async def _send(client: httpx.AsyncClient, url: str, model: str, turn: TraceTurn, whole: int,

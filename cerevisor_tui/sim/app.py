@@ -194,6 +194,8 @@ class _SimCollector:
                         eng.queue_time_s)
         yield histogram("vllm:request_prefill_time_seconds",
                         "Histogram of time spent in PREFILL phase for request.", eng.prefill_time_s)
+        yield histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        eng.inter_token_s)
         info = GaugeMetricFamily(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             labels=["block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks", "num_cpu_blocks",

@@ -22,6 +22,7 @@ modelled server, not the machine running it (or its clients' think time).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                              120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# vLLM's inter_token_latency_seconds buckets (older vLLM: time_per_output_token_seconds, the same gaps)
+INTER_TOKEN_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
 
 
 DECODE_RATES_KEPT = 100_000
@@ -53,10 +57,7 @@ class Histogram:
         self.counts = [0] * (len(self.bounds) + 1)
 
     def observe(self, value: float) -> None:
-        i = 0
-        while i < len(self.bounds) and value > self.bounds[i]:
-            i += 1
-        self.counts[i] += 1
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bucket whose bound is >= value
         self.sum += value
         self.count += 1
 
@@ -117,6 +118,7 @@ class Sequence:
     step_chunk: int = 0  # prompt tokens it computes in the step under way
     wait_until: float = 0.0  # engine time before which it may not be admitted again (preempt_loop)
     first_token_at: float = 0.0  # engine time of its first output token
+    last_token_at: float = 0.0  # engine time of its latest output token
 
     @property
     def finished(self) -> bool:
@@ -142,6 +144,9 @@ class BatchEngine:
         self.ttft_s = Histogram(TTFT_BUCKETS_S)
         self.queue_time_s = Histogram(REQUEST_LATENCY_BUCKETS_S)
         self.prefill_time_s = Histogram(REQUEST_LATENCY_BUCKETS_S)
+        # each gap between two output tokens of a request, as vLLM observes it per token: its _sum over its
+        # _count is the time per token a user sees, slowed by the batch and the prefills stepped with it
+        self.inter_token_s = Histogram(INTER_TOKEN_BUCKETS_S)
         # each finished request's interactivity, output tokens per engine second after its first, the latest
         # DECODE_RATES_KEPT: what a benchmark reads to measure on the server's clock, not a busy client's
         self.decode_rates: deque[float] = deque(maxlen=DECODE_RATES_KEPT)
@@ -454,6 +459,9 @@ class BatchEngine:
                 seq.first_token_at = self.now
                 self.ttft_s.observe((self.now - seq.arrived_at) / self.p.speed)
                 self.prefill_time_s.observe((self.now - seq.scheduled_at) / self.p.speed)
+            elif seq.generated > 1:
+                self.inter_token_s.observe((self.now - seq.last_token_at) / self.p.speed)
+            seq.last_token_at = self.now
             if seq.generated >= seq.max_tokens:
                 if seq.generated > 1 and self.now > seq.first_token_at:
                     self.decode_rates.append((seq.generated - 1) / (self.now - seq.first_token_at))
