@@ -57,8 +57,12 @@ async def test_auto_grows_from_one_to_what_fits_and_keeps_the_prefixes_that_para
     assert server["code"] == 0
     changes = [e for e in seen if e.kind == "ConcurrencyChanged" and e.endpoint == "e"]
     assert changes[0].effective_cap == 1 and "slow start" in changes[0].reason
-    # x4 while within what fits (about 9), then x2, then the fit itself
-    assert [c.effective_cap for c in changes[1:4]] == [4, 8, 9], "; ".join(c.reason for c in changes)
+    # x4 while within what fits (about 9); then x2 and the fit itself, or, where a window of a loaded host showed a
+    # queue and ended the slow start there, probes up to the fit (the order of raises is tests/test_auto.py's, on
+    # virtual windows: here, the real server's figures and where they stop it)
+    assert changes[1].effective_cap == 4 and "slow start" in changes[1].reason, "; ".join(c.reason for c in changes)
+    assert all(b.effective_cap > a.effective_cap for a, b in zip(changes, changes[1:4], strict=False)), \
+        "; ".join(c.reason for c in changes)
     assert all(c.reason.startswith("auto: ") for c in changes)
     fit = [c for c in changes if "fit" in c.reason]
     assert fit, "the KV fit never showed in a reason: " + "; ".join(c.reason for c in changes)
