@@ -3,7 +3,9 @@
 The `agentx` replay (each session's first turns and the subagents they spawn: study_calibration.window) goes
 through a gateway of a run of its own (`replay run --through-gateway`) to the simulated box `agentx-slice` (a
 sixteenth of the AgentX box, whose knee a 2-core replay can reach; sim/presets.py), on a sped-up clock. Every
-time is the simulator's own (BatchEngine.clock_s), so a host that cannot keep pace slows the run, not the figures.
+time is the simulator's own (BatchEngine.clock_s), so a host that cannot keep pace slows the run, not the figures:
+the replay's turns and gaps, and the run's own timers (a session's release, Auto's windows, the monitor's interval),
+which run on the simulator's clock over the speed (engine/clock.py PacedClock) rather than on the wall.
 
 (a) Sequential (direct, one session at a time) against Auto and a sweep of fixed caps through the gateway: goodput
     (turns meeting the SLO, 50 tokens/s per user and a TTFT of 30 s past a session's first turn, per minute of the
@@ -23,8 +25,8 @@ time is the simulator's own (BatchEngine.clock_s), so a host that cannot keep pa
     that every session's first prompt must fill (the warm-up). The same sessions under one generic 10-minute
     zero-output timer (first byte = idle = 600 s, no prefill progress, no busy extension: what harnesses do)
     and under the run's two deadlines (first byte 1800 s for a local server, idle 600 s) with prefill progress
-    and the busy-server extension. Deadlines are the run's wall seconds: here divided by the speed, so that
-    they mean simulated seconds. Targets: the generic timer's kills counted, the two deadlines' kills 0.
+    and the busy-server extension. Deadlines are the run's seconds: here divided by the speed, so that they mean
+    simulated seconds. Targets: the generic timer's kills counted, the two deadlines' kills 0.
 
     python benchmarks/seed.py            # 48 sessions x 8 turns, caps 8 to 48 (not yet run to its end here)
     python benchmarks/seed.py --quick    # 32 sessions x 8 turns, caps 8 to 32: about 8 minutes on 2 cores at load 2-5
@@ -45,6 +47,7 @@ from study_calibration import window
 
 from cerevisor_tui.commands.replay import through_gateway
 from cerevisor_tui.config import SimSettings
+from cerevisor_tui.engine.clock import PacedClock
 from cerevisor_tui.replay.generate import generate
 from cerevisor_tui.replay.run import ReplayReport, ReplaySettings, replay
 from cerevisor_tui.replay.trace import TraceTurn
@@ -97,7 +100,8 @@ def _row(label: str, cap: int, report: ReplayReport, wall_s: float) -> Row:
 
 
 def _scaled_stall(speed: float, **stall: float | bool) -> dict[str, Any]:
-    """The run's deadlines in simulated seconds: each divided by the speed (the run's clock is the wall)."""
+    """The run's deadlines in simulated seconds: each divided by the speed (the run's clock is the simulator's over
+    the speed: gateway_run)."""
     return {key: value / speed if isinstance(value, float) else value for key, value in stall.items()}
 
 
@@ -109,9 +113,13 @@ async def gateway_run(turns: list[TraceTurn], mode: str, cap: int, speed: float,
                                 "stall": stall or _scaled_stall(speed, wedge_timeout_s=45.0)}
     async with SimServer(SimSettings(profile=PROFILE, speed=speed, cold_start_s=cold_start_s)) as sim:
         started = time.monotonic()
+        # the run's timers (a session's release, Auto's windows, the monitor's looks) on the simulator's clock, in
+        # its seconds over the speed: the wall's while the host keeps pace, and as slow as the simulator when not
+        clock = PacedClock(sim.state.engine.clock_s, speed)
         report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=speed, clock=sim.state.engine.clock_s,
                                                                                  clock_sped_up=True),
-                                       mode, cap, sections=sections, endpoint=endpoint or {})  # type: ignore[arg-type]
+                                       mode, cap, sections=sections, endpoint=endpoint or {},  # type: ignore[arg-type]
+                                       clock=clock)
         return _row(label or f"{mode} {cap}", cap, report, time.monotonic() - started)
 
 

@@ -14,6 +14,7 @@ from cerevisor_tui.replay.trace import TraceError, TraceTurn, write_trace
 
 if TYPE_CHECKING:
     from cerevisor_tui.contract.events import Event
+    from cerevisor_tui.engine.clock import Clock
     from cerevisor_tui.kinds import Mode
     from cerevisor_tui.replay.agents import ReplaySessions
     from cerevisor_tui.replay.run import ReplayReport, ReplaySettings, TurnResult
@@ -179,14 +180,15 @@ def _replay(args: argparse.Namespace) -> int:
 async def through_gateway(turns: list[TraceTurn], upstream: str, settings: ReplaySettings, mode: Mode,
                           cap: int, *, run_dir: Path | None = None, journal: bool = False, api_key_env: str = "",
                           sections: Mapping[str, Mapping[str, Any]] = {}, endpoint: Mapping[str, Any] = {},
-                          on_run: Callable[[Any], None] | None = None) -> ReplayReport:
+                          on_run: Callable[[Any], None] | None = None, clock: Clock | None = None) -> ReplayReport:
     """The replay's sessions through a gateway of a run of their own in front of `upstream`, as harness traffic
     arrives: every session is sent when its trace says (the run, not the client, admits them), each a row under the
     run's `mode` and `cap`; the report adds the run's cap changes and kills. `sections` adds to the run's config
     tables ("run", "stall", ...) and `endpoint` to its endpoint's, e.g. deadlines scaled to a sped-up simulator.
     With `journal` (or a `run_dir`) the run is told in its journal in `run_dir` (default: a new one under the runs
     directory) and served on its control socket, so `cerevisor-tui attach` follows it like any run; `on_run(engine)`
-    is told the run once it is put together."""
+    is told the run once it is put together. `clock`: the run's (default the host's), e.g. a benchmark's PacedClock on
+    a sped-up simulator's, whose host may lag it."""
     import dataclasses
 
     import anyio
@@ -195,6 +197,7 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
     from cerevisor_tui.config import validate
     from cerevisor_tui.config.paths import default_runs_dir
     from cerevisor_tui.contract import events as ev
+    from cerevisor_tui.engine.clock import MONOTONIC
     from cerevisor_tui.engine.engine import Engine, new_run_id
     from cerevisor_tui.engine.run_setup import open_run
     from cerevisor_tui.gateway import serve_gateway
@@ -210,9 +213,10 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
     written = None
     if journal or run_dir is not None:
         run_id = new_run_id()
-        engine, written = open_run(config, run_id, run_dir or default_runs_dir() / run_id, console=False)
+        engine, written = open_run(config, run_id, run_dir or default_runs_dir() / run_id, console=False,
+                                   clock=clock or MONOTONIC)
     else:
-        engine = Engine(config)
+        engine = Engine(config, clock=clock or MONOTONIC)
     events: list[ev.Event] = []
     engine.subscribe(lambda e: events.append(e) if isinstance(e, ev.ConcurrencyChanged | ev.AgentKilled) else None)
     sessions = len({t.session_id for t in turns if t.parent is None})

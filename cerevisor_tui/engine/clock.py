@@ -1,13 +1,16 @@
 """Time as a parameter: the run's clock, handed to what decides by deadlines (the attempt owner, the watchdog,
 the sessions' release, the gateway's keep-alives) from the composition root. `MONOTONIC` is the host's
 CLOCK_MONOTONIC under anyio's own timers; `VirtualClock` is moved by hand, so a deadline rule's test runs in
-microseconds and never depends on how busy the machine is."""
+microseconds and never depends on how busy the machine is. `PacedClock` reads another clock (a sped-up simulator's),
+so that a benchmark's run keeps the simulated server's time where the host cannot keep pace with it."""
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import anyio
@@ -71,3 +74,41 @@ class VirtualClock:
             await anyio.wait_all_tasks_blocked()
         self._now = end
         await anyio.wait_all_tasks_blocked()
+
+
+class PacedClock:
+    """Time read from `reading` (e.g. a sped-up simulator's clock, BatchEngine.clock_s) divided by `pace` (its
+    speed): the wall's seconds while the simulator's host keeps pace, and slower while it falls behind, so that a
+    run's timers (a session's release, Auto's windows, the monitor's interval) last as long in the simulated
+    server's time however busy the host is. `reading` must never run backwards, nor faster than `pace` times the
+    wall: a timer then sleeps the wall's seconds still to go and looks again, never past its due time."""
+
+    def __init__(self, reading: Callable[[], float], pace: float = 1.0) -> None:
+        self._reading = reading
+        self._pace = pace
+
+    def now(self) -> float:
+        return self._reading() / self._pace
+
+    def move_on_after(self, seconds: float) -> anyio.CancelScope:
+        scope = anyio.CancelScope()
+        due = self.now() + max(0.0, seconds)
+        loop = asyncio.get_running_loop()
+
+        def look() -> None:
+            left = due - self.now()
+            if left <= 0:
+                scope.cancel()
+            else:
+                loop.call_later(left, look)
+
+        if seconds <= 0:
+            scope.cancel()
+        else:
+            loop.call_later(seconds, look)
+        return scope
+
+    async def sleep(self, seconds: float) -> None:
+        due = self.now() + seconds
+        while (left := due - self.now()) > 0:
+            await anyio.sleep(left)

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
-import anyio
 import httpx
 import msgspec
 
@@ -30,6 +29,7 @@ from cerevisor_tui.endpoints.metrics import (
 )
 from cerevisor_tui.endpoints.tiers import TierSnapshot, idle_tier_warning
 from cerevisor_tui.engine import load
+from cerevisor_tui.engine.clock import MONOTONIC, Clock
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.endpoint_state import EndpointStates
 from cerevisor_tui.engine.gpus import watch_gpus
@@ -42,8 +42,10 @@ class ServerMonitor:
     (the configured one, replaced by the server's own capacity when it reports one)."""
 
     def __init__(self, config: Config, connections: Connections, emit: Callable[[ev.Event], None],
-                 projected_context: Callable[[str], float | None], *, states: EndpointStates | None = None) -> None:
+                 projected_context: Callable[[str], float | None], *, states: EndpointStates | None = None,
+                 clock: Clock = MONOTONIC) -> None:
         self.config = config
+        self.clock = clock  # what the interval between looks is slept on (the run's clock)
         self.states = states  # the endpoints' states, told each look (engine/endpoint_state.py)
         self.endpoints = {ep.name: ep for ep in config.endpoints}
         self.connections = connections
@@ -184,7 +186,7 @@ class ServerMonitor:
             self.refresh_fit(endpoint, m.kv_cache_size_tokens if m is not None else None,
                              tiers.cpu_capacity_tokens if tiers is not None else None)
             on_sample(endpoint)
-            await anyio.sleep(self.config.run.metrics_interval_s)
+            await self.clock.sleep(self.config.run.metrics_interval_s)
 
     async def run_gpus(self) -> None:
         """Read the box's GPUs at the pace of the server samples, for as long as the run goes on."""

@@ -84,7 +84,7 @@ class RunParts:
                                               (config.gateway or GatewayConfig()).down_after_s)
         self.monitor = ServerMonitor(config, self.connections, emit,
                                      functools.partial(projected_context, roster, self.figures, self.life),
-                                     states=self.endpoint_states)
+                                     states=self.endpoint_states, clock=clock)
         self.load_teller = LoadTeller(self.endpoints, self.scheduler, self.monitor, emit, clock)
         self.refresh_load = self.load_teller.refresh
         self.caps = Caps(config, self.scheduler, emit, self.refresh_load, clock)

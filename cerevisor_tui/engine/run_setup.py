@@ -8,6 +8,7 @@ import resource
 from pathlib import Path
 
 from cerevisor_tui.config.models import Config
+from cerevisor_tui.engine.clock import MONOTONIC, Clock
 from cerevisor_tui.engine.connections import wants_stream_process
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.resume import JournalState
@@ -17,13 +18,13 @@ from cerevisor_tui.engine.toolcalls import AskPolicy
 
 def open_run(config: Config, run_id: str, run_dir: Path, *, console: bool, resume: bool = False,
              resumed: JournalState | None = None, ask: AskPolicy = "operator", extra_report: str | None = None,
-             lock: RunLock | None = None) -> tuple[Engine, Journal]:
+             lock: RunLock | None = None, clock: Clock = MONOTONIC) -> tuple[Engine, Journal]:
     """The run's engine and its journal (the run directory locked, `events.jsonl` open, appended to when the
     run is resumed, with what its journal said: `resumed`). A write that fails mid-run stops the run, saying why. Raises JournalError on a directory
     that cannot be used, before any request is sent."""
     raise_descriptor_limit()
     engine = Engine(config, run_id=run_id, run_dir=str(run_dir), resumed=resumed,
-                    stream_process=wants_stream_process(config, console=console), ask=ask)
+                    stream_process=wants_stream_process(config, console=console), ask=ask, clock=clock)
     journal = Journal(run_dir, engine.report, extra_report=extra_report,
                       on_error=lambda line: engine.stop(f"run stopped: {line}"))
     journal.open(resume=resume, lock=lock)
