@@ -138,8 +138,9 @@ class ServerMonitor:
                 self.states.looked(endpoint, status)
             if status.kind != "unknown":  # what serves it: its requests ask for prefill progress on llama.cpp
                 self.connections.server_kinds[endpoint] = status.kind
-            # when it answered: a swamped vLLM answers /metrics seconds after it was asked, with its state then
-            self.status_at[endpoint] = time.monotonic()
+            # when it answered: a swamped vLLM answers /metrics seconds after it was asked, with its state then; on
+            # the run's clock, which the attempts' times it is judged against (the watchdog, the wedge rules) are on
+            self.status_at[endpoint] = self.clock.now()
             m = status.metrics
             if m is not None:
                 if m.kv_cache_usage is not None:
@@ -160,7 +161,7 @@ class ServerMonitor:
             if tiers is not None:
                 self._tiers_first.setdefault(endpoint, tiers)
             self.last_sample[endpoint] = sample = ev.ServerSample(
-                time.monotonic(), endpoint, fields["healthy"], status.kind, fields["running"], fields["waiting"],
+                self.clock.now(), endpoint, fields["healthy"], status.kind, fields["running"], fields["waiting"],
                 fields["kv_cache_usage"], fields["prefix_hit_rate"], _num(m.preemptions) if m else None,
                 fields["kv_cache_tokens"], fields["detail"],
                 slots_busy=status.slots.processing if status.slots else None,
@@ -248,7 +249,7 @@ class ServerMonitor:
             return None
         recent = self.status.get(endpoint)
         taken = self.status_at.get(endpoint, -math.inf)
-        age = time.monotonic() - taken
+        age = self.clock.now() - taken
         interval = self.config.run.metrics_interval_s
         if recent is not None and recent.busy_reason and age <= max(10.0, 3 * interval) and taken >= since:
             return recent.busy_reason
