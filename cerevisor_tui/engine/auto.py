@@ -52,7 +52,7 @@ WAITING_SHARE = 0.25  # a queue: at least this share of our running agents waiti
 WAITING_MIN = 2.0
 TTFT_QUEUE_RATIO = 2.0  # TTFT this many times its best (and 0.5 s more) means requests queue
 HIT_DROP = 0.20  # prefix hit rate this far below its best, with the KV cache full: prefixes are evicted
-FLOOR_WINDOWS = 2  # windows at one cap before the floor judges it: one can be a burst of new sessions' prefills
+FLOOR_WINDOWS = 2  # windows at one cap before the floor judges it under: one can be a burst of new sessions' prefills
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +359,10 @@ class AutoController:
                     # admitted past the knee of goodput holds its sessions for all their turns
                     at_floor = self._floor_cap()
                     if at_floor is not None:
-                        new = min(new, max(cap + 1, at_floor))
+                        # and one doubling at most: time per token grows faster than linearly once the batch is
+                        # large (on agentx-slice caps 1, 4 and 12 placed the floor at 30, where users streamed at
+                        # 38 tok/s against 50), and the sessions a raise admits hold their slots for all their turns
+                        new = min(new, cap * 2, max(cap + 1, at_floor))
                         grew += f" (the floor at about {at_floor})"
                 return self._to(new, f"slow start: {grew}, {w.queue_text()}{kv}" + self._fit_note(s, fit, new))
             self.slow_start = False
@@ -391,7 +394,9 @@ class AutoController:
         cap, t0, gaps0, windows = self._floor_since
         self._floor_since = (cap, t0, gaps0, windows + 1)
         seen = _per_user(s, t0, gaps0)
-        if seen is not None and windows + 1 < FLOOR_WINDOWS:
+        # a first window under the floor can be the burst of the admitted sessions' first prefills, so it waits for
+        # another; one that holds the floor with that burst in it holds it (the ramp then goes on a window sooner)
+        if seen is not None and windows + 1 < FLOOR_WINDOWS and seen[0] < self.min_interactivity:
             return None, True
         return seen, False
 
