@@ -76,7 +76,7 @@ class Row:
     wall_s: float
     interactivity_p50: float | None  # output tokens/s per user, the median turn's
     first_error: str = ""
-    caps: list[str] = field(default_factory=list)  # Auto's changes: "t_s: cap (reason)"
+    caps: list[str] = field(default_factory=list)  # Auto's changes: "simulated s: cap (reason)"
 
     def line(self) -> str:
         hits = "-" if self.prefix_hit_rate is None else f"{self.prefix_hit_rate:.1%}"
@@ -90,13 +90,14 @@ class Row:
                 f"kills {self.kills}{settled}  ({self.wall_s:.0f} s wall){failed}")
 
 
-def _row(label: str, cap: int, report: ReplayReport, wall_s: float) -> Row:
+def _row(label: str, cap: int, report: ReplayReport, wall_s: float, speed: float = 1.0) -> Row:
+    """A replay's figures; Auto's cap changes at the simulator's seconds (the run's clock times `speed`)."""
     caps = [c["cap"] for c in report.caps if c["cap"]]
     return Row(label, cap, report.goodput["turns_per_min"] or 0.0, report.goodput["share"] or 0.0,
                report.makespan_s, report.turns_completed, report.turns, report.prefix_hit_rate, len(report.kills),
                len({k["session"] for k in report.kills}), caps[-1] if label == "auto" and caps else None, wall_s,
                report.interactivity["p50_tokens_per_s"], report.first_error,
-               [f"{c['t_s']:.1f} s: {c['cap']} ({c['reason']})" for c in report.caps] if label == "auto" else [])
+               [f"{c['t_s'] * speed:.0f} s: {c['cap']} ({c['reason']})" for c in report.caps] if label == "auto" else [])
 
 
 def _scaled_stall(speed: float, **stall: float | bool) -> dict[str, Any]:
@@ -120,7 +121,7 @@ async def gateway_run(turns: list[TraceTurn], mode: str, cap: int, speed: float,
                                                                                  clock_sped_up=True),
                                        mode, cap, sections=sections, endpoint=endpoint or {},  # type: ignore[arg-type]
                                        clock=clock)
-        return _row(label or f"{mode} {cap}", cap, report, time.monotonic() - started)
+        return _row(label or f"{mode} {cap}", cap, report, time.monotonic() - started, speed)
 
 
 async def sequential(turns: list[TraceTurn], speed: float) -> Row:
