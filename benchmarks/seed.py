@@ -29,7 +29,7 @@ which run on the simulator's clock over the speed (engine/clock.py PacedClock) r
     simulated seconds. Targets: the generic timer's kills counted, the two deadlines' kills 0.
 
     python benchmarks/seed.py            # 48 sessions x 8 turns, caps 8 to 48 (not yet run to its end here)
-    python benchmarks/seed.py --quick    # 32 sessions x 8 turns, caps 8 to 32: about 8 minutes on 2 cores at load 2-5
+    python benchmarks/seed.py --quick    # 32 sessions x 8 turns, caps 8 to 32: about 6 minutes on 2 cores at load 4-8
     python benchmarks/seed.py --json     # the figures as one JSON object
 """
 
@@ -149,8 +149,8 @@ async def main() -> int:
     parser.add_argument("--sessions", type=int, default=0, help="agentx sessions (default 48; --quick 32)")
     parser.add_argument("--turns", type=int, default=8, help="turns of each session (default 8)")
     parser.add_argument("--speed", type=float, default=50.0, help="simulator clock speed (default 50)")
-    parser.add_argument("--cold-start-s", type=float, default=560.0,
-                        help="(b): simulated seconds of zero output before the box serves (default 560)")
+    parser.add_argument("--cold-start-s", type=float, default=590.0,
+                        help="(b): simulated seconds of zero output before the box serves (default 590: the first prompts' prefills then end past the generic timer's 600 s)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--skip", choices=("a", "b"), help="leave one part out")
     args = parser.parse_args()
