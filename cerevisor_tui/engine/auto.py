@@ -31,7 +31,8 @@ shows, the damage is done and slow to undo. What we took:
 5. **A floor on each user's interactivity** (an SLO's tokens/s per user, read on the server's clock where it has
    an inter-token histogram): throughput keeps rising past the knee of goodput, so with a floor a cap is judged
    by its users' stream too. Time per token grows about linearly with the cap; fitted on the caps measured, it
-   says where the floor is reached, and the slow start and the probes go no further.
+   says where the floor is reached, and the slow start and the probes go no further (the slow start by one doubling
+   at most: the line fitted on small caps overshoots, as time per token grows faster once the batch is large).
 """
 
 from __future__ import annotations
