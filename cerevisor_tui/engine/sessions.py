@@ -213,8 +213,8 @@ class Sessions:
                       model_sent: str = "") -> AsyncIterator[Attempt]:
         """One request of `session`: waits for the session's slot (queued), then yields its attempt, watched
         by the run's watchdog from now on (the first-byte deadline runs from here: time queued is not
-        silence), a task in the caller's `group` until the attempt ends (a task group of its own would cost each
-        request ~100 us). The attempt's `scope` is the caller's to set: a deadline or the operator cancels it."""
+        silence), a task in the caller's `group` until the attempt ends (one task group a request, not two). The
+        attempt's `scope` is the caller's to set: a deadline or the operator cancels it."""
         st = session.st
         clock, life = self.clock, self.life
         queued_at = clock.now()
