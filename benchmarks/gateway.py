@@ -77,8 +77,9 @@ with a console attached, on a quiet machine. Session admission >= 85% prefix hit
 < 50%, and the shortest makespan. Per request (issue 28): the gateway's added TTFT p50, CPU per request and longest
 frame gap <= 1.2x relay-ourpool's, at 1 and 8 streams, short and 560 KB requests. Measured 2026-12-02 (load 1-3.4
 on 2 cores, 3 rounds, docs/performance.md): CPU per request 1.23-1.67x, added TTFT p50 1.0-1.7x; at 1 stream the
-server monitor's looks and the console's writes are ~0.5 ms of a request each, the per-request tasks and events
-most of the rest.
+server monitor's looks (~3 ms of CPU a second, whatever the load) and the console's writes are ~0.5 ms of a request
+each, the per-request tasks and events most of the rest. A second pass (one task group a request, a cheaper depth
+check) moved CPU per request by a few percent at most against --base-python in the same rounds (load 5-14).
 """
 
 from __future__ import annotations

@@ -209,10 +209,12 @@ class Sessions:
         self.forgotten += 1
 
     @asynccontextmanager
-    async def request(self, session: Session, *, model_asked: str = "", model_sent: str = "") -> AsyncIterator[Attempt]:
+    async def request(self, session: Session, group: anyio.abc.TaskGroup, *, model_asked: str = "",
+                      model_sent: str = "") -> AsyncIterator[Attempt]:
         """One request of `session`: waits for the session's slot (queued), then yields its attempt, watched
         by the run's watchdog from now on (the first-byte deadline runs from here: time queued is not
-        silence). The attempt's `scope` is the caller's to set: a deadline or the operator cancels it."""
+        silence), a task in the caller's `group` until the attempt ends (one task group a request, not two). The
+        attempt's `scope` is the caller's to set: a deadline or the operator cancels it."""
         st = session.st
         clock, life = self.clock, self.life
         queued_at = clock.now()
@@ -255,14 +257,12 @@ class Sessions:
             main = st.current = next(iter(session.in_flight.values()))
             move(st, "token" if main.first_token_at is not None else "sent")
         session.in_flight[number] = att
+        watched = anyio.CancelScope()
+        group.start_soon(self._watch, watched, st, att, policy)
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(self.watchdog.watch, st, att, policy)
-                try:
-                    yield att
-                finally:
-                    group.cancel_scope.cancel()
+            yield att
         finally:
+            watched.cancel()
             if not att.answered:  # killed, broken off, its client gone: what it said is kept, a kill told
                 self.attempts.ended(st, att, "".join(att.parts), "".join(att.thinking))
             del session.in_flight[number]
@@ -278,6 +278,12 @@ class Sessions:
                 move(st, "idle" if session.holding else "released")
             else:
                 move(st, "token" if st.current.first_token_at is not None else "sent")
+
+    async def _watch(self, watched: anyio.CancelScope, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
+        """The watchdog of `att` until `watched` is cancelled (the attempt ended, maybe before this task began)."""
+        with watched:
+            if not watched.cancel_called:
+                await self.watchdog.watch(st, att, policy)
 
     async def _hold(self, session: Session) -> None:
         """Hold `session`'s slot while it has requests, and `release_after_s` past its last one."""

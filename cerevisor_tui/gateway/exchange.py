@@ -178,13 +178,14 @@ class Exchange:
             await self.fail(429, f"cerevisor gateway: {exc}", {"retry-after": str(RETRY_AFTER_S)})
             return
         self.model_asked, self.model_sent = asked, model
-        with anyio.CancelScope() as whole:
-            async with anyio.create_task_group() as group:
-                group.start_soon(self._watch_client, whole)
-                try:
-                    await self._governed(session)
-                finally:
-                    group.cancel_scope.cancel()
+        # the request's one task group: its client watcher, and its attempt's watchdog (engine/sessions.py); a client
+        # gone cancels the group's scope, which ends the whole exchange
+        async with anyio.create_task_group() as group:
+            group.start_soon(self._watch_client, group.cancel_scope)
+            try:
+                await self._governed(session, group)
+            finally:
+                group.cancel_scope.cancel()
         att = self.attempt
         if self.gone and att is not None:  # its upstream request was closed with it: the server aborts it
             st = session.st
@@ -226,12 +227,13 @@ class Exchange:
             await self.write(KEEPALIVE)
             return True
 
-    async def _governed(self, session: Session) -> None:
+    async def _governed(self, session: Session, group: anyio.abc.TaskGroup) -> None:
         e = self.run_ports
         st = session.st
         self._record_inputs(session)
         try:
-            async with e.sessions.request(session, model_asked=self.model_asked, model_sent=self.model_sent) as att:
+            async with e.sessions.request(session, group, model_asked=self.model_asked,
+                                          model_sent=self.model_sent) as att:
                 self.attempt = att
                 self._tell_inputs(session, att)
                 with anyio.CancelScope() as att.scope:

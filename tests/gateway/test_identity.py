@@ -181,6 +181,31 @@ async def test_fingerprint_puts_every_turn_of_a_conversation_in_one_row():
         assert len(s.of(ev.SessionOpened)) == 4
 
 
+async def test_a_long_first_message_is_fingerprinted_by_its_prefix_and_length():
+    """A harness that pastes a file into its first message: every turn lands in one row (its first 4 KiB and its
+    length are hashed, not the whole file), and two files that share their first 4 KiB are two rows."""
+    pasted = "x" * 5000 + " read this file"
+    first = chat(pasted, system="You are a coder.")
+    second = chat("now test it", system="You are a coder.",
+                  history=[{"role": "user", "content": pasted}, {"role": "assistant", "content": "done"}])
+    longer = chat(pasted + " and that one", system="You are a coder.")
+    async with served() as s, httpx.AsyncClient(timeout=30) as client:
+        for body in (first, second, longer):
+            assert (await post(client, s.url + "/chat/completions", body)).status == 200
+        opened = s.opened()
+        assert [source for _, source in opened] == ["fingerprint"] * 2
+        assert s.session(opened[0][0]).requests == 2
+
+
+def test_a_short_first_messages_fingerprint_is_the_one_earlier_runs_named_its_session_by():
+    """A resumed run finds a fingerprinted session under the name its journal has (hashed whole, as before)."""
+    import hashlib
+
+    from cerevisor_tui.gateway.apis import fingerprint
+    assert fingerprint("m", "sys", [{"role": "user", "content": "hi"}]) == \
+        hashlib.sha256(b"m\0sys\0hi").hexdigest()[:10]
+
+
 async def test_harness_is_named_from_the_user_agent():
     async with served(run={"max_concurrency": 8}) as s, httpx.AsyncClient(timeout=30) as client:
         for i, ua in enumerate(("claude-cli/2.0.14 (external, cli)", "codex_cli_rs/0.46.0 (Linux; x86_64)",
