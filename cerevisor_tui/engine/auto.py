@@ -372,13 +372,13 @@ class AutoController:
         if (self._calm >= PROBE_EVERY and headroom and cap < upper and (w.kv is None or w.kv < KV_HEADROOM)):
             self._calm = 0
             # not as far as a cap whose users were under the floor: the probe would only come back
-            slow = min((c for c, rate in self.interactivity.items() if c > cap and rate < self.min_interactivity),
-                       default=upper + 1)
+            under = min((c for c, rate in self.interactivity.items() if c > cap and rate < self.min_interactivity),
+                        default=upper + 1)
             step = cap + max(1, cap // 4)
             # with a floor, as far as the caps measured place it, when that is further: caps measured early, in
             # the first prompts' prefills, place it low, and +25% a probe would take the run to get there
             at_floor = self._floor_cap() if self.min_interactivity else None
-            new = min(upper, slow - 1, max(step, at_floor or 0))
+            new = min(upper, under - 1, max(step, at_floor or 0))
             if new <= cap:
                 return None
             self._probe_from = cap

@@ -209,6 +209,7 @@ class Exchange:
                     if not await self._keepalive(every):
                         every = None
                     continue
+            assert message is not None  # (received in either branch)
             if message["type"] == "http.disconnect":
                 if not self.done:
                     self.gone = True
