@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -142,7 +141,10 @@ async def test_p_holds_admissions_until_pressed_again(tmp_path):
         assert engine_of(app).scheduler.paused
         assert "PAUSED" in header_text(app)
         await log.wait(kind("AgentFinished", "a"))
-        await asyncio.sleep(0.3)  # time in which b would have started
+        scheduler = engine_of(app).scheduler
+        # a's slot given back: unpaused, that release would have admitted b in the same call
+        await until(lambda: scheduler.running == 0, "a's slot given back")
+        assert scheduler.queued == 1
         assert engine_of(app).agents["b"].status == "queued"
         assert not log.of("AgentStarted", "b")
         await pilot.press("p")
