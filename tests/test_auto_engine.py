@@ -52,8 +52,9 @@ async def test_auto_grows_from_one_to_what_fits_and_keeps_the_prefixes_that_para
     # same tokens, about 1 s of CPU, over 7 s instead of 2): a machine whose other processes take its cores
     # for a while still keeps pace, so the throughput auto measures at each cap is the simulated server's.
     # (At 9,000 and at 4,500, an xdist worker on a loaded 2-core machine went from 8 back to 4: "throughput
-    # -44% at 8 against 4".)
-    engine, seen, server = await run_on_small_kv("auto", 40, speed=5)
+    # -44% at 8 against 4".) 20 agents: the fit (9) is reached with about half of them still queued, and more
+    # would only keep it.
+    engine, seen, server = await run_on_small_kv("auto", 20, speed=5)
     assert server["code"] == 0
     changes = [e for e in seen if e.kind == "ConcurrencyChanged" and e.endpoint == "e"]
     assert changes[0].effective_cap == 1 and "slow start" in changes[0].reason
@@ -78,7 +79,7 @@ async def test_auto_grows_from_one_to_what_fits_and_keeps_the_prefixes_that_para
     assert 1 < caps["mean_cap"] <= top
 
     # the same queue with every agent admitted at once: the cache cannot hold their prefixes
-    _, _, naive = await run_on_small_kv("parallel", 40)
+    _, _, naive = await run_on_small_kv("parallel", 20)
     assert naive["max_running"] > top
     assert naive["hit_rate"] < server["hit_rate"] - 0.1
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cerevisor_tui.tools import stdio
 from cerevisor_tui.tools.stdio import LOG_MAX_BYTES
 from tests.test_tools import FAKE, kinds, run, workflow
 
@@ -133,9 +134,13 @@ time.sleep(120)
 
 
 @pytest.mark.anyio
-async def test_a_start_timeout_is_told_at_the_deadline_not_once_the_server_is_wound_down(tmp_path):
+async def test_a_start_timeout_is_told_at_the_deadline_not_once_the_server_is_wound_down(tmp_path, monkeypatch):
     """A server that never answers, and ignores its stdin closing and SIGTERM: winding it down takes the grace
     before SIGTERM and the one before SIGKILL. Its agent hears of the timeout before any of that."""
+    # the graces at test scale (2 s each); SIGTERM still goes 2 s after the start, once the server is surely
+    # listening for it
+    monkeypatch.setattr(stdio, "GRACE_S", 1.0)
+    monkeypatch.setattr(stdio, "KILL_AFTER_S", 0.2)
     term = tmp_path / "term.txt"
     slow = {"command": sys.executable, "args": ["-c", SLOW_TO_GO, str(term)], "start_timeout_s": 1.0}
     data = workflow({"echo": {"text": "x"}}, server=slow)

@@ -9,6 +9,7 @@ import ssl
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cerevisor_tui.config import validate
@@ -56,6 +57,31 @@ async def test_an_https_endpoint_streams_over_tls(tmp_path, monkeypatch, stream_
         engine = one_agent(srv.base_url, stream_process, kind="hosted", turns=2)
         assert await engine.run() == 0, engine.agents["a"].error
     assert engine.agents["a"].output == "alpha beta gamma" and srv.requests == 2
+
+
+@pytest.mark.anyio
+async def test_a_client_loads_the_trusted_cas_only_for_https_and_once(tmp_path, monkeypatch):
+    """Loading them takes ~30 ms of CPU: a client of loopback servers (plain http) never pays it."""
+    made: list[ssl.SSLContext] = []
+
+    def create_ssl_context(**kwargs):
+        made.append(real(**kwargs))
+        return made[-1]
+
+    real = httpx.create_ssl_context
+    monkeypatch.setattr(httpx, "create_ssl_context", create_ssl_context)
+    cert, key = self_signed(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    async with RawServer(three_words) as plain, RawServer(three_words, ssl=context) as tls, \
+            build_client(4) as client:
+        for _ in range(2):  # each on a connection of its own: the server closes each after its answer
+            assert (await client.post(plain.base_url + "/chat/completions", json={})).status_code == 200
+        assert made == []
+        for _ in range(2):
+            assert (await client.post(tls.base_url + "/chat/completions", json={})).status_code == 200
+        assert len(made) == 1 and tls.requests == 2
 
 
 @pytest.mark.anyio

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import contextlib
 import ipaddress
+import ssl
 import typing
 import urllib.request
 
@@ -75,7 +76,9 @@ class _Pool:
     to is not reused (httpcore's `has_expired`)."""
 
     def __init__(self, limits: httpx.Limits) -> None:
-        self._ssl_context = httpx.create_ssl_context(trust_env=True)  # httpx's default: certifi, SSL_CERT_*
+        # httpx's default (certifi, SSL_CERT_*), made at the first https origin: loading the CAs takes ~30 ms of
+        # CPU, each client a run or a probe builds paid it, and loopback servers speak plain http
+        self._ssl_context: ssl.SSLContext | None = None
         self._backend = AsyncioBackend()
         self._keepalive_expiry = limits.keepalive_expiry
         self._max_connections = limits.max_connections
@@ -88,6 +91,13 @@ class _Pool:
             collections.OrderedDict()
         )
         self._active: set[httpcore.AsyncHTTPConnection] = set()
+
+    def _ssl_for(self, origin: _Origin) -> ssl.SSLContext | None:
+        if origin[0] != b"https":
+            return None
+        if self._ssl_context is None:
+            self._ssl_context = httpx.create_ssl_context(trust_env=True)
+        return self._ssl_context
 
     async def acquire(self, origin: _Origin, timeout: float | None) -> httpcore.AsyncHTTPConnection:
         """A connection for one request to `origin`, held by it until `release`."""
@@ -110,7 +120,7 @@ class _Pool:
                     await self._close(*self._idle_order.popitem(last=False))
                 connection = httpcore.AsyncHTTPConnection(
                     origin=httpcore.Origin(*origin),
-                    ssl_context=self._ssl_context,
+                    ssl_context=self._ssl_for(origin),
                     keepalive_expiry=self._keepalive_expiry,
                     http1=True,
                     http2=False,

@@ -3,6 +3,7 @@ back after release_after_s; a new session's first request waits for one; and the
 
 from __future__ import annotations
 
+import asyncio
 import functools
 
 import anyio
@@ -12,8 +13,8 @@ import pytest
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
 
-from ..conftest import until
-from .conftest import Answer, chat, post, served
+from ..conftest import RawServer, chunk, http_head, sse_chunk, until
+from .conftest import Answer, chat, post, served, sim_endpoint
 
 pytestmark = pytest.mark.anyio
 
@@ -129,22 +130,53 @@ async def test_release_after_zero_admits_each_request_on_its_own():
         assert s.statuses("each").count("released") == 2
 
 
+class HeldChat:
+    """A chat upstream that sends each request's head and first token, then holds the rest until the test answers
+    it (`answer(i)`, the i-th request it was sent): how long a session streams is the test's to say, not the
+    machine's."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self._answer: dict[int, asyncio.Event] = {}
+
+    def _gate(self, index: int) -> asyncio.Event:
+        return self._answer.setdefault(index, asyncio.Event())
+
+    def answer(self, index: int) -> None:
+        self._gate(index).set()
+
+    async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index, self.arrived = self.arrived, self.arrived + 1
+        writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("one")))
+        await writer.drain()
+        await self._gate(index).wait()
+        writer.write(chunk(sse_chunk(" two", finish="stop") + b"data: [DONE]\n\n") + chunk(b""))
+        await writer.drain()
+
+
 async def test_release_after_zero_lets_another_session_in_between_two_requests():
     # sequential, per-request admission: while "a" streams, "b" queues; a's next request goes behind b's
-    async with served(run={"mode": "sequential"}, gateway={"release_after_s": 0},
-                      sim={"tokens_per_s": 40, "speed": 1}) as s, \
+    upstream = HeldChat()
+    async with RawServer(upstream) as raw, \
+            served(endpoints=[sim_endpoint(raw.base_url, name="held")], run={"mode": "sequential"},
+                   gateway={"release_after_s": 0}) as s, \
             httpx.AsyncClient(timeout=30) as client, anyio.create_task_group() as group:
         answers: dict[str, Answer] = {}
-        group.start_soon(lambda: _request(client, s.url + "/chat/completions", "a", answers, max_tokens=100))
+        group.start_soon(_request, client, s.url + "/chat/completions", "a", answers)
         await until(lambda: s.of(ev.FirstToken, "a"), "a streaming")
         group.start_soon(_request, client, s.url + "/chat/completions", "b", answers)
         await until(lambda: "b" in s.engine.sessions.by_name and s.session("b").queued == 1, "b queued")
-        await until(lambda: "a" in answers, "a's first answer", timeout=30)
+        upstream.answer(0)
+        await until(lambda: "a" in answers, "a's first answer")
         # a's request ended and its slot went at once (release_after_s 0): b is admitted with no request of a's
-        await until(lambda: s.of(ev.AgentStarted, "b"), "b admitted after a's request", timeout=30)
+        await until(lambda: s.of(ev.FirstToken, "b"), "b admitted after a's request, and streaming")
         group.start_soon(lambda: _request(client, s.url + "/chat/completions", "a", answers, key="a2", content="again"))
         await until(lambda: s.session("a").queued == 1, "a's next request queued behind b")
-        await until(lambda: "a2" in answers and "b" in answers, "both answers", timeout=30)
+        upstream.answer(1)
+        upstream.answer(2)
+        await until(lambda: "a2" in answers and "b" in answers, "both answers")
+        assert upstream.arrived == 3
+        assert all(answers[k].status == 200 and answers[k].text == "one two" for k in ("a", "b", "a2"))
         b_done = _index(s, ev.TurnFinished, "b")
         a_second = _index(s, ev.AgentStarted, "a", lambda e: e.attempt == 2)
         assert b_done < a_second

@@ -76,8 +76,9 @@ async def test_anthropic_messages_streamed_and_not_with_the_session_from_metadat
 
 
 async def test_keepalives_while_queued_are_comments_the_sdks_skip():
-    # one slot (sequential); a session that holds it for 1.5 s after its request: the next session waits, kept alive
-    config = gateway_config(run={"mode": "sequential"}, gateway={"keepalive_s": 0.2, "release_after_s": 1.5})
+    # one slot (sequential); a session that holds it for 0.4 s after its request: the next session waits, kept alive
+    # every 0.05 s (five sessions wait in turn: the test's time is theirs)
+    config = gateway_config(run={"mode": "sequential"}, gateway={"keepalive_s": 0.05, "release_after_s": 0.4})
     async with served(config) as s, httpx.AsyncClient(timeout=30) as raw:
         first = oai(s.url, "holder")
         await first.chat.completions.create(model="sim-model", max_tokens=2, messages=[{"role": "user", "content": "a"}])
@@ -89,7 +90,7 @@ async def test_keepalives_while_queued_are_comments_the_sdks_skip():
         assert head.count(b": keep-alive\n\n") >= 2 and head.replace(b": keep-alive\n\n", b"") == b""
         assert rest.endswith(b"data: [DONE]\n\n")
         [queued] = [a for a in s.of(ev.AgentStarted, "waiter")]
-        assert queued.queued_s > 0.5  # its wait in the gateway is told apart from model silence
+        assert queued.queued_s > 0.2  # its wait in the gateway is told apart from model silence
         # the SDKs read a stream that begins with comments as if they were not there
         async with anthropic.AsyncAnthropic(base_url=s.url.removesuffix("/v1"), api_key="k", max_retries=0) as c3:
             await first.chat.completions.create(model="sim-model", max_tokens=2,
@@ -102,16 +103,16 @@ async def test_keepalives_while_queued_are_comments_the_sdks_skip():
         stream = await second.chat.completions.create(model="sim-model", max_tokens=4, stream=True,
                                                       messages=[{"role": "user", "content": "d"}])
         assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-        assert s.of(ev.AgentStarted, "waiter2")[0].queued_s > 0.5
+        assert s.of(ev.AgentStarted, "waiter2")[0].queued_s > 0.2
         await first.close()
         await second.close()
 
 
 async def test_a_deadline_after_keepalives_is_the_apis_error_event_and_the_sdks_raise_it():
-    # the server answers nothing for 100 s; the first-byte deadline is 1 s; keep-alives went out before it
+    # the server answers nothing for 100 s; the first-byte deadline is 0.4 s; keep-alives went out before it
     slow = [{"name": "sim", "kind": "simulated", "model": "sim-model", "sim": {"ttft_s": 100.0, "seed": 1}}]
-    config = gateway_config(endpoints=slow, gateway={"keepalive_s": 0.2},
-                            stall={"first_byte_timeout_s": 1.0, "extend_when_server_busy": False})
+    config = gateway_config(endpoints=slow, gateway={"keepalive_s": 0.1},
+                            stall={"first_byte_timeout_s": 0.4, "extend_when_server_busy": False})
     async with served(config) as s:
         client = oai(s.url, "chat-one")
         with pytest.raises(openai.APIError, match="first_byte deadline"):
@@ -132,7 +133,7 @@ async def test_a_deadline_after_keepalives_is_the_apis_error_event_and_the_sdks_
         await client.close()
         kills = s.of(ev.AgentKilled)
         assert [k.deadline for k in kills] == ["first_byte"] * 3
-        assert all(k.reason.startswith("no first token after 1") for k in kills)
+        assert all(k.reason.startswith("no first token after 0.4") for k in kills)
 
 
 async def test_a_deadline_before_any_byte_is_a_504_in_the_apis_shape():

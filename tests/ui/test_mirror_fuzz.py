@@ -29,7 +29,7 @@ WORKFLOW = f"""
 mode = "parallel"
 max_concurrency = 4
 [stall]
-idle_timeout_s = 1.5
+idle_timeout_s = 0.3
 [[endpoints]]
 name = "sim"
 kind = "simulated"
@@ -44,6 +44,7 @@ tool_args = {{echo = {{text = "hi"}}}}
 name = "stally"
 kind = "simulated"
 [endpoints.sim]
+speed = 20
 stall_after_tokens = 3
 [[mcp_servers]]
 name = "fake"
@@ -114,8 +115,9 @@ def look(mirror: RunMirror) -> None:
 
 
 @pytest.mark.parametrize("which", ["simulator run", "older version's"])
-def test_no_single_field_mutation_of_a_real_journal_makes_a_mirror_handler_fail(sim_journal, which):
-    path = sim_journal / "events.jsonl" if which == "simulator run" else OLDER_JOURNAL
+def test_no_single_field_mutation_of_a_real_journal_makes_a_mirror_handler_fail(request, which):
+    # the older journal is a file: its case runs no workflow (on another xdist worker, it would run its own)
+    path = request.getfixturevalue("sim_journal") / "events.jsonl" if which == "simulator run" else OLDER_JOURNAL
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     events = [ev.event_of(r) for r in records]
     tried, failed = 0, []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
@@ -127,8 +126,12 @@ async def test_e_moves_the_stalled_agents_deadline_and_the_row_leaves_amber(tmp_
         assert extended.extend_s == 30.0 and extended.reason == "extended by operator"
         assert att.deadline_at == pytest.approx(before + 30.0)
         assert engine_of(app).agents["a"].status == "streaming"
-        app.screen.refresh_status()
-        assert app.screen.table.row("a").level == ""
+
+        def left_amber() -> bool:  # once the console's mirror has taken the extension too
+            app.screen.refresh_status()
+            return app.screen.table.row("a").level == ""
+
+        await until(left_amber, "the row out of amber")
 
 
 @pytest.mark.anyio
@@ -142,7 +145,10 @@ async def test_p_holds_admissions_until_pressed_again(tmp_path):
         assert engine_of(app).scheduler.paused
         assert "PAUSED" in header_text(app)
         await log.wait(kind("AgentFinished", "a"))
-        await asyncio.sleep(0.3)  # time in which b would have started
+        scheduler = engine_of(app).scheduler
+        # a's slot given back: unpaused, that release would have admitted b in the same call
+        await until(lambda: scheduler.running == 0, "a's slot given back")
+        assert scheduler.queued == 1
         assert engine_of(app).agents["b"].status == "queued"
         assert not log.of("AgentStarted", "b")
         await pilot.press("p")

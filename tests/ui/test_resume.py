@@ -45,7 +45,7 @@ max_tokens = 40
 name = "b"
 prompt = "second task, after a said: {{{{ a.output }}}}"
 depends_on = ["a"]
-max_tokens = 40
+max_tokens = 4
 """)
     return path
 
