@@ -7,6 +7,7 @@ against the hostile upstream of tests/gateway/hostile.py over loopback HTTP."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import anyio
@@ -80,7 +81,10 @@ async def test_progress_that_wobbles_is_no_progress_and_is_killed_at_the_idle_wi
         code, seen = await _run(_config(up.base_url, "wobble", first_byte_timeout_s=1.0, idle_timeout_s=2.0),
                                 timeout_s=30.0)
     [killed] = _of(seen, ev.AgentKilled)
-    assert killed.reason.startswith("no prefill progress for 2"), killed.reason
+    # no progress since its first reading: killed once the idle window (2 s) has passed, not before; a loaded host
+    # may look later than that, so the figure is at least 2, not exactly 2.x
+    quiet_s = re.fullmatch(r"no prefill progress for ([0-9.]+) s \(prefill .*\)", killed.reason)
+    assert quiet_s is not None and float(quiet_s.group(1)) >= 2.0, killed.reason
     assert code == 1
 
 
