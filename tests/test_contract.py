@@ -155,23 +155,17 @@ def test_the_wire_messages_are_tagged_by_type() -> None:
                       wire.Welcome)
 
 
-@pytest.mark.anyio
-async def test_a_console_counts_an_event_its_version_does_not_know_and_never_hands_it_on(tmp_path) -> None:
-    """The console's side of the socket: an event line with a field this version does not know is not read in
-    part; the client counts it (`unreadable`) and reads on, the events around it arriving whole."""
+async def _read_from_a_run(tmp_path, lines: list[bytes]) -> tuple[str, list[ev.Event], list[str], int]:
+    """A run's socket that says hello, writes `lines` and closes, read by the console's client: why it ended, the
+    events handed on, what it told `on_unreadable`, and the lines it counted unreadable."""
     import asyncio
 
     from cerevisor_tui.supervisor.client import ControlClient
 
-    good = ev.AgentQueued(1.0, "a", 0)
-    later = json.loads(ev.encode_event(ev.AgentQueued(2.0, "b", 0))) | {"priority": 3}
-
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readline()  # the client's hello
         writer.write(wire.encode(wire.Welcome(wire.PROTOCOL, "r1", str(tmp_path), os.getpid())))
-        writer.write(wire.EVENT_PREFIX + json.dumps(later).encode() + b"}\n")
-        writer.write(wire.event_line(good))
-        writer.write(wire.encode(wire.Bye("the run ended")))
+        writer.write(b"".join(lines))
         await writer.drain()
         writer.close()
 
@@ -182,9 +176,22 @@ async def test_a_console_counts_an_event_its_version_does_not_know_and_never_han
         client = await ControlClient.connect(tmp_path)
         seen: list[ev.Event] = []
         told: list[str] = []
-        assert await client.run(seen.append, on_unreadable=told.append) == "the run ended"
+        ended = await client.run(seen.append, on_unreadable=told.append)
         await client.close()
-    assert seen == [good] and client.unreadable == 1
+    return ended, seen, told, client.unreadable
+
+
+@pytest.mark.anyio
+async def test_a_console_counts_an_event_its_version_does_not_know_and_never_hands_it_on(tmp_path) -> None:
+    """The console's side of the socket: an event line with a field this version does not know is not read in
+    part; the client counts it (`unreadable`) and reads on, the events around it arriving whole."""
+    good = ev.AgentQueued(1.0, "a", 0)
+    later = json.loads(ev.encode_event(ev.AgentQueued(2.0, "b", 0))) | {"priority": 3}
+    ended, seen, told, unreadable = await _read_from_a_run(tmp_path, [
+        wire.EVENT_PREFIX + json.dumps(later).encode() + b"}\n", wire.event_line(good),
+        wire.encode(wire.Bye("the run ended"))])
+    assert ended == "the run ended"
+    assert seen == [good] and unreadable == 1
     assert len(told) == 1 and "unknown field `priority`" in told[0]
 
 
@@ -192,27 +199,8 @@ async def test_a_console_counts_an_event_its_version_does_not_know_and_never_han
 async def test_a_connection_cut_mid_line_is_lost_not_a_line_of_another_version(tmp_path) -> None:
     """A run aborts a client that fell behind while it still takes in its last lines: the cut line is the
     connection's end, said so, and not an event "this console cannot read" (an older version's, it would say)."""
-    import asyncio
-
-    from cerevisor_tui.supervisor.client import ControlClient
-
     good = ev.AgentQueued(1.0, "a", 0)
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readline()  # the client's hello
-        writer.write(wire.encode(wire.Welcome(wire.PROTOCOL, "r1", str(tmp_path), os.getpid())))
-        writer.write(wire.event_line(good))
-        writer.write(wire.event_line(ev.AgentQueued(2.0, "b", 0))[:20])  # aborted here
-        await writer.drain()
-        writer.close()
-
-    server = await asyncio.start_unix_server(serve, path=str(tmp_path / "control.sock"))
-    (tmp_path / "supervisor.json").write_text(json.dumps({"pid": os.getpid(), "socket": str(tmp_path / "control.sock")}))
-    async with server:
-        client = await ControlClient.connect(tmp_path)
-        seen: list[ev.Event] = []
-        told: list[str] = []
-        ended = await client.run(seen.append, on_unreadable=told.append)
-        await client.close()
+    cut = wire.event_line(ev.AgentQueued(2.0, "b", 0))[:20]  # aborted here
+    ended, seen, told, unreadable = await _read_from_a_run(tmp_path, [wire.event_line(good), cut])
     assert ended.startswith("connection lost mid-event") and seen == [good]
-    assert told == [] and client.unreadable == 0
+    assert told == [] and unreadable == 0
