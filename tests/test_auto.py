@@ -164,6 +164,22 @@ def test_slow_start_measures_a_flat_window_twice_before_it_ends():
     assert caps(changes)[:5] == [2, 4, 8, 16, 32]
 
 
+def test_slow_start_measures_a_window_with_a_passing_queue_twice_before_it_ends():
+    # at 4, a window's samples show two requests waiting (a loaded host's scheduler steps late), then none: the slow
+    # start goes on rather than leaving the rest of the way to the probes (CI: it ended at 4 with 9 fitting)
+    box = Box(linear_then_flat(1000))
+    ctl = AutoController(max_cap=256)
+    changes: list = []
+    while ctl.cap < 4:
+        changes += drive(ctl, box, 1)
+    box.extra = {"waiting": 2.0}  # a quarter of 4 and more, two samples: a queue in the window, not yet a streak
+    changes += drive(ctl, box, 2)
+    box.extra = {}
+    changes += drive(ctl, box, 20)
+    assert caps(changes)[:4] == [2, 4, 8, 16], changes
+    assert all("slow start" in why for _, _, why in changes[:4]), changes
+
+
 def test_no_window_opens_while_the_agents_just_admitted_have_no_first_token():
     ctl = AutoController(max_cap=64)
     box = Box(linear_then_flat(1000))

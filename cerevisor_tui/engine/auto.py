@@ -172,6 +172,7 @@ class AutoController:
         self._probe_from: int | None = None
         self._calm = 0
         self._flat = 0  # slow-start windows in a row that did not grow throughput
+        self._queued_windows = 0  # slow-start windows in a row with a queue at the server
         self._cold_looks = 0
         self._warm = False
         self._errors = 0
@@ -350,6 +351,13 @@ class AutoController:
             self._flat = 0
             if floor_pending:
                 return None
+            # a queue in one window (a loaded host's late scheduler steps, a burst of turns arriving together) is
+            # measured once more before it ends the slow start, as a flat window is; a full cache or a preemption is not
+            queue_only = (not headroom and (w.kv is None or w.kv < KV_FULL) and not self._preempted_in(w, s))
+            if queue_only and cap < upper and self._queued_windows < 1:
+                self._queued_windows += 1
+                return None
+            self._queued_windows = 0
             if headroom and cap < upper:
                 # x4 while that stays within what fits (the fit is the safety, not the throughput test), else x2
                 new = min(cap * 4 if fit is not None and cap * 4 <= fit else cap * 2, upper)
