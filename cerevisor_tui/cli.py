@@ -339,6 +339,9 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     run_replay.add_argument("--run-dir", metavar="DIR",
                             help="with --as-agents or --through-gateway: the run's directory (default: a new one under the "
                             "runs directory); `cerevisor-tui attach DIR` follows it")
+    run_replay.add_argument("--release-after-s", type=float, metavar="S",
+                            help="with --through-gateway: a session gives its slot back after S seconds without a "
+                            "request, in the trace's seconds (default 60, the gateway's [gateway] release_after_s)")
     run_replay.add_argument("--speed", type=float, default=1.0, metavar="X",
                             help="divide the gaps between turns by X (and run the simulator X times faster)")
     run_replay.add_argument("--slo-interactivity", type=float, default=50.0, metavar="TOK_S",

@@ -102,6 +102,12 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"{where}: error: --run-dir is the run's directory with --as-agents or --through-gateway",
               file=sys.stderr)
         return 2
+    if args.release_after_s is not None and not args.through_gateway:
+        print(f"{where}: error: --release-after-s is the gateway's: add --through-gateway", file=sys.stderr)
+        return 2
+    if args.release_after_s is not None and not 0 <= args.release_after_s <= 86400:
+        print(f"{where}: error: --release-after-s must be between 0 and 86400", file=sys.stderr)
+        return 2
     mode: Mode = args.mode or "parallel"
     if args.concurrency < 1 or args.speed <= 0:
         print(f"{where}: error: --concurrency must be at least 1 and --speed above 0", file=sys.stderr)
@@ -135,7 +141,8 @@ def _replay(args: argparse.Namespace) -> int:
         run_dir = Path(args.run_dir) if args.run_dir else None
         if args.through_gateway:
             return await through_gateway(turns, base_url, settings, mode, args.concurrency, run_dir=run_dir,
-                                         journal=True, api_key_env=args.api_key_env or "", on_run=said)
+                                         journal=True, api_key_env=args.api_key_env or "", on_run=said,
+                                         release_after_s=args.release_after_s)
         if args.as_agents:
             return await as_agents(turns, base_url, settings, mode, args.concurrency, run_dir=run_dir,
                                    api_key_env=args.api_key_env or "", on_run=said)
@@ -180,7 +187,8 @@ def _replay(args: argparse.Namespace) -> int:
 async def through_gateway(turns: list[TraceTurn], upstream: str, settings: ReplaySettings, mode: Mode,
                           cap: int, *, run_dir: Path | None = None, journal: bool = False, api_key_env: str = "",
                           sections: Mapping[str, Mapping[str, Any]] = {}, endpoint: Mapping[str, Any] = {},
-                          on_run: Callable[[Any], None] | None = None, clock: Clock | None = None) -> ReplayReport:
+                          on_run: Callable[[Any], None] | None = None, clock: Clock | None = None,
+                          release_after_s: float | None = None) -> ReplayReport:
     """The replay's sessions through a gateway of a run of their own in front of `upstream`, as harness traffic
     arrives: every session is sent when its trace says (the run, not the client, admits them), each a row under the
     run's `mode` and `cap`; the report adds the run's cap changes and kills. `sections` adds to the run's config
@@ -195,6 +203,7 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
 
     from cerevisor_tui.commands.run import serve_control
     from cerevisor_tui.config import validate
+    from cerevisor_tui.config.models import GatewayConfig
     from cerevisor_tui.config.paths import default_runs_dir
     from cerevisor_tui.contract import events as ev
     from cerevisor_tui.engine.clock import MONOTONIC
@@ -204,10 +213,13 @@ async def through_gateway(turns: list[TraceTurn], upstream: str, settings: Repla
     from cerevisor_tui.replay.run import replay
 
     config = validate(_run_config(upstream, settings, mode, cap, api_key_env, sections, endpoint, {
-        # a session keeps its slot across its own gaps (tools, a person), and not long past its last turn: the
-        # trace's longest gap, at the replay's speed
-        "gateway": {"listen": "127.0.0.1:0", "release_after_s": max(0.1, 2 * max(
-            (t.delay_ms for t in turns if t.turn > 1), default=0.0) / 1000 / settings.speed)},
+        # a session gives its slot back after the gateway's quiet spell, as a harness's does (the gateway cannot
+        # know one is done): [gateway] release_after_s (default the gateway's), in the trace's seconds, at the
+        # replay's speed. (Twice the trace's longest gap, as this once was, kept each finished session's slot from
+        # the sessions queued for one for 290 simulated seconds on the seed's agentx file.)
+        "gateway": {"listen": "127.0.0.1:0", "release_after_s": (
+            GatewayConfig.model_fields["release_after_s"].default if release_after_s is None else release_after_s)
+            / settings.speed},
     }))
     assert config.gateway is not None
     written = None
