@@ -146,6 +146,10 @@ def test_mode_without_a_run_is_refused(tmp_path, capsys):
     write_trace(SPAWNING, path)
     done = cli_here(capsys, "replay", "run", str(path), "--mode", "auto")
     assert done.returncode == 2 and "--mode is the run's: add --as-agents" in done.stderr
+    done = cli_here(capsys, "replay", "run", str(path), "--as-agents", "--release-after-s", "5")
+    assert done.returncode == 2 and "--release-after-s is the gateway's: add --through-gateway" in done.stderr
+    done = cli_here(capsys, "replay", "run", str(path), "--through-gateway", "--release-after-s", "-1")
+    assert done.returncode == 2 and "--release-after-s must be between 0 and 86400" in done.stderr
 
 
 @pytest.mark.anyio

@@ -221,7 +221,7 @@ async def test_session_admission_through_the_gateway_keeps_the_prefix_hits_each_
     through the gateway is at least 95% of the file replayed one session at a time."""
     from cerevisor_tui.commands.replay import through_gateway
 
-    fast = 200.0  # the gaps and the gateway's release (twice the longest gap) at this speed: seconds, not minutes
+    fast = 200.0  # the gaps and the gateway's release (60 s of the trace) at this speed: seconds, not minutes
     turns = [t for t in generate("agentx", sessions=3, seed=3) if t.parent is None and t.turn <= 3]
     async with SimServer(SimSettings(profile="agentx-slice", speed=fast)) as sim:
         alone = await replay(turns, sim.base_url, ReplaySettings(concurrency=1, speed=fast,
@@ -233,6 +233,29 @@ async def test_session_admission_through_the_gateway_keeps_the_prefix_hits_each_
     assert alone.turns_completed == through.turns_completed == len(turns) == 9
     assert alone.prefix_hit_rate is not None and alone.prefix_hit_rate > 0.5
     assert through.prefix_hit_rate is not None and through.prefix_hit_rate >= 0.95 * alone.prefix_hit_rate
+
+
+@pytest.mark.anyio
+async def test_through_a_gateway_a_session_keeps_its_slot_for_the_gateways_release_not_longer():
+    """One slot, session a's two turns 5 s apart and b arriving 1 s in: under the gateway's release (60 s) a keeps
+    its slot across its gap, so b waits for a's second turn; with `release_after_s` under the gap, b takes the slot
+    in a's gap (a harness's session is released by a quiet spell: the gateway cannot know it is done)."""
+    from cerevisor_tui.commands.replay import through_gateway
+
+    speed = 100.0
+    turns = [turn("a", 1, 64, 4, [1]), turn("a", 2, 16, 4, [1], delay_ms=5_000.0), turn("b", 1, 64, 4, [2],
+                                                                                        delay_ms=1_000.0)]
+    firsts = {}
+    for release in (None, 0.1):
+        async with SimServer(SimSettings(speed=speed)) as sim:
+            report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=speed,
+                                                                               clock=sim.state.engine.clock_s),
+                                           "parallel", 1, release_after_s=release)
+        assert report.turns_completed == 3, report.first_error
+        firsts[release] = {(r.session_id, r.turn): r.first_at for r in report.turn_log}
+    kept, released = firsts[None], firsts[0.1]
+    assert kept[("a", 2)] < kept[("b", 1)]
+    assert released[("b", 1)] < released[("a", 2)]
 
 
 @pytest.mark.anyio
