@@ -28,8 +28,8 @@ which run on the simulator's clock over the speed (engine/clock.py PacedClock) r
     and the busy-server extension. Deadlines are the run's seconds: here divided by the speed, so that they mean
     simulated seconds. Targets: the generic timer's kills counted, the two deadlines' kills 0.
 
-    python benchmarks/seed.py            # 48 sessions x 8 turns, caps 8 to 48 (not yet run to its end here)
-    python benchmarks/seed.py --quick    # 32 sessions x 8 turns, caps 8 to 32: about 6 minutes on 2 cores at load 4-8
+    python benchmarks/seed.py            # 48 sessions x 8 turns, caps 8 to 48: about 6 minutes on 2 cores, quiet
+    python benchmarks/seed.py --quick    # 32 sessions x 8 turns, caps 8 to 32: 4 to 6 minutes on 2 cores
     python benchmarks/seed.py --json     # the figures as one JSON object
 """
 
@@ -127,7 +127,7 @@ async def gateway_run(turns: list[TraceTurn], mode: str, cap: int, speed: float,
 async def sequential(turns: list[TraceTurn], speed: float) -> Row:
     """The file replayed directly, one session at a time (a subagent within its parent's): Sequential as the seed
     ran it, and each session alone on the server. Not through the gateway: there a session's slot is released
-    only after a quiet spell of twice the trace's longest gap (it cannot know a harness is done), which one slot
+    only after a quiet spell (the gateway's release_after_s: it cannot know a harness is done), which one slot
     would pay after every session and make Sequential look worse than it is."""
     async with SimServer(SimSettings(profile=PROFILE, speed=speed)) as sim:
         started = time.monotonic()
