@@ -453,6 +453,7 @@ async def read_server(
 
 
 _LAST_TEXT: dict[str, tuple[str, MetricsSnapshot]] = {}
+_LAST_TEXTS_KEPT = 64  # URLs: a run's endpoints and workers; a process that reads more keeps the latest
 
 
 def _parsed(url: str, text: str) -> MetricsSnapshot:
@@ -462,6 +463,8 @@ def _parsed(url: str, text: str) -> MetricsSnapshot:
     if last is not None and last[0] == text:
         return last[1]
     snapshot = parse_metrics(text)
+    if last is None and len(_LAST_TEXT) >= _LAST_TEXTS_KEPT:
+        del _LAST_TEXT[next(iter(_LAST_TEXT))]  # the URL read first
     _LAST_TEXT[url] = (text, snapshot)
     return snapshot
 
