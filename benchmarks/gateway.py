@@ -127,19 +127,30 @@ SIM_MODEL = "sim-model"
 # ---------------------------------------------------------------------------------------------------
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds of the process and of the children it reaped) from /proc/PID/stat."""
+def _stat(pid: int) -> tuple[int, float, float] | None:
+    """(parent pid, CPU seconds of the process, of the children it reaped) from /proc/PID/stat."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     ticks = os.sysconf("SC_CLK_TCK")
-    return int(fields[1]), sum(int(f) for f in fields[11:15]) / ticks
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks, (int(fields[13]) + int(fields[14])) / ticks
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds of `pid`'s threads, live and ended, to the nanosecond: its CPU clock (Linux's
+    MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)); None where it cannot be read. /proc's figures count 10 ms
+    ticks: 0.3 ms of each request at 1 stream over a 10 s window."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except (OSError, OverflowError):
+        return None
 
 
 def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of `pid`, its live descendants and every child they reaped; nan if gone."""
-    table: dict[int, tuple[int, float]] = {}
+    """CPU seconds (user + system) of `pid`, its live descendants and every child they reaped; nan if gone.
+    `pid`'s own threads to the nanosecond where its CPU clock reads, the rest in /proc's ticks."""
+    table: dict[int, tuple[int, float, float]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             found = _stat(int(entry.name))
@@ -148,7 +159,7 @@ def tree_cpu_s(pid: int) -> float:
     if pid not in table:
         return float("nan")
     children: dict[int, list[int]] = {}
-    for p, (ppid, _) in table.items():
+    for p, (ppid, _, _) in table.items():
         children.setdefault(ppid, []).append(p)
     total, todo, seen = 0.0, [pid], set()
     while todo and len(seen) < 10_000:
@@ -156,7 +167,8 @@ def tree_cpu_s(pid: int) -> float:
         if p in seen:
             continue
         seen.add(p)
-        total += table[p][1]
+        own = process_cpu_s(p) if p == pid else None
+        total += (table[p][1] if own is None else own) + table[p][2]
         todo.extend(children.get(p, ()))
     return total
 

@@ -6,12 +6,14 @@ servers (/work/shared/peers), the others quoted from the public sources named in
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import httpx
 import pytest
 
+from cerevisor_tui.endpoints.client import build_client
 from cerevisor_tui.endpoints.metrics import (
     MetricsSnapshot,
     ServerStatus,
@@ -235,3 +237,33 @@ async def test_read_server_never_raises_on_network_errors():
     async with httpx.AsyncClient(transport=transport(slow)) as client:
         status = await read_server(client, "http://127.0.0.1:9/v1", timeout_s=0.1)
     assert status.reachable and status.error == "metrics: timed out"
+
+
+@pytest.mark.anyio
+async def test_each_look_reads_the_server_afresh_through_one_client():
+    """A look's GETs are built once per client and a text seen last time is not parsed again: over a real socket,
+    numbers that move are read anew at each look, a text that stands still gives the same numbers, and every GET
+    carries the client's key."""
+    texts = [b"vllm:num_requests_waiting 1\n", b"vllm:num_requests_waiting 1\n", b"vllm:num_requests_waiting 3\n"]
+    seen: list[tuple[bytes, bytes]] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1]
+                key = next((line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+                            if line.lower().startswith(b"authorization:")), b"")
+                seen.append((path, key))
+                body = texts.pop(0) if path == b"/metrics" else b""
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, build_client(1, api_key="sk-look-test") as client:
+        looks = [await read_server(client, f"http://127.0.0.1:{port}/v1") for _ in range(3)]
+    assert [look.metrics.requests_waiting if look.metrics else None for look in looks] == [1, 1, 3]
+    assert all(look.reachable and look.error is None for look in looks)
+    assert seen == [(b"/health", b"Bearer sk-look-test"), (b"/metrics", b"Bearer sk-look-test")] * 3
