@@ -77,7 +77,9 @@ async def test_with_byte_liveness_keepalives_keep_the_stream_alive(stream_proces
 
 
 @pytest.mark.anyio
-async def test_a_slow_but_alive_stream_is_never_killed(stream_process):
+async def test_a_slow_but_alive_stream_is_never_killed():
+    # in this process only: the deadlines are the engine's, whichever process reads the stream, and the stream
+    # worker's tokens reach it as signs of life in every stream-process test here
     async def slow(reader, writer):
         writer.write(http_head(200, "text/event-stream"))
         for i in range(3):  # 3 s in all, past either deadline: only each token's sign of life keeps it
@@ -89,7 +91,7 @@ async def test_a_slow_but_alive_stream_is_never_killed(stream_process):
 
     # (2 s deadlines, not 1 s: on a loaded machine a token 0.2 s late read as a 0.8 warning; now 0.6 s)
     async with RawServer(slow) as srv:
-        engine = engine_for(srv.base_url, stream_process, first_byte_timeout_s=2.0, idle_timeout_s=2.0)
+        engine = engine_for(srv.base_url, False, first_byte_timeout_s=2.0, idle_timeout_s=2.0)
         seen = recorder(engine)
         assert await engine.run() == 0
     assert not [e for e in seen if e.kind == "AgentKilled"]
@@ -183,9 +185,11 @@ async def test_a_kill_closes_the_connection_on_the_server_side(stream_process):
 
 
 @pytest.mark.anyio
-async def test_operator_extend_moves_the_deadline_and_the_stall_kill_after_it_is_retried(stream_process):
+async def test_operator_extend_moves_the_deadline_and_the_stall_kill_after_it_is_retried():
+    # in this process only: an extension, a stall kill and its retry are the engine's, whichever process reads
+    # the stream (a kill through the stream worker: test_a_kill_closes_the_connection_on_the_server_side)
     async with RawServer(keepalives_after_tokens(5.0)) as srv:
-        engine = engine_for(srv.base_url, stream_process, retries=1, idle_timeout_s=1.0)
+        engine = engine_for(srv.base_url, False, retries=1, idle_timeout_s=1.0)
         seen = recorder(engine)
         extended: list[float] = []
 
@@ -224,11 +228,12 @@ def _waiting_engine(url: str, first_byte_s: float, stream_process: bool) -> Engi
 
 
 @pytest.mark.anyio
-async def test_a_first_byte_timeout_raised_live_saves_an_agent_already_waiting(stream_process):
+async def test_a_first_byte_timeout_raised_live_saves_an_agent_already_waiting():
     """The model answers after 1.5 s; the 1 s first-byte deadline would kill the agent, but the operator
-    raises it to 30 s from settings while it waits."""
+    raises it to 30 s from settings while it waits. In this process only: the policy and its deadlines are the
+    engine's, whichever process reads the stream."""
     async with SimServer(SimSettings(ttft_s=1.5, tokens_per_s=200)) as srv:
-        engine = _waiting_engine(srv.base_url, 1.0, stream_process)
+        engine = _waiting_engine(srv.base_url, 1.0, False)
         seen = []
 
         def on_event(event) -> None:
