@@ -10,6 +10,7 @@ import pytest
 
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import commands as cmd
+from cerevisor_tui.engine.clock import MONOTONIC, Clock, VirtualClock
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
 from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk, until
@@ -17,13 +18,14 @@ from tests.conftest import RawServer, chunk, free_port, http_head, sse_chunk, un
 DONE = sse_chunk("", finish="stop") + sse_chunk(usage={"prompt_tokens": 1, "completion_tokens": 2}) + b"data: [DONE]\n\n"
 
 
-def engine_for(url: str, stream_process: bool, *, kind: str = "local", retries: int = 0, **stall) -> Engine:
+def engine_for(url: str, stream_process: bool, *, kind: str = "local", retries: int = 0, clock: Clock = MONOTONIC,
+               **stall) -> Engine:
     stall = {"idle_timeout_s": 1.0, "first_byte_timeout_s": 5.0, "warn_at": [0.5, 0.8, 0.95], **stall}
     return Engine(validate({
         "stall": stall,
         "endpoints": [{"name": "box", "base_url": url, "kind": kind, "model": "m"}],
         "agents": [{"name": "a1", "prompt": "hi", "retries": retries}],
-    }), stream_process=stream_process)
+    }), stream_process=stream_process, clock=clock)
 
 
 def recorder(engine: Engine) -> list:
@@ -78,24 +80,45 @@ async def test_with_byte_liveness_keepalives_keep_the_stream_alive(stream_proces
 
 @pytest.mark.anyio
 async def test_a_slow_but_alive_stream_is_never_killed():
-    # in this process only: the deadlines are the engine's, whichever process reads the stream, and the stream
-    # worker's tokens reach it as signs of life in every stream-process test here
+    # On the run's clock, moved by the test (engine/clock.py VirtualClock), over real loopback HTTP: each token is
+    # sent once a second of that clock has passed, 3 s in all, past either 2 s deadline; only each token's sign
+    # of life keeps it. In this process only: the deadlines are the engine's, whichever process reads the
+    # stream, and the stream worker's tokens reach it as signs of life in every stream-process test here.
+    clock = VirtualClock()
+    send = [asyncio.Event() for _ in range(4)]  # each token, then the end, when the test says
+
     async def slow(reader, writer):
         writer.write(http_head(200, "text/event-stream"))
-        for i in range(3):  # 3 s in all, past either deadline: only each token's sign of life keeps it
-            await asyncio.sleep(1.0)  # half the idle (and first-byte) deadline
+        for i in range(3):
+            await send[i].wait()
             writer.write(chunk(sse_chunk(f"t{i} ")))
             await writer.drain()
+        await send[3].wait()
         writer.write(chunk(DONE) + chunk(b""))
         await writer.drain()
 
-    # (2 s deadlines, not 1 s: on a loaded machine a token 0.2 s late read as a 0.8 warning; now 0.6 s)
     async with RawServer(slow) as srv:
-        engine = engine_for(srv.base_url, False, first_byte_timeout_s=2.0, idle_timeout_s=2.0)
+        engine = engine_for(srv.base_url, False, first_byte_timeout_s=2.0, idle_timeout_s=2.0, clock=clock)
         seen = recorder(engine)
-        assert await engine.run() == 0
+        codes: list[int] = []
+
+        async def run() -> None:
+            codes.append(await engine.run())
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await until(lambda: [e for e in seen if e.kind == "AgentStarted"], "the request sent")
+            for i in range(3):
+                await clock.advance(1.0)  # half the idle (and first-byte) deadline
+                send[i].set()
+                await until(lambda: codes or len([e for e in seen if e.kind == "TokenDelta"]) == i + 1,  # noqa: B023
+                            f"token {i}, or the run's end")
+            send[3].set()
+    assert codes == [0]
     assert not [e for e in seen if e.kind == "AgentKilled"]
     assert engine.agents["a1"].output == "t0 t1 t2 "
+    sent = next(e.t for e in seen if e.kind == "AgentStarted")
+    assert [e.t - sent for e in seen if e.kind == "TokenDelta"] == pytest.approx([1.0, 2.0, 3.0])
     # only the first warning fraction (0.5) can pass between tokens half the deadline apart
     assert {e.fraction for e in seen if e.kind == "StallWarning"} <= {0.5}
 
@@ -186,10 +209,18 @@ async def test_a_kill_closes_the_connection_on_the_server_side(stream_process):
 
 @pytest.mark.anyio
 async def test_operator_extend_moves_the_deadline_and_the_stall_kill_after_it_is_retried():
-    # in this process only: an extension, a stall kill and its retry are the engine's, whichever process reads
-    # the stream (a kill through the stream worker: test_a_kill_closes_the_connection_on_the_server_side)
-    async with RawServer(keepalives_after_tokens(5.0)) as srv:
-        engine = engine_for(srv.base_url, False, retries=1, idle_timeout_s=1.0)
+    # On the run's clock, moved by the test, over real loopback HTTP: each attempt gets two tokens, then silence.
+    # In this process only: an extension, a stall kill and its retry are the engine's, whichever process reads
+    # the stream (a kill through the stream worker: test_a_kill_closes_the_connection_on_the_server_side).
+    clock = VirtualClock()
+
+    async def two_tokens_then_silence(reader, writer):
+        writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("one ") + sse_chunk("two ")))
+        await writer.drain()
+        await reader.read()  # until the kill closes the connection
+
+    async with RawServer(two_tokens_then_silence) as srv:
+        engine = engine_for(srv.base_url, False, retries=1, idle_timeout_s=1.0, clock=clock)
         seen = recorder(engine)
         extended: list[float] = []
 
@@ -199,13 +230,28 @@ async def test_operator_extend_moves_the_deadline_and_the_stall_kill_after_it_is
                 assert engine.handle(cmd.Extend(agent="a1", seconds=1.0))
                 extended.append(engine.agents["a1"].current.deadline_at - before)
         engine.subscribe(on_event)
-        assert await engine.run() == 1
-    killed = next(e for e in seen if e.kind == "AgentKilled")
-    last_token = max(e.t for e in seen if e.kind == "TokenDelta" and e.t < killed.t)
+        codes: list[int] = []
+
+        async def run() -> None:
+            codes.append(await engine.run())
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            for attempt in (1, 2):  # its tokens, then five seconds of silence on the run's clock
+                def answered(attempt: int = attempt) -> bool:
+                    return bool(codes) or "".join(e.text for e in seen if e.kind == "TokenDelta"
+                                                  and e.attempt == attempt) == "one two "
+                await until(answered, f"attempt {attempt}'s tokens")
+                await clock.advance(5.0)
+    assert codes == [1]
+    killed = [e for e in seen if e.kind == "AgentKilled"]
+    last_token = max(e.t for e in seen if e.kind == "TokenDelta" and e.t < killed[0].t)
     assert extended == [pytest.approx(1.0)]
-    assert killed.t - last_token == pytest.approx(2.0, abs=0.4)  # 1 s idle + 1 s extension
+    assert killed[0].t - last_token == pytest.approx(2.0, abs=0.002)  # 1 s idle + 1 s extension, to the look
     assert any(e.kind == "StallExtended" and e.reason == "extended by operator" for e in seen)
     assert sum(1 for e in seen if e.kind == "AgentRetrying") == 1  # stall kills are retried
+    retried = max(e.t for e in seen if e.kind == "TokenDelta")
+    assert len(killed) == 2 and killed[1].t - retried == pytest.approx(1.0, abs=0.002)  # the retry: not extended
 
 
 @pytest.mark.anyio
