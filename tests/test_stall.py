@@ -48,12 +48,59 @@ def keepalives_after_tokens(seconds: float):
     return handler
 
 
+async def keepalives_run(stream_process: bool, seconds: float, **stall) -> tuple[Engine, list, int]:
+    """A run whose server sends two tokens, then a keep-alive every 0.1 s for `seconds`, then the end: through the
+    stream worker on the wall clock (its keep-alives and bytes are the child's to pass on), in this process on the
+    run's clock moved by the test, keep-alive by keep-alive, each read before the clock moves on (the same rules
+    to the watchdog's look, in microseconds). Returns the engine, what it told, and its exit code."""
+    if stream_process:
+        async with RawServer(keepalives_after_tokens(seconds)) as srv:
+            engine = engine_for(srv.base_url, True, **stall)
+            seen = recorder(engine)
+            return engine, seen, await engine.run()
+    clock = VirtualClock()
+    ticks = [asyncio.Event() for _ in range(round(seconds / 0.1))]
+
+    async def handler(reader, writer):
+        writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("one ") + sse_chunk("two ")))
+        await writer.drain()
+        for tick in ticks:
+            await tick.wait()
+            writer.write(chunk(b": keep-alive\n\n"))
+            await writer.drain()
+        writer.write(chunk(DONE) + chunk(b""))
+        await writer.drain()
+
+    async with RawServer(handler) as srv:
+        engine = engine_for(srv.base_url, False, clock=clock, **stall)
+        seen = recorder(engine)
+        codes: list[int] = []
+
+        async def run() -> None:
+            codes.append(await engine.run())
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(run)
+                await until(lambda: codes or "".join(e.text for e in seen if e.kind == "TokenDelta") == "one two ",
+                            "the two tokens")
+                for i, tick in enumerate(ticks):
+                    await clock.advance(0.1)
+                    if codes:
+                        break
+                    tick.set()
+                    await until(lambda: codes or len([e for e in seen if e.kind == "KeepAlive"]) == i + 1,  # noqa: B023
+                                f"keep-alive {i + 1}, or the run's end")
+        finally:
+            for tick in ticks:  # a killed stream's server ends too
+                tick.set()
+    return engine, seen, codes[0]
+
+
 @pytest.mark.anyio
 async def test_keepalives_without_tokens_are_killed_at_the_idle_deadline_after_each_warning(stream_process):
-    async with RawServer(keepalives_after_tokens(3.0)) as srv:
-        engine = engine_for(srv.base_url, stream_process)
-        seen = recorder(engine)
-        assert await engine.run() == 1
+    engine, seen, code = await keepalives_run(stream_process, 3.0)
+    assert code == 1
     last_token = max(e.t for e in seen if e.kind == "TokenDelta")
     warnings = [e for e in seen if e.kind == "StallWarning"]
     killed = [e for e in seen if e.kind == "AgentKilled"]
@@ -61,7 +108,7 @@ async def test_keepalives_without_tokens_are_killed_at_the_idle_deadline_after_e
     assert all(w.deadline == "idle" for w in warnings)
     assert len(killed) == 1 and killed[0].deadline == "idle"
     assert killed[0].reason.startswith("no output for 1") and killed[0].reason.endswith("after 2 tokens")
-    assert abs((killed[0].t - last_token) - 1.0) < 0.5
+    assert abs((killed[0].t - last_token) - 1.0) < (0.5 if stream_process else 0.002)
     assert max(w.t for w in warnings) < killed[0].t
     assert any(e.kind == "KeepAlive" for e in seen)  # shown either way
     assert engine.agents["a1"].status == "killed"
@@ -71,10 +118,9 @@ async def test_keepalives_without_tokens_are_killed_at_the_idle_deadline_after_e
 
 @pytest.mark.anyio
 async def test_with_byte_liveness_keepalives_keep_the_stream_alive(stream_process):
-    async with RawServer(keepalives_after_tokens(2.0)) as srv:
-        engine = engine_for(srv.base_url, stream_process, liveness="bytes")
-        seen = recorder(engine)
-        assert await engine.run() == 0
+    engine, seen, code = await keepalives_run(stream_process, 2.0, liveness="bytes")  # twice the idle deadline
+    assert code == 0
+    assert len([e for e in seen if e.kind == "KeepAlive"]) >= 10
     assert not [e for e in seen if e.kind in ("AgentKilled", "StallWarning")]
 
 
