@@ -137,12 +137,12 @@ async def test_concurrency_bounds_the_sessions_under_way():
         assert sum(1 for s, e in spans.values() if s < start < e) <= 1
 
 
-def test_the_command_prints_one_json_report(tmp_path):
+def test_the_command_prints_one_json_report(tmp_path, capsys):
     path = tmp_path / "tiered.jsonl"
     write_trace(generate("tiered-offload", sessions=2, seed=1), path)
-    done = subprocess.run([sys.executable, "-m", "cerevisor_tui", "replay", "run", str(path), "--sim",
-                           "--speed", "50", "--concurrency", "2", "--json", "--report", str(tmp_path / "r.json")],
-                          capture_output=True, text=True, timeout=120)
+    # the command's own entry in this process, its output read as a process's: it replays and ends
+    done = cli_here(capsys, "replay", "run", str(path), "--sim", "--speed", "50", "--concurrency", "2", "--json",
+                    "--report", str(tmp_path / "r.json"))
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["turns_completed"] == 16 and report["simulated"] is True
