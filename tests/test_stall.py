@@ -311,21 +311,33 @@ async def test_operator_kill_ends_without_retry(stream_process):
     assert not [e for e in seen if e.kind == "AgentRetrying"]
 
 
-def _waiting_engine(url: str, first_byte_s: float, stream_process: bool) -> Engine:
+def _waiting_engine(url: str, first_byte_s: float, stream_process: bool, clock: Clock = MONOTONIC,
+                    model: str = "") -> Engine:
     return Engine(validate({
         "stall": {"first_byte_timeout_s": first_byte_s, "extend_when_server_busy": False},
-        "endpoints": [{"name": "box", "base_url": url}],
+        "endpoints": [{"name": "box", "base_url": url, "model": model}],
         "agents": [{"name": "a", "prompt": "p", "max_tokens": 5, "retries": 0}],
-    }), stream_process=stream_process)
+    }), stream_process=stream_process, clock=clock)
 
 
 @pytest.mark.anyio
 async def test_a_first_byte_timeout_raised_live_saves_an_agent_already_waiting():
     """The model answers after 1.5 s; the 1 s first-byte deadline would kill the agent, but the operator
-    raises it to 30 s from settings while it waits. In this process only: the policy and its deadlines are the
+    raises it to 30 s from settings while it waits. On the run's clock, moved by the test, over real loopback
+    HTTP (the server answers when the test says); in this process only: the policy and its deadlines are the
     engine's, whichever process reads the stream."""
-    async with SimServer(SimSettings(ttft_s=1.5, tokens_per_s=200)) as srv:
-        engine = _waiting_engine(srv.base_url, 1.0, False)
+    clock = VirtualClock()
+    answer = asyncio.Event()
+
+    async def later(reader, writer):
+        writer.write(http_head(200, "text/event-stream"))
+        await writer.drain()
+        await answer.wait()
+        writer.write(chunk(sse_chunk("one ") + sse_chunk("two ") + DONE) + chunk(b""))
+        await writer.drain()
+
+    async with RawServer(later) as srv:
+        engine = _waiting_engine(srv.base_url, 1.0, False, clock=clock, model="m")
         seen = []
 
         def on_event(event) -> None:
@@ -336,8 +348,22 @@ async def test_a_first_byte_timeout_raised_live_saves_an_agent_already_waiting()
                 assert engine.set_stall(config) == ["box"]
 
         engine.subscribe(on_event)
-        assert await engine.run() == 0
+        codes: list[int] = []
+
+        async def run() -> None:
+            codes.append(await engine.run())
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(run)
+                await until(lambda: [e for e in seen if e.kind == "AgentStarted"], "the request sent")
+                await clock.advance(1.5)  # past the old deadline
+                answer.set()
+        finally:
+            answer.set()
+    assert codes == [0]
     assert not any(e.kind == "AgentKilled" for e in seen)
+    assert [e.ttft_s for e in seen if e.kind == "FirstToken"] == [pytest.approx(1.5)]
     assert engine.policies["box"].first_byte_timeout_s == 30.0
 
 
