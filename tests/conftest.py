@@ -256,9 +256,10 @@ def stream_process(request: pytest.FixtureRequest) -> bool:
 
 def cli_here(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.CompletedProcess[str]:
     """The command line's own entry (`cerevisor_tui.cli.main`) run in this process, answered as `subprocess.run`
-    would: for a command that ends before it starts anything (a refusal, `--help`), without an interpreter's
-    start and imports (~0.5 s on a quiet machine, several seconds on a loaded one). What starts processes, runs
-    or outlives a signal stays a subprocess."""
+    would, without an interpreter's start and imports (~0.5 s on a quiet machine, several seconds on a loaded
+    one): for a refusal, `--help`, a command that reads and answers (`ls`, `stop`, `probe`), or a run nothing
+    kills, signals, limits or attaches a terminal to (a resume after a SIGKILL, a rerun). A test whose point is
+    the process (a signal, a pipe, a detach, a limit of its own, a lock held against another) starts one."""
     from cerevisor_tui.cli import main
 
     try:

@@ -1,5 +1,7 @@
 """Runs that outlive the terminal, through the CLI: `run --detach`, `ls`, `attach --jsonl`, `stop`, and a
-killed supervisor resumed with `--resume`. Each run embeds its simulator (endpoint kind "simulated")."""
+killed supervisor resumed with `--resume`. Each run embeds its simulator (endpoint kind "simulated"). The runs
+and `attach` of a live run are processes; `ls`, a refused command and `stop` (a client of the run's socket) run
+in this process (`cli_here`), without an interpreter's start and imports each."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cerevisor_tui.supervisor.protocol import read_supervisor
-from tests.conftest import wait_until
+from tests.conftest import cli_here, wait_until
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -37,8 +39,8 @@ def workflow(tmp_path: Path, agents: int = 4, tokens_per_s: float = 20.0, max_to
     return path
 
 
-def ls(tmp_path: Path) -> dict[str, dict]:
-    proc = cli("ls", "--json", "--runs-dir", str(tmp_path / "runs"))
+def ls(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> dict[str, dict]:
+    proc = cli_here(capsys, "ls", "--json", "--runs-dir", str(tmp_path / "runs"))
     assert proc.returncode == 0, proc.stderr
     return {r["run_id"]: r for r in json.loads(proc.stdout)}
 
@@ -53,23 +55,23 @@ def started(proc: subprocess.CompletedProcess) -> tuple[str, Path]:
 
 
 @pytest.mark.end_to_end  # a real detached run, attached, stopped or killed and resumed
-def test_a_detached_run_goes_on_alone_and_stop_ends_it_with_its_report(tmp_path: Path):
+def test_a_detached_run_goes_on_alone_and_stop_ends_it_with_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     wf = workflow(tmp_path, agents=6, tokens_per_s=10, max_tokens=200)
     t0 = time.monotonic()
     run_id, run_dir = started(cli("run", str(wf), "--detach"))
     assert time.monotonic() - t0 < 30  # returned at once, not at the run's end (6 x 20 s of tokens)
     pid = read_supervisor(run_dir)["pid"]
     assert os.getsid(pid) == pid  # a session of its own: no terminal's SIGHUP reaches it
-    assert ls(tmp_path)[run_id]["state"] == "live"
+    assert ls(capsys, tmp_path)[run_id]["state"] == "live"
     os.kill(pid, signal.SIGHUP)  # what an SSH drop sends a process still tied to the terminal: ignored
     events = wait_until(lambda: [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()
                                if '"TokenDelta"' not in x and '"FirstToken"' in x], "tokens to flow")
-    assert events and ls(tmp_path)[run_id]["state"] == "live"
+    assert events and ls(capsys, tmp_path)[run_id]["state"] == "live"
     # a client that attaches now gets the past first: from RunStarted on
     watcher = subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "attach", run_id, "--jsonl", "--runs-dir",
                                 str(tmp_path / "runs")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = watcher.stdout.readline()  # attached: the replay has begun
-    stopped = cli("stop", run_id, "--runs-dir", str(tmp_path / "runs"))
+    stopped = cli_here(capsys, "stop", run_id, "--runs-dir", str(tmp_path / "runs"))
     assert stopped.returncode == 0, stopped.stderr
     assert f"run {run_id} stopped" in stopped.stdout and "report.json" in stopped.stdout
     out, err = watcher.communicate(timeout=30)
@@ -80,25 +82,25 @@ def test_a_detached_run_goes_on_alone_and_stop_ends_it_with_its_report(tmp_path:
     assert report["run_id"] == run_id and report["totals"]["cancelled"] >= 1
     wait_until(lambda: subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0,
              "the run's process to end")
-    assert ls(tmp_path)[run_id]["state"] == "resumable"
-    gone = cli("stop", run_id, "--runs-dir", str(tmp_path / "runs"))
+    assert ls(capsys, tmp_path)[run_id]["state"] == "resumable"
+    gone = cli_here(capsys, "stop", run_id, "--runs-dir", str(tmp_path / "runs"))
     assert gone.returncode == 1 and f"run {run_id} is resumable: nothing to stop" in gone.stderr
-    newest = cli("stop", "--runs-dir", str(tmp_path / "runs"))
+    newest = cli_here(capsys, "stop", "--runs-dir", str(tmp_path / "runs"))
     assert newest.returncode == 1 and f"no live run to stop under {tmp_path / 'runs'}" in newest.stderr
 
 
 @pytest.mark.end_to_end  # a real detached run, attached, stopped or killed and resumed
-def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path):
+def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     wf = workflow(tmp_path, agents=3, tokens_per_s=40, max_tokens=40)
     run_id, run_dir = started(cli("run", str(wf), "--detach", "--mode", "sequential"))
     wait_until(lambda: '"status": "completed"' in (run_dir / "events.jsonl").read_text()
              or '"status":"completed"' in (run_dir / "events.jsonl").read_text(), "a first agent to complete")
     first = read_supervisor(run_dir)
     os.kill(first["pid"], signal.SIGKILL)
-    wait_until(lambda: ls(tmp_path)[run_id]["state"] == "crashed", "the run to show as crashed")
+    wait_until(lambda: ls(capsys, tmp_path)[run_id]["state"] == "crashed", "the run to show as crashed")
     resumed = cli("run", str(wf), "--resume", run_id, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
-    info = ls(tmp_path)[run_id]
+    info = ls(capsys, tmp_path)[run_id]
     assert info["state"] == "finished" and info["done"] == info["total"] == 3
     # ls shows when the run began, not when it was resumed
     again = read_supervisor(run_dir)
@@ -118,24 +120,24 @@ def test_a_killed_supervisor_is_a_crashed_run_that_resumes(tmp_path: Path):
     assert not [note for note in mirror.notes.values() if "cancel" in note]
 
 
-def test_detach_says_what_is_wrong_before_it_starts_anything(tmp_path: Path):
+def test_detach_says_what_is_wrong_before_it_starts_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     wf = workflow(tmp_path)
     wf.write_text(wf.read_text().replace("max_concurrency = 2", "max_concurrency = -2"))
-    proc = cli("run", str(wf), "--detach")
+    proc = cli_here(capsys, "run", str(wf), "--detach")
     assert proc.returncode == 2 and "max_concurrency" in proc.stderr and str(wf) in proc.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
-    none = cli("attach", "--jsonl", "--runs-dir", str(tmp_path / "runs"))
+    none = cli_here(capsys, "attach", "--jsonl", "--runs-dir", str(tmp_path / "runs"))
     assert none.returncode == 1 and "no runs under" in none.stderr
 
 
-def listed(tmp_path: Path) -> dict[str, dict]:
+def listed(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> dict[str, dict]:
     """`ls --json`, by run directory (a copy of a run has the run's id)."""
-    proc = cli("ls", "--json", "--runs-dir", str(tmp_path / "runs"))
+    proc = cli_here(capsys, "ls", "--json", "--runs-dir", str(tmp_path / "runs"))
     assert proc.returncode == 0, proc.stderr
     return {Path(r["path"]).name: r for r in json.loads(proc.stdout)}
 
 
-def test_a_copy_of_a_live_run_directory_is_not_the_live_run(tmp_path: Path):
+def test_a_copy_of_a_live_run_directory_is_not_the_live_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """A copy (a backup, `cp -r`) names the original's socket in its supervisor.json: it is not live, and `stop
     COPY` does not stop the original."""
     wf = workflow(tmp_path, agents=2, tokens_per_s=10, max_tokens=400)
@@ -144,18 +146,18 @@ def test_a_copy_of_a_live_run_directory_is_not_the_live_run(tmp_path: Path):
     wait_until(lambda: '"RunStarted"' in (run_dir / "events.jsonl").read_text(), "the run's RunStarted")
     copy = run_dir.parent / "copy"
     subprocess.run(["cp", "-r", str(run_dir), str(copy)], check=True)
-    runs = listed(tmp_path)
+    runs = listed(capsys, tmp_path)
     assert runs[run_dir.name]["state"] == "live" and runs[run_dir.name]["problem"] == ""
     assert runs["copy"]["state"] == "crashed" and runs["copy"]["pid"] is None, runs["copy"]
     assert f"the socket of the run in {run_dir} (is this directory a copy of it?)" in runs["copy"]["problem"]
-    refused = cli("stop", str(copy))
+    refused = cli_here(capsys, "stop", str(copy))
     assert refused.returncode == 1, refused
     assert f"run {run_id} is crashed: nothing to stop; its socket is the socket of the run in {run_dir}" in \
         refused.stderr
-    assert listed(tmp_path)[run_dir.name]["state"] == "live"
+    assert listed(capsys, tmp_path)[run_dir.name]["state"] == "live"
     assert not any(json.loads(line).get("event") == "RunStopping"
                    for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip())
-    stopped = cli("stop", str(run_dir))
+    stopped = cli_here(capsys, "stop", str(run_dir))
     assert stopped.returncode == 0 and f"run {run_id} stopped" in stopped.stdout, stopped
 
 
@@ -172,7 +174,7 @@ def _journal(run_dir: Path, *, supervisor: str | None = None, run_started: str |
         (run_dir / "supervisor.json").write_text(supervisor)
 
 
-def test_ls_lists_a_run_whose_supervisor_file_does_not_check_as_unreadable_and_the_others_too(tmp_path: Path):
+def test_ls_lists_a_run_whose_supervisor_file_does_not_check_as_unreadable_and_the_others_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     runs = tmp_path / "runs"
     good = {"pid": 4242, "socket": str(tmp_path / "gone.sock"), "run_id": "x", "started_at": 1.7e9}
     _journal(runs / "fine", supervisor=json.dumps(good))
@@ -189,7 +191,7 @@ def test_ls_lists_a_run_whose_supervisor_file_does_not_check_as_unreadable_and_t
     for name, text in hostile.items():
         _journal(runs / name, supervisor=text)
     _journal(runs / "deep", run_started='{"event": "RunStarted", "waves": ' + "[" * 100_000)
-    found = listed(tmp_path)
+    found = listed(capsys, tmp_path)
     assert set(found) == {"fine", "none", "deep", *hostile}
     assert found["fine"]["state"] == found["none"]["state"] == "resumable"
     assert found["fine"]["started"] == datetime.fromtimestamp(1.7e9).isoformat(timespec="seconds")
@@ -198,7 +200,7 @@ def test_ls_lists_a_run_whose_supervisor_file_does_not_check_as_unreadable_and_t
         assert found[name]["state"] == "unreadable" and found[name]["problem"].startswith("supervisor.json: "), \
             found[name]
     assert "`started_at`" in found["inf"]["problem"] and "`pid`" in found["pid"]["problem"]
-    plain = cli("ls", "--runs-dir", str(runs))
+    plain = cli_here(capsys, "ls", "--runs-dir", str(runs))
     assert plain.returncode == 0 and "Traceback" not in plain.stderr, plain
     assert len(plain.stdout.splitlines()) == 1 + len(found)
     assert f"cerevisor-tui ls: {runs / 'inf'}: supervisor.json: " in plain.stderr
@@ -225,7 +227,8 @@ IN_USE = re.compile(r"cerevisor-tui run: run directory (\S+) is in use by anothe
                     r"to end or stop it; one process per run directory\n")
 
 
-def test_a_detach_that_loses_the_run_directory_says_so_as_the_foreground_does(tmp_path: Path):
+def test_a_detach_that_loses_the_run_directory_says_so_as_the_foreground_does(tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]):
     """Two `run --detach` on one directory at once: one starts, the other is refused at once, in the foreground's
     words and exit code (2), not with a line of the winner's run.log as its own error."""
     wf = workflow(tmp_path, agents=2, tokens_per_s=10, max_tokens=400)
@@ -244,12 +247,12 @@ def test_a_detach_that_loses_the_run_directory_says_so_as_the_foreground_does(tm
     again = cli("run", str(wf), "--detach", "--run-dir", str(run_dir))  # and so does a detach after it
     assert (again.returncode, again.stderr) == (2, foreground.stderr), again
     assert (run_dir / "lock").read_text() == f"{pid}\n"  # the run's own process holds the lock it was handed
-    stopped = cli("stop", str(run_dir))
+    stopped = cli_here(capsys, "stop", str(run_dir))
     assert stopped.returncode == 0, stopped
 
 
 @pytest.mark.end_to_end  # two real detached runs, stopped
-def test_stop_without_a_run_names_the_one_it_stops_and_with_several_refuses_to_guess_unless_yes(tmp_path: Path):
+def test_stop_without_a_run_names_the_one_it_stops_and_with_several_refuses_to_guess_unless_yes(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """On a shared account `stop` picked the newest live run, a colleague's maybe, and said nothing first."""
     wf = workflow(tmp_path, agents=4, tokens_per_s=5, max_tokens=400)
     older, _ = started(cli("run", str(wf), "--detach"))
@@ -261,12 +264,12 @@ def test_stop_without_a_run_names_the_one_it_stops_and_with_several_refuses_to_g
     listed = [line.split()[1] for line in asked.stderr.splitlines() if line.startswith("  ")]
     assert listed == [newer, older]  # newest first, each named
     assert "started " in asked.stderr and " by " in asked.stderr  # who started it: what tells people apart
-    assert {ls(tmp_path)[r]["state"] for r in (older, newer)} == {"live"}  # nothing was stopped
-    newest = cli("stop", "--yes", "--runs-dir", runs)
+    assert {ls(capsys, tmp_path)[r]["state"] for r in (older, newer)} == {"live"}  # nothing was stopped
+    newest = cli_here(capsys, "stop", "--yes", "--runs-dir", runs)
     assert newest.returncode == 0, newest.stderr
     assert f"stopping run {newer} (" in newest.stderr and "1 other live run(s) of yours go on" in newest.stderr
     assert f"run {newer} stopped" in newest.stdout
-    last = cli("stop", "--runs-dir", runs)  # one left: named, then stopped, no question
+    last = cli_here(capsys, "stop", "--runs-dir", runs)  # one left: named, then stopped, no question
     assert last.returncode == 0 and f"stopping run {older} (" in last.stderr and f"run {older} stopped" in last.stdout
 
 

@@ -18,7 +18,7 @@ from cerevisor_tui.cli import PIPE_CLOSED
 from cerevisor_tui.config import validate
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.engine import Engine
-from tests.conftest import wait_until
+from tests.conftest import cli_here, wait_until
 
 CLI = [sys.executable, "-m", "cerevisor_tui"]
 
@@ -49,8 +49,11 @@ def journal(run_dir: Path) -> list[dict]:
 
 
 def assert_finished(run_dir: Path, *, completed: int | None = None, cancelled: int | None = None) -> dict:
-    """The run ended as a run ends: RunFinished last in its journal, its report written, and `ls` does not call
-    it crashed (finished; resumable when it was stopped with agents left)."""
+    """The run ended as a run ends: RunFinished last in its journal, its report written, and `ls` (its list of
+    runs, asked in this process) does not call it crashed (finished; resumable when it was stopped with agents
+    left)."""
+    from cerevisor_tui.supervisor.runs import list_runs
+
     records = journal(run_dir)
     assert records[-1]["event"] == "RunFinished", records[-1]
     report = json.loads((run_dir / "report.json").read_text())
@@ -59,15 +62,14 @@ def assert_finished(run_dir: Path, *, completed: int | None = None, cancelled: i
         assert report["totals"]["completed"] == completed
     if cancelled is not None:
         assert report["totals"]["cancelled"] == cancelled
-    listed = subprocess.run([*CLI, "ls", "--json", "--runs-dir", str(run_dir.parent)], capture_output=True, text=True)
-    assert {r["run_id"]: r["state"] for r in json.loads(listed.stdout)}[records[-1]["run_id"]] == (
+    assert {r.run_id: r.state for r in list_runs(run_dir.parent)}[records[-1]["run_id"]] == (
         "resumable" if cancelled else "finished")
     return report
 
 
 def test_a_run_piped_into_head_finishes_with_its_report_and_its_lines_go_on_in_run_log(tmp_path):
-    # two seconds of lines after the first: head has long gone
-    cfg = workflow(tmp_path / "w.toml", tokens_per_s=10, max_tokens=20)
+    # a second of lines after the first: head has long gone
+    cfg = workflow(tmp_path / "w.toml", tokens_per_s=20, max_tokens=20)
     run_dir = tmp_path / "runs" / "r1"
     proc = subprocess.run(["bash", "-c", '"$@" | head -1; exit "${PIPESTATUS[0]}"', "run", *CLI, "run", str(cfg),
                            "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=120)
@@ -82,7 +84,7 @@ def test_a_run_piped_into_head_finishes_with_its_report_and_its_lines_go_on_in_r
 
 @pytest.mark.parametrize("jsonl", [False, True], ids=["lines", "jsonl"])
 def test_a_run_whose_stdout_is_closed_from_the_start_completes_without_a_traceback(tmp_path, jsonl):
-    cfg = workflow(tmp_path / "w.toml")
+    cfg = workflow(tmp_path / "w.toml", tokens_per_s=400)  # every line it writes fails, however soon
     run_dir = tmp_path / "runs" / "r1"
     w = closed_pipe()
     try:
@@ -119,10 +121,10 @@ def test_a_foreground_run_whose_terminal_closes_stops_and_writes_its_report(tmp_
 
 
 @pytest.mark.parametrize("argv", [["ls"], ["ls", "--json"], ["attach", "--jsonl"]], ids=" ".join)
-def test_ls_and_attach_jsonl_into_a_closed_pipe_end_quietly(tmp_path, argv):
-    cfg = workflow(tmp_path / "w.toml", agents=1)
+def test_ls_and_attach_jsonl_into_a_closed_pipe_end_quietly(tmp_path, capsys, argv):
+    cfg = workflow(tmp_path / "w.toml", agents=1, max_tokens=4, tokens_per_s=400)
     run_dir = tmp_path / "runs" / "r1"
-    subprocess.run([*CLI, "run", str(cfg), "--run-dir", str(run_dir)], capture_output=True, check=True, timeout=120)
+    assert cli_here(capsys, "run", str(cfg), "--run-dir", str(run_dir)).returncode == 0  # a run to list: here
     where = ["--runs-dir", str(run_dir.parent)] if argv[0] == "ls" else [str(run_dir)]
     w = closed_pipe()
     try:
@@ -132,7 +134,7 @@ def test_ls_and_attach_jsonl_into_a_closed_pipe_end_quietly(tmp_path, argv):
     assert (proc.returncode, proc.stderr) == (PIPE_CLOSED, "")
 
 
-def test_attach_jsonl_of_a_live_run_into_a_closed_pipe_ends_quietly_and_the_run_goes_on(tmp_path):
+def test_attach_jsonl_of_a_live_run_into_a_closed_pipe_ends_quietly_and_the_run_goes_on(tmp_path, capsys):
     cfg = workflow(tmp_path / "w.toml", agents=1, endless=True)
     run_dir = tmp_path / "runs" / "r1"
     run = subprocess.Popen([*CLI, "run", str(cfg), "--run-dir", str(run_dir)], stdout=subprocess.DEVNULL,
@@ -148,7 +150,7 @@ def test_attach_jsonl_of_a_live_run_into_a_closed_pipe_ends_quietly_and_the_run_
             os.close(w)
         assert (proc.returncode, proc.stderr) == (PIPE_CLOSED, "")
         assert run.poll() is None  # the run is not the attach's to end
-        subprocess.run([*CLI, "stop", str(run_dir)], capture_output=True, timeout=60)
+        cli_here(capsys, "stop", str(run_dir))  # a client of the run's socket: here
         _, err = run.communicate(timeout=60)
     finally:
         if run.poll() is None:

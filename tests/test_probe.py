@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
@@ -21,7 +19,7 @@ from cerevisor_tui.endpoints.probe import (
     probe,
 )
 from cerevisor_tui.sim import SimServer, start_in_thread
-from tests.conftest import free_port
+from tests.conftest import cli_here, free_port
 
 # Slow enough per stream that the simulator, not this machine's CPU, is what saturates: 100 tokens/s a
 # stream, 16-token answers, so a level of 2 x N requests takes about a third of a second.
@@ -179,10 +177,17 @@ def test_levels_and_percentiles():
 
 # ---- the command ----------------------------------------------------------------------------------
 
-def cli(*args: str, cwd: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "cerevisor_tui", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd, env=full_env)
+def cli(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """`cerevisor-tui ARGS` in this process (the command's own entry, its output read as a process's): a probe
+    sends its requests and ends, without an interpreter's start and imports."""
+    return cli_here(capsys, *args)
+
+
+def isolate(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """This test's working directory and environment: where no config file is found but the test's own."""
+    monkeypatch.chdir(tmp_path)
+    for name, value in _isolated(tmp_path).items():
+        monkeypatch.setenv(name, value)
 
 
 def _isolated(tmp_path) -> dict[str, str]:
@@ -190,9 +195,9 @@ def _isolated(tmp_path) -> dict[str, str]:
     return {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "CEREVISOR_TUI_CONFIG": ""}
 
 
-def test_json_has_the_documented_keys(tmp_path):
+def test_json_has_the_documented_keys(tmp_path, capsys):
     with start_in_thread(SimSettings(max_num_seqs=2, **FAST)) as srv:
-        proc = cli("probe", srv.base_url, "--json", "--max-tokens", "16", "--max-concurrency", "8",
+        proc = cli(capsys, "probe", srv.base_url, "--json", "--max-tokens", "16", "--max-concurrency", "8",
                    "--level-seconds", "0.4")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
@@ -210,9 +215,9 @@ def test_json_has_the_documented_keys(tmp_path):
     assert "level 1:" in proc.stderr  # progress on stderr, only JSON on stdout
 
 
-def test_table_and_recommendation_on_stdout(tmp_path):
+def test_table_and_recommendation_on_stdout(tmp_path, capsys):
     with start_in_thread(SimSettings(max_num_seqs=1, **FAST)) as srv:
-        proc = cli("probe", srv.base_url.removesuffix("/v1"), "--max-tokens", "8", "--max-concurrency", "4",
+        proc = cli(capsys, "probe", srv.base_url.removesuffix("/v1"), "--max-tokens", "8", "--max-concurrency", "4",
                    "--level-seconds", "0.4")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -222,25 +227,25 @@ def test_table_and_recommendation_on_stdout(tmp_path):
     assert "probing " in proc.stderr and "/v1" in proc.stderr  # a URL without a path gets /v1
 
 
-def test_default_url_is_the_first_configured_endpoint(tmp_path):
+def test_default_url_is_the_first_configured_endpoint(tmp_path, capsys, monkeypatch):
+    isolate(monkeypatch, tmp_path)
     with start_in_thread(SimSettings(max_num_seqs=2, **FAST)) as srv:
         (tmp_path / "cerevisor.toml").write_text(
             f'[[endpoints]]\nname = "box"\nbase_url = "{srv.base_url}"\n'
             '[[endpoints]]\nname = "other"\nbase_url = "http://127.0.0.1:1/v1"\n')
-        proc = cli("probe", "--json", "--max-tokens", "8", "--max-concurrency", "4", "--level-seconds", "0.4",
-                   cwd=str(tmp_path),
-                   env=_isolated(tmp_path))
+        proc = cli(capsys, "probe", "--json", "--max-tokens", "8", "--max-concurrency", "4", "--level-seconds", "0.4")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["base_url"] == srv.base_url
     assert "endpoint 'box'" in proc.stderr
 
 
-def test_a_simulated_endpoint_in_the_config_is_started_and_probed(tmp_path):
+def test_a_simulated_endpoint_in_the_config_is_started_and_probed(tmp_path, capsys, monkeypatch):
+    isolate(monkeypatch, tmp_path)
     cfg = tmp_path / "team.toml"
     cfg.write_text('[[endpoints]]\nname = "sim"\nkind = "simulated"\n'
                    '[endpoints.sim]\nmax_num_seqs = 2\nspeed = 2.5\nttft_s = 0.02\n')
-    proc = cli("--config", str(cfg), "probe", "--json", "--max-tokens", "8", "--max-concurrency", "8",
-               "--level-seconds", "0.4", env=_isolated(tmp_path))
+    proc = cli(capsys, "--config", str(cfg), "probe", "--json", "--max-tokens", "8", "--max-concurrency", "8",
+               "--level-seconds", "0.4")
     assert proc.returncode == 0, proc.stderr
     assert 1 <= json.loads(proc.stdout)["recommended_concurrency"] <= 4
 
@@ -248,9 +253,7 @@ def test_a_simulated_endpoint_in_the_config_is_started_and_probed(tmp_path):
 def test_usage_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
     from cerevisor_tui.cli import main
 
-    monkeypatch.chdir(tmp_path)
-    for name, value in _isolated(tmp_path).items():
-        monkeypatch.setenv(name, value)
+    isolate(monkeypatch, tmp_path)
     monkeypatch.setenv("CEREVISOR_TEST_KEY", "sk-test")
     monkeypatch.delenv("CEREVISOR_TEST_UNSET_KEY", raising=False)
 
@@ -272,8 +275,8 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
     assert "bogus" in run()
 
 
-def test_an_unusable_endpoint_exits_1_with_one_line():
-    proc = cli("probe", f"http://127.0.0.1:{free_port()}/v1")
+def test_an_unusable_endpoint_exits_1_with_one_line(capsys):
+    proc = cli(capsys, "probe", f"http://127.0.0.1:{free_port()}/v1")
     assert proc.returncode == 1
     assert len(proc.stderr.strip().splitlines()) == 1 and "unreachable" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""

@@ -83,7 +83,7 @@ def test_a_signal_just_after_the_first_request_to_the_built_in_simulator_ends_th
     assert "0/2 completed" in out and "2 cancelled" in out
 
 
-def test_sigkill_mid_run_then_resume_completes_without_asking_twice(tmp_path):
+def test_sigkill_mid_run_then_resume_completes_without_asking_twice(tmp_path, capsys):
     # an agent's two turns take about 0.35 s: after two complete, four (three of them in a chain) are left
     with start_in_thread(SimSettings(tokens_per_s=160, ttft_s=0.05)) as sim:
         cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=6, max_tokens=20)
@@ -99,9 +99,8 @@ def test_sigkill_mid_run_then_resume_completes_without_asking_twice(tmp_path):
         done_before = {json.loads(line)["agent"] for line in lines[:-1]
                        if '"AgentFinished"' in line and '"status":"completed"' in line}
         asked_before = dict(sim.state.requests_by_agent)
-        proc = start_run(str(cfg), "--resume", str(run_dir))
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
+        resumed = cli_here(capsys, "run", str(cfg), "--resume", str(run_dir))  # nothing kills it: in this process
+        assert resumed.returncode == 0, resumed.stderr
         asked_after = dict(sim.state.requests_by_agent)
     for name in done_before:  # a completed agent is never sent again
         assert asked_after[name] == asked_before[name]
@@ -114,7 +113,7 @@ def test_sigkill_mid_run_then_resume_completes_without_asking_twice(tmp_path):
     assert kinds.count("RunStarted") == 2
 
 
-def test_a_resumed_agent_goes_on_after_the_turns_it_had_answered_and_never_sends_one_again(tmp_path):
+def test_a_resumed_agent_goes_on_after_the_turns_it_had_answered_and_never_sends_one_again(tmp_path, capsys):
     cfg = tmp_path / "w.toml"
     cfg.write_text('[run]\nmode = "parallel"\n[[endpoints]]\nname = "box"\nbase_url = "{url}"\n'
                    '[[agents]]\nname = "long"\nprompt = "first"\nturns = ["second", "third", "fourth"]\n'
@@ -132,9 +131,9 @@ def test_a_resumed_agent_goes_on_after_the_turns_it_had_answered_and_never_sends
                     if '"MessageRecorded"' in line and '"role":"assistant"' in line and '"partial":true' not in line}
         assert {1, 2} <= set(answered)
         before = len(list(sim.state.requests))
-        proc = start_run(str(cfg), "--resume", str(run_dir))
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
+        resumed = cli_here(capsys, "run", str(cfg), "--resume", str(run_dir))  # nothing kills it: in this process
+        out = resumed.stdout
+        assert resumed.returncode == 0, resumed.stderr
         resent = [r for r in list(sim.state.requests)[before:] if r["agent"] == "long"]  # not the warm-up
     turns_sent = [int(r["request_id"].split(".t")[-1].split(".")[0]) for r in resent]
     done = max(answered)

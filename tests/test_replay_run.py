@@ -137,12 +137,12 @@ async def test_concurrency_bounds_the_sessions_under_way():
         assert sum(1 for s, e in spans.values() if s < start < e) <= 1
 
 
-def test_the_command_prints_one_json_report(tmp_path):
+def test_the_command_prints_one_json_report(tmp_path, capsys):
     path = tmp_path / "tiered.jsonl"
     write_trace(generate("tiered-offload", sessions=2, seed=1), path)
-    done = subprocess.run([sys.executable, "-m", "cerevisor_tui", "replay", "run", str(path), "--sim",
-                           "--speed", "50", "--concurrency", "2", "--json", "--report", str(tmp_path / "r.json")],
-                          capture_output=True, text=True, timeout=120)
+    # the command's own entry in this process, its output read as a process's: it replays and ends
+    done = cli_here(capsys, "replay", "run", str(path), "--sim", "--speed", "50", "--concurrency", "2", "--json",
+                    "--report", str(tmp_path / "r.json"))
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["turns_completed"] == 16 and report["simulated"] is True
@@ -181,8 +181,11 @@ async def test_through_a_gateway_every_session_is_a_row_of_the_run_under_its_cap
     prompts = [whole for _, whole in whole_prompts(turns)]
     previous = [whole for t, whole in whole_prompts(turns) if t.turn < 8]
     async with SimServer(SimSettings(speed=SPEED)) as sim:
+        # a session's slot is given back half a second after its last answer (25 s of the trace at its speed, not
+        # the gateway's 60): its next turn follows its answer at once (the preset has no gaps), and the next
+        # session need not wait out more
         report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=SPEED, clock=sim.state.engine.clock_s),
-                                       "sequential", 1)
+                                       "sequential", 1, release_after_s=25.0)
         seen = {request["headers"].get("x-session-id") for request in sim.state.requests}
     assert report.turns_completed == report.turns == 24 and not report.kills
     assert report.prefix_hit_rate == pytest.approx(sum(previous) / sum(prompts), abs=0.01)
@@ -266,9 +269,11 @@ async def test_through_a_gateway_in_auto_mode_the_cap_given_is_autos_ceiling():
 
     turns = generate("tiered-offload", sessions=4, seed=1)
     async with SimServer(SimSettings(speed=40.0)) as sim:
+        # a finished session's slot back after half a second (10 s of the trace), not three: the preset has no
+        # gaps, and the sessions queued behind the cap need not wait out more
         report = await through_gateway(turns, sim.base_url, ReplaySettings(speed=20.0,
                                                                            clock=sim.state.engine.clock_s),
-                                       "auto", 2, sections={"run": {"metrics_interval_s": 0.2}})
+                                       "auto", 2, sections={"run": {"metrics_interval_s": 0.2}}, release_after_s=10.0)
     assert report.turns_completed == report.turns == 32
     assert report.caps and max(change["cap"] for change in report.caps) <= 2
 

@@ -2,8 +2,8 @@
 loopback model server that numbers every tool call `call_1` (as several local tool-call parsers do), a real
 MCP server over stdio, SIGKILL, then `--resume`. A finished call is never run again, a call the crash cut off is
 run again only with an approval ("may already have taken effect"), a damaged call record resumes with a
-notice, and a changed `tools`, `tool_choice` or `max_steps` reruns a completed agent (runs nothing kills, in this
-process)."""
+notice, and a changed `tools`, `tool_choice` or `max_steps` reruns a completed agent. Only what is SIGKILLed is a
+process of its own: a run nothing kills (a resume, the reruns) runs in this process, as the command opens it."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import anyio
 import pytest
 import tomli_w
 
+from cerevisor_tui.engine.toolcalls import AskPolicy
 from tests.conftest import wait_until
 from tests.test_tools import FAKE
 
@@ -161,14 +162,13 @@ def test_calls_that_share_an_id_are_each_paired_with_their_own_result_and_never_
                      lambda rs: sum(r["event"] == "MessageRecorded" and r["role"] == "tool" for r in rs) == 2)
         assert notes.read_text() == "a\nb\n"
         crashed.set()
-        proc = cerevisor(str(cfg), "--resume", str(run_dir))
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
+        code, seen = anyio.run(run_here, cfg, run_dir, True)
+        assert code == 0
     assert notes.read_text() == "a\nb\n"  # neither call ran again (keyed by id, `a` would have: it shares b's id)
     resumed = records(run_dir)[[r["event"] for r in records(run_dir)].index("RunStarted", 1):]
     reused = [r["result"] for r in resumed if r["event"] == "ToolCallFinished"]
     assert reused == ["(from the journal, not run again) noted a", "(from the journal, not run again) noted b"]
-    assert "may already have taken effect" not in err
+    assert not [e for e in seen if e.kind == "RunNotice" and "may already have taken effect" in e.message]
 
 
 def interrupted_run(tmp_path: Path, server: ScriptedServer, notes: Path) -> tuple[Path, Path]:
@@ -190,7 +190,8 @@ async def resumed_with_an_operator(cfg: Path, run_dir: Path) -> Any:
     from tests.test_tools_permissions import waiter
 
     _, state = resume_state(str(run_dir), run_dir.parent)
-    engine, journal = open_run(load_config(str(cfg)), state.run_id, run_dir, console=True, resume=True,
+    # as the detached run a console starts opens it (commands/run.py: console=False, ask="operator")
+    engine, journal = open_run(load_config(str(cfg)), state.run_id, run_dir, console=False, resume=True,
                                resumed=state, ask="operator")
     seen: list = []
     engine.subscribe(seen.append)
@@ -224,26 +225,21 @@ def test_a_call_cut_off_by_a_crash_is_not_run_again_headless_without_approve_all
         assert (asked.server, asked.tool) == ("fake", "slow_note")
         assert notes.read_text() == "once\n"
         # headless, no --approve-all: the call may already have taken effect, so it is denied, and said so
-        proc = cerevisor(str(cfg), "--resume", str(run_dir), "--jsonl")
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
+        code, resumed = anyio.run(run_here, cfg, run_dir, True)
+        assert code == 0
         assert notes.read_text() == "once\n"
-        resumed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-        notice = [r["message"] for r in resumed if r["event"] == "RunNotice" and "may already" in r["message"]]
+        notice = [e.message for e in resumed if e.kind == "RunNotice" and "may already" in e.message]
         assert len(notice) == 1 and "fake.slow_note" in notice[0], notice
-        finished = [r for r in resumed if r["event"] == "ToolCallFinished"]
-        assert [r["outcome"] for r in finished] == ["denied"]
-        assert "may already have taken effect" in finished[0]["result"]
-        assert [(r["decision"], r["by"]) for r in resumed if r["event"] == "ApprovalDecided"] == [("deny", "headless")]
-        assert "Traceback" not in err
+        finished = [e for e in resumed if e.kind == "ToolCallFinished"]
+        assert [e.outcome for e in finished] == ["denied"]
+        assert "may already have taken effect" in finished[0].result
+        assert [(e.decision, e.by) for e in resumed if e.kind == "ApprovalDecided"] == [("deny", "headless")]
         # with --approve-all it runs again (a short tool deadline ends its sleep, after its line is written)
         cfg = config(tmp_path, server.base_url, server={"allow": ["*"], "tool_timeout_s": 1})
-        proc = cerevisor(str(cfg), "--resume", str(copy), "--approve-all", "--jsonl")
-        out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    resumed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [(r["decision"], r["by"]) for r in resumed if r["event"] == "ApprovalDecided"] == [("once", "headless")]
-    assert [r["outcome"] for r in resumed if r["event"] == "ToolCallFinished"] == ["timeout"]
+        code, resumed = anyio.run(run_here, cfg, copy, True, "approve")
+    assert code == 0
+    assert [(e.decision, e.by) for e in resumed if e.kind == "ApprovalDecided"] == [("once", "headless")]
+    assert [e.outcome for e in resumed if e.kind == "ToolCallFinished"] == ["timeout"]
     assert notes.read_text() == "once\nonce\n"
 
 
@@ -271,22 +267,20 @@ def test_a_damaged_tool_call_record_resumes_with_a_notice_not_a_traceback(tmp_pa
                 record["tool_calls"][0]["function"] = "garbled"
                 lines[i] = json.dumps(record)
         events.write_text("\n".join(lines) + "\n")
-        proc = cerevisor(str(cfg), "--resume", str(run_dir), "--jsonl")
-        out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    assert "Traceback" not in err
-    resumed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    notice = [r["message"] for r in resumed if r["event"] == "RunNotice" and "may already" in r["message"]]
+        code, resumed = anyio.run(run_here, cfg, run_dir, True)  # a traceback would end the test here
+    assert code == 0
+    notice = [e.message for e in resumed if e.kind == "RunNotice" and "may already" in e.message]
     assert notice and "damaged" in notice[0]
     # what the call did cannot be known from the journal: headless, it is not run again
     assert notes.read_text() == "n\n"
-    assert [r["outcome"] for r in resumed if r["event"] == "ToolCallFinished"] == ["denied"]
+    assert [e.outcome for e in resumed if e.kind == "ToolCallFinished"] == ["denied"]
 
 
-async def run_here(cfg: Path, run_dir: Path, resume: bool) -> int:
+async def run_here(cfg: Path, run_dir: Path, resume: bool, ask: AskPolicy = "deny") -> tuple[int, list[Any]]:
     """`cerevisor-tui run CFG --run-dir RUN_DIR` (or `--resume RUN_DIR`) in this process, as the command opens
-    it (headless: a call its rules ask about is denied): for a run nothing kills, without an interpreter's start
-    and imports. Returns what the run returns."""
+    it (headless: a call its rules ask about is denied, or approved: `ask="approve"` is `--approve-all`): for a
+    run nothing kills, without an interpreter's start and imports. Returns what the run returns and the events
+    it told (what `--jsonl` prints)."""
     from cerevisor_tui.commands.run import resume_state
     from cerevisor_tui.config import load_config
     from cerevisor_tui.engine.engine import new_run_id
@@ -294,9 +288,11 @@ async def run_here(cfg: Path, run_dir: Path, resume: bool) -> int:
 
     state = resume_state(str(run_dir), run_dir.parent)[1] if resume else None
     engine, journal = open_run(load_config(str(cfg)), state.run_id if state else new_run_id(), run_dir,
-                               console=False, resume=resume, resumed=state, ask="deny")
+                               console=False, resume=resume, resumed=state, ask=ask)
+    seen: list[Any] = []
+    engine.subscribe(seen.append)
     try:
-        return await engine.run()
+        return await engine.run(), seen
     finally:
         journal.close()
 
@@ -308,14 +304,14 @@ def test_a_completed_agent_is_run_again_when_its_tools_tool_choice_or_max_steps_
     with scripted(script) as server:
         run_dir = tmp_path / "run"
         cfg = config(tmp_path, server.base_url)
-        assert anyio.run(run_here, cfg, run_dir, False) == 0
+        assert anyio.run(run_here, cfg, run_dir, False)[0] == 0
         sent = len(server.bodies)
         for change, why in [({}, None), ({"max_steps": 4}, "max_steps 10 -> 4"),
                             ({"max_steps": 4, "tool_choice": "required"}, "tool_choice (none) -> required"),
                             ({"max_steps": 4, "tool_choice": "required", "tools": ["fake.echo"]},
                              "tools [fake] -> [fake.echo]")]:
             cfg = config(tmp_path, server.base_url, **change)
-            assert anyio.run(run_here, cfg, run_dir, True) == 0
+            assert anyio.run(run_here, cfg, run_dir, True)[0] == 0
             reruns = [r["reason"] for r in records(run_dir)[-40:] if r["event"] == "AgentRerun"]
             if why is None:  # nothing changed: reused, never sent again
                 assert len(server.bodies) == sent
@@ -345,9 +341,7 @@ def test_a_resumed_run_never_sends_an_x_request_id_an_earlier_run_sent(tmp_path)
         wait_until(first_sent.is_set, "the first request")
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=30)
-        proc = cerevisor(str(cfg), "--resume", str(run_dir))
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err
+        assert anyio.run(run_here, cfg, run_dir, True)[0] == 0
     assert len(server.request_ids) == 3
     assert len(set(server.request_ids)) == 3, server.request_ids  # the resume's t1.a1 is not the first run's
     # the held request and the resume's first one are the same turn and attempt, under different ids
@@ -382,11 +376,9 @@ def test_a_cut_off_call_run_to_its_end_by_a_resume_is_reused_by_the_next_resume(
                                     and r["outcome"] == "ok" for r in rs) == 1)
         assert notes.read_text() == "a\nb\nb\n"
         hold.clear()
-        proc = cerevisor(str(cfg), "--resume", str(run_dir), "--jsonl")  # headless, no --approve-all
-        out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+        code, resumed = anyio.run(run_here, cfg, run_dir, True)  # headless, no --approve-all
+    assert code == 0
     assert notes.read_text() == "a\nb\nb\n"  # the second resume ran neither call, nor asked about b
-    resumed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [(r["tool"], r["outcome"]) for r in resumed if r["event"] == "ToolCallFinished"] == [
-        ("note", "ok"), ("slow_note", "ok")]
-    assert not [r for r in resumed if r["event"] in ("ApprovalDecided", "RunNotice") and "may already" in str(r)]
+    assert [(e.tool, e.outcome) for e in resumed if e.kind == "ToolCallFinished"] == [("note", "ok"), ("slow_note", "ok")]
+    assert not [e for e in resumed if e.kind == "ApprovalDecided"]
+    assert not [e for e in resumed if e.kind == "RunNotice" and "may already" in e.message]

@@ -1,5 +1,7 @@
-"""The run directory under misuse and misfortune, through real `cerevisor-tui run` processes: one process per
-run directory, damaged journals, a changed config on resume, disk errors, and stopping a long chain."""
+"""The run directory under misuse and misfortune, through `cerevisor-tui run`: one process per run directory,
+damaged journals, a changed config on resume, disk errors, and stopping a long chain. A run that holds a directory
+against another, meets a limit of its process, or is signalled is a process of its own; a run nothing kills and a
+refusal run in this process (`cli_here`: the command's own entry, its output read as a process's)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ from tests.conftest import cli_here, wait_until
 from tests.test_reliability import start_run, workflow
 
 FAST = SimSettings(tokens_per_s=400, ttft_s=0.01)
+
+
+def run_here(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`cerevisor-tui run ARGS` in this process (a traceback would fail the test where it is raised)."""
+    return cli_here(capsys, "run", *args)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[str, str]:
@@ -43,7 +50,7 @@ def statuses(run_dir: Path) -> dict[str, str]:
 
 
 # ---- one process per run directory ----------------------------------------------------------------------
-def test_a_run_directory_in_use_or_holding_a_run_is_refused_and_a_killed_run_resumes(tmp_path):
+def test_a_run_directory_in_use_or_holding_a_run_is_refused_and_a_killed_run_resumes(tmp_path, capsys):
     with start_in_thread(SimSettings(tokens_per_s=20)) as sim:
         slow = workflow(tmp_path / "slow.toml", sim.base_url, agents=2, max_tokens=400, deps=False)
         run_dir = tmp_path / "run"
@@ -51,8 +58,8 @@ def test_a_run_directory_in_use_or_holding_a_run_is_refused_and_a_killed_run_res
         try:
             wait_until(lambda: sim.state.running == 2)
             for args in (("--resume", str(run_dir)), ("--run-dir", str(run_dir))):
-                second = start_run(str(slow), *args)
-                line = one_line(finish(second)[1])
+                second = run_here(capsys, str(slow), *args)
+                line = one_line(second.stderr)
                 assert second.returncode == 2
                 assert f"run directory {run_dir} is in use by another run (process {first.pid})" in line
             assert sim.state.requests_total == 2  # the refused ones sent nothing
@@ -60,12 +67,10 @@ def test_a_run_directory_in_use_or_holding_a_run_is_refused_and_a_killed_run_res
             first.kill()  # the OS releases its lock
             first.wait(10)
         quick = workflow(tmp_path / "quick.toml", sim.base_url, agents=2, max_tokens=5, deps=False)
-        fresh = start_run(str(quick), "--run-dir", str(run_dir))
-        line = one_line(finish(fresh)[1])
+        fresh = run_here(capsys, str(quick), "--run-dir", str(run_dir))
+        line = one_line(fresh.stderr)
         assert fresh.returncode == 2 and "already holds a run" in line and f"--resume {run_dir}" in line
-        resumed = start_run(str(quick), "--resume", str(run_dir))
-        finish(resumed)
-        assert resumed.returncode == 0
+        assert run_here(capsys, str(quick), "--resume", str(run_dir)).returncode == 0
     assert set(statuses(run_dir).values()) == {"completed"}
     assert len({e["run_id"] for e in journal(run_dir) if e["event"] == "RunStarted"}) == 1  # one run in it
 
@@ -79,13 +84,11 @@ def test_resume_names_a_run_or_is_an_error(tmp_path, capsys):
 
 
 # ---- damaged journals ------------------------------------------------------------------------------------
-def test_a_damaged_journal_resumes_skipping_what_it_cannot_read(tmp_path):
+def test_a_damaged_journal_resumes_skipping_what_it_cannot_read(tmp_path, capsys):
     with start_in_thread(FAST) as sim:
         cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=3, max_tokens=5, deps=False)
         run_dir = tmp_path / "run"
-        proc = start_run(str(cfg), "--run-dir", str(run_dir))
-        finish(proc)
-        assert proc.returncode == 0
+        assert run_here(capsys, str(cfg), "--run-dir", str(run_dir)).returncode == 0
         events = run_dir / "events.jsonl"
         raw = events.read_bytes()
         # the journal ends halfway through the last agent's end (a crash), with bad lines before it
@@ -98,8 +101,8 @@ def test_a_damaged_journal_resumes_skipping_what_it_cannot_read(tmp_path):
                    + raw[at:at + 40])
         events.write_bytes(damaged)
         asked = dict(sim.state.requests_by_agent)
-        proc = start_run(str(cfg), "--resume", str(run_dir))
-        out, err = finish(proc)
+        proc = run_here(capsys, str(cfg), "--resume", str(run_dir))
+        out, err = proc.stdout, proc.stderr
         assert proc.returncode == 0, err
         after = dict(sim.state.requests_by_agent)
     first_bad = raw[:at].count(b"\n") + 1
@@ -147,13 +150,14 @@ max_tokens = {b_tokens}
     return path
 
 
-def test_resume_reruns_what_changed_and_everything_downstream_and_says_why(tmp_path):
+@pytest.mark.warmup_auto  # each run warms its endpoint as a user's does (`[run] warmup = "auto"`, loopback)
+def test_resume_reruns_what_changed_and_everything_downstream_and_says_why(tmp_path, capsys):
     run_dir = tmp_path / "run"
     with start_in_thread(FAST) as sim:
         def run(cfg: Path, *args: str) -> tuple[str, dict[str, int]]:
             before = dict(sim.state.requests_by_agent)
-            proc = start_run(str(cfg), *args)
-            out, err = finish(proc)
+            proc = run_here(capsys, str(cfg), *args)
+            out, err = proc.stdout, proc.stderr
             assert proc.returncode == 0, err
             return out, {a: n - before.get(a, 0) for a, n in sim.state.requests_by_agent.items()
                          if n - before.get(a, 0)}
@@ -195,7 +199,7 @@ def test_an_unwritable_report_path_is_an_error_before_any_request(tmp_path, caps
         assert sim.state.requests_total == 0
 
 
-def test_a_file_size_limit_mid_run_stops_it_in_one_line_and_what_was_written_resumes(tmp_path):
+def test_a_file_size_limit_mid_run_stops_it_in_one_line_and_what_was_written_resumes(tmp_path, capsys):
     """`ulimit -f`: a write past it fails with EFBIG (the run ignores SIGXFSZ, which would kill it unsaid)."""
     limit = 16_000
 
@@ -220,9 +224,7 @@ def test_a_file_size_limit_mid_run_stops_it_in_one_line_and_what_was_written_res
             json.loads(raw)  # every line reads: the write that failed part-way was taken back
         if (run_dir / "report.json").exists():
             json.loads((run_dir / "report.json").read_text())  # a report is whole or the one before
-        resumed = start_run(str(cfg), "--resume", str(run_dir))
-        finish(resumed)
-        assert resumed.returncode == 0
+        assert run_here(capsys, str(cfg), "--resume", str(run_dir)).returncode == 0
     assert set(statuses(run_dir).values()) == {"completed"}
 
 
@@ -238,12 +240,12 @@ def tmpfs(path: Path, options: str):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-def test_a_full_disk_mid_run_stops_it_in_one_line_and_a_read_only_one_is_refused_before_sending(tmp_path):
+def test_a_full_disk_mid_run_stops_it_in_one_line_and_a_read_only_one_is_refused_before_sending(tmp_path, capsys):
     with start_in_thread(FAST) as sim:
         cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=8, max_tokens=40)
         with tmpfs(tmp_path / "ro", "ro,size=1m") as ro:
-            proc = start_run(str(cfg), "--run-dir", str(ro / "run"))
-            line = one_line(finish(proc)[1])
+            proc = run_here(capsys, str(cfg), "--run-dir", str(ro / "run"))
+            line = one_line(proc.stderr)
             assert proc.returncode == 2 and "not usable: Read-only file system" in line
             assert sim.state.requests_total == 0
         with tmpfs(tmp_path / "disk", "size=40k") as disk:
@@ -260,9 +262,7 @@ def test_a_full_disk_mid_run_stops_it_in_one_line_and_a_read_only_one_is_refused
                 for raw in transcript.read_bytes().splitlines():
                     json.loads(raw)
             subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)
-            resumed = start_run(str(cfg), "--resume", str(run_dir))
-            finish(resumed)
-            assert resumed.returncode == 0
+            assert run_here(capsys, str(cfg), "--resume", str(run_dir)).returncode == 0
             assert set(statuses(run_dir).values()) == {"completed"}
 
 

@@ -20,7 +20,7 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.sinks.journal import Journal
 from cerevisor_tui.engine.sinks.report import Report
 from cerevisor_tui.supervisor.client import ControlClient
-from tests.conftest import until, wait_until
+from tests.conftest import cli_here, until, wait_until
 
 CLI = [sys.executable, "-m", "cerevisor_tui"]
 SPENT = re.compile(r"budget reached \(\$\d+\.\d{4} of \$0\.0001\)")
@@ -76,10 +76,10 @@ def final_line_adds_up(text: str) -> re.Match:
     return found
 
 
-def test_a_foreground_run_whose_budget_is_spent_ends_and_skips_what_it_never_admitted(tmp_path):
+def test_a_foreground_run_whose_budget_is_spent_ends_and_skips_what_it_never_admitted(tmp_path, capsys):
     run_dir = tmp_path / "runs" / "r1"
-    proc = subprocess.run([*CLI, "run", str(priced_workflow(tmp_path / "w.toml")), "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=120)
+    # in this process: the command's own entry, its output read as a process's (nothing attaches or signals it)
+    proc = cli_here(capsys, "run", str(priced_workflow(tmp_path / "w.toml")), "--run-dir", str(run_dir))
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     report = strict_json(run_dir / "report.json")
@@ -99,9 +99,9 @@ def test_a_foreground_run_whose_budget_is_spent_ends_and_skips_what_it_never_adm
 async def test_with_a_console_attached_a_spent_budget_waits_for_it_to_resume_or_leave(tmp_path, then):
     """Resumed (`p`), the run goes on past its budget; left without a word, it has no one left to wait for."""
     run_dir = tmp_path / "runs" / "r1"
-    # a0's answer takes seconds (10 tokens at 2 a second): the console is attached before it spends the budget;
-    # a1's and a2's, once resumed, half a second each
-    run = subprocess.Popen([*CLI, "run", str(priced_workflow(tmp_path / "w.toml", tokens_per_s=2, later_tokens=1)),
+    # a0's answer takes seconds (10 tokens at 4 a second, from the moment its control socket is there): the
+    # console is attached before it spends the budget; a1's and a2's, once resumed, a quarter of a second each
+    run = subprocess.Popen([*CLI, "run", str(priced_workflow(tmp_path / "w.toml", tokens_per_s=4, later_tokens=1)),
                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         await until(lambda: (run_dir / "supervisor.json").exists(), "the run's control socket")
@@ -156,11 +156,10 @@ def test_a_stopped_chain_counts_its_cancelled_agents_in_the_final_line(tmp_path)
     final_line_adds_up(out)
 
 
-def test_report_json_holds_null_for_a_figure_that_is_not_a_finite_number(tmp_path):
+def test_report_json_holds_null_for_a_figure_that_is_not_a_finite_number(tmp_path, capsys):
     """Whatever a figure comes to (a cost past what a float holds), report.json stays strict JSON: null there."""
     source = tmp_path / "runs" / "r1"
-    subprocess.run([*CLI, "run", str(priced_workflow(tmp_path / "w.toml")), "--run-dir", str(source)],
-                   capture_output=True, timeout=120)
+    cli_here(capsys, "run", str(priced_workflow(tmp_path / "w.toml")), "--run-dir", str(source))  # a real run's events
     report = Report()
     for record in records(source):  # the real run's events, a0's cost made infinite
         event = ev.event_of(record)
@@ -178,11 +177,10 @@ def test_report_json_holds_null_for_a_figure_that_is_not_a_finite_number(tmp_pat
     assert {a["name"]: a.get("cost_usd", "unpriced") for a in written["agents"]}["a0"] is None
 
 
-def test_a_price_past_a_thousand_dollars_a_token_is_a_config_error(tmp_path):
+def test_a_price_past_a_thousand_dollars_a_token_is_a_config_error(tmp_path, capsys):
     cfg = priced_workflow(tmp_path / "w.toml")
     cfg.write_text(cfg.read_text().replace("price_in_per_mtok = 10000", "price_in_per_mtok = 1.7e308"))
-    proc = subprocess.run([*CLI, "run", str(cfg), "--run-dir", str(tmp_path / "r")], capture_output=True, text=True,
-                          timeout=60)
+    proc = cli_here(capsys, "run", str(cfg), "--run-dir", str(tmp_path / "r"))
     assert proc.returncode == 2
     assert "price_in_per_mtok: Input should be less than or equal to 1000000000" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -55,7 +55,7 @@ async def test_endpoint_max_concurrency_caps_parallel():
 @pytest.mark.anyio
 async def test_switching_to_parallel_admits_the_waiting_agents_at_once():
     async with SimServer(FAST) as srv:
-        engine = make(srv.base_url, 6, mode="sequential", cap=4, max_tokens=60)
+        engine = make(srv.base_url, 6, mode="sequential", cap=4, max_tokens=40)  # 0.7 s each: four seen at once
 
         async def switch():
             await until(lambda: srv.state.running == 1, "the first agent to run")
@@ -71,7 +71,7 @@ async def test_switching_to_parallel_admits_the_waiting_agents_at_once():
 @pytest.mark.anyio
 async def test_switching_to_sequential_kills_nothing_and_admits_one_at_a_time():
     async with SimServer(FAST) as srv:
-        engine = make(srv.base_url, 7, mode="parallel", cap=3, max_tokens=30)
+        engine = make(srv.base_url, 7, mode="parallel", cap=3, max_tokens=15)
         switched = []
         admitted_while_busy = []
 

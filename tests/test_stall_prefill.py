@@ -17,7 +17,7 @@ from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
 from tests.conftest import chunk, http_head, read_request, sse_chunk
 
-PROMPT_TOKENS = 12_000  # the simulator counts 4 characters a token
+PROMPT_TOKENS = 6_000  # the simulator counts 4 characters a token
 EXTENDED = re.compile(r"^prefill \d+%, [\d,]+ tok/s, about [\d.]+ s left$")
 NO_RATE_YET = re.compile(r"^prefill 0%, no rate yet \(stuck after [\d.]+ s\)$")  # a look before its first batch
 
@@ -46,7 +46,7 @@ def of(seen: list, kind: str) -> list:
 
 @pytest.mark.anyio
 async def test_prefill_progress_extends_past_the_first_byte_deadline_and_completes(stream_process):
-    # 12,000 tokens at 4,000 tok/s: three seconds of prefill against a half-second first-byte deadline
+    # 6,000 tokens at 4,000 tok/s: a second and a half of prefill against a half-second first-byte deadline
     settings = SimSettings(tokens_per_s=200.0, ttft_s=0.0, prefill_tokens_per_s=4000.0, progress_every_tokens=256)
     async with SimServer(settings) as srv:
         engine = engine_for(srv.base_url, stream_process)
@@ -73,9 +73,9 @@ async def test_prefill_progress_extends_past_the_first_byte_deadline_and_complet
 
 @pytest.mark.anyio
 async def test_frozen_prefill_progress_is_killed_after_the_idle_window_saying_so(stream_process):
-    # The engine wedges one second into the three-second prefill: progress stops about a third of the way.
+    # The engine wedges half a second into the second-and-a-half prefill: progress stops about a third of the way.
     settings = SimSettings(tokens_per_s=200.0, ttft_s=0.0, prefill_tokens_per_s=4000.0, progress_every_tokens=256,
-                           max_num_batched_tokens=512, wedge_after_s=1.0, keepalive_s=0.1)
+                           max_num_batched_tokens=512, wedge_after_s=0.5, keepalive_s=0.1)
     async with SimServer(settings) as srv:
         engine = engine_for(srv.base_url, stream_process, idle_s=1.5)
         seen: list = []
@@ -157,7 +157,8 @@ def test_a_prefill_done_or_unknown_leaves_the_deadline_to_the_other_rules():
 class LlamaLike:
     """A loopback server that answers /props as llama-server does (or 404, as others do), records each chat
     request's body, and streams prompt_progress (whether asked or not, to see the engine read it only when it
-    asked) over a prefill of 3,000 tokens (2,500 tok/s by its clock), then three tokens."""
+    asked) over a prefill of 3,000 tokens (2,500 tok/s by its clock, a little faster on the wall: 0.9 s, past a
+    first-byte deadline of 0.5 s), then three tokens."""
 
     def __init__(self, *, llama: bool) -> None:
         self.llama = llama
@@ -208,7 +209,7 @@ class LlamaLike:
                                + b"\n\n"))
             await writer.drain()
             if step:  # the server's prefill, as it paces it (its first batch done at once, measured by its clock)
-                await asyncio.sleep(0.6)
+                await asyncio.sleep(0.3)
         for word in ("one ", "two ", "three"):
             writer.write(chunk(sse_chunk(word)))
         writer.write(chunk(sse_chunk("", finish="stop")) + chunk(b"data: [DONE]\n\n") + chunk(b""))
@@ -306,7 +307,8 @@ def test_other_requests_decoding_or_prefill_tokens_moving_are_signs_of_life_too(
 @pytest.mark.anyio
 async def test_on_a_server_without_progress_the_measured_rate_gives_an_estimate():
     # a0's completed request measures the endpoint's prefill rate; a1's longer prompt, sent after it, is estimated
-    settings = SimSettings(tokens_per_s=200.0, ttft_s=0.0, prefill_tokens_per_s=4000.0)
+    # (when it is sent: 0.25 s and 0.5 s of prefill are as good as any)
+    settings = SimSettings(tokens_per_s=200.0, ttft_s=0.0, prefill_tokens_per_s=16000.0)
     async with SimServer(settings) as srv:
         engine = Engine(validate({
             "run": {"mode": "sequential", "metrics_interval_s": 0.2},

@@ -19,14 +19,18 @@ from tests.conftest import RawServer, free_port
 
 pytestmark = pytest.mark.anyio
 
+QUICK = {"ttft_s": 0.0, "tokens_per_s": 400.0}
+"""The simulator's answers at once: what these tests time is the warm-up, not the agents' 4 tokens (0.4 s each at
+the simulator's default pace)."""
+
 
 def engine_on(url: str, warmup: str, *, agents: int = 2, kind: str = "local", stream_process: bool = False,
-              **stall) -> Engine:
+              retries: int = 2, **stall) -> Engine:
     return Engine(validate({
         "run": {"warmup": warmup},
         "stall": stall,
         "endpoints": [{"name": "box", "base_url": url, "kind": kind, "model": "sim-model"}],
-        "agents": [{"name": f"a{i}", "prompt": "hello", "max_tokens": 4} for i in range(agents)],
+        "agents": [{"name": f"a{i}", "prompt": "hello", "max_tokens": 4, "retries": retries} for i in range(agents)],
     }), stream_process=stream_process)
 
 
@@ -35,8 +39,8 @@ def kinds(seen: list, *names: str) -> list:
 
 
 async def test_the_warm_up_goes_before_its_endpoints_agents_and_its_ttft_is_the_cold_start(stream_process):
-    # the simulator holds requests for its cold start (3 s from its start), as a server loading its weights does
-    async with SimServer(SimSettings(cold_start_s=3.0)) as srv:
+    # the simulator holds requests for its cold start (1 s from the run's start), as a server loading its weights does
+    async with SimServer(SimSettings(cold_start_s=1.0, **QUICK)) as srv:
         engine = engine_on(srv.base_url, "on", stream_process=stream_process)
         seen: list = []
         engine.subscribe(seen.append)
@@ -62,7 +66,7 @@ async def test_the_warm_up_goes_before_its_endpoints_agents_and_its_ttft_is_the_
 
 
 async def test_warmup_off_sends_nothing_before_the_agents():
-    async with SimServer(SimSettings()) as srv:
+    async with SimServer(SimSettings(**QUICK)) as srv:
         engine = engine_on(srv.base_url, "off")
         seen: list = []
         engine.subscribe(seen.append)
@@ -74,7 +78,7 @@ async def test_warmup_off_sends_nothing_before_the_agents():
 
 @pytest.mark.warmup_auto
 async def test_auto_warms_a_loopback_endpoint_even_when_it_is_called_hosted():
-    async with SimServer(SimSettings()) as srv:
+    async with SimServer(SimSettings(**QUICK)) as srv:
         engine = engine_on(srv.base_url, "auto", kind="hosted")
         seen: list = []
         engine.subscribe(seen.append)
@@ -110,7 +114,7 @@ def test_the_warmup_key_is_checked_like_the_others():
 
 
 async def test_a_failed_warm_up_is_a_notice_and_the_run_goes_on(stream_process):
-    async with SimServer(SimSettings(fail_first=1, fail_status=500)) as srv:
+    async with SimServer(SimSettings(fail_first=1, fail_status=500, **QUICK)) as srv:
         engine = engine_on(srv.base_url, "on", stream_process=stream_process)
         seen: list = []
         engine.subscribe(seen.append)
@@ -128,7 +132,8 @@ async def test_a_warm_up_without_a_first_token_ends_at_the_first_byte_deadline()
         await reader.read()  # never answers
 
     async with RawServer(silent) as srv:
-        engine = engine_on(srv.base_url, "on", agents=1, first_byte_timeout_s=0.5, idle_timeout_s=0.5)
+        # its agent is not retried: each retry only waited out the same deadline again
+        engine = engine_on(srv.base_url, "on", agents=1, retries=0, first_byte_timeout_s=0.5, idle_timeout_s=0.5)
         seen: list = []
         engine.subscribe(seen.append)
         with anyio.fail_after(30):
@@ -157,7 +162,7 @@ async def test_a_run_stopped_while_warming_sends_no_agent():
 
 
 async def test_the_headless_printer_says_warming_up_and_the_cold_start():
-    async with SimServer(SimSettings()) as srv:
+    async with SimServer(SimSettings(**QUICK)) as srv:
         engine = engine_on(srv.base_url, "on", agents=1)
         seen: list = []
         engine.subscribe(seen.append)
@@ -200,7 +205,7 @@ async def test_a_dead_port_fails_its_warm_up_in_seconds_and_never_holds_the_othe
     assert [n for n in kinds(seen, "RunNotice") if n.title == "Warm-up" and "Warm-up of sick failed" in n.message]
 
 
-@pytest.mark.parametrize("warmup_timeout_s, wedge_timeout_s", [(30.0, 1.5), (1.0, 3.0)],
+@pytest.mark.parametrize("warmup_timeout_s, wedge_timeout_s", [(30.0, 1.5), (1.0, 2.0)],
                          ids=["wedge-within-warm-up", "warm-up-gives-up-first"])
 async def test_a_wedged_endpoint_at_start_holds_no_other_agent_and_its_own_are_told_why_within_the_wedge_window(
         warmup_timeout_s, wedge_timeout_s):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import cli_here
 from tests.test_detach import workflow
 from tests.ui.test_tmux import SCRIPT, TMUX, Terminal
 
@@ -90,13 +91,13 @@ def test_two_consoles_share_one_run_and_either_may_stop_it(tmp_path: Path):
             two.close()
 
 
-def test_stop_from_the_command_line_ends_the_run_for_an_attached_console(tmp_path: Path):
+def test_stop_from_the_command_line_ends_the_run_for_an_attached_console(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]):
     run_dir = detached_run(tmp_path, agents=4, tokens_per_s=10)
     term = attach(tmp_path, run_dir)
     try:
         term.wait(lambda s: "streaming" in s, 15.0, "agents streaming")
-        stop = subprocess.run([sys.executable, "-m", "cerevisor_tui", "stop", str(run_dir)], capture_output=True,
-                              text=True, timeout=60)
+        stop = cli_here(capsys, "stop", str(run_dir))  # the command's own entry, in this process: a socket client
         assert stop.returncode == 0, stop.stderr
         term.wait(lambda s: "FINISHED" in s, 15.0, "the console to see the run end")
         term.keys("q")  # nothing runs any more: q leaves at once, with the run's code
@@ -130,7 +131,8 @@ def test_stopping_a_gateway_from_its_console_says_it_stopped_and_where_its_repor
     assert f"report: {run_dir / 'report.json'}" in said, left
 
 
-def test_stop_and_attach_without_a_run_ask_which_when_several_of_yours_are_live(tmp_path: Path):
+def test_stop_and_attach_without_a_run_ask_which_when_several_of_yours_are_live(tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture[str]):
     older = detached_run(tmp_path, agents=4, tokens_per_s=5.0, max_tokens=400)
     newer = detached_run(tmp_path, agents=4, tokens_per_s=5.0, max_tokens=400)
     runs = tmp_path / "runs"
@@ -155,7 +157,7 @@ def test_stop_and_attach_without_a_run_ask_which_when_several_of_yours_are_live(
         assert f"attaching to run {newer.name} (" in left and f"run {newer.name} goes on without this console" in left
     finally:
         attach_term.close()
-        subprocess.run([sys.executable, "-m", "cerevisor_tui", "stop", str(newer)], capture_output=True, timeout=60)
+        cli_here(capsys, "stop", str(newer))
 
 
 def test_a_finished_run_opened_read_only_shows_its_total_from_its_report(tmp_path: Path):
