@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -32,6 +34,19 @@ def recorder(engine: Engine) -> list:
     seen: list = []
     engine.subscribe(seen.append)
     return seen
+
+
+@asynccontextmanager
+async def running(engine: Engine) -> AsyncIterator[list[int]]:
+    """The engine's run in a task beside the body, which drives its clock; yields the list its exit code lands in."""
+    codes: list[int] = []
+
+    async def run() -> None:
+        codes.append(await engine.run())
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(run)
+        yield codes
 
 
 def keepalives_after_tokens(seconds: float):
@@ -74,14 +89,8 @@ async def keepalives_run(stream_process: bool, seconds: float, **stall) -> tuple
     async with RawServer(handler) as srv:
         engine = engine_for(srv.base_url, False, clock=clock, **stall)
         seen = recorder(engine)
-        codes: list[int] = []
-
-        async def run() -> None:
-            codes.append(await engine.run())
-
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(run)
+            async with running(engine) as codes:
                 await until(lambda: codes or "".join(e.text for e in seen if e.kind == "TokenDelta") == "one two ",
                             "the two tokens")
                 for i, tick in enumerate(ticks):
@@ -146,13 +155,7 @@ async def test_a_slow_but_alive_stream_is_never_killed():
     async with RawServer(slow) as srv:
         engine = engine_for(srv.base_url, False, first_byte_timeout_s=2.0, idle_timeout_s=2.0, clock=clock)
         seen = recorder(engine)
-        codes: list[int] = []
-
-        async def run() -> None:
-            codes.append(await engine.run())
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(run)
+        async with running(engine) as codes:
             await until(lambda: [e for e in seen if e.kind == "AgentStarted"], "the request sent")
             for i in range(3):
                 await clock.advance(1.0)  # half the idle (and first-byte) deadline
@@ -276,13 +279,7 @@ async def test_operator_extend_moves_the_deadline_and_the_stall_kill_after_it_is
                 assert engine.handle(cmd.Extend(agent="a1", seconds=1.0))
                 extended.append(engine.agents["a1"].current.deadline_at - before)
         engine.subscribe(on_event)
-        codes: list[int] = []
-
-        async def run() -> None:
-            codes.append(await engine.run())
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(run)
+        async with running(engine) as codes:
             for attempt in (1, 2):  # its tokens, then five seconds of silence on the run's clock
                 def answered(attempt: int = attempt) -> bool:
                     return bool(codes) or "".join(e.text for e in seen if e.kind == "TokenDelta"
@@ -348,14 +345,8 @@ async def test_a_first_byte_timeout_raised_live_saves_an_agent_already_waiting()
                 assert engine.set_stall(config) == ["box"]
 
         engine.subscribe(on_event)
-        codes: list[int] = []
-
-        async def run() -> None:
-            codes.append(await engine.run())
-
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(run)
+            async with running(engine) as codes:
                 await until(lambda: [e for e in seen if e.kind == "AgentStarted"], "the request sent")
                 await clock.advance(1.5)  # past the old deadline
                 answer.set()
