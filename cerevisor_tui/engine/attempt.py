@@ -304,13 +304,17 @@ class Attempts:
 
     def ended(self, st: AgentState, att: Attempt, answer: str, thinking: str = "") -> None:
         """The attempt ended without its whole answer (killed, broken off, cancelled, its client gone): what it
-        had said is recorded as partial, and a kill (not a restart) is told as AgentKilled."""
+        had said is recorded as partial, and a kill (not a restart) is told as AgentKilled; a session's request
+        that ended otherwise, as a TurnFinished whose finish reason says why (`Attempt.unanswered`)."""
         if answer or thinking:
             self.emit(ev.MessageRecorded(self.now(), st.name, att.number, att.turn, "assistant", answer, thinking,
                                          partial=True))
+        now = self.now()
         if att.kill_reason and att.kill_deadline is not None and not att.restart:
-            self.emit(ev.AgentKilled(self.now(), st.name, att.number, att.kill_deadline, att.kill_reason,
-                                     att.tokens))
+            self.emit(ev.AgentKilled(now, st.name, att.number, att.kill_deadline, att.kill_reason, att.tokens))
+        elif att.unanswered:  # a session's request that ended unkilled (a workflow's end is its retry or its finish)
+            self.emit(ev.TurnFinished(now, st.name, att.number, att.turn, 0, 0, att.tokens, att.unanswered, None,
+                                      now - att.sent_at))
 
     async def _meter(self, st: AgentState, prompt_tokens: int, completion_tokens: int, cached: int | None,
                      following_chars: int, max_tokens: int, limit_wait_s: float | None) -> None:

@@ -263,7 +263,8 @@ class Sessions:
             yield att
         finally:
             watched.cancel()
-            if not att.answered:  # killed, broken off, its client gone: what it said is kept, a kill told
+            if not att.answered:  # killed, broken off, its client gone: what it said is kept, its end told
+                att.ends_unanswered("ended without its answer")  # (where the exchange gave no reason)
                 self.attempts.ended(st, att, "".join(att.parts), "".join(att.thinking))
             del session.in_flight[number]
             session.last_end = clock.now()

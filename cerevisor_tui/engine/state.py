@@ -112,6 +112,9 @@ class Attempt:
     by_operator: bool = False
     restart: bool = False
     answered: bool = False  # its whole answer came and was recorded (engine/attempt.py `finished`)
+    # a gateway session's request that ended without its answer and unkilled: why ("client gone", "upstream answered
+    # 500"), told as its TurnFinished's finish reason (engine/attempt.py `ended`)
+    unanswered: str = ""
     request_id: str = ""  # the X-Request-Id its request carries (a gateway session's; a workflow's is computed)
     stream: Reader | None = None  # its response as it is read: when its last byte came (and how to drop it)
     prefill: Prefill | None = None  # its prompt's prefill as the server tells it (prompt_progress), before a token
@@ -151,6 +154,11 @@ class Attempt:
         if abort is not None:
             abort()
 
+    def ends_unanswered(self, why: str) -> None:
+        """It ends without its answer, for `why` (the first reason given stands; a kill is told as the kill)."""
+        if not self.unanswered:
+            self.unanswered = why
+
     def look_again(self) -> None:
         """Wake the watchdog now (a policy changed): it measures the deadline afresh."""
         if self.nap is not None:
@@ -180,6 +188,11 @@ class ToolCall:
         self.outcome, self.reason = outcome, reason
         if self.scope is not None:
             self.scope.cancel()
+
+    def ends_unanswered(self, why: str) -> None:
+        """It ends without its answer, for `why` (the first reason given stands; a kill is told as the kill)."""
+        if not self.unanswered:
+            self.unanswered = why
 
     def look_again(self) -> None:
         if self.nap is not None:

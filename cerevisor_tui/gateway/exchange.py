@@ -186,11 +186,6 @@ class Exchange:
                 await self._governed(session, group)
             finally:
                 group.cancel_scope.cancel()
-        att = self.attempt
-        if self.gone and att is not None:  # its upstream request was closed with it: the server aborts it
-            st = session.st
-            e.emit(ev.TurnFinished(self.now(), st.name, att.number, att.turn, 0, 0, att.tokens, "client gone",
-                                   None, self.now() - att.sent_at))
 
     async def _watch_client(self, whole: anyio.CancelScope) -> None:
         """Until the client goes away (then the whole exchange ends), and for a streamed request, while nothing else
@@ -213,6 +208,8 @@ class Exchange:
             if message["type"] == "http.disconnect":
                 if not self.done:
                     self.gone = True
+                    if self.attempt is not None:  # its upstream request is closed with it: the server aborts it
+                        self.attempt.ends_unanswered("client gone")
                     whole.cancel()
                 return
 
@@ -294,6 +291,7 @@ class Exchange:
         upstream = att.stream = _Upstream(response)
         try:
             if response.status_code >= 300:
+                att.ends_unanswered(f"upstream answered {response.status_code}")
                 await self._upstream_error(response)
                 return
             if not self.streamed:
@@ -304,6 +302,7 @@ class Exchange:
             # the upstream broke off its answer (a dropped connection, a cut chunk): the client is told in its
             # API's shape rather than left with a truncated body; a kill's own abort is told as the kill
             if not att.kill_reason:
+                att.ends_unanswered("upstream broke off its answer")
                 await self.fail(502, f"cerevisor gateway: upstream {endpoint} broke off its answer after "
                                      f"{att.tokens} tokens: {problem_of(exc)}")
         finally:
@@ -327,11 +326,13 @@ class Exchange:
             except httpx.HTTPError as exc:
                 if self.run_ports.endpoints[endpoint].kind == "hosted" or not is_refused(exc):
                     # (out of descriptors is no server loading)
+                    att.ends_unanswered("upstream not answering")
                     await self.fail(503, f"cerevisor gateway: upstream {endpoint} is not answering: {problem_of(exc)}",
                                     {"retry-after": str(RETRY_AFTER_S)})
                     return None
                 down = states.refused(endpoint)
                 if down is not None:
+                    att.ends_unanswered("upstream down")
                     where = self.run_ports.connections.base_urls.get(endpoint, "")
                     await self.fail(503, f"cerevisor gateway: upstream {endpoint} at {where} is down: it has refused "
                                          f"connections for {down:.0f} s and has never answered ({problem_of(exc)}); "
@@ -402,6 +403,7 @@ class Exchange:
             try:
                 frames = pending.feed(chunk)
             except FrameTooLong as exc:  # an upstream that never ends its frame is not buffered for ever
+                att.ends_unanswered("upstream frame too long")
                 await self.fail(502, f"cerevisor gateway: upstream {st.endpoint} {exc}; the request was ended")
                 return
             if not frames:

@@ -157,3 +157,54 @@ async def test_the_request_goes_upstream_as_the_client_wrote_it_with_the_gateway
     assert sent.startswith(written.rstrip()[:-1]), sent
     assert sent[len(written.rstrip()) - 1:] == b',"stream_options":{"include_usage":true}}'
     assert changed.body["stream_options"] == {"include_usage": True} and changed.raw.count(b'"stream_options"') == 1
+
+
+def _ended_told(s, name: str) -> list[tuple[int, str]]:
+    """Each request of session `name` as (attempt, how it ended), asserting each was started once and ended once; the
+    console's mirror, fed the same events, has none of them left in flight."""
+    from cerevisor_tui.ui.mirror import RunMirror
+
+    mirror = RunMirror()
+    for event in s.events:
+        mirror(event)
+    started = [e.attempt for e in s.of(ev.AgentStarted) if e.agent == name]
+    ends = [(e.attempt, e.finish_reason) for e in s.of(ev.TurnFinished) if e.agent == name]
+    ends += [(e.attempt, f"killed: {e.deadline}") for e in s.of(ev.AgentKilled) if e.agent == name]
+    assert sorted(started) == sorted(n for n, _ in ends) == list(range(1, len(started) + 1)), (started, ends)
+    assert not mirror.agents[name].in_flight and mirror.agents[name].attempt is None
+    return sorted(ends)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_request_the_upstream_refuses_ends_told_and_leaves_no_request_in_flight(stream):
+    """An upstream's own error (Anthropic's 529 overloaded, which Claude Code retries) is passed to the client as it
+    came, and its attempt ends told (a TurnFinished saying why), as an answered one does: the row does not go on
+    counting a request in flight, and the retry that follows is a request of its own."""
+    messages = {"model": "up-model", "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    async with FakeApi(error_status=529) as api, served(endpoints=[{"name": "up", "kind": "hosted",
+                                                                    "base_url": api.base_url, "model": "up-model"}]) \
+            as s, httpx.AsyncClient(timeout=30) as client:
+        for _ in range(2):  # the harness retries
+            answer = await post(client, s.root + "/a/claude/v1/messages", messages)
+            assert answer.status == 529 and answer.json()["error"]["type"] == "overloaded_error"
+        session = s.session("claude")
+        await until(lambda: not session.in_flight and session.st.status == "idle", "the requests' ends told")
+        assert _ended_told(s, "claude") == [(1, "upstream answered 529"), (2, "upstream answered 529")]
+
+
+async def test_every_way_a_request_ends_unanswered_is_told_once():
+    """Broken off mid-stream, an upstream not answering, a client gone: each request's attempt ends with exactly one
+    end (its reason on the TurnFinished, a kill as AgentKilled), so a console never shows a request in flight that
+    is not."""
+    async with served(sim={"drop_after_tokens": 3}) as s, httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.url + "/chat/completions", chat(max_tokens=20), headers={"X-Session-ID": "dr"})
+        assert "broke off" in answer.data[-1]["error"]["message"]
+        await until(lambda: not s.session("dr").in_flight, "the request's end told")
+        assert _ended_told(s, "dr") == [(1, "upstream broke off its answer")]
+    closed = f"http://127.0.0.1:{free_port()}/v1"
+    async with served(endpoints=[{"name": "far", "kind": "hosted", "base_url": closed, "model": "m"}]) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        assert (await post(client, s.url + "/chat/completions", chat(model="m"), headers={"X-Session-ID": "d"})
+                ).status == 503
+        await until(lambda: not s.session("d").in_flight, "the request's end told")
+        assert _ended_told(s, "d") == [(1, "upstream not answering")]

@@ -101,6 +101,7 @@ class FakeApi:
     gap_s: float = 0.0
     reasoning: bool = False
     silent_gets: bool = False  # GET /v1/models (and /health, /metrics) never answered, as on a wedged server
+    error_status: int = 0  # every POST answered with this status and an error body, as an overloaded server does
     hold: asyncio.Event | None = None
     seen: list[Seen] = field(default_factory=list)
     gone: int = 0
@@ -138,6 +139,12 @@ class FakeApi:
                 await writer.drain()
                 return
             self.seen.append(Seen(path, headers, body, raw))
+            if self.error_status:
+                data = json.dumps({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
+                writer.write(http_head(self.error_status, "application/json", "connection: close\r\n",
+                                       length=len(data)) + data.encode())
+                await writer.drain()
+                return
             if self.hold is not None:
                 waiting = asyncio.ensure_future(self.hold.wait())
                 closed = asyncio.ensure_future(reader.read(1))  # b"": the client went away
