@@ -189,11 +189,6 @@ class ToolCall:
         if self.scope is not None:
             self.scope.cancel()
 
-    def ends_unanswered(self, why: str) -> None:
-        """It ends without its answer, for `why` (the first reason given stands; a kill is told as the kill)."""
-        if not self.unanswered:
-            self.unanswered = why
-
     def look_again(self) -> None:
         if self.nap is not None:
             self.nap.cancel()
