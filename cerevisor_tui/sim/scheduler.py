@@ -134,6 +134,7 @@ class BatchEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.now = 0.0  # engine (simulated) seconds
+        self._sim_high = 0.0  # the latest sim_time() told
         self.max_running_seen = 0
         self.preemptions_total = 0
         self.prompt_tokens_total = 0
@@ -226,10 +227,15 @@ class BatchEngine:
         self._anchor_sim = self.now
 
     def sim_time(self) -> float:
-        """The engine clock now, between steps too (it stands still while idle or wedged)."""
+        """The engine clock now, between steps too (it stands still while idle or wedged). It never runs backwards:
+        on a busy host a step may end later than planned, the clock read meanwhile having run past the step's
+        end, and the loop then takes up from that end (prompt_progress's `time_ms` fell back by ~10 ms so)."""
         if self._task is None or self.wedged or not (self.waiting or self.running):
-            return self.now
-        return self._clock()
+            at = self.now
+        else:
+            at = self._clock()
+        self._sim_high = max(self._sim_high, at)
+        return self._sim_high
 
     def clock_s(self) -> float:
         """Engine seconds since the server started, idle time counted at `speed` too: what a client of the
