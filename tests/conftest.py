@@ -351,3 +351,10 @@ def sse_chunk(content: str = "", finish: str | None = None, usage: dict | None =
     if usage:
         obj["usage"] = usage
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `end_to_end` tests first: they are the longest, and mostly wait (on real processes, tmux, a resume), so
+    begun first they overlap the rest's CPU instead of running alone at the end (longest first, as a scheduler
+    packs jobs). Otherwise collection order."""
+    items.sort(key=lambda item: item.get_closest_marker("end_to_end") is None)
