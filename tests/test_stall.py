@@ -378,3 +378,37 @@ async def test_a_first_byte_timeout_lowered_live_ends_a_waiting_agent_at_once(st
     killed = [e for e in seen if e.kind == "AgentKilled"]
     assert len(killed) == 1 and killed[0].deadline == "first_byte"
     assert killed[0].t - lowered[0] < 5.0  # at once, not at the old 60 s deadline (or the 20 s answer)
+
+
+@pytest.mark.anyio
+async def test_a_retry_waits_on_the_runs_clock_and_its_events_carry_the_runs_time():
+    """A server's Retry-After of 30 s is waited out on the run's clock (no wall second passes: the test moves it),
+    and the events of the conversation (its messages, the retry) are stamped with that clock, as its attempts are."""
+    clock = VirtualClock()
+    answered: list[int] = []
+
+    async def busy_then_answer(reader, writer):
+        answered.append(1)
+        if len(answered) == 1:
+            body = b'{"error": {"message": "busy"}}'
+            writer.write(http_head(503, "application/json", "retry-after: 30\r\n", length=len(body)) + body)
+        else:
+            writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("one ") + DONE) + chunk(b""))
+        await writer.drain()
+
+    async with RawServer(busy_then_answer) as srv:
+        engine = engine_for(srv.base_url, False, retries=1, clock=clock)
+        seen = recorder(engine)
+        async with running(engine) as codes:
+            await until(lambda: any(e.kind == "AgentRetrying" for e in seen),
+                        lambda: f"the retry told: {[e.kind for e in seen]}", timeout=5)
+            await clock.advance(29.0)
+            assert len(answered) == 1  # still waiting: its 30 s are the run's
+            await clock.advance(1.0)
+            await until(lambda: codes, "the run's end")
+    assert codes == [0]
+    retrying = next(e for e in seen if e.kind == "AgentRetrying")
+    second = [e for e in seen if e.kind == "AgentStarted"][1]
+    assert retrying.delay_s == 30.0 and second.t - retrying.t == pytest.approx(30.0, abs=0.002)
+    recorded = [e.t for e in seen if e.kind == "MessageRecorded"]
+    assert recorded and all(1000.0 <= t <= clock.now() for t in recorded)

@@ -8,7 +8,6 @@ Each attempt's life (its deltas, figures, meters and budget) is engine/attempt.p
 from __future__ import annotations
 
 import random
-import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,6 +21,7 @@ from cerevisor_tui.endpoints.client import ChatStream
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
 from cerevisor_tui.endpoints.worker import RemoteStream
 from cerevisor_tui.engine.attempt import Answer, Attempts, Subscriber, TurnFigures
+from cerevisor_tui.engine.clock import MONOTONIC, Clock
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.resume import RecordedTurn, input_changes, turn_inputs
 from cerevisor_tui.engine.script import TurnScript
@@ -85,8 +85,10 @@ class Conversations:
                  connections: Connections, watchdog: Watchdog, figures: Mapping[str, TurnFigures],
                  attempts: Attempts, emit: Subscriber, scrub: Scrubber, render: Callable[[str], str],
                  stopping: Callable[[], str], relocate: Callable[[AgentState, str], bool] | None = None,
-                 tools: ToolCalls | None = None, escape: Callable[[AgentState, str], bool] | None = None) -> None:
+                 tools: ToolCalls | None = None, escape: Callable[[AgentState, str], bool] | None = None,
+                 clock: Clock = MONOTONIC) -> None:
         self.run_id = run_id
+        self.clock = clock  # the run's: what its events are stamped with, and what a retry's backoff waits on
         # what each attempt's X-Request-Id starts with: the run id, and in a resumed run a mark of its own
         # (engine/resume.py: request_prefix), so that no id an earlier run of the directory sent is sent again
         self.request_prefix = run_id
@@ -137,7 +139,7 @@ class Conversations:
                 continue
             st.turn = turn + 1
             messages.append({"role": "user", "content": self.render(text)})
-            self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(st.turn, 0) + 1, st.turn, "user",
+            self.emit(ev.MessageRecorded(self.clock.now(), st.name, st.turn_attempts.get(st.turn, 0) + 1, st.turn, "user",
                                          messages[-1]["content"], inputs=inputs))
             if st.toolset is not None:
                 answer = await self._tool_turn(st, messages)
@@ -159,7 +161,7 @@ class Conversations:
             await script.before(turn)
             st.turn = turn
             st.messages = script.messages(turn)
-            self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(turn, 0) + 1, turn, "user",
+            self.emit(ev.MessageRecorded(self.clock.now(), st.name, st.turn_attempts.get(turn, 0) + 1, turn, "user",
                                          script.reference(turn), inputs=inputs))
             answer = await self._turn(st, st.messages)
             st.messages = []
@@ -180,7 +182,7 @@ class Conversations:
             done += 1
         if changes:  # answered under other settings: those answers are not what this agent would say now
             which = f"turn {done + 1}" if done + 1 == len(recorded) else f"turns {done + 1}-{len(recorded)}"
-            self.emit(ev.RunNotice(time.monotonic(), f"{st.name}: {which} answered before not reused "
+            self.emit(ev.RunNotice(self.clock.now(), f"{st.name}: {which} answered before not reused "
                                                      f"({', '.join(changes)}); it runs again from turn {done + 1}"))
         if not done:
             return 0
@@ -192,7 +194,7 @@ class Conversations:
             self.replay([e for turn in recorded[:done] for e in turn.figures])
         which = "turn 1" if done == 1 else f"turns 1-{done}"
         goes_on = f"it goes on at turn {done + 1}" if done < len(user_turns) else "none is left to send"
-        self.emit(ev.RunNotice(time.monotonic(), f"{st.name}: {which} answered before, taken from the journal; "
+        self.emit(ev.RunNotice(self.clock.now(), f"{st.name}: {which} answered before, taken from the journal; "
                                                  f"{goes_on}"))
         return done
 
@@ -216,7 +218,7 @@ class Conversations:
             for call in calls:
                 content = await self.tools.run(st, st.turn_attempts.get(st.turn, 0), st.toolset, call)
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
-                self.emit(ev.MessageRecorded(time.monotonic(), st.name, st.turn_attempts.get(st.turn, 0), st.turn,
+                self.emit(ev.MessageRecorded(self.clock.now(), st.name, st.turn_attempts.get(st.turn, 0), st.turn,
                                              "tool", content, tool_call_id=call["id"]))
         raise AssertionError("unreachable")
 
@@ -243,8 +245,8 @@ class Conversations:
                 if failure.retry_after_s is not None:
                     delay = max(delay, min(failure.retry_after_s, RETRY_AFTER_CAP_S))
                 move(st, "retrying")
-                self.emit(ev.AgentRetrying(time.monotonic(), st.name, number + 1, failure.reason, delay))
-                await anyio.sleep(delay)
+                self.emit(ev.AgentRetrying(self.clock.now(), st.name, number + 1, failure.reason, delay))
+                await self.clock.sleep(delay)
 
     async def _attempt(self, st: AgentState, messages: list[dict[str, Any]], number: int) -> str:
         policy = self.policies[st.endpoint]
@@ -353,7 +355,7 @@ class Conversations:
                 if ep.kind == "hosted" or att.first_token_at is not None:
                     raise
                 attempts.refused(st, att, ep.name, exc.problem, wait_s)
-                await anyio.sleep(wait_s)
+                await self.clock.sleep(wait_s)
                 wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
             except EndpointError as exc:  # the server's words, or the worker's: never with a key in them
                 raise exc.scrub(self.scrub) from None  # (the unscrubbed original must not ride along as context)

@@ -115,7 +115,7 @@ class RunParts:
             run_id=run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, attempts=self.attempts, emit=emit, scrub=self.scrub,
             render=self.render, stopping=lambda: self.life.stopping, relocate=self.pools.relocate, tools=self.tools,
-            escape=self.pools.failed)
+            escape=self.pools.failed, clock=clock)
         self.conversations.request_prefix = resume.request_prefix(run_id, run_dir)
         # external sessions, the gateway's (engine/sessions.py): a run that serves a gateway goes on after its
         # waves, until it is stopped
