@@ -230,6 +230,9 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
     probe.add_argument("--level-seconds", type=float, default=2.0, metavar="S", help="least time each level runs (default 2)")
     probe.add_argument("--max-requests", type=int, default=1000, metavar="N", help="most requests in all, warm-up included (default 1000)")
     probe.add_argument("--max-seconds", type=float, metavar="S", help="most seconds in all (default 180; with --workflow 600)")
+    probe.add_argument("--port-wait-seconds", type=float, default=60.0, metavar="S",
+                       help="a server on this machine that does not listen yet (still starting) is asked again each "
+                            "second for this long (default 60; 0: at once unreachable)")
     probe.add_argument("--json", action="store_true", help="print the result as JSON")
 
     replay = sub.add_parser(

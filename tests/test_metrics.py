@@ -232,7 +232,8 @@ async def test_read_server_never_raises_on_network_errors():
     refused = {"/health": httpx.ConnectError("refused")}
     async with httpx.AsyncClient(transport=transport(refused)) as client:
         status = await read_server(client, "http://127.0.0.1:9/v1")
-    assert status == ServerStatus(base_url="http://127.0.0.1:9/v1", reachable=False, error="health: connection refused")
+    assert status == ServerStatus(base_url="http://127.0.0.1:9/v1", reachable=False, error="health: connection refused",
+                                  refused=True)
     slow = {"/health": httpx.Response(200), "/metrics": httpx.ReadTimeout("slow")}
     async with httpx.AsyncClient(transport=transport(slow)) as client:
         status = await read_server(client, "http://127.0.0.1:9/v1", timeout_s=0.1)

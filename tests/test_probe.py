@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import subprocess
 
+import anyio
 import pytest
 
 from cerevisor_tui.config import SimSettings
@@ -19,7 +22,7 @@ from cerevisor_tui.endpoints.probe import (
     probe,
 )
 from cerevisor_tui.sim import SimServer, start_in_thread
-from tests.conftest import cli_here, free_port
+from tests.conftest import cli_here, free_port, until
 
 # Slow enough per stream that the simulator, not this machine's CPU, is what saturates: 100 tokens/s a
 # stream, 16-token answers, so a level of 2 x N requests takes about a third of a second.
@@ -109,9 +112,33 @@ async def test_a_server_that_refuses_chat_is_unusable():
 
 @pytest.mark.anyio
 async def test_an_unreachable_server_is_unusable():
+    # a port on this machine is asked again for port_wait_s (a server still starting), then given up on
+    settings = dataclasses.replace(QUICK, port_wait_s=0.3)
+    progress: list[str] = []
     async with build_client(4) as client:
-        with pytest.raises(EndpointUnusable, match="unreachable"):
-            await probe(client, f"http://127.0.0.1:{free_port()}/v1", settings=QUICK)
+        with pytest.raises(EndpointUnusable, match=r"unreachable for \d+ s: health: .*is the server running"):
+            await probe(client, f"http://127.0.0.1:{free_port()}/v1", settings=settings, on_progress=progress.append)
+    assert progress and "waiting for the server to open its port" in progress[0]
+
+
+@pytest.mark.anyio
+async def test_a_server_on_this_machine_that_opens_its_port_late_is_waited_for():
+    """`cerevisor-tui sim &` then `probe` at once (docs/servers.md), or a vLLM that opens its port once its model is
+    loaded: the probe asks again each second rather than calling it unreachable."""
+    port = free_port()
+    progress: list[str] = []
+    async with build_client(QUICK.max_concurrency) as client, anyio.create_task_group() as group:
+        results = []
+
+        async def probing() -> None:
+            results.append(await probe(client, f"http://127.0.0.1:{port}/v1", settings=QUICK,
+                                       on_progress=progress.append, save=False))
+        group.start_soon(probing)
+        await until(lambda: any("waiting for the server to open its port" in line for line in progress),
+                    "the probe waiting for the port")
+        async with SimServer(SimSettings(max_num_seqs=2, **FAST), port=port):
+            await until(lambda: results, "the probe's result")
+    assert results[0].recommended_concurrency >= 1 and results[0].levels
 
 
 def _level(c: int, tps: float, *, ttft: float = 0.05, failed: int = 0, waiting_share: float | None = None,
@@ -276,10 +303,15 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_an_unusable_endpoint_exits_1_with_one_line(capsys):
-    proc = cli(capsys, "probe", f"http://127.0.0.1:{free_port()}/v1")
+    proc = cli(capsys, "probe", f"http://127.0.0.1:{free_port()}/v1", "--port-wait-seconds", "0")
     assert proc.returncode == 1
     assert len(proc.stderr.strip().splitlines()) == 1 and "unreachable" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+    waited = cli(capsys, "probe", f"http://127.0.0.1:{free_port()}/v1", "--port-wait-seconds", "0.2")
+    assert waited.returncode == 1 and waited.stderr.strip().splitlines()[-1].endswith("(is the server running?)")
+    assert "waiting for the server to open its port" in waited.stderr
+    bad = cli(capsys, "probe", "http://127.0.0.1:9/v1", "--port-wait-seconds", "-1")
+    assert bad.returncode == 2 and "--port-wait-seconds must be between 0 and 86400" in bad.stderr
 
 
 @pytest.mark.anyio

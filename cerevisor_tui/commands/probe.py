@@ -57,6 +57,7 @@ def main(args: Any) -> int:
             max_seconds=max_seconds if max_seconds is not None else (
                 CONVERSATION_MAX_SECONDS if conversation else SINGLE_TURN_MAX_SECONDS),
             level_s=getattr(args, "level_seconds", ProbeSettings.level_s),
+            port_wait_s=getattr(args, "port_wait_seconds", ProbeSettings.port_wait_s),
             extra_body=target.extra_body,
         )
     except (ConfigError, ValueError) as exc:
@@ -69,7 +70,7 @@ def _flag_text(exc: Exception) -> str:
     text = str(exc)
     for name, flag in (("max_concurrency", "max-concurrency"), ("turn_max_tokens", "max-tokens"),
                        ("max_tokens", "max-tokens"), ("max_requests", "max-requests"), ("max_seconds", "max-seconds"),
-                       ("level_s", "level-seconds")):
+                       ("level_s", "level-seconds"), ("port_wait_s", "port-wait-seconds")):
         text = text.replace(name, "--" + flag)
     return text
 

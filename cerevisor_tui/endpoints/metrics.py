@@ -22,7 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from cerevisor_tui.endpoints import bounds
-from cerevisor_tui.endpoints.client import request_scrubber
+from cerevisor_tui.endpoints.client import is_refused, request_scrubber
 from cerevisor_tui.endpoints.errors import descriptors_exhausted
 from cerevisor_tui.endpoints.latency import LatencyScrape, parse_latency
 from cerevisor_tui.endpoints.tiers import TierSnapshot, parse_tiers
@@ -97,6 +97,7 @@ class ServerStatus:
     metrics: MetricsSnapshot | None = None
     slots: SlotsStatus | None = None
     error: str | None = None
+    refused: bool = False  # /health's connection was refused: nothing listens there (yet)
 
     @property
     def kind(self) -> ServerKind:
@@ -416,7 +417,8 @@ async def read_server(
     try:
         health = await _get(client, f"{root}/health", timeout_s)
     except httpx.HTTPError as exc:
-        return ServerStatus(base_url=base_url, reachable=False, error=_scrubbed(client, f"health: {_describe(exc)}"))
+        return ServerStatus(base_url=base_url, reachable=False, error=_scrubbed(client, f"health: {_describe(exc)}"),
+                            refused=is_refused(exc))
     loading = health.status_code == 503
     errors: list[str] = []
     if health.status_code >= 400 and not loading:

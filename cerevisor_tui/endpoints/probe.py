@@ -51,7 +51,7 @@ from cerevisor_tui.endpoints.knee import (
 from cerevisor_tui.endpoints.knee import _knee as _knee
 from cerevisor_tui.endpoints.knee import _past_knee as _past_knee
 from cerevisor_tui.endpoints.knee import recommend_conversations as recommend_conversations
-from cerevisor_tui.endpoints.metrics import MetricsSnapshot, ServerStatus, prefix_hit_rate, read_server
+from cerevisor_tui.endpoints.metrics import MetricsSnapshot, ServerStatus, prefix_hit_rate, read_server, server_root
 
 if TYPE_CHECKING:
     from cerevisor_tui.config.models import AgentConfig
@@ -80,6 +80,9 @@ class ProbeSettings(KneeSettings):
     min_requests_per_level: int = 4
     poll_interval_s: float = 0.1
     warmup: bool = True
+    # a server on this machine that refuses its port is still starting (vLLM opens it once its model is loaded):
+    # asked again each second for this long, within max_seconds
+    port_wait_s: float = 60.0
     # conversation mode
     min_conversations: int = 4  # a level runs max(this, its concurrency) conversations
     turn_max_tokens: int | None = None  # caps each turn's answer; None: each agent's own max_tokens
@@ -96,6 +99,8 @@ class ProbeSettings(KneeSettings):
             raise ValueError("max_seconds must be positive")
         if self.level_s < 0:
             raise ValueError("level_s must not be negative")
+        if not 0 <= self.port_wait_s <= 86_400:
+            raise ValueError("port_wait_s must be between 0 and 86400")
         if self.patience < 1:
             raise ValueError("patience must be at least 1")
         if self.min_conversations < 1:
@@ -386,8 +391,11 @@ async def _open(client: httpx.AsyncClient, base_url: str, model: str | None, set
     result = ProbeResult(base_url=base_url, model=model or "", settings=settings)
 
     status = await read_server(client, base_url)
+    if not status.reachable and status.refused and _on_this_machine(base_url) and settings.port_wait_s > 0:
+        status = await _wait_port(client, base_url, min(deadline, started + settings.port_wait_s), say)
     if not status.reachable:
-        raise EndpointUnusable(endpoint, f"unreachable: {status.error or 'no answer'} (is the server running?)")
+        waited = f" for {time.monotonic() - started:.0f} s" if status.refused and settings.port_wait_s > 0 else ""
+        raise EndpointUnusable(endpoint, f"unreachable{waited}: {status.error or 'no answer'} (is the server running?)")
     result.health = _health_text(status)
     say(f"health: {result.health}")
     if status.loading:
@@ -668,6 +676,21 @@ def _level_counters(before: MetricsSnapshot | None, after: MetricsSnapshot | Non
     if before is not None and before.preemptions is not None and after.preemptions is not None:
         preempted = max(0, after.preemptions - before.preemptions)
     return {"prefix_hit_rate": prefix_hit_rate(before, after), "preemptions": preempted}
+
+
+async def _wait_port(client: httpx.AsyncClient, base_url: str, until: float, say: ProgressCallback) -> ServerStatus:
+    """Ask again each second while the server on this machine refuses its port, until `until`."""
+    say(f"nothing listens at {server_root(base_url)} yet; waiting for the server to open its port")
+    while True:
+        await anyio.sleep(min(1.0, max(0.0, until - time.monotonic())))
+        status = await read_server(client, base_url)
+        if status.reachable or not status.refused or time.monotonic() >= until:
+            return status
+
+
+def _on_this_machine(base_url: str) -> bool:
+    host = httpx.URL(base_url).host
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 async def _wait_loaded(client: httpx.AsyncClient, base_url: str, deadline: float,
