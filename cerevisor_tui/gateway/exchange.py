@@ -206,6 +206,10 @@ class Exchange:
                     continue
             assert message is not None  # (received in either branch)
             if message["type"] == "http.disconnect":
+                if self.streamed and self.reading.finish:
+                    # the answer's end went out (Codex hangs up at response.completed, before the upstream's
+                    # stream ends): the relay reads its last bytes and counts the answer, as answered
+                    return
                 if not self.done:
                     self.gone = True
                     if self.attempt is not None:  # its upstream request is closed with it: the server aborts it

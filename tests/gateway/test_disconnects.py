@@ -15,6 +15,7 @@ from cerevisor_tui.contract import events as ev
 
 from ..conftest import until
 from .conftest import chat, post, served
+from .upstreams import FakeApi
 
 pytestmark = pytest.mark.anyio
 
@@ -168,3 +169,20 @@ async def test_a_passed_through_request_ends_upstream_when_its_client_leaves_bef
         await stream.aclose()  # gone before any answer
         await ended.wait()
         assert s.server.gateway.passed == 1
+
+
+async def test_a_client_that_hangs_up_once_the_answers_end_went_out_has_its_answer_counted():
+    """Codex CLI closes its connection at `response.completed`, before the upstream ends its stream: the answer
+    went out whole, so it is an answered request (its TurnFinished, its meters), not a client gone."""
+    async with FakeApi(gap_s=0.3) as api, served(endpoints=[{"name": "up", "kind": "hosted", "base_url": api.base_url,
+                                                            "model": "up-model"}]) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        body = {"model": "up-model", "input": "hi", "stream": True}
+        async with client.stream("POST", s.root + "/a/codex/v1/responses", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("event: response.completed"):
+                    break  # hangs up here, the upstream's end still 0.3 s away
+        await until(lambda: s.of(ev.TurnFinished, "codex"), "the request's end told")
+        await until(lambda: s.of(ev.AgentMeters, "codex"), "its meters")
+        assert [e.finish_reason for e in s.of(ev.TurnFinished, "codex")] == ["completed"]
+        assert not s.of(ev.AgentKilled, "codex") and api.gone == 0

@@ -212,6 +212,9 @@ def test_codex_cli_through_the_gateway(gateway: Gateway, tmp_path: Path):
     opened = gateway.session("codex-1")  # named by its path label, not its own session id
     assert opened["source"] == "path" and opened["harness"].startswith("codex") and opened["api"] == "responses"
     assert_requests_apart(gateway, "codex-1")
+    # it hangs up at response.completed, before the upstream's stream ends: still an answered request
+    done = [e for e in gateway.events("TurnFinished") if e["agent"] == "codex-1"]
+    assert done and "client gone" not in {e["finish_reason"] for e in done}, done
 
 
 def test_opencode_through_the_gateway(gateway: Gateway, tmp_path: Path):
