@@ -383,7 +383,10 @@ async def test_a_run_on_the_simulator_tells_its_latency_panel_from_vllms_histogr
         def told(e) -> None:
             if e.kind == "LatencySample" and engine.scheduler.paused:
                 engine.handle(cmd.Resume())
-            if e.kind == "LatencySample" and e.ttft is not None and e.ttft.count >= 3 and e.queue is not None:
+            # stopped once the panel has every answer whole: the third first token comes before its last tokens
+            # (a loaded host once stopped it there, with 9 of the 15 gaps counted)
+            if (e.kind == "LatencySample" and e.ttft is not None and e.ttft.count >= 3 and e.queue is not None
+                    and e.inter_token is not None and e.inter_token.count >= 15):
                 engine.stop("seen")
 
         engine.subscribe(told)
