@@ -60,7 +60,9 @@ async def test_the_warm_up_goes_before_its_endpoints_agents_and_its_ttft_is_the_
     assert started.endpoints == ["box"]
     assert started.t <= wave.t and started.t <= warmed.t <= first_sent.t  # the agents' windows start after it
     assert warmed.error == "" and warmed.cold_start_s is not None
-    assert warmed.cold_start_s >= cold_left[0] > 0  # it waited out what was left of the server's cold start
+    # it waited out what was left of the server's cold start (~1 s), less the moment between the warm-up's start
+    # and its request's sending (a few ms on a loaded host: 0.995 against 0.9995 once)
+    assert warmed.cold_start_s >= cold_left[0] - 0.05 and cold_left[0] > 0.5
     endpoint = engine.report.to_dict()["endpoints"][0]
     assert endpoint["cold_start_s"] == warmed.cold_start_s and "warmup_error" not in endpoint
 
