@@ -34,6 +34,7 @@ import httpx
 import msgspec
 
 from cerevisor_tui.config.graph import OUTPUT_REF
+from cerevisor_tui.config.models import is_loopback
 from cerevisor_tui.contract.events import ProbeBounds, ProbeSummary
 from cerevisor_tui.endpoints.client import DELTA, ChatStream, list_models
 from cerevisor_tui.endpoints.errors import EndpointError
@@ -391,10 +392,11 @@ async def _open(client: httpx.AsyncClient, base_url: str, model: str | None, set
     result = ProbeResult(base_url=base_url, model=model or "", settings=settings)
 
     status = await read_server(client, base_url)
-    if not status.reachable and status.refused and _on_this_machine(base_url) and settings.port_wait_s > 0:
+    waited = ""
+    if not status.reachable and status.refused and is_loopback(httpx.URL(base_url).host) and settings.port_wait_s > 0:
         status = await _wait_port(client, base_url, min(deadline, started + settings.port_wait_s), say)
+        waited = f" for {time.monotonic() - started:.0f} s"
     if not status.reachable:
-        waited = f" for {time.monotonic() - started:.0f} s" if status.refused and settings.port_wait_s > 0 else ""
         raise EndpointUnusable(endpoint, f"unreachable{waited}: {status.error or 'no answer'} (is the server running?)")
     result.health = _health_text(status)
     say(f"health: {result.health}")
@@ -686,11 +688,6 @@ async def _wait_port(client: httpx.AsyncClient, base_url: str, until: float, say
         status = await read_server(client, base_url)
         if status.reachable or not status.refused or time.monotonic() >= until:
             return status
-
-
-def _on_this_machine(base_url: str) -> bool:
-    host = httpx.URL(base_url).host
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 async def _wait_loaded(client: httpx.AsyncClient, base_url: str, deadline: float,

@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.ui.mirror import RunMirror
 from cerevisor_tui.ui.widgets.agent_table import agent_row
+from tests.conftest import wait_until
 from tests.gateway.conftest import Headless
 from tests.integration import servers
 from tests.integration.servers import PEERS_DIR, ServerProcess
@@ -51,14 +51,12 @@ class Gateway:
         """Until each request of session `name` has its end in the journal: a harness may exit with a side request
         still in flight (its connection closes with it), and the gateway tells that end ("client gone") only once it
         sees the disconnect, a moment after the harness's exit."""
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
+        def ended() -> bool:
             started = {e["attempt"] for e in self.events("AgentStarted") if e["agent"] == name}
-            ended = {e["attempt"] for e in self.events("TurnFinished") + self.events("AgentKilled")
-                     if e["agent"] == name}
-            if started <= ended:
-                return
-            time.sleep(0.2)
+            return started <= {e["attempt"] for e in self.events("TurnFinished") + self.events("AgentKilled")
+                               if e["agent"] == name}
+
+        wait_until(ended, f"each request of {name} ended in the journal", timeout=within_s, interval=0.2)
 
     def session(self, name: str) -> dict:
         found = [e for e in self.events("SessionOpened") if e["agent"] == name]
