@@ -124,10 +124,11 @@ def test_an_echoed_key_is_scrubbed_from_every_output(tmp_path, stream_process, j
     for b in ("http400", "html401", "reason", "malformed", "sse_error", "nonstream", "models"):
         assert MASK in errors[f"ag-{b}"], (b, errors[f"ag-{b}"])  # the echo arrived, and was scrubbed
     transcripts = tmp_path / "run" / "transcripts"
-    for b in ("split", "split3", "cut"):
-        assert f"Bearer {MASK}" in (transcripts / f"ag-{b}.jsonl").read_text()
-    assert f"Bearer {MASK}" in (transcripts / "ag-reasoning.jsonl").read_text()
     events = (tmp_path / "run" / "events.jsonl").read_text()
+    for b in ("split", "split3", "cut"):  # (on a failure, what the run told of that agent)
+        assert f"Bearer {MASK}" in (transcripts / f"ag-{b}.jsonl").read_text(), \
+            (errors[f"ag-{b}"], [line for line in events.splitlines() if f'"ag-{b}"' in line])
+    assert f"Bearer {MASK}" in (transcripts / "ag-reasoning.jsonl").read_text()
     assert f"Loading model for {MASK}" in events  # /health of the local endpoint, through ServerSample
     if jsonl:  # the token deltas (what the screen shows) add up to the scrubbed answer
         deltas = "".join(e["text"] for e in map(json.loads, proc.stdout.splitlines())
