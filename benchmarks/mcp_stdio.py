@@ -1,6 +1,6 @@
 """What a large stdio tool result costs the run to read, side by side: the MCP SDK's `stdio_client` and our
 transport (cerevisor_tui/tools/stdio.py), each under the SDK's `ClientSession`, calling the test server's
-`flood` tool (tests/fixtures/mcp_fake.py, the SDK's own server side) for results of rising size.
+`flood` tool (tests/fixtures/mcp_fake.py --sdk, the SDK's own server side) for results of rising size.
 
 The SDK's reader joins each 64 KiB chunk to all it holds of the line and splits the whole again, so one
 message costs time quadratic in its length; ours appends to one buffer and looks for the line feed only in
@@ -46,14 +46,14 @@ async def open_session(stack: AsyncExitStack, which: str):
 
         devnull = stack.enter_context(open(os.devnull, "w"))
         streams = await stack.enter_async_context(
-            stdio_client(StdioServerParameters(command=sys.executable, args=[FAKE]), errlog=devnull)
+            stdio_client(StdioServerParameters(command=sys.executable, args=[FAKE, "--sdk"]), errlog=devnull)
         )
     else:
         from cerevisor_tui.config.secrets import Scrubber
         from cerevisor_tui.tools.stdio import ServerLog, StdioServer
 
         server = StdioServer(
-            sys.executable, [FAKE], {}, None, log=ServerLog(None), scrub=Scrubber(), max_message_bytes=1 << 31
+            sys.executable, [FAKE, "--sdk"], {}, None, log=ServerLog(None), scrub=Scrubber(), max_message_bytes=1 << 31
         )
         streams = await stack.enter_async_context(server.connect())
     session = await stack.enter_async_context(ClientSession(*streams))

@@ -116,8 +116,8 @@ FAKE = Path(__file__).resolve().parents[1] / "fixtures" / "mcp_fake.py"
 def test_real_vllm_forced_tool_call_reaches_an_mcp_server_and_the_agent_completes(vllm_server, tmp_path: Path):
     """tool_choice naming the function (vLLM satisfies it with structured output), then "none" so the model answers.
 
-    The tool is a no-argument one of our SDK-built server (tests/fixtures/mcp_fake.py), not one of the package
-    index's: the tiny model has random weights, and structured output makes any free-text argument (a timezone,
+    The tool is a no-argument one of our fake server, on the SDK's server side (tests/fixtures/mcp_fake.py
+    --sdk), not one of the package index's: the tiny model has random weights, and structured output makes any free-text argument (a timezone,
     a repo_path) a random string that does not close within max_tokens, so the call's JSON never ends.
     An object with no properties is "{}" at once: what vLLM's structured output does is tested, not the model."""
     import sys
@@ -127,7 +127,7 @@ def test_real_vllm_forced_tool_call_reaches_an_mcp_server_and_the_agent_complete
     config = {
         "stall": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 60.0},
         "endpoints": [{"name": "box", "base_url": vllm_server.base_url, "kind": "local", "model": MODEL}],
-        "mcp_servers": [{"name": "fake", "command": sys.executable, "args": [str(FAKE)], "allow": ["*"]}],
+        "mcp_servers": [{"name": "fake", "command": sys.executable, "args": [str(FAKE), "--sdk"], "allow": ["*"]}],
         "agents": [{"name": "forced", "prompt": "List the environment.", "tools": ["fake.environment_names"],
                     "tool_choice": "fake.environment_names", "max_tokens": 48, "temperature": 0.0, "retries": 0}],
     }
