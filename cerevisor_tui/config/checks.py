@@ -3,22 +3,12 @@ keys not sent in clear."""
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from urllib.parse import urlsplit
 
 from cerevisor_tui.config.errors import ConfigError
-from cerevisor_tui.config.models import Config
+from cerevisor_tui.config.models import Config, is_loopback
 from cerevisor_tui.config.secrets import key_problem
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_key(env: str, value: str, *, file: str | None = None, key: str | None = None) -> None:
@@ -42,7 +32,7 @@ def preflight(config: Config, *, file: str | None = None) -> None:
             check_key(ep.api_key_env, os.environ[ep.api_key_env], file=file, key=f"{key}.api_key_env")
         if ep.api_key_env and ep.kind != "simulated":
             url = urlsplit(ep.base_url)
-            if url.scheme == "http" and not is_loopback(url.hostname or "") and not ep.allow_insecure_http:
+            if url.scheme == "http" and url.hostname and not is_loopback(url.hostname) and not ep.allow_insecure_http:
                 raise ConfigError(
                     f"would send the API key in clear text over http:// to {url.hostname}; use https:// "
                     "or set allow_insecure_http = true", file=file, key=f"{key}.base_url")

@@ -571,11 +571,11 @@ def split_listen(listen: str) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine only (127.0.0.0/8, ::1, localhost)."""
+    """Whether `host` names this machine only (127.0.0.0/8, ::1 bracketed or not, localhost)."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
 
