@@ -467,6 +467,9 @@ class KeepAlive(Event, frozen=True):
 
 
 class TurnFinished(Event, frozen=True):
+    """A request's end with its answer, or a gateway session's request that ended without one (`answered` false:
+    the client went away, the upstream refused or broke off; `finish_reason` says which). A kill is AgentKilled."""
+
     agent: str
     attempt: int
     turn: int
@@ -476,6 +479,7 @@ class TurnFinished(Event, frozen=True):
     finish_reason: str
     ttft_s: float | None
     duration_s: float
+    answered: bool = True  # (a journal of an earlier version has none: each of its ends read as answered)
 
 
 class AgentMeters(Event, frozen=True):

@@ -314,7 +314,7 @@ class Attempts:
             self.emit(ev.AgentKilled(now, st.name, att.number, att.kill_deadline, att.kill_reason, att.tokens))
         elif att.unanswered:  # a session's request that ended unkilled (a workflow's end is its retry or its finish)
             self.emit(ev.TurnFinished(now, st.name, att.number, att.turn, 0, 0, att.tokens, att.unanswered, None,
-                                      now - att.sent_at))
+                                      now - att.sent_at, answered=False))
 
     async def _meter(self, st: AgentState, prompt_tokens: int, completion_tokens: int, cached: int | None,
                      following_chars: int, max_tokens: int, limit_wait_s: float | None) -> None:

@@ -4,12 +4,15 @@ chunk (passed through as it came: the gateway never re-encodes)."""
 
 from __future__ import annotations
 
+import io
+
 import anyio
 import httpx
 import pytest
 
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.sinks.printer import Printer
 from cerevisor_tui.sim import SimServer
 from cerevisor_tui.sim.server import bind_socket
 
@@ -181,15 +184,23 @@ async def test_a_request_the_upstream_refuses_ends_told_and_leaves_no_request_in
     came, and its attempt ends told (a TurnFinished saying why), as an answered one does: the row does not go on
     counting a request in flight, and the retry that follows is a request of its own."""
     messages = {"model": "up-model", "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    lines = io.StringIO()
     async with FakeApi(error_status=529) as api, served(endpoints=[{"name": "up", "kind": "hosted",
                                                                     "base_url": api.base_url, "model": "up-model"}]) \
             as s, httpx.AsyncClient(timeout=30) as client:
+        s.engine.subscribe(Printer(lines))
         for _ in range(2):  # the harness retries
             answer = await post(client, s.root + "/a/claude/v1/messages", messages)
             assert answer.status == 529 and answer.json()["error"]["type"] == "overloaded_error"
         session = s.session("claude")
         await until(lambda: not session.in_flight and session.st.status == "idle", "the requests' ends told")
         assert _ended_told(s, "claude") == [(1, "upstream answered 529"), (2, "upstream answered 529")]
+        # two requests, no turn: the report and the headless line count a request that got no answer as one
+        report = next(x for x in s.engine.report.to_dict()["sessions"] if x["name"] == "claude")
+        assert (report["requests"], report["turns"], report["unanswered"]) == (2, 0, 2)
+        assert report["output_tokens_per_s"] is None
+    told = [line for line in lines.getvalue().splitlines() if "claude: request" in line and " sent to " not in line]
+    assert len(told) == 2 and all("ended without its answer (upstream answered 529)" in line for line in told), told
 
 
 async def test_every_way_a_request_ends_unanswered_is_told_once():

@@ -189,6 +189,9 @@ class Printer:
 
     @staticmethod
     def _line_TurnFinished(e: ev.TurnFinished) -> str:
+        if not e.answered:
+            return (f"{e.agent}: request {e.attempt} ended without its answer ({e.finish_reason}) after "
+                    f"{e.duration_s:.2f} s, {e.completion_tokens} tokens")
         if not e.turns:
             return (f"{e.agent}: request {e.attempt} done, {e.completion_tokens} tokens "
                     f"({e.finish_reason or 'no finish reason'}) in {e.duration_s:.2f} s")

@@ -75,8 +75,8 @@ class Report:
         self.sessions[event.agent] = {
             "name": event.agent, "source": event.source, "harness": event.harness, "api": event.api,
             "endpoint": event.endpoint, **({"key": event.key} if event.key else {}), "status": "active",
-            "attempts": 0, "turns": 0, "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None, "duration_s": 0.0,
-            "output_tokens_per_s": None, "stall_warnings": 0, "kills": [], "error": "", "_decode_s": 0.0,
+            "attempts": 0, "turns": 0, "unanswered": 0, "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None,
+            "duration_s": 0.0, "output_tokens_per_s": None, "stall_warnings": 0, "kills": [], "error": "", "_decode_s": 0.0,
             "_t_start": None,
         }
 
@@ -143,6 +143,10 @@ class Report:
 
     def _on_TurnFinished(self, event: ev.TurnFinished) -> None:
         a = self._of(event.agent)
+        if not event.answered:  # a session's request that ended without its answer: a request, never a turn
+            a["unanswered"] = a.get("unanswered", 0) + 1
+            a["completion_tokens"] += event.completion_tokens
+            return
         a["turns"] += 1
         a["prompt_tokens"] += event.prompt_tokens
         a["completion_tokens"] += event.completion_tokens
