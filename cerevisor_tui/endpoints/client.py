@@ -14,6 +14,7 @@ runs once a token, so what it builds is what the client costs.
 from __future__ import annotations
 
 import email.utils
+import http.cookiejar
 import json
 import re
 import time
@@ -63,6 +64,18 @@ _UNSET = chunks.UNSET
 KEEPALIVE_EXPIRY_S = 4.0
 
 
+class _NoCookies(http.cookiejar.CookieJar):
+    """A jar that keeps nothing. One client serves every agent of an endpoint and every gateway session sent to it: a
+    cookie an upstream sets (a hosted API's load balancer: Cloudflare's __cf_bm, a sticky session's) would go with
+    every later request, whoever's it is."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        pass
+
+    def set_cookie(self, cookie: http.cookiejar.Cookie) -> None:
+        pass
+
+
 def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncClient:
     """An httpx client sized for the run: no pool cap below the concurrency, no pool or read timeout.
 
@@ -81,6 +94,7 @@ def build_client(concurrency: int, api_key: str | None = None) -> httpx.AsyncCli
         mounts=proxy_mounts(limits),  # a client with its own transport reads no proxies from the environment
         timeout=httpx.Timeout(connect=None, read=None, write=None, pool=None),
         headers=headers,
+        cookies=_NoCookies(),
         follow_redirects=False,
     )
 

@@ -162,6 +162,21 @@ async def test_the_request_goes_upstream_as_the_client_wrote_it_with_the_gateway
     assert changed.body["stream_options"] == {"include_usage": True} and changed.raw.count(b'"stream_options"') == 1
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_a_cookie_the_upstream_sets_goes_with_no_other_request(stream):
+    """Hosted APIs answer through load balancers that set cookies (Cloudflare's __cf_bm, a sticky session's). The
+    gateway sends every session through one client per endpoint: a cookie it kept would go upstream with each later
+    request, whoever's it is (and the run's agents share that client too). None is kept, and none is relayed."""
+    async with FakeApi(set_cookie="affinity=of-session-a; Path=/") as api, \
+            served(endpoints=[{"name": "up", "kind": "hosted", "base_url": api.base_url, "model": "m"}]) as s, \
+            httpx.AsyncClient(timeout=30) as client:
+        for name in ("a", "b", "a"):
+            answer = await post(client, s.url + "/responses", {"model": "m", "stream": stream, "input": "hi"},
+                                headers={"X-Session-ID": name})
+            assert answer.status == 200 and "set-cookie" not in answer.headers, answer.headers
+    assert [seen.headers.get("cookie") for seen in api.seen] == [None, None, None]
+
+
 def _ended_told(s, name: str) -> list[tuple[int, str]]:
     """Each request of session `name` as (attempt, how it ended), asserting each was started once and ended once; the
     console's mirror, fed the same events, has none of them left in flight."""

@@ -102,6 +102,7 @@ class FakeApi:
     reasoning: bool = False
     silent_gets: bool = False  # GET /v1/models (and /health, /metrics) never answered, as on a wedged server
     error_status: int = 0  # every POST answered with this status and an error body, as an overloaded server does
+    set_cookie: str = ""  # every answer sets this cookie, as a load balancer in front of a hosted API does
     hold: asyncio.Event | None = None
     seen: list[Seen] = field(default_factory=list)
     gone: int = 0
@@ -139,9 +140,10 @@ class FakeApi:
                 await writer.drain()
                 return
             self.seen.append(Seen(path, headers, body, raw))
+            close = "connection: close\r\n" + (f"set-cookie: {self.set_cookie}\r\n" if self.set_cookie else "")
             if self.error_status:
                 data = json.dumps({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
-                writer.write(http_head(self.error_status, "application/json", "connection: close\r\n",
+                writer.write(http_head(self.error_status, "application/json", close,
                                        length=len(data)) + data.encode())
                 await writer.drain()
                 return
@@ -156,7 +158,7 @@ class FakeApi:
                 closed.cancel()
             messages = path.endswith("/messages")
             if body.get("stream"):
-                writer.write(http_head(200, "text/event-stream", "connection: close\r\n"))
+                writer.write(http_head(200, "text/event-stream", close))
                 for frame in messages_frames() if messages else responses_frames(reasoning=self.reasoning):
                     writer.write(chunk(frame))
                     await writer.drain()
@@ -165,7 +167,7 @@ class FakeApi:
                 writer.write(chunk(b""))
             else:
                 data = json.dumps(messages_whole() if messages else responses_whole(reasoning=self.reasoning)).encode()
-                writer.write(http_head(200, "application/json", "connection: close\r\n", length=len(data)) + data)
+                writer.write(http_head(200, "application/json", close, length=len(data)) + data)
             await writer.drain()
             self.finished += 1
         except (ConnectionError, asyncio.IncompleteReadError):
