@@ -11,11 +11,12 @@ import anyio
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
+from cerevisor_tui.engine.clock import VirtualClock
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.sinks.printer import Printer
 from cerevisor_tui.engine.warmup import to_warm, used_endpoints
 from cerevisor_tui.sim import SimServer
-from tests.conftest import RawServer, free_port
+from tests.conftest import RawServer, free_port, until
 
 pytestmark = pytest.mark.anyio
 
@@ -295,3 +296,41 @@ async def test_a_resumed_runs_warm_up_carries_its_own_request_id(tmp_path):
     assert len(warmups) == 2 and warmups[0] == "r1.warmup.box"
     assert warmups[1].startswith("r1.r") and warmups[1].endswith(".warmup.box")
     assert len(ids) == len(set(ids))
+
+
+async def test_a_warm_up_is_timed_and_ended_on_the_runs_clock():
+    """The warm-up's deadline and its events are on the run's clock (engine/clock.py), as the attempts' are, so the
+    wedge rules weigh its send time against theirs on one clock: a silent server's warm-up ends at 30 s of that
+    clock, told at that time, whatever the wall took."""
+    async def silent(reader, writer):
+        await reader.read()  # never answers
+
+    clock = VirtualClock()
+    start = clock.now()
+    async with RawServer(silent) as srv:
+        engine = Engine(validate({
+            # (the server's looks, which it never answers either, only every 100 s)
+            "run": {"warmup": "on", "metrics_interval_s": 100},
+            "stall": {"first_byte_timeout_s": 30.0, "idle_timeout_s": 30.0},
+            "endpoints": [{"name": "box", "base_url": srv.base_url, "kind": "local", "model": "m"}],
+            "agents": [{"name": "a0", "prompt": "hello", "max_tokens": 4, "retries": 0}]}), clock=clock)
+        seen: list = []
+        engine.subscribe(seen.append)
+        codes: list[int] = []
+
+        async def run() -> None:
+            codes.append(await engine.run())
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await until(lambda: srv.requests == 1, "the warm-up request")
+            await clock.advance(29.9)
+            assert not kinds(seen, "EndpointWarmed") and srv.requests == 1
+            await clock.advance(0.2)
+            warmed = (await until(lambda: kinds(seen, "EndpointWarmed"), "the warm-up's end"))[0]
+            await until(lambda: srv.requests == 2, "the agent's request, after the warm-up")
+            await clock.advance(30.1)  # the agent's own first-byte deadline ends the run
+            await until(lambda: codes, "the run's end")
+    assert codes == [1]
+    assert kinds(seen, "WarmupStarted")[0].t == start
+    assert warmed.error == "no first token within 30 s" and warmed.t - start == pytest.approx(30.0, abs=0.2)

@@ -158,3 +158,43 @@ async def test_an_extension_given_before_the_watchdogs_first_look_stands():
         assert not att.kill_reason
         await rig.clock.advance(0.2)
     assert att.kill_reason == "no first token after 15 s"
+
+
+async def test_a_tool_calls_deadline_warns_extends_and_cancels_on_the_runs_clock():
+    """The tool watchdog (engine/watchdog.py `watch_tool`) on the run's clock: warnings at 5 and 8 s of a 10 s
+    deadline, the operator's +5 s at 9 s re-arming only the warning still ahead (0.8 of 15 s, at 12 s), and the
+    call cancelled at 15 s, each event timed on that clock (its looks come 1 ms after their time, as the
+    attempts' do). On the host's clock it took 15 s of wall."""
+    from cerevisor_tui.engine.state import ToolCall
+    from cerevisor_tui.engine.watchdog import extend_tool, watch_tool
+
+    clock = VirtualClock()
+    events: list[ev.Event] = []
+    start = clock.now()
+    st = AgentState(validate({"endpoints": [{"name": "ep", "base_url": "http://127.0.0.1:9/v1"}],
+                              "agents": [{"name": "a", "prompt": "p"}]}).agents[0], "ep", 0)
+    call = ToolCall("call_1", "fake", "hang", start, start + 10.0, (0.5, 0.8))
+
+    def told() -> list[tuple[float, float]]:
+        return [(e.t - start, e.fraction) for e in events if isinstance(e, ev.ToolCallWarning)]
+
+    with anyio.CancelScope() as call.scope:
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch_tool, st, call, events.append, clock)
+            await clock.advance(4.999)
+            assert not events
+            await clock.advance(3.003)
+            assert told() == [(pytest.approx(5.0, abs=0.002), 0.5), (pytest.approx(8.0, abs=0.002), 0.8)]
+            await clock.advance(0.998)  # 9 s
+            extend_tool(st, call, 5.0, events.append, 1, clock)
+            extended = events[-1]
+            assert isinstance(extended, ev.StallExtended) and extended.t - start == pytest.approx(9.0)
+            assert extended.deadline == "tool" and extended.deadline_at == start + 15.0
+            await clock.advance(2.99)
+            assert len(told()) == 2  # the 0.8 warning of the new deadline is due at 12 s, not before
+            await clock.advance(0.02)
+            assert told()[2:] == [(pytest.approx(12.0, abs=0.002), 0.8)]
+            await clock.advance(2.98)  # 14.99 s
+            assert not call.outcome
+            await clock.advance(0.02)
+    assert call.outcome == "timeout" and call.reason == "no result after 15 s (tool_timeout_s)"

@@ -1,7 +1,8 @@
-"""Time as a parameter: the run's clock, handed to what decides by deadlines (the attempt owner, the watchdog,
-the sessions' release, the gateway's keep-alives) from the composition root. `MONOTONIC` is the host's
-CLOCK_MONOTONIC under anyio's own timers; `VirtualClock` is moved by hand, so a deadline rule's test runs in
-microseconds and never depends on how busy the machine is. `PacedClock` reads another clock (a sped-up simulator's),
+"""Time as a parameter: the run's clock, handed to what decides by deadlines (the attempt owner, the watchdog and
+a tool call's deadline, the warm-up, the sessions' release, the gateway's keep-alives) and to what tells the time
+of what it saw (the monitor, the GPU samples, the report) from the composition root: every event of a run is on
+one clock. `MONOTONIC` is the host's CLOCK_MONOTONIC under anyio's own timers; `VirtualClock` is moved by hand,
+so a deadline rule's test runs in microseconds and never depends on how busy the machine is. `PacedClock` reads another clock (a sped-up simulator's),
 so that a benchmark's run keeps the simulated server's time where the host cannot keep pace with it."""
 
 from __future__ import annotations

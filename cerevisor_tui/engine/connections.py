@@ -6,7 +6,6 @@ the stream worker process of endpoints/worker.py).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import ChatStream, build_client, list_models
 from cerevisor_tui.endpoints.errors import EndpointError, MissingApiKey
 from cerevisor_tui.endpoints.metrics import server_root
+from cerevisor_tui.engine.clock import MONOTONIC, Clock
 
 if TYPE_CHECKING:
     from cerevisor_tui.endpoints.worker import RemoteStream, StreamWorker
@@ -30,9 +30,11 @@ PROPS_TIMEOUT_S = 2.0  # a /props that takes longer says nothing: the request go
 class Connections:
     """Open for the length of a run (`open`); `stream` gives an attempt its stream, read where the run reads."""
 
-    def __init__(self, config: Config, emit: Callable[[ev.Event], None], *, stream_process: bool = False) -> None:
+    def __init__(self, config: Config, emit: Callable[[ev.Event], None], *, stream_process: bool = False,
+                 clock: Clock = MONOTONIC) -> None:
         self.config = config
         self.emit = emit
+        self.clock = clock  # the run's: the time of what it tells
         # the agents' streams read by a worker process (endpoints/worker.py) rather than in this loop
         self.stream_process = stream_process
         self.stream_process_problem = ""  # why the worker could not start, if it could not
@@ -82,7 +84,7 @@ class Connections:
                     raise EndpointError(ep.name, "/v1/models lists no model; set model in the endpoint's config")
                 self.models[ep.name] = str(listed[0]["id"])
                 self._take_max_model_len(ep.name, listed)
-                self.emit(ev.ModelResolved(time.monotonic(), ep.name, self.models[ep.name]))
+                self.emit(ev.ModelResolved(self.clock.now(), ep.name, self.models[ep.name]))
         return self.models[ep.name]
 
     async def context_limit(self, ep: EndpointConfig) -> int:

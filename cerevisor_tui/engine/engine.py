@@ -240,7 +240,7 @@ class Engine(RunParts):
                 await background.start(functools.partial(warm_up, self.config, self.connections, self.policies,
                                                          self.emit, self.conversations.request_prefix,
                                                          self.scheduler, self.wedges, reused=self.completed_before,
-                                                         states=self.endpoint_states))
+                                                         states=self.endpoint_states, clock=self.clock))
                 for wave, level in enumerate(self.waves):
                     if self.life.stopping:
                         self._cancel_rest(wave)

@@ -8,13 +8,13 @@ A value one GPU does not support (power on some boards) is None; the others are 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.clock import Clock
 
 
 class GpuReader:
@@ -87,18 +87,19 @@ class GpuReader:
         self._nvml, self._handles, self._names = None, [], []
 
 
-async def watch_gpus(emit: Callable[[ev.Event], None], interval_s: float) -> None:
-    """Emit a GpuSample every `interval_s` while the run goes on; with no GPU readable, one that says why."""
+async def watch_gpus(emit: Callable[[ev.Event], None], interval_s: float, clock: Clock) -> None:
+    """Emit a GpuSample every `interval_s` of the run's clock while the run goes on; with no GPU readable, one that
+    says why."""
     reader = GpuReader()
     problem = await anyio.to_thread.run_sync(reader.open)
     if problem:
-        emit(ev.GpuSample(time.monotonic(), error=problem))
+        emit(ev.GpuSample(clock.now(), error=problem))
         return
     try:
         while True:
             gpus = await anyio.to_thread.run_sync(reader.read)
-            emit(ev.GpuSample(time.monotonic(), gpus=gpus))
-            await anyio.sleep(interval_s)
+            emit(ev.GpuSample(clock.now(), gpus=gpus))
+            await clock.sleep(interval_s)
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(reader.close)

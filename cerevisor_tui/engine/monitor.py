@@ -6,7 +6,6 @@ the server's own capacity implies; and, at a stall deadline, whether the server 
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -78,7 +77,7 @@ class ServerMonitor:
 
     def add_timings(self, endpoint: str, timings: Timings) -> None:
         """A request of ours on `endpoint` ended with llama.cpp's `timings`: the panel's figures for that server."""
-        self.latency[endpoint].add_timings(time.monotonic(), timings)
+        self.latency[endpoint].add_timings(self.clock.now(), timings)
 
     def _tell_latency(self, endpoint: str, metrics: MetricsSnapshot | None) -> None:
         """The endpoint's latency panel after a sample, told when its figures changed. A llama-server without
@@ -89,7 +88,7 @@ class ServerMonitor:
             if not window.timings:
                 return
             scrape = LatencyScrape(metrics.kind if metrics is not None else "unknown")
-        event = window.sample(time.monotonic(), scrape)
+        event = window.sample(self.clock.now(), scrape)
         sent = self._latency_sent.get(endpoint)
         if sent is None or msgspec.structs.replace(sent, t=event.t, window_s=event.window_s) != event:
             self._latency_sent[endpoint] = event
@@ -191,7 +190,7 @@ class ServerMonitor:
 
     async def run_gpus(self) -> None:
         """Read the box's GPUs at the pace of the server samples, for as long as the run goes on."""
-        await watch_gpus(self.emit, self.config.run.metrics_interval_s)
+        await watch_gpus(self.emit, self.config.run.metrics_interval_s, self.clock)
 
     def refresh_fit(self, endpoint: str, server_kv_tokens: float | None, server_cpu_tokens: float | None = None) -> None:
         """How many conversations fit: the server's own KV capacity when it reports one (else the configured

@@ -63,7 +63,7 @@ class RunParts:
         self.bus = EventBus(self.scrub, clock)
         self.emit = emit = self.bus.emit
         self.subscribe = self.bus.subscribe
-        self.report = Report()
+        self.report = Report(clock.now)
         self.subscribe(self.report)
         self.roster = roster = Roster(emit, clock)
         self.agents = roster.agents
@@ -76,7 +76,7 @@ class RunParts:
         self.scheduler = Scheduler(
             config.run.mode, config.run.max_concurrency, {ep.name: ep.max_concurrency for ep in config.endpoints},
             pools={p.name: list(p.endpoints) for p in config.pools}, place=lambda agent, pool: self.pools.place(agent, pool))
-        self.connections = Connections(config, emit, stream_process=stream_process)
+        self.connections = Connections(config, emit, stream_process=stream_process, clock=clock)
         # what each endpoint's turns measured (rejections, TTFTs, tokens per character and per answer): auto's figures
         self.figures: dict[str, TurnFigures] = {ep.name: TurnFigures() for ep in config.endpoints}
         # each endpoint's state (up, loading, down, wedged), one owner fed by the monitor, requests and the wedge rules
@@ -110,7 +110,8 @@ class RunParts:
         # or approve. A resumed run takes its earlier calls' results and "for the run" approvals from the journal.
         used = {tool.split(".", 1)[0] for agent in config.agents for tool in agent.tools}
         self.tool_servers = McpServers(config.mcp_servers, used, log_dir=run_dir, scrub=self.scrub)
-        self.tools = ToolCalls(self.tool_servers, emit=emit, scrub=self.scrub, ask=ask, memory=resumed.tools)
+        self.tools = ToolCalls(self.tool_servers, emit=emit, scrub=self.scrub, ask=ask, memory=resumed.tools,
+                               clock=clock)
         self.conversations = Conversations(
             run_id=run_id, endpoints=self.endpoints, policies=self.policies, connections=self.connections,
             watchdog=self.watchdog, figures=self.figures, attempts=self.attempts, emit=emit, scrub=self.scrub,

@@ -7,7 +7,6 @@ the run"."""
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ import anyio
 
 from cerevisor_tui.config.secrets import Scrubber
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.clock import Clock
 from cerevisor_tui.engine.state import AgentState, ToolCall
 from cerevisor_tui.engine.status import move
 from cerevisor_tui.engine.watchdog import extend_tool, watch_tool
@@ -174,9 +174,10 @@ class ToolCalls:
     """The run's tool calls: `run` executes one call of an agent and returns what the model is told."""
 
     def __init__(self, servers: McpServers, *, emit: Callable[[ev.Event], None], scrub: Scrubber,
-                 ask: AskPolicy = "operator", memory: ToolMemory | None = None) -> None:
+                 ask: AskPolicy = "operator", memory: ToolMemory | None = None, clock: Clock) -> None:
         self.servers = servers
         self.emit = emit
+        self.clock = clock  # the run's: each call's times and its deadline
         self.scrub = scrub
         self.ask = ask
         self.memory = memory or ToolMemory()
@@ -207,7 +208,7 @@ class ToolCalls:
 
     def _decide(self, agent: str, call_id: str, pending: _Pending, decision: str) -> None:
         pending.decision = decision
-        self.emit(ev.ApprovalDecided(time.monotonic(), agent, call_id, pending.server, pending.tool,
+        self.emit(ev.ApprovalDecided(self.clock.now(), agent, call_id, pending.server, pending.tool,
                                      decision, "operator"))  # type: ignore[arg-type]
         pending.decided.set()
 
@@ -224,7 +225,7 @@ class ToolCalls:
         running = self.running.get(st.name)
         if running is None:
             return False
-        extend_tool(st, running[0], seconds, self.emit, running[1])
+        extend_tool(st, running[0], seconds, self.emit, running[1], self.clock)
         return True
 
     # ---- one call -------------------------------------------------------------------------------------
@@ -238,13 +239,13 @@ class ToolCalls:
         target = toolset.names.get(function)
         if target is None:
             text = f"error: no tool named {function!r} is available to you"
-            emit(ev.ToolCallFinished(time.monotonic(), name, call_id, "", function, "error", text, 0.0))
+            emit(ev.ToolCallFinished(self.clock.now(), name, call_id, "", function, "error", text, 0.0))
             return text
         server, tool = target
         cfg = self.servers.servers[server].config
         reused = self.memory.take(name, function, arguments)
         if reused is not None and reused is not INTERRUPTED:  # a resumed run: its result is in the journal
-            now = time.monotonic()
+            now = self.clock.now()
             emit(ev.ToolCallStarted(now, name, attempt, st.turn, call_id, server, tool, shown, None, ()))
             emit(ev.ToolCallFinished(now, name, call_id, server, tool, "ok",
                                      preview("(from the journal, not run again) " + reused), 0.0))
@@ -256,18 +257,18 @@ class ToolCalls:
                           "the journal)" if reused is None and self.memory.uncertain(name) else "")
         if uncertain:
             brief = shown if len(shown) <= 120 else shown[:119] + "…"
-            emit(ev.RunNotice(time.monotonic(), f"{name}: the tool call {server}.{tool}({brief}) {uncertain}: it "
+            emit(ev.RunNotice(self.clock.now(), f"{name}: the tool call {server}.{tool}({brief}) {uncertain}: it "
                               f"may already have taken effect, so it runs again only if approved", "warning",
                               "Tool call may have run"))
         denied = await self._permission(st, call_id, server, tool, shown, cfg, uncertain=bool(uncertain))
         if denied:
-            emit(ev.ToolCallFinished(time.monotonic(), name, call_id, server, tool, "denied", denied, 0.0))
+            emit(ev.ToolCallFinished(self.clock.now(), name, call_id, server, tool, "denied", denied, 0.0))
             return f"error: {denied}"
         try:
             args = parse_arguments(arguments)
         except ValueError as exc:
             text = f"error: {exc}"
-            emit(ev.ToolCallFinished(time.monotonic(), name, call_id, server, tool, "error", preview(text), 0.0))
+            emit(ev.ToolCallFinished(self.clock.now(), name, call_id, server, tool, "error", preview(text), 0.0))
             return text
         return await self._execute(st, attempt, call_id, server, tool, args, shown, cfg)
 
@@ -278,15 +279,15 @@ class ToolCalls:
         rule = rule_for(cfg, tool)
         emit, name = self.emit, st.name
         if rule == "deny":
-            emit(ev.ApprovalDecided(time.monotonic(), name, call_id, server, tool, "deny", "rule"))
+            emit(ev.ApprovalDecided(self.clock.now(), name, call_id, server, tool, "deny", "rule"))
             return f"denied: the rules of MCP server {server} deny {tool}"
         if not uncertain and (rule == "allow" or self.approvals.approved(server, tool)):
             return ""
         if self.ask == "approve":
-            emit(ev.ApprovalDecided(time.monotonic(), name, call_id, server, tool, "once", "headless"))
+            emit(ev.ApprovalDecided(self.clock.now(), name, call_id, server, tool, "once", "headless"))
             return ""
         if self.ask == "deny":
-            emit(ev.ApprovalDecided(time.monotonic(), name, call_id, server, tool, "deny", "headless"))
+            emit(ev.ApprovalDecided(self.clock.now(), name, call_id, server, tool, "deny", "headless"))
             if uncertain:
                 return f"denied: this {tool} call may already have taken effect (an earlier run was cut off in " \
                        "it), so it needs the operator's approval, and this headless run does not give it " \
@@ -296,7 +297,7 @@ class ToolCalls:
         pending = self.pending[(name, call_id)] = _Pending(server, tool)
         move(st, "approval")
         try:
-            emit(ev.ApprovalRequested(time.monotonic(), name, call_id, server, tool, shown))
+            emit(ev.ApprovalRequested(self.clock.now(), name, call_id, server, tool, shown))
             await pending.decided.wait()
         finally:
             del self.pending[(name, call_id)]
@@ -308,7 +309,7 @@ class ToolCalls:
     async def _execute(self, st: AgentState, attempt: int, call_id: str, server: str, tool: str, args: dict[str, Any],
                        shown: str, cfg: Any) -> str:
         name = st.name
-        now = time.monotonic()
+        now = self.clock.now()
         tc = ToolCall(call_id, server, tool, now, now + cfg.tool_timeout_s, tuple(cfg.warn_at))
         self.running[name] = (tc, attempt)
         move(st, "tool")
@@ -318,7 +319,7 @@ class ToolCalls:
         try:
             with anyio.CancelScope() as tc.scope:
                 async with anyio.create_task_group() as group:
-                    group.start_soon(watch_tool, st, tc, self.emit)
+                    group.start_soon(watch_tool, st, tc, self.emit, self.clock)
                     try:
                         result, is_error = await self.servers.call(server, tool, args)
                         text = result_text(result)
@@ -337,9 +338,9 @@ class ToolCalls:
         if self.scrub:  # before the cut: a key the cut splits would keep its start
             text = self.scrub(text)
         text = capped(text, cfg.max_result_chars)
-        elapsed = time.monotonic() - now
+        elapsed = self.clock.now() - now
         move(st, "sent")  # the model is given the result next
-        self.emit(ev.ToolCallFinished(time.monotonic(), name, call_id, server, tool, outcome,  # type: ignore[arg-type]
+        self.emit(ev.ToolCallFinished(self.clock.now(), name, call_id, server, tool, outcome,  # type: ignore[arg-type]
                                       preview(text), elapsed))
         return text
 

@@ -11,11 +11,9 @@ are sent, and their own watchdog judges the endpoint.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Collection, Mapping
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import anyio
@@ -23,6 +21,7 @@ import anyio
 from cerevisor_tui.config.models import Config, EndpointConfig, ResolvedStall, is_loopback
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
+from cerevisor_tui.engine.clock import MONOTONIC, Clock
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.endpoint_state import EndpointStates
 from cerevisor_tui.kinds import DELTA, FINISH, USAGE
@@ -99,7 +98,7 @@ class Judge(Protocol):
 
 async def warm_up(config: Config, connections: Connections, policies: Mapping[str, ResolvedStall],
                   emit: Callable[[ev.Event], None], request_prefix: str, admission: Admission, judge: Judge,
-                  reused: Collection[str] = (), *, states: EndpointStates | None = None,
+                  reused: Collection[str] = (), *, states: EndpointStates | None = None, clock: Clock = MONOTONIC,
                   task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Warm each endpoint `to_warm` names, all at once, each held for admission until its own warm-up ends,
     answered or failed. Started with `TaskGroup.start`: the endpoints are held, and WarmupStarted told, when that
@@ -111,13 +110,13 @@ async def warm_up(config: Config, connections: Connections, policies: Mapping[st
         return
     for ep in eps:
         admission.hold(ep.name)
-    emit(ev.WarmupStarted(time.monotonic(), [ep.name for ep in eps]))
+    emit(ev.WarmupStarted(clock.now(), [ep.name for ep in eps]))
     task_status.started()
     try:
         async with anyio.create_task_group() as warming:
             for ep in eps:
                 warming.start_soon(_warm, ep, connections, policies[ep.name], emit, request_prefix, admission, judge,
-                                   config.run.warmup_timeout_s, states)
+                                   config.run.warmup_timeout_s, states, clock)
     finally:
         for ep in eps:
             admission.admit(ep.name)
@@ -125,67 +124,80 @@ async def warm_up(config: Config, connections: Connections, policies: Mapping[st
 
 async def _warm(ep: EndpointConfig, connections: Connections, policy: ResolvedStall, emit: Callable[[ev.Event], None],
                 request_prefix: str, admission: Admission, judge: Judge, timeout_s: float,
-                states: EndpointStates | None) -> None:
+                states: EndpointStates | None, clock: Clock) -> None:
     try:
-        await _request(ep, connections, policy, emit, request_prefix, judge, timeout_s, states)
+        await _request(ep, connections, policy, emit, request_prefix, judge, timeout_s, states, clock)
     finally:
         admission.admit(ep.name)  # its agents go now, whatever came of it
 
 
 async def _request(ep: EndpointConfig, connections: Connections, policy: ResolvedStall,
                    emit: Callable[[ev.Event], None], request_prefix: str, judge: Judge, timeout_s: float,
-                   states: EndpointStates | None = None) -> None:
-    sent = time.monotonic()
+                   states: EndpointStates | None = None, clock: Clock = MONOTONIC) -> None:
+    sent = clock.now()
     first: float | None = None
     error = waited_for = ""
     wait_s = 0.25
     first_byte_s = min(timeout_s, policy.first_byte_timeout_s)
     request = Warming(ep.name, sent)
     judge.warming(request)
-    # the first token within its deadline; the rest (its one token, its usage) within as long again
+    items: AsyncGenerator[tuple[int, Any], None] | None = None
     try:
-        with request.scope, anyio.move_on_after(first_byte_s) as scope:
-            while True:
-                try:
-                    body = {**ep.extra_body,  # the server's own parameters, as the agents' requests carry them
-                            "model": await connections.model(ep), "messages": [{"role": "user", "content": PROMPT}],
-                            "stream": True, "stream_options": {"include_usage": True}, "max_tokens": MAX_TOKENS,
-                            "temperature": 0}
-                    headers = {"X-Cerevisor-Agent": "warmup", "X-Request-Id": f"{request_prefix}.warmup.{ep.name}"}
-                    request.sent_at = time.monotonic()  # (again after a refusal: open from here)
-                    stream = connections.stream(ep.name, connections.chat_url(ep.name), body, headers)
-                    async with aclosing(stream.events()) as items:
-                        async for kind, _ in items:
-                            if first is None and kind in (DELTA, FINISH, USAGE):
-                                first = time.monotonic()
+        with request.scope:
+            # the first token within its deadline (a server still loading is asked again meanwhile) ...
+            with clock.move_on_after(first_byte_s):
+                while True:
+                    try:
+                        body = {**ep.extra_body,  # the server's own parameters, as the agents' requests carry them
+                                "model": await connections.model(ep), "messages": [{"role": "user", "content": PROMPT}],
+                                "stream": True, "stream_options": {"include_usage": True}, "max_tokens": MAX_TOKENS,
+                                "temperature": 0}
+                        headers = {"X-Cerevisor-Agent": "warmup", "X-Request-Id": f"{request_prefix}.warmup.{ep.name}"}
+                        request.sent_at = clock.now()  # (again after a refusal: open from here)
+                        items = reading = connections.stream(ep.name, connections.chat_url(ep.name), body,
+                                                             headers).events()
+                        async for kind, _ in reading:
+                            if kind in (DELTA, FINISH, USAGE):
+                                first = clock.now()
                                 request.answered = True
-                                scope.deadline = first + min(timeout_s, policy.idle_timeout_s)
-                    break
-                except EndpointError as exc:
-                    loading = isinstance(exc, EndpointUnreachable) or exc.status == 503
-                    if first is not None or not loading or ep.kind == "hosted":
-                        error = exc.problem
+                                break
                         break
-                    waited_for = exc.problem
-                    down_at = None
-                    if states is not None and isinstance(exc, EndpointUnreachable):
-                        down_s = states.refused(ep.name)
-                        if down_s is not None:
-                            error = f"it has refused connections for {down_s:.0f} s and has never answered"
+                    except EndpointError as exc:
+                        loading = isinstance(exc, EndpointUnreachable) or exc.status == 503
+                        if not loading or ep.kind == "hosted":
+                            error = exc.problem
                             break
-                        down_at = states.down_at(ep.name)
-                    # asked again when its grace ends, not a backoff later: what it holds is let go at once
-                    await anyio.sleep(max(0.0, min(wait_s, down_at - states.clock.now())) if states is not None
-                                      and down_at is not None else wait_s)
-                    wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
+                        waited_for = exc.problem
+                        down_at = None
+                        if states is not None and isinstance(exc, EndpointUnreachable):
+                            down_s = states.refused(ep.name)
+                            if down_s is not None:
+                                error = f"it has refused connections for {down_s:.0f} s and has never answered"
+                                break
+                            down_at = states.down_at(ep.name)
+                        # asked again when its grace ends, not a backoff later: what it holds is let go at once
+                        await clock.sleep(max(0.0, min(wait_s, down_at - clock.now())) if down_at is not None
+                                          else wait_s)
+                        wait_s = min(wait_s * 2, WAIT_BACKOFF_CAP_S)
+            # ... and the rest (its one token, its usage) within as long again
+            if first is not None and items is not None:
+                with clock.move_on_after(min(timeout_s, policy.idle_timeout_s)):
+                    try:
+                        async for _ in items:
+                            pass
+                    except EndpointError as exc:
+                        error = exc.problem
     finally:
+        if items is not None:
+            with anyio.CancelScope(shield=True):
+                await items.aclose()
         judge.warmed(request)
     if request.kill_reason:
         error = request.kill_reason
     elif first is None and not error:
         error = f"no first token within {first_byte_s:g} s" + (f" ({waited_for})" if waited_for else "")
     cold = round(first - sent, 4) if first is not None else None
-    emit(ev.EndpointWarmed(time.monotonic(), ep.name, cold, "" if cold is not None else error))
+    emit(ev.EndpointWarmed(clock.now(), ep.name, cold, "" if cold is not None else error))
     if cold is None:
-        emit(ev.RunNotice(time.monotonic(), f"Warm-up of {ep.name} failed: {error}. Its agents are sent anyway; "
+        emit(ev.RunNotice(clock.now(), f"Warm-up of {ep.name} failed: {error}. Its agents are sent anyway; "
                           "their own stall watchdog judges the endpoint.", "warning", "Warm-up"))

@@ -6,7 +6,6 @@ It reads the endpoint's stall policy afresh at each look, so `Engine.set_stall` 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Mapping
 
 import anyio
@@ -193,9 +192,10 @@ class Watchdog:
         move(st, phase_of(att.first_token_at))
 
 
-async def watch_tool(st: AgentState, call: ToolCall, emit: Callable[[ev.Event], None]) -> None:
-    """A tool call's deadline: ToolCallWarning at each `warn_at` fraction of it, then the call is cancelled."""
-    monotonic = time.monotonic
+async def watch_tool(st: AgentState, call: ToolCall, emit: Callable[[ev.Event], None], clock: Clock) -> None:
+    """A tool call's deadline on the run's clock: ToolCallWarning at each `warn_at` fraction of it, then the call is
+    cancelled."""
+    monotonic = clock.now
     while True:
         now = monotonic()
         total = call.deadline_at - call.started_at
@@ -207,17 +207,17 @@ async def watch_tool(st: AgentState, call: ToolCall, emit: Callable[[ev.Event], 
             call.kill("timeout", f"no result after {fmt_s(now - call.started_at)} (tool_timeout_s)")
             return
         next_at = next_look(call.warn_at, call.warned, call.started_at, total)
-        with anyio.CancelScope() as call.nap, anyio.move_on_after(max(0.0, next_at - monotonic()) + 0.001):
+        with anyio.CancelScope() as call.nap, clock.move_on_after(max(0.0, next_at - monotonic()) + 0.001):
             await anyio.sleep_forever()
         call.nap = None
 
 
 def extend_tool(st: AgentState, call: ToolCall, seconds: float, emit: Callable[[ev.Event], None],
-                attempt: int) -> None:
+                attempt: int, clock: Clock) -> None:
     """The operator's extension of a running tool call: its deadline moves later by `seconds`; the warnings
     still ahead of the new deadline re-arm. Told as a StallExtended of deadline "tool"."""
     call.deadline_at += seconds
-    now = time.monotonic()
+    now = clock.now()
     call.warned = warnings_due(call.warn_at, call.started_at, call.deadline_at - call.started_at, now)
     emit(ev.StallExtended(now, st.name, attempt, "tool", seconds, "tool call extended by operator",
                           call.deadline_at, 0, by_operator=True))

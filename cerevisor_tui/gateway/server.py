@@ -224,7 +224,7 @@ class Gateway:
         connections = self.run.connections
         for ep in self.run.config.endpoints:
             if ep.name not in connections.models:
-                with contextlib.suppress(Exception), anyio.move_on_after(5):
+                with contextlib.suppress(Exception), self.run.clock.move_on_after(5):
                     await connections.model(ep)
 
     # ---- everything else under /v1 -------------------------------------------------------------------------

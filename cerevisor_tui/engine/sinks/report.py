@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,7 +24,8 @@ def _now_iso() -> str:
 class Report:
     """Collects per-agent figures from events; `to_dict()` is the report at any moment."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self.now = now  # the run's clock: the events' times are on it, and a report mid-run ends at its now
         self.run_id = ""
         self.mode = ""
         self.started_at = ""
@@ -203,7 +204,7 @@ class Report:
 
     def cap_summary(self) -> dict[str, Any]:
         """Each endpoint's cap history (seconds since the start) and its time-weighted mean cap over the run."""
-        end = self._t_end if self._t_end is not None else time.monotonic()
+        end = self._t_end if self._t_end is not None else self.now()
         out: dict[str, Any] = {}
         for name, history in self.caps.items():
             weighted = span = 0.0
@@ -239,7 +240,7 @@ class Report:
     def totals(self) -> ev.RunTotals:
         """The run's figures now, as report.json's `totals` and RunFinished have them."""
         agents = self.agents.values()
-        end = self._t_end if self._t_end is not None else time.monotonic()
+        end = self._t_end if self._t_end is not None else self.now()
         wall = max(0.0, end - self._t0) if self._t0 else 0.0
         sessions = (*self.forgotten, *self.sessions.values())
         output = sum(a["completion_tokens"] for a in (*agents, *sessions))
