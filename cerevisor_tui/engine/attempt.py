@@ -92,6 +92,10 @@ class Answer:
     timings: tuple[float | None, float | None] | None = None  # llama.cpp's (prompt_ms, predicted_per_token_ms)
     prompt_chars: int = 0  # the prompt's characters: tokens per character, and prompt tokens where none are said
     tool_calls: Sequence[dict[str, Any]] = ()
+    # False: the answer came in one piece (a gateway client's unstreamed request), its first byte its last: no time
+    # to first token nor decode rate can be read from it, and none goes into the endpoint's figures (Auto's TTFT and
+    # tokens per second, the prefill rate the watchdog and the wedge rules estimate with)
+    streamed: bool = True
 
 
 class Attempts:
@@ -274,12 +278,13 @@ class Attempts:
         completion_tokens = usage[1] if usage else att.tokens
         st.prompt_tokens += prompt_tokens
         st.completion_tokens += completion_tokens
-        ttft = att.first_token_at - att.sent_at if att.first_token_at is not None else None
+        first = att.first_token_at if answer.streamed else None
+        ttft = first - att.sent_at if first is not None else None
         figures = self.figures[st.endpoint]
-        if att.first_token_at is not None:
-            st.decode_s += end - att.first_token_at
-            if completion_tokens > 1 and end > att.first_token_at:
-                figures.rates.append((end, (completion_tokens - 1) / (end - att.first_token_at)))
+        if first is not None:
+            st.decode_s += end - first
+            if completion_tokens > 1 and end > first:
+                figures.rates.append((end, (completion_tokens - 1) / (end - first)))
         if prompt_tokens and answer.prompt_chars:
             figures.prompt_tokens += prompt_tokens
             figures.prompt_chars += answer.prompt_chars

@@ -477,7 +477,7 @@ class Exchange:
         session.recorded[self.conversation] = session.recorded.get(self.conversation, 0) + (r.items or 1)
         await e.attempts.finished(
             st, att, _answer_of(r, streamed_text, thinking, prompt, completion,
-                                 self.prompt_chars),
+                                 self.prompt_chars, self.streamed),
             turns=0, limit_wait_s=CONTEXT_LIMIT_WAIT_S)
 
     # ---- transcripts ---------------------------------------------------------------------------------------
@@ -531,10 +531,10 @@ class _Upstream:
 
 
 def _answer_of(r: Reading, answer: str, thinking: str, prompt_tokens: int, completion_tokens: int,
-                prompt_chars: int) -> Answer:
+                prompt_chars: int, streamed: bool) -> Answer:
     """What the attempt owner is told of a relayed answer."""
     return Answer(answer, thinking, (prompt_tokens, completion_tokens) if prompt_tokens or completion_tokens else None,
-                  r.cached_tokens, r.finish, r.timings, prompt_chars)
+                  r.cached_tokens, r.finish, r.timings, prompt_chars, streamed=streamed)
 
 
 @functools.lru_cache(maxsize=64)

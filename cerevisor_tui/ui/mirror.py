@@ -88,7 +88,8 @@ class AgentView:
     attempts: int = 0  # requests sent, over all turns
     tokens: int = 0  # streamed, over all attempts
     completion_tokens: int = 0  # of completed turns, as the server counted them
-    decode_s: float = 0.0  # from first token to end, over completed turns
+    decode_s: float = 0.0  # from first token to end, over completed turns that streamed
+    decoded_tokens: int = 0  # the completion tokens of those turns
     ttft_s: float | None = None  # of its first answer
     stall_warnings: int = 0
     error: str = ""
@@ -167,7 +168,7 @@ class AgentView:
 
     @property
     def output_tokens_per_s(self) -> float | None:
-        return self.completion_tokens / self.decode_s if self.decode_s > 0 else None
+        return self.decoded_tokens / self.decode_s if self.decode_s > 0 else None
 
 
 @dataclass(eq=False)
@@ -440,6 +441,7 @@ class RunMirror(UiModel):
         a.completion_tokens += e.completion_tokens
         if e.ttft_s is not None:
             a.decode_s += max(0.0, e.duration_s - e.ttft_s)
+            a.decoded_tokens += e.completion_tokens
             if a.ttft_s is None:
                 a.ttft_s = e.ttft_s
         att = a.attempt_of(e.attempt)

@@ -86,6 +86,36 @@ async def test_gateway_traffic_fills_the_figures_a_workflow_fills():
         assert s.session("f").st.prompt_tokens == sum(t.prompt_tokens for t in turns)
 
 
+async def test_an_answer_that_came_in_one_piece_gives_no_ttft_nor_decode_rate_to_the_figures():
+    """An unstreamed request's first byte is its answer's last (litellm's completion() and the openai SDK ask so by
+    default): read as a time to first token and a decode rate, it gave Auto a TTFT as long as the whole answer and
+    a rate of tens of thousands of tokens a second, the prefill rate a prefill that lasted the whole answer, and the
+    row and the report such a rate. Only the streamed request's figures count."""
+    from cerevisor_tui.ui.mirror import RunMirror
+
+    async with served(sim={}) as s, httpx.AsyncClient(timeout=30) as client:
+        whole = await post(client, s.url + "/chat/completions", chat("in one piece", stream=False, max_tokens=20),
+                           headers={"X-Session-ID": "w"})
+        assert whole.status == 200 and whole.json()["usage"]["completion_tokens"] == 20
+        figures = s.engine.figures["sim"]
+        await until(lambda: figures.answers == 1, "the answer's figures")
+        assert not figures.rates and not figures.ttfts and figures.prefill_s == 0.0
+        streamed = await post(client, s.url + "/chat/completions", chat("streamed", max_tokens=20),
+                              headers={"X-Session-ID": "w"})
+        assert streamed.status == 200
+        await until(lambda: figures.answers == 2, "the streamed answer's figures")
+        assert len(figures.rates) == 1 and len(figures.ttfts) == 1 and figures.prefill_s > 0
+        report = next(x for x in s.engine.report.to_dict()["sessions"] if x["name"] == "w")
+    first, second = s.of(ev.TurnFinished, "w")
+    assert first.ttft_s is None and second.ttft_s is not None and second.completion_tokens == 20
+    rate = second.completion_tokens / (second.duration_s - second.ttft_s)
+    assert report["ttft_s"] == round(second.ttft_s, 4) and report["output_tokens_per_s"] == round(rate, 2)
+    mirror = RunMirror()
+    for event in s.events:
+        mirror(event)
+    assert mirror.agents["w"].output_tokens_per_s == pytest.approx(rate)
+
+
 async def test_a_session_whose_request_was_killed_ends_killed_and_a_clean_one_carries_no_error():
     # the simulator stops after two tokens: a request for six stalls past its idle deadline, one for two completes
     async with served(sim={"stall_after_tokens": 2}, stall={"idle_timeout_s": 0.5,

@@ -151,11 +151,14 @@ class Report:
         a["turns"] += 1
         a["prompt_tokens"] += event.prompt_tokens
         a["completion_tokens"] += event.completion_tokens
-        if a["ttft_s"] is None and event.ttft_s is not None:
+        if event.ttft_s is None:  # no first token seen (an answer that came in one piece): no decode rate to read
+            return
+        if a["ttft_s"] is None:
             a["ttft_s"] = round(event.ttft_s, 4)
-        a["_decode_s"] += event.duration_s - (event.ttft_s or 0.0)
+        a["_decode_s"] += event.duration_s - event.ttft_s
+        a["_decoded"] = a.get("_decoded", 0) + event.completion_tokens
         if a["_decode_s"] > 0:
-            a["output_tokens_per_s"] = round(a["completion_tokens"] / a["_decode_s"], 2)
+            a["output_tokens_per_s"] = round(a["_decoded"] / a["_decode_s"], 2)
 
     def _on_StallWarning(self, event: ev.StallWarning) -> None:
         self._of(event.agent)["stall_warnings"] += 1
