@@ -21,7 +21,7 @@ import anyio
 from cerevisor_tui.config.models import Config, EndpointConfig, ResolvedStall, is_loopback
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable
-from cerevisor_tui.engine.clock import MONOTONIC, Clock
+from cerevisor_tui.engine.clock import Clock
 from cerevisor_tui.engine.connections import Connections
 from cerevisor_tui.engine.endpoint_state import EndpointStates
 from cerevisor_tui.kinds import DELTA, FINISH, USAGE
@@ -98,7 +98,7 @@ class Judge(Protocol):
 
 async def warm_up(config: Config, connections: Connections, policies: Mapping[str, ResolvedStall],
                   emit: Callable[[ev.Event], None], request_prefix: str, admission: Admission, judge: Judge,
-                  reused: Collection[str] = (), *, states: EndpointStates | None = None, clock: Clock = MONOTONIC,
+                  reused: Collection[str] = (), *, states: EndpointStates | None = None, clock: Clock,
                   task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """Warm each endpoint `to_warm` names, all at once, each held for admission until its own warm-up ends,
     answered or failed. Started with `TaskGroup.start`: the endpoints are held, and WarmupStarted told, when that
@@ -133,7 +133,7 @@ async def _warm(ep: EndpointConfig, connections: Connections, policy: ResolvedSt
 
 async def _request(ep: EndpointConfig, connections: Connections, policy: ResolvedStall,
                    emit: Callable[[ev.Event], None], request_prefix: str, judge: Judge, timeout_s: float,
-                   states: EndpointStates | None = None, clock: Clock = MONOTONIC) -> None:
+                   states: EndpointStates | None, clock: Clock) -> None:
     sent = clock.now()
     first: float | None = None
     error = waited_for = ""
