@@ -100,6 +100,9 @@ async def test_an_answer_that_came_in_one_piece_gives_no_ttft_nor_decode_rate_to
         figures = s.engine.figures["sim"]
         await until(lambda: figures.answers == 1, "the answer's figures")
         assert not figures.rates and not figures.ttfts and figures.prefill_s == 0.0
+        # its tokens still count where tokens are counted: Auto's throughput windows read them (a gateway whose
+        # harnesses never stream would otherwise never close one, and Auto never move)
+        assert s.session("w").st.tokens == 20 and s.engine.auto_feed.signals("sim").tokens == 20
         streamed = await post(client, s.url + "/chat/completions", chat("streamed", max_tokens=20),
                               headers={"X-Session-ID": "w"})
         assert streamed.status == 200
