@@ -99,6 +99,25 @@ async def test_the_chunks_of_one_read_become_one_event_per_run_of_a_field():
 
 
 @pytest.mark.anyio
+async def test_tokens_that_came_several_to_a_chunk_count_as_the_server_counted_them():
+    """vLLM with speculative decoding (and a hosted API's deltas) sends several tokens in one chunk: the deltas
+    count chunks, the usage counts tokens. At the answer's end the agent's count is the server's, since Auto's
+    throughput windows read it (they measured chunks a second, and each cap's acceptance rate differs)."""
+    async def speculative(reader, writer):
+        writer.write(http_head(200, "text/event-stream"))
+        writer.write(chunk(b"".join(delta(content=words) for words in ("one two three ", "four five six ")) +
+                           data({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) +
+                           data({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6}}) +
+                           b"data: [DONE]\n\n") + chunk(b""))
+        await writer.drain()
+
+    engine, seen = await run_one(speculative)
+    chunks = sum(e.tokens for e in seen if e.kind == "TokenDelta")
+    assert chunks == 2  # what the deltas counted
+    assert engine.agents["a"].tokens == 6 and engine.agents["a"].completion_tokens == 6
+
+
+@pytest.mark.anyio
 async def test_retry_after_is_honoured():
     calls: list[float] = []
 

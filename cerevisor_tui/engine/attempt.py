@@ -278,9 +278,12 @@ class Attempts:
         completion_tokens = usage[1] if usage else att.tokens
         st.prompt_tokens += prompt_tokens
         st.completion_tokens += completion_tokens
-        if not answer.streamed:  # its tokens came at once, not as deltas: counted now (Auto's throughput reads them)
-            att.tokens += completion_tokens
-            st.tokens += completion_tokens
+        if completion_tokens > att.tokens:
+            # tokens the deltas did not count one by one: an answer that came in one piece, several tokens to a chunk
+            # (speculative decoding, a hosted API's deltas), reasoning a hosted model keeps to itself. Counted now, as
+            # the server counted them: Auto's throughput windows read these counts
+            st.tokens += completion_tokens - att.tokens
+            att.tokens = completion_tokens
         first = att.first_token_at if answer.streamed else None
         ttft = first - att.sent_at if first is not None else None
         figures = self.figures[st.endpoint]
