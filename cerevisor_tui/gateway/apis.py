@@ -214,6 +214,7 @@ class _Usage(msgspec.Struct):
     prompt_tokens_details: _Details | None = None
     input_tokens_details: _Details | None = None
     cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
 
 
 class _Delta(msgspec.Struct):
@@ -282,8 +283,10 @@ class Reading:
         cached = details.cached_tokens if details is not None else usage.cache_read_input_tokens
         if cached is not None:
             self.cached_tokens = cached
-        if self.api == "messages" and usage.cache_read_input_tokens:  # Anthropic counts cached tokens apart
-            self.prompt_tokens = usage.input_tokens + usage.cache_read_input_tokens
+        if self.api == "messages":  # Anthropic counts the prompt's cache reads and writes apart from input_tokens
+            whole = usage.input_tokens + (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+            if whole:  # (message_delta may say its output alone)
+                self.prompt_tokens = whole
 
     def frames(self, data: bytes) -> tuple[str, str, str, int]:
         """Read the complete SSE frames in `data`; returns what they added (content, reasoning, tool-call text,

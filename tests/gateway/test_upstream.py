@@ -177,6 +177,25 @@ async def test_a_cookie_the_upstream_sets_goes_with_no_other_request(stream):
     assert [seen.headers.get("cookie") for seen in api.seen] == [None, None, None]
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+async def test_anthropics_prompt_is_its_input_and_its_cache_reads_and_writes(stream):
+    """Anthropic counts a prompt in three parts: input_tokens (after the last cache breakpoint), tokens read from
+    the prompt cache and tokens written to it. Claude Code marks its system prompt and history for caching, so on a
+    hosted Anthropic upstream most of each prompt is in the last two: the session's prompt tokens (its context
+    meter, its cost) are the three together, and its cached tokens the reads."""
+    messages = {"model": "up-model", "max_tokens": 8, "stream": stream, "messages": [{"role": "user", "content": "hi"}]}
+    async with FakeApi(cache=(4000, 1500)) as api, served(endpoints=[{"name": "up", "kind": "hosted",
+                                                                       "base_url": api.base_url, "model": "up-model"}]) \
+            as s, httpx.AsyncClient(timeout=30) as client:
+        answer = await post(client, s.root + "/a/cc/v1/messages", messages)
+        assert answer.status == 200
+        await until(lambda: s.of(ev.AgentMeters, "cc"), "the request's meters")
+    turn, = s.of(ev.TurnFinished, "cc")
+    meters, = s.of(ev.AgentMeters, "cc")
+    assert turn.prompt_tokens == meters.prompt_tokens == 11 + 4000 + 1500
+    assert meters.cached_tokens == 4000
+
+
 def _ended_told(s, name: str) -> list[tuple[int, str]]:
     """Each request of session `name` as (attempt, how it ended), asserting each was started once and ended once; the
     console's mirror, fed the same events, has none of them left in flight."""

@@ -18,13 +18,16 @@ def _event(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-def messages_frames(words: tuple[str, ...] = WORDS, *, input_tokens: int = 11) -> list[bytes]:
-    """A streamed Anthropic Messages answer, frame by frame (message_start ... message_stop)."""
+def messages_frames(words: tuple[str, ...] = WORDS, *, input_tokens: int = 11, cache: tuple[int, int] = (0, 0)
+                    ) -> list[bytes]:
+    """A streamed Anthropic Messages answer, frame by frame (message_start ... message_stop). `cache`: the prompt
+    tokens read from the prompt cache and written to it, which Anthropic counts apart from input_tokens."""
     frames = [
         _event("message_start", {"type": "message_start", "message": {
             "id": "msg_01", "type": "message", "role": "assistant", "content": [], "model": "up-model",
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": 1, "cache_read_input_tokens": 0}}}),
+            "usage": {"input_tokens": input_tokens, "output_tokens": 1, "cache_read_input_tokens": cache[0],
+                      "cache_creation_input_tokens": cache[1]}}}),
         _event("content_block_start", {"type": "content_block_start", "index": 0,
                                        "content_block": {"type": "text", "text": ""}}),
         b": ping from the upstream\n\n",
@@ -41,10 +44,12 @@ def messages_frames(words: tuple[str, ...] = WORDS, *, input_tokens: int = 11) -
     return frames
 
 
-def messages_whole(words: tuple[str, ...] = WORDS, *, input_tokens: int = 11) -> dict[str, Any]:
+def messages_whole(words: tuple[str, ...] = WORDS, *, input_tokens: int = 11, cache: tuple[int, int] = (0, 0)
+                   ) -> dict[str, Any]:
     return {"id": "msg_01", "type": "message", "role": "assistant", "model": "up-model",
             "content": [{"type": "text", "text": "".join(words)}], "stop_reason": "end_turn", "stop_sequence": None,
-            "usage": {"input_tokens": input_tokens, "output_tokens": len(words)}}
+            "usage": {"input_tokens": input_tokens, "output_tokens": len(words), "cache_read_input_tokens": cache[0],
+                      "cache_creation_input_tokens": cache[1]}}
 
 
 REASONING = {"type": "reasoning", "id": "rs_01", "summary": [{"type": "summary_text", "text": "Thinking it over."}],
@@ -103,6 +108,7 @@ class FakeApi:
     silent_gets: bool = False  # GET /v1/models (and /health, /metrics) never answered, as on a wedged server
     error_status: int = 0  # every POST answered with this status and an error body, as an overloaded server does
     set_cookie: str = ""  # every answer sets this cookie, as a load balancer in front of a hosted API does
+    cache: tuple[int, int] = (0, 0)  # a messages answer's prompt tokens read from and written to the prompt cache
     hold: asyncio.Event | None = None
     seen: list[Seen] = field(default_factory=list)
     gone: int = 0
@@ -159,14 +165,16 @@ class FakeApi:
             messages = path.endswith("/messages")
             if body.get("stream"):
                 writer.write(http_head(200, "text/event-stream", close))
-                for frame in messages_frames() if messages else responses_frames(reasoning=self.reasoning):
+                frames = messages_frames(cache=self.cache) if messages else responses_frames(reasoning=self.reasoning)
+                for frame in frames:
                     writer.write(chunk(frame))
                     await writer.drain()
                     if self.gap_s:
                         await asyncio.sleep(self.gap_s)
                 writer.write(chunk(b""))
             else:
-                data = json.dumps(messages_whole() if messages else responses_whole(reasoning=self.reasoning)).encode()
+                whole = messages_whole(cache=self.cache) if messages else responses_whole(reasoning=self.reasoning)
+                data = json.dumps(whole).encode()
                 writer.write(http_head(200, "application/json", close, length=len(data)) + data)
             await writer.drain()
             self.finished += 1
