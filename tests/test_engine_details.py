@@ -15,6 +15,7 @@ from cerevisor_tui.config.paths import CONFIG_ENV, find_config
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.sim import SimServer
+from cerevisor_tui.ui.mirror import RunMirror
 from tests.conftest import RawServer, chunk, http_head, until
 
 
@@ -112,9 +113,14 @@ async def test_tokens_that_came_several_to_a_chunk_count_as_the_server_counted_t
         await writer.drain()
 
     engine, seen = await run_one(speculative)
-    chunks = sum(e.tokens for e in seen if e.kind == "TokenDelta")
-    assert chunks == 2  # what the deltas counted
+    deltas = [e for e in seen if e.kind == "TokenDelta"]
+    assert [e.tokens for e in deltas] == [2, 4]  # the two chunks (one read), then the rest the usage said, textless
+    assert "".join(e.text for e in deltas) == "one two three four five six " and not deltas[-1].text
     assert engine.agents["a"].tokens == 6 and engine.agents["a"].completion_tokens == 6
+    mirror = RunMirror()  # what a console shows: the server's count
+    for event in seen:
+        mirror(event)
+    assert mirror.agents["a"].tokens == 6
 
 
 @pytest.mark.anyio

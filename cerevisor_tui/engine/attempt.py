@@ -281,9 +281,12 @@ class Attempts:
         if completion_tokens > att.tokens:
             # tokens the deltas did not count one by one: an answer that came in one piece, several tokens to a chunk
             # (speculative decoding, a hosted API's deltas), reasoning a hosted model keeps to itself. Counted now, as
-            # the server counted them: Auto's throughput windows read these counts
-            st.tokens += completion_tokens - att.tokens
+            # the server counted them, and told as a delta of no text: Auto's throughput windows, the rows and the
+            # live rate all count tokens from here
+            extra = completion_tokens - att.tokens
             att.tokens = completion_tokens
+            st.tokens += extra
+            self._fan_out(ev.TokenDelta(end, st.name, att.number, "", "", "", extra))
         first = att.first_token_at if answer.streamed else None
         ttft = first - att.sent_at if first is not None else None
         figures = self.figures[st.endpoint]
