@@ -133,11 +133,8 @@ def smol_llama(pool: Pool) -> ServerProcess:
     """llama-server serving SmolLM2, 2 slots."""
     # --n-predict: a harness that sends no max_tokens (opencode) is answered in at most 1,024 tokens; SmolLM2 sampled
     # hot sometimes ran on to its context's end (2 slots x 2,700+ tokens at 12 tokens/s in one CI run)
-    # 16,384 tokens a slot: Claude Code's own system prompt (without --bare) is ~8,200 of SmolLM2's tokens, just
-    # past the model's 8,192 (one CI run: "8243 tokens ... exceeds the available context size")
     return pool.get("smol-llama", lambda port: servers.smollm2_llama(port, pool.log_dir, 2,
-                                                                     [*LLAMA_ARGS, "--n-predict", "1024"],
-                                                                     slot_tokens=16384),
+                                                                     [*LLAMA_ARGS, "--n-predict", "1024"]),
                     servers.LLAMA_READY_S)
 
 

