@@ -77,8 +77,8 @@ class Report:
             "name": event.agent, "source": event.source, "harness": event.harness, "api": event.api,
             "endpoint": event.endpoint, **({"key": event.key} if event.key else {}), "status": "active",
             "attempts": 0, "turns": 0, "unanswered": 0, "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None,
-            "duration_s": 0.0, "output_tokens_per_s": None, "stall_warnings": 0, "kills": [], "error": "", "_decode_s": 0.0,
-            "_t_start": None,
+            "duration_s": 0.0, "output_tokens_per_s": None, "stall_warnings": 0, "kills": [], "error": "",
+            "_decode_s": 0.0, "_t_start": None,
         }
 
     def _of(self, agent: str) -> dict[str, Any]:
