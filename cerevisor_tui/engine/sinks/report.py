@@ -65,7 +65,7 @@ class Report:
                     "name": name, "wave": wave, "status": "pending", "attempts": 0, "turns": 0,
                     "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None, "duration_s": 0.0,
                     "output_tokens_per_s": None, "stall_warnings": 0, "error": "", "rerun_reason": "",
-                    "_decode_s": 0.0, "_t_start": None,
+                    "_decode_s": 0.0, "_decoded": 0, "_t_start": None,
                 }
 
     def _on_SessionOpened(self, event: ev.SessionOpened) -> None:
@@ -78,7 +78,7 @@ class Report:
             "endpoint": event.endpoint, **({"key": event.key} if event.key else {}), "status": "active",
             "attempts": 0, "turns": 0, "unanswered": 0, "prompt_tokens": 0, "completion_tokens": 0, "ttft_s": None,
             "duration_s": 0.0, "output_tokens_per_s": None, "stall_warnings": 0, "kills": [], "error": "",
-            "_decode_s": 0.0, "_t_start": None,
+            "_decode_s": 0.0, "_decoded": 0, "_t_start": None,
         }
 
     def _of(self, agent: str) -> dict[str, Any]:
@@ -156,7 +156,7 @@ class Report:
         if a["ttft_s"] is None:
             a["ttft_s"] = round(event.ttft_s, 4)
         a["_decode_s"] += event.duration_s - event.ttft_s
-        a["_decoded"] = a.get("_decoded", 0) + event.completion_tokens
+        a["_decoded"] += event.completion_tokens
         if a["_decode_s"] > 0:
             a["output_tokens_per_s"] = round(a["_decoded"] / a["_decode_s"], 2)
 
