@@ -138,6 +138,19 @@ def smol_llama(pool: Pool) -> ServerProcess:
                     servers.LLAMA_READY_S)
 
 
+@pytest.fixture(scope="session")
+def smol_llama_greedy(pool: Pool) -> ServerProcess:
+    """llama-server serving SmolLM2 greedily to a client that sends no temperature (Claude Code, thinking on).
+
+    SmolLM2 sampled hot ran on to its slot's end on 10-45% of Claude Code's short prompts (whatever the prompt
+    tried); Claude Code then resumes with the whole answer in the prompt, past the slot's 8,192 tokens (HTTP 400, in
+    CI). Greedy, a given prompt is answered the same each time: the Claude Code tests pick prompts measured to end
+    (tests/integration/test_gateway_harnesses.py)."""
+    return pool.get("smol-llama-greedy", lambda port: servers.smollm2_llama(port, pool.log_dir, 2,
+                                                                            [*LLAMA_ARGS, "--temp", "0"]),
+                    servers.LLAMA_READY_S)
+
+
 @pytest.fixture
 def thawed(request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
     """Servers a test freezes; thawed again whatever happens."""

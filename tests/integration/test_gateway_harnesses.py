@@ -64,16 +64,27 @@ class Gateway:
         return found[0]
 
 
-@pytest.fixture(scope="module")
-def gateway(smol_llama: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+def headless_gateway(upstream: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
     run_dir = tmp_path_factory.mktemp("gw") / "run"
-    headless = Headless("--upstream", smol_llama.base_url, "--model", servers.SMOLLM2, "--listen", "127.0.0.1:0",
+    headless = Headless("--upstream", upstream.base_url, "--model", servers.SMOLLM2, "--listen", "127.0.0.1:0",
                         "--run-dir", str(run_dir))
     try:
         yield Gateway(headless, run_dir)
     finally:
         code, err = headless.end()
         assert code == 0, err
+
+
+@pytest.fixture(scope="module")
+def gateway(smol_llama: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    yield from headless_gateway(smol_llama, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def claude_gateway(smol_llama_greedy: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
+    """In front of SmolLM2 answering greedily: Claude Code sends no temperature, and its prompts below were measured
+    to end there (for 366 dates in a row, the one thing in them that changes from run to run)."""
+    yield from headless_gateway(smol_llama_greedy, tmp_path_factory)
 
 
 def harness_python(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -137,21 +148,31 @@ def node_harness(name: str, args: list[str], env: dict[str, str], cwd: Path, tim
                           env={**os.environ, "HOME": str(cwd), **env}, stdin=subprocess.DEVNULL)
 
 
-def test_claude_code_through_the_gateway(gateway: Gateway, tmp_path: Path):
+# Claude Code resumes an answer that ends at its output cap, the answer in the prompt, and fails the turn after three
+# ("response exceeded the N output token maximum"): the cap keeps a rambling answer's resumes within SmolLM2's 8,192
+# tokens and the failure quick. Its prompt carries today's date and a hash of the prompt, so a greedy answer is the
+# same all day but not from day to day: these prompts ended within 13 tokens for each of 200 dates and hashes tried
+# (SmolLM2 sampled hot ran past 300 tokens on 10-45% of the prompts tried, whatever the prompt).
+CLAUDE_ENV = {"ANTHROPIC_API_KEY": "unused-client-key", "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
+              "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
+CLAUDE_QUESTION = "What colour is grass? Answer with one word."
+
+
+def test_claude_code_through_the_gateway(claude_gateway: Gateway, tmp_path: Path):
     """Its row is named by its path label (README: ANTHROPIC_BASE_URL=…/a/NAME), its own session id kept beside it;
     a side request it sends while its turn streams is a request of that one row, shown apart from the turn."""
+    gateway = claude_gateway
     root = gateway.url.removesuffix("/v1")
-    proc = node_harness("claude", ["-p", "Name three colours.", "--bare", "--tools", "", "--system-prompt",
-                                   "You are a terse assistant.", "--model", "claude-sonnet-4-5"],
-                        {"ANTHROPIC_BASE_URL": root + "/a/claude-1", "ANTHROPIC_API_KEY": "unused-client-key",
-                         "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-                         "DISABLE_AUTOUPDATER": "1"}, tmp_path)
+    proc = node_harness("claude", ["-p", CLAUDE_QUESTION, "--bare", "--tools", "", "--system-prompt",
+                                   "Answer with one word.", "--model", "claude-sonnet-4-5"],
+                        {**CLAUDE_ENV, "ANTHROPIC_BASE_URL": root + "/a/claude-1",
+                         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}, tmp_path)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert proc.stdout.strip()
     opened = gateway.session("claude-1")
     assert opened["source"] == "path" and opened["harness"].startswith("claude-code") and opened["api"] == "messages"
     assert opened["own_id"], opened  # Claude Code's own session id, beside the row
-    assert "Name three colours" in opened["topic"], opened
+    assert "What colour is grass" in opened["topic"], opened
     started = [e for e in gateway.events("AgentStarted") if e["agent"] == "claude-1"]
     assert started and {e["model_sent"] for e in started} == {servers.SMOLLM2}
     assert_requests_apart(gateway, "claude-1")
@@ -181,18 +202,13 @@ def assert_requests_apart(gateway: Gateway, name: str) -> int:
     return overlapped
 
 
-def test_claude_codes_side_request_shows_apart_from_its_turn(gateway: Gateway, tmp_path: Path):
+def test_claude_codes_side_request_shows_apart_from_its_turn(claude_gateway: Gateway, tmp_path: Path):
     """Without --bare, Claude Code (2.1) asks for its session's title in a side request while its turn goes: two
     requests of one row in flight, the row counting both (`×2`) and each ended on its own."""
+    gateway = claude_gateway
     root = gateway.url.removesuffix("/v1")
-    # Claude Code fails a turn that ends at its output cap ("response exceeded the N output token maximum"):
-    # SmolLM2 sampled at Claude's temperature sometimes ran past 64 tokens; asked for one line, it ends well
-    # within 512
-    proc = node_harness("claude", ["-p", "Name three colours, in one line.", "--tools", "", "--model",
-                                   "claude-sonnet-4-5"],
-                        {"ANTHROPIC_BASE_URL": root + "/a/claude-2", "ANTHROPIC_API_KEY": "unused-client-key",
-                         "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "512"},
-                        tmp_path)
+    proc = node_harness("claude", ["-p", CLAUDE_QUESTION, "--tools", "", "--model", "claude-sonnet-4-5"],
+                        {**CLAUDE_ENV, "ANTHROPIC_BASE_URL": root + "/a/claude-2"}, tmp_path)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     assert gateway.session("claude-2")["source"] == "path"
     assert assert_requests_apart(gateway, "claude-2") > 0  # the side request overlapped the turn
