@@ -131,8 +131,9 @@ def smol_vllm(pool: Pool) -> ServerProcess:
 @pytest.fixture(scope="session")
 def smol_llama(pool: Pool) -> ServerProcess:
     """llama-server serving SmolLM2, 2 slots."""
-    # --n-predict: a harness that sends no max_tokens (opencode) is answered in at most 1,024 tokens; SmolLM2 sampled
-    # hot sometimes ran on to its context's end (2 slots x 2,700+ tokens at 12 tokens/s in one CI run)
+    # --n-predict: a harness that sends no max_tokens is answered in at most 1,024 tokens; SmolLM2 sampled hot sometimes
+    # runs on to its context's end (2 slots x 2,700+ tokens at 12 tokens/s in one CI run). A request's own max_tokens
+    # overrides it: opencode and Claude Code send 32,000, so their tests set their own cap
     return pool.get("smol-llama", lambda port: servers.smollm2_llama(port, pool.log_dir, 2,
                                                                      [*LLAMA_ARGS, "--n-predict", "1024"]),
                     servers.LLAMA_READY_S)

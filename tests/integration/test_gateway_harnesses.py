@@ -235,7 +235,9 @@ def test_opencode_through_the_gateway(gateway: Gateway, tmp_path: Path):
     config = {"$schema": "https://opencode.ai/config.json", "model": "cerevisor/qwen3-coder",
               "provider": {"cerevisor": {"npm": "@ai-sdk/openai-compatible", "name": "cerevisor gateway",
                                          "options": {"baseURL": gateway.url.replace("/v1", "/a/opencode-1/v1")},
-                                         "models": {"qwen3-coder": {}}}}}
+                                         "models": {"qwen3-coder": {"limit": {"context": 8192, "output": 512}}}}}}
+    # limit.output is the max_tokens it sends (32,000 without it, past llama-server's --n-predict): SmolLM2 sampled hot
+    # once ran on to its slot's end, 5,979 tokens in 509 s of a 600 s timeout
     (tmp_path / "opencode.json").write_text(json.dumps(config))
     # named outright: run from pytest's temp dir, opencode read no opencode.json from its working directory
     proc = node_harness("opencode", ["run", "Name three colours."],
