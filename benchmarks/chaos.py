@@ -468,9 +468,20 @@ class Soak:
         except TimeoutError:
             outcome = "FAILED: no event within 20 s"
         finally:
+            # a hang-up is one way a console ends, unless this soak runs under nohup: its consoles inherit the
+            # ignored SIGHUP, and one sent would wait for ever on a console that, blocked on a full pipe, lives on
+            ends = [signal.SIGKILL, signal.SIGTERM]
+            if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+                ends.append(signal.SIGHUP)
+            sent = self.rng.choice(ends)
             with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(self.rng.choice([signal.SIGKILL, signal.SIGTERM, signal.SIGHUP]))
-            await proc.wait()
+                proc.send_signal(sent)
+            try:
+                await asyncio.wait_for(proc.wait(), 20)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+                outcome = f"FAILED: still running 20 s after {sent.name}"
         return outcome
 
     async def fault_mcp(self, rnd: Round) -> str:
