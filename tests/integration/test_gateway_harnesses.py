@@ -82,8 +82,7 @@ def gateway(smol_llama: ServerProcess, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture(scope="module")
 def claude_gateway(smol_llama_greedy: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    """In front of SmolLM2 answering greedily: Claude Code sends no temperature, and its prompts below were measured
-    to end there (for 366 dates in a row, the one thing in them that changes from run to run)."""
+    """In front of SmolLM2 answering greedily: Claude Code sends no temperature (CLAUDE_QUESTION below says why)."""
     yield from headless_gateway(smol_llama_greedy, tmp_path_factory)
 
 
@@ -151,7 +150,8 @@ def node_harness(name: str, args: list[str], env: dict[str, str], cwd: Path, tim
 # Claude Code resumes an answer that ends at its output cap, the answer in the prompt, and fails the turn after three
 # ("response exceeded the N output token maximum"): the cap keeps a rambling answer's resumes within SmolLM2's 8,192
 # tokens and the failure quick. Its prompt carries today's date and a hash of the prompt, so a greedy answer is the
-# same all day but not from day to day: these prompts ended within 13 tokens for each of 200 dates and hashes tried
+# same all day but not from day to day: this question ended within 13 tokens for each of 200 dates and hashes tried
+# with --bare, and within 9 for 12 of 12 dates and working directories with Claude Code's full system prompt
 # (SmolLM2 sampled hot ran past 300 tokens on 10-45% of the prompts tried, whatever the prompt).
 CLAUDE_ENV = {"ANTHROPIC_API_KEY": "unused-client-key", "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1",
               "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "256"}
