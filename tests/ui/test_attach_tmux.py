@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,20 +46,26 @@ def attach(tmp_path: Path, run_dir: Path) -> Terminal:
 
 
 def test_an_ssh_drop_is_a_detach_and_a_new_console_shows_the_whole_run(tmp_path: Path):
-    run_dir = detached_run(tmp_path, tokens_per_s=40.0)  # two waves of 5 s: still streaming when the second attaches
+    # 6 agents, 2 at a time, 5 s each. The first console pauses admissions before it drops, so however slow the
+    # host, agents are still queued when the second console attaches, and the run goes on only when it resumes.
+    run_dir = detached_run(tmp_path, agents=6, tokens_per_s=40.0)
     first = attach(tmp_path, run_dir)
     second = None
     try:
         first.wait(lambda s: "streaming" in s, 15.0, "agents streaming in the first console")
+        first.keys("p")
+        first.wait(lambda s: "PAUSED" in s, 10.0, "the pause in the first console")
         first.close()  # the terminal is gone, as with an SSH drop: the console detaches, the run goes on
         second = attach(tmp_path, run_dir)
-        # the new console shows the run from its start: the first agents' answers and the ones still streaming
-        second.wait(lambda s: "streaming" in s and "agent0" in s and "agent3" in s, 15.0, "the run in a new console")
+        # the new console shows the run from its start, paused as the first console left it, agents still queued
+        second.wait(lambda s: "PAUSED" in s and "agent0" in s and re.search(r"\b[1-9] queued", s) is not None, 15.0,
+                    "the run in a new console")
+        second.keys("p")  # resumed from the new console: the queued agents run
         screen = second.wait(lambda s: "FINISHED" in s, 60.0, "the run to finish")
-        assert "4 done" in screen
+        assert "6 done" in screen
         assert "SIMULATED" in screen.splitlines()[0]  # the run's own endpoints say so: attach has no config
         finished = {e["agent"]: e["status"] for e in journal(run_dir) if e["event"] == "AgentFinished"}
-        assert finished == {f"agent{i}": "completed" for i in range(4)}  # nothing was cancelled by the drop
+        assert finished == {f"agent{i}": "completed" for i in range(6)}  # nothing was cancelled by the drop
     finally:
         first.close()
         if second is not None:
