@@ -99,6 +99,48 @@ async def test_cost_per_agent_and_run_and_a_budget_that_pauses_admissions():
 
 
 @pytest.mark.anyio
+async def test_an_attempt_killed_after_its_first_tokens_costs_its_prompt_and_what_it_streamed():
+    """A hosted API bills a request it had begun to answer, however it ended: the operator's kill after a few
+    tokens counts the prompt (its characters at the endpoint's tokens per character, 0.25 before any usage was
+    measured) and the tokens streamed, for the agent, the run and the budget; a request killed before its first
+    token counts nothing (the server may not have begun it)."""
+    prompt = "p" * 400
+    async with SimServer(SimSettings(tokens_per_s=50, ttft_s=0.0)) as srv, \
+            SimServer(SimSettings(tokens_per_s=50, ttft_s=30.0)) as silent:
+        engine = Engine(validate({
+            "run": {"budget_usd": 10_000.0, "mode": "parallel", "max_concurrency": 2},
+            "endpoints": [{"name": "e", "base_url": srv.base_url, "kind": "local",
+                           "price_in_per_mtok": 1e6, "price_out_per_mtok": 2e6},
+                          {"name": "quiet", "base_url": silent.base_url, "kind": "local",
+                           "price_in_per_mtok": 1e6, "price_out_per_mtok": 2e6}],
+            "agents": [{"name": "a", "endpoint": "e", "prompt": prompt, "max_tokens": 500, "retries": 0},
+                       {"name": "b", "endpoint": "quiet", "prompt": prompt, "max_tokens": 500, "retries": 0}]}))
+        seen: list = []
+        deltas = {"a": 0}
+
+        def watch(event) -> None:
+            seen.append(event)
+            if event.kind == "TokenDelta" and event.agent == "a":
+                deltas["a"] += 1
+                if deltas["a"] == 3:  # b has waited for its first token since it started beside a
+                    engine.handle(cmd.Kill(agent="a", reason="enough"))
+                    engine.handle(cmd.Kill(agent="b", reason="enough"))
+
+        engine.subscribe(watch)
+        assert await engine.run() == 1
+    killed = {e.agent: e for e in seen if e.kind == "AgentKilled"}
+    assert killed["a"].tokens >= 3 and killed["b"].tokens == 0
+    [m] = meters(seen, "a")
+    assert m.cost_usd == round(400 * 0.25) * 1 + killed["a"].tokens * 2 == m.run_cost_usd
+    assert m.prompt_tokens == 0  # no usage came: the estimate prices it and counts as no server's figure
+    assert meters(seen, "b") == [] and engine.agents["b"].cost_usd == 0
+    assert engine.budget.spent_usd == m.cost_usd == engine.agents["a"].cost_usd
+    report = engine.report.to_dict()
+    assert report["totals"]["cost_usd"] == pytest.approx(m.cost_usd)
+    assert next(a for a in report["agents"] if a["name"] == "a")["cost_usd"] == pytest.approx(m.cost_usd)
+
+
+@pytest.mark.anyio
 async def test_a_resumed_run_counts_what_it_spent_before_toward_its_budget(tmp_path):
     """The budget is the run's, across --resume: the journal's last run_cost_usd is where the resumed run
     counts on from (it used to start again at 0 and spend the budget a second time)."""

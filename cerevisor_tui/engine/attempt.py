@@ -133,13 +133,13 @@ class Attempts:
         st.cost_usd = cost_usd
 
     def begin(self, st: AgentState, number: int, request_id: str, *, turns: int, step: int = 0,
-              queued_s: float = 0.0, model_asked: str = "", model_sent: str = "") -> Attempt:
+              queued_s: float = 0.0, model_asked: str = "", model_sent: str = "", prompt_chars: int = 0) -> Attempt:
         """A request of `st` goes out now: its attempt, under the endpoint's first-byte deadline, told as
-        AgentStarted."""
+        AgentStarted. `prompt_chars`: its prompt's characters, to price it if it ends without the server's usage."""
         policy = self.policies[st.endpoint]
         now = self.now()
         att = Attempt(number, st.turn, sent_at=now, last_alive=now, deadline_at=now + policy.first_byte_timeout_s,
-                      request_id=request_id)
+                      request_id=request_id, prompt_chars=prompt_chars)
         if self.scrub:  # an echoed key may be split across deltas: each field's tail is held back (StreamScrubber)
             att.held = (self.scrub.stream(), self.scrub.stream(), self.scrub.stream())
         st.current = att
@@ -318,11 +318,13 @@ class Attempts:
 
     def ended(self, st: AgentState, att: Attempt, answer: str, thinking: str = "") -> None:
         """The attempt ended without its whole answer (killed, broken off, cancelled, its client gone): what it
-        had said is recorded as partial, and a kill (not a restart) is told as AgentKilled; a session's request
-        that ended otherwise, as a TurnFinished whose finish reason says why (`Attempt.unanswered`)."""
+        had said is recorded as partial, what it cost is counted, and a kill (not a restart) is told as
+        AgentKilled; a session's request that ended otherwise, as a TurnFinished whose finish reason says why
+        (`Attempt.unanswered`)."""
         if answer or thinking:
             self.emit(ev.MessageRecorded(self.now(), st.name, att.number, att.turn, "assistant", answer, thinking,
                                          partial=True))
+        self._meter_unanswered(st, att)
         now = self.now()
         if att.kill_reason and att.kill_deadline is not None and not att.restart:
             self.emit(ev.AgentKilled(now, st.name, att.number, att.kill_deadline, att.kill_reason, att.tokens))
@@ -356,8 +358,25 @@ class Attempts:
                            f"{limit:,}, and the server will refuse it")
             elif fill >= CONTEXT_WARN_FILL:
                 warning = f"context {fill:.0%} full ({st.context_tokens:,} of {limit:,} tokens)"
+        st.max_model_len, st.meter_warning = limit, warning
         self.emit(ev.AgentMeters(self.now(), st.name, st.turn, prompt_tokens, cached, st.context_tokens, limit,
                                  round(st.cost_usd, 6), round(self.budget.spent_usd, 6), warning))
+
+    def _meter_unanswered(self, st: AgentState, att: Attempt) -> None:
+        """An attempt that ended without its answer on a priced endpoint, after its first tokens, cost its prompt
+        and the tokens it streamed (a hosted API bills a request it had begun to answer, however it ended): counted
+        against the agent and the budget, its prompt as the endpoint's measured tokens per character make it (no
+        usage came), and told in AgentMeters that keep the agent's other meters as they were."""
+        if not att.tokens:
+            return
+        prompt_tokens = round(att.prompt_chars * self.figures[st.endpoint].tokens_per_char())
+        cost = self.endpoints[st.endpoint].cost_usd(prompt_tokens, att.tokens)
+        if not cost:
+            return
+        st.cost_usd += cost
+        self.budget.add(cost)
+        self.emit(ev.AgentMeters(self.now(), st.name, att.turn, 0, None, st.context_tokens, st.max_model_len,
+                                 round(st.cost_usd, 6), round(self.budget.spent_usd, 6), st.meter_warning))
 
     # ---- helpers -------------------------------------------------------------------------------------------
     def _first(self, st: AgentState, att: Attempt, now: float) -> None:

@@ -251,7 +251,8 @@ class Conversations:
     async def _attempt(self, st: AgentState, messages: list[dict[str, Any]], number: int) -> str:
         policy = self.policies[st.endpoint]
         att = self.attempts.begin(st, number, request_id(self.request_prefix, header_value(st.name), st.turn, number),
-                                  turns=st.turns, step=st.step if st.toolset is not None else 0)
+                                  turns=st.turns, step=st.step if st.toolset is not None else 0,
+                                  prompt_chars=_chars(messages))
         error: EndpointError | None = None
         stream: ChatStream | RemoteStream | None = None
         with anyio.CancelScope() as scope:

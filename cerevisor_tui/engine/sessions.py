@@ -210,7 +210,7 @@ class Sessions:
 
     @asynccontextmanager
     async def request(self, session: Session, group: anyio.abc.TaskGroup, *, model_asked: str = "",
-                      model_sent: str = "") -> AsyncIterator[Attempt]:
+                      model_sent: str = "", prompt_chars: int = 0) -> AsyncIterator[Attempt]:
         """One request of `session`: waits for the session's slot (queued), then yields its attempt, watched
         by the run's watchdog from now on (the first-byte deadline runs from here: time queued is not
         silence), a task in the caller's `group` until the attempt ends (one task group a request, not two). The
@@ -252,7 +252,8 @@ class Sessions:
         number = st.attempts
         policy = self.policies[st.endpoint]
         att = self.attempts.begin(st, number, f"{self.request_prefix}.{st.name}.r{number}", turns=0,
-                               queued_s=clock.now() - queued_at, model_asked=model_asked, model_sent=model_sent)
+                               queued_s=clock.now() - queued_at, model_asked=model_asked, model_sent=model_sent,
+                               prompt_chars=prompt_chars)
         if session.in_flight:  # the row goes on describing its oldest request (a harness's main turn), not a side one
             main = st.current = next(iter(session.in_flight.values()))
             move(st, "token" if main.first_token_at is not None else "sent")

@@ -67,6 +67,8 @@ class AgentState:
     cached_tokens: int = 0
     context_tokens: int = 0
     cost_usd: float = 0.0
+    max_model_len: int = 0  # as its last meters told it (0: unknown), with their warning: a later meter keeps them
+    meter_warning: str = ""
     # with tools: what it is offered (a Toolset), the step of the turn's tool loop, the last answer's tool calls
     toolset: Any = None
     step: int = 0
@@ -116,6 +118,7 @@ class Attempt:
     # 500"), told as its TurnFinished's finish reason (engine/attempt.py `ended`)
     unanswered: str = ""
     request_id: str = ""  # the X-Request-Id its request carries (a gateway session's; a workflow's is computed)
+    prompt_chars: int = 0  # its prompt's characters: what an attempt ended without its usage is priced from
     stream: Reader | None = None  # its response as it is read: when its last byte came (and how to drop it)
     prefill: Prefill | None = None  # its prompt's prefill as the server tells it (prompt_progress), before a token
     estimate: PrefillEstimate | None = None  # or, where the server tells nothing, as its measured rate projects it

@@ -235,7 +235,7 @@ class Exchange:
         self._record_inputs(session)
         try:
             async with e.sessions.request(session, group, model_asked=self.model_asked,
-                                          model_sent=self.model_sent) as att:
+                                          model_sent=self.model_sent, prompt_chars=self.prompt_chars) as att:
                 self.attempt = att
                 self._tell_inputs(session, att)
                 with anyio.CancelScope() as att.scope:

@@ -121,9 +121,13 @@ async def test_an_answer_that_came_in_one_piece_gives_no_ttft_nor_decode_rate_to
 
 async def test_a_session_whose_request_was_killed_ends_killed_and_a_clean_one_carries_no_error():
     # the simulator stops after two tokens: a request for six stalls past its idle deadline, one for two completes
+    # At $1 a prompt token and $2 a completion token, the killed request costs as an agent's would: its prompt, at
+    # the tokens per character measured on nothing yet (0.25), and the two tokens it streamed
     async with served(sim={"stall_after_tokens": 2}, stall={"idle_timeout_s": 0.5,
                                                           "extend_when_server_busy": False}) as s, \
             httpx.AsyncClient(timeout=30) as client:
+        ep = s.engine.endpoints["sim"]
+        ep.price_in_per_mtok, ep.price_out_per_mtok = 1_000_000.0, 2_000_000.0
         killed = await post(client, s.url + "/chat/completions", chat("stalls", max_tokens=6),
                             headers={"X-Session-ID": "k"})
         assert killed.status == 200 and b"idle deadline" in killed.raw  # an error event after its first tokens
@@ -139,6 +143,10 @@ async def test_a_session_whose_request_was_killed_ends_killed_and_a_clean_one_ca
     sessions = {entry["name"]: entry for entry in s.engine.report.to_dict()["sessions"]}
     assert sessions["k"]["status"] == "killed" and sessions["k"]["kills"][0]["deadline"] == "idle"
     assert sessions["ok"]["status"] == "ended" and sessions["ok"]["error"] == ""
+    [kill] = s.of(ev.AgentKilled, "k")
+    [meter] = s.of(ev.AgentMeters, "k")
+    assert kill.tokens == 2 and meter.cost_usd == round(len("stalls") * 0.25) + 2 * 2
+    assert sessions["k"]["cost_usd"] == pytest.approx(meter.cost_usd)
 
 
 @pytest.mark.parametrize("path", ["/messages", "/responses"])
