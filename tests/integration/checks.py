@@ -129,6 +129,7 @@ class RanToItsEnd:
     def __init__(self, *servers: ServerProcess) -> None:
         self.servers = servers
         self.before = self._figures()
+        self.generated_before = self.generated_tokens()
         self.sent_at = self.killed_at = 0.0
         self.finished = self.latency_s = self.first_token_s = 0.0
 
@@ -139,6 +140,10 @@ class RanToItsEnd:
         return (total("vllm:request_success_total", finished_reason="length"),
                 total("vllm:e2e_request_latency_seconds_sum"),
                 total("vllm:request_queue_time_seconds_sum") + total("vllm:request_prefill_time_seconds_sum"))
+
+    def generated_tokens(self) -> float:
+        """The servers' output tokens so far (since this was made: less `generated_before`)."""
+        return sum(s.metric("vllm:generation_tokens_total") for s in self.servers)
 
     async def why_vllm_could_not_act(self) -> str:
         """Once the servers run nothing (the request ended, by its abort or its length): why vLLM could not have
@@ -164,3 +169,39 @@ class RanToItsEnd:
         return (f"kill {self.killed_at - self.sent_at:.3f} s after sending; requests that ran to their length: "
                 f"{self.finished:.0f}, their first token made {self.first_token_s:.3f} s and their end "
                 f"{self.latency_s:.3f} s after they came")
+
+
+KILL_TRIES = 3
+
+
+async def killed_where_vllm_could_act(servers: tuple[ServerProcess, ...], config: dict[str, Any], *,
+                                      stream_process: bool = False) -> tuple[Engine, list[Any], RanToItsEnd]:
+    """A run of `config`'s one agent, killed by the operator at its first token; tried again (up to KILL_TRIES runs)
+    while the kill landed where vLLM could not act on it (RanToItsEnd), the test skipped with each reason if none
+    did. Returns the run whose kill vLLM could act on, its events and its figures, once `servers` run nothing."""
+    import pytest
+
+    from cerevisor_tui.contract import commands as cmd
+
+    could_not: list[str] = []
+    for _ in range(KILL_TRIES):
+        engine = engine_for(config, stream_process=stream_process)
+        agent = engine.config.agents[0].name
+        ran_out = RanToItsEnd(*servers)
+
+        def on_event(event: Any, engine: Engine = engine, ran_out: RanToItsEnd = ran_out) -> None:
+            if event.kind == "AgentStarted":
+                ran_out.sent_at = event.t
+            elif event.kind == "TokenDelta" and not ran_out.killed_at:  # at once: vLLM may run well ahead
+                ran_out.killed_at = time.monotonic()
+                engine.handle(cmd.Kill(agent=agent, reason="killed by the test"))
+
+        code, seen = await run_engine(engine, on_event)
+        assert code == 1, [e for e in seen if e.kind in ("AgentKilled", "AgentFinished")]
+        killed = [e for e in seen if e.kind == "AgentKilled"]
+        assert len(killed) == 1 and killed[0].deadline == "operator" and killed[0].reason == "killed by the test"
+        why = await ran_out.why_vllm_could_not_act()
+        if not why:
+            return engine, seen, ran_out
+        could_not.append(why)
+    pytest.skip("; ".join(could_not))

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
 
-from cerevisor_tui.contract import commands as cmd
 from tests.conftest import until
 from tests.integration import servers
-from tests.integration.checks import RanToItsEnd, engine_for, run_engine
+from tests.integration.checks import engine_for, killed_where_vllm_could_act, run_engine
 from tests.integration.conftest import Pool
 from tests.integration.servers import MODEL, ServerProcess
 from tests.integration.usage_proxy import UsageProxy
@@ -141,46 +139,21 @@ async def test_every_turn_of_an_agent_reaches_one_worker_through_the_router(rout
 
 @pytest.mark.anyio
 async def test_a_kill_through_the_router_aborts_the_request_on_its_worker(router: ServerProcess, replicas):
-    """Up to three kills, until one lands where the worker could act on it (RanToItsEnd: on a loaded host vLLM's API
-    server may be seconds behind its engine)."""
-    could_not: list[str] = []
-    for _ in range(3):
-        engine = engine_for({
-            "endpoints": [{"name": "fleet", "base_url": router.base_url, "kind": "local", "model": MODEL,
-                           "metrics_urls": [r.root_url for r in replicas]}],
-            "agents": [{"name": "long", "prompt": "Write a very long story.", "max_tokens": 1900, "retries": 0}],
-        })
-        ran_out = RanToItsEnd(*replicas)
-
-        def on_event(event, engine=engine, ran_out=ran_out) -> None:
-            if event.kind == "AgentStarted":
-                ran_out.sent_at = event.t
-            elif event.kind == "TokenDelta" and not ran_out.killed_at:
-                ran_out.killed_at = time.monotonic()
-                engine.handle(cmd.Kill(agent="long", reason="killed by the test"))
-
-        code, seen = await run_engine(engine, on_event)
-        assert code == 1
-        killed = [e for e in seen if e.kind == "AgentKilled"]
-        assert len(killed) == 1 and killed[0].deadline == "operator"
-        rid = next(e.request_id for e in seen if e.kind == "AgentStarted")
-        worker = received_by(replicas, [rid])[rid]
-        assert len(worker) == 1, f"request {rid} reached {worker}"
-        replica = next(r for r in replicas if r.name == worker[0])
-        why = await ran_out.why_vllm_could_not_act()
-        if why:
-            could_not.append(why)
-            continue
-        aborted = f"Request chatcmpl-{rid} aborted"
-        await until(lambda: aborted in replica.log_text(),
-                    lambda: f"{replica.name} to log the abort ({aborted!r}; {ran_out}):\n{replica.log_tail()}",
-                    timeout=30, interval=0.2)
-        await until(lambda: all(r.metric("vllm:num_requests_running") == 0 for r in replicas),
-                    "the replicas to run nothing", timeout=30, interval=0.2)
-        assert not re.search(rf"Request chatcmpl-{re.escape(rid)} aborted",
-                             next(r for r in replicas if r is not replica).log_text())
-        return
-    pytest.skip("; ".join(could_not))
+    _, seen, ran_out = await killed_where_vllm_could_act(replicas, {
+        "endpoints": [{"name": "fleet", "base_url": router.base_url, "kind": "local", "model": MODEL,
+                       "metrics_urls": [r.root_url for r in replicas]}],
+        "agents": [{"name": "long", "prompt": "Write a very long story.", "max_tokens": 1900, "retries": 0}],
+    })
+    rid = next(e.request_id for e in seen if e.kind == "AgentStarted")
+    worker = received_by(replicas, [rid])[rid]
+    assert len(worker) == 1, f"request {rid} reached {worker}"
+    replica = next(r for r in replicas if r.name == worker[0])
+    aborted = f"Request chatcmpl-{rid} aborted"
+    await until(lambda: aborted in replica.log_text(),
+                lambda: f"{replica.name} to log the abort ({aborted!r}; {ran_out}):\n{replica.log_tail()}",
+                timeout=30, interval=0.2)
+    assert not re.search(rf"Request chatcmpl-{re.escape(rid)} aborted",
+                         next(r for r in replicas if r is not replica).log_text())
 
 def pool_config(replicas: tuple[ServerProcess, ...], *, max_tokens: int, retries: int = 0) -> dict:
     return {
