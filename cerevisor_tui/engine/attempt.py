@@ -338,10 +338,8 @@ class Attempts:
         if cached is not None:
             st.cached_tokens += cached
         st.context_tokens = prompt_tokens + completion_tokens
-        cost = ep.cost_usd(prompt_tokens, completion_tokens)
-        st.cost_usd += cost
         # counted before the context limit is asked (which may take a moment): a request beside it sees the spend
-        self.budget.add(cost)
+        self._charge(st, prompt_tokens, completion_tokens)
         limit = 0
         if limit_wait_s is None:
             limit = await self.context_limit(ep)
@@ -370,15 +368,19 @@ class Attempts:
         if not att.tokens:
             return
         prompt_tokens = round(att.prompt_chars * self.figures[st.endpoint].tokens_per_char())
-        cost = self.endpoints[st.endpoint].cost_usd(prompt_tokens, att.tokens)
-        if not cost:
+        if not self._charge(st, prompt_tokens, att.tokens):
             return
-        st.cost_usd += cost
-        self.budget.add(cost)
         self.emit(ev.AgentMeters(self.now(), st.name, att.turn, 0, None, st.context_tokens, st.max_model_len,
                                  round(st.cost_usd, 6), round(self.budget.spent_usd, 6), st.meter_warning))
 
     # ---- helpers -------------------------------------------------------------------------------------------
+    def _charge(self, st: AgentState, prompt_tokens: int, completion_tokens: int) -> float:
+        """What the tokens cost at the agent's endpoint's prices, counted for the agent and against the budget."""
+        cost = self.endpoints[st.endpoint].cost_usd(prompt_tokens, completion_tokens)
+        st.cost_usd += cost
+        self.budget.add(cost)
+        return cost
+
     def _first(self, st: AgentState, att: Attempt, now: float) -> None:
         att.first_token_at = now
         ttft = now - att.sent_at
