@@ -323,12 +323,16 @@ class RawServer:
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readuntil(b"\r\n\r\n")
+    return head + await read_body(reader, head)
+
+
+async def read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
+    """The body of the request whose head is `head` (its Content-Length's bytes)."""
     length = 0
     for line in head.split(b"\r\n"):
         if line.lower().startswith(b"content-length:"):
             length = int(line.split(b":", 1)[1])
-    body = await reader.readexactly(length) if length else b""
-    return head + body
+    return await reader.readexactly(length) if length else b""
 
 
 def http_head(status: int, ctype: str, extra: str = "", length: int | None = None) -> bytes:

@@ -19,7 +19,7 @@ import pytest
 from cerevisor_tui.endpoints.client import build_client, is_refused, list_models
 from cerevisor_tui.endpoints.network import AsyncioStream
 from cerevisor_tui.endpoints.transport import AsyncioTransport
-from tests.conftest import RawServer, chunk, free_port, http_head, read_request, until
+from tests.conftest import RawServer, chunk, free_port, http_head, read_body, read_request, until
 
 WORDS = (b"alpha ", b"beta ", b"gamma")
 
@@ -241,18 +241,33 @@ class KeepAlive:
         self.held = 0
         self.release = asyncio.Event()
         self.close_after_answer = False  # the server ends each connection once it has answered
+        # "read": the next request on a connection that has answered one is read and the connection closed
+        # unanswered (a keep-alive that ran out as the request came); "unread": closed without reading it (a reset);
+        # "all": every request, new connections too
+        self.drop_kept: str | None = None
+        self.dropped = 0
 
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.opened += 1
         self.open_now += 1
         self.most_open = max(self.most_open, self.open_now)
+        answered = 0
         try:
             while True:
                 try:
-                    request = await read_request(reader)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    if answered and self.drop_kept == "unread":  # its body left unread: the close is a reset
+                        self.dropped += 1
+                        writer.transport.abort()
+                        return
+                    request = head + await read_body(reader, head)
                 except asyncio.IncompleteReadError:  # the client closed it
                     return
                 self.requests += 1
+                if self.drop_kept == "all" or (answered and self.drop_kept == "read"):
+                    self.dropped += 1
+                    return
+                answered += 1
                 if request.startswith(b"GET /hold"):
                     self.held += 1
                     await self.release.wait()
@@ -350,6 +365,61 @@ async def test_a_connection_the_server_closed_is_not_reused():
             second = await client.get(url)
     assert second.status_code == 200 and second.extensions["network_stream"] is not stream
     assert server.opened == 2
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("drop", ["read", "unread"])
+async def test_a_request_on_a_kept_connection_the_server_closed_unanswered_goes_again_once_on_a_new_one(drop):
+    """The race `has_expired` cannot see: the server closes a kept-alive connection as a request goes out on it
+    (llama-server between a streamed answer and the next request). Nothing came back, so the request is sent
+    again, once, on a new connection, and the caller gets its answer."""
+    server = KeepAlive()
+    async with serving(server) as port, pooled() as client:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        with anyio.fail_after(10):
+            first = await client.post(url, content=b'{"n": 1}')
+            server.drop_kept = drop
+            second = await client.post(url, content=b'{"n": 2}')
+    assert first.status_code == 200 and second.status_code == 200
+    assert second.extensions["network_stream"] is not first.extensions["network_stream"]
+    assert server.dropped == 1 and server.opened == 2
+
+
+@pytest.mark.anyio
+async def test_a_new_connection_closed_unanswered_or_a_second_drop_is_the_callers_error():
+    """Sent again only when the connection had been kept alive, and once: a new connection the server closes
+    unanswered, or a request whose second connection is closed too, is httpx's error to the caller."""
+    server = KeepAlive()
+    async with serving(server) as port, pooled() as client:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        with anyio.fail_after(10):
+            server.drop_kept = "all"
+            with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+                await client.post(url, content=b"{}")
+            assert server.opened == 1 and server.dropped == 1
+            server.drop_kept = None
+            assert (await client.post(url, content=b"{}")).status_code == 200
+            server.drop_kept = "all"  # the kept connection closed unanswered, then the new one too
+            with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+                await client.post(url, content=b"{}")
+    assert server.opened == 3 and server.dropped == 3
+
+
+@pytest.mark.anyio
+async def test_a_body_that_cannot_be_sent_twice_is_not_sent_again():
+    server = KeepAlive()
+
+    async def body():
+        yield b"{}"
+
+    async with serving(server) as port, pooled() as client:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        with anyio.fail_after(10):
+            assert (await client.post(url, content=b"{}")).status_code == 200
+            server.drop_kept = "read"  # (its chunked body left unread: the close may come as a reset)
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
+                await client.post(url, content=body())
+    assert server.opened == 1 and server.dropped == 1
 
 
 @pytest.mark.anyio

@@ -12,7 +12,10 @@ request's start and end (`_assign_requests_to_connections`), so with n streams o
 gateway's 256 streams cost O(n^2); it collapsed there (docs/performance.md: the gateway). `_Pool` keeps, per
 origin, its idle connections most recent last and, over all origins, the order they went idle in: taking,
 returning, expiring and evicting one is O(1). Each connection is httpcore's own `AsyncHTTPConnection`
-(connect, TLS, HTTP/1.1 with h11), so the wire behaviour is httpcore's.
+(connect, TLS, HTTP/1.1 with h11), so the wire behaviour is httpcore's, but for one thing httpcore's pool does
+not do: a request whose kept-alive connection the server closed as it went out, with nothing answered, goes again
+once on a new connection (seen: llama-server closing one between a streamed answer and the next request, which a
+gateway client got as a 503).
 """
 
 from __future__ import annotations
@@ -99,8 +102,10 @@ class _Pool:
             self._ssl_context = httpx.create_ssl_context(trust_env=True)
         return self._ssl_context
 
-    async def acquire(self, origin: _Origin, timeout: float | None) -> httpcore.AsyncHTTPConnection:
-        """A connection for one request to `origin`, held by it until `release`."""
+    async def acquire(self, origin: _Origin, timeout: float | None, *,
+                      new: bool = False) -> tuple[httpcore.AsyncHTTPConnection, bool]:
+        """A connection for one request to `origin`, held by it until `release`, and whether it served a request
+        before (an idle one, kept alive); `new`: not an idle one."""
         if self._slots is not None:
             if self._slots.locked() and timeout is not None:
                 try:  # asyncio.timeout, not wait_for: 3.11's wait_for may lose a cancel that comes as it ends
@@ -112,7 +117,8 @@ class _Pool:
                 await self._slots.acquire()
         try:
             await self._close_expired()
-            connection = await self._idle_connection(origin)
+            connection = None if new else await self._idle_connection(origin)
+            reused = connection is not None
             if connection is None:
                 open_connections = len(self._active) + len(self._idle_order)
                 if self._max_connections is not None and open_connections >= self._max_connections:
@@ -131,7 +137,7 @@ class _Pool:
                 self._slots.release()
             raise
         self._active.add(connection)
-        return connection
+        return connection, reused
 
     async def release(self, connection: httpcore.AsyncHTTPConnection, origin: _Origin) -> None:
         """The request on `connection` is over: keep it for the next one if it can take one, else close it."""
@@ -243,9 +249,23 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
         )
         timeout = request.extensions.get("timeout", {}).get("pool")
         with _as_httpx_exceptions():
-            connection = await self._pool.acquire(origin, timeout)
+            connection, reused = await self._pool.acquire(origin, timeout)
             try:
                 response = await connection.handle_async_request(core_request)
+            except _CLOSED_UNANSWERED as exc:
+                await self._pool.release(connection, origin)  # httpcore closed it: the request did not finish
+                if not (reused and _unanswered(exc) and isinstance(request.stream, httpx.ByteStream)):
+                    raise
+                # a kept-alive connection the server closed as the request went out (its keep-alive ran out,
+                # or it closes after each streamed answer): nothing came back, so the request goes again, once,
+                # on a new connection, as Go's transport does (its errServerClosedIdle); a body that cannot be
+                # sent twice is not
+                connection, _ = await self._pool.acquire(origin, timeout, new=True)
+                try:
+                    response = await connection.handle_async_request(core_request)
+                except BaseException:
+                    await self._pool.release(connection, origin)
+                    raise
             except BaseException:
                 await self._pool.release(connection, origin)  # httpcore closed it: the request did not finish
                 raise
@@ -261,6 +281,15 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         with _as_httpx_exceptions():
             await self._pool.aclose()
+
+
+# what a request meets on a connection the server closed before answering it: the end of the stream with no
+# response (h11's "Server disconnected without sending a response."), or a reset read or write
+_CLOSED_UNANSWERED = (httpcore.RemoteProtocolError, httpcore.ReadError, httpcore.WriteError)
+
+
+def _unanswered(exc: Exception) -> bool:
+    return not isinstance(exc, httpcore.RemoteProtocolError) or "without sending a response" in str(exc)
 
 
 def proxy_mounts(limits: httpx.Limits) -> dict[str, httpx.AsyncBaseTransport | None]:
