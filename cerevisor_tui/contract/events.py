@@ -438,10 +438,14 @@ class EndpointWaiting(Event, frozen=True):
 
 
 class FirstToken(Event, frozen=True):
+    """The answer's first token, `ttft_s` after the request went out; `streamed` False: the first bytes of an answer
+    that comes whole (a gateway client that did not ask to stream), whose time to first token no one can read."""
+
     agent: str
     attempt: int
     turn: int
     ttft_s: float
+    streamed: bool = True
 
 
 class TokenDelta(Event, frozen=True):

@@ -201,7 +201,7 @@ class Attempts:
         now = self.now()
         att.last_alive = now
         if att.first_token_at is None:
-            self._first(st, att, now)
+            self._first(st, att, now, streamed=False)
 
     def keepalive(self, st: AgentState, att: Attempt, *, by_bytes: bool) -> None:
         """An SSE comment or an empty chunk: shown; a sign of life only where the endpoint's liveness is bytes."""
@@ -381,14 +381,16 @@ class Attempts:
         self.budget.add(cost)
         return cost
 
-    def _first(self, st: AgentState, att: Attempt, now: float) -> None:
+    def _first(self, st: AgentState, att: Attempt, now: float, *, streamed: bool = True) -> None:
+        """The answer began: from here the attempt's deadline is its idle one. Unstreamed, its first bytes are no first
+        token: the agent is no longer cold (Auto reads `st.ttft_s`), but no TTFT is shown or printed for it."""
         att.first_token_at = now
         ttft = now - att.sent_at
         if st.ttft_s is None:
             st.ttft_s = ttft
         move(st, "token")
         att.alive.set()
-        self.emit(ev.FirstToken(now, st.name, att.number, att.turn, ttft))
+        self.emit(ev.FirstToken(now, st.name, att.number, att.turn, ttft, streamed))
 
     def _fan_out(self, delta: ev.TokenDelta) -> None:
         for subscriber in self.subscribers:  # as in emit(), without its frame: no subscriber's failure ends the run

@@ -424,7 +424,7 @@ class RunMirror(UiModel):
     def _see_FirstToken(self, e: ev.FirstToken) -> None:
         a = self._agent(e.agent)
         self.inbox.clear(e.agent, "endpoint", "stall", "wedged")
-        if a.ttft_s is None:
+        if a.ttft_s is None and e.streamed:
             a.ttft_s = e.ttft_s
         att = a.attempt_of(e.attempt)
         if att is not None:

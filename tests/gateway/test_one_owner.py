@@ -4,6 +4,7 @@ that life of its own: the budget, the scrubbing of live token events, the figure
 
 from __future__ import annotations
 
+import io
 import json
 
 import httpx
@@ -11,6 +12,8 @@ import msgspec
 import pytest
 
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.sinks.printer import Printer
+from cerevisor_tui.ui.mirror import RunMirror
 from tests.conftest import RawServer, chunk, http_head, sse_chunk, until
 from tests.gateway.conftest import chat, post, served, sim_endpoint
 from tests.secret_echo import EchoServer, leaks, outputs
@@ -198,3 +201,22 @@ async def test_a_llama_servers_timings_give_the_sessions_prompt_tokens_and_fill_
     [turn] = s.of(ev.TurnFinished, "ll")
     assert turn.prompt_tokens == 1200  # computed and cached, as the server counted them
     assert panel[-1].endpoint == "llama" and panel[-1].prefill.count == 1
+
+
+async def test_an_answer_that_came_whole_shows_and_prints_no_time_to_first_token():
+    """A client that did not ask to stream gets its answer whole: its first bytes are the whole answer's, no first
+    token. The headless line says so, and the row's TTFT stays empty; a streamed request's shows as before."""
+    lines = io.StringIO()
+    async with served(sim={}) as s, httpx.AsyncClient(timeout=30) as client:
+        s.engine.subscribe(Printer(lines))
+        mirror = RunMirror()
+        s.engine.subscribe(mirror)
+        whole = await post(client, s.url + "/chat/completions", chat("one", stream=False), headers={"X-Session-ID": "w"})
+        streamed = await post(client, s.url + "/chat/completions", chat("two"), headers={"X-Session-ID": "s"})
+        assert whole.status == 200 and streamed.status == 200
+        await until(lambda: len(s.of(ev.TurnFinished)) == 2, "both answers counted")
+    assert [(e.agent, e.streamed) for e in s.of(ev.FirstToken)] == [("w", False), ("s", True)]
+    assert mirror.agents["w"].ttft_s is None and mirror.agents["s"].ttft_s is not None
+    printed = lines.getvalue()
+    assert "w: answer coming after" in printed and "not streamed: no first-token time" in printed
+    assert "w: first token after" not in printed and "s: first token after" in printed

@@ -185,6 +185,8 @@ class Printer:
 
     @staticmethod
     def _line_FirstToken(e: ev.FirstToken) -> str:
+        if not e.streamed:
+            return f"{e.agent}: answer coming after {e.ttft_s:.2f} s, whole (not streamed: no first-token time)"
         return f"{e.agent}: first token after {e.ttft_s:.2f} s (turn {e.turn})"
 
     @staticmethod
