@@ -249,26 +249,21 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
         )
         timeout = request.extensions.get("timeout", {}).get("pool")
         with _as_httpx_exceptions():
-            connection, reused = await self._pool.acquire(origin, timeout)
-            try:
-                response = await connection.handle_async_request(core_request)
-            except _CLOSED_UNANSWERED as exc:
-                await self._pool.release(connection, origin)  # httpcore closed it: the request did not finish
-                if not (reused and _unanswered(exc) and isinstance(request.stream, httpx.ByteStream)):
-                    raise
-                # a kept-alive connection the server closed as the request went out (its keep-alive ran out,
-                # or it closes after each streamed answer): nothing came back, so the request goes again, once,
-                # on a new connection, as Go's transport does (its errServerClosedIdle); a body that cannot be
-                # sent twice is not
-                connection, _ = await self._pool.acquire(origin, timeout, new=True)
+            for resend in (False, True):
+                connection, reused = await self._pool.acquire(origin, timeout, new=resend)
                 try:
                     response = await connection.handle_async_request(core_request)
-                except BaseException:
-                    await self._pool.release(connection, origin)
-                    raise
-            except BaseException:
-                await self._pool.release(connection, origin)  # httpcore closed it: the request did not finish
-                raise
+                    break
+                except BaseException as exc:
+                    await self._pool.release(connection, origin)  # httpcore closed it: the request did not finish
+                    # a kept-alive connection the server closed as the request went out (its keep-alive ran out, or
+                    # it closes after each streamed answer): nothing came back, so the request goes again, once, on
+                    # a new connection, as Go's transport does (its errServerClosedIdle); a body that cannot be sent
+                    # twice is not
+                    if resend or not (reused and _unanswered(exc) and isinstance(request.stream, httpx.ByteStream)):
+                        raise
+            else:  # (the resend either answered or raised)
+                raise AssertionError("unreachable")
         return httpx.Response(
             status_code=response.status,
             headers=response.headers,
@@ -288,8 +283,10 @@ class AsyncioTransport(httpx.AsyncBaseTransport):
 _CLOSED_UNANSWERED = (httpcore.RemoteProtocolError, httpcore.ReadError, httpcore.WriteError)
 
 
-def _unanswered(exc: Exception) -> bool:
-    return not isinstance(exc, httpcore.RemoteProtocolError) or "without sending a response" in str(exc)
+def _unanswered(exc: BaseException) -> bool:
+    if isinstance(exc, httpcore.RemoteProtocolError):
+        return "without sending a response" in str(exc)
+    return isinstance(exc, _CLOSED_UNANSWERED)
 
 
 def proxy_mounts(limits: httpx.Limits) -> dict[str, httpx.AsyncBaseTransport | None]:
