@@ -242,7 +242,7 @@ class KeepAlive:
         self.release = asyncio.Event()
         self.close_after_answer = False  # the server ends each connection once it has answered
         # "read": the next request on a connection that has answered one is read and the connection closed
-        # unanswered (a keep-alive that ran out as the request came); "unread": closed without reading it (a reset);
+        # unanswered (a keep-alive that ran out as the request came); "unread": closed with its body unread (a reset);
         # "all": every request, new connections too
         self.drop_kept: str | None = None
         self.dropped = 0
