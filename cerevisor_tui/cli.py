@@ -391,13 +391,13 @@ def build_parser(*, sim_options: bool = True) -> argparse.ArgumentParser:
 
 def _add_sim_options(parser: argparse.ArgumentParser) -> None:
     """Flags for every SimSettings field, named after it (--tokens-per-s, --max-num-seqs, ...)."""
-    from cerevisor_tui.config.models import SimSettings
+    from cerevisor_tui.config.models import SimSettings, field_doc
 
     for name, field in SimSettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         kind = _inline_table if isinstance(field.default, dict) else type(field.default)
         parser.add_argument(flag, dest=name, type=kind, default=None, metavar=name.split("_")[-1].upper(),
-                            help=f"{field.description} (default {field.default!r})")
+                            help=f"{field_doc(SimSettings, name)} (default {field.default!r})")
 
 
 def _inline_table(text: str) -> dict:

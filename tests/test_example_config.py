@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from cerevisor_tui.config import models as config_models
 from cerevisor_tui.config import validate
 from cerevisor_tui.config.models import (
     AgentConfig,
@@ -21,6 +22,7 @@ from cerevisor_tui.config.models import (
     StallConfig,
     StallPolicy,
     UiConfig,
+    field_doc,
 )
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "config.example.toml"
@@ -88,9 +90,10 @@ def test_example_run_auto_keys_say_what_they_do():
     """The [run.auto] lines carry the model's own one-line description of each key."""
     auto_text = table_texts(EXAMPLE.read_text(encoding="utf-8"))["run.auto"]
     flat = " ".join(line.lstrip("# ").strip() for line in auto_text.splitlines())
-    for key, info in AutoConfig.model_fields.items():
-        assert info.description
-        first_clause = re.split(r"[;:(]", info.description)[0].strip()
+    for key in AutoConfig.model_fields:
+        doc = field_doc(AutoConfig, key)
+        assert doc
+        first_clause = re.split(r"[;:(]", doc)[0].strip()
         assert first_clause in flat, (key, first_clause)
 
 
@@ -102,3 +105,17 @@ def test_example_gateway_block_shows_each_default():
         line = re.search(rf"^#\s*{key}\s*=\s*(.+?)\s+#", block, re.MULTILINE)
         assert line, key
         assert tomllib.loads(f"v = {line.group(1)}")["v"] == info.default, key
+
+
+def test_every_config_key_has_the_docstring_the_settings_screen_shows():
+    """Each field of each config model carries a one-line docstring, read from the source when it is shown
+    (field_doc), inherited fields included: EndpointConfig's stall keys are StallPolicy's."""
+    models = [value for value in vars(config_models).values()
+              if isinstance(value, type) and issubclass(value, BaseModel) and value.__module__ == config_models.__name__]
+    assert len(models) >= 12
+    for model in models:
+        for key in model.model_fields:
+            assert field_doc(model, key).strip(), f"{model.__name__}.{key} has no docstring"
+    assert field_doc(EndpointConfig, "idle_timeout_s") == field_doc(StallPolicy, "idle_timeout_s") != ""
+    assert field_doc(AutoConfig, "min_cap") == "Auto never sets an endpoint's cap below this."
+    assert field_doc(AutoConfig, "no_such_key") == ""

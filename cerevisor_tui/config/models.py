@@ -2,14 +2,18 @@
 
 Every model forbids unknown keys, so a typo is an error that names the key rather than a setting
 silently ignored. The one-line docstring under each field is the user-facing documentation: the
-settings screen and `config.example.toml` show it.
+settings screen and `config.example.toml` show it (`field_doc`).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import ipaddress
 import json
 import re
+import sys
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -151,8 +155,39 @@ def _is_idn(host: str) -> bool:
 
 class _Section(BaseModel):
     # no inf or nan anywhere: TOML allows them, and a deadline, a speed or a size of inf breaks the arithmetic
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
-                              allow_inf_nan=False)
+    # (not pydantic's use_attribute_docstrings: it reads every class's source as the class is made, ~40 ms of
+    # every process's start, for text only the settings screen and `sim --help` show: field_doc reads it then)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def field_doc(model: type[BaseModel], key: str) -> str:
+    """The docstring under field `key` of a config model (or of the model it inherits the field from), cleaned as
+    a docstring is; "" where it has none."""
+    for cls in model.__mro__:
+        doc = _attribute_docs(cls).get(key)
+        if doc is not None:
+            return doc
+    return ""
+
+
+@functools.cache
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """Each field of a class defined here with the string literal that follows it, read from this file's source."""
+    if cls.__module__ != __name__:
+        return {}
+    node = next((n for n in _source_tree().body if isinstance(n, ast.ClassDef) and n.name == cls.__name__), None)
+    docs: dict[str, str] = {}
+    body = node.body if node is not None else []
+    for field, after in zip(body, body[1:]):
+        if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(after, ast.Expr) \
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+            docs[field.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+@functools.cache
+def _source_tree() -> ast.Module:
+    return ast.parse(inspect.getsource(sys.modules[__name__]))
 
 
 class AutoConfig(_Section):

@@ -34,6 +34,7 @@ from cerevisor_tui.config.models import (
     GatewayConfig,
     RunConfig,
     StallConfig,
+    field_doc,
     resolve_stall,
 )
 from cerevisor_tui.config.paths import user_config_file
@@ -74,7 +75,7 @@ class FieldSpec:
 
     @property
     def help(self) -> str:
-        text = self.model.model_fields[self.key].description or ""
+        text = field_doc(self.model, self.key)
         if (self.section, self.key) in OPTIONAL_EMPTY:
             text += " Empty: the default." if self.section == "stall" else " Empty: the [stall] value."
         if self.section == "gateway":
