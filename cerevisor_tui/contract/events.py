@@ -363,6 +363,15 @@ class AgentQueued(Event, frozen=True):
     wave: int
 
 
+class SessionWaits(Event, frozen=True):
+    """A gateway session's request waits for a slot: the run's admission did not give it one at once (told once a
+    wait, after its AgentQueued). `why` in the operator's words: who holds the slots and when an idle session gives
+    its own back, or the pause, or its endpoint's warm-up."""
+
+    agent: str
+    why: str
+
+
 class GatewayServing(Event, frozen=True):
     """The run serves a gateway (gateway/): where harnesses point their base URL, the models it routes, and its
     model_map (glob -> served model)."""

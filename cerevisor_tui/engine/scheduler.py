@@ -100,12 +100,16 @@ class Scheduler:
         self._pump()
 
     @asynccontextmanager
-    async def slot(self, agent: str, endpoint: str) -> AsyncIterator[str]:
+    async def slot(self, agent: str, endpoint: str, *, on_wait: Callable[[], None] | None = None) \
+            -> AsyncIterator[str]:
         """Hold a running slot for `agent` on `endpoint` (or on a member of the pool it names); waits (FIFO)
-        until admitted, and yields the endpoint the slot is on."""
+        until admitted, and yields the endpoint the slot is on. `on_wait` is called when it is not admitted at once,
+        as it starts to wait."""
         admitted = anyio.Event()
         self._waiters[agent] = (endpoint, admitted)
         self._pump()
+        if on_wait is not None and not admitted.is_set():
+            on_wait()
         try:
             await admitted.wait()
         except BaseException:

@@ -23,6 +23,7 @@ import anyio
 
 from cerevisor_tui.config.models import AgentConfig, Config, ResolvedStall
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.contract.deadlines import fmt_s
 from cerevisor_tui.engine.attempt import Attempts
 from cerevisor_tui.engine.clock import Clock
 from cerevisor_tui.engine.pools import Pools
@@ -281,6 +282,40 @@ class Sessions:
             else:
                 move(st, "token" if st.current.first_token_at is not None else "sent")
 
+    def _wait_reason(self, session: Session, where: str) -> str:
+        """Why `session`'s request waits for a slot on `where` (an endpoint or a pool), as the admission has just
+        left it waiting: a harness held for a minute by another session's idle slot is the gateway's doing, and the
+        operator is told so."""
+        scheduler = self.pools.scheduler
+        members = scheduler.pools.get(where, [where])
+        if scheduler.paused:
+            return "admissions are paused (p resumes them)"
+        if all(member in scheduler.held for member in members):
+            return f"{where} is warming up"
+        full = scheduler.running >= scheduler.effective_cap
+        holders = [name for name, at in scheduler.holding.items() if full or at in members]
+        now = self.clock.now()
+        shown = []
+        for name in holders[:3]:
+            other = self.by_name.get(name)
+            if other is None:
+                shown.append(name)  # a workflow agent
+            elif other.in_flight or other.queued:
+                shown.append(f"{name} asking")
+            else:
+                shown.append(f"{name} idle {now - other.last_end:.0f} s")
+        more = f" and {len(holders) - 3} more" if len(holders) > 3 else ""
+        scope = "of the run" if full else f"on {where}"
+        taken = (f"the one slot {scope} is taken" if len(holders) == 1 else f"all {len(holders)} slots {scope} are taken") \
+            + f" ({', '.join(shown)}{more})"
+        ahead = scheduler.queued_for(where) - 1  # (itself among them)
+        said = "; ".join(part for part in (taken if holders else "", f"{ahead} waiting before it" if ahead > 0 else "")
+                         if part) or "waiting for a slot"
+        if self.release_after_s <= 0:
+            return f"{said}; each slot is given back as its request ends ([gateway] release_after_s = 0)"
+        return (f"{said}; an idle session gives its slot back {fmt_s(self.release_after_s)} after its last request "
+                "([gateway] release_after_s; l on its row gives it back now)")
+
     async def _watch(self, watched: anyio.CancelScope, st: AgentState, att: Attempt, policy: ResolvedStall) -> None:
         """The watchdog of `att` until `watched` is cancelled (the attempt ended, maybe before this task began)."""
         with watched:
@@ -294,8 +329,12 @@ class Sessions:
             session.holder = scope
             try:
                 # a pool's session is placed once, and comes back to that member (its prefix cache) each time
-                async with pools.scheduler.slot(st.name, st.endpoint if session.placed or not st.pool else st.pool) \
-                        as where:
+                asked = st.endpoint if session.placed or not st.pool else st.pool
+
+                def waits() -> None:
+                    self.emit(ev.SessionWaits(clock.now(), st.name, self._wait_reason(session, asked)))
+
+                async with pools.scheduler.slot(st.name, asked, on_wait=waits) as where:
                     if st.pool and not session.placed:
                         session.placed = True
                         pools.placed(st, where)

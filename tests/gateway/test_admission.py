@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 
 import anyio
 import httpx
@@ -12,6 +13,7 @@ import pytest
 
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
+from cerevisor_tui.engine.sinks.printer import Printer
 
 from ..conftest import RawServer, chunk, http_head, sse_chunk, until
 from .conftest import Answer, chat, post, served, sim_endpoint
@@ -79,6 +81,13 @@ async def test_parallel_cap_queues_the_session_past_it():
         await until(lambda: "c" in s.engine.sessions.by_name and s.session("c").queued == 1
                     and s.session("c").st.status == "queued", "c queued")  # counted first, its status just after
         assert s.session("a").holding and s.session("b").holding
+        # the operator is told why c waits, as it starts to: who holds the slots, and when an idle one is given back
+        assert not s.of(ev.SessionWaits, "a")  # a slot was free
+        [queued] = s.of(ev.SessionWaits, "c")
+        assert re.fullmatch(r"all 2 slots of the run are taken \(a idle \d+ s, b idle \d+ s\); an idle session gives "
+                            r"its slot back 2 s after its last request \(\[gateway\] release_after_s; l on its row "
+                            r"gives it back now\)", queued.why), queued.why
+        assert Printer.describe(queued) == f"c: waits for a slot: {queued.why}"
         await until(lambda: "c" in answers, "c's answer", timeout=30)
         assert answers["c"].status == 200
         # c was admitted when a or b (the one that went first) gave its slot back
@@ -166,6 +175,9 @@ async def test_release_after_zero_lets_another_session_in_between_two_requests()
         await until(lambda: s.of(ev.FirstToken, "a"), "a streaming")
         group.start_soon(_request, client, s.url + "/chat/completions", "b", answers)
         await until(lambda: "b" in s.engine.sessions.by_name and s.session("b").queued == 1, "b queued")
+        [queued] = s.of(ev.SessionWaits, "b")
+        assert queued.why == ("the one slot of the run is taken (a asking); each slot is given back as its request "
+                              "ends ([gateway] release_after_s = 0)")
         upstream.answer(0)
         await until(lambda: "a" in answers, "a's first answer")
         # a's request ended and its slot went at once (release_after_s 0): b is admitted with no request of a's
@@ -191,6 +203,7 @@ async def test_pause_holds_new_sessions_and_resume_admits_them():
         group.start_soon(_request, client, s.url + "/chat/completions", "newcomer", answers)
         await until(lambda: "newcomer" in s.engine.sessions.by_name and s.session("newcomer").queued == 1,
                     "the newcomer queued")
+        assert [e.why for e in s.of(ev.SessionWaits, "newcomer")] == ["admissions are paused (p resumes them)"]
         # a session that holds its slot is not admitted again: its requests go on while paused
         await _request(client, s.url + "/chat/completions", "holder", answers, key="holder2", content="more")
         assert answers["holder2"].status == 200

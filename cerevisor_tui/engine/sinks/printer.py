@@ -115,6 +115,10 @@ class Printer:
         return f"wave {e.wave} finished: " + ", ".join(f"{n} {status}" for status, n in counts.most_common())
 
     @staticmethod
+    def _line_SessionWaits(e: ev.SessionWaits) -> str:
+        return f"{e.agent}: waits for a slot: {e.why}"
+
+    @staticmethod
     def _line_SessionOpened(e: ev.SessionOpened) -> str:
         by = f" ({e.harness})" if e.harness else ""
         own = f" (its own id {e.own_id})" if e.own_id else ""
