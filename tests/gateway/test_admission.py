@@ -83,6 +83,7 @@ async def test_parallel_cap_queues_the_session_past_it():
         assert s.session("a").holding and s.session("b").holding
         # the operator is told why c waits, as it starts to: who holds the slots, and when an idle one is given back
         assert not s.of(ev.SessionWaits, "a")  # a slot was free
+        await until(lambda: s.of(ev.SessionWaits, "c"), "c told why it waits")  # (its holder's task, just after)
         [queued] = s.of(ev.SessionWaits, "c")
         assert re.fullmatch(r"all 2 slots of the run are taken \(a idle \d+ s, b idle \d+ s\); an idle session gives "
                             r"its slot back 2 s after its last request \(\[gateway\] release_after_s; l on its row "
@@ -175,6 +176,7 @@ async def test_release_after_zero_lets_another_session_in_between_two_requests()
         await until(lambda: s.of(ev.FirstToken, "a"), "a streaming")
         group.start_soon(_request, client, s.url + "/chat/completions", "b", answers)
         await until(lambda: "b" in s.engine.sessions.by_name and s.session("b").queued == 1, "b queued")
+        await until(lambda: s.of(ev.SessionWaits, "b"), "b told why it waits")
         [queued] = s.of(ev.SessionWaits, "b")
         assert queued.why == ("the one slot of the run is taken (a asking); each slot is given back as its request "
                               "ends ([gateway] release_after_s = 0)")
@@ -203,6 +205,7 @@ async def test_pause_holds_new_sessions_and_resume_admits_them():
         group.start_soon(_request, client, s.url + "/chat/completions", "newcomer", answers)
         await until(lambda: "newcomer" in s.engine.sessions.by_name and s.session("newcomer").queued == 1,
                     "the newcomer queued")
+        await until(lambda: s.of(ev.SessionWaits, "newcomer"), "the newcomer told why it waits")
         assert [e.why for e in s.of(ev.SessionWaits, "newcomer")] == ["admissions are paused (p resumes them)"]
         # a session that holds its slot is not admitted again: its requests go on while paused
         await _request(client, s.url + "/chat/completions", "holder", answers, key="holder2", content="more")
