@@ -53,8 +53,10 @@ async def test_a_console_attached_late_shows_the_runs_total_and_its_past_notices
             async with app.run_test(size=(80, 24)) as pilot:
                 late = handle.mirror
                 await until(lambda: late.run_id and not late.replaying, "the replay to end")
-                # the run's count, though the journal replayed no token delta and nothing streams now
-                assert late.tokens_total == first.tokens_total
+                # the run's count, though the journal replayed no token delta and nothing streams now (waited for: a
+                # delta the run told as the console came is read just after the replay ends)
+                await until(lambda: late.tokens_total == first.tokens_total,
+                            lambda: f"the late console's {late.tokens_total} against {first.tokens_total}")
                 pane = app.screen.query_one(LoadPane)
                 await until(lambda: f"total {fmt_count(first.tokens_total)}" in str(
                     pane.query_one("#throughput-label").content), lambda: str(pane.query_one("#throughput-label").content))
