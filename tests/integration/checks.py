@@ -87,9 +87,20 @@ async def run_engine(engine: Engine, on_event: Callable[[Any], None] | None = No
             on_event(event)
 
     engine.subscribe(subscriber)
-    with anyio.fail_after(timeout_s):
+    with anyio.move_on_after(timeout_s) as bound:
         code = await engine.run()
+    if bound.cancelled_caught:  # a run that never ended: where it stopped is the only clue the failure leaves
+        raise AssertionError(f"the run did not end within {timeout_s:g} s; its events but tokens and samples:\n"
+                             + "\n".join(story(seen)))
     return code, seen
+
+
+def story(seen: list[Any]) -> list[str]:
+    """A run's events, one a line, timed from its first, without the many (tokens, samples, keep-alives)."""
+    start = seen[0].t if seen else 0.0
+    return [f"{e.t - start:8.2f} {e.kind} {getattr(e, 'agent', '')} {getattr(e, 'attempt', '')} "
+            f"{getattr(e, 'reason', '') or getattr(e, 'cause', '') or getattr(e, 'why', '')}".rstrip()
+            for e in seen if e.kind not in ("TokenDelta", "ServerSample", "KeepAlive", "MessageRecorded")]
 
 
 def timed_busy_check(engine: Engine, log: list[tuple[float, str | None]]):

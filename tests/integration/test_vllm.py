@@ -24,6 +24,7 @@ from tests.integration.checks import (
     killed_where_vllm_could_act,
     run_engine,
     run_workflow_through_proxy,
+    story,
     timed_busy_check,
 )
 from tests.integration.conftest import PRESSURE_ARGS, Pool, cerevisor, jsonl, write_config
@@ -257,9 +258,8 @@ async def test_a_frozen_server_trips_the_idle_deadline_and_the_run_goes_on_after
 
     code, seen = await run_engine(engine, on_event)
     finished = {e.agent: (e.status, e.error) for e in seen if e.kind == "AgentFinished"}
-    story = [(round(e.t - seen[0].t, 2), e.kind, getattr(e, "agent", ""), getattr(e, "attempt", ""))
-             for e in seen if e.kind not in ("TokenDelta", "ServerSample", "KeepAlive", "MessageRecorded")]
-    assert code == 0, f"{finished}\n{story}\n{marks}\n{vllm_server.log_tail(60)}"
+    told = "\n".join(story(seen))
+    assert code == 0, f"{finished}\n{told}\n{marks}\n{vllm_server.log_tail(60)}"
     assert finished == {"long": ("completed", ""), "after": ("completed", "")}
 
     kill_index = next(i for i, e in enumerate(seen) if e.kind == "AgentKilled")
