@@ -210,7 +210,9 @@ class SettingsScreen(Screen):
                          if config.gateway is not None else
                          "Saved mode, cap and stall deadlines apply at once; the rest from the next run.",
                          id="settings-hint", markup=False)
-        with VerticalScroll(id="settings-form"):
+        # not focusable itself (its fields are, and it scrolls to the focused one): focus on it restyled all of its
+        # ~190 widgets, twice as the screen opened (Textual focused it first, then on_mount the first field)
+        with VerticalScroll(id="settings-form", can_focus=False):
             yield Static("[run]", classes="section-title", markup=False)
             for spec in field_specs(config):
                 if spec.section in ("auto", "stall") and spec.key == next(iter(spec.model.model_fields)) or \
