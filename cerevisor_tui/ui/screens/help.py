@@ -10,9 +10,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from cerevisor_tui.ui.keys import MAIN_BINDINGS, effective_keys
+from cerevisor_tui.ui.widgets.footer import Footer
 
 if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp

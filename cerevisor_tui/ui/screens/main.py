@@ -12,7 +12,7 @@ from textual.app import ComposeResult
 from textual.binding import BindingType
 from textual.containers import Container, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.ui.commands import ConsoleCommands
@@ -22,6 +22,7 @@ from cerevisor_tui.ui.keys import MAIN_BINDINGS, TOUR, effective_keys
 from cerevisor_tui.ui.mirror import FINAL, AgentView, RunMirror
 from cerevisor_tui.ui.widgets.agent_filter import AgentFilter
 from cerevisor_tui.ui.widgets.agent_table import SORT_LABELS, SORTS, AgentTable
+from cerevisor_tui.ui.widgets.footer import Footer
 from cerevisor_tui.ui.widgets.load_pane import LoadPane
 from cerevisor_tui.ui.widgets.run_header import RunHeader
 from cerevisor_tui.ui.widgets.stream_pane import StreamPane

@@ -23,7 +23,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.events import DescendantFocus
 from textual.screen import Screen
-from textual.widgets import Footer, Input, Select, Static
+from textual.widgets import Input, Select, Static
 
 from cerevisor_tui.config.errors import ConfigError
 from cerevisor_tui.config.load import validate
@@ -46,6 +46,7 @@ from cerevisor_tui.config.save import (
     save_settings,
 )
 from cerevisor_tui.contract import commands as cmd
+from cerevisor_tui.ui.widgets.footer import Footer
 
 if TYPE_CHECKING:
     from cerevisor_tui.ui.app import CerevisorApp
