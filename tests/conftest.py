@@ -152,18 +152,32 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _make_bytecode(config: pytest.Config) -> None:
-    """Half the stale test modules rewritten in a forked child, half here; then the package and the tests' helper
-    modules compiled. Anything that fails here is left to the workers, as without it."""
+    """Half the stale test modules rewritten in a forked child, half here (those the run collects: not
+    tests/integration where pytest_ignore_collect skips it); then the package compiled. Anything that fails here is
+    left to the workers, as without it."""
     import compileall
+    import importlib.util
 
     from _pytest.assertion import rewrite
 
-    root = Path(__file__).resolve().parent.parent
+    def fresh(source: Path, pyc: Path) -> bool:  # the header checks of pytest's own _read_pyc, without the load
+        try:
+            with open(pyc, "rb") as fp:
+                head = fp.read(16)
+            stat = source.stat()
+        except OSError:
+            return False
+        stamp = b"".join((n & 0xFFFFFFFF).to_bytes(4, "little") for n in (int(stat.st_mtime), stat.st_size))
+        return head == importlib.util.MAGIC_NUMBER + bytes(4) + stamp
+
+    tests = Path(__file__).resolve().parent
+    skipped = tests / "integration"
     stale = []
-    for source in sorted(root.glob("tests/**/*.py")):
-        if source.name.startswith("test_") or source.name == "conftest.py":
+    for source in sorted(tests.glob("**/*.py")):
+        if (source.name.startswith("test_") or source.name == "conftest.py") and not (
+                source.is_relative_to(skipped) and pytest_ignore_collect(skipped, config)):
             pyc = source.parent / "__pycache__" / (source.stem + rewrite.PYC_TAIL)
-            if rewrite._read_pyc(source, pyc) is None:
+            if not fresh(source, pyc):
                 stale.append((source, pyc))
 
     def write(batch: list[tuple[Path, Path]]) -> None:
@@ -183,7 +197,7 @@ def _make_bytecode(config: pytest.Config) -> None:
         finally:
             os._exit(0)
     write(stale[0::2] if child > 0 else stale)
-    compileall.compile_dir(root / "cerevisor_tui", quiet=2)
+    compileall.compile_dir(tests.parent / "cerevisor_tui", quiet=2)
     if child > 0:
         os.waitpid(child, 0)
 
