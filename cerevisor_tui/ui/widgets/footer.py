@@ -14,9 +14,7 @@ from textual.widgets import Footer as TextualFooter
 
 
 class Footer(TextualFooter):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._shown: tuple[tuple[Any, ...], ...] | None = None
+    _shown: tuple[tuple[Any, ...], ...] | None = None  # what its keys were last composed from
 
     def bindings_changed(self, screen: Screen[Any]) -> None:
         if screen.app.app_focus and self.is_attached and screen is self.screen:  # (Textual's own recompose rule)
