@@ -4,14 +4,19 @@ cost on priced endpoints with a [run] budget that pauses admissions."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import anyio
 import pytest
 
 from cerevisor_tui.config import SimSettings, validate
 from cerevisor_tui.contract import commands as cmd
+from cerevisor_tui.engine import connections
 from cerevisor_tui.engine.engine import Engine
 from cerevisor_tui.engine.sinks.printer import Printer
 from cerevisor_tui.sim import SimServer
+from tests.conftest import chunk, http_head, read_request, sse_chunk
 
 FAST = SimSettings(tokens_per_s=2000, ttft_s=0.0)
 
@@ -60,6 +65,59 @@ async def test_an_agent_is_flagged_before_the_turn_that_will_not_fit_its_context
     refused = next(e for e in seen if e.kind == "AgentFinished")
     assert refused.status == "failed" and "400" in refused.error
     assert seen.index(first) < next(i for i, e in enumerate(seen) if e.kind == "AgentStarted" and e.turn == 2)
+
+
+@pytest.mark.anyio
+async def test_a_server_silent_on_its_model_list_after_an_answer_holds_no_agent(monkeypatch):
+    """The server answers a turn, then leaves /v1/models unanswered (as a vLLM frozen right after an answer
+    does): the agent's meters wait MODELS_TIMEOUT_S for the context length, not for ever, and the run goes on;
+    the next answer asks again, and has it."""
+    monkeypatch.setattr(connections, "MODELS_TIMEOUT_S", 0.2)
+    models_answer = asyncio.Event()
+    asked: list[bool] = []  # per /v1/models: whether it was answered
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = await read_request(reader)
+            if request.startswith(b"GET /v1/models"):
+                asked.append(models_answer.is_set())
+                await models_answer.wait()
+                body = json.dumps({"data": [{"id": "m", "max_model_len": 5000}]}).encode()
+                writer.write(http_head(200, "application/json", length=len(body)) + body)
+            elif request.startswith(b"POST"):
+                writer.write(http_head(200, "text/event-stream") + chunk(sse_chunk("Hello.", finish="stop"))
+                             + chunk(sse_chunk(usage={"prompt_tokens": 10, "completion_tokens": 2}))
+                             + chunk(b"data: [DONE]\n\n") + chunk(b""))
+            else:  # /health, /metrics
+                writer.write(http_head(404, "text/plain", length=0))
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    engine = Engine(validate({
+        "run": {"warmup": "off"},
+        "endpoints": [{"name": "e", "base_url": f"http://127.0.0.1:{port}/v1", "model": "m"}],
+        "agents": [{"name": "a", "prompt": "p", "turns": ["q"], "max_tokens": 4, "retries": 0}]}))
+    seen: list = []
+
+    def watch(event) -> None:
+        seen.append(event)
+        if event.kind == "AgentMeters":
+            models_answer.set()  # the first meters are told: from here the server answers its model list
+
+    engine.subscribe(watch)
+    with anyio.move_on_after(60) as bound:
+        code = await engine.run()
+    server.close()
+    models_answer.set()
+    assert not bound.cancelled_caught, "the run waited on /v1/models after the answer"
+    assert code == 0
+    assert [(m.turn, m.max_model_len) for m in meters(seen, "a")] == [(1, 0), (2, 5000)]
+    assert asked[0] is False and True in asked
 
 
 @pytest.mark.anyio

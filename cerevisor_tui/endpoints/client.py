@@ -530,12 +530,14 @@ async def _http_error(endpoint: str, response: httpx.Response) -> EndpointHTTPEr
                              retryable=status in RETRYABLE_STATUS)
 
 
-async def list_models(client: httpx.AsyncClient, endpoint: str, base_url: str) -> list[dict[str, Any]]:
-    """GET {base_url}/models: the served models (vLLM adds max_model_len)."""
+async def list_models(client: httpx.AsyncClient, endpoint: str, base_url: str,
+                      timeout_s: float | None = None) -> list[dict[str, Any]]:
+    """GET {base_url}/models: the served models (vLLM adds max_model_len). `timeout_s`: for each of its
+    connect, write and read, over the client's (which has none: a chat request's deadlines are the watchdog's)."""
     url = base_url.rstrip("/") + "/models"
     scrub = request_scrubber(client.headers)
     try:
-        response = await client.get(url)
+        response = await client.get(url, timeout=httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s)
     except httpx.ConnectError as exc:
         if descriptors_exhausted(exc):
             raise out_of_descriptors(endpoint, scrub(url)) from exc

@@ -266,7 +266,7 @@ class Attempts:
 
     # ---- the end -------------------------------------------------------------------------------------------
     async def finished(self, st: AgentState, att: Attempt, answer: Answer, *, turns: int, following_chars: int = 0,
-                       max_tokens: int = 0, limit_wait_s: float | None = None) -> None:
+                       max_tokens: int = 0) -> None:
         """The answer came whole: the agent's and the endpoint's figures, TurnFinished then the answer's
         MessageRecorded (a crash between them leaves an unanswered turn, never one answered without its figures),
         then the meters, the cost and the budget. `following_chars`: the next user message's length, to warn
@@ -313,8 +313,7 @@ class Attempts:
                                   answer.finish_reason, ttft, end - att.sent_at))
         self.emit(ev.MessageRecorded(end, st.name, att.number, st.turn, "assistant", answer.answer, answer.thinking,
                                      tool_calls=list(answer.tool_calls)))
-        await self._meter(st, prompt_tokens, completion_tokens, answer.cached, following_chars, max_tokens,
-                          limit_wait_s)
+        await self._meter(st, prompt_tokens, completion_tokens, answer.cached, following_chars, max_tokens)
 
     def ended(self, st: AgentState, att: Attempt, answer: str, thinking: str = "") -> None:
         """The attempt ended without its whole answer (killed, broken off, cancelled, its client gone): what it
@@ -333,19 +332,14 @@ class Attempts:
                                       now - att.sent_at, answered=False))
 
     async def _meter(self, st: AgentState, prompt_tokens: int, completion_tokens: int, cached: int | None,
-                     following_chars: int, max_tokens: int, limit_wait_s: float | None) -> None:
+                     following_chars: int, max_tokens: int) -> None:
         ep = self.endpoints[st.endpoint]
         if cached is not None:
             st.cached_tokens += cached
         st.context_tokens = prompt_tokens + completion_tokens
         # counted before the context limit is asked (which may take a moment): a request beside it sees the spend
         self._charge(st, prompt_tokens, completion_tokens)
-        limit = 0
-        if limit_wait_s is None:
-            limit = await self.context_limit(ep)
-        else:  # a session's answer has gone out already: its meters wait a bounded time for /v1/models
-            with self.clock.move_on_after(limit_wait_s):
-                limit = await self.context_limit(ep)
+        limit = await self.context_limit(ep)  # (a bounded wait: engine/connections.py)
         warning = ""
         if limit and st.context_tokens:
             fill = st.context_tokens / limit

@@ -17,7 +17,7 @@ from cerevisor_tui.config.models import Config, EndpointConfig
 from cerevisor_tui.config.secrets import key_problem
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.endpoints.client import ChatStream, build_client, list_models
-from cerevisor_tui.endpoints.errors import EndpointError, MissingApiKey
+from cerevisor_tui.endpoints.errors import EndpointError, EndpointUnreachable, MissingApiKey, StreamBroken
 from cerevisor_tui.endpoints.metrics import server_root
 from cerevisor_tui.engine.clock import MONOTONIC, Clock
 
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from cerevisor_tui.endpoints.worker import RemoteStream, StreamWorker
 
 PROPS_TIMEOUT_S = 2.0  # a /props that takes longer says nothing: the request goes without asking for progress
+MODELS_TIMEOUT_S = 2.0  # the longest an answer's meters wait for /v1/models (its context length)
 
 
 class Connections:
@@ -89,12 +90,19 @@ class Connections:
 
     async def context_limit(self, ep: EndpointConfig) -> int:
         """The model's context length (for the context-fill meter): configured, or what /v1/models said of it
-        (asked once; a hosted API's list says nothing of it); 0 when unknown. Never raises."""
+        (a hosted API's list says nothing of it); 0 when unknown. Never raises, and waits at most
+        MODELS_TIMEOUT_S: an answer's meters are what waits on it, and a server that froze (or went) right
+        after an answer must not hold its agent. Asked once, and again at a later answer when it went unanswered
+        (a server that refused it or answered without the figure is not asked again)."""
         if ep.name not in self.max_model_len:
-            self.max_model_len[ep.name] = 0
+            self.max_model_len[ep.name] = 0  # (an answer beside this one, meanwhile: unknown)
             if ep.kind != "hosted" and ep.name in self.clients:
                 try:
-                    listed = await list_models(self.clients[ep.name], ep.name, self.base_urls[ep.name])
+                    listed = await list_models(self.clients[ep.name], ep.name, self.base_urls[ep.name],
+                                               timeout_s=MODELS_TIMEOUT_S)
+                except (EndpointUnreachable, StreamBroken):
+                    del self.max_model_len[ep.name]
+                    return 0
                 except EndpointError:
                     return 0
                 self._take_max_model_len(ep.name, listed)

@@ -21,7 +21,6 @@ _FORWARDED = frozenset({b"content-type", b"accept", b"user-agent", b"anthropic-v
 ERROR_BODY_LIMIT = 1 << 20  # what is read of an upstream's error body
 WAIT_BACKOFF_S = (0.25, 5.0)  # a local endpoint still loading: reconnect after 0.25 s, doubling to 5 s
 RETRY_AFTER_S = 5  # told to a client when the upstream is down
-CONTEXT_LIMIT_WAIT_S = 2.0  # the longest a session's meters wait for the endpoint's /v1/models
 
 
 class Refusal(Exception):

@@ -42,7 +42,6 @@ from cerevisor_tui.engine.status import move
 from cerevisor_tui.gateway import apis
 from cerevisor_tui.gateway.apis import KEEPALIVE, Api, Reading
 from cerevisor_tui.gateway.edge import (
-    CONTEXT_LIMIT_WAIT_S,
     ERROR_BODY_LIMIT,
     RETRY_AFTER_S,
     WAIT_BACKOFF_S,
@@ -478,7 +477,7 @@ class Exchange:
         await e.attempts.finished(
             st, att, _answer_of(r, streamed_text, thinking, prompt, completion,
                                  self.prompt_chars, self.streamed),
-            turns=0, limit_wait_s=CONTEXT_LIMIT_WAIT_S)
+            turns=0)
 
     # ---- transcripts ---------------------------------------------------------------------------------------
     def _record_inputs(self, session: Session) -> None:
