@@ -231,32 +231,45 @@ async def test_a_frozen_server_trips_the_idle_deadline_and_the_run_goes_on_after
         vllm_server: ServerProcess, thawed: list[ServerProcess]):
     """SIGSTOP mid-stream: warnings at 50/80/95 % of the 3 s idle deadline, a kill that names it, and after
     SIGCONT the retry completes and the next wave runs."""
-    engine = engine_for({
-        "run": {"warmup": "off", "mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.5},
-        "stall": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 3.0, "warn_at": [0.5, 0.8, 0.95]},
-        "endpoints": [{"name": "vllm", "base_url": vllm_server.base_url, "model": MODEL}],
-        "agents": [
-            # long enough that vLLM is still generating when it is frozen at our first token, however far
-            # the server runs ahead of this (busy) client
-            {"name": "long", "prompt": "Write a long story.", "max_tokens": 1500, "retries": 1},
-            {"name": "after", "depends_on": ["long"], "prompt": "Give the story a title.", "max_tokens": 16,
-             "retries": 0},
-        ],
-    })
-    marks: dict[str, float] = {}
+    for tries in range(1, 4):
+        engine = engine_for({
+            "run": {"warmup": "off", "mode": "parallel", "max_concurrency": 2, "metrics_interval_s": 0.5},
+            "stall": {"first_byte_timeout_s": 120.0, "idle_timeout_s": 3.0, "warn_at": [0.5, 0.8, 0.95]},
+            "endpoints": [{"name": "vllm", "base_url": vllm_server.base_url, "model": MODEL}],
+            "agents": [
+                # long enough that vLLM is still generating when it is frozen at our first token, however far
+                # the server runs ahead of this (busy) client, and never ended early by a sampled EOS
+                {"name": "long", "prompt": "Write a long story.", "max_tokens": 1900, "retries": 1,
+                 "extra_body": {"ignore_eos": True}},
+                {"name": "after", "depends_on": ["long"], "prompt": "Give the story a title.", "max_tokens": 16,
+                 "retries": 0},
+            ],
+        })
+        marks: dict[str, float] = {}
 
-    def on_event(event) -> None:
-        if event.kind == "TokenDelta" and event.agent == "long" and event.attempt == 1:
-            marks["last_token"] = event.t
-            if "frozen" not in marks:
-                vllm_server.freeze()
-                thawed.append(vllm_server)
-                marks["frozen"] = time.monotonic()
-        elif event.kind == "AgentKilled":
-            marks["killed"] = event.t
-            vllm_server.thaw()
+        def on_event(event) -> None:
+            if event.kind == "TokenDelta" and event.agent == "long" and event.attempt == 1:
+                marks["last_token"] = event.t
+                if "frozen" not in marks:
+                    vllm_server.freeze()
+                    thawed.append(vllm_server)
+                    marks["frozen"] = time.monotonic()
+            elif event.kind == "AgentKilled":
+                marks["killed"] = event.t
+                vllm_server.thaw()
+            elif event.kind == "TurnFinished" and event.agent == "long" and event.attempt == 1:
+                # the whole answer was in our socket before we read its first token (a starved client on a loaded
+                # host): it ended with the server frozen behind it (its meters wait a bounded time for
+                # /v1/models: engine/connections.py MODELS_TIMEOUT_S); what is under test never arose
+                marks["ran_ahead"] = event.completion_tokens
+                vllm_server.thaw()
 
-    code, seen = await run_engine(engine, on_event)
+        code, seen = await run_engine(engine, on_event)
+        if "ran_ahead" not in marks:
+            break
+        assert code == 0 and marks["ran_ahead"] == 1900, "\n".join(story(seen))
+    else:
+        pytest.fail(f"in {tries} tries vLLM answered whole before a frozen stream could be seen")
     finished = {e.agent: (e.status, e.error) for e in seen if e.kind == "AgentFinished"}
     told = "\n".join(story(seen))
     assert code == 0, f"{finished}\n{told}\n{marks}\n{vllm_server.log_tail(60)}"
@@ -269,7 +282,7 @@ async def test_a_frozen_server_trips_the_idle_deadline_and_the_run_goes_on_after
     # server (its /metrics hangs too) ran the silence past it
     assert killed.reason.startswith("no output for ") and f"after {killed.tokens} tokens" in killed.reason
     assert killed.reason.startswith("no output for 3") or killed.reason.endswith("(deadline 3 s)"), killed.reason
-    assert 1 <= killed.tokens < 1500
+    assert 1 <= killed.tokens < 1900
     warnings = [e for e in seen[:kill_index] if e.kind == "StallWarning" and e.attempt == 1]
     assert [(w.deadline, w.fraction) for w in warnings] == [("idle", 0.5), ("idle", 0.8), ("idle", 0.95)]
     # from the last token that got through: the idle deadline, plus at most the 2 s the watchdog gives the
