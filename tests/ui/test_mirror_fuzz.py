@@ -127,6 +127,8 @@ def test_no_single_field_mutation_of_a_real_journal_makes_a_mirror_handler_fail(
                 event = ev.event_of(mutated)
             except ev.EventError:
                 continue  # refused by its type: skipped and counted as unreadable, never seen by a handler
+            if event == events[i]:
+                continue  # (a field set to what it was, or to a value its type reads as the same)
             tried += 1
             mirror = RunMirror()
             for e in (*events[:i], event, *events[i + 1:]):
