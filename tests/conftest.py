@@ -226,6 +226,34 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_default_ssl_context() -> None:
+    """httpx (and httpx2, under the openai and anthropic SDKs) builds an SSL context for every client it makes,
+    loading certifi's CA bundle: 70-180 ms of CPU each, for clients that speak plain HTTP to loopback. The tests
+    make hundreds (249 in tests/gateway and the simulator's tests alone: 13 s of CPU); here each worker builds the
+    default one once and every client with default TLS settings shares it, as clients may (SSLContext is made to
+    be shared). A client given its own `verify` or `cert` builds its own, as before."""
+    for package in ("httpx", "httpx2"):
+        try:
+            config = importlib.import_module(f"{package}._config")
+            transports = importlib.import_module(f"{package}._transports.default")
+        except ImportError:
+            continue
+        made: dict[tuple[Any, ...], ssl_module.SSLContext] = {}
+
+        def shared(verify: Any = True, cert: Any = None, trust_env: bool = True,
+                   _make: Callable[..., ssl_module.SSLContext] = config.create_ssl_context,
+                   _made: dict[tuple[Any, ...], ssl_module.SSLContext] = made) -> ssl_module.SSLContext:
+            if verify is not True or cert is not None:
+                return _make(verify=verify, cert=cert, trust_env=trust_env)
+            key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+            if key not in _made:
+                _made[key] = _make(verify=verify, cert=cert, trust_env=trust_env)
+            return _made[key]
+
+        transports.create_ssl_context = shared
+
+
 @pytest.fixture(autouse=True)
 def _no_user_state(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keep every test (and the commands it starts) out of the real user state and config dirs: saved probe
