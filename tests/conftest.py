@@ -238,6 +238,7 @@ def _forked_cli() -> Iterator[None]:
     subprocess.Popen = forkserver.ForkPopen  # type: ignore[misc]  # (subprocess.run starts its processes with it)
     yield
     subprocess.Popen = forkserver.ORIGINAL_POPEN  # type: ignore[misc]
+    forkserver.stop()
 
 
 @pytest.fixture(scope="session", autouse=True)

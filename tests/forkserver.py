@@ -229,6 +229,18 @@ class _Server:
         return conn
 
     @classmethod
+    def stop(cls) -> None:
+        """The server ends when its stdin does (the processes it forked go on, as they would have); its socket's
+        directory goes."""
+        import shutil
+
+        if cls.process is not None and cls.process.stdin is not None:
+            cls.process.stdin.close()
+        if cls.path:
+            shutil.rmtree(os.path.dirname(cls.path), ignore_errors=True)
+        cls.process, cls.path = None, ""
+
+    @classmethod
     def _start(cls) -> None:
         import tempfile
 
@@ -248,6 +260,7 @@ class _Server:
 
 
 ORIGINAL_POPEN = subprocess.Popen
+stop = _Server.stop
 
 
 def cpu_s() -> float:
@@ -310,14 +323,16 @@ class ForkPopen(subprocess.Popen):  # type: ignore[type-arg]
                *pass_fds]
         if _Server.broken:
             return None
-        conn = _Server.connect()
+        conn: socket.socket | None = None
         try:
+            conn = _Server.connect()
             socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
             answer = _line(conn)
         except OSError as exc:
             answer = f"{type(exc).__name__}: {exc}"
-        if not answer.isdigit():
-            conn.close()
+        if conn is None or not answer.isdigit():
+            if conn is not None:
+                conn.close()
             _Server.broken = True
             sys.stderr.write(f"tests/forkserver.py: the fork server did not answer ({answer or 'it ended'}); "
                              "processes start with an exec from here\n")
