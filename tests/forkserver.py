@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -230,12 +231,17 @@ class _Server:
 
     @classmethod
     def stop(cls) -> None:
-        """The server ends when its stdin does (the processes it forked go on, as they would have); its socket's
+        """The server ends when its stdin does (the processes it forked go on, as they would have), and is waited
+        for: its CPU, and that of the processes it waited for, count as this worker's children's. Its socket's
         directory goes."""
         import shutil
 
         if cls.process is not None and cls.process.stdin is not None:
             cls.process.stdin.close()
+            try:
+                cls.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         if cls.path:
             shutil.rmtree(os.path.dirname(cls.path), ignore_errors=True)
         cls.process, cls.path = None, ""
@@ -315,14 +321,14 @@ class ForkPopen(subprocess.Popen):  # type: ignore[type-arg]
         """The pid of the process the server forked; None, its reason said once on stderr, where the server could
         not (it ended: it could not import what it preloads), and the process is started with an exec, which
         then fails on its own, with its traceback."""
+        if _Server.broken:
+            return None
         environment = os.environ if env is None else env
         request = {"argv": list(args), "cwd": os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd(),
                    "env": {os.fsdecode(k): os.fsdecode(v) for k, v in environment.items()},
                    "setsid": bool(start_new_session), "pass_fds": list(pass_fds)}
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2,
                *pass_fds]
-        if _Server.broken:
-            return None
         conn: socket.socket | None = None
         try:
             conn = _Server.connect()
@@ -344,7 +350,7 @@ class ForkPopen(subprocess.Popen):  # type: ignore[type-arg]
         conn = self._server_conn
         assert conn is not None
         if flags & os.WNOHANG:
-            ready, _, _ = __import__("select").select([conn], [], [], 0)
+            ready, _, _ = select.select([conn], [], [], 0)
             if not ready:
                 return 0, 0
         status = _line(conn)
