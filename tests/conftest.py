@@ -41,7 +41,27 @@ class LazyModule(ModuleType):
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("_"):  # what collection asks every module-level name (__test__, _pytestfixturefunction)
             raise AttributeError(attr)
+        if _running is not None and _running.get_closest_marker("xdist_group") is None:
+            raise RuntimeError(f"{_running.nodeid} reads the {self.__name__} SDK: mark it @SDK (tests/conftest.py)")
         return getattr(importlib.import_module(self.__name__), attr)
+
+
+SDK = pytest.mark.xdist_group("sdk")
+"""On the tests that read through the openai or anthropic SDK (a `LazyModule` above): they all run on one worker
+(`--dist loadgroup`, pyproject's addopts), which imports the SDKs once; spread over six workers, each paid the ~2.5 s
+of CPU again, and its first such test took it on its own clock. A test that imports one without it fails, saying so."""
+
+_running: pytest.Item | None = None  # the test this process runs now
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    global _running
+    _running = item
+    try:
+        yield
+    finally:
+        _running = None
 
 SLOW_TEST_S = 5.0
 """A test of the fast suite takes less than this (setup, call and teardown together), unless it is marked

@@ -12,7 +12,7 @@ import pytest
 
 from cerevisor_tui.config.models import SimSettings
 from cerevisor_tui.sim import SimServer, start_in_thread
-from tests.conftest import LazyModule, until
+from tests.conftest import SDK, LazyModule, until
 from tests.test_sim import FAST, metric
 
 anthropic, openai = LazyModule("anthropic"), LazyModule("openai")
@@ -169,6 +169,7 @@ async def test_responses_input_items_and_function_call_stream():
         assert r.status_code == 400 and r.json()["error"]["param"] == "input"
 
 
+@SDK
 def test_openai_sdk_reads_responses():
     settings = SimSettings(**FAST, seed=5, tool_args={"get_time": {"tz": "UTC"}})
     with start_in_thread(settings) as sim:
@@ -292,6 +293,7 @@ async def test_messages_take_a_system_message_among_the_turns():
         assert r.status_code == 400 and "got 'tool'" in r.json()["error"]["message"]
 
 
+@SDK
 def test_anthropic_sdk_reads_messages():
     settings = SimSettings(**FAST, seed=5, max_tokens_default=16, tool_args={"get_time": {"tz": "UTC"}})
     with start_in_thread(settings) as sim:
@@ -397,6 +399,7 @@ async def test_server_going_away_mid_stream_sends_the_apis_error_event(api: str)
         assert srv.state.completed_total == 0
 
 
+@SDK
 async def test_anthropic_sdk_raises_on_the_error_event():
     settings = SimSettings(tokens_per_s=50.0, ttft_s=0.0, max_tokens_default=1000)
     async with SimServer(settings) as srv:

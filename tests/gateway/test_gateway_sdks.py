@@ -9,7 +9,7 @@ import pytest
 
 from cerevisor_tui.contract import events as ev
 
-from ..conftest import LazyModule
+from ..conftest import SDK, LazyModule
 from .conftest import FAST_SIM, gateway_config, served
 
 anthropic, openai = LazyModule("anthropic"), LazyModule("openai")
@@ -28,6 +28,7 @@ def claude(url: str) -> anthropic.AsyncAnthropic:
                                     max_retries=0)
 
 
+@SDK
 async def test_openai_chat_and_responses_streamed_and_not():
     async with served() as s:
         client = oai(s.url, "oa")
@@ -55,6 +56,7 @@ async def test_openai_chat_and_responses_streamed_and_not():
         assert [a.attempt for a in started] == [1, 2, 3, 4] and started[0].request_id.endswith(".oa.r1")
 
 
+@SDK
 async def test_anthropic_messages_streamed_and_not_with_the_session_from_metadata():
     async with served() as s:
         client = claude(s.url)
@@ -75,6 +77,7 @@ async def test_anthropic_messages_streamed_and_not_with_the_session_from_metadat
         assert len(turns) == 2 and turns[0].completion_tokens == turns[1].completion_tokens > 0
 
 
+@SDK
 async def test_keepalives_while_queued_are_comments_the_sdks_skip():
     # one slot (sequential); a session that holds it for 0.4 s after its request: the next session waits, kept alive
     # every 0.05 s (five sessions wait in turn: the test's time is theirs)
@@ -108,6 +111,7 @@ async def test_keepalives_while_queued_are_comments_the_sdks_skip():
         await second.close()
 
 
+@SDK
 async def test_a_deadline_after_keepalives_is_the_apis_error_event_and_the_sdks_raise_it():
     # the server answers nothing for 100 s; the first-byte deadline is 0.4 s; keep-alives went out before it
     slow = [{"name": "sim", "kind": "simulated", "model": "sim-model", "sim": {"ttft_s": 100.0, "seed": 1}}]
@@ -136,6 +140,7 @@ async def test_a_deadline_after_keepalives_is_the_apis_error_event_and_the_sdks_
         assert all(k.reason.startswith("no first token after 0.4") for k in kills)
 
 
+@SDK
 async def test_a_deadline_before_any_byte_is_a_504_in_the_apis_shape():
     slow = [{"name": "sim", "kind": "simulated", "model": "sim-model", "sim": {"ttft_s": 100.0, "seed": 1}}]
     config = gateway_config(endpoints=slow, gateway={"keepalive_s": 60},

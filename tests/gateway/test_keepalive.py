@@ -14,7 +14,7 @@ import pytest
 from cerevisor_tui.contract import commands as cmd
 from cerevisor_tui.contract import events as ev
 
-from ..conftest import LazyModule, until
+from ..conftest import SDK, LazyModule, until
 from .conftest import Answer, chat, post, served
 from .upstreams import WORDS, FakeApi
 
@@ -137,6 +137,7 @@ def _sdk(s, session: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=s.url, api_key="unused", max_retries=0, default_headers={"X-Session-ID": session})
 
 
+@SDK
 async def test_openai_sdk_reads_through_keepalives():
     async with _sequential() as s, httpx.AsyncClient(timeout=30) as client:
         await _hold_the_slot(s, client)
@@ -150,6 +151,7 @@ async def test_openai_sdk_reads_through_keepalives():
         await sdk.close()
 
 
+@SDK
 async def test_openai_sdk_raises_an_error_event_after_keepalives():
     async with _sequential(sim={"fail_first": 2, "fail_status": 500}) as s, httpx.AsyncClient(timeout=30) as client:
         await _hold_the_slot(s, client)
@@ -164,6 +166,7 @@ async def test_openai_sdk_raises_an_error_event_after_keepalives():
         await sdk.close()
 
 
+@SDK
 async def test_openai_sdk_quick_refusal_is_its_status_error():
     async with _sequential() as s:
         sdk = openai.AsyncOpenAI(base_url=s.url, api_key="unused", max_retries=0)
@@ -172,6 +175,7 @@ async def test_openai_sdk_quick_refusal_is_its_status_error():
         await sdk.close()
 
 
+@SDK
 async def test_anthropic_sdk_reads_through_keepalives():
     # the slot is held by a session on an Anthropic-shaped upstream; another waits for it, kept alive
     async with FakeApi() as api, served(
@@ -193,6 +197,7 @@ async def test_anthropic_sdk_reads_through_keepalives():
         await sdk.close()
 
 
+@SDK
 async def test_anthropic_sdk_raises_the_error_event_after_keepalives():
     # held back upstream past its first-byte deadline, after the gateway's comments: an `event: error`
     hold = asyncio.Event()
