@@ -7,8 +7,8 @@ command line as `python -m cerevisor_tui` would: its own pid, argv, environment,
 session, its exit code or signal told back; everything after the imports is the product's own code, run for real.
 
 `ForkPopen` is `subprocess.Popen` with one difference: an argv that is exactly `[sys.executable, "-m",
-"cerevisor_tui", ...]`, with none of what a fork cannot give as an exec does (preexec_fn, a shell, other users or
-groups, a umask, a process group), is started by the server; anything else as ever. Its stdio and pass_fds go to the
+"cerevisor_tui", ...]`, with none of what a fork cannot give as an exec does (a preexec_fn other than `Limits`, a
+shell, other users or groups, a umask, a process group), is started by the server; anything else as ever. Its stdio and pass_fds go to the
 process at their numbers; its wait, poll and returncode come from the server, which is the process's parent;
 signals go to its pid as ever. The server's processes start theirs through it too (`run --detach`'s run).
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import resource
 import select
 import selectors
 import signal
@@ -28,6 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 PRELOAD = (
@@ -59,6 +61,19 @@ console (Textual reads its environment as it is imported, and each test sets its
 
 MAIN = [sys.executable, "-m", "cerevisor_tui"]
 MAX_PASS_FDS = 8
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A preexec_fn that sets resource limits (`ulimit`), `(resource.RLIMIT_*, soft, hard)` each: an exec's child
+    calls it as any preexec_fn; the fork server, which cannot call a function of the requester, is sent its figures
+    and sets them in the process it forks, at the same point (after the fork, before the command runs)."""
+
+    limits: tuple[tuple[int, int, int], ...]
+
+    def __call__(self) -> None:
+        for which, soft, hard in self.limits:
+            resource.setrlimit(which, (soft, hard))
 
 
 # ---- the server (a process of its own) ------------------------------------------------------------------------
@@ -136,6 +151,7 @@ def _fork(conn: socket.socket, requesters: dict[int, socket.socket], own: list[s
             sock.close()
         if request["setsid"]:
             os.setsid()
+        Limits(tuple(tuple(limit) for limit in request["limits"]))()
         # stdio, then pass_fds at the numbers they had in the requester (moved out of their way first)
         targets = [0, 1, 2, *request["pass_fds"]]
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(targets) + 1) for fd in fds]
@@ -285,7 +301,7 @@ def cpu_s() -> float:
 def _routed(args: Any, executable: Any, preexec_fn: Any, pass_fds: Any, shell: bool, gid: Any, gids: Any,
             uid: Any, umask: int, process_group: Any, env: Any) -> bool:
     return (isinstance(args, (list, tuple)) and list(args[:3]) == MAIN and all(isinstance(a, str) for a in args)
-            and executable is None and preexec_fn is None and len(pass_fds) <= MAX_PASS_FDS and not shell
+            and executable is None and (preexec_fn is None or isinstance(preexec_fn, Limits)) and len(pass_fds) <= MAX_PASS_FDS and not shell
             and gid is None and gids is None and uid is None and umask < 0 and process_group in (None, -1)
             and os.environ.get("CEREVISOR_TEST_FORKSERVER", "1") != "0"
             and _interpreter_env(os.environ if env is None else env) == _Server.interpreter_env)
@@ -302,7 +318,8 @@ class ForkPopen(subprocess.Popen):  # type: ignore[type-arg]
                        gids: Any, uid: Any, umask: int, start_new_session: bool, process_group: Any) -> None:
         pid = None
         if _routed(args, executable, preexec_fn, pass_fds, shell, gid, gids, uid, umask, process_group, env):
-            pid = self._fork(args, cwd, env, start_new_session, pass_fds, p2cread, c2pwrite, errwrite)
+            pid = self._fork(args, cwd, env, start_new_session, pass_fds, p2cread, c2pwrite, errwrite,
+                             preexec_fn.limits if isinstance(preexec_fn, Limits) else ())
         elif os.environ.get("CEREVISOR_TEST_FORKSERVER_LOG") and list(args[:3]) == MAIN:  # what is still an exec
             with open(os.environ["CEREVISOR_TEST_FORKSERVER_LOG"], "a") as log:
                 log.write(json.dumps({"argv": list(map(str, args)), "pass_fds": list(pass_fds),
@@ -317,7 +334,7 @@ class ForkPopen(subprocess.Popen):  # type: ignore[type-arg]
         self._child_created = True
 
     def _fork(self, args: Any, cwd: Any, env: Any, start_new_session: bool, pass_fds: Any, p2cread: int,
-              c2pwrite: int, errwrite: int) -> int | None:
+              c2pwrite: int, errwrite: int, limits: tuple[tuple[int, int, int], ...]) -> int | None:
         """The pid of the process the server forked; None, its reason said once on stderr, where the server could
         not (it ended: it could not import what it preloads), and the process is started with an exec, which
         then fails on its own, with its traceback."""
@@ -326,7 +343,7 @@ class ForkPopen(subprocess.Popen):  # type: ignore[type-arg]
         environment = os.environ if env is None else env
         request = {"argv": list(args), "cwd": os.path.abspath(os.fspath(cwd)) if cwd is not None else os.getcwd(),
                    "env": {os.fsdecode(k): os.fsdecode(v) for k, v in environment.items()},
-                   "setsid": bool(start_new_session), "pass_fds": list(pass_fds)}
+                   "setsid": bool(start_new_session), "pass_fds": list(pass_fds), "limits": list(limits)}
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2,
                *pass_fds]
         conn: socket.socket | None = None

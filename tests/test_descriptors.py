@@ -18,6 +18,7 @@ import pytest
 from cerevisor_tui.contract import events as ev
 from cerevisor_tui.engine.sinks.report import Report
 from tests.conftest import free_port
+from tests.forkserver import Limits
 
 
 def _workflow(path: Path, agents: int, concurrency: int) -> Path:
@@ -30,11 +31,9 @@ def _workflow(path: Path, agents: int, concurrency: int) -> Path:
 
 
 def _run_under(limit: tuple[int, int], workflow: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
-    def lower() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, limit)
-
     return subprocess.run([sys.executable, "-m", "cerevisor_tui", "run", str(workflow), "--run-dir", str(run_dir)],
-                          capture_output=True, text=True, timeout=300, preexec_fn=lower)
+                          capture_output=True, text=True, timeout=300,
+                          preexec_fn=Limits(((resource.RLIMIT_NOFILE, *limit),)))
 
 
 def _open_fds() -> int:
@@ -67,12 +66,12 @@ def test_a_journal_holds_a_bounded_number_of_transcripts_open_and_loses_no_line(
 
 
 def test_a_run_of_more_agents_than_its_descriptor_limit_completes(tmp_path):
-    # soft and hard limit 160: nothing to raise, and 300 transcripts could never be open at once
-    proc = _run_under((160, 160), _workflow(tmp_path / "wf.toml", 300, 8), tmp_path / "run")
+    # soft and hard limit 160: nothing to raise, and 200 transcripts could never be open at once
+    proc = _run_under((160, 160), _workflow(tmp_path / "wf.toml", 200, 8), tmp_path / "run")
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "run" / "report.json").read_text())
-    assert report["totals"]["completed"] == 300
-    assert len(list((tmp_path / "run" / "transcripts").glob("*.jsonl"))) == 300
+    assert report["totals"]["completed"] == 200
+    assert len(list((tmp_path / "run" / "transcripts").glob("*.jsonl"))) == 200
 
 
 def test_a_run_raises_its_soft_descriptor_limit_to_the_hard_one(tmp_path):

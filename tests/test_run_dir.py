@@ -19,6 +19,7 @@ import pytest
 from cerevisor_tui.config import SimSettings
 from cerevisor_tui.sim import start_in_thread
 from tests.conftest import cli_here, wait_until
+from tests.forkserver import Limits
 from tests.test_reliability import start_run, workflow
 
 FAST = SimSettings(tokens_per_s=400, ttft_s=0.01)
@@ -203,14 +204,12 @@ def test_a_file_size_limit_mid_run_stops_it_in_one_line_and_what_was_written_res
     """`ulimit -f`: a write past it fails with EFBIG (the run ignores SIGXFSZ, which would kill it unsaid)."""
     limit = 16_000
 
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
     with start_in_thread(FAST) as sim:
         cfg = workflow(tmp_path / "w.toml", sim.base_url, agents=8, max_tokens=40)
         run_dir = tmp_path / "run"
         proc = subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "run", str(cfg), "--run-dir", str(run_dir)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limited,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=Limits(((resource.RLIMIT_FSIZE, limit, limit),)),
                                 env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})  # no .pyc write before main
         out, err = finish(proc)
         assert proc.returncode == 1, err

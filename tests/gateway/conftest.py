@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from cerevisor_tui.engine.sessions import Session
 from cerevisor_tui.gateway import GatewayServer, serve_gateway
 from cerevisor_tui.sim import SimServer
 from tests.conftest import wait_until
+from tests.forkserver import Limits
 
 FAST_SIM = {"speed": 50.0, "seed": 3}
 NO_EXTENSIONS = {"extend_when_server_busy": False}
@@ -188,15 +190,9 @@ class Headless:
 
     def __init__(self, *args: str, descriptors: int | None = None) -> None:
         """`descriptors`: the process's descriptor limit, soft and hard (so the run cannot raise it)."""
-
-        def limit() -> None:
-            import resource
-
-            resource.setrlimit(resource.RLIMIT_NOFILE, (descriptors, descriptors))
-
+        limit = Limits(((resource.RLIMIT_NOFILE, descriptors, descriptors),)) if descriptors else None
         self.proc = subprocess.Popen([sys.executable, "-m", "cerevisor_tui", "gateway", "--headless", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     preexec_fn=limit if descriptors else None)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
