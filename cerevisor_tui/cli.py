@@ -422,11 +422,15 @@ tool ended by SIGPIPE (128 + 13), quietly. A run goes on past its own output and
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process = argv is None
     argv = sys.argv[1:] if argv is None else argv
     try:
         # The simulator's flags are built from its pydantic settings model: importing pydantic would double the
         # time `--help` takes, so they are only built when the command line may name the sim subcommand.
         args = build_parser(sim_options="sim" in argv).parse_args(argv)
+        # the process's own command line (the script, `python -m`), not a caller's argv run in its process: the
+        # command may tune what is the process's alone (its collector: heap.py)
+        args.own_process = own_process
         command = args.command or "console"
         module = importlib.import_module(f"cerevisor_tui.commands.{command}")
         code = int(module.main(args) or 0)

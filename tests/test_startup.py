@@ -64,3 +64,27 @@ def test_a_headless_run_never_imports_textual(tmp_path):
     assert "cerevisor_tui" in modules and "httpx" in modules  # it did run
     assert "textual" not in modules
     assert not modules & {"rich", "pygments"}  # httpx's own command line, which its import would take along
+
+
+def test_a_run_as_its_processs_own_command_freezes_its_start_up_and_one_run_for_a_caller_does_not(tmp_path):
+    # heap.py: the process's own command line (the script, `python -m`) keeps what start-up built out of every
+    # later collection; `main(argv)` called by a program (the tests' cli_here) leaves that program's collector alone
+    workflow = tmp_path / "w.toml"
+    workflow.write_text('[[endpoints]]\nname = "sim"\nkind = "simulated"\n[endpoints.sim]\nspeed = 100.0\n\n'
+                        '[[agents]]\nname = "a"\nprompt = "hi"\nmax_tokens = 2\n')
+    code = textwrap.dedent(f"""
+        import gc, sys
+        from cerevisor_tui.cli import main
+        called = main(["run", {str(workflow)!r}, "--run-dir", {str(tmp_path / "called")!r}])
+        after_call = gc.get_freeze_count()
+        sys.argv = ["cerevisor-tui", "run", {str(workflow)!r}, "--run-dir", {str(tmp_path / "own")!r}]
+        own = main()
+        print("FROZEN", called, after_call, own, gc.get_freeze_count())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("FROZEN ")), None)
+    assert line is not None, out.stdout[-2000:] + out.stderr[-2000:]
+    called, after_call, own, frozen = map(int, line.split()[1:])
+    assert called == 0 and own == 0
+    assert after_call == 0  # a caller's collector as it was
+    assert frozen > 10_000  # the run's own start-up: modules, classes, schemas, the config

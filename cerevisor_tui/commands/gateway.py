@@ -140,7 +140,8 @@ def main(args: Any) -> int:
         return 2
     run_args = Namespace(file=str(config_file), mode=None, concurrency=None, endpoint=None, model=None,
                          report=args.report, jsonl=args.jsonl, run_dir=str(run_dir), resume=None, detach=False,
-                         approve_all=False, detached=False, run_id=run_id)
+                         approve_all=False, detached=False, run_id=run_id,
+                         own_process=getattr(args, "own_process", False))
     listen = config.gateway.listen if config.gateway else ""
     if args.headless:
         lock.release()  # the run takes it again at once

@@ -131,6 +131,7 @@ def main(args: Any) -> int:
     from cerevisor_tui.engine.run_setup import open_run
     from cerevisor_tui.engine.sinks.journal import JournalError, RunLock
     from cerevisor_tui.engine.sinks.printer import Printer
+    from cerevisor_tui.heap import freeze_startup
 
     # A file-size limit (ulimit -f) makes a write fail with EFBIG, which the journal reports, rather than
     # SIGXFSZ killing the process with nothing said.
@@ -216,6 +217,8 @@ def main(args: Any) -> int:
                 if server is not None:
                     await server.close(f"the run could not start: {exc}")
                 return 2
+        if getattr(args, "own_process", False):  # started: from here a full collection skips what start-up made
+            freeze_startup()
         async with anyio.create_task_group() as group:
             group.start_soon(watch_signals, group.cancel_scope)
             if gateway is not None:

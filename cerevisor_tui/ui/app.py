@@ -192,14 +192,15 @@ class CerevisorApp(App[int]):
         the young generations are collected, so they age into the oldest one, and at a full box's load a
         full collection then frees them by the ten thousand in one pause, with key presses waiting behind
         it. With 20,000 allocations between young collections a frame's strips are already garbage when
-        they are looked at, and `gc.freeze()` keeps the objects start-up built out of every scan.
+        they are looked at, and the objects start-up built are kept out of every scan (heap.py).
         """
         import gc
 
+        from cerevisor_tui.heap import freeze_startup
+
         if self._gc_threshold is None:
             self._gc_threshold = gc.get_threshold()
-            gc.collect()
-            gc.freeze()
+            freeze_startup()
             gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
 
     def _restore_gc(self) -> None:
