@@ -41,7 +41,8 @@ class LazyModule(ModuleType):
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("_"):  # what collection asks every module-level name (__test__, _pytestfixturefunction)
             raise AttributeError(attr)
-        if _running is not None and _running.get_closest_marker("xdist_group") is None:
+        group = _running.get_closest_marker("xdist_group") if _running is not None else None
+        if _running is not None and (group is None or group.args[:1] != ("sdk",)):
             raise RuntimeError(f"{_running.nodeid} reads the {self.__name__} SDK: mark it @SDK (tests/conftest.py)")
         return getattr(importlib.import_module(self.__name__), attr)
 
@@ -62,6 +63,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         yield
     finally:
         _running = None
+
 
 SLOW_TEST_S = 5.0
 """A test of the fast suite takes less than this (setup, call and teardown together), unless it is marked

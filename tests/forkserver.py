@@ -8,9 +8,9 @@ session, its exit code or signal told back; everything after the imports is the 
 
 `ForkPopen` is `subprocess.Popen` with one difference: an argv that is exactly `[sys.executable, "-m",
 "cerevisor_tui", ...]`, with none of what a fork cannot give as an exec does (a preexec_fn other than `Limits`, a
-shell, other users or groups, a umask, a process group), is started by the server; anything else as ever. Its stdio and pass_fds go to the
-process at their numbers; its wait, poll and returncode come from the server, which is the process's parent;
-signals go to its pid as ever. The server's processes start theirs through it too (`run --detach`'s run).
+shell, other users or groups, a umask, a process group), is started by the server; anything else as ever. Its stdio
+and pass_fds go to the process at their numbers; its wait, poll and returncode come from the server, which is the
+process's parent; signals go to its pid as ever. The server's processes start theirs through it too (`run --detach`'s run).
 
 What an interpreter imports at its start is tested with `python -c` (tests/test_startup.py), which is never
 forked; CEREVISOR_TEST_FORKSERVER=0 in the environment starts every process with an exec, for a run or a test.
@@ -151,7 +151,6 @@ def _fork(conn: socket.socket, requesters: dict[int, socket.socket], own: list[s
             sock.close()
         if request["setsid"]:
             os.setsid()
-        Limits(tuple(tuple(limit) for limit in request["limits"]))()
         # stdio, then pass_fds at the numbers they had in the requester (moved out of their way first)
         targets = [0, 1, 2, *request["pass_fds"]]
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, max(targets) + 1) for fd in fds]
@@ -160,6 +159,7 @@ def _fork(conn: socket.socket, requesters: dict[int, socket.socket], own: list[s
         for target, fd in zip(targets, moved, strict=True):
             os.dup2(fd, target)
             os.close(fd)
+        Limits(tuple(tuple(limit) for limit in request["limits"]))()  # where an exec's child calls its preexec_fn
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -301,7 +301,8 @@ def cpu_s() -> float:
 def _routed(args: Any, executable: Any, preexec_fn: Any, pass_fds: Any, shell: bool, gid: Any, gids: Any,
             uid: Any, umask: int, process_group: Any, env: Any) -> bool:
     return (isinstance(args, (list, tuple)) and list(args[:3]) == MAIN and all(isinstance(a, str) for a in args)
-            and executable is None and (preexec_fn is None or isinstance(preexec_fn, Limits)) and len(pass_fds) <= MAX_PASS_FDS and not shell
+            and executable is None and (preexec_fn is None or isinstance(preexec_fn, Limits))
+            and len(pass_fds) <= MAX_PASS_FDS and not shell
             and gid is None and gids is None and uid is None and umask < 0 and process_group in (None, -1)
             and os.environ.get("CEREVISOR_TEST_FORKSERVER", "1") != "0"
             and _interpreter_env(os.environ if env is None else env) == _Server.interpreter_env)
