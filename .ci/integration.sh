@@ -93,9 +93,10 @@ rm -rf "$logs/servers"
 # rerun (printed as such); a second failure fails CI.
 # -n 0: in one process, not on pyproject's xdist workers: the real servers are started once per session and
 # shared by its tests (tests/integration/conftest.py), and two cores are theirs while the tests run.
+# -rs: a test skipped because what it checks did not arise on this busy box says so, with its reason.
 export CEREVISOR_INTEGRATION_LOGS=$logs/servers
-if ! .venv/bin/pytest -m integration tests/integration -q -n 0 -o cache_dir="$logs/pytest-cache"; then
+if ! .venv/bin/pytest -m integration tests/integration -q -n 0 -rs -o cache_dir="$logs/pytest-cache"; then
   echo "ci/integration: rerunning the failed integration tests once" >&2
-  .venv/bin/pytest -m integration tests/integration -q -n 0 -o cache_dir="$logs/pytest-cache" --last-failed \
+  .venv/bin/pytest -m integration tests/integration -q -n 0 -rs -o cache_dir="$logs/pytest-cache" --last-failed \
     --last-failed-no-failures none
 fi
