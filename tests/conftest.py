@@ -41,8 +41,7 @@ class LazyModule(ModuleType):
     def __getattr__(self, attr: str) -> Any:
         if attr.startswith("_"):  # what collection asks every module-level name (__test__, _pytestfixturefunction)
             raise AttributeError(attr)
-        group = _running.get_closest_marker("xdist_group") if _running is not None else None
-        if _running is not None and (group is None or group.args[:1] != ("sdk",)):
+        if _running is not None and SDK.mark not in _running.iter_markers("xdist_group"):
             raise RuntimeError(f"{_running.nodeid} reads the {self.__name__} SDK: mark it @SDK (tests/conftest.py)")
         return getattr(importlib.import_module(self.__name__), attr)
 
